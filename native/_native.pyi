@@ -1,0 +1,189 @@
+"""Typed surface of the compiled core (native/src/bindings.cpp). Python never sees a raw pointer.
+
+Use it through the `native` facade (native/__init__.py), which imports `llama_cpp` first so that
+exactly one libllama is loaded in the process.
+"""
+
+from typing import Literal
+
+STATE_SEQ_VERSION: int
+"""LLAMA_STATE_SEQ_VERSION of the linked llama.cpp (3 for llama-cpp-python 0.3.36)."""
+LLAMA_BUILD: str
+"""Identifier of the linked llama.cpp build, recorded in slot files."""
+ENGINE_VERSION: str
+
+class ModelInfo:
+    path: str
+    arch: str
+    description: str
+    n_vocab: int
+    n_ctx_train: int
+    n_embd: int
+    n_layer: int
+    n_params: int
+    size_bytes: int
+    recurrent: bool
+    hybrid: bool
+    n_swa: int
+    """Sliding-window size (0 = no SWA layers)."""
+    chat_template: str
+    """The GGUF's tokenizer.chat_template ('' when absent)."""
+    bos: int
+    eos: int
+    eot: int
+    """-1 when the vocabulary has none."""
+    add_bos: bool
+    fingerprint: str
+    """Hex SHA-256 of the GGUF header, KV data and tensor table, the first MiB of tensor data and the file size."""
+    meta: dict[str, str]
+
+class EngineConfig:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        n_slots: int = 1,
+        n_ctx: int = 4096,
+        n_batch: int = 512,
+        n_ubatch: int = 512,
+        n_threads: int = 0,
+        n_gpu_layers: int = 0,
+        checkpoint_interval: int = 2048,
+        checkpoint_min_step: int = 64,
+        max_checkpoints: int = 32,
+        max_checkpoint_bytes: int = 1 << 30,
+        max_slot_file_bytes: int = 0,
+        swa_full: bool = False,
+        flash_attn: bool = False,
+    ) -> None: ...
+    model_path: str
+    n_slots: int
+    n_ctx: int
+    """Total KV cells (one unified stream); every slot may use n_ctx // n_slots of them."""
+    n_batch: int
+    n_ubatch: int
+    n_threads: int
+    """0 = all hardware threads."""
+    n_gpu_layers: int
+    checkpoint_interval: int
+    """Checkpoint every this many prompt tokens inside long prompts (0 = off)."""
+    checkpoint_min_step: int
+    """Hinted/interval checkpoints closer than this to another planned one are skipped."""
+    max_checkpoints: int
+    """Per slot. 0 disables checkpoints (hybrid/recurrent reuse then needs the exact end)."""
+    max_checkpoint_bytes: int
+    """Per slot, the sum of checkpoint state blobs and their logits."""
+    max_slot_file_bytes: int
+    """Refuse to restore larger slot files (0 = no limit beyond the bounds checks)."""
+    swa_full: bool
+    flash_attn: bool
+
+class RequestParams:
+    def __init__(self, prompt: list[int] = ...) -> None: ...
+    prompt: list[int]
+    n_predict: int
+    """-1 = until a stop condition or the slot's context is full; 0 = prompt processing only."""
+    temperature: float
+    """<= 0 is greedy."""
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    """-1 = random."""
+    repeat_penalty: float
+    repeat_last_n: int
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: dict[int, float]
+    stop_tokens: list[int]
+    ignore_eos: bool
+    grammar: str
+    """GBNF; '' = none. An invalid grammar is refused at submit."""
+    checkpoint_hints: list[int]
+    """Token counts after which the state is worth a checkpoint (message boundaries)."""
+    cache_prompt: bool
+    """False: ignore the slot's cached tokens and evaluate the whole prompt."""
+
+class Timings:
+    prompt_n: int
+    """Prompt tokens evaluated."""
+    cache_n: int
+    """Prompt tokens reused without evaluation."""
+    predicted_n: int
+    prompt_ms: float
+    predicted_ms: float
+    reuse: Literal["none", "live", "checkpoint", "logits"]
+    """How the reused prefix was served: the slot's memory as it was, a checkpoint rollback, or
+    (identical prompt) the stored logits with nothing evaluated."""
+    restored: bool
+    """The slot's state came from a slot file restored since it last served a request."""
+    checkpoints_created: int
+
+class Event:
+    request_id: int
+    kind: Literal["token", "done", "error"]
+    token: int
+    piece: bytes
+    """UTF-8 bytes of the token (may be a partial character)."""
+    stop_reason: Literal["", "eos", "stop_token", "length", "context", "cancelled"]
+    timings: Timings
+    message: str
+    slot: int
+
+class SlotFileInfo:
+    path: str
+    n_tokens: int
+    n_bytes: int
+    """Equal to the file's size on disk."""
+    n_checkpoints: int
+    ms: float
+
+class SlotInfo:
+    id: int
+    busy: bool
+    request_id: int
+    """-1 when idle."""
+    queued: int
+    n_tokens: int
+    n_checkpoints: int
+    checkpoint_bytes: int
+    restored: bool
+    last_used: float
+    """Monotonic seconds of the last request finish (0 = never)."""
+
+class Engine:
+    """One model, N slots on one llama_context (kv_unified), decode loop on its own thread."""
+
+    def __init__(self, config: EngineConfig) -> None: ...
+    @property
+    def model(self) -> ModelInfo: ...
+    @property
+    def config(self) -> EngineConfig: ...
+    @property
+    def n_ctx_slot(self) -> int: ...
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
+    def detokenize(self, tokens: list[int], remove_special: bool = False, unparse_special: bool = True) -> str: ...
+    def token_piece(self, token: int, special: bool = True) -> bytes: ...
+    def submit(self, slot: int, params: RequestParams) -> int:
+        """Queue a request on `slot` (-1: the idle slot with the longest common prefix, else the
+        least recently used). Requests for a busy slot wait in that slot's FIFO. Returns the id."""
+    def cancel(self, request_id: int) -> bool: ...
+    def poll(self) -> list[Event]:
+        """Events ready now (never blocks)."""
+    def wait(self, timeout_s: float) -> list[Event]:
+        """Events, blocking up to timeout_s for the first (GIL released)."""
+    def event_fd(self) -> int:
+        """An eventfd that becomes readable when events are ready; poll() drains it."""
+    def save_slot(self, slot: int, path: str) -> SlotFileInfo: ...
+    def restore_slot(self, slot: int, path: str) -> SlotFileInfo: ...
+    def erase_slot(self, slot: int) -> int: ...
+    def slots(self) -> list[SlotInfo]: ...
+    def slot_tokens(self, slot: int) -> list[int]: ...
+    def metrics(self) -> dict[str, int]: ...
+    def close(self) -> None:
+        """Stop the loop (pending requests end with an error event) and free the context."""
+
+def read_fingerprint(model_path: str) -> str:
+    """The model fingerprint computed from the GGUF file alone (no load)."""
+
+def crc32(data: bytes, value: int = 0) -> int: ...
