@@ -1,0 +1,1 @@
+"""Engine processes, their supervisor and the node agent."""

@@ -1,0 +1,1 @@
+"""OpenAI-compatible multi-tenant gateway and the `slotkeeper` command line."""

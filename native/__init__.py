@@ -1,0 +1,55 @@
+"""Slotkeeper's native core: llama.cpp slots that persist and resume hybrid sessions exactly.
+
+`import llama_cpp` comes first on purpose: it loads site-packages/llama_cpp/lib/libllama.so, and the
+extension (RUNPATH $ORIGIN/../llama_cpp/lib) then resolves to that same copy, so exactly one
+libllama (one ggml backend registry) lives in the process, wherever the extension file lands.
+"""
+
+import llama_cpp  # noqa: F401  (see above)
+
+from ._native import (
+    ENGINE_VERSION,
+    LLAMA_BUILD,
+    STATE_SEQ_VERSION,
+    EngineConfig,
+    Event,
+    ModelInfo,
+    RequestParams,
+    SlotFileInfo,
+    SlotInfo,
+    Timings,
+    crc32,
+    read_fingerprint,
+)
+from .engine import Completion, Engine
+from .errors import (
+    EngineClosedError,
+    InvalidRequestError,
+    ModelLoadError,
+    NativeError,
+    SlotBusyError,
+    SlotFileError,
+)
+
+__all__ = [
+    "ENGINE_VERSION",
+    "LLAMA_BUILD",
+    "STATE_SEQ_VERSION",
+    "Completion",
+    "Engine",
+    "EngineClosedError",
+    "EngineConfig",
+    "Event",
+    "InvalidRequestError",
+    "ModelInfo",
+    "ModelLoadError",
+    "NativeError",
+    "RequestParams",
+    "SlotBusyError",
+    "SlotFileError",
+    "SlotFileInfo",
+    "SlotInfo",
+    "Timings",
+    "crc32",
+    "read_fingerprint",
+]

@@ -1,0 +1,226 @@
+// The Python surface of the native core (typed in native/_native.pyi). Every call that waits for the
+// loop thread, touches files or loads a model releases the GIL: they take from microseconds (a
+// loop step in flight) to seconds (model load, multi-GB slot files).
+#include "engine.h"
+#include "errors.h"
+#include "hash.h"
+#include "model.h"
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdio>
+
+namespace py = pybind11;
+using namespace sk;
+
+namespace {
+
+// llama.cpp logs everything to stderr by default; keep warnings and errors only.
+void quiet_log(ggml_log_level level, const char * text, void *) {
+    if (level == GGML_LOG_LEVEL_WARN || level == GGML_LOG_LEVEL_ERROR) std::fputs(text, stderr);
+}
+
+[[noreturn]] void raise_py(const char * cls, py::object instance) {
+    (void)cls;
+    PyErr_SetObject(reinterpret_cast<PyObject *>(Py_TYPE(instance.ptr())), instance.ptr());
+    throw py::error_already_set();
+}
+
+py::object error_class(const char * name) { return py::module_::import("native.errors").attr(name); }
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+    m.doc() = "Slotkeeper's native core over libllama (see native/_native.pyi)";
+    llama_log_set(quiet_log, nullptr);
+    llama_backend_init();
+
+    m.attr("STATE_SEQ_VERSION") = LLAMA_STATE_SEQ_VERSION;
+    m.attr("LLAMA_BUILD") = SK_LLAMA_BUILD;
+    m.attr("ENGINE_VERSION") = SK_ENGINE_VERSION;
+
+    py::register_exception_translator([](std::exception_ptr p) {
+        try {
+            if (p) std::rethrow_exception(p);
+        } catch (const SlotFileError & e) {
+            raise_py("SlotFileError", error_class("SlotFileError")(e.kind, e.what()));
+        } catch (const SlotBusyError & e) {
+            raise_py("SlotBusyError", error_class("SlotBusyError")(e.what()));
+        } catch (const InvalidRequestError & e) {
+            raise_py("InvalidRequestError", error_class("InvalidRequestError")(e.what()));
+        } catch (const EngineClosedError & e) {
+            raise_py("EngineClosedError", error_class("EngineClosedError")(e.what()));
+        } catch (const ModelLoadError & e) {
+            raise_py("ModelLoadError", error_class("ModelLoadError")(e.what()));
+        } catch (const NativeError & e) {
+            raise_py("NativeError", error_class("NativeError")(e.what()));
+        }
+    });
+
+    py::class_<ModelInfo>(m, "ModelInfo")
+        .def_readonly("path", &ModelInfo::path)
+        .def_readonly("arch", &ModelInfo::arch)
+        .def_readonly("description", &ModelInfo::description)
+        .def_readonly("n_vocab", &ModelInfo::n_vocab)
+        .def_readonly("n_ctx_train", &ModelInfo::n_ctx_train)
+        .def_readonly("n_embd", &ModelInfo::n_embd)
+        .def_readonly("n_layer", &ModelInfo::n_layer)
+        .def_readonly("n_params", &ModelInfo::n_params)
+        .def_readonly("size_bytes", &ModelInfo::size_bytes)
+        .def_readonly("recurrent", &ModelInfo::recurrent)
+        .def_readonly("hybrid", &ModelInfo::hybrid)
+        .def_readonly("n_swa", &ModelInfo::n_swa)
+        .def_readonly("chat_template", &ModelInfo::chat_template)
+        .def_readonly("bos", &ModelInfo::bos)
+        .def_readonly("eos", &ModelInfo::eos)
+        .def_readonly("eot", &ModelInfo::eot)
+        .def_readonly("add_bos", &ModelInfo::add_bos)
+        .def_readonly("fingerprint", &ModelInfo::fingerprint)
+        .def_readonly("meta", &ModelInfo::meta);
+
+    py::class_<EngineConfig>(m, "EngineConfig")
+        .def(py::init([](std::string model_path, int n_slots, int n_ctx, int n_batch, int n_ubatch, int n_threads,
+                         int n_gpu_layers, int checkpoint_interval, int checkpoint_min_step, int max_checkpoints,
+                         uint64_t max_checkpoint_bytes, uint64_t max_slot_file_bytes, bool swa_full, bool flash_attn) {
+                 EngineConfig c;
+                 c.model_path = std::move(model_path);
+                 c.n_slots = n_slots;
+                 c.n_ctx = n_ctx;
+                 c.n_batch = n_batch;
+                 c.n_ubatch = n_ubatch;
+                 c.n_threads = n_threads;
+                 c.n_gpu_layers = n_gpu_layers;
+                 c.checkpoint_interval = checkpoint_interval;
+                 c.checkpoint_min_step = checkpoint_min_step;
+                 c.max_checkpoints = max_checkpoints;
+                 c.max_checkpoint_bytes = max_checkpoint_bytes;
+                 c.max_slot_file_bytes = max_slot_file_bytes;
+                 c.swa_full = swa_full;
+                 c.flash_attn = flash_attn;
+                 return c;
+             }),
+             py::arg("model_path"), py::kw_only(), py::arg("n_slots") = 1, py::arg("n_ctx") = 4096,
+             py::arg("n_batch") = 512, py::arg("n_ubatch") = 512, py::arg("n_threads") = 0,
+             py::arg("n_gpu_layers") = 0, py::arg("checkpoint_interval") = 2048,
+             py::arg("checkpoint_min_step") = 64, py::arg("max_checkpoints") = 32,
+             py::arg("max_checkpoint_bytes") = uint64_t(1) << 30, py::arg("max_slot_file_bytes") = 0,
+             py::arg("swa_full") = false, py::arg("flash_attn") = false)
+        .def_readwrite("model_path", &EngineConfig::model_path)
+        .def_readwrite("n_slots", &EngineConfig::n_slots)
+        .def_readwrite("n_ctx", &EngineConfig::n_ctx)
+        .def_readwrite("n_batch", &EngineConfig::n_batch)
+        .def_readwrite("n_ubatch", &EngineConfig::n_ubatch)
+        .def_readwrite("n_threads", &EngineConfig::n_threads)
+        .def_readwrite("n_gpu_layers", &EngineConfig::n_gpu_layers)
+        .def_readwrite("checkpoint_interval", &EngineConfig::checkpoint_interval)
+        .def_readwrite("checkpoint_min_step", &EngineConfig::checkpoint_min_step)
+        .def_readwrite("max_checkpoints", &EngineConfig::max_checkpoints)
+        .def_readwrite("max_checkpoint_bytes", &EngineConfig::max_checkpoint_bytes)
+        .def_readwrite("max_slot_file_bytes", &EngineConfig::max_slot_file_bytes)
+        .def_readwrite("swa_full", &EngineConfig::swa_full)
+        .def_readwrite("flash_attn", &EngineConfig::flash_attn);
+
+    py::class_<RequestParams>(m, "RequestParams")
+        .def(py::init([](std::vector<llama_token> prompt) {
+                 RequestParams p;
+                 p.prompt = std::move(prompt);
+                 return p;
+             }),
+             py::arg("prompt") = std::vector<llama_token>{})
+        .def_readwrite("prompt", &RequestParams::prompt)
+        .def_readwrite("n_predict", &RequestParams::n_predict)
+        .def_readwrite("temperature", &RequestParams::temperature)
+        .def_readwrite("top_k", &RequestParams::top_k)
+        .def_readwrite("top_p", &RequestParams::top_p)
+        .def_readwrite("min_p", &RequestParams::min_p)
+        .def_readwrite("seed", &RequestParams::seed)
+        .def_readwrite("repeat_penalty", &RequestParams::repeat_penalty)
+        .def_readwrite("repeat_last_n", &RequestParams::repeat_last_n)
+        .def_readwrite("presence_penalty", &RequestParams::presence_penalty)
+        .def_readwrite("frequency_penalty", &RequestParams::frequency_penalty)
+        .def_readwrite("logit_bias", &RequestParams::logit_bias)
+        .def_readwrite("stop_tokens", &RequestParams::stop_tokens)
+        .def_readwrite("ignore_eos", &RequestParams::ignore_eos)
+        .def_readwrite("grammar", &RequestParams::grammar)
+        .def_readwrite("checkpoint_hints", &RequestParams::checkpoint_hints)
+        .def_readwrite("cache_prompt", &RequestParams::cache_prompt);
+
+    py::class_<Timings>(m, "Timings")
+        .def_readonly("prompt_n", &Timings::prompt_n)
+        .def_readonly("cache_n", &Timings::cache_n)
+        .def_readonly("predicted_n", &Timings::predicted_n)
+        .def_readonly("prompt_ms", &Timings::prompt_ms)
+        .def_readonly("predicted_ms", &Timings::predicted_ms)
+        .def_readonly("reuse", &Timings::reuse)
+        .def_readonly("restored", &Timings::restored)
+        .def_readonly("checkpoints_created", &Timings::checkpoints_created)
+        .def("__repr__", [](const Timings & t) {
+            return "Timings(prompt_n=" + std::to_string(t.prompt_n) + ", cache_n=" + std::to_string(t.cache_n) +
+                   ", predicted_n=" + std::to_string(t.predicted_n) + ", reuse='" + t.reuse +
+                   "', restored=" + (t.restored ? "True" : "False") + ")";
+        });
+
+    py::class_<Event>(m, "Event")
+        .def_readonly("request_id", &Event::request_id)
+        .def_readonly("kind", &Event::kind)
+        .def_readonly("token", &Event::token)
+        .def_property_readonly("piece", [](const Event & e) { return py::bytes(e.piece); })
+        .def_readonly("stop_reason", &Event::stop_reason)
+        .def_readonly("timings", &Event::timings)
+        .def_readonly("message", &Event::message)
+        .def_readonly("slot", &Event::slot)
+        .def("__repr__", [](const Event & e) {
+            return "Event(request_id=" + std::to_string(e.request_id) + ", kind='" + e.kind + "', token=" +
+                   std::to_string(e.token) + ", stop_reason='" + e.stop_reason + "')";
+        });
+
+    py::class_<SlotFileInfo>(m, "SlotFileInfo")
+        .def_readonly("path", &SlotFileInfo::path)
+        .def_readonly("n_tokens", &SlotFileInfo::n_tokens)
+        .def_readonly("n_bytes", &SlotFileInfo::n_bytes)
+        .def_readonly("n_checkpoints", &SlotFileInfo::n_checkpoints)
+        .def_readonly("ms", &SlotFileInfo::ms);
+
+    py::class_<SlotInfo>(m, "SlotInfo")
+        .def_readonly("id", &SlotInfo::id)
+        .def_readonly("busy", &SlotInfo::busy)
+        .def_readonly("request_id", &SlotInfo::request_id)
+        .def_readonly("queued", &SlotInfo::queued)
+        .def_readonly("n_tokens", &SlotInfo::n_tokens)
+        .def_readonly("n_checkpoints", &SlotInfo::n_checkpoints)
+        .def_readonly("checkpoint_bytes", &SlotInfo::checkpoint_bytes)
+        .def_readonly("restored", &SlotInfo::restored)
+        .def_readonly("last_used", &SlotInfo::last_used);
+
+    using rel = py::call_guard<py::gil_scoped_release>;
+    py::class_<Engine>(m, "Engine")
+        .def(py::init<const EngineConfig &>(), py::arg("config"), rel())
+        .def_property_readonly("model", &Engine::model, py::return_value_policy::reference_internal)
+        .def_property_readonly("config", &Engine::config, py::return_value_policy::reference_internal)
+        .def_property_readonly("n_ctx_slot", &Engine::n_ctx_slot)
+        .def("tokenize", &Engine::tokenize, py::arg("text"), py::arg("add_special") = true,
+             py::arg("parse_special") = true)
+        .def("detokenize", &Engine::detokenize, py::arg("tokens"), py::arg("remove_special") = false,
+             py::arg("unparse_special") = true)
+        .def("token_piece", [](const Engine & e, llama_token t, bool special) { return py::bytes(e.token_piece(t, special)); },
+             py::arg("token"), py::arg("special") = true)
+        .def("submit", &Engine::submit, py::arg("slot"), py::arg("params"))
+        .def("cancel", &Engine::cancel, py::arg("request_id"), rel())
+        .def("poll", &Engine::poll)
+        .def("wait", &Engine::wait, py::arg("timeout_s"), rel())
+        .def("event_fd", &Engine::event_fd)
+        .def("save_slot", &Engine::save_slot, py::arg("slot"), py::arg("path"), rel())
+        .def("restore_slot", &Engine::restore_slot, py::arg("slot"), py::arg("path"), rel())
+        .def("erase_slot", &Engine::erase_slot, py::arg("slot"), rel())
+        .def("slots", &Engine::slots, rel())
+        .def("slot_tokens", &Engine::slot_tokens, py::arg("slot"), rel())
+        .def("metrics", &Engine::metrics, rel())
+        .def("close", &Engine::close, rel());
+
+    m.def("read_fingerprint", &model_fingerprint, py::arg("model_path"), rel());
+    m.def("crc32", [](py::bytes data, uint32_t value) {
+        std::string_view v = data;
+        return crc32_update(value, v.data(), v.size());
+    }, py::arg("data"), py::arg("value") = 0);
+}

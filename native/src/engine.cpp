@@ -1,0 +1,743 @@
+#include "engine.h"
+
+#include "errors.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <future>
+#include <random>
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+namespace sk {
+
+namespace {
+
+double now_s() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+double ms_since(double t0) { return (now_s() - t0) * 1000.0; }
+
+}  // namespace
+
+struct Engine::Active {
+    int64_t id = 0;
+    RequestParams params;
+    std::unique_ptr<Sampler> sampler;
+    bool generating = false;
+    size_t cursor = 0;                      // next prompt index to evaluate
+    std::vector<PlannedCheckpoint> plan;    // checkpoints still to capture, ascending
+    size_t chunk_end = 0;                   // prompt index the chunk in flight ends at
+    llama_token pending = -1;               // sampled, not yet evaluated
+    int batch_index = -1;                   // batch row whose logits are ours
+    int n_sampled = 0;
+    Timings timings;
+    double t_start = 0.0;
+    double t_prompt_done = 0.0;
+};
+
+struct Engine::Slot {
+    int id = 0;
+    std::vector<llama_token> tokens;        // evaluated tokens (positions 0..n-1)
+    std::vector<float> last_logits;         // logits after tokens.back(); empty = unknown
+    std::vector<Checkpoint> checkpoints;    // ascending n_tokens
+    bool restored = false;                  // state came from a file and has not served yet
+    double last_used = 0.0;
+    std::unique_ptr<Active> active;
+};
+
+struct Engine::Queued {
+    int64_t id = 0;
+    int slot = -1;
+    RequestParams params;
+    std::unique_ptr<Sampler> sampler;
+};
+
+Engine::Engine(const EngineConfig & cfg) : cfg_(cfg), model_(cfg.model_path, cfg.n_gpu_layers) {
+    if (cfg_.n_slots < 1 || cfg_.n_slots > 256) throw InvalidRequestError("n_slots must be within 1..256");
+    if (cfg_.n_ctx < 16 * cfg_.n_slots) throw InvalidRequestError("n_ctx must give every slot at least 16 tokens");
+    if (cfg_.n_batch < 1 || cfg_.n_ubatch < 1) throw InvalidRequestError("n_batch and n_ubatch must be positive");
+    if (cfg_.max_checkpoints < 0) throw InvalidRequestError("max_checkpoints must be >= 0");
+
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = uint32_t(cfg_.n_ctx);
+    cp.n_batch = uint32_t(cfg_.n_batch);
+    cp.n_ubatch = uint32_t(std::min(cfg_.n_ubatch, cfg_.n_batch));
+    cp.n_seq_max = uint32_t(cfg_.n_slots);
+    const int hw = int(std::max(1u, std::thread::hardware_concurrency()));
+    cp.n_threads = cfg_.n_threads > 0 ? cfg_.n_threads : hw;
+    cp.n_threads_batch = cp.n_threads;
+    // One KV stream: a slot file then restores into any engine of this model and context shape,
+    // whatever its slot count (a per-sequence stream layout is baked into the saved state).
+    cp.kv_unified = true;
+    cp.swa_full = cfg_.swa_full;
+    cp.flash_attn_type = cfg_.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    cp.no_perf = true;
+    ctx_.reset(llama_init_from_model(model_.get(), cp));
+    if (!ctx_) throw ModelLoadError("llama.cpp could not create a context (n_ctx=" + std::to_string(cfg_.n_ctx) + ")");
+
+    n_ctx_slot_ = int(llama_n_ctx(ctx_.get())) / cfg_.n_slots;
+    n_vocab_ = model().n_vocab;
+    slots_.resize(size_t(cfg_.n_slots));
+    for (int i = 0; i < cfg_.n_slots; i++) slots_[size_t(i)].id = i;
+    batch_ = llama_batch_init(std::max(cfg_.n_batch, cfg_.n_slots), 0, 1);
+
+    event_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (event_fd_ < 0) throw NativeError("eventfd failed");
+    thread_ = std::thread([this] { loop(); });
+}
+
+Engine::~Engine() {
+    close();
+    llama_batch_free(batch_);
+    if (event_fd_ >= 0) ::close(event_fd_);
+}
+
+void Engine::close() {
+    {
+        std::lock_guard<std::mutex> lk(cmd_mu_);
+        if (closing_) {
+            // already closing or closed; fall through to join
+        }
+        closing_ = true;
+    }
+    cmd_cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+    closed_ = true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Any thread
+
+void Engine::check_slot_id(int slot) const {
+    if (slot < 0 || slot >= cfg_.n_slots) {
+        throw InvalidRequestError("slot " + std::to_string(slot) + " does not exist (this engine has slots 0.." +
+                                  std::to_string(cfg_.n_slots - 1) + ")");
+    }
+}
+
+std::vector<llama_token> Engine::tokenize(const std::string & text, bool add_special, bool parse_special) const {
+    const llama_vocab * v = model_.vocab();
+    int n = -llama_tokenize(v, text.data(), int32_t(text.size()), nullptr, 0, add_special, parse_special);
+    if (n < 0) n = -n;  // an empty text returns 0
+    std::vector<llama_token> out(size_t(n) + 1);
+    const int got = llama_tokenize(v, text.data(), int32_t(text.size()), out.data(), int32_t(out.size()), add_special,
+                                   parse_special);
+    if (got < 0) throw NativeError("tokenization failed");
+    out.resize(size_t(got));
+    return out;
+}
+
+std::string Engine::token_piece(llama_token t, bool special) const {
+    if (t < 0 || t >= n_vocab_) throw InvalidRequestError("token " + std::to_string(t) + " is outside the vocabulary");
+    char buf[256];
+    const int n = llama_token_to_piece(model_.vocab(), t, buf, sizeof(buf), 0, special);
+    if (n >= 0) return std::string(buf, size_t(n));
+    std::string big(size_t(-n), '\0');
+    llama_token_to_piece(model_.vocab(), t, big.data(), int32_t(big.size()), 0, special);
+    return big;
+}
+
+std::string Engine::detokenize(const std::vector<llama_token> & tokens, bool remove_special, bool unparse_special) const {
+    for (llama_token t : tokens) {
+        if (t < 0 || t >= n_vocab_) throw InvalidRequestError("token " + std::to_string(t) + " is outside the vocabulary");
+    }
+    std::string out(tokens.size() * 8 + 16, '\0');
+    int n = llama_detokenize(model_.vocab(), tokens.data(), int32_t(tokens.size()), out.data(), int32_t(out.size()),
+                             remove_special, unparse_special);
+    if (n < 0) {
+        out.resize(size_t(-n));
+        n = llama_detokenize(model_.vocab(), tokens.data(), int32_t(tokens.size()), out.data(), int32_t(out.size()),
+                             remove_special, unparse_special);
+    }
+    out.resize(size_t(std::max(n, 0)));
+    return out;
+}
+
+void Engine::push_event(Event && e) {
+    {
+        std::lock_guard<std::mutex> lk(ev_mu_);
+        events_.push_back(std::move(e));
+    }
+    ev_cv_.notify_all();
+    const uint64_t one = 1;
+    [[maybe_unused]] ssize_t w = ::write(event_fd_, &one, sizeof(one));
+}
+
+std::vector<Event> Engine::poll() {
+    uint64_t drained;
+    [[maybe_unused]] ssize_t r = ::read(event_fd_, &drained, sizeof(drained));
+    std::lock_guard<std::mutex> lk(ev_mu_);
+    std::vector<Event> out;
+    out.swap(events_);
+    return out;
+}
+
+std::vector<Event> Engine::wait(double timeout_s) {
+    {
+        std::unique_lock<std::mutex> lk(ev_mu_);
+        ev_cv_.wait_for(lk, std::chrono::duration<double>(std::max(0.0, timeout_s)), [this] { return !events_.empty(); });
+    }
+    return poll();
+}
+
+void Engine::bump(const std::string & name, int64_t by) {
+    std::lock_guard<std::mutex> lk(metrics_mu_);
+    metrics_[name] += by;
+}
+
+std::map<std::string, int64_t> Engine::metrics() {
+    std::lock_guard<std::mutex> lk(metrics_mu_);
+    return metrics_;
+}
+
+void Engine::post(std::function<void()> fn) {
+    {
+        std::lock_guard<std::mutex> lk(cmd_mu_);
+        if (closing_) throw EngineClosedError("the engine is closed");
+        commands_.push_back(std::move(fn));
+    }
+    cmd_cv_.notify_all();
+}
+
+template <typename R> R Engine::call(std::function<R()> fn) {
+    auto task = std::make_shared<std::packaged_task<R()>>(std::move(fn));
+    std::future<R> fut = task->get_future();
+    post([task] { (*task)(); });
+    return fut.get();  // rethrows what fn threw
+}
+
+int64_t Engine::submit(int slot, RequestParams params) {
+    if (slot != -1) check_slot_id(slot);
+    const int L = int(params.prompt.size());
+    if (L == 0) throw InvalidRequestError("the prompt is empty");
+    if (L >= n_ctx_slot_) {
+        throw InvalidRequestError("the prompt has " + std::to_string(L) + " tokens, the slot's context holds " +
+                                  std::to_string(n_ctx_slot_) + " (prompt must be shorter than the context)");
+    }
+    for (llama_token t : params.prompt) {
+        if (t < 0 || t >= n_vocab_) throw InvalidRequestError("prompt token " + std::to_string(t) + " is outside the vocabulary");
+    }
+    for (llama_token t : params.stop_tokens) {
+        if (t < 0 || t >= n_vocab_) throw InvalidRequestError("stop token " + std::to_string(t) + " is outside the vocabulary");
+    }
+    static std::atomic<uint32_t> seed_counter{uint32_t(std::random_device{}())};
+    Queued q;
+    q.sampler = std::make_unique<Sampler>(model_.vocab(), params, seed_counter.fetch_add(0x9E3779B9u));
+    q.id = next_request_id_++;
+    q.slot = slot;
+    q.params = std::move(params);
+    const int64_t id = q.id;
+    auto holder = std::make_shared<Queued>(std::move(q));
+    post([this, holder] { queued_.push_back(std::move(*holder)); });
+    return id;
+}
+
+bool Engine::cancel(int64_t request_id) {
+    return call<bool>([this, request_id] {
+        for (auto it = queued_.begin(); it != queued_.end(); ++it) {
+            if (it->id == request_id) {
+                Event e;
+                e.request_id = request_id;
+                e.kind = "done";
+                e.stop_reason = "cancelled";
+                e.slot = it->slot;
+                queued_.erase(it);
+                push_event(std::move(e));
+                return true;
+            }
+        }
+        for (auto & s : slots_) {
+            if (s.active && s.active->id == request_id) {
+                finish(s, "cancelled");
+                return true;
+            }
+        }
+        return false;
+    });
+}
+
+SlotFileInfo Engine::save_slot(int slot, const std::string & path) {
+    check_slot_id(slot);
+    const double t0 = now_s();
+    // Copy the state on the loop thread (memory speed), write the file on this thread.
+    struct Snapshot {
+        std::vector<llama_token> tokens;
+        std::vector<uint8_t> state;
+        std::vector<float> logits;
+        std::vector<Checkpoint> checkpoints;
+    };
+    Snapshot snap = call<Snapshot>([this, slot] {
+        Slot & s = slots_[size_t(slot)];
+        if (s.active) throw SlotBusyError("slot " + std::to_string(slot) + " is processing a request");
+        Snapshot out;
+        out.tokens = s.tokens;
+        const size_t size = llama_state_seq_get_size(ctx_.get(), slot);
+        out.state.resize(size);
+        if (size < 8 || llama_state_seq_get_data(ctx_.get(), out.state.data(), size, slot) != size) {
+            throw NativeError("llama.cpp could not copy the state of slot " + std::to_string(slot));
+        }
+        out.logits = s.last_logits;
+        out.checkpoints = s.checkpoints;
+        return out;
+    });
+    SlotFileMeta meta;
+    const ModelInfo & mi = model();
+    meta.fingerprint = mi.fingerprint;
+    meta.arch = mi.arch;
+    meta.n_vocab = mi.n_vocab;
+    meta.n_embd = mi.n_embd;
+    meta.n_layer = mi.n_layer;
+    meta.recurrent = mi.recurrent;
+    meta.hybrid = mi.hybrid;
+    meta.n_swa = mi.n_swa;
+    meta.n_ctx = int(llama_n_ctx(ctx_.get()));
+    meta.n_slots = cfg_.n_slots;
+    meta.n_ctx_slot = n_ctx_slot_;
+    meta.swa_full = cfg_.swa_full;
+    meta.source_slot = slot;
+    SlotFileInfo info;
+    info.path = path;
+    info.n_tokens = int(snap.tokens.size());
+    info.n_checkpoints = int(snap.checkpoints.size());
+    info.n_bytes = write_slot_file(path, meta, snap.tokens, snap.state, snap.logits, snap.checkpoints);
+    info.ms = ms_since(t0);
+    bump("slot_saves");
+    bump("slot_save_bytes", int64_t(info.n_bytes));
+    return info;
+}
+
+SlotFileInfo Engine::restore_slot(int slot, const std::string & path) {
+    check_slot_id(slot);
+    const double t0 = now_s();
+    // Read and validate on this thread; only the state load runs on the loop.
+    ReadLimits lim;
+    lim.fingerprint = model().fingerprint;
+    lim.n_vocab = n_vocab_;
+    lim.n_ctx_slot = n_ctx_slot_ - 1;
+    lim.max_file_bytes = cfg_.max_slot_file_bytes;
+    lim.max_checkpoints = size_t(cfg_.max_checkpoints);
+    std::shared_ptr<SlotImage> img;
+    try {
+        img = std::make_shared<SlotImage>(read_slot_file(path, lim));
+    } catch (const SlotFileError &) {
+        bump("slot_restore_errors");
+        throw;
+    }
+    const bool recurrent = model().needs_checkpoints_to_trim();
+    for (const auto & c : img->checkpoints) {
+        if (recurrent && c.state.empty()) {
+            bump("slot_restore_errors");
+            throw SlotFileError("bad_layout", "a checkpoint of a recurrent/hybrid model holds no state");
+        }
+    }
+    SlotFileInfo info = call<SlotFileInfo>([this, slot, img, path] {
+        Slot & s = slots_[size_t(slot)];
+        if (s.active) throw SlotBusyError("slot " + std::to_string(slot) + " is processing a request");
+        clear_slot_memory(s);
+        if (!img->tokens.empty()) {
+            const size_t n = llama_state_seq_set_data(ctx_.get(), img->state_data(), img->state_size, slot);
+            const llama_pos pos_max = llama_memory_seq_pos_max(llama_get_memory(ctx_.get()), slot);
+            if (n != img->state_size || pos_max != llama_pos(img->tokens.size()) - 1) {
+                clear_slot_memory(s);
+                throw SlotFileError("shape_mismatch", "llama.cpp refused the saved sequence state (another context "
+                                                      "shape, KV type or memory layout); the slot was left empty");
+            }
+        }
+        s.tokens = img->tokens;
+        s.last_logits = std::move(img->last_logits);
+        s.checkpoints = std::move(img->checkpoints);
+        s.restored = true;
+        enforce_checkpoint_budget(s);
+        SlotFileInfo out;
+        out.path = path;
+        out.n_tokens = int(s.tokens.size());
+        out.n_bytes = img->file_size;
+        out.n_checkpoints = int(s.checkpoints.size());
+        return out;
+    });
+    info.ms = ms_since(t0);
+    bump("slot_restores");
+    bump("slot_restore_bytes", int64_t(info.n_bytes));
+    return info;
+}
+
+int Engine::erase_slot(int slot) {
+    check_slot_id(slot);
+    return call<int>([this, slot] {
+        Slot & s = slots_[size_t(slot)];
+        if (s.active) throw SlotBusyError("slot " + std::to_string(slot) + " is processing a request");
+        const int n = int(s.tokens.size());
+        clear_slot_memory(s);
+        return n;
+    });
+}
+
+std::vector<SlotInfo> Engine::slots() {
+    return call<std::vector<SlotInfo>>([this] {
+        std::vector<SlotInfo> out;
+        for (const auto & s : slots_) {
+            SlotInfo i;
+            i.id = s.id;
+            i.busy = bool(s.active);
+            i.request_id = s.active ? s.active->id : -1;
+            for (const auto & q : queued_) i.queued += q.slot == s.id ? 1 : 0;
+            i.n_tokens = int(s.tokens.size());
+            i.n_checkpoints = int(s.checkpoints.size());
+            for (const auto & c : s.checkpoints) i.checkpoint_bytes += c.bytes();
+            i.restored = s.restored;
+            i.last_used = s.last_used;
+            out.push_back(i);
+        }
+        return out;
+    });
+}
+
+std::vector<llama_token> Engine::slot_tokens(int slot) {
+    check_slot_id(slot);
+    return call<std::vector<llama_token>>([this, slot] { return slots_[size_t(slot)].tokens; });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Loop thread
+
+void Engine::loop() {
+    for (;;) {
+        std::deque<std::function<void()>> cmds;
+        {
+            std::unique_lock<std::mutex> lk(cmd_mu_);
+            const bool idle = queued_.empty() &&
+                              std::none_of(slots_.begin(), slots_.end(), [](const Slot & s) { return bool(s.active); });
+            if (idle) cmd_cv_.wait(lk, [this] { return closing_ || !commands_.empty(); });
+            cmds.swap(commands_);
+            if (closing_ && cmds.empty()) break;
+        }
+        for (auto & c : cmds) c();
+        start_queued();
+        step();
+    }
+    // Closing: whatever is queued or running ends with an error event.
+    for (auto & q : queued_) {
+        Event e;
+        e.request_id = q.id;
+        e.kind = "error";
+        e.message = "the engine is shutting down";
+        e.slot = q.slot;
+        push_event(std::move(e));
+    }
+    queued_.clear();
+    for (auto & s : slots_) {
+        if (s.active) fail_slot(s, "the engine is shutting down");
+    }
+}
+
+void Engine::start_queued() {
+    for (auto it = queued_.begin(); it != queued_.end();) {
+        int target = it->slot;
+        if (target < 0) {
+            std::vector<SlotCandidate> cands;
+            for (const auto & s : slots_) {
+                cands.push_back({s.id, !s.active, common_prefix(s.tokens, it->params.prompt), s.last_used});
+            }
+            target = choose_slot(cands);
+        } else if (slots_[size_t(target)].active) {
+            target = -1;
+        }
+        if (target < 0) {
+            ++it;
+            continue;
+        }
+        Queued q = std::move(*it);
+        it = queued_.erase(it);
+        start_request(slots_[size_t(target)], std::move(q));
+    }
+}
+
+MemoryView Engine::memory_view(const Slot & s) const {
+    MemoryView m;
+    m.tokens = s.tokens;
+    m.has_last_logits = !s.last_logits.empty();
+    m.pos_min = llama_memory_seq_pos_min(llama_get_memory(ctx_.get()), s.id);
+    m.recurrent = model().needs_checkpoints_to_trim();
+    m.n_swa = cfg_.swa_full ? 0 : model().n_swa;
+    for (const auto & c : s.checkpoints) m.checkpoints.push_back({c.n_tokens, !c.logits.empty(), !c.state.empty()});
+    return m;
+}
+
+void Engine::clear_slot_memory(Slot & s) {
+    llama_memory_seq_rm(llama_get_memory(ctx_.get()), s.id, -1, -1);
+    s.tokens.clear();
+    s.last_logits.clear();
+    s.checkpoints.clear();
+    s.restored = false;
+}
+
+void Engine::start_request(Slot & s, Queued && q) {
+    auto a = std::make_unique<Active>();
+    a->id = q.id;
+    a->params = std::move(q.params);
+    a->sampler = std::move(q.sampler);
+    a->t_start = now_s();
+    const auto & prompt = a->params.prompt;
+    const int L = int(prompt.size());
+    llama_memory_t mem = llama_get_memory(ctx_.get());
+
+    const bool was_restored = s.restored;
+    const int restored_tokens = was_restored ? int(s.tokens.size()) : 0;
+    ReusePlan plan = plan_reuse(memory_view(s), prompt, a->params.cache_prompt);
+
+    // Carry the plan out; anything llama.cpp refuses falls back to a clean re-prefill.
+    bool ok = true;
+    if (plan.clear) {
+        clear_slot_memory(s);
+    } else {
+        if (plan.checkpoint >= 0 && !s.checkpoints[size_t(plan.checkpoint)].state.empty()) {
+            const auto & c = s.checkpoints[size_t(plan.checkpoint)];
+            ok = llama_state_seq_set_data_ext(ctx_.get(), c.state.data(), c.state.size(), s.id,
+                                              LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) == c.state.size();
+            if (!ok) bump("checkpoint_restore_failures");
+        }
+        if (ok && plan.trim) {
+            ok = llama_memory_seq_rm(mem, s.id, plan.n_keep, -1);
+            if (!ok) bump("trim_failures");
+        }
+        if (ok) {
+            std::vector<float> logits;
+            if (plan.logits_from_slot) logits = s.last_logits;
+            if (plan.logits_from_checkpoint) logits = s.checkpoints[size_t(plan.checkpoint)].logits;
+            s.tokens.resize(size_t(plan.n_keep));
+            auto & ck = s.checkpoints;
+            ck.erase(std::remove_if(ck.begin(), ck.end(),
+                                    [&](const Checkpoint & c) { return c.n_tokens > plan.keep_checkpoints_upto; }),
+                     ck.end());
+            s.last_logits = std::move(logits);
+        } else {
+            clear_slot_memory(s);
+            plan = ReusePlan{};
+        }
+    }
+    if (plan.n_keep == 0) plan.kind = ReuseKind::None;
+    s.restored = false;
+
+    a->timings.cache_n = plan.n_keep;
+    a->timings.reuse = reuse_kind_name(plan.kind);
+    a->timings.restored = was_restored;
+    a->cursor = size_t(plan.n_keep);
+    bump("requests");
+    bump(std::string("prompt_tokens_reused_") + reuse_kind_name(plan.kind), plan.n_keep);
+    if (was_restored) {
+        bump("prompt_tokens_reused_after_restore", plan.n_keep);
+        if (plan.n_keep == 0 && restored_tokens > 0) bump("restores_reprefilled");
+    }
+
+    if (cfg_.max_checkpoints > 0 && plan.n_keep < L) {
+        std::vector<int64_t> existing;
+        for (const auto & c : s.checkpoints) existing.push_back(c.n_tokens);
+        if (model().has_partial_state()) {
+            a->plan = plan_checkpoints(plan.n_keep, L, a->params.checkpoint_hints, cfg_.checkpoint_interval,
+                                       cfg_.checkpoint_min_step, existing);
+        } else {
+            // Attention KV trims to any position; only the prompt end's logits are worth keeping.
+            a->plan = plan_checkpoints(plan.n_keep, L, {}, 0, cfg_.checkpoint_min_step, existing);
+        }
+    }
+    a->sampler->prime(prompt);
+    s.active = std::move(a);
+
+    if (plan.n_keep == L) {  // identical prompt: nothing to evaluate
+        s.active->t_prompt_done = now_s();
+        s.active->timings.prompt_ms = ms_since(s.active->t_start);
+        s.active->generating = true;
+        if (s.active->params.n_predict == 0) {
+            finish(s, "length");
+            return;
+        }
+        after_token(s, s.last_logits.data());
+    }
+}
+
+bool Engine::step() {
+    batch_.n_tokens = 0;
+    auto add = [&](llama_token t, llama_pos pos, llama_seq_id seq, bool logits) {
+        const int i = batch_.n_tokens++;
+        batch_.token[i] = t;
+        batch_.pos[i] = pos;
+        batch_.n_seq_id[i] = 1;
+        batch_.seq_id[i][0] = seq;
+        batch_.logits[i] = logits ? 1 : 0;
+        return i;
+    };
+    int budget = cfg_.n_batch;
+    // Decode tokens first: one per generating slot keeps latency flat while others prefill.
+    for (auto & s : slots_) {
+        if (!s.active || !s.active->generating) continue;
+        s.active->batch_index = add(s.active->pending, llama_pos(s.tokens.size()), s.id, true);
+        budget--;
+    }
+    for (auto & s : slots_) {
+        if (budget <= 0) break;
+        if (!s.active || s.active->generating) continue;
+        Active & a = *s.active;
+        size_t end = std::min(a.params.prompt.size(), a.cursor + size_t(budget));
+        // A chunk ends exactly at the next planned checkpoint so the state can be captured there.
+        for (const auto & c : a.plan) {
+            if (size_t(c.n_tokens) > a.cursor) {
+                end = std::min(end, size_t(c.n_tokens));
+                break;
+            }
+        }
+        for (size_t i = a.cursor; i < end; i++) {
+            a.batch_index = add(a.params.prompt[i], llama_pos(i), s.id, i + 1 == end);
+        }
+        a.chunk_end = end;
+        budget -= int(end - a.cursor);
+    }
+    if (batch_.n_tokens == 0) return false;
+
+    const int rc = llama_decode(ctx_.get(), batch_);
+    if (rc != 0) {
+        bump("decode_errors");
+        for (auto & s : slots_) {
+            if (s.active && s.active->batch_index >= 0) {
+                fail_slot(s, "llama_decode failed with code " + std::to_string(rc));
+            }
+        }
+        return true;
+    }
+    for (auto & s : slots_) {
+        if (!s.active || s.active->batch_index < 0) continue;
+        Active & a = *s.active;
+        const float * logits = llama_get_logits_ith(ctx_.get(), a.batch_index);
+        a.batch_index = -1;
+        if (a.generating) {
+            s.tokens.push_back(a.pending);
+            s.last_logits.assign(logits, logits + n_vocab_);
+            after_token(s, logits);
+            continue;
+        }
+        const auto & prompt = a.params.prompt;
+        s.tokens.insert(s.tokens.end(), prompt.begin() + long(a.cursor), prompt.begin() + long(a.chunk_end));
+        a.timings.prompt_n += int(a.chunk_end - a.cursor);
+        bump("prompt_tokens_evaluated", int64_t(a.chunk_end - a.cursor));
+        a.cursor = a.chunk_end;
+        s.last_logits.assign(logits, logits + n_vocab_);
+        while (!a.plan.empty() && size_t(a.plan.front().n_tokens) <= a.cursor) {
+            if (size_t(a.plan.front().n_tokens) == a.cursor) capture_checkpoint(s, a.plan.front().kind, logits);
+            a.plan.erase(a.plan.begin());
+        }
+        if (a.cursor == prompt.size()) {
+            a.t_prompt_done = now_s();
+            a.timings.prompt_ms = ms_since(a.t_start);
+            a.generating = true;
+            if (a.params.n_predict == 0) {
+                finish(s, "length");
+                continue;
+            }
+            after_token(s, logits);
+        }
+    }
+    return true;
+}
+
+void Engine::after_token(Slot & s, const float * logits) {
+    Active & a = *s.active;
+    llama_token t;
+    try {
+        t = a.sampler->sample(logits);
+    } catch (const std::exception & e) {
+        fail_slot(s, e.what());
+        return;
+    }
+    a.n_sampled++;
+    bump("tokens_generated");
+    if (!a.params.ignore_eos && llama_vocab_is_eog(model_.vocab(), t)) {
+        finish(s, "eos");
+        return;
+    }
+    if (std::find(a.params.stop_tokens.begin(), a.params.stop_tokens.end(), t) != a.params.stop_tokens.end()) {
+        finish(s, "stop_token");
+        return;
+    }
+    Event e;
+    e.request_id = a.id;
+    e.kind = "token";
+    e.token = t;
+    e.piece = token_piece(t, false);
+    e.slot = s.id;
+    push_event(std::move(e));
+    if (a.params.n_predict >= 0 && a.n_sampled >= a.params.n_predict) {
+        finish(s, "length");
+    } else if (int(s.tokens.size()) + 1 >= n_ctx_slot_) {
+        finish(s, "context");
+    } else {
+        a.pending = t;
+    }
+}
+
+void Engine::finish(Slot & s, const std::string & reason) {
+    Active & a = *s.active;
+    Event e;
+    e.request_id = a.id;
+    e.kind = "done";
+    e.stop_reason = reason;
+    e.slot = s.id;
+    e.timings = a.timings;
+    e.timings.predicted_n = a.n_sampled;
+    if (a.t_prompt_done > 0) e.timings.predicted_ms = ms_since(a.t_prompt_done);
+    else e.timings.prompt_ms = ms_since(a.t_start);
+    s.active.reset();
+    s.last_used = now_s();
+    push_event(std::move(e));
+}
+
+void Engine::fail_slot(Slot & s, const std::string & message) {
+    Event e;
+    e.request_id = s.active->id;
+    e.kind = "error";
+    e.message = message;
+    e.slot = s.id;
+    e.timings = s.active->timings;
+    s.active.reset();
+    // The sequence may be half-updated: start it over.
+    clear_slot_memory(s);
+    s.last_used = now_s();
+    push_event(std::move(e));
+}
+
+void Engine::capture_checkpoint(Slot & s, CheckpointKind kind, const float * logits) {
+    Checkpoint c;
+    c.n_tokens = int64_t(s.tokens.size());
+    c.kind = kind;
+    llama_memory_t mem = llama_get_memory(ctx_.get());
+    c.pos_min = llama_memory_seq_pos_min(mem, s.id);
+    c.pos_max = llama_memory_seq_pos_max(mem, s.id);
+    if (model().has_partial_state()) {
+        const size_t size = llama_state_seq_get_size_ext(ctx_.get(), s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
+        c.state.resize(size);
+        if (size == 0 || llama_state_seq_get_data_ext(ctx_.get(), c.state.data(), size, s.id,
+                                                      LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) != size) {
+            bump("checkpoint_capture_failures");
+            return;
+        }
+    }
+    c.logits.assign(logits, logits + n_vocab_);
+    s.checkpoints.push_back(std::move(c));
+    std::sort(s.checkpoints.begin(), s.checkpoints.end(),
+              [](const Checkpoint & x, const Checkpoint & y) { return x.n_tokens < y.n_tokens; });
+    if (s.active) s.active->timings.checkpoints_created++;
+    bump("checkpoints_created");
+    enforce_checkpoint_budget(s);
+}
+
+void Engine::enforce_checkpoint_budget(Slot & s) {
+    std::vector<CheckpointBudgetItem> items;
+    for (const auto & c : s.checkpoints) items.push_back({c.n_tokens, c.kind, c.bytes()});
+    const auto drop = checkpoints_to_evict(items, size_t(cfg_.max_checkpoints), size_t(cfg_.max_checkpoint_bytes));
+    for (auto it = drop.rbegin(); it != drop.rend(); ++it) s.checkpoints.erase(s.checkpoints.begin() + long(*it));
+    if (!drop.empty()) bump("checkpoints_evicted", int64_t(drop.size()));
+}
+
+}  // namespace sk

@@ -1,0 +1,153 @@
+// The engine: one model, N slots (one llama.cpp sequence each) on one llama_context created with a
+// single unified KV stream, so a slot file loads into any engine of the same model. The context and
+// every slot belong to the loop thread (see native/DESIGN.md); other threads talk to it through the
+// command queue and read results from the event queue.
+#pragma once
+
+#include "model.h"
+#include "request.h"
+#include "reuse.h"
+#include "sampling.h"
+#include "slotfile.h"
+
+#include <llama.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace sk {
+
+struct EngineConfig {
+    std::string model_path;
+    int n_slots = 1;
+    int n_ctx = 4096;
+    int n_batch = 512;
+    int n_ubatch = 512;
+    int n_threads = 0;
+    int n_gpu_layers = 0;
+    int checkpoint_interval = 2048;
+    int checkpoint_min_step = 64;
+    int max_checkpoints = 32;
+    uint64_t max_checkpoint_bytes = uint64_t(1) << 30;
+    uint64_t max_slot_file_bytes = 0;
+    bool swa_full = false;
+    bool flash_attn = false;
+};
+
+struct SlotFileInfo {
+    std::string path;
+    int n_tokens = 0;
+    uint64_t n_bytes = 0;
+    int n_checkpoints = 0;
+    double ms = 0.0;
+};
+
+struct SlotInfo {
+    int id = 0;
+    bool busy = false;
+    int64_t request_id = -1;
+    int queued = 0;
+    int n_tokens = 0;
+    int n_checkpoints = 0;
+    uint64_t checkpoint_bytes = 0;
+    bool restored = false;
+    double last_used = 0.0;
+};
+
+struct ContextDeleter {
+    void operator()(llama_context * c) const { llama_free(c); }
+};
+using ContextPtr = std::unique_ptr<llama_context, ContextDeleter>;
+
+class Engine {
+public:
+    explicit Engine(const EngineConfig & cfg);  // throws ModelLoadError, InvalidRequestError
+    ~Engine();
+    Engine(const Engine &) = delete;
+    Engine & operator=(const Engine &) = delete;
+
+    const ModelInfo & model() const { return model_.info(); }
+    const EngineConfig & config() const { return cfg_; }
+    int n_ctx_slot() const { return n_ctx_slot_; }
+
+    std::vector<llama_token> tokenize(const std::string & text, bool add_special, bool parse_special) const;
+    std::string detokenize(const std::vector<llama_token> & tokens, bool remove_special, bool unparse_special) const;
+    std::string token_piece(llama_token t, bool special) const;
+
+    int64_t submit(int slot, RequestParams params);
+    bool cancel(int64_t request_id);
+    std::vector<Event> poll();
+    std::vector<Event> wait(double timeout_s);
+    int event_fd() const { return event_fd_; }
+
+    SlotFileInfo save_slot(int slot, const std::string & path);
+    SlotFileInfo restore_slot(int slot, const std::string & path);
+    int erase_slot(int slot);
+    std::vector<SlotInfo> slots();
+    std::vector<llama_token> slot_tokens(int slot);
+    std::map<std::string, int64_t> metrics();
+    void close();
+
+private:
+    struct Active;
+    struct Slot;
+    struct Queued;
+
+    // --- loop thread only ---
+    void loop();
+    void start_queued();
+    void start_request(Slot & s, Queued && q);
+    bool step();  // one batch; false when there was nothing to do
+    void after_token(Slot & s, const float * logits);
+    void finish(Slot & s, const std::string & reason);
+    void fail_slot(Slot & s, const std::string & message);
+    void capture_checkpoint(Slot & s, CheckpointKind kind, const float * logits);
+    void enforce_checkpoint_budget(Slot & s);
+    void clear_slot_memory(Slot & s);
+    MemoryView memory_view(const Slot & s) const;
+
+    // --- any thread ---
+    void check_slot_id(int slot) const;
+    void push_event(Event && e);
+    void bump(const std::string & name, int64_t by = 1);
+    // Run fn on the loop thread and wait for it (the caller's GIL is released by the bindings).
+    template <typename R> R call(std::function<R()> fn);
+    void post(std::function<void()> fn);
+
+    EngineConfig cfg_;
+    Model model_;
+    ContextPtr ctx_;
+    int n_ctx_slot_ = 0;
+    int n_vocab_ = 0;
+
+    std::vector<Slot> slots_;          // loop thread
+    std::deque<Queued> queued_;        // loop thread
+    llama_batch batch_{};
+
+    std::mutex cmd_mu_;
+    std::condition_variable cmd_cv_;
+    std::deque<std::function<void()>> commands_;
+    bool closing_ = false;
+    std::atomic<bool> closed_{false};
+
+    std::mutex ev_mu_;
+    std::condition_variable ev_cv_;
+    std::vector<Event> events_;
+    int event_fd_ = -1;
+
+    std::mutex metrics_mu_;
+    std::map<std::string, int64_t> metrics_;
+
+    std::atomic<int64_t> next_request_id_{1};
+    std::thread thread_;
+};
+
+}  // namespace sk

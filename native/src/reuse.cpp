@@ -1,0 +1,192 @@
+#include "reuse.h"
+
+#include <algorithm>
+#include <numeric>
+
+namespace sk {
+
+const char * reuse_kind_name(ReuseKind k) {
+    switch (k) {
+        case ReuseKind::None: return "none";
+        case ReuseKind::Live: return "live";
+        case ReuseKind::Checkpoint: return "checkpoint";
+        case ReuseKind::Logits: return "logits";
+    }
+    return "none";
+}
+
+size_t common_prefix(const std::vector<llama_token> & a, const std::vector<llama_token> & b) {
+    const size_t n = std::min(a.size(), b.size());
+    size_t i = 0;
+    while (i < n && a[i] == b[i]) i++;
+    return i;
+}
+
+ReusePlan plan_reuse(const MemoryView & m, const std::vector<llama_token> & prompt, bool cache_prompt) {
+    ReusePlan none;
+    const int n = int(m.tokens.size());
+    const int L = int(prompt.size());
+    none.clear = n > 0;
+    if (!cache_prompt || n == 0 || L == 0) return none;
+
+    const int p = int(common_prefix(m.tokens, prompt));
+    ReusePlan best = none;
+    best.keep_checkpoints_upto = p;
+
+    // 1. The memory as it is, continued from its exact end (every memory kind can do this).
+    if (p == n) {
+        if (L > n) {
+            ReusePlan r;
+            r.kind = ReuseKind::Live;
+            r.n_keep = n;
+            r.keep_checkpoints_upto = p;
+            best = r;
+        } else if (m.has_last_logits) {  // L == n: identical prompt, nothing to evaluate
+            ReusePlan r;
+            r.kind = ReuseKind::Logits;
+            r.n_keep = n;
+            r.logits_from_slot = true;
+            r.keep_checkpoints_upto = p;
+            return r;
+        }
+    }
+
+    // 2. Trimming the memory back to the common prefix: attention KV only; SWA only while the
+    //    window that the next token attends to is still in the cache.
+    if (!m.recurrent && p > 0) {
+        int r = std::min(p, L);
+        if (r == L) r = L - 1;  // need the logits of position L-1: evaluate it (unless a checkpoint has them)
+        const bool window_ok = m.n_swa <= 0 || m.pos_min <= std::max(0, r - m.n_swa);
+        if (r > best.n_keep && window_ok && r > 0) {
+            ReusePlan t;
+            t.kind = ReuseKind::Live;
+            t.n_keep = r;
+            t.trim = r < n;
+            t.keep_checkpoints_upto = p;
+            best = t;
+        }
+    }
+
+    // 3. Rolling back to the newest checkpoint inside the common prefix. A checkpoint at exactly the
+    //    prompt's end serves it from its logits with nothing evaluated.
+    for (int i = int(m.checkpoints.size()) - 1; i >= 0; i--) {
+        const CheckpointView & c = m.checkpoints[size_t(i)];
+        if (c.n_tokens > p || c.n_tokens > L || c.n_tokens <= 0) continue;
+        if (c.n_tokens == L && !c.has_logits) continue;
+        if (!c.has_state && m.recurrent) continue;
+        // Attention-only checkpoints hold no state: they are a trim plus their logits, valid when
+        // trimming is (SWA: the window must still be there).
+        if (!c.has_state && m.n_swa > 0 && m.pos_min > std::max<int64_t>(0, c.n_tokens - m.n_swa)) continue;
+        if (c.n_tokens > best.n_keep) {
+            ReusePlan r;
+            r.n_keep = int(c.n_tokens);
+            r.checkpoint = c.has_state ? i : -1;
+            r.trim = c.n_tokens < n;
+            r.keep_checkpoints_upto = p;
+            if (c.n_tokens == L) {
+                r.kind = ReuseKind::Logits;
+                r.logits_from_checkpoint = true;
+                r.checkpoint = i;  // the logits come from it even when it holds no state
+            } else {
+                r.kind = c.has_state ? ReuseKind::Checkpoint : ReuseKind::Live;
+            }
+            best = r;
+        }
+        break;  // the newest usable one is the longest
+    }
+
+    if (best.kind == ReuseKind::None) {
+        best.clear = true;
+        best.n_keep = 0;
+    } else {
+        best.clear = false;
+    }
+    return best;
+}
+
+std::vector<PlannedCheckpoint> plan_checkpoints(int64_t start, int64_t n_prompt, const std::vector<int> & hints,
+                                                int interval, int min_step, const std::vector<int64_t> & existing) {
+    std::vector<PlannedCheckpoint> out;
+    if (n_prompt <= start) return out;
+    auto near = [&](int64_t q) {
+        for (int64_t e : existing) {
+            if (std::llabs(e - q) < min_step || e == q) return true;
+        }
+        for (const auto & c : out) {
+            if (std::llabs(c.n_tokens - q) < min_step || c.n_tokens == q) return true;
+        }
+        return false;
+    };
+    // Strongest first, so weaker ones yield to them.
+    bool have_end = false;
+    for (int64_t e : existing) have_end |= e == n_prompt;
+    if (!have_end) out.push_back({n_prompt, CheckpointKind::PromptEnd});
+    std::vector<int> hs(hints.begin(), hints.end());
+    std::sort(hs.begin(), hs.end());
+    for (int h : hs) {
+        if (h > start && h < n_prompt && !near(h)) out.push_back({h, CheckpointKind::Hint});
+    }
+    if (interval > 0) {
+        for (int64_t q = (start / interval + 1) * interval; q < n_prompt; q += interval) {
+            if (!near(q)) out.push_back({q, CheckpointKind::Interval});
+        }
+    }
+    std::sort(out.begin(), out.end(), [](const auto & a, const auto & b) { return a.n_tokens < b.n_tokens; });
+    return out;
+}
+
+std::vector<size_t> checkpoints_to_evict(const std::vector<CheckpointBudgetItem> & items, size_t max_count,
+                                         size_t max_bytes) {
+    // Rank: lower is dropped first.
+    int newest_end = -1;
+    for (size_t i = 0; i < items.size(); i++) {
+        if (items[i].kind == CheckpointKind::PromptEnd) newest_end = int(i);
+    }
+    auto rank = [&](size_t i) {
+        if (int(i) == newest_end) return 3;
+        switch (items[i].kind) {
+            case CheckpointKind::Interval: return 0;
+            case CheckpointKind::PromptEnd: return 1;
+            case CheckpointKind::Hint: return 2;
+        }
+        return 0;
+    };
+    std::vector<size_t> order(items.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+        if (rank(a) != rank(b)) return rank(a) < rank(b);
+        return items[a].n_tokens < items[b].n_tokens;
+    });
+    size_t count = items.size();
+    size_t bytes = 0;
+    for (const auto & it : items) bytes += it.bytes;
+    std::vector<size_t> drop;
+    for (size_t idx : order) {
+        if (count <= max_count && bytes <= max_bytes) break;
+        drop.push_back(idx);
+        count--;
+        bytes -= items[idx].bytes;
+    }
+    std::sort(drop.begin(), drop.end());
+    return drop;
+}
+
+int choose_slot(const std::vector<SlotCandidate> & slots) {
+    int best = -1;
+    for (size_t i = 0; i < slots.size(); i++) {
+        const auto & s = slots[i];
+        if (!s.idle) continue;
+        if (best < 0) {
+            best = int(i);
+            continue;
+        }
+        const auto & b = slots[size_t(best)];
+        if (s.common_prefix > b.common_prefix ||
+            (s.common_prefix == b.common_prefix && s.last_used < b.last_used)) {
+            best = int(i);
+        }
+    }
+    return best < 0 ? -1 : slots[size_t(best)].id;
+}
+
+}  // namespace sk

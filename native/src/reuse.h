@@ -1,0 +1,83 @@
+// Pure decisions of the engine loop: how much of a slot's state a new prompt can reuse, where to
+// place checkpoints, which checkpoints to drop, which slot serves a request. Plain data in, plain
+// data out; the loop in engine.cpp only carries the decisions out.
+#pragma once
+
+#include "slotfile.h"
+
+#include <llama.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace sk {
+
+struct CheckpointView {
+    int64_t n_tokens = 0;
+    bool has_logits = false;
+    bool has_state = false;
+};
+
+// What the loop knows of a slot when a request starts on it.
+struct MemoryView {
+    std::vector<llama_token> tokens;  // tokens in the sequence (positions 0..n-1)
+    bool has_last_logits = false;     // logits of position n-1 are stored
+    llama_pos pos_min = -1;           // llama_memory_seq_pos_min, -1 when empty
+    bool recurrent = false;           // recurrent or hybrid memory: no partial trimming
+    int n_swa = 0;                    // SWA window; 0 when none (or swa_full)
+    std::vector<CheckpointView> checkpoints;  // ascending n_tokens
+};
+
+enum class ReuseKind { None, Live, Checkpoint, Logits };
+const char * reuse_kind_name(ReuseKind k);
+
+struct ReusePlan {
+    ReuseKind kind = ReuseKind::None;
+    int n_keep = 0;          // prompt tokens served without evaluation
+    int checkpoint = -1;     // checkpoint index to roll back to, -1 = none
+    bool clear = false;      // drop the whole sequence first
+    bool trim = false;       // seq_rm(n_keep, -1) (after the rollback, if any)
+    bool logits_from_checkpoint = false;  // n_keep == prompt size: sample from the checkpoint's logits
+    bool logits_from_slot = false;        // n_keep == prompt size: sample from the slot's last logits
+    int64_t keep_checkpoints_upto = 0;    // checkpoints past this many tokens no longer match the prompt
+};
+
+size_t common_prefix(const std::vector<llama_token> & a, const std::vector<llama_token> & b);
+
+ReusePlan plan_reuse(const MemoryView & m, const std::vector<llama_token> & prompt, bool cache_prompt);
+
+struct PlannedCheckpoint {
+    int64_t n_tokens;
+    CheckpointKind kind;
+};
+
+// Checkpoints to capture while evaluating prompt tokens [start, n_prompt): the prompt end, the
+// hinted message boundaries, every `interval` tokens; hints and intervals closer than `min_step` to
+// a stronger planned or existing checkpoint are skipped. Ascending.
+std::vector<PlannedCheckpoint> plan_checkpoints(int64_t start, int64_t n_prompt, const std::vector<int> & hints,
+                                                int interval, int min_step, const std::vector<int64_t> & existing);
+
+struct CheckpointBudgetItem {
+    int64_t n_tokens;
+    CheckpointKind kind;
+    size_t bytes;
+};
+
+// Indices (into `items`, ascending n_tokens) to drop so that at most max_count checkpoints of at
+// most max_bytes in total remain. Drops intervals first, then older prompt ends, then hints, the
+// oldest of a class first; the newest prompt end goes last.
+std::vector<size_t> checkpoints_to_evict(const std::vector<CheckpointBudgetItem> & items, size_t max_count,
+                                         size_t max_bytes);
+
+struct SlotCandidate {
+    int id;
+    bool idle;
+    size_t common_prefix;  // with the request's prompt
+    double last_used;
+};
+
+// The idle slot with the longest common prefix, else the least recently used idle slot; -1 if none.
+int choose_slot(const std::vector<SlotCandidate> & slots);
+
+}  // namespace sk

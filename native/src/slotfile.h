@@ -1,0 +1,80 @@
+// Slot file format v1 (native/SLOTFILE.md): writing a slot's image and reading one back with every
+// length bounds-checked against the bytes that are really there before anything is allocated.
+#pragma once
+
+#include <llama.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace sk {
+
+enum class CheckpointKind : uint8_t { PromptEnd = 0, Hint = 1, Interval = 2 };
+const char * checkpoint_kind_name(CheckpointKind k);
+CheckpointKind checkpoint_kind_from_name(const std::string & s);
+
+// A copy of a sequence's partial state after its first n_tokens tokens, with the logits of the
+// last of them. Attention-only models keep an empty state (their KV is trimmed instead).
+struct Checkpoint {
+    int64_t n_tokens = 0;
+    int32_t pos_min = -1;
+    int32_t pos_max = -1;
+    std::vector<uint8_t> state;  // llama_state_seq_get_data_ext(PARTIAL_ONLY), with its 8-byte prefix
+    std::vector<float> logits;   // n_vocab floats, or empty
+    CheckpointKind kind = CheckpointKind::Interval;
+
+    size_t bytes() const { return state.size() + logits.size() * sizeof(float); }
+};
+
+// What identifies the writer; checked against the reader before any state is loaded.
+struct SlotFileMeta {
+    std::string fingerprint;
+    std::string arch;
+    int n_vocab = 0;
+    int n_embd = 0;
+    int n_layer = 0;
+    bool recurrent = false;
+    bool hybrid = false;
+    int n_swa = 0;
+    int n_ctx = 0;
+    int n_slots = 0;
+    int n_ctx_slot = 0;
+    bool swa_full = false;
+    int source_slot = -1;
+};
+
+// Writes `path` atomically (temp file + rename). `seq_state` is llama_state_seq_get_data output
+// including its 8-byte in-memory prefix, which the base payload drops (as save_file does).
+// Returns the file size. Throws SlotFileError("io", ...) on write failure.
+uint64_t write_slot_file(const std::string & path, const SlotFileMeta & meta, const std::vector<llama_token> & tokens,
+                         const std::vector<uint8_t> & seq_state, const std::vector<float> & last_logits,
+                         const std::vector<Checkpoint> & checkpoints);
+
+// A validated file held in memory. `buffer` holds the body at offset 8 so that the base state can
+// be handed to llama_state_seq_set_data with its 8-byte prefix written in front of it in place.
+struct SlotImage {
+    std::vector<llama_token> tokens;
+    std::vector<uint8_t> buffer;
+    size_t state_offset = 0;  // in buffer, where the prefixed state starts
+    size_t state_size = 0;    // prefixed size
+    std::vector<float> last_logits;
+    std::vector<Checkpoint> checkpoints;
+    std::string fingerprint;
+    uint64_t file_size = 0;
+
+    const uint8_t * state_data() const { return buffer.data() + state_offset; }
+};
+
+struct ReadLimits {
+    std::string fingerprint;   // must match
+    int n_vocab = 0;           // logits records must have exactly this many floats
+    int n_ctx_slot = 0;        // max tokens
+    uint64_t max_file_bytes = 0;  // 0 = no limit
+    size_t max_checkpoints = 0;   // keep at most this many (newest); 0 = drop all
+};
+
+// Throws SlotFileError with the kind of the first problem found.
+SlotImage read_slot_file(const std::string & path, const ReadLimits & limits);
+
+}  // namespace sk
