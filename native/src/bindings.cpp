@@ -21,8 +21,7 @@ void quiet_log(ggml_log_level level, const char * text, void *) {
     if (level == GGML_LOG_LEVEL_WARN || level == GGML_LOG_LEVEL_ERROR) std::fputs(text, stderr);
 }
 
-[[noreturn]] void raise_py(const char * cls, py::object instance) {
-    (void)cls;
+[[noreturn]] void raise_py(py::object instance) {
     PyErr_SetObject(reinterpret_cast<PyObject *>(Py_TYPE(instance.ptr())), instance.ptr());
     throw py::error_already_set();
 }
@@ -44,17 +43,17 @@ PYBIND11_MODULE(_native, m) {
         try {
             if (p) std::rethrow_exception(p);
         } catch (const SlotFileError & e) {
-            raise_py("SlotFileError", error_class("SlotFileError")(e.kind, e.what()));
+            raise_py(error_class("SlotFileError")(e.kind, e.what()));
         } catch (const SlotBusyError & e) {
-            raise_py("SlotBusyError", error_class("SlotBusyError")(e.what()));
+            raise_py(error_class("SlotBusyError")(e.what()));
         } catch (const InvalidRequestError & e) {
-            raise_py("InvalidRequestError", error_class("InvalidRequestError")(e.what()));
+            raise_py(error_class("InvalidRequestError")(e.what()));
         } catch (const EngineClosedError & e) {
-            raise_py("EngineClosedError", error_class("EngineClosedError")(e.what()));
+            raise_py(error_class("EngineClosedError")(e.what()));
         } catch (const ModelLoadError & e) {
-            raise_py("ModelLoadError", error_class("ModelLoadError")(e.what()));
+            raise_py(error_class("ModelLoadError")(e.what()));
         } catch (const NativeError & e) {
-            raise_py("NativeError", error_class("NativeError")(e.what()));
+            raise_py(error_class("NativeError")(e.what()));
         }
     });
 

@@ -272,7 +272,7 @@ SlotFileInfo Engine::save_slot(int slot, const std::string & path) {
     };
     Snapshot snap = call<Snapshot>([this, slot] {
         Slot & s = slots_[size_t(slot)];
-        if (s.active) throw SlotBusyError("slot " + std::to_string(slot) + " is processing a request");
+        if (slot_busy(s)) throw SlotBusyError("slot " + std::to_string(slot) + " is processing a request");
         Snapshot out;
         out.tokens = s.tokens;
         const size_t size = llama_state_seq_get_size(ctx_.get(), slot);
@@ -298,6 +298,7 @@ SlotFileInfo Engine::save_slot(int slot, const std::string & path) {
     meta.n_slots = cfg_.n_slots;
     meta.n_ctx_slot = n_ctx_slot_;
     meta.swa_full = cfg_.swa_full;
+    meta.flash_attn = cfg_.flash_attn;
     meta.source_slot = slot;
     SlotFileInfo info;
     info.path = path;
@@ -323,26 +324,31 @@ SlotFileInfo Engine::restore_slot(int slot, const std::string & path) {
     std::shared_ptr<SlotImage> img;
     try {
         img = std::make_shared<SlotImage>(read_slot_file(path, lim));
-    } catch (const SlotFileError &) {
-        bump("slot_restore_errors");
-        throw;
-    }
-    const bool recurrent = model().needs_checkpoints_to_trim();
-    for (const auto & c : img->checkpoints) {
-        if (recurrent && c.state.empty()) {
-            bump("slot_restore_errors");
-            throw SlotFileError("bad_layout", "a checkpoint of a recurrent/hybrid model holds no state");
+        for (const auto & c : img->checkpoints) {
+            if (model().needs_checkpoints_to_trim() && c.state.empty()) {
+                throw SlotFileError("bad_layout", "a checkpoint of a recurrent/hybrid model holds no state");
+            }
         }
+    } catch (const SlotFileError &) {
+        // The caller meant to replace the slot's session: never leave the old one in its place.
+        bump("slot_restore_errors");
+        call<int>([this, slot] {
+            Slot & s = slots_[size_t(slot)];
+            if (!slot_busy(s)) clear_slot_memory(s);
+            return 0;
+        });
+        throw;
     }
     SlotFileInfo info = call<SlotFileInfo>([this, slot, img, path] {
         Slot & s = slots_[size_t(slot)];
-        if (s.active) throw SlotBusyError("slot " + std::to_string(slot) + " is processing a request");
+        if (slot_busy(s)) throw SlotBusyError("slot " + std::to_string(slot) + " is processing a request");
         clear_slot_memory(s);
         if (!img->tokens.empty()) {
             const size_t n = llama_state_seq_set_data(ctx_.get(), img->state_data(), img->state_size, slot);
             const llama_pos pos_max = llama_memory_seq_pos_max(llama_get_memory(ctx_.get()), slot);
             if (n != img->state_size || pos_max != llama_pos(img->tokens.size()) - 1) {
                 clear_slot_memory(s);
+                bump("slot_restore_errors");
                 throw SlotFileError("shape_mismatch", "llama.cpp refused the saved sequence state (another context "
                                                       "shape, KV type or memory layout); the slot was left empty");
             }
@@ -369,7 +375,7 @@ int Engine::erase_slot(int slot) {
     check_slot_id(slot);
     return call<int>([this, slot] {
         Slot & s = slots_[size_t(slot)];
-        if (s.active) throw SlotBusyError("slot " + std::to_string(slot) + " is processing a request");
+        if (slot_busy(s)) throw SlotBusyError("slot " + std::to_string(slot) + " is processing a request");
         const int n = int(s.tokens.size());
         clear_slot_memory(s);
         return n;
@@ -442,7 +448,9 @@ void Engine::start_queued() {
             for (const auto & s : slots_) {
                 cands.push_back({s.id, !s.active, common_prefix(s.tokens, it->params.prompt), s.last_used});
             }
-            target = choose_slot(cands);
+            // Like llama-server's --slot-prompt-similarity 0.1: a prefix shorter than a tenth of
+            // the prompt does not count.
+            target = choose_slot(cands, std::max<size_t>(2, it->params.prompt.size() / 10));
         } else if (slots_[size_t(target)].active) {
             target = -1;
         }
@@ -454,6 +462,12 @@ void Engine::start_queued() {
         it = queued_.erase(it);
         start_request(slots_[size_t(target)], std::move(q));
     }
+}
+
+bool Engine::slot_busy(const Slot & s) const {
+    // A request queued for the slot claims it as much as a running one: a save, restore or erase
+    // issued after it must not slip in before it starts.
+    return s.active || std::any_of(queued_.begin(), queued_.end(), [&](const Queued & q) { return q.slot == s.id; });
 }
 
 MemoryView Engine::memory_view(const Slot & s) const {

@@ -113,6 +113,7 @@ private:
     void enforce_checkpoint_budget(Slot & s);
     void clear_slot_memory(Slot & s);
     MemoryView memory_view(const Slot & s) const;
+    bool slot_busy(const Slot & s) const;
 
     // --- any thread ---
     void check_slot_id(int slot) const;

@@ -171,7 +171,8 @@ std::vector<size_t> checkpoints_to_evict(const std::vector<CheckpointBudgetItem>
     return drop;
 }
 
-int choose_slot(const std::vector<SlotCandidate> & slots) {
+int choose_slot(const std::vector<SlotCandidate> & slots, size_t min_prefix) {
+    auto prefix = [&](const SlotCandidate & s) { return s.common_prefix >= min_prefix ? s.common_prefix : 0; };
     int best = -1;
     for (size_t i = 0; i < slots.size(); i++) {
         const auto & s = slots[i];
@@ -181,8 +182,7 @@ int choose_slot(const std::vector<SlotCandidate> & slots) {
             continue;
         }
         const auto & b = slots[size_t(best)];
-        if (s.common_prefix > b.common_prefix ||
-            (s.common_prefix == b.common_prefix && s.last_used < b.last_used)) {
+        if (prefix(s) > prefix(b) || (prefix(s) == prefix(b) && s.last_used < b.last_used)) {
             best = int(i);
         }
     }

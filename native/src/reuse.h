@@ -77,7 +77,9 @@ struct SlotCandidate {
     double last_used;
 };
 
-// The idle slot with the longest common prefix, else the least recently used idle slot; -1 if none.
-int choose_slot(const std::vector<SlotCandidate> & slots);
+// The idle slot with the longest common prefix of at least `min_prefix` tokens (a shared BOS or
+// template header is no reason to evict another session), else the least recently used idle slot;
+// -1 if none is idle.
+int choose_slot(const std::vector<SlotCandidate> & slots, size_t min_prefix);
 
 }  // namespace sk

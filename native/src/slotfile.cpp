@@ -97,6 +97,7 @@ std::string meta_json(const SlotFileMeta & m, size_t n_tokens, const std::vector
       << ",\"build\":\"" << json_escape(SK_LLAMA_BUILD) << "\"},\"context\":{\"n_ctx\":" << m.n_ctx
       << ",\"n_slots\":" << m.n_slots << ",\"n_ctx_slot\":" << m.n_ctx_slot
       << ",\"kv_unified\":true,\"type_k\":\"f16\",\"type_v\":\"f16\",\"swa_full\":" << (m.swa_full ? "true" : "false")
+      << ",\"flash_attn\":" << (m.flash_attn ? "true" : "false")
       << "},\"checkpoints\":[";
     for (size_t i = 0; i < ckpts.size(); i++) {
         if (i) o << ",";

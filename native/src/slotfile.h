@@ -41,6 +41,7 @@ struct SlotFileMeta {
     int n_slots = 0;
     int n_ctx_slot = 0;
     bool swa_full = false;
+    bool flash_attn = false;  // changes the V cache layout (transposed without it)
     int source_slot = -1;
 };
 

@@ -1,0 +1,46 @@
+"""The `slotkeeper` command: one table of subcommands, each implemented by the package it belongs to.
+
+Every entry is `name: (module, function, summary)`; the function takes the remaining argv and
+returns the exit code. Modules are imported only when their command runs, so `slotkeeper inspect`
+never loads libllama.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "engine": ("engine_pool.engine_main", "main", "one engine process: llama-server-compatible API over the native core"),
+    "make-model": ("native.model_gen", "main", "write a tiny (or bench) random-weight GGUF test model"),
+    "inspect": ("storage.inspect", "main", "print a slot file's header, checkpoints and checksum verdict"),
+    "reindex": ("storage.reindex", "main", "rebuild the Redis session index from storage"),
+    "bench": ("gateway.bench", "main", "run a benchmark from tests/bench (resume, storage, ...)"),
+}
+
+
+def _usage() -> str:
+    width = max(len(n) for n in COMMANDS)
+    lines = ["usage: slotkeeper COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name.ljust(width)}  {summary}" for name, (_, _, summary) in COMMANDS.items()]
+    lines += ["", "`slotkeeper COMMAND --help` describes a command's flags."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"slotkeeper: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module, func, _ = COMMANDS[name]
+    entry: Callable[[list[str]], int] = getattr(importlib.import_module(module), func)
+    return int(entry(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

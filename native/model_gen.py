@@ -1,0 +1,661 @@
+"""Deterministic random-weight GGUF models that llama.cpp loads and decodes.
+
+`write_model(path, arch, size, seed)` writes a model whose weights are random but reproducible: the
+same (arch, size, seed) always gives a byte-identical file, and the seed and size are recorded in the
+header (`general.name`, `slotkeeper.seed`, `slotkeeper.size`). The values carry no meaning; only the
+shapes matter, so a `bench` model costs as much to prefill as a trained model of the same dimensions.
+
+Every architecture is one row of `ARCH_SPECS`: hyperparameters per size, the tensors of one block
+and the architecture-specific metadata keys. Tensor names, shapes (ggml `ne` order, fastest
+dimension first) and keys follow llama.cpp's `src/models/<arch>.cpp`; llama.cpp refuses a file with
+a missing or an extra tensor.
+
+Only numpy, gguf and the standard library are imported, so this module works without the compiled
+extension (`python native/model_gen.py --arch qwen35 out.gguf`, or `slotkeeper make-model ...`).
+"""
+
+import argparse
+import itertools
+import os
+import string
+import sys
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+ARCHS = ("llama", "gemma2", "mamba2", "lfm2", "qwen35")
+SIZES = ("tiny", "bench")
+
+WEIGHT_STD = 0.05  # small enough that activations stay finite through every block
+CONV_STD = 0.5  # conv kernels have only a few taps; a larger std keeps their output from vanishing
+RMS_EPS = 1e-6
+
+# --------------------------------------------------------------------------------------------------
+# Hyperparameters and tensors
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Hyperparameters of one model. Fields an architecture does not use stay 0."""
+
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_ff: int = 0
+    n_head: int = 0
+    n_head_kv: int = 0
+    head_dim: int = 0
+    # Layer il is an attention layer iff attn_every > 0 and (il + 1) % attn_every == 0, the rule of
+    # qwen35's full_attention_interval; the other layers are recurrent. 1: all attention, 0: none.
+    attn_every: int = 1
+    n_ctx_train: int = 4096
+    sliding_window: int = 0
+    ssm_conv: int = 0  # conv kernel width (lfm2: shortconv.l_cache)
+    ssm_state: int = 0  # mamba2 d_state; qwen35 head dim of the Gated DeltaNet
+    ssm_heads: int = 0  # mamba2 heads; qwen35 value heads (ssm.time_step_rank)
+    ssm_groups: int = 0  # mamba2 B/C groups; qwen35 key heads (ssm.group_count)
+    ssm_inner: int = 0  # mamba2 d_inner
+    f16: bool = False  # store weight matrices as f16 (norms, biases and conv kernels stay f32)
+
+    def is_attention(self, il: int) -> bool:
+        return self.attn_every > 0 and (il + 1) % self.attn_every == 0
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor to write: `ne` is in ggml order (the numpy shape reversed)."""
+
+    name: str
+    ne: tuple[int, ...]
+    init: str = "normal"  # a key of _INITS
+
+
+_INITS: dict[str, Callable[[np.random.Generator, tuple[int, ...]], np.ndarray]] = {
+    "normal": lambda rng, shape: rng.standard_normal(shape, dtype=np.float32) * np.float32(WEIGHT_STD),
+    "conv": lambda rng, shape: rng.standard_normal(shape, dtype=np.float32) * np.float32(CONV_STD),
+    "ones": lambda rng, shape: np.ones(shape, dtype=np.float32),
+    # SSM A must be negative (a decay); |A| <= 1 keeps memory of the last few dozen tokens, so a
+    # wrong recurrent state shows up in the logits.
+    "decay": lambda rng, shape: -rng.uniform(0.1, 1.0, shape).astype(np.float32),
+}
+
+
+def _dtype(tensor: Tensor, dims: Dims) -> type[np.floating[Any]]:
+    return np.float16 if dims.f16 and tensor.init == "normal" and len(tensor.ne) == 2 else np.float32
+
+
+def _values(tensor: Tensor, dims: Dims, seed: int) -> np.ndarray:
+    # One generator per tensor, seeded from (seed, name): a tensor's values do not depend on the
+    # order or number of other tensors, and crc32 (unlike hash()) is stable across processes.
+    rng = np.random.default_rng([seed, zlib.crc32(tensor.name.encode())])
+    values = _INITS[tensor.init](rng, tensor.ne[::-1])
+    return values.astype(_dtype(tensor, dims), copy=False)
+
+
+def _norm(name: str, n: int) -> Tensor:
+    return Tensor(name, (n,), "ones")
+
+
+def _ffn(d: Dims, il: int) -> list[Tensor]:
+    return [
+        Tensor(f"blk.{il}.ffn_gate.weight", (d.n_embd, d.n_ff)),
+        Tensor(f"blk.{il}.ffn_up.weight", (d.n_embd, d.n_ff)),
+        Tensor(f"blk.{il}.ffn_down.weight", (d.n_ff, d.n_embd)),
+    ]
+
+
+def _attn(d: Dims, il: int, q_rows: int) -> list[Tensor]:
+    kv_rows = d.head_dim * d.n_head_kv
+    return [
+        Tensor(f"blk.{il}.attn_q.weight", (d.n_embd, q_rows)),
+        Tensor(f"blk.{il}.attn_k.weight", (d.n_embd, kv_rows)),
+        Tensor(f"blk.{il}.attn_v.weight", (d.n_embd, kv_rows)),
+        Tensor(f"blk.{il}.attn_output.weight", (d.head_dim * d.n_head, d.n_embd)),
+    ]
+
+
+def _qk_norms(d: Dims, il: int) -> list[Tensor]:
+    return [
+        _norm(f"blk.{il}.attn_q_norm.weight", d.head_dim),
+        _norm(f"blk.{il}.attn_k_norm.weight", d.head_dim),
+    ]
+
+
+def _llama_block(d: Dims, il: int) -> list[Tensor]:
+    return [
+        _norm(f"blk.{il}.attn_norm.weight", d.n_embd),
+        *_attn(d, il, q_rows=d.head_dim * d.n_head),
+        _norm(f"blk.{il}.ffn_norm.weight", d.n_embd),
+        *_ffn(d, il),
+    ]
+
+
+def _gemma2_block(d: Dims, il: int) -> list[Tensor]:
+    return [
+        *_llama_block(d, il),
+        _norm(f"blk.{il}.post_attention_norm.weight", d.n_embd),
+        _norm(f"blk.{il}.post_ffw_norm.weight", d.n_embd),
+    ]
+
+
+def _mamba2_block(d: Dims, il: int) -> list[Tensor]:
+    conv_dim = d.ssm_inner + 2 * d.ssm_groups * d.ssm_state
+    in_proj = d.ssm_inner + conv_dim + d.ssm_heads  # z, xBC, dt
+    return [
+        _norm(f"blk.{il}.attn_norm.weight", d.n_embd),
+        Tensor(f"blk.{il}.ssm_in.weight", (d.n_embd, in_proj)),
+        Tensor(f"blk.{il}.ssm_conv1d.weight", (d.ssm_conv, conv_dim), "conv"),
+        Tensor(f"blk.{il}.ssm_conv1d.bias", (conv_dim,)),
+        Tensor(f"blk.{il}.ssm_dt.bias", (d.ssm_heads,)),
+        Tensor(f"blk.{il}.ssm_a", (1, d.ssm_heads), "decay"),
+        Tensor(f"blk.{il}.ssm_d", (1, d.ssm_heads), "ones"),
+        Tensor(f"blk.{il}.ssm_norm.weight", (d.ssm_inner // d.ssm_groups, d.ssm_groups), "ones"),
+        Tensor(f"blk.{il}.ssm_out.weight", (d.ssm_inner, d.n_embd)),
+    ]
+
+
+def _lfm2_block(d: Dims, il: int) -> list[Tensor]:
+    common = [
+        _norm(f"blk.{il}.ffn_norm.weight", d.n_embd),
+        *_ffn(d, il),
+        _norm(f"blk.{il}.attn_norm.weight", d.n_embd),
+    ]
+    if d.is_attention(il):
+        return [*common, *_qk_norms(d, il), *_attn(d, il, q_rows=d.n_embd)]
+    return [
+        *common,
+        Tensor(f"blk.{il}.shortconv.conv.weight", (d.ssm_conv, d.n_embd), "conv"),
+        Tensor(f"blk.{il}.shortconv.in_proj.weight", (d.n_embd, 3 * d.n_embd)),
+        Tensor(f"blk.{il}.shortconv.out_proj.weight", (d.n_embd, d.n_embd)),
+    ]
+
+
+def _qwen35_block(d: Dims, il: int) -> list[Tensor]:
+    # post_attention_norm is the FFN pre-norm; there is no ffn_norm.
+    common = [
+        _norm(f"blk.{il}.attn_norm.weight", d.n_embd),
+        _norm(f"blk.{il}.post_attention_norm.weight", d.n_embd),
+    ]
+    if d.is_attention(il):
+        # attn_q holds the query and the output gate of every head.
+        return [*common, *_attn(d, il, q_rows=2 * d.head_dim * d.n_head), *_qk_norms(d, il), *_ffn(d, il)]
+    key_dim = d.ssm_state * d.ssm_groups
+    value_dim = d.ssm_state * d.ssm_heads
+    conv_dim = 2 * key_dim + value_dim
+    return [
+        *common,
+        Tensor(f"blk.{il}.attn_qkv.weight", (d.n_embd, conv_dim)),
+        Tensor(f"blk.{il}.attn_gate.weight", (d.n_embd, value_dim)),
+        Tensor(f"blk.{il}.ssm_conv1d.weight", (d.ssm_conv, conv_dim), "conv"),
+        Tensor(f"blk.{il}.ssm_dt.bias", (d.ssm_heads,)),
+        Tensor(f"blk.{il}.ssm_a", (d.ssm_heads,), "decay"),
+        Tensor(f"blk.{il}.ssm_beta.weight", (d.n_embd, d.ssm_heads)),
+        Tensor(f"blk.{il}.ssm_alpha.weight", (d.n_embd, d.ssm_heads)),
+        Tensor(f"blk.{il}.ssm_norm.weight", (d.ssm_state,), "ones"),
+        Tensor(f"blk.{il}.ssm_out.weight", (value_dim, d.n_embd)),
+        *_ffn(d, il),
+    ]
+
+
+# --------------------------------------------------------------------------------------------------
+# Architecture-specific metadata (keys without the "{arch}." prefix)
+
+
+def _llama_meta(d: Dims) -> dict[str, Any]:
+    return {"rope.dimension_count": d.head_dim}
+
+
+def _gemma2_meta(d: Dims) -> dict[str, Any]:
+    return {
+        "attention.key_length": d.head_dim,
+        "attention.value_length": d.head_dim,
+        "attention.sliding_window": d.sliding_window,
+        "attention.sliding_window_pattern": 2,  # even layers slide, odd layers see everything
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    }
+
+
+def _mamba2_meta(d: Dims) -> dict[str, Any]:
+    return {
+        "ssm.conv_kernel": d.ssm_conv,
+        "ssm.inner_size": d.ssm_inner,
+        "ssm.state_size": d.ssm_state,
+        "ssm.time_step_rank": d.ssm_heads,
+        "ssm.group_count": d.ssm_groups,
+    }
+
+
+def _lfm2_meta(d: Dims) -> dict[str, Any]:
+    # head_count_kv == 0 is what marks a shortconv layer.
+    kv = [d.n_head_kv if d.is_attention(il) else 0 for il in range(d.n_layer)]
+    return {"shortconv.l_cache": d.ssm_conv, "attention.head_count_kv": kv}
+
+
+def _qwen35_meta(d: Dims) -> dict[str, Any]:
+    # Partial rotary embedding as in Qwen3.5 (a quarter of the head); the text-only M-RoPE sections
+    # count rotated pairs and must sum to n_rot / 2.
+    n_rot = d.head_dim // 4
+    half = n_rot // 2
+    sections = [half - 2 * (half // 3), half // 3, half // 3, 0]
+    return {
+        "full_attention_interval": d.attn_every,
+        "attention.key_length": d.head_dim,
+        "attention.value_length": d.head_dim,
+        "rope.dimension_count": n_rot,
+        "rope.dimension_sections": sections,
+        "ssm.conv_kernel": d.ssm_conv,
+        "ssm.state_size": d.ssm_state,
+        "ssm.group_count": d.ssm_groups,
+        "ssm.time_step_rank": d.ssm_heads,
+        "ssm.inner_size": d.ssm_state * d.ssm_heads,
+    }
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """How to build one architecture: its sizes, one block's tensors and its own metadata keys."""
+
+    sizes: Mapping[str, Dims]
+    block: Callable[[Dims, int], list[Tensor]]
+    metadata: Callable[[Dims], dict[str, Any]]
+    output_norm: str = "output_norm"  # lfm2 names its final norm token_embd_norm
+
+
+_TINY_VOCAB = 1024
+
+# A table, laid out by hand: one Dims per size, grouped by role.
+# fmt: off
+ARCH_SPECS: dict[str, ArchSpec] = {
+    "llama": ArchSpec(
+        sizes={
+            "tiny": Dims(
+                n_vocab=_TINY_VOCAB, n_embd=128, n_layer=2, n_ff=256, n_head=4, n_head_kv=2, head_dim=32,
+            ),
+        },
+        block=_llama_block,
+        metadata=_llama_meta,
+    ),
+    "gemma2": ArchSpec(
+        sizes={
+            "tiny": Dims(
+                n_vocab=_TINY_VOCAB, n_embd=128, n_layer=4, n_ff=256, n_head=4, n_head_kv=2, head_dim=32,
+                sliding_window=32,
+            ),
+        },
+        block=_gemma2_block,
+        metadata=_gemma2_meta,
+    ),
+    "mamba2": ArchSpec(
+        sizes={
+            "tiny": Dims(
+                n_vocab=_TINY_VOCAB, n_embd=128, n_layer=2, attn_every=0,
+                ssm_conv=4, ssm_state=32, ssm_heads=8, ssm_groups=1, ssm_inner=256,
+            ),
+        },
+        block=_mamba2_block,
+        metadata=_mamba2_meta,
+    ),
+    "lfm2": ArchSpec(
+        sizes={
+            # shortconv, attention, shortconv, attention
+            "tiny": Dims(
+                n_vocab=_TINY_VOCAB, n_embd=128, n_layer=4, n_ff=256, n_head=4, n_head_kv=2, head_dim=32,
+                attn_every=2, ssm_conv=3,
+            ),
+        },
+        block=_lfm2_block,
+        metadata=_lfm2_meta,
+        output_norm="token_embd_norm",
+    ),
+    "qwen35": ArchSpec(
+        sizes={
+            # 3 Gated DeltaNet layers, then 1 attention layer: the ratio of the real family.
+            "tiny": Dims(
+                n_vocab=_TINY_VOCAB, n_embd=128, n_layer=4, n_ff=256, n_head=4, n_head_kv=2, head_dim=32,
+                attn_every=4, ssm_conv=4, ssm_state=32, ssm_heads=4, ssm_groups=2,
+            ),
+            # ~211M parameters in Qwen3.5-0.8B-like proportions, fewer layers: 12 GDN + 4 attention.
+            "bench": Dims(
+                n_vocab=32000, n_embd=1024, n_layer=16, n_ff=2048, n_head=8, n_head_kv=2, head_dim=128,
+                attn_every=4, n_ctx_train=32768, ssm_conv=4, ssm_state=128, ssm_heads=8, ssm_groups=8,
+                f16=True,
+            ),
+        },
+        block=_qwen35_block,
+        metadata=_qwen35_meta,
+    ),
+}
+# fmt: on
+
+
+def _tensors(spec: ArchSpec, d: Dims) -> list[Tensor]:
+    # The output projection is tied to token_embd (no `output` tensor), as llama.cpp allows for all five.
+    blocks = (t for il in range(d.n_layer) for t in spec.block(d, il))
+    return [
+        Tensor("token_embd.weight", (d.n_embd, d.n_vocab)),
+        *blocks,
+        _norm(f"{spec.output_norm}.weight", d.n_embd),
+    ]
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizer: SentencePiece-style ("llama") with byte fallback, so any UTF-8 text round-trips
+
+
+SPECIAL_TOKENS: tuple[tuple[str, gguf.TokenType], ...] = (
+    ("<unk>", gguf.TokenType.UNKNOWN),
+    ("<s>", gguf.TokenType.CONTROL),
+    ("</s>", gguf.TokenType.CONTROL),
+    ("<|im_start|>", gguf.TokenType.CONTROL),
+    ("<|im_end|>", gguf.TokenType.CONTROL),
+    # Matched in text even without parse_special, like Qwen's non-special added tokens.
+    ("<tool_call>", gguf.TokenType.USER_DEFINED),
+    ("</tool_call>", gguf.TokenType.USER_DEFINED),
+    ("<think>", gguf.TokenType.USER_DEFINED),
+    ("</think>", gguf.TokenType.USER_DEFINED),
+)
+
+_SPACE = "\u2581"  # SentencePiece's visible space
+
+# Frequent words first: a small vocabulary keeps only the head of this list.
+_WORDS = """
+user assistant system tool function name arguments content role type text true false null
+the of and to in is it you that was for on are with as be at this have from or one had by not but
+what all were we when your can said there use an each which she do how their if will up other about
+out many then them these so some her would make like him into time has look two more write go see
+number no way could people my than first water been call who its now find long down day did get come
+made may part over new sound take only little work know place year live me back give most very after
+thing our just good sentence man think say great where help through much before line right too mean
+old any same tell follow came want show also around form three small set put end does another well
+large must big even such because turn here why ask went men read need land different home move try
+kind hand picture again change off play air away animal house point page letter mother answer found
+study still learn should world hello model state slot cache token return def class import self print
+value data list string int json error file path test
+"""
+_SUFFIXES = ("ing", "ed", "er", "ly", "tion", "es", "'s", "n't")
+_CODE_PIECES = ('":', '",', '{"', '"}', "()", "):", "->", "==", "!=", "</", "/>", "//", "**", "...")
+
+
+def _with_prefixes(piece: str) -> Iterator[str]:
+    # SPM only builds a piece by merging two pieces already in the vocabulary, so every prefix
+    # must be a piece too or the word could never be produced.
+    return (piece[:k] for k in range(1, len(piece) + 1))
+
+
+def _pieces() -> Iterator[str]:
+    """Normal pieces in rank order: ASCII characters, affixes, common words, then letter n-grams.
+
+    Words come both with the SentencePiece space marker (inside text) and without it (at the start
+    of the text or after a special token, since no space prefix is added); a small vocabulary keeps
+    the head of this sequence.
+    """
+    yield from string.printable[:94]  # printable ASCII without whitespace
+    for piece in (*_SUFFIXES, *_CODE_PIECES):
+        yield from _with_prefixes(piece)
+        yield from _with_prefixes(_SPACE + piece)
+    for word in _WORDS.split():
+        yield from _with_prefixes(_SPACE + word)
+        yield from _with_prefixes(word)
+    for n in itertools.count(2):
+        for letters in itertools.product(string.ascii_lowercase, repeat=n):
+            yield "".join(letters)
+            yield _SPACE + "".join(letters)
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """Token texts, SPM scores and llama.cpp token types, indexed by token id."""
+
+    tokens: list[str]
+    scores: list[float]
+    types: list[int]
+
+    def id(self, text: str) -> int:
+        return self.tokens.index(text)
+
+
+def build_vocab(n_vocab: int) -> Vocab:
+    """The vocabulary of every generated model with `n_vocab` tokens (deterministic).
+
+    Ids: `<unk>` 0, `<s>` 1, `</s>` 2, the ChatML specials, the 256 byte tokens, `▁`, then pieces.
+    Byte fallback makes any UTF-8 text round-trip through llama.cpp's tokenizer, except a literal
+    U+2581 (`▁`), which SentencePiece cannot tell from a space.
+    """
+    fixed: list[tuple[str, int]] = [(text, int(kind)) for text, kind in SPECIAL_TOKENS]
+    fixed += [(f"<0x{b:02X}>", int(gguf.TokenType.BYTE)) for b in range(256)]
+    fixed.append((_SPACE, int(gguf.TokenType.NORMAL)))
+    seen = {text for text, _ in fixed}
+    normal: list[str] = []
+    for piece in _pieces():
+        if len(fixed) + len(normal) == n_vocab:
+            break
+        if piece not in seen:
+            seen.add(piece)
+            normal.append(piece)
+    tokens = [text for text, _ in fixed] + normal
+    types = [kind for _, kind in fixed] + [int(gguf.TokenType.NORMAL)] * len(normal)
+    # Earlier pieces win merges (higher score); special and byte tokens never take part in merges.
+    scores = [0.0] * len(fixed) + [-float(rank) for rank in range(1, len(normal) + 1)]
+    return Vocab(tokens, scores, types)
+
+
+# ChatML in the Qwen/Hermes style. Renders with a plain (sandboxed) jinja2 environment. `tojson`
+# output is never concatenated with `+`: jinja2's tojson returns Markup, which would HTML-escape
+# the other operand.
+CHAT_TEMPLATE = r"""{%- macro render_content(content) -%}
+    {%- if content is none -%}
+    {%- elif content is string -%}
+        {{- content -}}
+    {%- else -%}
+        {%- for part in content -%}
+            {%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}
+        {%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages and messages[0].role == 'system' %}
+        {{- render_content(messages[0].content) + '\n\n' }}
+    {%- endif %}
+    {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' }}
+    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\n' }}{{- tool | tojson }}
+    {%- endfor %}
+    {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments' }}
+    {{- ' within <tool_call></tool_call> XML tags:\n<tool_call>\n' }}
+    {{- '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+{%- elif messages and messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + render_content(messages[0].content) + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'system' and loop.first %}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + render_content(message.content) + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- elif message.role == 'assistant' %}
+        {{- '<|im_start|>assistant' }}
+        {%- set content = render_content(message.content) %}
+        {%- if content %}
+            {{- '\n' + content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls or [] %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": ' }}{{- tool_call.name | tojson }}{{- ', "arguments": ' }}
+            {%- if tool_call.arguments is string %}
+                {{- tool_call.arguments }}
+            {%- else %}
+                {{- tool_call.arguments | tojson }}
+            {%- endif %}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\n' + render_content(message.content) + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+
+
+def _tokenizer_metadata(vocab: Vocab) -> dict[str, Any]:
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": vocab.tokens,
+        "tokenizer.ggml.scores": vocab.scores,
+        "tokenizer.ggml.token_type": vocab.types,
+        "tokenizer.ggml.unknown_token_id": vocab.id("<unk>"),
+        "tokenizer.ggml.bos_token_id": vocab.id("<s>"),
+        "tokenizer.ggml.eos_token_id": vocab.id("</s>"),
+        # <|im_end|> ends a ChatML turn: llama.cpp counts it as end-of-generation.
+        "tokenizer.ggml.eot_token_id": vocab.id("<|im_end|>"),
+        "tokenizer.ggml.padding_token_id": vocab.id("<unk>"),
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_eos_token": False,
+        # No implicit leading space: text after a special token (ChatML) must not gain one.
+        "tokenizer.ggml.add_space_prefix": False,
+        "tokenizer.chat_template": CHAT_TEMPLATE,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+
+
+def _metadata(arch: str, spec: ArchSpec, d: Dims, size: str, seed: int) -> dict[str, Any]:
+    common = {
+        "vocab_size": d.n_vocab,
+        "context_length": d.n_ctx_train,
+        "embedding_length": d.n_embd,
+        "block_count": d.n_layer,
+        "feed_forward_length": d.n_ff,
+        "attention.head_count": d.n_head,
+        "attention.head_count_kv": d.n_head_kv,
+        "attention.layer_norm_rms_epsilon": RMS_EPS,
+        "rope.freq_base": 10000.0,
+    }
+    arch_keys = {f"{arch}.{key}": value for key, value in (common | spec.metadata(d)).items()}
+    general = {
+        "general.name": f"slotkeeper-{arch}-{size}-seed{seed}",
+        "general.file_type": int(gguf.LlamaFileType.MOSTLY_F16 if d.f16 else gguf.LlamaFileType.ALL_F32),
+        "slotkeeper.seed": seed,
+        "slotkeeper.size": size,
+    }
+    return general | arch_keys | _tokenizer_metadata(build_vocab(d.n_vocab))
+
+
+def _add_kv(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
+    # llama.cpp reads scalar integers as u32 and accepts i32 arrays for u32 array keys.
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, list):
+        writer.add_array(key, value)
+    else:
+        raise TypeError(f"unsupported metadata value for {key}: {value!r}")
+
+
+def _resolve(arch: str, size: str) -> tuple[ArchSpec, Dims]:
+    spec = ARCH_SPECS.get(arch)
+    if spec is None:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
+    dims = spec.sizes.get(size)
+    if dims is None:
+        raise ValueError(f"{arch} has no {size!r} size; it has {', '.join(spec.sizes)}")
+    return spec, dims
+
+
+def param_count(arch: str, size: str = "tiny") -> int:
+    """Number of weights of the model `write_model(_, arch, size)` writes."""
+    spec, dims = _resolve(arch, size)
+    return sum(int(np.prod(t.ne)) for t in _tensors(spec, dims))
+
+
+def write_model(path: str | os.PathLike[str], arch: str, size: str = "tiny", seed: int = 0) -> None:
+    """Write a random-weight GGUF model of `arch` ("llama", "gemma2", "mamba2", "lfm2", "qwen35").
+
+    `size` is "tiny" (a few MB, fast on CPU) or, for qwen35 only, "bench" (~210M f16 parameters).
+    The same (arch, size, seed) always produces a byte-identical file; `seed` must fit in 32 bits.
+    Tensors are generated and written one at a time, so memory stays at about the largest tensor.
+    The file appears atomically: it is written beside `path` and renamed into place.
+    Raises ValueError for an unknown architecture, a size the architecture lacks, or a bad seed.
+    """
+    spec, dims = _resolve(arch, size)
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be in [0, 2**32), got {seed}")
+    tensors = _tensors(spec, dims)
+    path = Path(path)
+    partial = path.with_name(path.name + ".part")
+    writer = gguf.GGUFWriter(partial, arch)
+    try:
+        for key, value in _metadata(arch, spec, dims, size, seed).items():
+            _add_kv(writer, key, value)
+        for t in tensors:
+            dtype = np.dtype(_dtype(t, dims))
+            writer.add_tensor_info(t.name, t.ne[::-1], dtype, int(np.prod(t.ne)) * dtype.itemsize)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for t in tensors:
+            writer.write_tensor_data(_values(t, dims, seed))
+        writer.close()
+        os.replace(partial, path)
+    except BaseException:
+        writer.close()
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def _seed(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"seed must be in [0, 2**32), got {value}")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`slotkeeper make-model --arch ARCH [--size tiny|bench] [--seed N] OUT.gguf`; returns the exit code.
+
+    Usage errors (including a size the architecture lacks) exit with status 2 through argparse.
+    """
+    parser = argparse.ArgumentParser(
+        prog="slotkeeper make-model",
+        description="Write a deterministic random-weight GGUF model for tests and benchmarks.",
+    )
+    parser.add_argument("--arch", required=True, choices=ARCHS)
+    parser.add_argument("--size", default="tiny", choices=SIZES)
+    parser.add_argument("--seed", type=_seed, default=0)
+    parser.add_argument("out", type=Path, metavar="OUT.gguf")
+    args = parser.parse_args(argv)
+    if args.size not in ARCH_SPECS[args.arch].sizes:
+        having = [arch for arch, spec in ARCH_SPECS.items() if args.size in spec.sizes]
+        parser.error(f"--size {args.size} is only available for --arch {', '.join(having)}")
+    write_model(args.out, args.arch, args.size, args.seed)
+    n_params = param_count(args.arch, args.size)
+    mib = args.out.stat().st_size / 2**20
+    print(f"wrote {args.out}: {args.arch} {args.size} seed {args.seed}, {n_params:,} params, {mib:.1f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Engine behaviour at the Python boundary: slot isolation, batching, requests, errors."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+import native
+
+TEXT = "It was a bright cold day in April, and the clocks were striking thirteen. " * 6
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "llama", "mamba2"])
+def test_concurrent_slots_match_solo_runs(arch, make_engine, greedy):
+    solo = make_engine(arch, n_slots=2)
+    a = solo.tokenize(TEXT)
+    b = solo.tokenize("Call me Ishmael. Some years ago, never mind how long precisely. " * 5)
+    want_a = solo.generate(0, greedy(a, 16)).tokens
+    want_b = solo.generate(1, greedy(b, 16)).tokens
+
+    both = make_engine(arch, n_slots=2)
+    ra = both.submit(0, greedy(a, 16))
+    rb = both.submit(1, greedy(b, 16))  # batched with slot 0: prefill chunks and decode tokens
+    assert both.collect(ra).tokens == want_a
+    assert both.collect(rb).tokens == want_b
+
+
+def test_restore_into_one_slot_does_not_disturb_another(make_engine, greedy, tmp_path: Path):
+    eng = make_engine("qwen35", n_slots=2)
+    a = eng.tokenize(TEXT)
+    b = eng.tokenize("Call me Ishmael. " * 12)
+    eng.generate(1, greedy(b, 4))
+    path = tmp_path / "b.slot"
+    eng.save_slot(1, str(path))
+    want_a = eng.generate(0, greedy(a, 40)).tokens
+    want_b = eng.generate(1, greedy(b + [5, 6, 7], 8)).tokens
+    eng.erase_slot(0)
+    eng.erase_slot(1)
+
+    running = eng.submit(0, greedy(a, 40))  # slot 0 generates while slot 1 is restored
+    eng.restore_slot(1, str(path))
+    assert eng.collect(running).tokens == want_a
+    got_b = eng.generate(1, greedy(b + [5, 6, 7], 8))
+    assert got_b.tokens == want_b and got_b.timings.restored and got_b.timings.prompt_n == 3
+
+
+def test_slot_choice_prefers_longest_prefix_then_lru(make_engine, greedy):
+    eng = make_engine("llama", n_slots=3)
+    a = eng.tokenize(TEXT)
+    b = eng.tokenize("Call me Ishmael. " * 12)
+    eng.generate(1, greedy(a, 2))
+    eng.generate(2, greedy(b, 2))
+    got = eng.generate(-1, greedy(a + [9, 9], 2))
+    assert got.slot == 1 and got.timings.cache_n > 0
+    fresh = eng.generate(-1, greedy(eng.tokenize("Something unrelated"), 2))
+    assert fresh.slot == 0  # never used: the least recently used
+
+
+def test_requests_for_a_busy_slot_wait_their_turn(make_engine, greedy):
+    eng = make_engine("qwen35")
+    a = eng.tokenize(TEXT)
+    first = eng.submit(0, greedy(a, 20))
+    second = eng.submit(0, greedy(a, 5))
+    assert [s.queued for s in eng.slots()] == [1] or eng.slots()[0].busy
+    one = eng.collect(first)
+    two = eng.collect(second)
+    assert len(one.tokens) == 20 and two.tokens == one.tokens[:5]
+    assert two.timings.cache_n > 0
+
+
+def test_cancel_running_and_queued(make_engine, greedy):
+    eng = make_engine("qwen35")
+    a = eng.tokenize(TEXT)
+    running = eng.submit(0, greedy(a, -1))
+    queued = eng.submit(0, greedy(a, 4))
+    assert eng.cancel(queued)
+    assert eng.cancel(running)
+    assert eng.collect(queued).stop_reason == "cancelled"
+    assert eng.collect(running).stop_reason == "cancelled"
+    assert not eng.cancel(running)
+    assert eng.generate(0, greedy(a, 3)).stop_reason == "length"
+
+
+def test_stop_tokens_eos_and_prompt_only(make_engine, greedy):
+    eng = make_engine("qwen35")
+    a = eng.tokenize(TEXT)
+    free = eng.generate(0, greedy(a, 12))
+    stop = free.tokens[5]
+    first = free.tokens.index(stop)
+    got = eng.generate(0, greedy(a, 12, stop_tokens=[stop]))
+    assert got.stop_reason == "stop_token" and got.tokens == free.tokens[:first]
+    # Bias the end-of-turn token up: generation ends with "eos", the token itself is not emitted.
+    eot = eng.model.eot
+    done = eng.generate(0, greedy(a, 12, logit_bias={eot: 100.0}))
+    assert done.stop_reason == "eos" and done.tokens == []
+    prefill = eng.generate(0, greedy(a + [7], 0))
+    assert prefill.tokens == [] and prefill.timings.prompt_n == 1
+
+
+def test_seeded_sampling_is_reproducible(make_engine, greedy):
+    eng = make_engine("lfm2")
+    a = eng.tokenize(TEXT)
+    p = greedy(a, 16, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1234)
+    one = eng.generate(0, p).tokens
+    eng.erase_slot(0)
+    assert eng.generate(0, p).tokens == one
+    p.seed = 99
+    assert eng.generate(0, p).tokens != one
+
+
+def test_grammar_constrains_output(make_engine, greedy):
+    eng = make_engine("qwen35")
+    got = eng.generate(0, greedy(eng.tokenize(TEXT), 8, grammar='root ::= "yes" | "no"'))
+    assert got.text in ("yes", "no") and got.stop_reason == "eos"
+
+
+def test_bad_requests_are_refused_precisely(make_engine, greedy):
+    eng = make_engine("llama", n_slots=2)
+    cases = [
+        (lambda: eng.submit(5, greedy([1, 2])), "slot 5 does not exist"),
+        (lambda: eng.submit(0, greedy([])), "the prompt is empty"),
+        (lambda: eng.submit(0, greedy([1] * 2000)), "2000 tokens"),
+        (lambda: eng.submit(0, greedy([1, 10**6])), "outside the vocabulary"),
+        (lambda: eng.submit(0, greedy([1, 2], stop_tokens=[-3])), "stop token -3"),
+        (lambda: eng.submit(0, greedy([1, 2], logit_bias={10**6: 1.0})), "logit_bias"),
+        (lambda: eng.submit(0, greedy([1, 2], grammar='root ::= "open')), "grammar"),
+        (lambda: eng.erase_slot(-1), "slot -1"),
+    ]
+    for call, message in cases:
+        with pytest.raises(native.InvalidRequestError, match=message):
+            call()
+    assert eng.generate(0, greedy([1, 2, 3], 2)).tokens
+
+
+def test_busy_slot_cannot_be_saved_and_closed_engine_refuses(make_engine, greedy, tmp_path: Path):
+    eng = make_engine("qwen35")
+    rid = eng.submit(0, greedy(eng.tokenize(TEXT), -1))
+    with pytest.raises(native.SlotBusyError):
+        eng.save_slot(0, str(tmp_path / "x.slot"))
+    eng.cancel(rid)
+    eng.collect(rid)
+    eng.close()
+    with pytest.raises(native.EngineClosedError):
+        eng.submit(0, greedy([1, 2]))
+
+
+def test_close_ends_running_requests_with_an_error(make_engine, greedy):
+    eng = make_engine("qwen35")
+    rid = eng.submit(0, greedy(eng.tokenize(TEXT), -1))
+    eng.raw.close()
+    with pytest.raises(native.NativeError, match="shutting down"):
+        eng.collect(rid, timeout_s=10)
+
+
+async def test_async_stream_and_early_exit_cancels(make_engine, greedy):
+    eng = make_engine("qwen35")
+    a = eng.tokenize(TEXT)
+    events = [ev async for ev in eng.stream(0, greedy(a, 6))]
+    assert [e.kind for e in events] == ["token"] * 6 + ["done"]
+    assert events[-1].timings.predicted_n == 6
+
+    async for ev in eng.stream(0, greedy(a, -1)):
+        assert ev.kind == "token"
+        break  # leaving the iteration cancels the request
+    for _ in range(50):
+        if not eng.slots()[0].busy:
+            break
+        await asyncio.sleep(0.05)
+    assert not eng.slots()[0].busy
+
+
+def test_checkpoints_are_bounded_per_slot(make_engine, greedy):
+    eng = make_engine("qwen35", max_checkpoints=3, checkpoint_interval=32, checkpoint_min_step=8)
+    a = eng.tokenize(TEXT * 2)
+    eng.generate(0, greedy(a, 2))
+    info = eng.slots()[0]
+    assert info.n_checkpoints == 3
+    assert eng.metrics()["checkpoints_evicted"] > 0
+    # The prompt end survives eviction: the identical prompt still costs nothing.
+    assert eng.generate(0, greedy(a, 2)).timings.prompt_n == 0
+    small = make_engine("qwen35", max_checkpoint_bytes=1)
+    small.generate(0, greedy(a, 2))
+    assert small.slots()[0].n_checkpoints == 0
