@@ -34,7 +34,8 @@ class ModelInfo:
     """-1 when the vocabulary has none."""
     add_bos: bool
     fingerprint: str
-    """Hex SHA-256 of the GGUF header, KV data and tensor table, the first MiB of tensor data and the file size."""
+    """Hex SHA-256 of the GGUF header, KV data and tensor table, the first MiB of tensor data and
+    the file size."""
     meta: dict[str, str]
 
 class EngineConfig:
@@ -162,7 +163,9 @@ class Engine:
     @property
     def n_ctx_slot(self) -> int: ...
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
-    def detokenize(self, tokens: list[int], remove_special: bool = False, unparse_special: bool = True) -> str: ...
+    def detokenize(
+        self, tokens: list[int], remove_special: bool = False, unparse_special: bool = True
+    ) -> str: ...
     def token_piece(self, token: int, special: bool = True) -> bytes: ...
     def submit(self, slot: int, params: RequestParams) -> int:
         """Queue a request on `slot` (-1: the idle slot with the longest common prefix, else the

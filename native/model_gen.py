@@ -591,6 +591,16 @@ def param_count(arch: str, size: str = "tiny") -> int:
     return sum(int(np.prod(t.ne)) for t in _tensors(spec, dims))
 
 
+def cached_model(directory: str | os.PathLike[str], arch: str, size: str = "tiny", seed: int = 0) -> str:
+    """Path of `{arch}-{size}-seed{seed}.gguf` in `directory`, written first if it is not there yet
+    (generation is deterministic, so a cached file is the same model)."""
+    path = os.path.join(os.fspath(directory), f"{arch}-{size}-seed{seed}.gguf")
+    if not os.path.exists(path):
+        os.makedirs(os.fspath(directory), exist_ok=True)
+        write_model(path, arch, size=size, seed=seed)
+    return path
+
+
 def write_model(path: str | os.PathLike[str], arch: str, size: str = "tiny", seed: int = 0) -> None:
     """Write a random-weight GGUF model of `arch` ("llama", "gemma2", "mamba2", "lfm2", "qwen35").
 

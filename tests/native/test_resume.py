@@ -33,7 +33,9 @@ def _followups(engine, render, msgs, prompt1, gen1_tokens, gen1_text):
     turn2 = msgs + [{"role": "assistant", "content": gen1_text}, {"role": "user", "content": USER2}]
     extension = prompt1 + gen1_tokens + engine.tokenize(" and then what happened next?", add_special=False)
     diverge_at = len(prompt1) * 2 // 3
-    divergent = prompt1[:diverge_at] + engine.tokenize(" something else entirely, a new ending.", add_special=False)
+    divergent = prompt1[:diverge_at] + engine.tokenize(
+        " something else entirely, a new ending.", add_special=False
+    )
     return {
         "a_extension": extension,
         "b_next_turn": engine.tokenize(render(tmpl, turn2, True)),
@@ -48,7 +50,9 @@ def test_restored_slot_matches_live_slot(arch, make_engine, greedy, render, tmp_
     msgs, prompt1, hints = _turn1(live, render)
     assert len(prompt1) > 300  # longer than gemma2's SWA cache keeps: trims need checkpoints there
     first = [live.generate(s, greedy(prompt1, N_GEN, checkpoint_hints=hints)) for s in range(4)]
-    assert all(c.tokens == first[0].tokens for c in first), "the same prompt must give the same tokens in every slot"
+    assert all(c.tokens == first[0].tokens for c in first), (
+        "the same prompt must give the same tokens in every slot"
+    )
     gen1 = first[0]
     assert gen1.timings.prompt_n == len(prompt1)
 
@@ -74,7 +78,9 @@ def test_restored_slot_matches_live_slot(arch, make_engine, greedy, render, tmp_
         got = restarted.generate(1, greedy(prompt, N_GEN))
         want = live_results[name]
         assert got.tokens == want.tokens, f"{arch} {name}: restored tokens differ from the live slot's"
-        assert got.timings.prompt_n == want.timings.prompt_n, f"{arch} {name}: {got.timings} vs live {want.timings}"
+        assert got.timings.prompt_n == want.timings.prompt_n, (
+            f"{arch} {name}: {got.timings} vs live {want.timings}"
+        )
         assert got.timings.cache_n == want.timings.cache_n
         assert got.timings.restored
         assert got.timings.cache_n > 0, f"{arch} {name}: nothing reused after restore"

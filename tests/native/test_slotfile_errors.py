@@ -19,7 +19,13 @@ TRAILER = 64
 def _layout(data: bytes) -> dict[str, int]:
     t = data[-TRAILER:]
     base_len, ckpt_off, ckpt_len, meta_off, meta_len = struct.unpack_from("<5Q", t, 16)
-    return {"base_len": base_len, "ckpt_off": ckpt_off, "ckpt_len": ckpt_len, "meta_off": meta_off, "meta_len": meta_len}
+    return {
+        "base_len": base_len,
+        "ckpt_off": ckpt_off,
+        "ckpt_len": ckpt_len,
+        "meta_off": meta_off,
+        "meta_len": meta_len,
+    }
 
 
 def _reseal(body: bytes, trailer: bytearray) -> bytes:
@@ -98,8 +104,21 @@ def test_good_file_roundtrips_and_base_payload_is_llama_cpp_format(saved, tmp_pa
 def test_truncated_files(saved, greedy, tmp_path: Path):
     eng, data, prompt = saved
     lay = _layout(data)
-    cuts = [0, 1, 11, 12, 63, 64, 100, lay["base_len"] - 1, lay["base_len"], lay["ckpt_off"] + 20,
-            lay["meta_off"] + 7, len(data) - TRAILER, len(data) - 1]
+    cuts = [
+        0,
+        1,
+        11,
+        12,
+        63,
+        64,
+        100,
+        lay["base_len"] - 1,
+        lay["base_len"],
+        lay["ckpt_off"] + 20,
+        lay["meta_off"] + 7,
+        len(data) - TRAILER,
+        len(data) - 1,
+    ]
     for cut in cuts:
         _expect(eng, greedy, prompt, tmp_path, data[:cut], {"truncated", "bad_magic"})
 
@@ -129,14 +148,14 @@ def test_huge_counts_and_lengths_with_valid_checksums(saved, greedy, tmp_path: P
     lay = _layout(data)
     c, m = lay["ckpt_off"], lay["meta_off"]
     cases = [
-        (_patch(data, 8, "<I", 0xFFFFFFFF), {"too_large", "truncated"}),        # n_tokens
-        (_patch(data, c + 8, "<I", 0x7FFFFFFF), {"truncated"}),                  # checkpoint count
-        (_patch(data, c + 12 + 16, "<Q", 1 << 62), {"truncated"}),               # first state blob length
-        (_patch(data, m + 8, "<I", 0xFFFFFFFF), {"truncated"}),                  # record count
-        (_patch(data, m + 12 + 8, "<Q", 1 << 60), {"truncated"}),                # first record length
-        (_patch(data, c + 12, "<q", 1 << 40), {"bad_layout"}),                   # checkpoint past the tokens
-        (_patch_trailer(data, 16, "<Q", 1 << 50), {"bad_layout"}),               # base_len
-        (_patch_trailer(data, 40, "<Q", 3), {"bad_layout"}),                     # meta offset
+        (_patch(data, 8, "<I", 0xFFFFFFFF), {"too_large", "truncated"}),  # n_tokens
+        (_patch(data, c + 8, "<I", 0x7FFFFFFF), {"truncated"}),  # checkpoint count
+        (_patch(data, c + 12 + 16, "<Q", 1 << 62), {"truncated"}),  # first state blob length
+        (_patch(data, m + 8, "<I", 0xFFFFFFFF), {"truncated"}),  # record count
+        (_patch(data, m + 12 + 8, "<Q", 1 << 60), {"truncated"}),  # first record length
+        (_patch(data, c + 12, "<q", 1 << 40), {"bad_layout"}),  # checkpoint past the tokens
+        (_patch_trailer(data, 16, "<Q", 1 << 50), {"bad_layout"}),  # base_len
+        (_patch_trailer(data, 40, "<Q", 3), {"bad_layout"}),  # meta offset
     ]
     for bad, kinds in cases:
         _expect(eng, greedy, prompt, tmp_path, bad, kinds)
@@ -148,8 +167,12 @@ def test_versions(saved, greedy, tmp_path: Path):
     err = _expect(eng, greedy, prompt, tmp_path, _patch(data, 4, "<I", 99), {"unsupported_version"})
     assert "version 99" in str(err)
     _expect(eng, greedy, prompt, tmp_path, _patch_trailer(data, 8, "<H", 2), {"unsupported_version"})
-    _expect(eng, greedy, prompt, tmp_path, _patch(data, lay["ckpt_off"] + 4, "<I", 2), {"unsupported_version"})
-    _expect(eng, greedy, prompt, tmp_path, _patch(data, lay["meta_off"] + 4, "<I", 7), {"unsupported_version"})
+    _expect(
+        eng, greedy, prompt, tmp_path, _patch(data, lay["ckpt_off"] + 4, "<I", 2), {"unsupported_version"}
+    )
+    _expect(
+        eng, greedy, prompt, tmp_path, _patch(data, lay["meta_off"] + 4, "<I", 7), {"unsupported_version"}
+    )
 
 
 def test_foreign_model_and_limits(saved, make_engine, greedy, tmp_path: Path):
@@ -176,8 +199,14 @@ def test_checkpoint_logits_with_wrong_vocab_size(saved, greedy, tmp_path: Path):
     meta_len = struct.unpack_from("<Q", data, m + 8)[0]
     second = m + 16 + meta_len
     assert struct.unpack_from("<I", data, second)[0] == 2
-    _expect(eng, greedy, prompt, tmp_path, _patch(data, second + 8, "<Q", 4 * eng.model.n_vocab - 4),
-            {"model_mismatch", "truncated"})
+    _expect(
+        eng,
+        greedy,
+        prompt,
+        tmp_path,
+        _patch(data, second + 8, "<Q", 4 * eng.model.n_vocab - 4),
+        {"model_mismatch", "truncated"},
+    )
 
 
 def test_missing_file_and_directory(saved, tmp_path: Path):
