@@ -12,7 +12,11 @@ import sys
 from collections.abc import Callable
 
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "engine": ("engine_pool.engine_main", "main", "one engine process: llama-server-compatible API over the native core"),
+    "engine": (
+        "engine_pool.engine_main",
+        "main",
+        "one engine process: llama-server-compatible API over the native core",
+    ),
     "make-model": ("native.model_gen", "main", "write a tiny (or bench) random-weight GGUF test model"),
     "inspect": ("storage.inspect", "main", "print a slot file's header, checkpoints and checksum verdict"),
     "reindex": ("storage.reindex", "main", "rebuild the Redis session index from storage"),

@@ -70,7 +70,9 @@ class Engine:
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         return self._raw.tokenize(text, add_special, parse_special)
 
-    def detokenize(self, tokens: list[int], remove_special: bool = False, unparse_special: bool = True) -> str:
+    def detokenize(
+        self, tokens: list[int], remove_special: bool = False, unparse_special: bool = True
+    ) -> str:
         return self._raw.detokenize(tokens, remove_special, unparse_special)
 
     def slots(self) -> list[_native.SlotInfo]:
