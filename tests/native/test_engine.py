@@ -183,3 +183,10 @@ def test_checkpoints_are_bounded_per_slot(make_engine, greedy):
     small = make_engine("qwen35", max_checkpoint_bytes=1)
     small.generate(0, greedy(a, 2))
     assert small.slots()[0].n_checkpoints == 0
+
+
+def test_one_libllama_per_process(make_engine):
+    make_engine("qwen35")
+    with open("/proc/self/maps") as f:
+        libs = {line.split()[-1] for line in f if "libllama.so" in line}
+    assert len(libs) == 1, libs
