@@ -105,3 +105,29 @@ def test_recurrent_reuse_needs_checkpoints(arch, make_engine, greedy, render):
     eng.generate(0, greedy(prompt1, 4))
     again = eng.generate(0, greedy(prompt1[:-5], 4))
     assert again.timings.cache_n == 0 and again.timings.prompt_n == len(prompt1) - 5
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ten_turn_conversation_restarted_every_turn(arch, make_engine, greedy, render, tmp_path: Path):
+    """An agent loop where the engine restarts between every turn costs exactly what a slot that
+    never left memory costs, turn by turn, and answers the same."""
+    live = make_engine(arch)
+    tmpl = live.model.chat_template
+    msgs: list[dict[str, object]] = [{"role": "system", "content": SYSTEM}]
+    path = tmp_path / "session.slot"
+    for turn in range(10):
+        msgs.append({"role": "user", "content": f"Step {turn}: list the files and run the tests again."})
+        prompt = live.tokenize(render(tmpl, msgs, True))
+        hints = [len(live.tokenize(render(tmpl, msgs[:1], False)))]
+        want = live.generate(0, greedy(prompt, 6, checkpoint_hints=hints))
+        restarted = make_engine(arch)
+        if turn:
+            restarted.restore_slot(0, str(path))
+        got = restarted.generate(0, greedy(prompt, 6, checkpoint_hints=hints))
+        assert got.tokens == want.tokens, f"{arch} turn {turn}"
+        assert (got.timings.prompt_n, got.timings.cache_n) == (want.timings.prompt_n, want.timings.cache_n)
+        if turn:
+            assert got.timings.cache_n > len(prompt) // 2, f"{arch} turn {turn}: {got.timings}"
+        restarted.save_slot(0, str(path))
+        restarted.close()
+        msgs.append({"role": "assistant", "content": want.text})
