@@ -1,0 +1,82 @@
+"""Where a request runs: a pure decision over a snapshot of the engines and the session.
+
+`choose_placement` takes plain data and returns a `Placement`; the gateway's request path carries
+it out (spill the evicted session, fill the session into the slot, forward the request).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Serve(StrEnum):
+    LIVE = "live"  # the session is in this slot already
+    RESTORE = "restored"  # fill the slot from the session's newest durable generation
+    COLD = "cold"  # a new (or never saved) session: the prompt is evaluated in full
+
+
+@dataclass(frozen=True)
+class SlotView:
+    slot: int
+    busy: bool = False
+    tenant: str | None = None  # the session held by the slot, if any
+    session: str | None = None
+    last_used: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineView:
+    engine: str
+    model: str
+    ready: bool
+    slots: tuple[SlotView, ...]
+
+
+@dataclass(frozen=True)
+class SessionView:
+    tenant: str
+    session: str
+    engine: str | None = None  # where it is live, if it is
+    slot: int | None = None
+    generation: int = 0  # newest durable generation (0 = none)
+
+
+@dataclass(frozen=True)
+class Placement:
+    engine: str
+    slot: int
+    serve: Serve
+    evict: SlotView | None = None  # an idle session to spill out of the slot first
+
+
+class NoCapacity(Exception):
+    """Every slot of every ready engine serving the model is busy."""
+
+
+def choose_placement(engines: list[EngineView], model: str, session: SessionView) -> Placement:
+    """Live → its own slot. Otherwise a free slot of a ready engine with the model (the engine with
+    most free slots first), else the least recently used idle slot there, whose session is evicted.
+    Busy slots are never evicted. Raises NoCapacity when nothing is idle."""
+    candidates = [e for e in engines if e.ready and e.model == model]
+    for e in candidates:
+        if e.engine != session.engine:
+            continue
+        for s in e.slots:
+            if s.slot == session.slot and (s.tenant, s.session) == (session.tenant, session.session):
+                if s.busy:
+                    break  # the caller forks a busy session; never wait here
+                return Placement(e.engine, s.slot, Serve.LIVE)
+    serve = Serve.RESTORE if session.generation > 0 else Serve.COLD
+
+    def free(e: EngineView) -> list[SlotView]:
+        return [s for s in e.slots if not s.busy and s.session is None]
+
+    with_free = sorted((e for e in candidates if free(e)), key=lambda e: (-len(free(e)), e.engine))
+    if with_free:
+        return Placement(with_free[0].engine, free(with_free[0])[0].slot, serve)
+    idle = [(s.last_used, e.engine, s) for e in candidates for s in e.slots if not s.busy]
+    if not idle:
+        raise NoCapacity(f"all slots for model {model!r} are busy")
+    _, engine, victim = min(idle, key=lambda t: (t[0], t[1], t[2].slot))
+    return Placement(engine, victim.slot, serve, evict=victim)

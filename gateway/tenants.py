@@ -1,0 +1,145 @@
+"""Tenants: API keys (kept only as SHA-256 digests), model aliases, durability and quotas.
+
+The tenants file is TOML:
+
+    [tenants.acme]
+    keys = ["sk-acme-1"]                 # plaintext keys are hashed at load and then forgotten
+    key_sha256 = ["9f86d081..."]         # or their digests (`slotkeeper` never needs the key itself)
+    durability = "after-turn"            # or "on-evict"
+    models = { "gpt-4o" = "qwen35" }     # alias → served model id (ids are also accepted as is)
+
+    [tenants.acme.quotas]
+    sessions = 1000
+    stored_bytes = 50_000_000_000
+    live_slots = 8
+    requests_per_minute = 600
+
+Without a file there is one tenant, `default`, with no key and no quotas (local use).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import tomllib
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from storage.ids import validate_id
+
+
+class Durability(StrEnum):
+    AFTER_TURN = "after-turn"
+    ON_EVICT = "on-evict"
+
+
+@dataclass(frozen=True)
+class Quotas:
+    sessions: int | None = None
+    stored_bytes: int | None = None
+    live_slots: int | None = None
+    requests_per_minute: int | None = None
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    key_digests: frozenset[str] = frozenset()
+    durability: Durability = Durability.AFTER_TURN
+    models: dict[str, str] = field(default_factory=dict)
+    quotas: Quotas = Quotas()
+
+    def model_id(self, requested: str, served: set[str]) -> str | None:
+        """The served model a requested name means for this tenant (alias or id), else None."""
+        target = self.models.get(requested, requested)
+        return target if target in served else None
+
+
+class TenantConfigError(ValueError):
+    """The tenants file is malformed; the message names the tenant and field."""
+
+
+def key_digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Tenants:
+    by_name: dict[str, Tenant]
+    open_access: bool  # no tenants file: every request is the default tenant, no key needed
+
+    def authenticate(self, key: str | None) -> Tenant | None:
+        """The tenant owning `key` (constant-time compare of digests), or None."""
+        if self.open_access:
+            return self.by_name["default"]
+        if not key:
+            return None
+        digest = key_digest(key)
+        found = None
+        for tenant in self.by_name.values():
+            for known in tenant.key_digests:
+                if hmac.compare_digest(known, digest):
+                    found = tenant
+        return found
+
+
+def open_tenants() -> Tenants:
+    return Tenants({"default": Tenant("default")}, open_access=True)
+
+
+def _int_or_none(raw: dict[str, Any], name: str, where: str) -> int | None:
+    value = raw.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise TenantConfigError(f"{where}.quotas.{name} must be a non-negative integer")
+    return value
+
+
+def parse_tenants(doc: dict[str, Any]) -> Tenants:
+    raw_tenants = doc.get("tenants")
+    if not isinstance(raw_tenants, dict) or not raw_tenants:
+        raise TenantConfigError("the tenants file needs at least one [tenants.NAME] table")
+    out: dict[str, Tenant] = {}
+    seen: dict[str, str] = {}
+    for name, raw in raw_tenants.items():
+        where = f"tenants.{name}"
+        validate_id(name, "tenant name")
+        if not isinstance(raw, dict):
+            raise TenantConfigError(f"{where} must be a table")
+        keys = raw.get("keys", [])
+        digests = raw.get("key_sha256", [])
+        if not isinstance(keys, list) or not isinstance(digests, list):
+            raise TenantConfigError(f"{where}.keys and key_sha256 must be lists of strings")
+        all_digests = {key_digest(str(k)) for k in keys} | {str(d).lower() for d in digests}
+        if not all_digests:
+            raise TenantConfigError(f"{where} has no keys")
+        for d in all_digests:
+            if d in seen:
+                raise TenantConfigError(f"{where} shares a key with tenants.{seen[d]}")
+            seen[d] = name
+        try:
+            durability = Durability(raw.get("durability", Durability.AFTER_TURN.value))
+        except ValueError:
+            raise TenantConfigError(f"{where}.durability must be 'after-turn' or 'on-evict'") from None
+        models = raw.get("models", {})
+        if not isinstance(models, dict) or not all(isinstance(v, str) for v in models.values()):
+            raise TenantConfigError(f"{where}.models must map alias names to model ids")
+        q = raw.get("quotas", {})
+        if not isinstance(q, dict):
+            raise TenantConfigError(f"{where}.quotas must be a table")
+        quotas = Quotas(**{f: _int_or_none(q, f, where) for f in Quotas.__dataclass_fields__})
+        out[name] = Tenant(name, frozenset(all_digests), durability, dict(models), quotas)
+    return Tenants(out, open_access=False)
+
+
+def load_tenants(path: str | Path | None) -> Tenants:
+    if path is None:
+        return open_tenants()
+    try:
+        doc = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise TenantConfigError(f"cannot read tenants file {path}: {exc}") from exc
+    return parse_tenants(doc)
