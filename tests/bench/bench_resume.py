@@ -77,8 +77,10 @@ def main(argv: list[str]) -> int:
         msgs[1]["content"] = "Review this code:\n" + user
     prompt1 = eng.tokenize(_render(tmpl, msgs))
     hints = [len(eng.tokenize(_render(tmpl, msgs[:1]).removesuffix("<|im_start|>assistant\n")))]
-    print(f"model {eng.model.description} ({eng.model.n_params / 1e6:.0f}M params, {eng.model.arch}); "
-          f"prompt {len(prompt1)} tokens")
+    print(
+        f"model {eng.model.description} ({eng.model.n_params / 1e6:.0f}M params, {eng.model.arch}); "
+        f"prompt {len(prompt1)} tokens"
+    )
 
     rows: list[tuple[str, int, float, float]] = []  # name, prompt_n, prompt_ms, wall_ms incl. restore
 
@@ -120,13 +122,17 @@ def main(argv: list[str]) -> int:
         restored("restored identical prompt", prompt1)
         restored("restored next turn, no checkpoints (upstream)", prompt2, max_checkpoints=0)
 
-    print(f"slot file: {saved.n_bytes / 2**20:.1f} MiB, {saved.n_checkpoints} checkpoints, "
-          f"save {saved.ms:.0f} ms, engine start + restore {restore_ms:.0f} ms")
+    print(
+        f"slot file: {saved.n_bytes / 2**20:.1f} MiB, {saved.n_checkpoints} checkpoints, "
+        f"save {saved.ms:.0f} ms, engine start + restore {restore_ms:.0f} ms"
+    )
     print(f"{'case':48} {'prompt_n':>8} {'prompt ms':>10} {'wall ms':>9}")
     for name, n, pms, wall in rows:
         print(f"{name:48} {n:8d} {pms:10.0f} {wall:9.0f}")
     same = back.tokens == live.tokens
-    print(f"restored/live next turn: prompt_n {rows[2][1]}/{rows[1][1]}, "
-          f"prompt ms ratio {rows[2][2] / max(rows[1][2], 1e-9):.2f}, wall incl. restore ratio "
-          f"{rows[2][3] / max(rows[1][3], 1e-9):.2f}; tokens identical: {same}")
+    print(
+        f"restored/live next turn: prompt_n {rows[2][1]}/{rows[1][1]}, "
+        f"prompt ms ratio {rows[2][2] / max(rows[1][2], 1e-9):.2f}, wall incl. restore ratio "
+        f"{rows[2][3] / max(rows[1][3], 1e-9):.2f}; tokens identical: {same}"
+    )
     return 0 if same else 1

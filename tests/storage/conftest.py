@@ -220,9 +220,14 @@ def http_ok(url: str) -> bool:
         return bool(resp.status < 500)
 
 
+# Buckets are created in-process before the server listens, so a restarted server never answers
+# NoSuchBucket to a client that is retrying.
 _MOTO = (
     "import sys, time\n"
+    "from moto.core import DEFAULT_ACCOUNT_ID\n"
+    "from moto.s3.models import s3_backends\n"
     "from moto.server import ThreadedMotoServer\n"
+    "s3_backends[DEFAULT_ACCOUNT_ID]['aws'].create_bucket('slots', 'us-east-1')\n"
     "ThreadedMotoServer(ip_address='127.0.0.1', port=int(sys.argv[1]), verbose=False).start()\n"
     "time.sleep(10**9)\n"
 )
@@ -257,6 +262,15 @@ def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoProces
     server.kill()
 
 
+@pytest.fixture
+def restartable_moto(tmp_path: Path) -> Iterator[MotoProcess]:
+    """A moto server of this test's own, bucket ``slots`` created, that the test may kill."""
+    server = MotoProcess(tmp_path)
+    server.start()
+    yield server
+    server.kill()
+
+
 @pytest.fixture(scope="session")
 def seaweed_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     data = tmp_path_factory.mktemp("seaweed")
@@ -265,7 +279,8 @@ def seaweed_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
            f"-master.port={ports['master']}", f"-volume.port={ports['volume']}",
            f"-filer.port={ports['filer']}", f"-s3.port={ports['s3']}",
            f"-admin.port={ports['admin']}", "-admin.ui=false", "-webdav=false",
-           "-s3.port.iceberg=0", "-s3.port.lance=0"]  # fmt: skip
+           "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.localSocket={data}/s3.sock",
+           f"-filer.localSocket={data}/filer.sock"]  # fmt: skip
     with open(data / "weed.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=log, cwd=data, start_new_session=True)
     endpoint = f"http://127.0.0.1:{ports['s3']}"
@@ -274,6 +289,9 @@ def seaweed_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield endpoint
     finally:
         stop(proc)
+        # gRPC sockets weed puts in /tmp with no flag to move them
+        for name in (f"admin-grpc-{ports['admin'] + 10000}", f"s3-grpc-{ports['s3'] + 10000}"):
+            Path(f"/tmp/seaweedfs-{name}.sock").unlink(missing_ok=True)
 
 
 def make_bucket(endpoint: str, bucket: str) -> None:
@@ -288,16 +306,26 @@ def make_bucket(endpoint: str, bucket: str) -> None:
         client.close()
 
 
+def start_s3(request: pytest.FixtureRequest, server: str) -> str:
+    """The endpoint of the session's ``moto`` or ``seaweedfs`` server, bucket ``slots`` created."""
+    if server == "moto":
+        endpoint = str(request.getfixturevalue("moto_server").endpoint)
+    else:
+        endpoint = str(request.getfixturevalue("seaweed_endpoint"))
+    make_bucket(endpoint, "slots")
+    return endpoint
+
+
 @pytest.fixture(params=["moto", "seaweedfs"])
 def s3_endpoint(request: pytest.FixtureRequest) -> str:
     """A real S3 endpoint (both servers, parametrized) with the bucket ``slots`` created."""
-    endpoint = (
-        request.getfixturevalue("moto_server").endpoint
-        if request.param == "moto"
-        else request.getfixturevalue("seaweed_endpoint")
-    )
-    make_bucket(endpoint, "slots")
-    return str(endpoint)
+    return start_s3(request, request.param)
+
+
+@pytest.fixture
+def s3_endpoint_for(request: pytest.FixtureRequest) -> Any:
+    """For fixtures parametrized over more than S3: ``s3_endpoint_for("moto")``."""
+    return lambda server: start_s3(request, server)
 
 
 @pytest.fixture

@@ -1,0 +1,185 @@
+"""The async blob-store interface that the local-directory and S3 stores implement.
+
+Objects are slot files addressed by :class:`~storage.ids.SlotRef` (tenant, session, generation),
+never by a raw key, so no call can reach outside one tenant's namespace except
+:meth:`BlobStore.list_tenants`, the operator listing that ``reindex`` needs. Every object carries
+metadata (tenant, session, generation, model fingerprint, token count, size, ``crc32:%08x`` of the
+whole object, and the id of the write that produced it) so that the store is the source of truth.
+
+Writes are conditional: a generation is written once; a second writer gets :class:`Conflict`.
+Reads land in a temporary file beside the destination, are verified against the recorded CRC and
+only then renamed into place, so a destination path never holds unverified bytes.
+"""
+
+from __future__ import annotations
+
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+from storage.checksum import format_checksum, parse_checksum
+from storage.errors import StorageError
+from storage.ids import SlotRef, blob_key, validate_id, validate_prefix
+
+_FINGERPRINT_MAX = 256
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    """One object as a listing shows it (no user metadata)."""
+
+    ref: SlotRef
+    key: str
+    size: int
+    last_modified: float
+
+
+@dataclass(frozen=True)
+class BlobMeta:
+    """One object with its metadata (from a head or a completed transfer)."""
+
+    ref: SlotRef
+    key: str
+    size: int
+    crc32: int | None  # None only for foreign objects written without our metadata
+    model: str
+    n_tokens: int
+    last_modified: float
+    etag: str = ""
+    writer: str = ""
+
+    @property
+    def checksum(self) -> str | None:
+        return None if self.crc32 is None else format_checksum(self.crc32)
+
+
+def encode_metadata(
+    ref: SlotRef, *, size: int, crc32: int, model: str, n_tokens: int, writer: str
+) -> dict[str, str]:
+    """The object metadata (all ASCII strings, as S3 user metadata requires)."""
+    if not model.isascii() or len(model) > _FINGERPRINT_MAX or not model.isprintable():
+        raise StorageError(f"model fingerprint must be printable ASCII of at most {_FINGERPRINT_MAX} chars")
+    if n_tokens < 0:
+        raise StorageError("n_tokens must be >= 0")
+    return {
+        "tenant": ref.tenant,
+        "session": ref.session,
+        "generation": str(ref.generation),
+        "model": model,
+        "tokens": str(n_tokens),
+        "size": str(size),
+        "checksum": format_checksum(crc32),
+        "writer": writer,
+    }
+
+
+def decode_metadata(
+    ref: SlotRef, key: str, size: int, last_modified: float, etag: str, md: Mapping[str, str]
+) -> BlobMeta:
+    """Metadata as stored; identity always comes from the key, and must agree with the metadata."""
+    for name, value in (
+        ("tenant", ref.tenant),
+        ("session", ref.session),
+        ("generation", str(ref.generation)),
+    ):
+        if name in md and md[name] != value:
+            raise StorageError(f"object {key}: metadata {name}={md[name]!r} disagrees with its key")
+    crc = parse_checksum(md["checksum"]) if "checksum" in md else None
+    try:
+        n_tokens = int(md.get("tokens", "0"))
+    except ValueError as exc:
+        raise StorageError(f"object {key}: bad tokens metadata {md.get('tokens')!r}") from exc
+    return BlobMeta(
+        ref=ref, key=key, size=size, crc32=crc, model=md.get("model", ""), n_tokens=n_tokens,
+        last_modified=last_modified, etag=etag, writer=md.get("writer", ""),
+    )  # fmt: skip
+
+
+def new_writer_id() -> str:
+    """A unique id stamped into each write, to tell our own object from a concurrent writer's."""
+    return uuid.uuid4().hex
+
+
+def temp_beside(dest: Path, writer: str) -> Path:
+    """The temporary name a download uses next to its destination (same filesystem: atomic rename)."""
+    return dest.with_name(f".{dest.name}.{writer[:12]}.part")
+
+
+class BlobStore(ABC):
+    """Async store of slot files; implementations must be safe to share between tasks."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = validate_prefix(prefix)
+
+    def key_for(self, ref: SlotRef) -> str:
+        return blob_key(self.prefix, ref)
+
+    @abstractmethod
+    async def put_file(
+        self, ref: SlotRef, path: str | Path, *, model: str, n_tokens: int, crc32: int | None = None
+    ) -> BlobMeta:
+        """Upload ``path`` as generation ``ref``; :class:`Conflict` if that generation exists.
+
+        ``crc32`` is the CRC the caller expects of the whole file (e.g. from a slot file's trailer,
+        :func:`storage.slotfile.whole_file_crc32`); the bytes actually sent must match it, else
+        :class:`ChecksumError`. Without it the store computes it first. The source file is never
+        modified or removed. Transient failures are retried; when they persist
+        :class:`StoreUnavailable` is raised and nothing is left half-visible.
+        """
+
+    @abstractmethod
+    async def get_to_file(self, ref: SlotRef, dest: str | Path) -> BlobMeta:
+        """Download to ``dest`` (replaced atomically) after verifying the recorded CRC-32.
+
+        :class:`NotFound` if absent, :class:`ChecksumError` if the bytes do not match (``dest``
+        is then left as it was).
+        """
+
+    @abstractmethod
+    async def head(self, ref: SlotRef) -> BlobMeta:
+        """Metadata of one object; :class:`NotFound` if absent."""
+
+    @abstractmethod
+    def list(self, tenant: str, session: str | None = None) -> AsyncIterator[BlobInfo]:
+        """Objects of one tenant (optionally one session), in key order."""
+
+    @abstractmethod
+    def list_tenants(self) -> AsyncIterator[str]:
+        """Tenants that have objects under this store's prefix (operator use: reindex)."""
+
+    @abstractmethod
+    async def delete(self, ref: SlotRef) -> None:
+        """Remove one object; deleting an absent object is not an error."""
+
+    async def latest(self, tenant: str, session: str) -> BlobInfo | None:
+        """The newest generation of one session, or None."""
+        newest: BlobInfo | None = None
+        async for info in self.list(tenant, session):
+            if newest is None or info.ref.generation > newest.ref.generation:
+                newest = info
+        return newest
+
+    async def latest_per_session(self, tenant: str) -> dict[str, BlobInfo]:
+        """The newest generation of every session of one tenant."""
+        validate_id(tenant, "tenant id")
+        newest: dict[str, BlobInfo] = {}
+        async for info in self.list(tenant):
+            seen = newest.get(info.ref.session)
+            if seen is None or info.ref.generation > seen.ref.generation:
+                newest[info.ref.session] = info
+        return newest
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook, most stores own nothing
+        """Release threads and connections owned by the store (not the client passed in)."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()

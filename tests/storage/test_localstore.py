@@ -1,0 +1,58 @@
+"""storage.localstore specifics (the shared contract is in test_blobstore.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from storage.errors import Conflict, NotFound, StorageError
+from storage.ids import SlotRef
+from storage.localstore import LocalStore
+
+
+async def test_layout_and_sidecar(tmp_path: Path, slot_writer: Any) -> None:
+    store = LocalStore(tmp_path, prefix="p/q")
+    src = slot_writer.write(tmp_path / "a.slot", slot_writer.Spec(state_size=20 << 20))
+    meta = await store.put_file(SlotRef("acme", "s", 1), src, model="fp", n_tokens=6)
+    path = tmp_path / "p/q/acme/s/00000000000000000001.slot"
+    assert path.read_bytes() == src.read_bytes()
+    sidecar = json.loads(path.with_name(path.name + ".meta.json").read_text())
+    assert (
+        sidecar["checksum"] == meta.checksum
+        and sidecar["tokens"] == "6"
+        and sidecar["size"] == str(meta.size)
+    )
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name, f"{path.name}.meta.json"]
+    await store.aclose()
+
+
+async def test_claimed_but_uncommitted_generation(tmp_path: Path, slot_writer: Any) -> None:
+    """A crash between the link (claim) and the metadata rename (commit): invisible, not reusable."""
+    store = LocalStore(tmp_path, fsync=False)
+    ref = SlotRef("acme", "s", 1)
+    path = tmp_path / store.key_for(ref)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"half")
+    with pytest.raises(NotFound):
+        await store.head(ref)
+    assert [i async for i in store.list("acme")] == []
+    with pytest.raises(Conflict):
+        await store.put_file(
+            ref, slot_writer.write(tmp_path / "a.slot", slot_writer.Spec()), model="m", n_tokens=1
+        )
+
+
+async def test_unreadable_metadata(tmp_path: Path, slot_writer: Any) -> None:
+    store = LocalStore(tmp_path, fsync=False)
+    ref = SlotRef("acme", "s", 1)
+    meta = await store.put_file(
+        ref, slot_writer.write(tmp_path / "a.slot", slot_writer.Spec()), model="m", n_tokens=1
+    )
+    (tmp_path / f"{meta.key}.meta.json").write_text("{not json")
+    with pytest.raises(StorageError):
+        await store.head(ref)
+    with pytest.raises(ValueError):
+        LocalStore(tmp_path, concurrency=0)

@@ -1,0 +1,118 @@
+"""storage.reindex: Redis loses everything, storage (local or S3) brings every session back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from storage.blobstore import BlobStore
+from storage.ids import SlotRef
+from storage.index import SessionIndex, SessionState
+from storage.localstore import LocalStore
+from storage.reindex import main, reindex
+from storage.s3client import make_s3_client
+from storage.s3store import S3Store
+
+
+@pytest.fixture(params=["local", "moto"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path, key_prefix: str) -> AsyncIterator[BlobStore]:
+    if request.param == "local":
+        yield LocalStore(tmp_path / "store", prefix=key_prefix, fsync=False)
+        return
+    client = make_s3_client(
+        endpoint_url=request.getfixturevalue("s3_endpoint_for")("moto"), access_key="t", secret_key="t"
+    )
+    async with S3Store(client, "slots", prefix=key_prefix) as s3:
+        yield s3
+    client.close()
+
+
+async def populate(
+    store: BlobStore, index: SessionIndex, tmp_path: Path, writer: Any
+) -> dict[tuple[str, str], int]:
+    """Sessions of two tenants, several generations each, spilled in the index; returns the newest."""
+    latest = {}
+    for tenant, session, generations in (
+        ("acme", "s1", [1, 2, 5]),
+        ("acme", "s2", [3]),
+        ("beta", "s1", [1, 7]),
+    ):
+        await index.create(tenant, session, model="fp")
+        for gen in generations:
+            src = writer.write(tmp_path / f"{tenant}-{session}-{gen}.slot", writer.Spec(n_tokens=gen + 1))
+            meta = await store.put_file(
+                SlotRef(tenant, session, gen), src, model=f"fp{gen}", n_tokens=gen + 1
+            )
+            await index.mark_spilled(tenant, session, generation=gen, blob_key=meta.key, nbytes=meta.size)
+        latest[(tenant, session)] = generations[-1]
+    return latest
+
+
+async def test_flushed_redis_is_rebuilt(
+    store: BlobStore, redis_client: Any, tmp_path: Path, slot_writer: Any
+) -> None:
+    index = SessionIndex(redis_client, prefix="sk")
+    latest = await populate(store, index, tmp_path, slot_writer)
+    before = {k: await index.get(*k) for k in latest}
+    await redis_client.flushdb()
+    assert await index.find("acme", "s1") is None
+    dry = await reindex(store, index, dry_run=True)
+    assert dry.restored == 3 and await index.find("acme", "s1") is None
+    report = await reindex(store, index)
+    assert (report.tenants, report.sessions, report.restored, report.skipped) == (2, 3, 3, [])
+    for (tenant, session), gen in latest.items():
+        got = await index.get(tenant, session)
+        old = before[(tenant, session)]
+        assert got.state is SessionState.SPILLED
+        assert (got.generation, got.blob_key, got.bytes) == (gen, old.blob_key, old.bytes)
+        assert (got.model, got.tokens) == (f"fp{gen}", gen + 1)
+    again = await reindex(store, index)
+    assert (again.restored, again.unchanged) == (0, 3)
+    assert await index.list_sessions("acme") and await index.list_sessions("beta")
+
+
+async def test_live_sessions_stay_live(
+    store: BlobStore, redis_client: Any, tmp_path: Path, slot_writer: Any
+) -> None:
+    index = SessionIndex(redis_client, prefix="sk")
+    await populate(store, index, tmp_path, slot_writer)
+    await index.mark_live("acme", "s2", engine="e1", slot=0, tokens=50)
+    src = slot_writer.write(tmp_path / "newer.slot", slot_writer.Spec())
+    await store.put_file(SlotRef("acme", "s2", 4), src, model="fp", n_tokens=6)  # write-behind landed
+    report = await reindex(store, index, tenants=["acme"])
+    assert (report.tenants, report.restored) == (1, 1)
+    got = await index.get("acme", "s2")
+    assert (got.state, got.engine, got.generation) == (SessionState.LIVE, "e1", 4)
+
+
+async def test_unusable_metadata_is_skipped(tmp_path: Path, redis_client: Any, slot_writer: Any) -> None:
+    store = LocalStore(tmp_path / "store", fsync=False)
+    index = SessionIndex(redis_client, prefix="sk")
+    src = slot_writer.write(tmp_path / "a.slot", slot_writer.Spec())
+    meta = await store.put_file(SlotRef("acme", "s", 1), src, model="fp", n_tokens=6)
+    (tmp_path / "store" / f"{meta.key}.meta.json").write_text(json.dumps({"tenant": "evil", "checksum": "x"}))
+    report = await reindex(store, index)
+    assert report.skipped == [meta.key] and await index.find("acme", "s") is None
+
+
+async def test_cli(
+    tmp_path: Path, redis_port: int, slot_writer: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = LocalStore(tmp_path / "store", prefix="p", fsync=False)
+    src = slot_writer.write(tmp_path / "a.slot", slot_writer.Spec())
+    await store.put_file(SlotRef("acme", "cli", 3), src, model="fp", n_tokens=6)
+    url = f"redis://127.0.0.1:{redis_port}/5"
+    argv = ["--local", str(tmp_path / "store"), "--prefix", "p", "--redis", url, "--redis-prefix", "cli"]
+    # main() runs its own event loop, so it must run outside this test's loop
+    rc = await asyncio.to_thread(main, [*argv, "--json"])
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])  # unconfigured structlog logs to stdout
+    assert rc == 0 and out["restored"] == 1 and out["sessions"] == 1
+    rc = await asyncio.to_thread(main, argv)
+    assert rc == 0 and "unchanged 1" in capsys.readouterr().out.splitlines()[-1]
+    with pytest.raises(SystemExit):
+        main(["--s3-endpoint", "http://127.0.0.1:1", "--redis", url])  # no --bucket
