@@ -170,7 +170,10 @@ class Engine:
     def submit(self, slot: int, params: RequestParams) -> int:
         """Queue a request on `slot` (-1: the idle slot with the longest common prefix, else the
         least recently used). Requests for a busy slot wait in that slot's FIFO. Returns the id."""
-    def cancel(self, request_id: int) -> bool: ...
+    def cancel(self, request_id: int) -> bool:
+        """Cancel and wait for the loop to confirm; False when the request had already ended."""
+    def cancel_nowait(self, request_id: int) -> None:
+        """Queue a cancel without waiting (safe in cleanup code); its done event still follows."""
     def poll(self) -> list[Event]:
         """Events ready now (never blocks)."""
     def wait(self, timeout_s: float) -> list[Event]:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import codecs
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from . import _native
-from .errors import NativeError
+from .errors import EngineClosedError, NativeError
 
 
 @dataclass
@@ -49,6 +49,7 @@ class Engine:
         self._raw = _native.Engine(config)
         self._sinks: dict[int, _Sink] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
 
     # -- plain forwards -------------------------------------------------------------------------
     @property
@@ -75,6 +76,9 @@ class Engine:
     ) -> str:
         return self._raw.detokenize(tokens, remove_special, unparse_special)
 
+    def token_piece(self, token: int, special: bool = True) -> bytes:
+        return self._raw.token_piece(token, special)
+
     def slots(self) -> list[_native.SlotInfo]:
         return self._raw.slots()
 
@@ -97,10 +101,13 @@ class Engine:
         return self._raw.cancel(request_id)
 
     def close(self) -> None:
+        """Stop the core; requests in flight end with their error event, streams included."""
+        self._closed = True
+        self._raw.close()
+        self._route(self._raw.poll())  # the shutdown errors, before the reader goes away
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._raw.event_fd())
         self._loop = None
-        self._raw.close()
         for sink in self._sinks.values():
             if sink.wake is not None:
                 sink.wake.set()
@@ -144,7 +151,7 @@ class Engine:
         finally:
             self._sinks.pop(request_id, None)
 
-    async def stream(self, slot: int, params: _native.RequestParams) -> AsyncIterator[_native.Event]:
+    async def stream(self, slot: int, params: _native.RequestParams) -> AsyncGenerator[_native.Event, None]:
         """Submit and yield the request's events as they come (the last is done or error).
 
         Leaving the iteration early cancels the request.
@@ -162,14 +169,14 @@ class Engine:
                     yield ev
                     if finished:
                         return
+                if self._closed:
+                    raise EngineClosedError("the engine was closed")
                 sink.wake.clear()
                 await sink.wake.wait()
         finally:
             if not finished:
-                try:
-                    await asyncio.to_thread(self._raw.cancel, request_id)
-                except NativeError:
-                    pass
+                # Synchronous and non-blocking: an await here would be cancelled with the task.
+                self._raw.cancel_nowait(request_id)
             self._sinks.pop(request_id, None)
 
     def _attach(self) -> None:

@@ -206,6 +206,7 @@ PYBIND11_MODULE(_native, m) {
              py::arg("token"), py::arg("special") = true)
         .def("submit", &Engine::submit, py::arg("slot"), py::arg("params"))
         .def("cancel", &Engine::cancel, py::arg("request_id"), rel())
+        .def("cancel_nowait", &Engine::cancel_nowait, py::arg("request_id"))
         .def("poll", &Engine::poll)
         .def("wait", &Engine::wait, py::arg("timeout_s"), rel())
         .def("event_fd", &Engine::event_fd)

@@ -236,8 +236,20 @@ int64_t Engine::submit(int slot, RequestParams params) {
     return id;
 }
 
+void Engine::cancel_nowait(int64_t request_id) {
+    try {
+        post([this, request_id] { cancel_on_loop(request_id); });
+    } catch (const EngineClosedError &) {
+        // closing: every request ends with an error event anyway
+    }
+}
+
 bool Engine::cancel(int64_t request_id) {
-    return call<bool>([this, request_id] {
+    return call<bool>([this, request_id] { return cancel_on_loop(request_id); });
+}
+
+bool Engine::cancel_on_loop(int64_t request_id) {
+    {
         for (auto it = queued_.begin(); it != queued_.end(); ++it) {
             if (it->id == request_id) {
                 Event e;
@@ -257,7 +269,7 @@ bool Engine::cancel(int64_t request_id) {
             }
         }
         return false;
-    });
+    }
 }
 
 SlotFileInfo Engine::save_slot(int slot, const std::string & path) {

@@ -84,6 +84,7 @@ public:
 
     int64_t submit(int slot, RequestParams params);
     bool cancel(int64_t request_id);
+    void cancel_nowait(int64_t request_id);  // queued for the loop; the done event still follows
     std::vector<Event> poll();
     std::vector<Event> wait(double timeout_s);
     int event_fd() const { return event_fd_; }
@@ -108,6 +109,7 @@ private:
     bool step();  // one batch; false when there was nothing to do
     void after_token(Slot & s, const float * logits);
     void finish(Slot & s, const std::string & reason);
+    bool cancel_on_loop(int64_t request_id);
     void fail_slot(Slot & s, const std::string & message);
     void capture_checkpoint(Slot & s, CheckpointKind kind, const float * logits);
     void enforce_checkpoint_budget(Slot & s);

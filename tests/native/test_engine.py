@@ -73,7 +73,7 @@ def test_requests_for_a_busy_slot_wait_their_turn(make_engine, greedy):
 def test_cancel_running_and_queued(make_engine, greedy):
     eng = make_engine("qwen35")
     a = eng.tokenize(TEXT)
-    running = eng.submit(0, greedy(a, -1))
+    running = eng.submit(0, greedy(a, -1, ignore_eos=True))
     queued = eng.submit(0, greedy(a, 4))
     assert eng.cancel(queued)
     assert eng.cancel(running)
@@ -136,7 +136,7 @@ def test_bad_requests_are_refused_precisely(make_engine, greedy):
 
 def test_busy_slot_cannot_be_saved_and_closed_engine_refuses(make_engine, greedy, tmp_path: Path):
     eng = make_engine("qwen35")
-    rid = eng.submit(0, greedy(eng.tokenize(TEXT), -1))
+    rid = eng.submit(0, greedy(eng.tokenize(TEXT), -1, ignore_eos=True))
     with pytest.raises(native.SlotBusyError):
         eng.save_slot(0, str(tmp_path / "x.slot"))
     eng.cancel(rid)
@@ -148,7 +148,7 @@ def test_busy_slot_cannot_be_saved_and_closed_engine_refuses(make_engine, greedy
 
 def test_close_ends_running_requests_with_an_error(make_engine, greedy):
     eng = make_engine("qwen35")
-    rid = eng.submit(0, greedy(eng.tokenize(TEXT), -1))
+    rid = eng.submit(0, greedy(eng.tokenize(TEXT), -1, ignore_eos=True))
     eng.raw.close()
     with pytest.raises(native.NativeError, match="shutting down"):
         eng.collect(rid, timeout_s=10)
@@ -161,7 +161,7 @@ async def test_async_stream_and_early_exit_cancels(make_engine, greedy):
     assert [e.kind for e in events] == ["token"] * 6 + ["done"]
     assert events[-1].timings.predicted_n == 6
 
-    async for ev in eng.stream(0, greedy(a, -1)):
+    async for ev in eng.stream(0, greedy(a, -1, ignore_eos=True)):
         assert ev.kind == "token"
         break  # leaving the iteration cancels the request
     for _ in range(50):
@@ -190,3 +190,28 @@ def test_one_libllama_per_process(make_engine):
     with open("/proc/self/maps") as f:
         libs = {line.split()[-1] for line in f if "libllama.so" in line}
     assert len(libs) == 1, libs
+
+
+async def test_cancelled_consumer_task_cancels_its_request_and_close_ends_streams(make_engine, greedy):
+    eng = make_engine("qwen35", n_ctx=32768)  # room for a generation that outlasts the test
+    a = eng.tokenize(TEXT)
+
+    async def consume() -> list[str]:
+        return [ev.kind async for ev in eng.stream(0, greedy(a, -1, ignore_eos=True))]
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.05)
+    task.cancel()  # a client disconnecting from a server: the request must not run on
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(50):
+        if not eng.slots()[0].busy:
+            break
+        await asyncio.sleep(0.05)
+    assert not eng.slots()[0].busy
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.2)
+    eng.close()
+    kinds = await asyncio.wait_for(task, 5)
+    assert kinds[-1] == "error"

@@ -1,0 +1,122 @@
+"""The engine process's Starlette app: routes, the one error handler, the edge middleware, the lifespan.
+
+The lifespan starts the model load in a worker thread and yields at once, so the server answers
+while the model loads (`/health` 503); it closes the native engine on shutdown. Every error leaves
+through `handle_error` -> `errors.render_error`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import structlog
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from native.errors import NativeError
+
+from . import routes_llama, routes_openai
+from .errors import EngineError, Unauthorized, as_engine_error, render_error
+from .metrics import route_label
+from .runtime import Runtime
+
+log = structlog.get_logger("engine.http")
+
+# llama-server answers these without an API key.
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models"})
+QUIET_PATHS = frozenset({"/health", "/v1/health", "/metrics"})
+
+
+async def handle_error(request: Request, exc: Exception) -> Response:
+    err = as_engine_error(exc)
+    if err.status >= 500 and not isinstance(exc, EngineError):
+        log.error("http.unhandled", error=err.message, exc_info=exc)
+    return render_error(err)
+
+
+class EdgeMiddleware:
+    """Per request: a request id bound to the logs, the API key check, HTTP metrics and one log line."""
+
+    def __init__(self, app: ASGIApp, runtime: Runtime) -> None:
+        self.app = app
+        self.runtime = runtime
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        request_id = headers.get("x-request-id") or secrets.token_hex(8)
+        path = scope["path"]
+        structlog.contextvars.bind_contextvars(request_id=request_id, path=path)
+        status = 500
+        t0 = time.monotonic()
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message.setdefault("headers", []).append((b"x-request-id", request_id.encode("latin-1")))
+            await send(message)
+
+        try:
+            key = self.runtime.settings.api_key
+            if key and path not in PUBLIC_PATHS and not _authorized(headers, key):
+                await render_error(Unauthorized("Invalid API Key"))(scope, receive, send_wrapper)
+                return
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            ms = round((time.monotonic() - t0) * 1000.0, 2)
+            self.runtime.metrics.http_request(route_label(path, _ROUTES), status)
+            # Probes and scrapes would drown the request log.
+            emit = log.debug if path in QUIET_PATHS and status < 400 else log.info
+            emit("http.request", method=scope["method"], status=status, ms=ms)
+            structlog.contextvars.unbind_contextvars("request_id", "path")
+
+
+def _authorized(headers: dict[str, str], key: str) -> bool:
+    auth = headers.get("authorization", "")
+    given = auth[7:] if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
+    return secrets.compare_digest(given.encode(), key.encode())
+
+
+_ROUTES = routes_llama.ROUTES + routes_openai.ROUTES
+
+
+def build_app(runtime: Runtime, on_fatal: Callable[[], None] | None = None) -> Starlette:
+    """The app over `runtime`; `on_fatal` is called when the model fails to load (the process exits)."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async def load() -> None:
+            await runtime.load()
+            if runtime.state == "failed" and on_fatal is not None:
+                on_fatal()
+
+        loading = asyncio.create_task(load())
+        try:
+            yield
+        finally:
+            await asyncio.gather(loading, return_exceptions=True)  # a load in flight cannot be interrupted
+            await runtime.close()
+
+    app = Starlette(
+        routes=_ROUTES,
+        lifespan=lifespan,
+        exception_handlers={
+            EngineError: handle_error,
+            NativeError: handle_error,
+            HTTPException: handle_error,
+            Exception: handle_error,
+        },
+    )
+    app.state.runtime = runtime
+    app.add_middleware(EdgeMiddleware, runtime=runtime)
+    return app

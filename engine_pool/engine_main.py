@@ -1,0 +1,91 @@
+"""`slotkeeper engine`: one process, one model, N slots — settings, logging, uvicorn (one worker).
+
+Startup reads top to bottom: settings from flags and environment, logging, the runtime, the app,
+then uvicorn serves until SIGTERM/SIGINT (uvicorn turns them into a graceful shutdown: stop
+accepting, finish responses, then the lifespan closes the native engine). Exit codes: 0 after a
+clean shutdown, 1 when the model failed to load, 2 for bad flags or variables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from types import FrameType
+
+import structlog
+import uvicorn
+
+from . import logs
+from .app import build_app
+from .runtime import Runtime
+from .settings import SettingsError, build_parser, describe, parse_settings
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, runtime: Runtime) -> None:
+        super().__init__(config)
+        self.runtime = runtime
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Stop admitting at once; uvicorn then waits for the responses in flight, which the
+        # runtime aborts (with an error event or response) when the grace period is over.
+        self.runtime.request_drain()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn re-raises SIGTERM/SIGINT once its graceful shutdown is done, so the process would
+        # die by the signal. A graceful stop is a normal exit here (0); a supervisor tells it apart
+        # from a crash or a SIGKILL by the exit status.
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        build_parser().print_help()
+        return 0
+    try:
+        settings = parse_settings(argv, os.environ)
+    except SettingsError as exc:
+        print(f"slotkeeper engine: error: {exc}\n(see `slotkeeper engine --help`)", file=sys.stderr)
+        return 2
+    logs.configure(settings.log_format, settings.log_level)
+    log = structlog.get_logger("engine")
+    log.info("engine.starting", settings=describe(settings))
+
+    runtime = Runtime(settings)
+    server: _Server | None = None
+
+    def on_fatal() -> None:
+        if server is not None:
+            server.should_exit = True
+
+    config = uvicorn.Config(
+        build_app(runtime, on_fatal),
+        host=settings.host,
+        port=settings.port,
+        workers=1,  # one native engine per process: its event queue has a single consumer
+        lifespan="on",
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5,
+    )
+    server = _Server(config, runtime)
+    server.run()
+    if runtime.state == "failed":
+        log.error("engine.exit", code=1, reason=runtime.error)
+        return 1
+    log.info("engine.exit", code=0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

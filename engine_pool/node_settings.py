@@ -1,0 +1,252 @@
+"""Settings of one node agent (`slotkeeper node`): flags, their SLOTKEEPER_* variables, one frozen object.
+
+`FLAGS` is the single table mapping each flag to its field and variable (command line >
+environment > default); `parse_node_settings(argv, environ)` is its only reader and `node_main`
+hands it `os.environ`. Repeatable flags (`--model`, `--alias`, `--engine-arg`) take their variable
+as a comma-separated list. S3 credentials have variables only (a secret on a command line shows
+in `ps`); without them boto3's usual chain (AWS_* variables, ~/.aws, instance roles) applies.
+
+`--ctx` is the context of ONE slot, in tokens: an engine with `--slots N` gets `-c N×ctx`, so a
+session holds the same number of tokens whatever the slot count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from storage.errors import InvalidId
+from storage.ids import validate_id, validate_prefix
+
+from .settings import SettingsError, _bytes, _int, _log_format
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """Everything one node agent is configured with. Built once, at the edge."""
+
+    models: tuple[str, ...]
+    aliases: tuple[str, ...] = ()
+    node_id: str = ""  # "" → the host name (made a valid id)
+    host: str = "127.0.0.1"
+    port: int = 8070
+    n_slots: int = 1
+    ctx_per_slot: int = 4096
+    data_dir: str = "slotkeeper-data"
+    redis_url: str | None = None
+    redis_prefix: str = "slotkeeper"
+    s3_endpoint: str | None = None
+    s3_bucket: str | None = None
+    s3_prefix: str = "slotkeeper"
+    s3_region: str = "us-east-1"
+    s3_access_key: str | None = None
+    s3_secret_key: str | None = None
+    spill_bytes: int = 8 << 30
+    engine_args: tuple[str, ...] = ()
+    engine_host: str = "127.0.0.1"
+    drain_grace_s: float = 60.0
+    heartbeat_ttl_s: float = 10.0
+    engine_start_timeout_s: float = 120.0
+    engine_stop_grace_s: float = 20.0
+    health_interval_s: float = 5.0
+    flush_interval_s: float = 2.0
+    retry_after_s: int = 1
+    log_format: str = "json"
+    log_level: str = "info"
+
+    @property
+    def model_ids(self) -> tuple[str, ...]:
+        """The id each model is served as: its alias, else the file name without `.gguf`."""
+        return tuple(
+            self.aliases[i] if i < len(self.aliases) else Path(m).name.removesuffix(".gguf")
+            for i, m in enumerate(self.models)
+        )
+
+    def engine_id(self, index: int) -> str:
+        return f"{self.node_id}-e{index}"
+
+    @property
+    def data_path(self) -> Path:
+        return Path(self.data_dir)
+
+
+def _list(text: str) -> tuple[str, ...]:
+    return tuple(p for p in (s.strip() for s in text.split(",")) if p)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One row: settings field, its flags (none: variable only), its variable, parser, help line."""
+
+    field: str
+    flags: tuple[str, ...]
+    env: str
+    parse: Callable[[str], Any]
+    help: str
+    repeat: bool = False  # the flag may be given several times; the field is a tuple
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("models", ("-m", "--model"), "SLOTKEEPER_MODELS", str, "GGUF model; one engine each", repeat=True),
+    Flag("aliases", ("--alias",), "SLOTKEEPER_ALIASES", str, "model id of the Nth --model", repeat=True),
+    Flag("node_id", ("--node-id",), "SLOTKEEPER_NODE_ID", str, "id of this node (host name)"),
+    Flag("host", ("--host",), "SLOTKEEPER_HOST", str, "address of the node API (127.0.0.1)"),
+    Flag("port", ("--port",), "SLOTKEEPER_PORT", _int, "port of the node API (8070)"),
+    Flag("n_slots", ("--slots",), "SLOTKEEPER_SLOTS", _int, "slots per engine (1)"),
+    Flag("ctx_per_slot", ("--ctx",), "SLOTKEEPER_CTX", _int, "context of one slot in tokens (4096)"),
+    Flag("data_dir", ("--data-dir",), "SLOTKEEPER_DATA_DIR", str, "engine slot dirs, spill cache, logs"),
+    Flag("redis_url", ("--redis-url",), "SLOTKEEPER_REDIS_URL", str, "Redis (omitted: in-process index)"),
+    Flag("redis_prefix", ("--redis-prefix",), "SLOTKEEPER_REDIS_PREFIX", str, "Redis key prefix"),
+    Flag("s3_endpoint", ("--s3-endpoint",), "SLOTKEEPER_S3_ENDPOINT", str, "S3 endpoint URL"),
+    Flag("s3_bucket", ("--s3-bucket",), "SLOTKEEPER_S3_BUCKET", str, "S3 bucket (omitted: local store)"),
+    Flag("s3_prefix", ("--s3-prefix",), "SLOTKEEPER_S3_PREFIX", str, "blob key prefix (slotkeeper)"),
+    Flag("s3_region", ("--s3-region",), "SLOTKEEPER_S3_REGION", str, "S3 region (us-east-1)"),
+    Flag("s3_access_key", (), "SLOTKEEPER_S3_ACCESS_KEY", str, "S3 access key"),
+    Flag("s3_secret_key", (), "SLOTKEEPER_S3_SECRET_KEY", str, "S3 secret key"),
+    Flag("spill_bytes", ("--spill-bytes",), "SLOTKEEPER_SPILL_BYTES", _bytes, "spill cache budget (8G)"),
+    Flag(
+        "engine_args",
+        ("--engine-arg",),
+        "SLOTKEEPER_ENGINE_ARGS",
+        str,
+        "one more argument for every engine, e.g. --engine-arg=--ctx-checkpoints --engine-arg=8",
+        repeat=True,
+    ),
+    Flag("engine_host", ("--engine-host",), "SLOTKEEPER_ENGINE_HOST", str, "engines listen here"),
+    Flag("drain_grace_s", ("--drain-grace-s",), "SLOTKEEPER_DRAIN_GRACE_S", float, "SIGTERM drain limit"),
+    Flag("heartbeat_ttl_s", ("--heartbeat-ttl",), "SLOTKEEPER_HEARTBEAT_TTL", float, "registry TTL (10)"),
+    Flag(
+        "engine_start_timeout_s",
+        ("--engine-start-timeout",),
+        "SLOTKEEPER_ENGINE_START_TIMEOUT",
+        float,
+        "seconds an engine may take to become healthy (120)",
+    ),
+    Flag(
+        "engine_stop_grace_s",
+        ("--engine-stop-grace",),
+        "SLOTKEEPER_ENGINE_STOP_GRACE",
+        float,
+        "seconds between SIGTERM and SIGKILL of an engine (20)",
+    ),
+    Flag("health_interval_s", ("--health-interval",), "SLOTKEEPER_HEALTH_INTERVAL", float, "seconds (5)"),
+    Flag(
+        "flush_interval_s",
+        ("--flush-interval",),
+        "SLOTKEEPER_FLUSH_INTERVAL",
+        float,
+        "first retry of failed uploads, doubling to 16× while the store stays down (2)",
+    ),
+    Flag("retry_after_s", ("--retry-after",), "SLOTKEEPER_RETRY_AFTER", _int, "Retry-After on 503s (1)"),
+    Flag("log_format", ("--log-format",), "SLOTKEEPER_LOG_FORMAT", _log_format, "json or console"),
+    Flag("log_level", ("--log-level",), "SLOTKEEPER_LOG_LEVEL", str, "debug, info, warning, error"),
+)
+
+
+def _ids(values: tuple[str, ...]) -> bool:
+    try:
+        for v in values:
+            validate_id(v, "id")
+    except InvalidId:
+        return False
+    return True
+
+
+def _prefix(value: str) -> bool:
+    try:
+        validate_prefix(value)
+    except InvalidId:
+        return False
+    return True
+
+
+# Checked after parsing: (field, predicate, what it must be).
+_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("models", lambda v: len(v) >= 1, "given at least once"),
+    ("aliases", _ids, "valid ids (letters, digits, '-_.~@+=')"),
+    ("node_id", lambda v: _ids((v,)), "a valid id (letters, digits, '-_.~@+=')"),
+    ("port", lambda v: 0 <= v <= 65535, "within 0..65535"),
+    ("n_slots", lambda v: 1 <= v <= 256, "within 1..256"),
+    ("ctx_per_slot", lambda v: v >= 16, "at least 16"),
+    ("s3_prefix", _prefix, "'/'-separated valid ids"),
+    ("spill_bytes", lambda v: v >= 0, ">= 0"),
+    ("drain_grace_s", lambda v: v > 0, "> 0"),
+    ("heartbeat_ttl_s", lambda v: v >= 1, ">= 1"),
+    ("engine_start_timeout_s", lambda v: v > 0, "> 0"),
+    ("engine_stop_grace_s", lambda v: v >= 0, ">= 0"),
+    ("health_interval_s", lambda v: v > 0, "> 0"),
+    ("flush_interval_s", lambda v: v > 0, "> 0"),
+    ("log_level", lambda v: v in ("debug", "info", "warning", "error"), "debug, info, warning or error"),
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse would print and exit; let the caller decide
+        raise SettingsError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="slotkeeper node",
+        description="The node agent: runs one engine per --model, moves slot files between engines, the "
+        "local spill cache and the blob store, and drains on SIGTERM. Every flag can also be set by its "
+        "SLOTKEEPER_* variable (repeatable ones as a comma-separated list).",
+        allow_abbrev=False,
+    )
+    for f in FLAGS:
+        if f.flags:
+            action = "append" if f.repeat else "store"
+            parser.add_argument(
+                *f.flags, dest=f.field, action=action, metavar=f.field.upper(), help=f"{f.help} [env {f.env}]"
+            )
+    return parser
+
+
+def _hostname_id() -> str:
+    name = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname()).strip("-")
+    return name[:100] or "node"
+
+
+def parse_node_settings(argv: Sequence[str], environ: Mapping[str, str]) -> NodeSettings:
+    """Settings from a command line and an environment. Raises SettingsError with a precise message."""
+    args = vars(build_parser().parse_args(list(argv)))
+    values: dict[str, Any] = {}
+    for f in FLAGS:
+        raw: Any = args.get(f.field)
+        source = f.flags[-1] if f.flags else f.env
+        if raw is None and f.env in environ:
+            raw, source = (_list(environ[f.env]) if f.repeat else environ[f.env]), f.env
+        if raw is None:
+            continue
+        try:
+            values[f.field] = tuple(f.parse(r) for r in raw) if f.repeat else f.parse(raw)
+        except ValueError as exc:
+            raise SettingsError(f"{source}: invalid value {raw!r} ({exc})") from None
+    if "models" not in values:
+        raise SettingsError("--model is required at least once (or set SLOTKEEPER_MODELS)")
+    values.setdefault("node_id", _hostname_id())
+    settings = NodeSettings(**values)
+    for name, ok, what in _CHECKS:
+        value = getattr(settings, name)
+        if not ok(value):
+            flag = next(f for f in FLAGS if f.field == name)
+            raise SettingsError(f"{(flag.flags or (flag.env,))[-1]} must be {what}, got {value!r}")
+    if len(settings.aliases) > len(settings.models):
+        raise SettingsError(f"{len(settings.aliases)} --alias for {len(settings.models)} --model")
+    if bool(settings.s3_endpoint) and not settings.s3_bucket:
+        raise SettingsError("--s3-endpoint needs --s3-bucket")
+    return settings
+
+
+def describe(settings: NodeSettings) -> dict[str, Any]:
+    """The settings as loggable data (secrets are never logged)."""
+    out = dataclasses.asdict(settings)
+    for secret in ("s3_access_key", "s3_secret_key"):
+        if out.get(secret):
+            out[secret] = "***"
+    return out

@@ -1,0 +1,216 @@
+"""What one engine process holds while it runs: settings, the native engine, slot leases, template, metrics.
+
+Created by the app's lifespan and handed to every route through `request.app.state.runtime`. The
+model loads in a worker thread (`load`), so the HTTP server answers — `/health` with 503 — while it
+loads; every route that needs the model calls `require()`, which raises that same 503 until then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+import native
+
+from .chat_template import ChatTemplate
+from .errors import ServerError, Unavailable
+from .metrics import EngineMetrics
+from .sampling import Sampling
+from .scheduler import SlotScheduler
+from .settings import EngineSettings
+
+log = structlog.get_logger("engine.runtime")
+
+
+class Runtime:
+    """The engine process's state; one per process (the native engine's events have one consumer)."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self.settings = settings
+        self.engine: native.Engine | None = None
+        self.template = ChatTemplate("")
+        self.state = "loading"  # loading | ready | draining | failed | closed
+        self.error = ""
+        self.started = time.time()
+        self.slot_dir = Path(settings.slot_save_path).resolve() if settings.slot_save_path else None
+        self.defaults = Sampling(
+            n_predict=settings.n_predict, temperature=settings.temperature, seed=settings.seed
+        )
+        self.scheduler = SlotScheduler(
+            settings.n_slots, settings.queue_size, settings.retry_after_s, self._fetch_tokens
+        )
+        self.metrics = EngineMetrics(self._core_metrics, self._gauges)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def engine_config(self) -> native.EngineConfig:
+        s = self.settings
+        return native.EngineConfig(
+            s.model,
+            n_slots=s.n_slots,
+            n_ctx=s.n_ctx,
+            n_batch=s.n_batch,
+            n_ubatch=s.n_ubatch,
+            n_threads=s.n_threads,
+            n_gpu_layers=s.n_gpu_layers,
+            checkpoint_interval=s.checkpoint_interval,
+            checkpoint_min_step=s.checkpoint_min_step,
+            max_checkpoints=s.max_checkpoints,
+            max_checkpoint_bytes=s.max_checkpoint_bytes,
+            max_slot_file_bytes=s.max_slot_file_bytes,
+            swa_full=s.swa_full,
+            flash_attn=s.flash_attn,
+        )
+
+    async def load(self) -> None:
+        """Load the model in a thread. On failure the state becomes `failed` and the error is kept."""
+        t0 = time.monotonic()
+        self._loop = asyncio.get_running_loop()
+        log.info("engine.loading", model=self.settings.model)
+        try:
+            if self.slot_dir is not None:
+                self.slot_dir.mkdir(parents=True, exist_ok=True)
+            engine = await asyncio.to_thread(native.Engine, self.engine_config())
+        except (native.NativeError, OSError) as exc:
+            self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            log.error("engine.load_failed", model=self.settings.model, error=self.error)
+            return
+        self.engine = engine
+        if self.state == "draining":  # SIGTERM while loading
+            return
+        model = engine.model
+        self.template = ChatTemplate(
+            model.chat_template, self.token_text(model.bos), self.token_text(model.eos)
+        )
+        self.state = "ready"
+        log.info(
+            "engine.ready",
+            model=self.settings.model,
+            arch=model.arch,
+            hybrid=model.hybrid,
+            recurrent=model.recurrent,
+            n_slots=self.settings.n_slots,
+            n_ctx_slot=engine.n_ctx_slot,
+            load_s=round(time.monotonic() - t0, 3),
+        )
+
+    def request_drain(self) -> None:
+        """Start draining (safe to call from a signal handler on the loop's thread)."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        if self.state not in ("loading", "ready"):
+            return
+        log.info("engine.draining", previous=self.state, grace_s=self.settings.shutdown_grace_s)
+        self.state = "draining"
+        self.scheduler.close()
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.settings.shutdown_grace_s, self._spawn, self._abort_inflight)
+
+    def _spawn(self, fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        task = asyncio.get_running_loop().create_task(fn())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _abort_inflight(self) -> None:
+        engine = self.engine
+        if engine is None:
+            return
+        busy = [s for s in await asyncio.to_thread(engine.slots) if s.request_id >= 0]
+        for s in busy:
+            log.warning("engine.abort_request", slot=s.id, request_id=s.request_id)
+            await asyncio.to_thread(engine.cancel, s.request_id)
+
+    def abort_on_slot(self, slot: int, request_id: int | None) -> None:
+        """Cancel what the core still runs for us on `slot`, then end the slot's lease.
+
+        Used when a generation is left early (client gone, task cancelled). The facade's own cancel
+        in `Engine.stream` is awaited inside the cancelled task and may never run (see DESIGN.md),
+        so this one runs in a task of its own and holds the lease until the core has let go.
+        """
+        engine = self.engine
+
+        def cancel() -> None:
+            if engine is None:
+                return
+            rid = request_id
+            for _ in range(1000):
+                if rid is not None:
+                    engine.cancel(rid)
+                    return
+                info = engine.slots()[slot]
+                if info.request_id >= 0:
+                    rid = info.request_id
+                elif info.queued == 0:
+                    return  # it already ended, or never reached the core
+                else:
+                    time.sleep(0.001)  # submitted, about to start: cancel it once it has an id
+
+        async def run() -> None:
+            try:
+                await asyncio.to_thread(cancel)
+            except native.NativeError as exc:
+                log.warning("generation.abort_failed", slot=slot, error=str(exc))
+            finally:
+                self.scheduler.release(slot)
+
+        self._spawn(run)
+
+    @property
+    def draining(self) -> bool:
+        return self.state == "draining"
+
+    async def close(self) -> None:
+        self.scheduler.close()
+        for task in list(self._tasks):
+            task.cancel()
+        engine, self.engine = self.engine, None
+        if self.state != "failed":
+            self.state = "closed"
+        if engine is not None:
+            # Pending core requests end with an error event; their streams report it.
+            engine.close()
+            log.info("engine.closed")
+
+    # -- access ---------------------------------------------------------------------------------
+    def require(self) -> native.Engine:
+        """The loaded engine, or 503 (loading / failed / shutting down)."""
+        if self.engine is not None and self.state == "ready":
+            return self.engine
+        if self.state == "loading":
+            raise Unavailable("Loading model", retry_after=self.settings.retry_after_s)
+        if self.state == "failed":
+            raise ServerError(f"the model failed to load: {self.error}")
+        raise Unavailable("the engine is shutting down", retry_after=self.settings.retry_after_s)
+
+    def token_text(self, token: int) -> str:
+        if token < 0 or self.engine is None:
+            return ""
+        return self.engine.raw.token_piece(token, True).decode("utf-8", "replace")
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool = True) -> list[int]:
+        return self.require().tokenize(text, add_special, parse_special)
+
+    async def _fetch_tokens(self, slot: int) -> list[int]:
+        engine = self.engine
+        if engine is None:
+            raise Unavailable("the engine is closed")
+        return await asyncio.to_thread(engine.slot_tokens, slot)
+
+    def _core_metrics(self) -> dict[str, int] | None:
+        return self.engine.metrics() if self.engine is not None else None
+
+    def _gauges(self) -> dict[str, float]:
+        return {
+            "slotkeeper_engine_ready": 1.0 if self.state == "ready" else 0.0,
+            "slotkeeper_slots_total": float(self.settings.n_slots),
+            "slotkeeper_slots_busy": float(self.scheduler.n_busy()),
+            "slotkeeper_queue_waiting": float(self.scheduler.n_waiting()),
+        }

@@ -1,0 +1,178 @@
+"""Sampling and slot options of a generation request, read from llama-server or OpenAI field names.
+
+`FIELDS` is the one table from request fields (with their aliases across the two dialects) to
+`Sampling` attributes; `read_sampling` applies it to a body, `to_native` turns the result into
+the core's RequestParams.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import native
+
+from .body import Body, json_type
+from .errors import BadRequest
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What one request asks of the sampler and of its slot."""
+
+    n_predict: int = -1
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int = -1
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+    cache_prompt: bool = True
+    id_slot: int = -1
+    stop: tuple[str, ...] = ()
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """Request field names (first present wins), the Sampling attribute, the kind and the bounds."""
+
+    names: tuple[str, ...]
+    attr: str
+    kind: str  # int | float | bool
+    lo: float | None = None
+    hi: float | None = None
+
+
+FIELDS: tuple[FieldSpec, ...] = (
+    FieldSpec(("n_predict", "max_completion_tokens", "max_tokens"), "n_predict", "int", -1),
+    FieldSpec(("temperature",), "temperature", "float", 0.0, 100.0),
+    FieldSpec(("top_k",), "top_k", "int", 0),
+    FieldSpec(("top_p",), "top_p", "float", 0.0, 1.0),
+    FieldSpec(("min_p",), "min_p", "float", 0.0, 1.0),
+    FieldSpec(("seed",), "seed", "int", -1, 2**63 - 1),
+    FieldSpec(("repeat_penalty",), "repeat_penalty", "float", 0.0),
+    FieldSpec(("repeat_last_n",), "repeat_last_n", "int", -1),
+    FieldSpec(("presence_penalty",), "presence_penalty", "float", -2.0, 2.0),
+    FieldSpec(("frequency_penalty",), "frequency_penalty", "float", -2.0, 2.0),
+    FieldSpec(("ignore_eos",), "ignore_eos", "bool"),
+    FieldSpec(("cache_prompt",), "cache_prompt", "bool"),
+    FieldSpec(("id_slot", "slot_id"), "id_slot", "int", -1),
+)
+
+
+def read_sampling(body: Body, defaults: Sampling, n_slots: int, n_vocab: int) -> Sampling:
+    """The request's options over `defaults` (the engine's --temp, --seed, -n)."""
+    values: dict[str, Any] = {}
+    for spec in FIELDS:
+        name = next((n for n in spec.names if body.has(n)), None)
+        if name is None:
+            continue
+        if spec.kind == "int":
+            values[spec.attr] = body.get_int(name, 0, lo=_int(spec.lo), hi=_int(spec.hi))
+        elif spec.kind == "float":
+            values[spec.attr] = body.get_float(name, 0.0, lo=spec.lo, hi=spec.hi)
+        else:
+            values[spec.attr] = body.get_bool(name, False)
+    id_slot = values.get("id_slot", -1)
+    if id_slot >= n_slots:
+        raise BadRequest(
+            f"'id_slot' {id_slot} does not exist (this engine has slots 0..{n_slots - 1})", param="id_slot"
+        )
+    stop = tuple(body.get_str_list("stop"))
+    if any(not s for s in stop):
+        raise BadRequest("'stop' strings must not be empty", param="stop")
+    return Sampling(
+        **{**defaults.__dict__, **values, "stop": stop, "logit_bias": read_logit_bias(body, n_vocab)}
+    )
+
+
+def _int(v: float | None) -> int | None:
+    return None if v is None else int(v)
+
+
+def read_logit_bias(body: Body, n_vocab: int) -> dict[int, float]:
+    """OpenAI's `{"id": bias}` or llama-server's `[[id, bias], ...]` (bias `false` bans the token)."""
+    raw = body.raw("logit_bias")
+    if raw is None:
+        return {}
+    pairs: list[tuple[Any, Any]]
+    if isinstance(raw, dict):
+        pairs = list(raw.items())
+    elif isinstance(raw, list) and all(isinstance(p, list) and len(p) == 2 for p in raw):
+        pairs = [(p[0], p[1]) for p in raw]
+    else:
+        raise BadRequest(
+            "'logit_bias' must be an object {token_id: bias} or an array of [token_id, bias] pairs, "
+            f"got {json_type(raw)}",
+            param="logit_bias",
+        )
+    out: dict[int, float] = {}
+    for key, bias in pairs:
+        try:
+            token = int(key) if not isinstance(key, bool) else -1
+        except (TypeError, ValueError):
+            raise BadRequest(f"'logit_bias' key {key!r} is not a token id", param="logit_bias") from None
+        if not 0 <= token < n_vocab:
+            raise BadRequest(f"'logit_bias' token {token} is outside the vocabulary", param="logit_bias")
+        if bias is False:
+            out[token] = -math.inf
+        elif isinstance(bias, int | float) and not isinstance(bias, bool):
+            out[token] = float(bias)
+        else:
+            raise BadRequest(
+                f"'logit_bias' bias for token {token} must be a number or false", param="logit_bias"
+            )
+    return out
+
+
+def to_native(
+    s: Sampling,
+    prompt: list[int],
+    *,
+    grammar: str = "",
+    checkpoint_hints: list[int] | None = None,
+    extra_bias: dict[int, float] | None = None,
+) -> native.RequestParams:
+    """The core's RequestParams for a tokenized prompt (stop strings stay in Python)."""
+    p = native.RequestParams(prompt)
+    p.n_predict = s.n_predict
+    p.temperature = s.temperature
+    p.top_k = s.top_k
+    p.top_p = s.top_p
+    p.min_p = s.min_p
+    p.seed = s.seed
+    p.repeat_penalty = s.repeat_penalty
+    p.repeat_last_n = s.repeat_last_n
+    p.presence_penalty = s.presence_penalty
+    p.frequency_penalty = s.frequency_penalty
+    p.ignore_eos = s.ignore_eos
+    p.cache_prompt = s.cache_prompt
+    p.logit_bias = {**s.logit_bias, **(extra_bias or {})}
+    p.grammar = grammar
+    p.checkpoint_hints = sorted(set(checkpoint_hints or []))
+    return p
+
+
+def generation_settings(s: Sampling) -> dict[str, Any]:
+    """llama-server's `generation_settings` echo of the options in effect."""
+    return {
+        "n_predict": s.n_predict,
+        "temperature": s.temperature,
+        "top_k": s.top_k,
+        "top_p": s.top_p,
+        "min_p": s.min_p,
+        "seed": s.seed,
+        "repeat_penalty": s.repeat_penalty,
+        "repeat_last_n": s.repeat_last_n,
+        "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty,
+        "ignore_eos": s.ignore_eos,
+        "cache_prompt": s.cache_prompt,
+        "stop": list(s.stop),
+    }

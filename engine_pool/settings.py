@@ -1,0 +1,294 @@
+"""Settings of one engine process: llama-server's flags, their SLOTKEEPER_* variables, one frozen object.
+
+`FLAGS` is the single table that maps every command-line flag to its settings field and its
+environment variable (command line > environment > default). `parse_settings(argv, environ)` is
+the only reader of that table; `engine_main` hands it `os.environ`, nothing else reads the
+environment. Flags keep llama-server's names and meanings, so a command line written for
+llama-server starts this engine unchanged as long as it uses the common flags; anything unknown is
+refused with a clear message rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+class SettingsError(ValueError):
+    """A flag or SLOTKEEPER_* variable is unknown, missing or has a bad value."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Everything one engine process is configured with. Built once, at the edge."""
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8080
+    n_slots: int = 1
+    n_ctx: int = 4096
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    n_threads: int = 0
+    n_gpu_layers: int = 0
+    seed: int = -1
+    temperature: float = 0.8
+    n_predict: int = -1
+    alias: str | None = None
+    slot_save_path: str | None = None
+    max_checkpoints: int = 32
+    checkpoint_min_step: int = 64
+    checkpoint_interval: int = 2048
+    max_checkpoint_bytes: int = 1 << 30
+    max_slot_file_bytes: int = 0
+    swa_full: bool = False
+    flash_attn: bool = False
+    api_key: str | None = None
+    queue_size: int = 16
+    slot_wait_s: float = 30.0
+    retry_after_s: int = 1
+    shutdown_grace_s: float = 10.0
+    log_format: str = "json"
+    log_level: str = "info"
+
+    @property
+    def model_id(self) -> str:
+        """The name clients use for this model (`--alias`, else the file name)."""
+        if self.alias:
+            return self.alias
+        return self.model.rsplit("/", 1)[-1]
+
+
+def _int(text: str) -> int:
+    return int(text, 0)
+
+
+def _bytes(text: str) -> int:
+    """`1073741824`, `512K`, `64M`, `1G` (powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def _bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off", "auto", ""):
+        return False
+    raise ValueError(f"expected on/off, got {text!r}")
+
+
+def _threads(text: str) -> int:
+    n = int(text)
+    return 0 if n < 0 else n  # llama-server's -1 (auto) is the core's 0
+
+
+def _log_format(text: str) -> str:
+    if text not in ("json", "console"):
+        raise ValueError("expected json or console")
+    return text
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One row: settings field, its flags, its variable, how to parse a value, the help line."""
+
+    field: str
+    flags: tuple[str, ...]
+    env: str
+    parse: Callable[[str], Any]
+    help: str
+    switch: bool = False  # a flag without a value (sets True); the variable still takes on/off
+    required: bool = False
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("model", ("-m", "--model"), "SLOTKEEPER_MODEL", str, "GGUF model file", required=True),
+    Flag("host", ("--host",), "SLOTKEEPER_HOST", str, "address to listen on (127.0.0.1)"),
+    Flag("port", ("--port",), "SLOTKEEPER_PORT", _int, "port to listen on (8080)"),
+    Flag("n_slots", ("-np", "--parallel"), "SLOTKEEPER_PARALLEL", _int, "number of slots (1)"),
+    Flag(
+        "n_ctx",
+        ("-c", "--ctx-size"),
+        "SLOTKEEPER_CTX_SIZE",
+        _int,
+        "total context (KV cells) shared by the slots; each slot gets ctx-size / parallel (4096)",
+    ),
+    Flag("n_batch", ("-b", "--batch-size"), "SLOTKEEPER_BATCH_SIZE", _int, "logical batch size (2048)"),
+    Flag("n_ubatch", ("-ub", "--ubatch-size"), "SLOTKEEPER_UBATCH_SIZE", _int, "physical batch size (512)"),
+    Flag("n_threads", ("-t", "--threads"), "SLOTKEEPER_THREADS", _threads, "CPU threads (-1/0: all)"),
+    Flag(
+        "n_gpu_layers",
+        ("-ngl", "--n-gpu-layers", "--gpu-layers"),
+        "SLOTKEEPER_N_GPU_LAYERS",
+        _int,
+        "layers to offload to the GPU (0)",
+    ),
+    Flag("seed", ("-s", "--seed"), "SLOTKEEPER_SEED", _int, "default sampling seed (-1: random)"),
+    Flag("temperature", ("--temp",), "SLOTKEEPER_TEMP", float, "default temperature (0.8)"),
+    Flag(
+        "n_predict",
+        ("-n", "--n-predict"),
+        "SLOTKEEPER_N_PREDICT",
+        _int,
+        "default tokens to predict (-1: until a stop or the slot's context is full)",
+    ),
+    Flag("alias", ("-a", "--alias"), "SLOTKEEPER_ALIAS", str, "model name reported to clients"),
+    Flag(
+        "slot_save_path",
+        ("--slot-save-path",),
+        "SLOTKEEPER_SLOT_SAVE_PATH",
+        str,
+        "directory of slot files for /slots/{id}?action=save|restore (disabled without it)",
+    ),
+    Flag(
+        "max_checkpoints",
+        ("--ctx-checkpoints", "--swa-checkpoints"),
+        "SLOTKEEPER_CTX_CHECKPOINTS",
+        _int,
+        "checkpoints kept per slot (32; 0 disables them)",
+    ),
+    Flag(
+        "checkpoint_min_step",
+        ("--checkpoint-min-step",),
+        "SLOTKEEPER_CHECKPOINT_MIN_STEP",
+        _int,
+        "minimum distance in tokens between checkpoints (64)",
+    ),
+    Flag(
+        "checkpoint_interval",
+        ("--checkpoint-interval",),
+        "SLOTKEEPER_CHECKPOINT_INTERVAL",
+        _int,
+        "checkpoint every this many tokens inside long prompts (2048; 0: off)",
+    ),
+    Flag(
+        "max_checkpoint_bytes",
+        ("--max-checkpoint-bytes",),
+        "SLOTKEEPER_MAX_CHECKPOINT_BYTES",
+        _bytes,
+        "checkpoint memory per slot, e.g. 512M (1G)",
+    ),
+    Flag(
+        "max_slot_file_bytes",
+        ("--max-slot-file-bytes",),
+        "SLOTKEEPER_MAX_SLOT_FILE_BYTES",
+        _bytes,
+        "refuse to restore larger slot files (0: no limit)",
+    ),
+    Flag("swa_full", ("--swa-full",), "SLOTKEEPER_SWA_FULL", _bool, "full-size SWA cache", switch=True),
+    Flag(
+        "flash_attn", ("-fa", "--flash-attn"), "SLOTKEEPER_FLASH_ATTN", _bool, "flash attention: on|off|auto"
+    ),
+    Flag("api_key", ("--api-key",), "SLOTKEEPER_API_KEY", str, "require this key (Authorization: Bearer)"),
+    Flag(
+        "queue_size",
+        ("--queue-size",),
+        "SLOTKEEPER_QUEUE_SIZE",
+        _int,
+        "requests that may wait for a busy slot; more get 503 + Retry-After (16)",
+    ),
+    Flag(
+        "slot_wait_s",
+        ("--slot-wait-timeout",),
+        "SLOTKEEPER_SLOT_WAIT_TIMEOUT",
+        float,
+        "seconds a slot save/restore/erase waits for a busy slot (30)",
+    ),
+    Flag(
+        "retry_after_s",
+        ("--retry-after",),
+        "SLOTKEEPER_RETRY_AFTER",
+        _int,
+        "Retry-After seconds on 503 responses (1)",
+    ),
+    Flag(
+        "shutdown_grace_s",
+        ("--shutdown-grace",),
+        "SLOTKEEPER_SHUTDOWN_GRACE",
+        float,
+        "seconds in-flight requests may finish after SIGTERM before they are aborted (10)",
+    ),
+    Flag("log_format", ("--log-format",), "SLOTKEEPER_LOG_FORMAT", _log_format, "json or console (json)"),
+    Flag("log_level", ("--log-level",), "SLOTKEEPER_LOG_LEVEL", str, "debug, info, warning, error (info)"),
+)
+
+# Checked after parsing: (field, predicate, what it must be).
+_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("port", lambda v: 0 <= v <= 65535, "within 0..65535"),
+    ("n_slots", lambda v: 1 <= v <= 256, "within 1..256"),
+    ("n_ctx", lambda v: v >= 16, "at least 16"),
+    ("n_batch", lambda v: v >= 1, "positive"),
+    ("n_ubatch", lambda v: v >= 1, "positive"),
+    ("n_predict", lambda v: v >= -1, ">= -1"),
+    ("max_checkpoints", lambda v: v >= 0, ">= 0"),
+    ("checkpoint_min_step", lambda v: v >= 0, ">= 0"),
+    ("checkpoint_interval", lambda v: v >= 0, ">= 0"),
+    ("max_checkpoint_bytes", lambda v: v >= 0, ">= 0"),
+    ("max_slot_file_bytes", lambda v: v >= 0, ">= 0"),
+    ("queue_size", lambda v: v >= 0, ">= 0"),
+    ("slot_wait_s", lambda v: v >= 0, ">= 0"),
+    ("shutdown_grace_s", lambda v: v >= 0, ">= 0"),
+    ("temperature", lambda v: v >= 0, ">= 0"),
+    ("log_level", lambda v: v in ("debug", "info", "warning", "error"), "debug, info, warning or error"),
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse would print and exit; let the caller decide
+        raise SettingsError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="slotkeeper engine",
+        description="One engine process: a llama-server-compatible API and OpenAI chat over the native core. "
+        "Every flag can also be set by its SLOTKEEPER_* variable.",
+        allow_abbrev=False,
+    )
+    for f in FLAGS:
+        help_text = f"{f.help} [env {f.env}]"
+        if f.switch:
+            parser.add_argument(*f.flags, dest=f.field, action="store_const", const="on", help=help_text)
+        else:
+            parser.add_argument(*f.flags, dest=f.field, metavar=f.field.upper(), help=help_text)
+    return parser
+
+
+def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> EngineSettings:
+    """Settings from a command line and an environment. Raises SettingsError with a precise message."""
+    args = vars(build_parser().parse_args(list(argv)))
+    values: dict[str, Any] = {}
+    for f in FLAGS:
+        raw, source = args.get(f.field), f"{f.flags[-1]}"
+        if raw is None and f.env in environ:
+            raw, source = environ[f.env], f.env
+        if raw is None:
+            if f.required:
+                raise SettingsError(f"{'/'.join(f.flags)} is required (or set {f.env})")
+            continue
+        try:
+            values[f.field] = f.parse(raw)
+        except ValueError as exc:
+            raise SettingsError(f"{source}: invalid value {raw!r} ({exc})") from None
+    settings = EngineSettings(**values)
+    for name, ok, what in _CHECKS:
+        value = getattr(settings, name)
+        if not ok(value):
+            flag = next(f for f in FLAGS if f.field == name)
+            raise SettingsError(f"{flag.flags[-1]} must be {what}, got {value!r}")
+    return settings
+
+
+def describe(settings: EngineSettings) -> dict[str, Any]:
+    """The settings as loggable data (the API key is never logged)."""
+    out = dataclasses.asdict(settings)
+    if out.get("api_key"):
+        out["api_key"] = "***"
+    return out

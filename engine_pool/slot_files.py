@@ -1,0 +1,136 @@
+"""Slot save / restore / erase (`POST /slots/{id}?action=...`), confined to the slot directory.
+
+A slot file name is a plain name inside `--slot-save-path`: no directories, no leading dot, only
+letters, digits, `.`, `_`, `-` (`slot_file_path` is pure and says which rule a name breaks). Each
+action takes a lease on its slot, so it waits (bounded by `--slot-wait-timeout`) until requests on
+the slot are done and nothing starts there while the file is written or read. A restore that fails
+leaves the slot empty — the caller meant to replace the session that was there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import structlog
+
+import native
+
+from .errors import BadRequest, NotFound, NotSupported
+from .runtime import Runtime
+
+log = structlog.get_logger("engine.slots")
+
+T = TypeVar("T")
+_NAME = re.compile(r"[A-Za-z0-9._-]+")
+MAX_NAME_BYTES = 255
+
+
+def slot_file_path(slot_dir: Path | None, filename: Any) -> Path:
+    """The file `filename` names inside `slot_dir`, or BadRequest saying which rule it breaks."""
+    if slot_dir is None:
+        raise NotSupported("slot save/restore is disabled: start the engine with --slot-save-path DIR")
+    if not isinstance(filename, str) or not filename:
+        raise BadRequest("'filename' must be a non-empty string", param="filename")
+    if "/" in filename or "\\" in filename:
+        raise BadRequest(
+            f"'filename' must be a plain file name inside the slot directory, without directories: "
+            f"{filename!r}",
+            param="filename",
+        )
+    if filename.startswith("."):
+        raise BadRequest(f"'filename' must not start with '.': {filename!r}", param="filename")
+    if len(filename.encode()) > MAX_NAME_BYTES:
+        raise BadRequest(f"'filename' is longer than {MAX_NAME_BYTES} bytes", param="filename")
+    if not _NAME.fullmatch(filename):
+        raise BadRequest(
+            f"'filename' may only contain letters, digits, '.', '_' and '-': {filename!r}", param="filename"
+        )
+    path = (slot_dir / filename).resolve()
+    if path.parent != slot_dir:  # a symlinked directory entry pointing elsewhere, say
+        raise BadRequest(f"'filename' {filename!r} resolves outside the slot directory", param="filename")
+    return path
+
+
+async def _on_slot(rt: Runtime, slot: int, purpose: str, fn: Callable[[], T]) -> T:
+    """Run `fn` in a thread under a lease on `slot`. The lease ends when `fn` does, even if the
+    caller is cancelled first, so nothing else starts on the slot while the file is in use."""
+    await rt.scheduler.acquire(slot, purpose=purpose, wait_s=rt.settings.slot_wait_s)
+    task = asyncio.ensure_future(asyncio.to_thread(fn))
+    task.add_done_callback(lambda _: rt.scheduler.release(slot))
+    return await asyncio.shield(task)
+
+
+async def save(rt: Runtime, slot: int, filename: Any) -> dict[str, Any]:
+    engine = rt.require()
+    path = slot_file_path(rt.slot_dir, filename)
+    info = await _on_slot(rt, slot, "save", lambda: engine.save_slot(slot, str(path)))
+    log.info(
+        "slot.saved",
+        slot=slot,
+        filename=filename,
+        n_tokens=info.n_tokens,
+        n_bytes=info.n_bytes,
+        n_checkpoints=info.n_checkpoints,
+        ms=round(info.ms, 2),
+    )
+    return {
+        "id_slot": slot,
+        "filename": filename,
+        "n_saved": info.n_tokens,
+        "n_written": info.n_bytes,
+        "n_checkpoints": info.n_checkpoints,
+        "timings": {"save_ms": info.ms},
+    }
+
+
+async def restore(rt: Runtime, slot: int, filename: Any) -> dict[str, Any]:
+    engine = rt.require()
+    path = slot_file_path(rt.slot_dir, filename)
+    if not path.is_file():
+        raise NotFound(f"slot file {filename!r} does not exist in the slot directory", param="filename")
+
+    def restore_or_empty() -> native.SlotFileInfo:
+        try:
+            return engine.restore_slot(slot, str(path))
+        except native.SlotFileError:
+            # Never leave the previous session in place of the one the caller asked for.
+            engine.erase_slot(slot)
+            raise
+
+    try:
+        info = await _on_slot(rt, slot, "restore", restore_or_empty)
+    except native.SlotFileError as exc:
+        log.warning("slot.restore_failed", slot=slot, filename=filename, kind=exc.kind, error=str(exc))
+        raise BadRequest(
+            f"cannot restore slot {slot} from {filename!r}: {exc.kind}: {exc}; the slot was left empty",
+            param="filename",
+            extra={"kind": exc.kind},
+        ) from None
+    log.info(
+        "slot.restored",
+        slot=slot,
+        filename=filename,
+        n_tokens=info.n_tokens,
+        n_bytes=info.n_bytes,
+        n_checkpoints=info.n_checkpoints,
+        ms=round(info.ms, 2),
+    )
+    return {
+        "id_slot": slot,
+        "filename": filename,
+        "n_restored": info.n_tokens,
+        "n_read": info.n_bytes,
+        "n_checkpoints": info.n_checkpoints,
+        "timings": {"restore_ms": info.ms},
+    }
+
+
+async def erase(rt: Runtime, slot: int) -> dict[str, Any]:
+    engine = rt.require()
+    n = await _on_slot(rt, slot, "erase", lambda: engine.erase_slot(slot))
+    log.info("slot.erased", slot=slot, n_tokens=n)
+    return {"id_slot": slot, "n_erased": n}

@@ -1,0 +1,179 @@
+"""Fixtures: tiny generated models and real engine processes on loopback ports.
+
+Engines run as `python -m gateway.cli engine ...` subprocesses (exactly what `slotkeeper engine`
+runs), one CPU thread each, and are waited for on /health. Session-scoped engines are shared by the
+test modules; a test that needs a process of its own starts one with `EngineProcess`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from native.model_gen import write_model
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EngineProcess:
+    """One `slotkeeper engine` subprocess."""
+
+    def __init__(self, model: Path, *args: str, log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.model = model
+        self.args = list(args)
+        self.log_path = log_path
+        self.env = {**os.environ, **(env or {})}
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> EngineProcess:
+        self.port = free_port()
+        cmd = [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "engine",
+            "-m",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "-t",
+            "1",
+            *self.args,
+        ]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.kill()
+        raise RuntimeError(f"engine not healthy after {timeout_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, grace_s: float = 15.0) -> int:
+        """SIGTERM (graceful), then SIGKILL of the process group after `grace_s`."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, nothing saved on the way out."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    paths = {}
+    for arch in ("llama", "qwen35"):
+        paths[arch] = root / f"{arch}.gguf"
+        write_model(paths[arch], arch, size="tiny", seed=0)
+    return paths
+
+
+def _engine(models: dict[str, Path], tmp: Path, arch: str, *args: str) -> Iterator[EngineProcess]:
+    eng = EngineProcess(models[arch], *args, log_path=tmp / f"{arch}-engine.log").start()
+    try:
+        yield eng
+    finally:
+        rc = eng.stop()
+        assert rc == 0, f"engine did not shut down cleanly ({rc}):\n{eng.log()[-4000:]}"
+
+
+# Small checkpoint steps so that tiny prompts get interval checkpoints inside them.
+CHECKPOINT_ARGS = ("--checkpoint-interval", "32", "--checkpoint-min-step", "8")
+
+
+@pytest.fixture(scope="session")
+def slot_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("slots")
+
+
+@pytest.fixture(scope="session")
+def llama_engine(
+    models: dict[str, Path], slot_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EngineProcess]:
+    yield from _engine(
+        models,
+        tmp_path_factory.mktemp("llama"),
+        "llama",
+        "-np",
+        "2",
+        "-c",
+        "2048",
+        "--slot-save-path",
+        str(slot_dir / "llama"),
+        *CHECKPOINT_ARGS,
+    )
+
+
+@pytest.fixture(scope="session")
+def qwen_engine(
+    models: dict[str, Path], slot_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EngineProcess]:
+    yield from _engine(
+        models,
+        tmp_path_factory.mktemp("qwen"),
+        "qwen35",
+        "-np",
+        "2",
+        "-c",
+        "2048",
+        "--slot-save-path",
+        str(slot_dir / "qwen35"),
+        "-a",
+        "tiny-qwen",
+        *CHECKPOINT_ARGS,
+    )
+
+
+@pytest.fixture
+def llama(llama_engine: EngineProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=llama_engine.url, timeout=60.0) as client:
+        yield client
+
+
+@pytest.fixture
+def qwen(qwen_engine: EngineProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=qwen_engine.url, timeout=60.0) as client:
+        yield client

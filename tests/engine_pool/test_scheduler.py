@@ -1,0 +1,103 @@
+"""engine_pool/scheduler.py: slot choice (pure) and leases with a bounded queue (on the event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine_pool.errors import SlotBusy, Unavailable
+from engine_pool.scheduler import SlotScheduler, SlotView, choose_slot, common_prefix
+
+
+def test_common_prefix() -> None:
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix([], [1]) == 0
+    assert common_prefix([1, 2], [1, 2, 3]) == 2
+
+
+def test_longest_common_prefix_wins_among_free_slots() -> None:
+    prompt = list(range(20))
+    slots = [
+        SlotView(0, True, [0, 1, 2], 5.0),
+        SlotView(1, True, list(range(15)) + [99], 9.0),
+        SlotView(2, False, list(range(20)), 1.0),  # busy: never chosen
+    ]
+    assert choose_slot(slots, prompt) == 1
+
+
+def test_least_recently_used_without_a_useful_prefix() -> None:
+    prompt = list(range(100))
+    slots = [SlotView(0, True, [0, 1, 2, 3], 5.0), SlotView(1, True, [], 2.0), SlotView(2, True, [7], 3.0)]
+    # A 4-token prefix of a 100-token prompt is below the 10 % bar: LRU decides.
+    assert choose_slot(slots, prompt) == 1
+    assert choose_slot([SlotView(0, False, [], 0.0)], prompt) is None
+
+
+async def _tokens(slot: int) -> list[int]:
+    return [slot]
+
+
+async def test_leases_queue_and_bound() -> None:
+    s = SlotScheduler(2, queue_size=1, retry_after_s=2, fetch_tokens=_tokens)
+    assert {await s.acquire(), await s.acquire()} == {0, 1}
+    waiter = asyncio.create_task(s.acquire(0))
+    await asyncio.sleep(0)
+    assert s.n_waiting() == 1 and s.waiting_for(0) == 1
+    with pytest.raises(Unavailable) as exc:
+        await s.acquire()
+    assert exc.value.retry_after == 2 and "queue is full" in exc.value.message
+    s.release(0)
+    assert await waiter == 0
+    assert s.n_busy() == 2
+
+
+async def test_slot_operation_waits_then_times_out_without_counting_against_the_queue() -> None:
+    s = SlotScheduler(1, queue_size=0, retry_after_s=1, fetch_tokens=_tokens)
+    await s.acquire(0)
+    with pytest.raises(SlotBusy, match="still busy after 0.05 s"):
+        await s.acquire(0, purpose="save", wait_s=0.05)
+    assert s.n_waiting() == 0
+    op = asyncio.create_task(s.acquire(0, purpose="erase", wait_s=5))
+    await asyncio.sleep(0)
+    s.release(0)
+    assert await op == 0 and s.purpose(0) == "erase"
+
+
+async def test_a_cancelled_waiter_leaves_the_queue() -> None:
+    s = SlotScheduler(1, queue_size=4, retry_after_s=1, fetch_tokens=_tokens)
+    await s.acquire(0)
+    w = asyncio.create_task(s.acquire(0))
+    await asyncio.sleep(0)
+    w.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await w
+    assert s.n_waiting() == 0
+    s.release(0)
+    assert await s.acquire(0) == 0
+
+
+async def test_released_slot_is_chosen_by_its_refreshed_tokens() -> None:
+    contents = {0: [1, 2, 3, 4, 5], 1: [9, 9]}
+
+    async def fetch(slot: int) -> list[int]:
+        return contents[slot]
+
+    s = SlotScheduler(2, queue_size=4, retry_after_s=1, fetch_tokens=fetch)
+    a, b = await s.acquire(0), await s.acquire(1)
+    s.release(b)
+    s.release(a)
+    assert await s.acquire(-1, [1, 2, 3, 4, 5, 6]) == 0
+    assert s.n_tokens(0) == 5
+
+
+async def test_close_fails_waiters() -> None:
+    s = SlotScheduler(1, queue_size=4, retry_after_s=1, fetch_tokens=_tokens)
+    await s.acquire(0)
+    w = asyncio.create_task(s.acquire(0))
+    await asyncio.sleep(0)
+    s.close()
+    with pytest.raises(Unavailable, match="shutting down"):
+        await w
+    with pytest.raises(Unavailable):
+        await s.acquire(0)

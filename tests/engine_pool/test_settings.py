@@ -1,0 +1,125 @@
+"""engine_pool/settings.py: llama-server's flags, SLOTKEEPER_* variables, one frozen object."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from engine_pool.engine_main import main
+from engine_pool.settings import FLAGS, EngineSettings, SettingsError, parse_settings
+
+
+def test_llama_server_flags_keep_their_meaning() -> None:
+    s = parse_settings(
+        [
+            "-m",
+            "m.gguf",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "9000",
+            "-np",
+            "4",
+            "-c",
+            "8192",
+            "-b",
+            "1024",
+            "-ub",
+            "256",
+            "-t",
+            "-1",
+            "-ngl",
+            "99",
+            "--seed",
+            "7",
+            "--temp",
+            "0.2",
+            "-a",
+            "qwen",
+            "--slot-save-path",
+            "/tmp/s",
+            "--ctx-checkpoints",
+            "8",
+            "--checkpoint-min-step",
+            "16",
+            "--api-key",
+            "k",
+            "--checkpoint-interval",
+            "512",
+            "--max-checkpoint-bytes",
+            "64M",
+            "--queue-size",
+            "3",
+            "-fa",
+            "on",
+            "--swa-full",
+        ],
+        {},
+    )
+    assert (s.model, s.host, s.port, s.n_slots, s.n_ctx, s.n_batch, s.n_ubatch) == (
+        "m.gguf",
+        "0.0.0.0",
+        9000,
+        4,
+        8192,
+        1024,
+        256,
+    )
+    assert (s.n_threads, s.n_gpu_layers, s.seed, s.temperature, s.model_id) == (0, 99, 7, 0.2, "qwen")
+    assert (s.slot_save_path, s.max_checkpoints, s.checkpoint_min_step, s.api_key) == ("/tmp/s", 8, 16, "k")
+    assert (s.checkpoint_interval, s.max_checkpoint_bytes, s.queue_size) == (512, 64 << 20, 3)
+    assert s.flash_attn and s.swa_full
+
+
+def test_environment_fills_in_and_the_command_line_wins() -> None:
+    env = {
+        "SLOTKEEPER_MODEL": "env.gguf",
+        "SLOTKEEPER_PARALLEL": "3",
+        "SLOTKEEPER_PORT": "7000",
+        "SLOTKEEPER_SWA_FULL": "yes",
+    }
+    s = parse_settings(["--port", "7001"], env)
+    assert (s.model, s.n_slots, s.port, s.swa_full) == ("env.gguf", 3, 7001, True)
+    assert parse_settings(["-m", "x"], {}).model_id == "x"
+
+
+def test_settings_are_frozen() -> None:
+    s = parse_settings(["-m", "x"], {})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.port = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["-m", "x", "--bogus"], {}, "unrecognized arguments: --bogus"),
+        ([], {}, "-m/--model is required (or set SLOTKEEPER_MODEL)"),
+        (["-m", "x", "--port", "http"], {}, "--port: invalid value 'http'"),
+        (["-m", "x"], {"SLOTKEEPER_PARALLEL": "many"}, "SLOTKEEPER_PARALLEL: invalid value 'many'"),
+        (["-m", "x", "-np", "0"], {}, "--parallel must be within 1..256"),
+        (["-m", "x", "--max-checkpoint-bytes", "lots"], {}, "--max-checkpoint-bytes: invalid value"),
+        (["-m", "x", "-fa", "maybe"], {}, "--flash-attn: invalid value 'maybe'"),
+        (["-m", "x", "--log-level", "loud"], {}, "--log-level must be"),
+    ],
+)
+def test_bad_flags_and_variables_are_clear_errors(argv: list[str], env: dict[str, str], message: str) -> None:
+    with pytest.raises(SettingsError) as exc:
+        parse_settings(argv, env)
+    assert message in str(exc.value)
+
+
+def test_every_field_has_exactly_one_row() -> None:
+    fields = {f.name for f in dataclasses.fields(EngineSettings)}
+    rows = [f.field for f in FLAGS]
+    assert sorted(rows) == sorted(fields)
+    assert all(f.env.startswith("SLOTKEEPER_") for f in FLAGS)
+    flags = [flag for f in FLAGS for flag in f.flags]
+    assert len(flags) == len(set(flags))
+
+
+def test_main_returns_2_on_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["-m", "x", "--nope"]) == 2
+    assert "slotkeeper engine: error: unrecognized arguments: --nope" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+    assert "--slot-save-path" in capsys.readouterr().out
