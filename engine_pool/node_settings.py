@@ -24,6 +24,7 @@ from storage.errors import InvalidId
 from storage.ids import validate_id, validate_prefix
 
 from .settings import SettingsError, _bytes, _int, _log_format
+from .supervisor import EngineSpec, SupervisorPolicy
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,31 @@ class NodeSettings:
     @property
     def data_path(self) -> Path:
         return Path(self.data_dir)
+
+    def engine_specs(self) -> list[EngineSpec]:
+        """One engine per model: `{data_dir}/engines/{engine id}/` holds its slot dir and its log."""
+        root = self.data_path / "engines"
+        return [
+            EngineSpec(
+                engine_id=self.engine_id(i),
+                model=str(Path(model).resolve()),
+                model_id=self.model_ids[i],
+                n_slots=self.n_slots,
+                n_ctx=self.n_slots * self.ctx_per_slot,
+                slot_dir=root / self.engine_id(i) / "slots",
+                log_path=root / self.engine_id(i) / "engine.log",
+                host=self.engine_host,
+                extra_args=self.engine_args,
+            )  # fmt: skip
+            for i, model in enumerate(self.models)
+        ]
+
+    def supervisor_policy(self) -> SupervisorPolicy:
+        return SupervisorPolicy(
+            start_timeout_s=self.engine_start_timeout_s,
+            stop_grace_s=self.engine_stop_grace_s,
+            health_interval_s=self.health_interval_s,
+        )
 
 
 def _list(text: str) -> tuple[str, ...]:
@@ -249,4 +275,7 @@ def describe(settings: NodeSettings) -> dict[str, Any]:
     for secret in ("s3_access_key", "s3_secret_key"):
         if out.get(secret):
             out[secret] = "***"
+    if out.get("redis_url") and "@" in out["redis_url"]:  # redis://user:password@host
+        scheme, _, rest = out["redis_url"].partition("://")
+        out["redis_url"] = f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
     return out

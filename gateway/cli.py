@@ -17,6 +17,16 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "main",
         "one engine process: llama-server-compatible API over the native core",
     ),
+    "node": (
+        "engine_pool.node_main",
+        "main",
+        "node agent: engine pool, spill/fill of slot files, drain on SIGTERM",
+    ),
+    "gateway": (
+        "gateway.main",
+        "main",
+        "stateless multi-tenant OpenAI-compatible gateway (needs --node URLs)",
+    ),
     "make-model": ("native.model_gen", "main", "write a tiny (or bench) random-weight GGUF test model"),
     "inspect": ("storage.inspect", "main", "print a slot file's header, checkpoints and checksum verdict"),
     "reindex": ("storage.reindex", "main", "rebuild the Redis session index from storage"),

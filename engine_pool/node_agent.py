@@ -1,0 +1,438 @@
+"""The node agent: K supervised engines, slot files moved between them, the spill cache and the store.
+
+`NodeAgent` holds the node's parts (created by `node_main` in the app's lifespan and handed in)
+and carries out the node API:
+
+* spill — the engine saves the slot into its slot dir; the file moves into the spill cache
+  (pinned), is uploaded with its model fingerprint and token count, and is confirmed. A store that
+  is down leaves the file in the cache, unconfirmed (never evicted), for the flush loop.
+* fill — from the cache, else downloaded (CRC verified) into it; hard-linked into the engine's slot
+  dir for the restore, and unlinked after. A file the engine refuses leaves the slot empty.
+* drain (SIGTERM) — stop admitting, spill every session the index says is live on our engines as
+  its next generation and mark it spilled, flush, stop the engines.
+
+Background loops, each the only writer of what it touches: the supervisors' run loops (engine
+state), the registry loop (our engines' registry entries: register a newly ready process after
+dropping the sessions the index still places on that engine id, heartbeat, unregister), the flush
+loop (retries unconfirmed uploads with backoff). Every error leaves through `render_error`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import time
+import uuid
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import structlog
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from storage.blobstore import BlobStore
+from storage.engines import EngineRegistry
+from storage.errors import Conflict, StorageError, StoreUnavailable
+from storage.ids import SlotRef
+from storage.index import SessionIndex, SessionState
+from storage.slotfile import read_slot_file, whole_file_crc32
+from storage.spillcache import SpillCache
+
+from .body import read_json
+from .errors import BadRequest, EngineError, NotFound, Unavailable, as_engine_error, render_error
+from .node_settings import NodeSettings
+from .supervisor import EngineSpec, EngineSupervisor, State
+
+log = structlog.get_logger("engine.node")
+SLOT_TIMEOUT = httpx.Timeout(600.0, connect=5.0)  # a save waits for the slot's running request
+DAMAGED = frozenset({"truncated", "bad_magic", "checksum_mismatch", "bad_layout"})
+
+
+class Upstream(EngineError):
+    """An engine or the store failed in a way the caller cannot fix by changing its request."""
+
+    status = 502
+    type = "upstream_error"
+
+
+_STORAGE_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
+                  422: "invalid_request_error", 503: "unavailable_error"}  # fmt: skip
+
+
+def node_error(exc: BaseException) -> EngineError:
+    """Storage errors keep their status; everything else as the engine process renders it."""
+    if isinstance(exc, StorageError) and not isinstance(exc, EngineError):
+        err = EngineError(str(exc), status=exc.status)
+        err.type = _STORAGE_TYPES.get(exc.status, "upstream_error")
+        err.retry_after = 1 if exc.status == 503 else None
+        return err
+    return as_engine_error(exc)
+
+
+@dataclass
+class NodeParts:
+    """What the agent works with; created and closed by the lifespan."""
+
+    store: BlobStore
+    cache: SpillCache
+    index: SessionIndex
+    registry: EngineRegistry
+    http: httpx.AsyncClient
+
+
+class NodeAgent:
+    def __init__(
+        self, settings: NodeSettings, parts: NodeParts, specs: list[EngineSpec] | None = None
+    ) -> None:
+        self.settings, self.parts, policy = settings, parts, settings.supervisor_policy()
+        self.engines = {
+            spec.engine_id: EngineSupervisor(spec, policy, http=parts.http, on_transition=self._changed)
+            for spec in specs or settings.engine_specs()
+        }
+        self.draining = False
+        self._engines_changed = asyncio.Event()
+        self._unregistered = asyncio.Event()  # set by the registry loop once draining took effect
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def _changed(self, _: object) -> None:
+        self._engines_changed.set()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        for sup in self.engines.values():
+            # Only this node writes there: whatever is left is a transfer a crash interrupted.
+            await asyncio.to_thread(_clear_dir, sup.spec.slot_dir)
+        for sup in self.engines.values():
+            self._tasks.append(asyncio.create_task(sup.run()))
+            sup.start()
+        self._tasks.append(asyncio.create_task(self._registry_loop()))
+        self._tasks.append(asyncio.create_task(self._flush_loop()))
+        log.info("node.started", node=self.settings.node_id, engines=list(self.engines))
+
+    async def close(self) -> None:
+        """Stop everything (engines not stopped by a drain are stopped now) and unregister."""
+        await self._stop_engines("node closing")
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def drain(self) -> bool:
+        """SIGTERM: spill every live session, stop the engines. True when every spill is uploaded."""
+        s = self.settings
+        self.draining = True
+        self._engines_changed.set()
+        log.info("node.draining", node=s.node_id, grace_s=s.drain_grace_s)
+        ok = False
+        try:
+            async with asyncio.timeout(max(s.drain_grace_s - s.engine_stop_grace_s - 1, s.drain_grace_s / 2)):
+                with suppress(TimeoutError):  # no new sessions placed here (Redis may be down)
+                    async with asyncio.timeout(5):
+                        await self._unregistered.wait()
+                await self._idle.wait()  # operations admitted before the drain
+                results = await asyncio.gather(*(self._drain_engine(sup) for sup in self.engines.values()))
+                with suppress(StorageError):
+                    await self.parts.cache.flush(self.parts.store)
+                ok = all(results) and not self.parts.cache.pending()
+        except TimeoutError:
+            log.error("node.drain_timeout", node=s.node_id)
+        await self._stop_engines("node draining")
+        log.info("node.drained", node=s.node_id, ok=ok, unflushed=len(self.parts.cache.pending()))
+        return ok
+
+    async def _stop_engines(self, reason: str) -> None:
+        """SIGTERM, grace, SIGKILL; a supervisor that does not answer in time is cancelled (kills)."""
+        timeout = self.settings.engine_stop_grace_s + 10
+        results = await asyncio.gather(
+            *(sup.stop(reason, timeout_s=timeout) for sup in self.engines.values()), return_exceptions=True
+        )
+        for task, result in zip(self._tasks, results, strict=False):  # the first tasks are the supervisors'
+            if isinstance(result, BaseException):
+                task.cancel()
+
+    async def _drain_engine(self, sup: EngineSupervisor) -> bool:
+        """Spill the engine's live sessions one by one; False if any could not be (or Redis is down)."""
+        if sup.state is not State.READY:
+            return True
+        index, ok = self.parts.index, True
+        try:
+            sessions = await index.engine_sessions(sup.spec.engine_id)
+        except StorageError as exc:
+            log.error("node.drain_index_failed", engine=sup.spec.engine_id, error=str(exc))
+            return False
+        for tenant, session in sessions:
+            try:
+                record = await index.find(tenant, session)
+                if record is None or record.state is not SessionState.LIVE or record.slot is None:
+                    continue
+                ref = SlotRef(tenant, session, record.generation + 1)
+                out = await self._spill(sup, record.slot, ref)
+                await index.mark_spilled(tenant, session, generation=ref.generation, blob_key=out["key"],
+                                         nbytes=out["bytes"], tokens=out["tokens"])  # fmt: skip
+                ok = ok and bool(out["uploaded"])
+            except (EngineError, StorageError) as exc:
+                log.error("node.drain_spill_failed", tenant=tenant, session=session, error=str(exc))
+                ok = False
+        return ok
+
+    # -- operations ------------------------------------------------------------------------------
+    def _engine(self, engine_id: str, slot: str) -> tuple[EngineSupervisor, int]:
+        """The ready engine and slot number of an API path, or 404/503."""
+        if self.draining:
+            raise Unavailable("the node is draining", retry_after=self.settings.retry_after_s)
+        sup = self.engines.get(engine_id)
+        if sup is None:
+            raise NotFound(f"engine {engine_id!r} is not on this node (engines: {', '.join(self.engines)})")
+        if not slot.isdigit() or int(slot) >= sup.spec.n_slots:
+            raise NotFound(f"slot {slot!r} does not exist (engine {engine_id} has 0..{sup.spec.n_slots - 1})")
+        if sup.state is not State.READY:
+            raise Unavailable(f"engine {engine_id} is {sup.state}", retry_after=self.settings.retry_after_s)
+        return sup, int(slot)
+
+    async def operation(self, op: str, engine_id: str, slot: str, ref: SlotRef | None) -> dict[str, Any]:
+        sup, n = self._engine(engine_id, slot)
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            if op == "erase":
+                return {"n_erased": (await self._slot_call(sup, n, "erase"))["n_erased"]}
+            assert ref is not None
+            return await (self._spill(sup, n, ref) if op == "spill" else self._fill(sup, n, ref))
+        finally:
+            self._inflight -= 1
+            if not self._inflight:
+                self._idle.set()
+
+    async def _spill(self, sup: EngineSupervisor, slot: int, ref: SlotRef) -> dict[str, Any]:
+        cache, t0 = self.parts.cache, time.monotonic()
+        if ref in cache:
+            raise Conflict(f"generation {ref.generation} of session {ref.session} was already spilled here")
+        name = f"spill-{uuid.uuid4().hex}.slot"
+        src = sup.spec.slot_dir / name
+        await self._slot_call(sup, slot, "save", name)
+        try:
+            sf = await asyncio.to_thread(read_slot_file, src, checksum=False)
+            crc = await asyncio.to_thread(whole_file_crc32, src)
+        except StorageError as exc:
+            await asyncio.to_thread(src.unlink, missing_ok=True)
+            raise Upstream(f"engine {sup.spec.engine_id} wrote an unreadable slot file: {exc}") from exc
+        path = await cache.add(ref, src, pin=True)
+        try:
+            uploaded = await self._upload(ref, path, sf.fingerprint or "", sf.n_tokens, crc, sf.size)
+        finally:
+            cache.unpin(ref)
+        await cache.evict()
+        out = {"tenant": ref.tenant, "session": ref.session, "generation": ref.generation,
+               "key": self.parts.store.key_for(ref), "bytes": sf.size, "tokens": sf.n_tokens,
+               "uploaded": uploaded, "ms": round((time.monotonic() - t0) * 1000, 2)}  # fmt: skip
+        log.info("node.spilled", engine=sup.spec.engine_id, slot=slot, **out)
+        return out
+
+    async def _upload(self, ref: SlotRef, path: Path, model: str, tokens: int, crc: int, size: int) -> bool:
+        store, cache = self.parts.store, self.parts.cache
+        try:
+            await store.put_file(ref, path, model=model, n_tokens=tokens, crc32=crc)
+        except StoreUnavailable as exc:
+            log.warning("node.upload_deferred", tenant=ref.tenant, session=ref.session,
+                        generation=ref.generation, error=str(exc))  # fmt: skip
+            return False
+        except Conflict:
+            remote = await store.head(ref)  # the flush loop may have uploaded it a moment ago
+            if remote.crc32 != crc or remote.size != size:
+                await cache.discard(ref)
+                raise
+        await cache.mark_uploaded(ref)
+        return True
+
+    async def _fill(self, sup: EngineSupervisor, slot: int, ref: SlotRef) -> dict[str, Any]:
+        cache, t0 = self.parts.cache, time.monotonic()
+        source = "local" if ref in cache else "store"
+        path = await cache.fill(self.parts.store, ref)  # pinned
+        name = f"fill-{uuid.uuid4().hex}.slot"
+        link = sup.spec.slot_dir / name
+        try:
+            await asyncio.to_thread(_link_or_copy, path, link)
+            try:
+                out = await self._slot_call(sup, slot, "restore", name)
+            except EngineError as err:
+                if err.extra.get("kind") in DAMAGED and source == "local" and cache.is_uploaded(ref):
+                    await cache.discard(ref)  # damaged on this disk; the next fill downloads it again
+                raise
+        finally:
+            await asyncio.to_thread(link.unlink, missing_ok=True)
+            cache.unpin(ref)
+        result = {"tokens": out["n_restored"], "bytes": out["n_read"], "source": source,
+                  "ms": round((time.monotonic() - t0) * 1000, 2)}  # fmt: skip
+        log.info("node.filled", engine=sup.spec.engine_id, slot=slot, tenant=ref.tenant, session=ref.session,
+                 generation=ref.generation, **result)  # fmt: skip
+        return result
+
+    async def _slot_call(
+        self, sup: EngineSupervisor, slot: int, action: str, filename: str | None = None
+    ) -> dict[str, Any]:
+        """One llama-server slot action; the engine's own errors keep their status, type and message."""
+        engine_id = sup.spec.engine_id
+        try:
+            r = await self.parts.http.post(
+                f"{sup.url}/slots/{slot}", params={"action": action},
+                json={"filename": filename} if filename else None, timeout=SLOT_TIMEOUT,
+            )  # fmt: skip
+        except httpx.HTTPError as exc:
+            raise Upstream(f"engine {engine_id}: slot {action} failed: {type(exc).__name__}: {exc}") from exc
+        try:
+            body = r.json()
+        except ValueError:
+            body = {}
+        if r.status_code == 200 and isinstance(body, dict):
+            return body
+        error = body.get("error") if isinstance(body, dict) else None
+        error = error if isinstance(error, dict) else {"message": r.text[:500]}
+        status = r.status_code if r.status_code < 500 or r.status_code == 503 else 502
+        extra = {k: v for k, v in error.items() if k not in ("message", "type", "param", "code")}
+        err = EngineError(f"engine {engine_id}: {error.get('message')}", status=status, extra=extra,
+                          retry_after=self.settings.retry_after_s if status == 503 else None)  # fmt: skip
+        err.type = str(error.get("type") or ("upstream_error" if status == 502 else "invalid_request_error"))
+        raise err
+
+    # -- background loops ------------------------------------------------------------------------
+    async def _registry_loop(self) -> None:
+        """The only writer of our engines' registry entries; unregisters them when draining or closed."""
+        registered: dict[str, int | None] = {}  # engine id -> the pid it was registered for
+        try:
+            while True:
+                self._engines_changed.clear()
+                for sup in self.engines.values():
+                    try:
+                        await self._reconcile(sup, registered)
+                    except StorageError as exc:
+                        log.warning("node.registry_failed", engine=sup.spec.engine_id, error=str(exc))
+                if self.draining and not registered:
+                    self._unregistered.set()
+                with suppress(TimeoutError):
+                    async with asyncio.timeout(self.settings.heartbeat_ttl_s / 3):
+                        await self._engines_changed.wait()
+        finally:
+            for engine_id in registered:
+                with suppress(StorageError):
+                    await self.parts.registry.unregister(engine_id)
+
+    async def _reconcile(self, sup: EngineSupervisor, registered: dict[str, int | None]) -> None:
+        snap, registry, ttl = sup.snapshot(), self.parts.registry, self.settings.heartbeat_ttl_s
+        engine_id = snap.engine_id
+        if snap.state is State.READY and not self.draining:
+            if registered.get(engine_id, -1) != snap.pid:
+                dropped = await self.parts.index.drop_engine(engine_id)  # a new process: its slots are empty
+                if dropped:
+                    log.warning("node.sessions_dropped", engine=engine_id, sessions=len(dropped))
+            elif await registry.heartbeat(engine_id, ttl_s=ttl):
+                return
+            await registry.register(engine_id, node=self.settings.node_id, url=snap.url or "",
+                                    model=snap.model_id, n_slots=snap.n_slots, ttl_s=ttl)  # fmt: skip
+            registered[engine_id] = snap.pid
+        elif engine_id in registered:
+            await registry.unregister(engine_id)
+            del registered[engine_id]
+            if snap.state is State.CRASHED:
+                await self.parts.index.drop_engine(engine_id)
+
+    async def _flush_loop(self) -> None:
+        base = delay = self.settings.flush_interval_s
+        while True:
+            await asyncio.sleep(delay)
+            if not self.parts.cache.pending():
+                delay = base
+                continue
+            try:
+                done = await self.parts.cache.flush(self.parts.store)
+                log.info("node.flushed", files=len(done))
+                delay = base
+            except StorageError as exc:  # down (StoreUnavailable), or a conflicting object
+                delay = min(delay * 2, base * 16)
+                log.warning("node.flush_failed", error=str(exc), retry_in_s=delay)
+
+
+def _clear_dir(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    for entry in path.iterdir():
+        if entry.is_file():
+            entry.unlink()
+
+
+def _link_or_copy(src: Path, dest: Path) -> None:
+    try:
+        os.link(src, dest)
+    except OSError:  # another filesystem
+        shutil.copyfile(src, dest)
+
+
+# -- the HTTP API ------------------------------------------------------------------------------------
+def agent(request: Request) -> NodeAgent:
+    a: NodeAgent = request.app.state.agent
+    return a
+
+
+async def health(request: Request) -> Response:
+    """200 ok, or 503 while draining (a load balancer stops sending work), same body shape."""
+    a = agent(request)
+    if a.draining:
+        retry = str(a.settings.retry_after_s)
+        body = {"status": "draining", "node": a.settings.node_id}
+        return JSONResponse(body, status_code=503, headers={"Retry-After": retry})
+    return JSONResponse({"status": "ok", "node": a.settings.node_id})
+
+
+_VIEW = {"id": "engine_id", "model": "model_id", "url": "url", "state": "state", "n_slots": "n_slots",
+         "restarts": "restarts", "pid": "pid", "last_error": "last_error"}  # fmt: skip
+
+
+async def engines(request: Request) -> Response:
+    a = agent(request)
+    snaps = [sup.snapshot() for sup in a.engines.values()]
+    views = [{k: getattr(snap, f) for k, f in _VIEW.items()} for snap in snaps]
+    return JSONResponse({"node": a.settings.node_id, "engines": views})
+
+
+async def slot_operation(request: Request) -> Response:
+    a, p = agent(request), request.path_params
+    op = p["op"]
+    if op not in ("spill", "fill", "erase"):
+        raise NotFound(f"no such slot operation {op!r} (spill, fill, erase)")
+    ref = None
+    if op != "erase":
+        body = await read_json(request)
+        for field in ("tenant", "session", "generation"):
+            if not body.has(field):
+                raise BadRequest(f"'{field}' is required", param=field)
+        tenant, session = body.get_str("tenant"), body.get_str("session")
+        ref = SlotRef(str(tenant), str(session), body.get_int("generation", 0, lo=1))
+    return JSONResponse(await a.operation(op, p["engine"], p["slot"], ref))
+
+
+async def handle_error(request: Request, exc: Exception) -> Response:
+    err = node_error(exc)
+    if err.status >= 500 and not isinstance(exc, EngineError | StorageError):
+        log.error("http.unhandled", error=err.message, exc_info=exc)
+    return render_error(err)
+
+
+def build_node_app(lifespan: Any) -> Starlette:
+    """The node API; `lifespan` creates the parts and the agent and puts it in `app.state.agent`."""
+    app = Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/v1/engines", engines, methods=["GET"]),
+            Route("/v1/engines/{engine}/slots/{slot}/{op}", slot_operation, methods=["POST"]),
+        ],
+        lifespan=lifespan,
+        exception_handlers={e: handle_error for e in (EngineError, StorageError, HTTPException, Exception)},
+    )
+    return app

@@ -1,0 +1,189 @@
+"""The async client the gateway uses for one node agent's API (`engine_pool.node_agent`).
+
+Every failure is a `NodeError` carrying the HTTP status and the node's error `type` and
+`message` (from its `{"error": {...}}` body); a node that cannot be reached is status 502,
+type `node_unreachable`.
+
+Retries: one, and only when the failure came before the first byte of the response (the request
+is sent with `stream=True`, so only a failure to connect, send or read the status line is caught
+there). The retry runs on a new connection of its own, never on a pooled one that may be the
+broken one (llama-server users saw stale keep-alive connections after streamed responses). Spill
+is not idempotent (a second save of the same generation is a conflict), so it is retried only
+when the request surely never left (connect errors); the others are retried on any such failure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+_NO_RESPONSE = (*_NOT_SENT, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ReadTimeout)
+
+
+class NodeError(Exception):
+    """The node answered with an error (or could not be reached)."""
+
+    def __init__(self, status: int, type: str, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(f"{status} {type}: {message}")
+        self.status = status
+        self.type = type
+        self.message = message
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class NodeEngine:
+    id: str
+    model: str
+    url: str | None
+    state: str
+    n_slots: int
+    restarts: int
+    pid: int | None
+    last_error: str = ""  # why it last crashed, with the end of its log
+
+
+@dataclass(frozen=True)
+class SpillResult:
+    tenant: str
+    session: str
+    generation: int
+    key: str
+    bytes: int
+    tokens: int
+    uploaded: bool
+    ms: float
+
+
+@dataclass(frozen=True)
+class FillResult:
+    tokens: int
+    bytes: int
+    source: str  # "local" (spill cache) or "store"
+    ms: float
+
+
+class NodeClient:
+    """One node agent at `base_url` (e.g. ``http://10.0.0.5:8070``)."""
+
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0, connect_timeout_s: float = 5.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    # -- the API -------------------------------------------------------------------------------------
+    async def health(self) -> dict[str, Any]:
+        """``{"status": "ok" | "draining", "node": id}`` (a draining node answers 503 with this body)."""
+        r = await self._send("GET", "/health", retry_on=_NO_RESPONSE)
+        body = _json(r)
+        if r.status_code in (200, 503) and isinstance(body, dict) and "status" in body:
+            return body
+        raise _error(r, body)
+
+    async def engines(self) -> list[NodeEngine]:
+        body = await self._call("GET", "/v1/engines", retry_on=_NO_RESPONSE)
+        return [NodeEngine(**{f: e.get(f) for f in NodeEngine.__dataclass_fields__}) for e in body["engines"]]
+
+    async def spill(
+        self, engine: str, slot: int, *, tenant: str, session: str, generation: int
+    ) -> SpillResult:
+        """Save the slot as (tenant, session, generation) and upload it; see `SpillResult.uploaded`."""
+        body = {"tenant": tenant, "session": session, "generation": generation}
+        out = await self._call("POST", f"/v1/engines/{engine}/slots/{slot}/spill", body, retry_on=_NOT_SENT)
+        return SpillResult(**{f: out[f] for f in SpillResult.__dataclass_fields__})
+
+    async def fill(self, engine: str, slot: int, *, tenant: str, session: str, generation: int) -> FillResult:
+        """Restore (tenant, session, generation) into the slot, from the node's cache or the store."""
+        body = {"tenant": tenant, "session": session, "generation": generation}
+        out = await self._call("POST", f"/v1/engines/{engine}/slots/{slot}/fill", body, retry_on=_NO_RESPONSE)
+        return FillResult(**{f: out[f] for f in FillResult.__dataclass_fields__})
+
+    async def erase(self, engine: str, slot: int) -> int:
+        """Empty the slot; returns the number of tokens it held."""
+        out = await self._call("POST", f"/v1/engines/{engine}/slots/{slot}/erase", retry_on=_NO_RESPONSE)
+        return int(out["n_erased"])
+
+    # -- plumbing -----------------------------------------------------------------------------------
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        retry_on: tuple[type[Exception], ...],
+    ) -> dict[str, Any]:
+        r = await self._send(method, path, body, retry_on=retry_on)
+        data = _json(r)
+        if r.status_code != 200 or not isinstance(data, dict):
+            raise _error(r, data)
+        return data
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        retry_on: tuple[type[Exception], ...],
+    ) -> httpx.Response:
+        try:
+            return await self._once(self._http, method, path, body)
+        except retry_on:
+            pass  # nothing of the response arrived: once more, on a connection of its own
+        except httpx.HTTPError as exc:
+            raise _unreachable(method, path, exc) from exc
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout) as fresh:
+            try:
+                return await self._once(fresh, method, path, body)
+            except httpx.HTTPError as exc:
+                raise _unreachable(method, path, exc) from exc
+
+    @staticmethod
+    async def _once(
+        http: httpx.AsyncClient, method: str, path: str, body: dict[str, Any] | None
+    ) -> httpx.Response:
+        request = http.build_request(method, path, json=body)
+        response = await http.send(request, stream=True)  # returns once the status line and headers are in
+        try:
+            await response.aread()
+        except httpx.HTTPError:
+            await response.aclose()
+            raise _unreachable(method, path, httpx.ReadError("the response broke off")) from None
+        return response
+
+
+def _json(r: httpx.Response) -> Any:
+    try:
+        return r.json()
+    except ValueError:
+        return None
+
+
+def _error(r: httpx.Response, body: Any) -> NodeError:
+    err = body.get("error") if isinstance(body, dict) else None
+    retry = r.headers.get("retry-after")
+    retry_after = float(retry) if retry and retry.replace(".", "", 1).isdigit() else None
+    if isinstance(err, dict):
+        return NodeError(
+            r.status_code, str(err.get("type", "error")), str(err.get("message", "")), retry_after=retry_after
+        )
+    return NodeError(r.status_code, "http_error", r.text[:500] or r.reason_phrase, retry_after=retry_after)
+
+
+def _unreachable(method: str, path: str, exc: Exception) -> NodeError:
+    return NodeError(502, "node_unreachable", f"{method} {path}: {type(exc).__name__}: {exc}")

@@ -1,0 +1,175 @@
+"""`slotkeeper node`: the node agent process — settings, logging, the node's parts, uvicorn, the drain.
+
+Startup reads top to bottom: settings from flags and environment, logging, then uvicorn serves the
+node API; its lifespan opens the parts (blob store, spill cache, Redis or the in-process index,
+the HTTP client to the engines), starts the agent (one supervised engine per model, the registry
+and flush loops) and closes everything on the way out.
+
+SIGTERM or SIGINT starts the drain instead of stopping the server: the API keeps answering
+(`/health` says draining, slot operations 503) while every live session is spilled and the
+engines are stopped; then the server exits. A second signal stops at once. Exit codes: 0 after a
+drain that saved and uploaded every live session (or a stop without a drain), 1 when a spill failed,
+an upload is still pending in the spill cache (it is retried at the next start from the same
+--data-dir) or the server could not start, 2 for bad flags or variables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from types import FrameType
+from typing import Any
+
+import httpx
+import structlog
+import uvicorn
+from starlette.applications import Starlette
+
+from storage.blobstore import BlobStore
+from storage.engines import EngineRegistry
+from storage.index import SessionIndex, in_process_redis
+from storage.localstore import LocalStore
+from storage.retry import RetryPolicy
+from storage.spillcache import SpillCache
+
+from . import logs
+from .node_agent import NodeAgent, NodeParts, build_node_app
+from .node_settings import NodeSettings, build_parser, describe, parse_node_settings
+from .settings import SettingsError
+
+log = structlog.get_logger("engine.node")
+# A spill waits for the store at most about a second; after that the flush loop takes over.
+UPLOAD_RETRY = RetryPolicy(attempts=3, base_s=0.2, max_s=1.0)
+
+
+async def open_parts(s: NodeSettings, stack: AsyncExitStack) -> NodeParts:
+    """The node's clients and stores, each closed by `stack` in reverse order."""
+    await asyncio.to_thread(s.data_path.mkdir, parents=True, exist_ok=True)
+    store: BlobStore
+    if s.s3_bucket:
+        from storage.s3client import make_s3_client
+        from storage.s3store import S3Store
+
+        client = make_s3_client(
+            endpoint_url=s.s3_endpoint, region=s.s3_region, access_key=s.s3_access_key,
+            secret_key=s.s3_secret_key,
+        )  # fmt: skip
+        stack.callback(client.close)
+        store = S3Store(client, s.s3_bucket, prefix=s.s3_prefix, retry=UPLOAD_RETRY)
+    else:
+        store = LocalStore(s.data_path / "blobs", prefix=s.s3_prefix)
+    stack.push_async_callback(store.aclose)
+    cache = await SpillCache.open(s.data_path / "spill", max_bytes=s.spill_bytes)
+    if s.redis_url:
+        import redis.asyncio as aioredis
+
+        redis: Any = aioredis.Redis.from_url(s.redis_url, decode_responses=True)
+    else:
+        redis = in_process_redis()
+    stack.push_async_callback(redis.aclose)
+    http = await stack.enter_async_context(httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0)))
+    return NodeParts(
+        store=store,
+        cache=cache,
+        index=SessionIndex(redis, prefix=s.redis_prefix),
+        registry=EngineRegistry(redis, prefix=s.redis_prefix),
+        http=http,
+    )
+
+
+class NodeServer(uvicorn.Server):
+    """uvicorn whose first SIGTERM/SIGINT drains the node; the drain ends the server."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.drain_requested = asyncio.Event()
+        self.drained_ok = True
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._loop is None or self.drain_requested.is_set():
+            super().handle_exit(sig, frame)  # not serving yet, or a second signal: stop now
+            return
+        log.info("node.signal", signal=signal.Signals(sig).name)
+        self._loop.call_soon_threadsafe(self.drain_requested.set)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn re-raises the signal after its shutdown; a drained node exits with its own code.
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    async def drain_when_asked(self, agent: NodeAgent) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self.drain_requested.wait()
+        self.drained_ok = False
+        try:
+            self.drained_ok = await agent.drain()
+        finally:
+            self.should_exit = True
+
+
+def build_server(settings: NodeSettings) -> NodeServer:
+    holder: dict[str, NodeServer] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            agent = NodeAgent(settings, await open_parts(settings, stack))
+            app.state.agent = agent
+            stack.push_async_callback(agent.close)
+            await agent.start()
+            drain = asyncio.create_task(holder["server"].drain_when_asked(agent))
+            try:
+                yield
+            finally:
+                drain.cancel()
+                await asyncio.gather(drain, return_exceptions=True)
+
+    config = uvicorn.Config(
+        build_node_app(lifespan),
+        host=settings.host,
+        port=settings.port,
+        lifespan="on",
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    holder["server"] = server = NodeServer(config)
+    return server
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        build_parser().print_help()
+        return 0
+    try:
+        settings = parse_node_settings(argv, os.environ)
+    except SettingsError as exc:
+        print(f"slotkeeper node: error: {exc}\n(see `slotkeeper node --help`)", file=sys.stderr)
+        return 2
+    logs.configure(settings.log_format, settings.log_level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health probe otherwise
+    log.info("node.starting", settings=describe(settings))
+    server = build_server(settings)
+    server.run()
+    if not server.started:
+        log.error("node.exit", code=1, reason="the server did not start")
+        return 1
+    code = 0 if server.drained_ok else 1
+    log.info("node.exit", code=code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,422 @@
+"""One engine process under supervision: a small state machine whose only owner is its run loop.
+
+    stopped ──start──▶ starting ──healthy──▶ ready ──stop──▶ draining ──exit──▶ stopped
+                          │  ▲                 │                 (SIGTERM, grace, SIGKILL)
+        exit / no health  │  │ backoff         │ exit / health checks failing (killed)
+                          ▼  │                 ▼
+                         crashed ◀─────────────┘        crashed ──stop──▶ stopped
+
+`TRANSITIONS` is the table; `_transition` refuses anything else (a bug, not a runtime condition).
+Everything that happens to the engine — a start or stop request, a health probe's result, the
+process's exit, a timer — is a message in the supervisor's inbox, and `run()` handles them one at
+a time. Helper tasks (the exit watcher, the health prober, timers) only post messages tagged with
+the number of the process they watch, so a late message about an earlier process is ignored.
+Nothing outside `run()` changes the state; callers read `snapshot()` and send messages.
+
+A process is spawned in its own session (its own process group) with stdout and stderr appended to
+a log file; the last lines of that file go into the error when it crashes. Stopping is SIGTERM to
+the group, then SIGKILL after the grace period. Crashes are restarted after an exponential backoff
+(capped) whose exponent resets once a process has stayed ready for `stable_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from contextlib import suppress
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import httpx
+import structlog
+
+log = structlog.get_logger("engine.supervisor")
+
+
+class State(StrEnum):
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    CRASHED = "crashed"
+
+
+TRANSITIONS: Mapping[State, frozenset[State]] = {
+    State.STOPPED: frozenset({State.STARTING}),
+    State.STARTING: frozenset({State.READY, State.CRASHED, State.DRAINING}),
+    State.READY: frozenset({State.DRAINING, State.CRASHED}),
+    State.DRAINING: frozenset({State.STOPPED}),
+    State.CRASHED: frozenset({State.STARTING, State.STOPPED}),
+}
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What to run: one model, its slots, where its slot files and its log go."""
+
+    engine_id: str
+    model: str
+    model_id: str
+    n_slots: int
+    n_ctx: int  # total context of the engine (all slots)
+    slot_dir: Path
+    log_path: Path
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port for every process
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SupervisorPolicy:
+    start_timeout_s: float = 120.0
+    start_poll_s: float = 0.1
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 3.0
+    health_failures: int = 3  # consecutive failed checks that get a ready engine killed
+    stop_grace_s: float = 20.0
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 30.0
+    stable_s: float = 60.0  # ready this long: the next crash starts the backoff from the beginning
+    log_tail_lines: int = 30
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """A read-only view of one supervised engine."""
+
+    engine_id: str
+    model_id: str
+    n_slots: int
+    state: State
+    pid: int | None
+    url: str | None
+    restarts: int
+    last_error: str
+    last_exit: int | None
+
+
+# -- messages to the owner ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Start:
+    pass
+
+
+@dataclass(frozen=True)
+class Stop:
+    reason: str = "stop requested"
+
+
+@dataclass(frozen=True)
+class Notice:
+    """From a helper of process `run`: healthy | start_timeout | grace_over | restart_due."""
+
+    run: int
+    what: str
+
+
+@dataclass(frozen=True)
+class Probe:
+    run: int
+    ok: bool
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Exited:
+    run: int
+    returncode: int
+
+
+Message = Start | Stop | Notice | Probe | Exited
+
+
+def engine_argv(spec: EngineSpec, port: int) -> list[str]:
+    """The `slotkeeper engine` command line of a spec (llama-server's flags)."""
+    return [
+        sys.executable, "-m", "gateway.cli", "engine", "-m", spec.model, "--host", spec.host,
+        "--port", str(port), "-np", str(spec.n_slots), "-c", str(spec.n_ctx),
+        "--slot-save-path", str(spec.slot_dir), "-a", spec.model_id, *spec.extra_args,
+    ]  # fmt: skip
+
+
+def free_port(host: str) -> int:
+    """A port nobody listens on now (a race with other processes ends as a crash and a retry)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def read_tail(path: Path, lines: int, max_bytes: int = 16384) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
+            data = f.read()
+    except OSError:
+        return ""
+    return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+
+
+class EngineSupervisor:
+    """Runs and restarts one engine process. Drive it with `run()` in a task, `start()`, `stop()`."""
+
+    def __init__(
+        self,
+        spec: EngineSpec,
+        policy: SupervisorPolicy | None = None,
+        *,
+        argv: Callable[[int], Sequence[str]] | None = None,
+        http: httpx.AsyncClient | None = None,
+        on_transition: Callable[[EngineSnapshot], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.policy = policy or SupervisorPolicy()
+        self._argv = argv or (lambda port: engine_argv(spec, port))
+        self._http = http
+        self._on_transition = on_transition  # called by the owner; must not block
+        self._inbox: asyncio.Queue[Message] = asyncio.Queue()
+        self._changed = asyncio.Event()
+        # Owned by run() alone:
+        self._state = State.STOPPED
+        self._closing = False
+        self._run = 0  # number of the current process; helpers tag their messages with it
+        self._proc: asyncio.subprocess.Process | None = None
+        self._port = 0
+        self._restarts = 0
+        self._crashes = 0  # consecutive crashes: the backoff exponent
+        self._ready_at = 0.0
+        self._probe_failures = 0
+        self._kill_reason = ""  # why the owner killed the current process, if it did
+        self._last_error = ""
+        self._last_exit: int | None = None
+        self._helpers: set[asyncio.Task[None]] = set()  # probers and timers of the current process
+        self._watcher: asyncio.Task[None] | None = None  # the exit watcher: outlives stop requests
+
+    # -- what callers may do ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._inbox.put_nowait(Start())
+
+    async def stop(self, reason: str = "stop requested", timeout_s: float | None = None) -> EngineSnapshot:
+        """Drain (SIGTERM, grace, SIGKILL) and wait until stopped; `run()` then returns."""
+        self._inbox.put_nowait(Stop(reason))
+        return await self.wait_for(State.STOPPED, timeout_s=timeout_s)
+
+    async def wait_for(self, *states: State, timeout_s: float | None = None) -> EngineSnapshot:
+        async with asyncio.timeout(timeout_s):
+            while self._state not in states:
+                await self._changed.wait()
+        return self.snapshot()
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @property
+    def url(self) -> str | None:
+        return f"http://{self.spec.host}:{self._port}" if self._port else None
+
+    def snapshot(self) -> EngineSnapshot:
+        return EngineSnapshot(
+            self.spec.engine_id, self.spec.model_id, self.spec.n_slots, self._state,
+            self._proc.pid if self._proc is not None else None, self.url, self._restarts,
+            self._last_error, self._last_exit,
+        )  # fmt: skip
+
+    # -- the owner ---------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Handle messages until stopped by `stop()`. Cancelled, it kills the process on the way out."""
+        own_http = self._http is None
+        http = self._http or httpx.AsyncClient(timeout=self.policy.health_timeout_s)
+        self._http = http
+        try:
+            while not (self._closing and self._state is State.STOPPED):
+                await self._handle(await self._inbox.get())
+        finally:
+            self._cancel_helpers()
+            if self._watcher is not None:
+                self._watcher.cancel()
+            proc = self._proc
+            if proc is not None and proc.returncode is None:
+                self._signal(signal.SIGKILL)
+                with suppress(asyncio.TimeoutError, ProcessLookupError):
+                    await asyncio.wait_for(asyncio.shield(proc.wait()), 5)
+            if own_http:
+                await http.aclose()
+
+    async def _handle(self, msg: Message) -> None:
+        state, current = self._state, getattr(msg, "run", self._run) == self._run
+        match msg:
+            case Start() if state in (State.STOPPED, State.CRASHED) and not self._closing:
+                await self._spawn("start requested" if state is State.STOPPED else "start requested again")
+            case Notice(what="restart_due") if current and state is State.CRASHED and not self._closing:
+                await self._spawn(f"restart {self._restarts + 1} after backoff")
+            case Stop(reason=reason):
+                self._closing = True
+                if state is State.CRASHED:
+                    self._cancel_helpers()
+                    self._transition(State.STOPPED, reason)
+                elif state in (State.STARTING, State.READY):
+                    self._cancel_helpers()
+                    self._transition(State.DRAINING, reason)
+                    self._signal(signal.SIGTERM)
+                    self._helper(self._after(self.policy.stop_grace_s, Notice(self._run, "grace_over")))
+            case Notice(what="healthy") if current and state is State.STARTING:
+                self._cancel_helpers()
+                self._ready_at = time.monotonic()
+                self._transition(State.READY, "health check passed")
+                self._helper(self._watch_health(self._run))
+            case Notice(what="start_timeout") if current and state is State.STARTING:
+                self._kill(f"not healthy within {self.policy.start_timeout_s:g} s")
+            case Probe(ok=ok, error=error) if current and state is State.READY:
+                self._probe_failures = 0 if ok else self._probe_failures + 1
+                if self._probe_failures >= self.policy.health_failures:
+                    self._kill(f"{self._probe_failures} health checks failed, last: {error}")
+            case Notice(what="grace_over") if current and state is State.DRAINING:
+                self._kill(f"still running {self.policy.stop_grace_s:g} s after SIGTERM")
+            case Exited(returncode=rc) if current:
+                await self._exited(rc)
+            case _:  # about an earlier process, or moot in this state
+                log.debug("engine.message_ignored", engine=self.spec.engine_id, message=repr(msg))
+
+    async def _spawn(self, reason: str) -> None:
+        self._cancel_helpers()
+        if self._run > 0:
+            self._restarts += 1
+        self._run += 1
+        self._kill_reason, self._probe_failures = "", 0
+        self._port = self.spec.port or free_port(self.spec.host)
+        argv = [str(a) for a in self._argv(self._port)]
+        self._transition(State.STARTING, reason, port=self._port)
+        try:
+            log_file = await asyncio.to_thread(self._open_log, argv)
+            try:
+                # start_new_session: its own process group, so that stop and kill reach its children
+                self._proc = await asyncio.create_subprocess_exec(
+                    *argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )  # fmt: skip
+            finally:
+                log_file.close()
+        except OSError as exc:
+            self._crash(f"could not start {argv[0]}: {exc}")
+            return
+        log.info("engine.spawned", engine=self.spec.engine_id, pid=self._proc.pid, argv=argv)
+        self._watcher = asyncio.create_task(self._watch_exit(self._run, self._proc))
+        self._helper(self._await_healthy(self._run))
+
+    async def _exited(self, rc: int) -> None:
+        self._cancel_helpers()
+        self._signal(signal.SIGKILL)  # whatever the engine left in its group goes with it
+        self._proc, self._last_exit = None, rc
+        if self._state is State.DRAINING:
+            how = self._kill_reason or f"exited with code {rc}"
+            self._transition(State.STOPPED, how, returncode=rc)
+            return
+        reason = self._kill_reason or f"exited with code {rc} while {self._state}"
+        tail = await asyncio.to_thread(read_tail, self.spec.log_path, self.policy.log_tail_lines)
+        self._crash(f"{reason}; last output:\n{tail}" if tail else reason, rc)
+
+    def _crash(self, error: str, rc: int | None = None) -> None:
+        """Starting or ready → crashed, and a restart after the backoff."""
+        self._port = 0 if not self.spec.port else self._port
+        if self._ready_at and time.monotonic() - self._ready_at >= self.policy.stable_s:
+            self._crashes = 0
+        self._ready_at = 0.0
+        self._crashes += 1
+        p = self.policy
+        delay = min(p.backoff_max_s, p.backoff_base_s * 2 ** min(self._crashes - 1, 32))
+        self._last_error = error
+        self._transition(State.CRASHED, error.split("\n", 1)[0], returncode=rc, retry_in_s=delay)
+        self._helper(self._after(delay, Notice(self._run, "restart_due")))
+
+    def _kill(self, reason: str) -> None:
+        """SIGKILL the group; the exit watcher's message completes the transition."""
+        self._kill_reason = reason
+        pid = self._proc.pid if self._proc is not None else None
+        log.warning("engine.kill", engine=self.spec.engine_id, pid=pid, reason=reason)
+        self._signal(signal.SIGKILL)
+
+    def _transition(self, target: State, reason: str, **fields: Any) -> None:
+        source = self._state
+        if target not in TRANSITIONS[source]:
+            raise AssertionError(f"engine {self.spec.engine_id}: no transition {source} -> {target}")
+        self._state = target
+        log.info(
+            "engine.transition",
+            engine=self.spec.engine_id,
+            reason=reason,
+            pid=self._proc.pid if self._proc is not None else None,
+            restarts=self._restarts,
+            **{"from": str(source), "to": str(target)},
+            **fields,
+        )
+        if self._on_transition is not None:
+            self._on_transition(self.snapshot())
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    # -- helpers: they only post messages ----------------------------------------------------------
+    def _helper(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._helpers.add(task)
+        task.add_done_callback(self._helpers.discard)
+
+    def _cancel_helpers(self) -> None:
+        current = asyncio.current_task()
+        for task in list(self._helpers):
+            if task is not current:
+                task.cancel()
+        self._helpers.clear()
+
+    async def _after(self, delay: float, msg: Message) -> None:
+        await asyncio.sleep(delay)
+        self._inbox.put_nowait(msg)
+
+    async def _watch_exit(self, run: int, proc: asyncio.subprocess.Process) -> None:
+        self._inbox.put_nowait(Exited(run, await proc.wait()))
+
+    async def _await_healthy(self, run: int) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.policy.start_timeout_s
+        while loop.time() < deadline:
+            ok, _ = await self._probe()
+            if ok:
+                self._inbox.put_nowait(Notice(run, "healthy"))
+                return
+            await asyncio.sleep(self.policy.start_poll_s)
+        self._inbox.put_nowait(Notice(run, "start_timeout"))
+
+    async def _watch_health(self, run: int) -> None:
+        while True:
+            await asyncio.sleep(self.policy.health_interval_s)
+            ok, error = await self._probe()
+            self._inbox.put_nowait(Probe(run, ok, error))
+
+    async def _probe(self) -> tuple[bool, str]:
+        assert self._http is not None
+        url = f"{self.url}/health"
+        try:
+            r = await self._http.get(url, timeout=self.policy.health_timeout_s)
+        except httpx.HTTPError as exc:
+            return False, f"GET {url}: {type(exc).__name__}: {exc}"
+        return r.status_code == 200, f"GET {url}: HTTP {r.status_code}"
+
+    def _open_log(self, argv: list[str]) -> Any:  # handed to the child, closed by _spawn
+        self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.spec.log_path, "ab")
+        f.write(f"--- slotkeeper: run {self._run}: {' '.join(argv)}\n".encode())
+        f.flush()
+        return f
+
+    def _signal(self, sig: int) -> None:
+        if self._proc is None:
+            return
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, sig)  # the group id is the pid: start_new_session=True

@@ -1,0 +1,425 @@
+"""The node agent end to end: `slotkeeper node` subprocesses running a tiny qwen35 engine (1 × 2 slots),
+a real redis-server, the local store or moto's S3 server, driven through `NodeClient`.
+
+Reuse is proved the strong way: after spill → erase → fill into another slot, the same chat
+request on the new slot reports `timings.cache_n > 0` and (almost) no prompt tokens processed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from engine_pool import supervisor
+from engine_pool.node_client import NodeClient, NodeError
+from engine_pool.node_settings import SettingsError, parse_node_settings
+from storage.engines import EngineRegistry
+from storage.index import SessionIndex, SessionState
+from storage.localstore import LocalStore
+from storage.slotfile import read_slot_file
+
+from .test_supervisor import alive
+
+REPO = Path(__file__).resolve().parents[2]
+MESSAGES = [{"role": "user", "content": "Tell me about the weather, the time and the place of the meeting."}]
+S3_ENV = {"SLOTKEEPER_S3_ACCESS_KEY": "test", "SLOTKEEPER_S3_SECRET_KEY": "test"}
+
+
+def free_port() -> int:
+    return supervisor.free_port("127.0.0.1")
+
+
+def wait_for(probe: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if probe():
+                return
+        except (OSError, httpx.HTTPError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{what} not within {timeout} s")
+
+
+class NodeProcess:
+    """One `slotkeeper node` subprocess (`python -m engine_pool.node_main`)."""
+
+    def __init__(
+        self, tmp: Path, model: str, *args: str, node_id: str = "n1", env: dict[str, str] | None = None
+    ):
+        self.port, self.node_id, self.data = free_port(), node_id, tmp / "data"
+        self.log_path = tmp / "node.log"
+        tmp.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "engine_pool.node_main", "--model", model, "--slots", "2",
+               "--ctx", "512", "--port", str(self.port), "--node-id", node_id, "--data-dir", str(self.data),
+               "--engine-arg=-t", "--engine-arg=1", "--heartbeat-ttl", "3", *args]  # fmt: skip
+        env = {**os.environ, **(env or {})}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.engine: dict[str, Any] = {}
+        try:
+            wait_for(self._engine_ready, "node with a ready engine", timeout=60)
+        except AssertionError:
+            self.stop()
+            raise AssertionError(self.log()[-4000:]) from None
+
+    def _engine_ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"node exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+        engines = httpx.get(f"{self.url}/v1/engines", timeout=1).json()["engines"]
+        self.engine = engines[0]
+        return bool(engines[0]["state"] == "ready")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        """SIGTERM (the node drains and stops its engine), SIGKILL of both groups if that hangs."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                for pgid in (self.proc.pid, self.engine.get("pid")):  # engines have groups of their own
+                    with contextlib.suppress(ProcessLookupError, TypeError):
+                        os.killpg(pgid, signal.SIGKILL)
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port, data = free_port(), tmp_path_factory.mktemp("redis")
+    cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+           "--dir", str(data)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def ping() -> bool:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+
+    wait_for(ping, "redis-server")
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(10)
+
+
+_MOTO = (
+    "import sys, time\n"
+    "from moto.core import DEFAULT_ACCOUNT_ID\n"
+    "from moto.s3.models import s3_backends\n"
+    "from moto.server import ThreadedMotoServer\n"
+    "s3_backends[DEFAULT_ACCOUNT_ID]['aws'].create_bucket('slots', 'us-east-1')\n"
+    "ThreadedMotoServer(ip_address='127.0.0.1', port=int(sys.argv[1]), verbose=False).start()\n"
+    "time.sleep(10**9)\n"
+)
+
+
+class Moto:
+    """moto's S3 server in a child process (bucket `slots`), killable and restartable on its port."""
+
+    def __init__(self, log: Path) -> None:
+        self.port, self.log = free_port(), log
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as log:
+            cmd = [sys.executable, "-c", _MOTO, str(self.port)]
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
+        wait_for(lambda: httpx.get(self.endpoint + "/moto-api/", timeout=1).status_code < 500, "moto")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def exists(self, key: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client().head_object(Bucket="slots", Key=key)
+        except ClientError:
+            return False
+        return True
+
+    def client(self) -> Any:
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="test",
+                            aws_secret_access_key="test", region_name="us-east-1")  # fmt: skip
+
+
+@pytest.fixture
+def moto(tmp_path: Path) -> Iterator[Moto]:
+    server = Moto(tmp_path / "moto.log")
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def start_node(tmp_path: Path, tiny_model: Callable[..., str]) -> Iterator[Callable[..., NodeProcess]]:
+    nodes: list[NodeProcess] = []
+
+    def start(*args: str, **kw: Any) -> NodeProcess:
+        nodes.append(NodeProcess(tmp_path / f"node{len(nodes)}", tiny_model("qwen35"), *args, **kw))
+        return nodes[-1]
+
+    yield start
+    for node in nodes:
+        node.stop()
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[Any]:
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
+def stored(blob: Path) -> tuple[int, dict[str, str], str | None, int]:
+    """A LocalStore object: size, metadata, and the fingerprint and token count its slot file says."""
+    meta = json.loads(blob.with_name(blob.name + ".meta.json").read_text())
+    sf = read_slot_file(blob)
+    return blob.stat().st_size, meta, sf.fingerprint, sf.n_tokens
+
+
+async def chat(engine_url: str, slot: int) -> dict[str, Any]:
+    body = {"messages": MESSAGES, "id_slot": slot, "max_tokens": 4, "temperature": 0}
+    async with httpx.AsyncClient(timeout=60) as c:
+        r = await c.post(f"{engine_url}/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+async def slot_tokens(engine_url: str, slot: int) -> int:
+    async with httpx.AsyncClient(timeout=10) as c:
+        return int((await c.get(f"{engine_url}/slots")).json()[slot]["n_tokens"])
+
+
+async def test_spill_erase_fill_through_the_local_store(
+    start_node: Callable[..., NodeProcess], redis_url: str, prefix: str
+) -> None:
+    node = start_node("--redis-url", redis_url, "--redis-prefix", prefix, "--s3-prefix", prefix)
+    eng, url = node.engine["id"], node.engine["url"]
+    assert (eng, node.engine["model"], node.engine["n_slots"]) == ("n1-e0", "qwen35-seed0", 2)
+    first = await chat(url, 0)
+    async with NodeClient(node.url) as client:
+        assert await client.health() == {"status": "ok", "node": "n1"}
+        spilled = await client.spill(eng, 0, tenant="t1", session="s1", generation=1)
+        assert spilled.uploaded and spilled.tokens == await slot_tokens(url, 0) > 0
+        size, meta, fingerprint, tokens = stored(node.data / "blobs" / spilled.key)
+        assert (size, tokens) == (spilled.bytes, spilled.tokens)
+        assert meta["model"] == fingerprint and meta["tokens"] == str(spilled.tokens)
+
+        assert await client.erase(eng, 0) == spilled.tokens
+        filled = await client.fill(eng, 1, tenant="t1", session="s1", generation=1)
+        assert (filled.tokens, filled.bytes, filled.source) == (spilled.tokens, spilled.bytes, "local")
+        again = await chat(url, 1)
+        assert again["timings"]["cache_n"] > 0 and again["timings"]["prompt_n"] <= 1
+        assert again["choices"][0]["message"] == first["choices"][0]["message"]
+
+        # A file the engine refuses (not a slot file): 4xx with the engine's words, the slot left empty.
+        junk = node.data / "junk.slot"
+        await asyncio.to_thread(junk.write_bytes, b"not a slot file" * 100)
+        async with LocalStore(node.data / "blobs", prefix=prefix) as store:
+            from storage.ids import SlotRef
+
+            await store.put_file(SlotRef("t1", "s2", 1), junk, model="x", n_tokens=0)
+        with pytest.raises(NodeError) as bad:
+            await client.fill(eng, 1, tenant="t1", session="s2", generation=1)
+        assert (
+            bad.value.status == 400 and "bad_magic" in bad.value.message and "left empty" in bad.value.message
+        )
+        assert await slot_tokens(url, 1) == 0
+
+        errors = [
+            (client.fill(eng, 0, tenant="t1", session="s1", generation=7), 404),
+            (client.fill("n1-e9", 0, tenant="t1", session="s1", generation=1), 404),
+            (client.erase(eng, 2), 404),
+            (client.spill(eng, 0, tenant="t1", session="s1", generation=0), 400),
+            (client.spill(eng, 0, tenant="../x", session="s1", generation=2), 400),
+            (client.spill(eng, 0, tenant="t1", session="s1", generation=1), 409),  # already spilled
+        ]
+        for call, status in errors:
+            with pytest.raises(NodeError) as err:
+                await call
+            assert err.value.status == status, err.value
+    async with httpx.AsyncClient() as c:
+        r = await c.post(f"{node.url}/v1/engines/{eng}/slots/0/fill", content=b"[1]")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_s3_store_down_during_spill_then_flushed(
+    start_node: Callable[..., NodeProcess], moto: Moto, prefix: str
+) -> None:
+    node = start_node("--s3-endpoint", moto.endpoint, "--s3-bucket", "slots", "--s3-prefix", prefix,
+                      "--spill-bytes", "0", "--flush-interval", "0.3", env=S3_ENV)  # fmt: skip
+    eng, url = node.engine["id"], node.engine["url"]
+    s3 = moto.client()
+    await chat(url, 0)
+    async with NodeClient(node.url) as client:
+        up = await client.spill(eng, 0, tenant="t1", session="s1", generation=1)
+        assert up.uploaded
+        head = s3.head_object(Bucket="slots", Key=up.key)
+        assert head["ContentLength"] == up.bytes and head["Metadata"]["tokens"] == str(up.tokens)
+        filled = await client.fill(eng, 1, tenant="t1", session="s1", generation=1)
+        assert filled.source == "store"  # a budget of 0 bytes keeps nothing that is safely uploaded
+        assert (await chat(url, 1))["timings"]["cache_n"] > 0
+
+        moto.kill()
+        down = await client.spill(eng, 1, tenant="t1", session="s1", generation=2)
+        assert not down.uploaded
+        local = node.data / "spill" / "t1" / "s1" / f"{2:020d}.slot"
+        assert (
+            await asyncio.to_thread(local.stat)
+        ).st_size == down.bytes  # kept although over budget: not uploaded yet
+        moto.start()
+        wait_for(lambda: moto.exists(down.key), "flush after the store is back", timeout=20)
+        assert s3.head_object(Bucket="slots", Key=down.key)["ContentLength"] == down.bytes
+    s3.close()
+
+
+async def test_sigterm_drains_live_sessions(
+    start_node: Callable[..., NodeProcess], redis_url: str, redis: Any, prefix: str
+) -> None:
+    node = start_node("--redis-url", redis_url, "--redis-prefix", prefix, "--s3-prefix", prefix, node_id="n3")
+    eng, url, engine_pid = node.engine["id"], node.engine["url"], node.engine["pid"]
+    registry, index = EngineRegistry(redis, prefix=prefix), SessionIndex(redis, prefix=prefix)
+    for _ in range(50):  # registered (after the node dropped whatever the index placed on it before)
+        if [e.engine_id for e in await registry.list()] == [eng]:
+            break
+        await asyncio.sleep(0.1)
+    assert [(e.engine_id, e.url, e.model) for e in await registry.list()] == [(eng, url, "qwen35-seed0")]
+    for slot, session in ((0, "old"), (1, "new")):
+        await chat(url, slot)
+        await index.mark_live("t1", session, engine=eng, slot=slot, tokens=await slot_tokens(url, slot))
+    await index.set_durable("t1", "old", generation=4, blob_key="earlier", nbytes=1)
+
+    node.proc.send_signal(signal.SIGTERM)
+    assert node.proc.wait(60) == 0, node.log()[-4000:]
+    for session, generation in (("old", 5), ("new", 1)):
+        record = await index.get("t1", session)
+        assert (record.state, record.generation, record.engine) == (SessionState.SPILLED, generation, None)
+        size, _, _, tokens = stored(node.data / "blobs" / record.blob_key)
+        assert size == record.bytes and tokens == record.tokens > 0
+    assert await index.engine_sessions(eng) == [] and await registry.list() == []
+    assert not alive(engine_pid)
+
+
+async def test_engine_crash_drops_its_sessions_and_restarts(
+    start_node: Callable[..., NodeProcess], redis_url: str, redis: Any, prefix: str
+) -> None:
+    node = start_node("--redis-url", redis_url, "--redis-prefix", prefix, node_id="n4")
+    eng, first_pid = node.engine["id"], node.engine["pid"]
+    registry, index = EngineRegistry(redis, prefix=prefix), SessionIndex(redis, prefix=prefix)
+    for _ in range(50):
+        if await registry.list():
+            break
+        await asyncio.sleep(0.1)
+    await index.mark_live("t1", "s1", engine=eng, slot=0, tokens=10)
+    os.killpg(first_pid, signal.SIGKILL)
+    async with NodeClient(node.url) as client:
+        for _ in range(100):
+            view = (await client.engines())[0]
+            if view.state == "ready" and view.pid != first_pid:
+                break
+            await asyncio.sleep(0.1)
+        assert (view.state, view.restarts) == ("ready", 1)
+        assert view.url and await slot_tokens(view.url, 0) == 0  # a new process: empty slots
+    record = await index.get("t1", "s1")
+    assert (record.state, record.engine) == (SessionState.NEW, None)  # its slot died with the engine
+    for _ in range(50):
+        infos = await registry.list()
+        if infos and infos[0].url == view.url:
+            break
+        await asyncio.sleep(0.1)
+    assert [(i.engine_id, i.url) for i in infos] == [(eng, view.url)]
+
+
+async def test_client_retries_only_before_the_first_byte() -> None:
+    """A connection closed before any response is retried on a new connection; a broken-off one is not."""
+    connections: list[int] = []
+    body = b'{"status": "ok", "node": "fake"}'
+    ok = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+        len(body),
+        body,
+    )
+    broken = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        await reader.readuntil(b"\r\n\r\n")
+        n = len(connections)
+        if mode == "close-first" and n == 1:
+            writer.close()  # like a keep-alive connection the server dropped: no byte of a response
+            return
+        writer.write(broken if mode == "broken" else ok)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server, NodeClient(f"http://127.0.0.1:{port}") as client:
+        mode = "close-first"
+        assert await client.health() == {"status": "ok", "node": "fake"}
+        assert len(connections) == 2
+        connections.clear()
+        with pytest.raises(NodeError) as err:  # spill is not idempotent: not retried after sending
+            await client.spill("e", 0, tenant="t", session="s", generation=1)
+        assert (err.value.status, err.value.type, len(connections)) == (502, "node_unreachable", 1)
+        mode, connections[:] = "broken", []
+        with pytest.raises(NodeError) as err:
+            await client.health()
+        assert (err.value.type, len(connections)) == ("node_unreachable", 1)
+
+
+def test_node_settings_from_flags_and_environment() -> None:
+    env = {
+        "SLOTKEEPER_MODELS": "/m/a.gguf, /m/b.gguf",
+        "SLOTKEEPER_ALIASES": "alpha",
+        "SLOTKEEPER_SLOTS": "4",
+    }
+    s = parse_node_settings(["--node-id", "n9", "--ctx", "1024", "--engine-arg=-t", "--engine-arg", "2"], env)
+    assert s.models == ("/m/a.gguf", "/m/b.gguf") and s.model_ids == ("alpha", "b")
+    specs = s.engine_specs()
+    assert [(e.engine_id, e.model_id, e.n_slots, e.n_ctx) for e in specs] == [
+        ("n9-e0", "alpha", 4, 4096), ("n9-e1", "b", 4, 4096),
+    ]  # fmt: skip
+    assert specs[1].extra_args == ("-t", "2") and specs[1].slot_dir.name == "slots"
+    assert parse_node_settings(["-m", "x.gguf", "--slots", "2"], env).models == ("x.gguf",)  # flag wins
+    for argv, message in (
+        ([], "--model is required"),
+        (["-m", "x", "--node-id", "a/b"], "--node-id must be a valid id"),
+        (["-m", "x", "--spill-bytes", "lots"], "--spill-bytes: invalid value"),
+        (["-m", "x", "--s3-endpoint", "http://s3"], "--s3-endpoint needs --s3-bucket"),
+        (["-m", "x", "--alias", "a", "--alias", "b"], "2 --alias for 1 --model"),
+    ):
+        with pytest.raises(SettingsError, match=message):
+            parse_node_settings(argv, {})
