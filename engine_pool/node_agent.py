@@ -175,6 +175,10 @@ class NodeAgent:
                 if record is None or record.state is not SessionState.LIVE or record.slot is None:
                     continue
                 ref = SlotRef(tenant, session, record.generation + 1)
+                # A gateway's write-behind save may have taken that generation a moment ago without
+                # recording it yet: the slot is unchanged since, so the next generation is as good.
+                while ref in self.parts.cache and ref.generation < record.generation + 8:
+                    ref = SlotRef(tenant, session, ref.generation + 1)
                 out = await self._spill(sup, record.slot, ref)
                 await index.mark_spilled(tenant, session, generation=ref.generation, blob_key=out["key"],
                                          nbytes=out["bytes"], tokens=out["tokens"])  # fmt: skip

@@ -48,8 +48,9 @@ log = structlog.get_logger("engine.node")
 UPLOAD_RETRY = RetryPolicy(attempts=3, base_s=0.2, max_s=1.0)
 
 
-async def open_parts(s: NodeSettings, stack: AsyncExitStack) -> NodeParts:
-    """The node's clients and stores, each closed by `stack` in reverse order."""
+async def open_parts(s: NodeSettings, stack: AsyncExitStack, redis: Any = None) -> NodeParts:
+    """The node's clients and stores, each closed by `stack` in reverse order. `redis` shares an
+    index client owned by the caller (`slotkeeper serve` runs gateway and node in one process)."""
     await asyncio.to_thread(s.data_path.mkdir, parents=True, exist_ok=True)
     store: BlobStore
     if s.s3_bucket:
@@ -66,13 +67,14 @@ async def open_parts(s: NodeSettings, stack: AsyncExitStack) -> NodeParts:
         store = LocalStore(s.data_path / "blobs", prefix=s.s3_prefix)
     stack.push_async_callback(store.aclose)
     cache = await SpillCache.open(s.data_path / "spill", max_bytes=s.spill_bytes)
-    if s.redis_url:
-        import redis.asyncio as aioredis
+    if redis is None:
+        if s.redis_url:
+            import redis.asyncio as aioredis
 
-        redis: Any = aioredis.Redis.from_url(s.redis_url, decode_responses=True)
-    else:
-        redis = in_process_redis()
-    stack.push_async_callback(redis.aclose)
+            redis = aioredis.Redis.from_url(s.redis_url, decode_responses=True)
+        else:
+            redis = in_process_redis()
+        stack.push_async_callback(redis.aclose)
     http = await stack.enter_async_context(httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0)))
     return NodeParts(
         store=store,
@@ -119,13 +121,13 @@ class NodeServer(uvicorn.Server):
             self.should_exit = True
 
 
-def build_server(settings: NodeSettings) -> NodeServer:
+def build_server(settings: NodeSettings, redis: Any = None) -> NodeServer:
     holder: dict[str, NodeServer] = {}
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
-            agent = NodeAgent(settings, await open_parts(settings, stack))
+            agent = NodeAgent(settings, await open_parts(settings, stack, redis))
             app.state.agent = agent
             stack.push_async_callback(agent.close)
             await agent.start()

@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "main",
         "one engine process: llama-server-compatible API over the native core",
     ),
+    "serve": ("gateway.serve", "main", "all-in-one: gateway + node agent + engines on this machine"),
     "node": (
         "engine_pool.node_main",
         "main",

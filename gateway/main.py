@@ -1,0 +1,100 @@
+"""`slotkeeper gateway`: the stateless gateway process (startup → serve → shutdown).
+
+Settings are built once from flags and SLOTKEEPER_* variables; clients live in the lifespan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis.asyncio as aioredis
+import structlog
+import uvicorn
+
+from gateway.app import Metrics, Services, build_app
+from gateway.cluster import Cluster
+from gateway.settings import GatewaySettings, SettingsError, parse_settings
+from gateway.tenants import TenantConfigError, load_tenants
+from gateway.turns import TurnRunner
+from storage.blobstore import BlobStore
+from storage.engines import EngineRegistry
+from storage.index import SessionIndex, in_process_redis
+from storage.localstore import LocalStore
+from storage.locks import SessionLocks
+from storage.reindex import reindex
+from storage.s3client import make_s3_client
+from storage.s3store import S3Store
+
+log = structlog.get_logger("slotkeeper.gateway")
+
+
+def make_store(settings: GatewaySettings) -> BlobStore:
+    """S3 when an endpoint or bucket is configured, else a directory under --data-dir."""
+    if settings.s3_bucket:
+        client = make_s3_client(endpoint_url=settings.s3_endpoint)
+        return S3Store(client, settings.s3_bucket, prefix=settings.s3_prefix)
+    return LocalStore(Path(settings.data_dir) / "blobs", prefix=settings.s3_prefix)
+
+
+@contextlib.asynccontextmanager
+async def services(
+    settings: GatewaySettings, *, redis: Any = None, store: BlobStore | None = None
+) -> AsyncIterator[Services]:
+    """Every client the gateway needs; `redis`/`store` may be shared with an in-process node."""
+    tenants = load_tenants(settings.tenants)
+    own_redis = redis is None
+    if redis is None:
+        redis = aioredis.from_url(settings.redis_url) if settings.redis_url else in_process_redis()
+    own_store = store is None
+    store = store or make_store(settings)
+    index = SessionIndex(redis, prefix=settings.redis_prefix)
+    locks = SessionLocks(redis, prefix=settings.redis_prefix)
+    registry = EngineRegistry(redis, prefix=settings.redis_prefix)
+    http = httpx.AsyncClient(timeout=httpx.Timeout(settings.request_timeout_s, connect=5.0))
+    if settings.redis_url is None:
+        # The in-process index starts empty: storage is the source of truth for spilled sessions.
+        report = await reindex(store, index)
+        log.info(
+            "gateway.reindexed",
+            sessions=report.sessions,
+            restored=report.restored,
+            skipped=len(report.skipped),
+        )
+    cluster = Cluster(registry, index, locks, settings.nodes, http)
+    runner = TurnRunner(
+        cluster, index, locks, store, {}, lock_ttl_s=settings.lock_ttl_s, spill_wait_s=settings.spill_wait_s
+    )
+    try:
+        yield Services(settings, tenants, index, locks, registry, store, http, cluster, runner, Metrics())
+    finally:
+        await http.aclose()
+        for node in runner.nodes.values():
+            await node.aclose()
+        if own_store:
+            await store.aclose()
+        if own_redis:
+            await redis.aclose()
+
+
+def main(argv: list[str]) -> int:
+    try:
+        settings = parse_settings(argv, os.environ)
+        load_tenants(settings.tenants)  # fail fast on a bad tenants file
+    except (SettingsError, TenantConfigError) as exc:
+        print(f"slotkeeper gateway: {exc}", file=sys.stderr)
+        return 2
+    if not settings.nodes:
+        print("slotkeeper gateway: at least one --node URL is required", file=sys.stderr)
+        return 2
+    app = build_app(lambda: services(settings))
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            lifespan="on")  # fmt: skip
+    asyncio.run(uvicorn.Server(config).serve())
+    return 0

@@ -1,0 +1,159 @@
+"""Forwarding one request to an engine and relaying its answer without buffering.
+
+Streams pass through byte for byte; on the way, the SSE events are read to learn what the
+assistant said (content and tool calls, for implicit routing) and the final usage/timings. An
+engine failure before the first byte becomes a 503 with Retry-After (the caller may retry); after
+the first byte it becomes an error event in the stream, never a hang.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from gateway.errors import GatewayError, Unavailable, UpstreamError, error_body
+
+
+@dataclass
+class TurnOutcome:
+    """What the engine answered, for the session bookkeeping after the turn."""
+
+    ok: bool = False
+    content: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    usage: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+    engine_failed: bool = False  # the connection broke: the engine died, its slots are gone
+
+    def assistant_message(self) -> dict[str, Any]:
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        return msg
+
+    @property
+    def tokens(self) -> int:
+        return int(self.usage.get("prompt_tokens", 0)) + int(self.usage.get("completion_tokens", 0))
+
+
+def _upstream_error(resp_status: int, payload: Any) -> GatewayError:
+    err = payload.get("error", {}) if isinstance(payload, dict) else {}
+    message = err.get("message") or f"engine answered {resp_status}"
+    exc = GatewayError(message)
+    exc.status = resp_status
+    exc.type = err.get("type", "server_error")
+    exc.code = str(err.get("code", resp_status))
+    if resp_status == 503:
+        exc.retry_after = 1
+    return exc
+
+
+async def forward_json(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any]
+) -> tuple[dict[str, Any], TurnOutcome]:
+    """Non-streaming request: the engine's JSON and what it means for the session."""
+    try:
+        resp = await client.post(url, json=body)
+    except httpx.HTTPError as exc:
+        raise Unavailable(f"the engine is unreachable ({type(exc).__name__}); retry", retry_after=1) from exc
+    try:
+        payload = resp.json()
+    except ValueError:
+        raise UpstreamError(f"the engine answered {resp.status_code} without JSON") from None
+    if resp.status_code != 200:
+        raise _upstream_error(resp.status_code, payload)
+    out = TurnOutcome(ok=True, usage=payload.get("usage") or {}, timings=payload.get("timings") or {})
+    choices = payload.get("choices") or [{}]
+    message = choices[0].get("message") or {}
+    out.content = message.get("content") or choices[0].get("text") or ""
+    out.tool_calls = message.get("tool_calls") or []
+    return payload, out
+
+
+class StreamRelay:
+    """An open engine stream: iterate `chunks()` to relay it; `outcome` fills in as it goes."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._response = response
+        self.outcome = TurnOutcome()
+        self._buffer = b""
+        self._calls: dict[int, dict[str, Any]] = {}
+
+    @classmethod
+    async def open(cls, client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> StreamRelay:
+        request = client.build_request("POST", url, json=body)
+        try:
+            resp = await client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise Unavailable(
+                f"the engine is unreachable ({type(exc).__name__}); retry", retry_after=1
+            ) from exc
+        if resp.status_code != 200:
+            raw = await resp.aread()
+            await resp.aclose()
+            try:
+                payload = json.loads(raw)
+            except ValueError:
+                payload = {}
+            raise _upstream_error(resp.status_code, payload)
+        return cls(resp)
+
+    def _observe(self, data: bytes) -> None:
+        self._buffer += data
+        while b"\n\n" in self._buffer:
+            event, self._buffer = self._buffer.split(b"\n\n", 1)
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    self.outcome.ok = not self.outcome.error
+                    continue
+                try:
+                    chunk = json.loads(payload)
+                except ValueError:
+                    continue
+                self._take(chunk)
+
+    def _take(self, chunk: dict[str, Any]) -> None:
+        if "error" in chunk:
+            self.outcome.error = str(chunk["error"].get("message", "engine error"))
+            return
+        if chunk.get("usage"):
+            self.outcome.usage = chunk["usage"]
+        if chunk.get("timings"):
+            self.outcome.timings = chunk["timings"]
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            self.outcome.content += delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                slot = self._calls.setdefault(int(call.get("index", 0)), {"function": {"arguments": ""}})
+                if call.get("id"):
+                    slot["id"] = call["id"]
+                    slot["type"] = call.get("type", "function")
+                fn = call.get("function") or {}
+                if fn.get("name"):
+                    slot["function"]["name"] = fn["name"]
+                slot["function"]["arguments"] += fn.get("arguments") or ""
+            if choice.get("finish_reason"):
+                self.outcome.ok = True
+        self.outcome.tool_calls = [self._calls[i] for i in sorted(self._calls)]
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for data in self._response.aiter_raw():
+                self._observe(data)
+                yield data
+        except httpx.HTTPError as exc:
+            self.outcome.ok = False
+            self.outcome.engine_failed = True
+            self.outcome.error = f"the engine stream broke ({type(exc).__name__})"
+            err = Unavailable("the engine failed mid-stream; the session resumes from its last durable turn")
+            yield b"data: " + json.dumps(error_body(err)).encode() + b"\n\n"
+        finally:
+            await self._response.aclose()

@@ -1,0 +1,115 @@
+"""`slotkeeper serve`: everything on one machine in one process — the gateway, a node agent and
+its engine processes — sharing one session index (in-process unless --redis-url is given) and one
+blob store (a directory under --data-dir unless --s3-bucket is given).
+
+Without --model a tiny random-weight qwen35 is generated, with a loud warning: it answers in
+gibberish and exists so that `slotkeeper serve` works out of the box.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import redis.asyncio as aioredis
+import structlog
+import uvicorn
+
+from engine_pool import logs
+from engine_pool.node_main import build_server
+from engine_pool.node_settings import parse_node_settings
+from engine_pool.settings import SettingsError as NodeSettingsError
+from gateway.app import build_app
+from gateway.main import services
+from gateway.settings import SettingsError, add_flags, settings_from
+from gateway.tenants import TenantConfigError, load_tenants
+from native.model_gen import cached_model
+from storage.index import in_process_redis
+
+log = structlog.get_logger("slotkeeper.serve")
+
+
+class _QuietServer(uvicorn.Server):
+    """The gateway's server: signals belong to the node server, which drains and then ends both."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="slotkeeper serve", description=__doc__)
+    add_flags(ap)  # gateway flags: --host, --port, --redis-url, --tenants, --s3-*, --data-dir ...
+    ap.add_argument("--model", action="append", default=[], help="GGUF model (repeatable)")
+    ap.add_argument("--slots", default="2", help="slots per engine [SLOTKEEPER_SLOTS]")
+    ap.add_argument("--ctx", default="8192", help="context per slot in tokens")
+    ap.add_argument("--node-port", type=int, default=0, help="node agent port (default: --port + 1)")
+    return ap
+
+
+async def _run(node_server: uvicorn.Server, gateway_server: uvicorn.Server) -> None:
+    gateway = asyncio.create_task(gateway_server.serve())
+    try:
+        await node_server.serve()  # returns after a SIGTERM drain (or a start failure)
+    finally:
+        gateway_server.should_exit = True
+        await gateway
+
+
+def main(argv: list[str]) -> int:
+    ns = _parser().parse_args(argv)
+    try:
+        settings = settings_from(ns, os.environ)
+        load_tenants(settings.tenants)
+    except (SettingsError, TenantConfigError) as exc:
+        print(f"slotkeeper serve: {exc}", file=sys.stderr)
+        return 2
+    logs.configure("json", settings.log_level)
+    data = Path(settings.data_dir)
+    models = ns.model
+    if not models:
+        models = [cached_model(data / "models", "qwen35", size="tiny")]
+        warning = "no --model given: serving a TINY RANDOM-WEIGHT qwen35 that answers gibberish"
+        log.warning("serve.demo_model", model=models[0], warning=warning)
+        print(f"WARNING: {warning} ({models[0]})", file=sys.stderr)
+    node_port = ns.node_port or settings.port + 1
+    node_argv = [
+        *[a for m in models for a in ("--model", m)],
+        "--slots", ns.slots, "--ctx", ns.ctx, "--host", "127.0.0.1", "--port", str(node_port),
+        "--data-dir", str(data), "--node-id", "local", "--redis-prefix", settings.redis_prefix,
+        "--s3-prefix", settings.s3_prefix, "--log-level", settings.log_level,
+    ]  # fmt: skip
+    if settings.s3_bucket:
+        node_argv += ["--s3-bucket", settings.s3_bucket]
+        if settings.s3_endpoint:
+            node_argv += ["--s3-endpoint", settings.s3_endpoint]
+    if settings.redis_url:
+        node_argv += ["--redis-url", settings.redis_url]
+    try:
+        node_settings = parse_node_settings(node_argv, os.environ)
+    except NodeSettingsError as exc:
+        print(f"slotkeeper serve: {exc}", file=sys.stderr)
+        return 2
+    gw_settings = settings.__class__(**{**settings.__dict__, "nodes": (f"http://127.0.0.1:{node_port}",)})
+    redis = (
+        aioredis.from_url(settings.redis_url, decode_responses=True)
+        if settings.redis_url
+        else in_process_redis()
+    )
+    node_server = build_server(node_settings, redis)
+    app = build_app(lambda: services(gw_settings, redis=redis))
+    gateway_server = _QuietServer(
+        uvicorn.Config(
+            app, host=settings.host, port=settings.port, lifespan="on", log_config=None, access_log=False
+        )
+    )
+    log.info(
+        "serve.start", gateway=f"http://{settings.host}:{settings.port}", node_port=node_port, models=models
+    )
+    asyncio.run(_run(node_server, gateway_server))
+    return 0 if getattr(node_server, "drained_ok", True) else 1

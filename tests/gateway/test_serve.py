@@ -1,0 +1,140 @@
+"""End to end through `slotkeeper serve` with the official openai client: sessions stay warm in a
+slot, spill to the blob store and come back, across evictions and restarts."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+MODEL = "qwen35-seed0"
+SYSTEM = "You are a coding agent. Read files, run tests, fix bugs, and report briefly. " * 4
+
+
+def _client(url: str, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def _turn(client: openai.OpenAI, messages: list[dict], session: str | None = None):
+    headers = {"X-Session-Id": session} if session else {}
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_headers=headers
+    )
+    done = raw.parse()
+    timings = done.model_extra["timings"]
+    return done, raw.headers, timings
+
+
+def test_implicit_routing_keeps_a_conversation_warm(serve, tmp_path: Path):
+    s = serve(tmp_path / "data")
+    client = _client(s.url)
+    msgs = [{"role": "system", "content": SYSTEM}]
+    session = None
+    for turn in range(4):
+        msgs.append({"role": "user", "content": f"Step {turn}: run the tests."})
+        done, headers, timings = _turn(client, msgs)
+        if session is None:
+            session = headers["x-session-id"]
+            assert headers["x-slotkeeper-cache"] == "cold"
+        else:
+            assert headers["x-session-id"] == session, "the resent history must land on its session"
+            assert headers["x-slotkeeper-cache"] == "live"
+            assert done.usage.prompt_tokens_details.cached_tokens == timings["cache_n"] > len(SYSTEM) // 8
+        msgs.append({"role": "assistant", "content": done.choices[0].message.content})
+    listed = httpx.get(s.url + "/v1/sessions").json()["data"]
+    assert [d["id"] for d in listed] == [session] and listed[0]["generation"] >= 1
+
+
+def test_streaming_passes_through_with_usage(serve, tmp_path: Path):
+    s = serve(tmp_path / "data")
+    client = _client(s.url)
+    msgs = [{"role": "user", "content": "Say something."}]
+    with client.chat.completions.with_streaming_response.create(
+        model=MODEL, messages=msgs, max_tokens=6, temperature=0, stream=True, stream_options={"include_usage": True}
+    ) as raw:
+        assert raw.headers["x-slotkeeper-cache"] == "cold"
+        chunks = list(raw.parse())
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0)
+    assert plain.choices[0].message.content == text
+
+
+def test_more_sessions_than_slots_evict_and_restore(serve, tmp_path: Path):
+    s = serve(tmp_path / "data", slots=2)
+    client = _client(s.url)
+    convs = {f"agent-{i}": [{"role": "system", "content": SYSTEM + f" You are agent {i}."}] for i in range(4)}
+    for turn in range(2):
+        for sid, msgs in convs.items():
+            msgs.append({"role": "user", "content": f"Turn {turn}: continue."})
+            done, headers, timings = _turn(client, msgs, session=sid)
+            assert headers["x-session-id"] == sid
+            if turn == 0:
+                assert headers["x-slotkeeper-cache"] == "cold"
+            else:
+                # Evicted by the two sessions after it: back from its slot file, reusing the checkpoint
+                # at the end of its last prompt.
+                assert headers["x-slotkeeper-cache"] == "restored"
+                assert timings["restored"] and timings["cache_n"] > done.usage.prompt_tokens // 2
+            msgs.append({"role": "assistant", "content": done.choices[0].message.content})
+
+
+def test_restart_between_every_turn_costs_what_an_uninterrupted_run_costs(serve, tmp_path: Path):
+    def conversation(restart: bool, data: Path) -> list[tuple[str, int, int]]:
+        msgs = [{"role": "system", "content": SYSTEM}]
+        out = []
+        s = serve(data)
+        for turn in range(4):
+            msgs.append({"role": "user", "content": f"Step {turn}: list files, then run the tests."})
+            done, headers, timings = _turn(_client(s.url), msgs, session="agent-1")
+            out.append((done.choices[0].message.content, timings["prompt_n"], timings["cache_n"]))
+            msgs.append({"role": "assistant", "content": done.choices[0].message.content})
+            if restart:
+                assert s.stop(signal.SIGTERM) == 0  # drains: every live session spilled
+                s = serve(data)
+        return out
+
+    steady = conversation(False, tmp_path / "steady")
+    restarted = conversation(True, tmp_path / "restarted")
+    assert restarted == steady
+
+
+def test_tenants_are_isolated_and_delete_removes_everything(serve, tmp_path: Path):
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[tenants.a]\nkeys = ["key-a"]\n[tenants.b]\nkeys = ["key-b"]\n')
+    data = tmp_path / "data"
+    s = serve(data, tenants=tenants)
+    with pytest.raises(openai.AuthenticationError):
+        _client(s.url, "wrong").chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    msgs = [{"role": "user", "content": "Hello from tenant A."}]
+    done, headers, _ = _turn(_client(s.url, "key-a"), msgs)
+    sid = headers["x-session-id"]
+    msgs.append({"role": "assistant", "content": done.choices[0].message.content})
+    msgs.append({"role": "user", "content": "again"})
+    _, hb, _ = _turn(_client(s.url, "key-b"), msgs)  # B resends A's history: never A's session
+    assert hb["x-session-id"] != sid
+    b_auth = {"Authorization": "Bearer key-b"}
+    a_auth = {"Authorization": "Bearer key-a"}
+    assert httpx.get(f"{s.url}/v1/sessions/{sid}", headers=b_auth).status_code == 404
+    assert httpx.delete(f"{s.url}/v1/sessions/{sid}", headers=b_auth).status_code == 404
+    assert httpx.get(f"{s.url}/v1/sessions/{sid}", headers=a_auth).status_code == 200
+    blobs = data / "blobs"
+    assert any(p.name.endswith(".slot") for p in blobs.rglob(f"*{sid}*/*"))
+    assert httpx.delete(f"{s.url}/v1/sessions/{sid}", headers=a_auth).json()["deleted"] is True
+    assert httpx.get(f"{s.url}/v1/sessions/{sid}", headers=a_auth).status_code == 404
+    assert not any(p.name.endswith(".slot") for p in blobs.rglob(f"*{sid}*/*"))
+
+
+def test_bad_requests_get_openai_errors(serve, tmp_path: Path):
+    s = serve(tmp_path / "data")
+    client = _client(s.url)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="X-Session-Id"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       extra_headers={"X-Session-Id": "../etc"})  # fmt: skip
+    r = httpx.post(s.url + "/v1/chat/completions", content=b"{not json")
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
