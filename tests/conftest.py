@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,3 +28,23 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def redis_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """A real redis-server for the session (tests never use the machine's own on 6379)."""
+    from support.servers import redis_server
+
+    with redis_server(tmp_path_factory.mktemp("redis")) as port:
+        yield port
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """moto's S3 server in a child process, bucket ``slots`` created."""
+    from support.servers import MotoProcess
+
+    server = MotoProcess(tmp_path_factory.mktemp("moto"))
+    server.start()
+    yield server
+    server.kill()

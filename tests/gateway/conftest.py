@@ -52,9 +52,26 @@ def serve(tiny_model: Callable[..., str], tmp_path: Path) -> Iterator[Callable[.
         port = port or _free_port()
         node_port = _free_port()
         log = tmp_path / f"serve-{port}-{len(started)}.log"
-        cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--node-port", str(node_port),
-               "--data-dir", str(data_dir), "--model", tiny_model("qwen35"), "--slots", str(slots),
-               "--ctx", "2048", "--log-level", "warning"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--node-port",
+            str(node_port),
+            "--data-dir",
+            str(data_dir),
+            "--model",
+            tiny_model("qwen35"),
+            "--slots",
+            str(slots),
+            "--ctx",
+            "2048",
+            "--log-level",
+            "warning",
+        ]
         if tenants is not None:
             cmd += ["--tenants", str(tenants)]
         with log.open("wb") as out:

@@ -29,8 +29,11 @@ def test_spilled_session_restores_into_a_free_slot_on_the_least_loaded_engine():
 
 def test_full_engines_evict_the_least_recently_used_idle_session_never_a_busy_one():
     engines = [
-        _engine("e1", SlotView(0, busy=True, tenant="t", session="a", last_used=1),
-                SlotView(1, tenant="t", session="b", last_used=9)),
+        _engine(
+            "e1",
+            SlotView(0, busy=True, tenant="t", session="a", last_used=1),
+            SlotView(1, tenant="t", session="b", last_used=9),
+        ),
         _engine("e2", SlotView(0, tenant="u", session="c", last_used=4)),
     ]
     p = choose_placement(engines, "m", SessionView("t", "new"))

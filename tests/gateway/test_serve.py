@@ -53,7 +53,12 @@ def test_streaming_passes_through_with_usage(serve, tmp_path: Path):
     client = _client(s.url)
     msgs = [{"role": "user", "content": "Say something."}]
     with client.chat.completions.with_streaming_response.create(
-        model=MODEL, messages=msgs, max_tokens=6, temperature=0, stream=True, stream_options={"include_usage": True}
+        model=MODEL,
+        messages=msgs,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     ) as raw:
         assert raw.headers["x-slotkeeper-cache"] == "cold"
         chunks = list(raw.parse())
@@ -108,7 +113,9 @@ def test_tenants_are_isolated_and_delete_removes_everything(serve, tmp_path: Pat
     data = tmp_path / "data"
     s = serve(data, tenants=tenants)
     with pytest.raises(openai.AuthenticationError):
-        _client(s.url, "wrong").chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+        _client(s.url, "wrong").chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}]
+        )
     msgs = [{"role": "user", "content": "Hello from tenant A."}]
     done, headers, _ = _turn(_client(s.url, "key-a"), msgs)
     sid = headers["x-session-id"]
@@ -134,7 +141,8 @@ def test_bad_requests_get_openai_errors(serve, tmp_path: Path):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError, match="X-Session-Id"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                       extra_headers={"X-Session-Id": "../etc"})  # fmt: skip
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], extra_headers={"X-Session-Id": "../etc"}
+        )
     r = httpx.post(s.url + "/v1/chat/completions", content=b"{not json")
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]

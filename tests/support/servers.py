@@ -1,0 +1,137 @@
+"""Real servers for tests, started on free loopback ports: redis-server, moto's S3 server.
+
+Importable from every suite (pyproject sets pytest's pythonpath to tests/).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+REGION = "us-east-1"
+CREDS = {"aws_access_key_id": "test", "aws_secret_access_key": "test", "region_name": REGION}
+
+
+def free_port(also_plus: int = 0) -> int:
+    """A free loopback port; with ``also_plus`` the port + that offset is free too (weed's gRPC)."""
+    for _ in range(200):
+        port = random.randint(20000, 45000) if also_plus else 0
+        socks = []
+        try:
+            for p in (port, port + also_plus) if also_plus else (port,):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return socks[0].getsockname()[1]
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port")
+
+
+def wait_until(probe: Any, proc: subprocess.Popen[bytes], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited early with {proc.returncode}")
+        try:
+            if probe():
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} not ready after {timeout}s")
+
+
+def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=1) as resp:  # noqa: S310 - loopback only
+        return bool(resp.status < 500)
+
+
+# Buckets are created in-process before the server listens, so a restarted server never answers
+# NoSuchBucket to a client that is retrying.
+_MOTO = (
+    "import sys, time\n"
+    "from moto.core import DEFAULT_ACCOUNT_ID\n"
+    "from moto.s3.models import s3_backends\n"
+    "from moto.server import ThreadedMotoServer\n"
+    "s3_backends[DEFAULT_ACCOUNT_ID]['aws'].create_bucket('slots', 'us-east-1')\n"
+    "ThreadedMotoServer(ip_address='127.0.0.1', port=int(sys.argv[1]), verbose=False).start()\n"
+    "time.sleep(10**9)\n"
+)
+
+
+class MotoProcess:
+    """moto's ThreadedMotoServer in a child process, killable and restartable on the same port."""
+
+    def __init__(self, log_dir: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.log = log_dir / f"moto-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _MOTO, str(self.port)], stdout=log, stderr=log, start_new_session=True
+            )
+        wait_until(lambda: http_ok(self.endpoint + "/moto-api/"), self.proc, "moto server")
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            stop(self.proc, signal.SIGKILL)
+
+
+def make_bucket(endpoint: str, bucket: str) -> None:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint, **CREDS)
+    try:
+        client.create_bucket(Bucket=bucket)
+    except client.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    finally:
+        client.close()
+
+
+@contextmanager
+def redis_server(data: Path) -> Iterator[int]:
+    """A redis-server with no persistence on a free port; yields the port."""
+    port = free_port()
+    cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+           "--dir", str(data)]  # fmt: skip
+    with open(data / "redis.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
+
+    def ping() -> bool:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+
+    try:
+        wait_until(ping, proc, "redis-server")
+        yield port
+    finally:
+        stop(proc)
