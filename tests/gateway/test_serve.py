@@ -146,3 +146,43 @@ def test_bad_requests_get_openai_errors(serve, tmp_path: Path):
         )
     r = httpx.post(s.url + "/v1/chat/completions", content=b"{not json")
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_engine_killed_mid_stream_resumes_from_the_last_durable_turn(serve, tmp_path: Path):
+    import os
+    import time
+
+    s = serve(tmp_path / "data", slots=1)
+    client = _client(s.url)
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "First step."}]
+    done, headers, _ = _turn(client, msgs, session="agent-9")
+    msgs.append({"role": "assistant", "content": done.choices[0].message.content})
+    for _ in range(100):  # the write-behind save of turn 1
+        if httpx.get(f"{s.url}/v1/sessions/agent-9").json()["generation"] >= 1:
+            break
+        time.sleep(0.05)
+    msgs.append({"role": "user", "content": "Second step, a long answer please."})
+    pid = s.engines()[0]["pid"]
+    stream = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=1900, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}, extra_headers={"X-Session-Id": "agent-9"},
+    )  # fmt: skip
+    with pytest.raises(openai.APIError):
+        for i, _chunk in enumerate(stream):
+            if i == 0:
+                os.kill(pid, 9)
+    deadline = time.monotonic() + 60  # the supervisor restarts the engine
+    while time.monotonic() < deadline:
+        engines = s.engines()
+        if engines[0]["state"] == "ready" and engines[0]["pid"] != pid:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"engine not restarted: {s.engines()}")
+    for _ in range(100):
+        if httpx.get(s.url + "/ready").status_code == 200:
+            break
+        time.sleep(0.1)
+    done, headers, timings = _turn(client, msgs, session="agent-9")
+    assert headers["x-slotkeeper-cache"] == "restored"
+    assert timings["restored"] and timings["cache_n"] > done.usage.prompt_tokens // 2
