@@ -6,6 +6,7 @@ are created in the lifespan and handed down; errors leave through gateway.errors
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -17,14 +18,13 @@ import httpx
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway.cluster import Cluster
 from gateway.errors import BadRequest, GatewayError, NotFound, QuotaExceeded, Unauthorized, error_response
-from gateway.relay import StreamRelay, TurnOutcome, forward_json
+from gateway.relay import EngineUnreachable, StreamRelay, TurnOutcome, forward_json
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenant, Tenants
 from gateway.turns import Turn, TurnRunner
@@ -140,7 +140,8 @@ async def _turn(request: Request, path: str) -> Response:
         raise BadRequest("'messages' must be a list", param="messages")
     session, source = await svc.runner.resolve(tenant, request.headers, body, model)
     turn = await svc.runner.begin(tenant, session, model, source)
-    messages = body.get("messages") if isinstance(body.get("messages"), list) else []
+    raw_messages = body.get("messages")
+    messages: list[dict[str, Any]] = raw_messages if isinstance(raw_messages, list) else []
     upstream = {k: v for k, v in body.items() if k not in ("prompt_cache_key", "id_slot")}
     upstream.update(model=model, id_slot=turn.placement.slot, cache_prompt=True)
     svc.metrics.served.labels(turn.placement.serve.value).inc()
@@ -151,7 +152,7 @@ async def _turn(request: Request, path: str) -> Response:
         try:
             payload, outcome = await forward_json(svc.http, url, upstream)
         except GatewayError as exc:
-            outcome.error, outcome.engine_failed = exc.message, exc.status == 503
+            outcome.error, outcome.engine_failed = exc.message, isinstance(exc, EngineUnreachable)
             await svc.runner.finish(turn, messages, outcome)
             raise
         svc.metrics.ttft.observe(time.perf_counter() - t0)
@@ -162,21 +163,24 @@ async def _turn(request: Request, path: str) -> Response:
         relay = await StreamRelay.open(svc.http, url, upstream)
     except GatewayError as exc:
         await svc.runner.finish(
-            turn, messages, TurnOutcome(error=exc.message, engine_failed=exc.status == 503)
+            turn, messages, TurnOutcome(error=exc.message, engine_failed=isinstance(exc, EngineUnreachable))
         )
         raise
     svc.metrics.ttft.observe(time.perf_counter() - t0)
 
-    async def after() -> None:
-        _count_tokens(svc, relay.outcome)
-        await svc.runner.finish(turn, messages, relay.outcome)
+    async def relayed() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in relay.chunks():
+                yield chunk
+        finally:
+            # Also when the client went away mid-stream: the session must not stay locked. A task,
+            # so that the cancellation of this generator cannot cut the bookkeeping short.
+            _count_tokens(svc, relay.outcome)
+            done = asyncio.create_task(svc.runner.finish(turn, messages, relay.outcome))
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(done)
 
-    return StreamingResponse(
-        relay.chunks(),
-        media_type="text/event-stream",
-        headers=_headers(turn),
-        background=BackgroundTask(after),
-    )
+    return StreamingResponse(relayed(), media_type="text/event-stream", headers=_headers(turn))
 
 
 def _count_tokens(svc: Services, outcome: TurnOutcome) -> None:
@@ -226,12 +230,12 @@ async def session_detail(request: Request) -> Response:
     tenant = _tenant(request)
     sid = request.path_params["session"]
     if request.method == "DELETE":
-        rec = await svc.runner.delete(tenant, sid)
-        return JSONResponse({"id": rec.session, "object": "session", "deleted": True})
-    rec = await svc.index.find(tenant.name, sid)
-    if rec is None:
+        deleted = await svc.runner.delete(tenant, sid)
+        return JSONResponse({"id": deleted.session, "object": "session", "deleted": True})
+    found = await svc.index.find(tenant.name, sid)
+    if found is None:
         raise NotFound(f"session {sid} not found")
-    return JSONResponse(_record(rec))
+    return JSONResponse(_record(found))
 
 
 async def health(request: Request) -> Response:

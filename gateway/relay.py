@@ -41,6 +41,10 @@ class TurnOutcome:
         return int(self.usage.get("prompt_tokens", 0)) + int(self.usage.get("completion_tokens", 0))
 
 
+class EngineUnreachable(Unavailable):
+    """The connection to the engine failed: the engine died (its supervisor restarts it)."""
+
+
 def _upstream_error(resp_status: int, payload: Any) -> GatewayError:
     err = payload.get("error", {}) if isinstance(payload, dict) else {}
     message = err.get("message") or f"engine answered {resp_status}"
@@ -60,7 +64,9 @@ async def forward_json(
     try:
         resp = await client.post(url, json=body)
     except httpx.HTTPError as exc:
-        raise Unavailable(f"the engine is unreachable ({type(exc).__name__}); retry", retry_after=1) from exc
+        raise EngineUnreachable(
+            f"the engine is unreachable ({type(exc).__name__}); retry", retry_after=1
+        ) from exc
     try:
         payload = resp.json()
     except ValueError:

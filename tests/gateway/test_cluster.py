@@ -84,11 +84,15 @@ def cluster(tiny_model, redis_port, moto_server, tmp_path: Path) -> Iterator[dic
 
 
 def _turn(url: str, messages: list[dict], session: str):
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=2, timeout=60)
-    raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_headers={"X-Session-Id": session}
-    )
-    done = raw.parse()
+    with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=2, timeout=60) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            extra_headers={"X-Session-Id": session},
+        )
+        done = raw.parse()
     return done, raw.headers, done.model_extra["timings"]
 
 
@@ -122,10 +126,9 @@ def test_node_sigterm_moves_sessions_and_redis_flush_is_reindexed(cluster):
     r = redis_sync.Redis.from_url(cluster["redis_url"])
     r.flushall()
     r.close()
-    rc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "reindex", "--redis-url", cluster["redis_url"], "--redis-prefix",
-         cluster["prefix"], *cluster["s3"]], env=ENV, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    reindex = [sys.executable, "-m", "gateway.cli", "reindex", "--redis-url", cluster["redis_url"]]
+    reindex += ["--redis-prefix", cluster["prefix"], *cluster["s3"]]
+    rc = subprocess.run(reindex, env=ENV, capture_output=True, text=True, timeout=60)
     assert rc.returncode == 0, rc.stdout + rc.stderr
     assert httpx.get(f"{gw.url}/v1/sessions/agent-7").json()["state"] == "spilled"
     deadline = time.monotonic() + 30  # the surviving node re-registers its engine on its next heartbeat

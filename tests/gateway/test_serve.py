@@ -4,6 +4,7 @@ slot, spill to the blob store and come back, across evictions and restarts."""
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -14,8 +15,20 @@ MODEL = "qwen35-seed0"
 SYSTEM = "You are a coding agent. Read files, run tests, fix bugs, and report briefly. " * 4
 
 
+_CLIENTS: list[openai.OpenAI] = []
+
+
 def _client(url: str, key: str = "none") -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+    _CLIENTS.append(client)
+    return client
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    yield
+    while _CLIENTS:
+        _CLIENTS.pop().close()
 
 
 def _turn(client: openai.OpenAI, messages: list[dict], session: str | None = None):
