@@ -3,7 +3,9 @@ slot, spill to the blob store and come back, across evictions and restarts."""
 
 from __future__ import annotations
 
+import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -100,24 +102,53 @@ def test_more_sessions_than_slots_evict_and_restore(serve, tmp_path: Path):
             msgs.append({"role": "assistant", "content": done.choices[0].message.content})
 
 
-def test_restart_between_every_turn_costs_what_an_uninterrupted_run_costs(serve, tmp_path: Path):
+def _wait_durable(url: str, session: str, generation: int) -> None:
+    for _ in range(200):
+        if httpx.get(f"{url}/v1/sessions/{session}").json().get("generation", 0) >= generation:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"turn {generation} of {session} never became durable")
+
+
+def _wait_engine_restarted(s, old_pid: int) -> None:
+    for _ in range(600):
+        engines = s.engines()
+        if engines[0]["state"] == "ready" and engines[0]["pid"] != old_pid:
+            if httpx.get(s.url + "/ready").status_code == 200:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"engine not restarted: {s.engines()}")
+
+
+def test_ten_turns_with_everything_restarted_cost_what_an_uninterrupted_run_costs(serve, tmp_path: Path):
+    """Between turns the engine is SIGKILLed (the pool restarts it; the session comes back from
+    its after-turn save) or the whole serve process — gateway, node, engines — is restarted."""
+
     def conversation(restart: bool, data: Path) -> list[tuple[str, int, int]]:
         msgs = [{"role": "system", "content": SYSTEM}]
         out = []
         s = serve(data)
-        for turn in range(4):
+        for turn in range(10):
             msgs.append({"role": "user", "content": f"Step {turn}: list files, then run the tests."})
             done, headers, timings = _turn(_client(s.url), msgs, session="agent-1")
             out.append((done.choices[0].message.content, timings["prompt_n"], timings["cache_n"]))
             msgs.append({"role": "assistant", "content": done.choices[0].message.content})
             if restart:
-                assert s.stop(signal.SIGTERM) == 0  # drains: every live session spilled
-                s = serve(data)
+                assert headers["x-slotkeeper-cache"] == ("cold" if turn == 0 else "restored")
+                _wait_durable(s.url, "agent-1", turn + 1)
+                if turn % 2 == 0:
+                    pid = s.engines()[0]["pid"]
+                    os.kill(pid, signal.SIGKILL)
+                    _wait_engine_restarted(s, pid)
+                else:
+                    assert s.stop(signal.SIGTERM) == 0  # drains: every live session spilled
+                    s = serve(data)
         return out
 
     steady = conversation(False, tmp_path / "steady")
     restarted = conversation(True, tmp_path / "restarted")
     assert restarted == steady
+    assert all(cache_n > 0 for _, _, cache_n in restarted[1:])
 
 
 def test_tenants_are_isolated_and_delete_removes_everything(serve, tmp_path: Path):
@@ -162,9 +193,6 @@ def test_bad_requests_get_openai_errors(serve, tmp_path: Path):
 
 
 def test_engine_killed_mid_stream_resumes_from_the_last_durable_turn(serve, tmp_path: Path):
-    import os
-    import time
-
     s = serve(tmp_path / "data", slots=1)
     client = _client(s.url)
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "First step."}]
@@ -199,3 +227,43 @@ def test_engine_killed_mid_stream_resumes_from_the_last_durable_turn(serve, tmp_
     done, headers, timings = _turn(client, msgs, session="agent-9")
     assert headers["x-slotkeeper-cache"] == "restored"
     assert timings["restored"] and timings["cache_n"] > done.usage.prompt_tokens // 2
+
+
+def test_quotas_answer_429_with_retry_after(serve, tmp_path: Path):
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(
+        '[tenants.a]\nkeys = ["key-a"]\n[tenants.a.quotas]\nrequests_per_minute = 3\n'
+        '[tenants.b]\nkeys = ["key-b"]\n[tenants.b.quotas]\nsessions = 1\n'
+    )
+    s = serve(tmp_path / "data", tenants=tenants)
+    msgs = [{"role": "user", "content": "hi"}]
+    for _ in range(3):
+        _turn(_client(s.url, "key-a"), msgs, session="one")
+    auth = {"Authorization": "Bearer key-a", "X-Session-Id": "one"}
+    body = {"model": MODEL, "messages": msgs, "max_tokens": 1}
+    r = httpx.post(s.url + "/v1/chat/completions", headers=auth, json=body)
+    assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+    assert r.json()["error"]["type"] == "rate_limit_error"
+    _turn(_client(s.url, "key-b"), msgs, session="first")
+    with pytest.raises(openai.RateLimitError, match="limit of 1 sessions"):
+        _turn(_client(s.url, "key-b"), msgs, session="second")
+
+
+def test_a_busy_session_is_forked_not_waited_for(serve, tmp_path: Path):
+    s = serve(tmp_path / "data", slots=2)
+    client = _client(s.url)
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "First."}]
+    first, _, _ = _turn(client, msgs, session="main")
+    msgs.append({"role": "assistant", "content": first.choices[0].message.content})
+    _wait_durable(s.url, "main", 1)
+    long = client.chat.completions.create(
+        model=MODEL, messages=msgs + [{"role": "user", "content": "Long."}], max_tokens=1900, temperature=0,
+        stream=True, extra_body={"ignore_eos": True}, extra_headers={"X-Session-Id": "main"},
+    )  # fmt: skip
+    next(iter(long))  # "main" is now busy generating
+    done, headers, timings = _turn(client, msgs + [{"role": "user", "content": "Meanwhile?"}], session="main")
+    assert headers["x-session-id"].startswith("main.f")
+    assert headers["x-slotkeeper-cache"] == "restored" and timings["cache_n"] > 0
+    long.close()
+    metrics = httpx.get(s.url + "/metrics").text
+    assert 'slotkeeper_gateway_sessions_served_total{cache="restored"}' in metrics
