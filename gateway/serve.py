@@ -44,7 +44,9 @@ class _QuietServer(uvicorn.Server):
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="slotkeeper serve", description=__doc__)
-    add_flags(ap)  # gateway flags: --host, --port, --redis-url, --tenants, --s3-*, --data-dir ...
+    # The gateway's flags (--host, --port, --redis-url, --tenants, --s3-*, --data-dir ...); its node is
+    # the one this process runs.
+    add_flags(ap, skip=frozenset({"nodes"}))
     ap.add_argument("--model", action="append", default=[], help="GGUF model (repeatable)")
     ap.add_argument("--slots", default="2", help="slots per engine [SLOTKEEPER_SLOTS]")
     ap.add_argument("--ctx", default="8192", help="context per slot in tokens")

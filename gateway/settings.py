@@ -63,8 +63,10 @@ def _convert(kind: Any, raw: str, flag: str) -> Any:
         raise SettingsError(f"{flag}: {raw!r} is not a valid {kind.__name__}") from None
 
 
-def add_flags(parser: argparse.ArgumentParser) -> None:
+def add_flags(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
     for flag, name, env, kind, help_ in FLAGS:
+        if name in skip:
+            continue
         if kind == "list":
             parser.add_argument(flag, dest=name, action="append", help=f"{help_} [{env}]")
         else:
