@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+from support.servers import MotoProcess
 
 from engine_pool import supervisor
 from engine_pool.node_client import NodeClient, NodeError
@@ -104,72 +104,13 @@ class NodeProcess:
 
 
 @pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port, data = free_port(), tmp_path_factory.mktemp("redis")
-    cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-           "--dir", str(data)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-
-    def ping() -> bool:
-        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-
-    wait_for(ping, "redis-server")
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(10)
-
-
-_MOTO = (
-    "import sys, time\n"
-    "from moto.core import DEFAULT_ACCOUNT_ID\n"
-    "from moto.s3.models import s3_backends\n"
-    "from moto.server import ThreadedMotoServer\n"
-    "s3_backends[DEFAULT_ACCOUNT_ID]['aws'].create_bucket('slots', 'us-east-1')\n"
-    "ThreadedMotoServer(ip_address='127.0.0.1', port=int(sys.argv[1]), verbose=False).start()\n"
-    "time.sleep(10**9)\n"
-)
-
-
-class Moto:
-    """moto's S3 server in a child process (bucket `slots`), killable and restartable on its port."""
-
-    def __init__(self, log: Path) -> None:
-        self.port, self.log = free_port(), log
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        with open(self.log, "ab") as log:
-            cmd = [sys.executable, "-c", _MOTO, str(self.port)]
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
-        wait_for(lambda: httpx.get(self.endpoint + "/moto-api/", timeout=1).status_code < 500, "moto")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def exists(self, key: str) -> bool:
-        from botocore.exceptions import ClientError
-
-        try:
-            self.client().head_object(Bucket="slots", Key=key)
-        except ClientError:
-            return False
-        return True
-
-    def client(self) -> Any:
-        import boto3
-
-        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="test",
-                            aws_secret_access_key="test", region_name="us-east-1")  # fmt: skip
+def redis_url(redis_port: int) -> str:
+    return f"redis://127.0.0.1:{redis_port}/0"
 
 
 @pytest.fixture
-def moto(tmp_path: Path) -> Iterator[Moto]:
-    server = Moto(tmp_path / "moto.log")
+def moto(tmp_path: Path) -> Iterator[MotoProcess]:
+    server = MotoProcess(tmp_path)
     server.start()
     yield server
     server.kill()
@@ -277,7 +218,7 @@ async def test_spill_erase_fill_through_the_local_store(
 
 
 async def test_s3_store_down_during_spill_then_flushed(
-    start_node: Callable[..., NodeProcess], moto: Moto, prefix: str
+    start_node: Callable[..., NodeProcess], moto: MotoProcess, prefix: str
 ) -> None:
     node = start_node("--s3-endpoint", moto.endpoint, "--s3-bucket", "slots", "--s3-prefix", prefix,
                       "--spill-bytes", "0", "--flush-interval", "0.3", env=S3_ENV)  # fmt: skip

@@ -103,6 +103,23 @@ class MotoProcess:
         if self.proc is not None:
             stop(self.proc, signal.SIGKILL)
 
+    def client(self) -> Any:
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, **CREDS)
+
+    def exists(self, key: str, bucket: str = "slots") -> bool:
+        from botocore.exceptions import ClientError
+
+        client = self.client()
+        try:
+            client.head_object(Bucket=bucket, Key=key)
+        except ClientError:
+            return False
+        finally:
+            client.close()
+        return True
+
 
 def make_bucket(endpoint: str, bucket: str) -> None:
     import boto3

@@ -1,0 +1,779 @@
+"""`slotkeeper bench gateway`: what the gateway costs, measured side by side in one run (the machines
+are shared and noisy: compare the ratios, not the absolute times).
+
+1. overhead — `slotkeeper serve` on the tiny qwen35: the same small chat request (max_tokens 1)
+   through the gateway on a live session and straight to the engine on another slot, interleaved
+   so that noise hits both; p50/p99 of each and the gateway's overhead. Two gateway tenants run in
+   the same rounds: `on-evict` (the request path alone) and `after-turn` (the default durability:
+   every turn is followed by a write-behind save of the slot).
+2. routing — in process, no servers: 100,000 sessions (live in 8 engines x 4 slots, the rest
+   spilled) with their message-prefix digests, indexed in the in-process index and in a real
+   redis-server; the gateway's decision per request (implicit resolve by prefix digests, the
+   record, the cluster snapshot, `choose_placement`) timed stage by stage, one at a time and
+   concurrently, with the Redis commands each stage sends.
+3. restore — the bench model (~211M params) behind `slotkeeper serve` with S3 (moto's server):
+   the TTFT of the same second turn of a ~4,000-token session served live, and served after
+   SIGTERM (drain to S3) + wiping the local spill cache, blobs and slot files + a fresh start, so
+   the state comes back from S3 through reindex and fill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from native.model_gen import cached_model
+
+_TESTS = Path(__file__).resolve().parents[1]
+_ROOT = _TESTS.parent
+if str(_TESTS) not in sys.path:  # the real-server helpers the test suites use (tests/support)
+    sys.path.insert(0, str(_TESTS))
+from support.servers import MotoProcess, free_port, redis_server, wait_until  # noqa: E402
+
+AWS_ENV = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+BUCKET = "slots"  # created by MotoProcess before it listens
+TENANTS_TOML = """
+[tenants.lazy]
+keys = ["key-lazy"]
+durability = "on-evict"
+[tenants.durable]
+keys = ["key-durable"]
+durability = "after-turn"
+"""
+SYSTEM = (
+    "You are a coding agent. You can read files, run tests and edit code. Think step by step, keep "
+    "answers short, and call tools with JSON arguments. "
+)
+CHUNK = (
+    "def handler(request):\n    data = parse(request.body)\n    if not data.valid:\n"
+    "        raise BadRequest(data.errors)\n    return Response(render(data), status=200)\n"
+)
+
+
+# ------------------------------------------------------------------------------------ statistics
+def pct(values: list[float], q: float) -> float:
+    """The q-th percentile (nearest rank) of values."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:{'<' if i == 0 else '>'}{w}}}" for i, w in enumerate(widths))
+    return "\n".join(fmt.format(*r) for r in [header, *rows])
+
+
+# ------------------------------------------------------------------------- slotkeeper serve process
+@dataclass
+class Serve:
+    url: str
+    node_url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def engines(self) -> list[dict[str, Any]]:
+        return list(httpx.get(self.node_url + "/v1/engines", timeout=5).json()["engines"])
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        """The serve log's JSON events called `name`."""
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            if f'"{name}"' in line:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue
+        return out
+
+    def terminate(self, timeout: float) -> int:
+        """SIGTERM (the node drains: every live session is saved and uploaded), then wait."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise RuntimeError(f"serve did not drain within {timeout}s:\n{self.tail()}") from None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def start_serve(workdir: Path, name: str, flags: list[str], env: dict[str, str] | None = None) -> Serve:
+    port, node_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--node-port", str(node_port),
+           *flags]  # fmt: skip
+    log = workdir / f"{name}.log"
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
+    serve = Serve(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{node_port}", proc, log)
+    try:
+        wait_until(lambda: _ready(serve.url), proc, f"slotkeeper serve ({name})", timeout=180)
+    except RuntimeError as exc:
+        serve.kill()
+        raise RuntimeError(f"{exc}\n{serve.tail()}") from None
+    return serve
+
+
+@contextmanager
+def serving(workdir: Path, name: str, flags: list[str], env: dict[str, str] | None = None) -> Iterator[Serve]:
+    serve = start_serve(workdir, name, flags, env)
+    try:
+        yield serve
+    finally:
+        serve.kill()
+
+
+# =============================================================================== 1. gateway overhead
+@dataclass
+class Target:
+    name: str
+    url: str
+    headers: dict[str, str]
+    extra: dict[str, Any]
+    latencies_ms: list[float] = field(default_factory=list)
+    prompt_n: list[int] = field(default_factory=list)
+    caches: dict[str, int] = field(default_factory=dict)
+
+    def send(self, client: httpx.Client, body: dict[str, Any], record: bool) -> None:
+        t0 = time.perf_counter()
+        resp = client.post(self.url, json={**body, **self.extra}, headers=self.headers)
+        payload = resp.json()
+        elapsed = (time.perf_counter() - t0) * 1000
+        if resp.status_code != 200:
+            raise RuntimeError(f"{self.name}: HTTP {resp.status_code}: {payload}")
+        if record:
+            self.latencies_ms.append(elapsed)
+            self.prompt_n.append(int(payload["timings"]["prompt_n"]))
+            cache = resp.headers.get("x-slotkeeper-cache", "-")
+            if resp.headers.get("x-session-id", "") != self.headers.get("X-Session-Id", ""):
+                cache += " (forked)"  # the gateway found the session busy and served a copy of it
+            self.caches[cache] = self.caches.get(cache, 0) + 1
+
+
+def overhead(args: argparse.Namespace, workdir: Path) -> None:
+    model = os.path.abspath(args.tiny_model or cached_model(args.models_dir, "qwen35", size="tiny"))
+    tenants = workdir / "tenants.toml"
+    tenants.write_text(TENANTS_TOML)
+    flags = ["--data-dir", str(workdir / "overhead"), "--model", model, "--slots", "3", "--ctx", "2048",
+             "--tenants", str(tenants), "--log-level", args.log_level]  # fmt: skip
+    with serving(workdir, "overhead", flags) as serve:
+        engine = serve.engines()[0]
+        body = {"model": engine["model"], "messages": [{"role": "user", "content": "Say hi."}],
+                "max_tokens": 1, "temperature": 0}  # fmt: skip
+        gw = serve.url + "/v1/chat/completions"
+        targets = [
+            Target("gateway, on-evict", gw, {"Authorization": "Bearer key-lazy", "X-Session-Id": "gw-1"}, {}),
+            Target("gateway, after-turn", gw, {"Authorization": "Bearer key-durable", "X-Session-Id": "gw-2"},
+                   {}),
+        ]  # fmt: skip
+        with httpx.Client(timeout=60) as client:  # one keep-alive pool per host:port
+            for t in targets:  # places both sessions first: the direct target takes the slot left over
+                t.send(client, body, record=False)
+            used = {_session_slot(serve.url, t.headers) for t in targets}
+            free = min(set(range(int(engine["n_slots"]))) - used)
+            direct = Target(f"direct engine (slot {free})", engine["url"] + "/v1/chat/completions", {},
+                            {"id_slot": free, "cache_prompt": True})  # fmt: skip
+            targets.insert(0, direct)
+            done = _rounds(client, targets, body, args)
+    _print_overhead(targets, done, args)
+
+
+def _session_slot(url: str, headers: dict[str, str]) -> int:
+    sid = headers["X-Session-Id"]
+    auth = {"Authorization": headers["Authorization"]}
+    return int(httpx.get(f"{url}/v1/sessions/{sid}", headers=auth, timeout=5).json()["slot"])
+
+
+def _rounds(
+    client: httpx.Client, targets: list[Target], body: dict[str, Any], args: argparse.Namespace
+) -> int:
+    """Warm-up, then rounds of one request per target (the order rotates every round)."""
+    deadline = time.monotonic() + args.overhead_time_limit
+    done = 0
+    for i in range(args.warmup + args.requests):
+        if time.monotonic() > deadline:
+            break
+        k = i % len(targets)
+        for t in targets[k:] + targets[:k]:
+            t.send(client, body, record=i >= args.warmup)
+        done += i >= args.warmup
+    return done
+
+
+def _print_overhead(targets: list[Target], rounds: int, args: argparse.Namespace) -> None:
+    direct = targets[0]
+    d50, d99 = pct(direct.latencies_ms, 50), pct(direct.latencies_ms, 99)
+    rows = []
+    for t in targets:
+        p50, p99 = pct(t.latencies_ms, 50), pct(t.latencies_ms, 99)
+        caches = ",".join(f"{k}:{v}" for k, v in sorted(t.caches.items()))
+        over = "" if t is direct else f"{p50 - d50:+.2f}"
+        over99 = "" if t is direct else f"{p99 - d99:+.2f}"
+        ratio = "" if t is direct else f"{p50 / d50:.2f}"
+        rows.append([t.name, f"{p50:.2f}", f"{p99:.2f}", over, over99, ratio,
+                     f"{statistics.median(t.prompt_n):.0f}", caches])  # fmt: skip
+    print(f"\n== 1. gateway overhead: {rounds} interleaved rounds (+{args.warmup} warm-up), "
+          "identical chat request, max_tokens=1, tiny qwen35, keep-alive ==")  # fmt: skip
+    print(table(["target", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "p50 x", "prompt_n", "cache"], rows))
+    forked = sum(n for t in targets for k, n in t.caches.items() if "forked" in k)
+    if forked:
+        print(f"WARNING: {forked} requests of this one-at-a-time client were forked: their session was still "
+              "locked although the previous response had arrived (a write-behind save releasing its lock); "
+              "a fork takes a free slot, possibly the direct target's")  # fmt: skip
+
+
+# ============================================================================ 2. routing decisions
+@dataclass(frozen=True)
+class Fleet:
+    """The synthetic population: sessions, their digests and the request each one would send."""
+
+    model: str
+    tenants: list[str]
+    engines: list[str]
+    slots: int
+    sessions: list[tuple[str, str]]  # (tenant, session)
+    digests: list[list[str]]  # per session: the digests finish() would have recorded
+    requests: list[list[dict[str, str]]]  # per sampled request: its messages
+    request_owner: list[int]  # per sampled request: the index of the session it resumes
+
+
+def _history(tenant: str, i: int, turns: int) -> list[dict[str, str]]:
+    msgs = [{"role": "system", "content": f"You are the coding agent of {tenant}. " + SYSTEM}]
+    for j in range(turns):
+        msgs.append({"role": "user", "content": f"Session {i}, step {j}: run the tests."})
+        msgs.append({"role": "assistant", "content": f"Step {j} of session {i}: 3 passed, 1 failed."})
+    return msgs
+
+
+def build_fleet(args: argparse.Namespace) -> Fleet:
+    from gateway.prefixes import turn_digests
+
+    model = "qwen35-bench-seed0"
+    tenants = [f"tenant{t}" for t in range(args.tenants)]
+    sessions = [(tenants[i % len(tenants)], f"s-{i:07d}") for i in range(args.sessions)]
+    digests = [turn_digests(_history(t, i, args.turns), model) for i, (t, _) in enumerate(sessions)]
+    rng = random.Random(7)
+    owners = [rng.randrange(len(sessions)) for _ in range(args.request_pool)]
+    requests = [
+        _history(sessions[i][0], i, args.turns) + [{"role": "user", "content": "Next step."}] for i in owners
+    ]
+    engines = [f"bench-e{e}" for e in range(args.engines)]
+    return Fleet(model, tenants, engines, args.slots_per_engine, sessions, digests, requests, owners)
+
+
+async def load_fleet(redis: Any, fleet: Fleet, batch: int = 500) -> float:
+    """Write every record, listing, engine set, idle LRU entry and prefix route the index keeps, in
+    pipelines (the same keys SessionIndex's transactions write). Returns seconds taken."""
+    from storage.index import SessionIndex, SessionRecord, SessionState
+    from storage.keyspace import member
+
+    keys = SessionIndex(redis).keys
+    n_live = len(fleet.engines) * fleet.slots
+    t0 = time.perf_counter()
+    for start in range(0, len(fleet.sessions), batch):
+        async with redis.pipeline(transaction=False) as pipe:
+            for i in range(start, min(start + batch, len(fleet.sessions))):
+                tenant, session = fleet.sessions[i]
+                live = i < n_live
+                engine = fleet.engines[i // fleet.slots] if live else None
+                rec = SessionRecord(
+                    tenant, session, SessionState.LIVE if live else SessionState.SPILLED,
+                    model=fleet.model, tokens=4000, engine=engine, slot=i % fleet.slots if live else None,
+                    generation=1, blob_key=f"slotkeeper/{tenant}/{session}/{1:020d}.slot", bytes=1 << 26,
+                    last_used=1_700_000_000.0 + i,
+                )  # fmt: skip
+                pipe.hset(keys.session(tenant, session), mapping=rec.to_hash())
+                pipe.zadd(keys.sessions(tenant), {session: rec.last_used})
+                if engine is not None:
+                    pipe.sadd(keys.engine_live(engine), member(tenant, session))
+                    pipe.zadd(keys.engine_idle(engine), {member(tenant, session): rec.last_used})
+                for d in fleet.digests[i]:
+                    pipe.set(keys.prefix_hash(tenant, d), session)
+                pipe.sadd(keys.session_prefixes(tenant, session), *fleet.digests[i])
+            await pipe.execute()
+    return time.perf_counter() - t0
+
+
+@dataclass
+class Decider:
+    """The gateway's decision path, built the way gateway.main builds it."""
+
+    runner: Any
+    cluster: Any
+    index: Any
+    tenants: dict[str, Any]
+    model: str
+
+    async def stages(self, messages: list[dict[str, str]]) -> tuple[Any, list[float]]:
+        from gateway.placement import SessionView, choose_placement
+
+        t = [time.perf_counter()]
+        tenant = self.tenants[_tenant_of(messages)]
+        session, source = await self.runner.resolve(tenant, {}, {"messages": messages}, self.model)
+        t.append(time.perf_counter())
+        rec = await self.index.find(tenant.name, session)
+        t.append(time.perf_counter())
+        snapshot = await self.cluster.snapshot(self.model, holder=(tenant.name, session))
+        t.append(time.perf_counter())
+        view = SessionView(tenant.name, session, rec.engine, rec.slot, rec.generation)
+        placement = choose_placement(snapshot, self.model, view)
+        t.append(time.perf_counter())
+        if source != "implicit":
+            raise RuntimeError(f"request for {session} was not routed by its prefixes ({source})")
+        return placement, [b - a for a, b in zip(t, t[1:], strict=False)]
+
+
+def _tenant_of(messages: list[dict[str, str]]) -> str:
+    return messages[0]["content"].split(" of ", 1)[1].split(".", 1)[0]
+
+
+async def make_decider(
+    redis: Any, fleet: Fleet, workdir: Path
+) -> tuple[Decider, Callable[[], Awaitable[None]]]:
+    from gateway.cluster import Cluster
+    from gateway.tenants import Tenant
+    from gateway.turns import TurnRunner
+    from storage.engines import EngineRegistry
+    from storage.index import SessionIndex
+    from storage.localstore import LocalStore
+    from storage.locks import SessionLocks
+
+    index, locks, registry = SessionIndex(redis), SessionLocks(redis), EngineRegistry(redis)
+    for e in fleet.engines:
+        await registry.register(e, node="bench", url=f"http://127.0.0.1:1/{e}", model=fleet.model,
+                                n_slots=fleet.slots, ttl_s=3600)  # fmt: skip
+    http = httpx.AsyncClient()
+    store = LocalStore(workdir / "routing-blobs")
+    cluster = Cluster(registry, index, locks, (), http)
+    runner = TurnRunner(cluster, index, locks, store, {}, lock_ttl_s=60, spill_wait_s=5)
+
+    async def close() -> None:
+        await http.aclose()
+        await store.aclose()
+
+    return Decider(runner, cluster, index, {t: Tenant(t) for t in fleet.tenants}, fleet.model), close
+
+
+@dataclass
+class RoutingResult:
+    backend: str
+    load_s: float
+    stage_us: list[list[float]]  # per stage: microseconds of each sequential decision
+    sequential_per_s: float
+    concurrent_per_s: float
+    commands: list[float] | None  # Redis commands per stage (redis-server only)
+    serves: dict[str, int]
+    snapshot: list[Any]  # the engines as the decisions saw them (for choose_placement alone)
+
+
+async def _sequential(
+    decider: Decider, fleet: Fleet, args: argparse.Namespace
+) -> tuple[list[list[float]], float, dict[str, int]]:
+    stage_us: list[list[float]] = [[], [], [], []]
+    serves: dict[str, int] = {}
+    deadline = time.monotonic() + args.routing_time_limit
+    t0 = time.perf_counter()
+    n = 0
+    while n < args.decisions and time.monotonic() < deadline:
+        placement, times = await decider.stages(fleet.requests[n % len(fleet.requests)])
+        for k, dt in enumerate(times):
+            stage_us[k].append(dt * 1e6)
+        serves[placement.serve.value] = serves.get(placement.serve.value, 0) + 1
+        n += 1
+    return stage_us, n / (time.perf_counter() - t0), serves
+
+
+async def _concurrent(decider: Decider, fleet: Fleet, args: argparse.Namespace) -> float:
+    deadline = time.monotonic() + args.routing_time_limit
+    count = 0
+
+    async def worker(w: int) -> None:
+        nonlocal count
+        i = w
+        while count < args.decisions and time.monotonic() < deadline:
+            await decider.stages(fleet.requests[i % len(fleet.requests)])
+            count += 1
+            i += args.concurrency
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(w) for w in range(args.concurrency)))
+    return count / (time.perf_counter() - t0)
+
+
+async def _commands_per_stage(redis: Any, decider: Decider, fleet: Fleet, n: int = 50) -> list[float]:
+    """Redis commands each stage sends (INFO's counter around every stage; INFO counts itself)."""
+
+    async def counter() -> int:
+        return int((await redis.info("stats"))["total_commands_processed"])
+
+    totals = [0, 0, 0]
+    for i in range(n):
+        msgs = fleet.requests[i]
+        tenant = decider.tenants[_tenant_of(msgs)]
+        c0 = await counter()
+        session, _ = await decider.runner.resolve(tenant, {}, {"messages": msgs}, decider.model)
+        c1 = await counter()
+        await decider.index.find(tenant.name, session)
+        c2 = await counter()
+        await decider.cluster.snapshot(decider.model, holder=(tenant.name, session))
+        c3 = await counter()
+        for k, (a, b) in enumerate([(c0, c1), (c1, c2), (c2, c3)]):
+            totals[k] += b - a - 1
+    return [t / n for t in totals] + [0.0]
+
+
+async def measure_backend(name: str, redis: Any, fleet: Fleet, args: argparse.Namespace,
+                          workdir: Path, count_commands: bool) -> RoutingResult:  # fmt: skip
+    load_s = await load_fleet(redis, fleet)
+    decider, close = await make_decider(redis, fleet, workdir)
+    try:
+        snapshot = await _sanity(decider, fleet)
+        stage_us, seq, serves = await _sequential(decider, fleet, args)
+        conc = await _concurrent(decider, fleet, args)
+        commands = await _commands_per_stage(redis, decider, fleet) if count_commands else None
+    finally:
+        await close()
+    return RoutingResult(name, load_s, stage_us, seq, conc, commands, serves, snapshot)
+
+
+async def _sanity(decider: Decider, fleet: Fleet) -> list[Any]:
+    """The loaded keys read back through the index as the gateway would see them."""
+    n_live = len(fleet.engines) * fleet.slots
+    snapshot = await decider.cluster.snapshot(fleet.model)
+    occupied = sum(1 for e in snapshot for s in e.slots if s.session is not None)
+    if len(snapshot) != len(fleet.engines) or occupied != n_live:
+        raise RuntimeError(f"snapshot sees {len(snapshot)} engines and {occupied} live sessions")
+    tenant, session = fleet.sessions[-1]
+    if await decider.index.find(tenant, session) is None:
+        raise RuntimeError("the index does not find the loaded sessions")
+    return snapshot
+
+
+def pure_choose(fleet: Fleet, snapshot: list[Any], args: argparse.Namespace) -> float:
+    from gateway.placement import SessionView, choose_placement
+
+    views = [SessionView(t, s, None, None, 1) for t, s in fleet.sessions[: args.request_pool]]
+    n, deadline = 0, time.monotonic() + min(5.0, args.routing_time_limit)
+    t0 = time.perf_counter()
+    while n < 200_000 and time.monotonic() < deadline:
+        choose_placement(snapshot, fleet.model, views[n % len(views)])
+        n += 1
+    return n / (time.perf_counter() - t0)
+
+
+async def _routing_async(args: argparse.Namespace, workdir: Path) -> None:
+    import redis.asyncio as aioredis
+
+    from storage.index import in_process_redis
+
+    t0 = time.perf_counter()
+    fleet = build_fleet(args)
+    digests_s = time.perf_counter() - t0
+    results = []
+    fake = in_process_redis()
+    try:
+        results.append(await measure_backend("in-process", fake, fleet, args, workdir, False))
+    finally:
+        await fake.aclose()
+        del fake  # frees the in-process keyspace before the next backend
+    (workdir / "redis").mkdir(exist_ok=True)
+    with redis_server(workdir / "redis") as port:
+        real = aioredis.from_url(f"redis://127.0.0.1:{port}", decode_responses=True)
+        try:
+            results.append(await measure_backend("redis-server", real, fleet, args, workdir, True))
+        finally:
+            await real.aclose()
+    _print_routing(fleet, results, pure_choose(fleet, results[0].snapshot, args), digests_s, args)
+
+
+def routing(args: argparse.Namespace, workdir: Path) -> None:
+    from engine_pool import logs
+
+    logs.configure("json", "warning")  # the index logs every registration; keep the table readable
+    asyncio.run(_routing_async(args, workdir))
+
+
+STAGES = ["resolve (match_prefix)", "index.find", "cluster.snapshot", "choose_placement"]
+
+
+def _print_routing(fleet: Fleet, results: list[RoutingResult], pure: float, digests_s: float,
+                   args: argparse.Namespace) -> None:  # fmt: skip
+    n_live = len(fleet.engines) * fleet.slots
+    n_digests = sum(len(d) for d in fleet.digests)
+    n_engines = len(fleet.engines)
+    print(
+        f"\n== 2. routing decisions: {len(fleet.sessions):,} sessions ({n_live} live in {n_engines} "
+        f"engines x {fleet.slots} slots, the rest spilled), {len(fleet.tenants)} tenants, "
+        f"{n_digests:,} prefix digests (computed in {digests_s:.1f} s) =="
+    )
+    rows = []
+    for r in results:
+        cmds = r.commands or [float("nan")] * 4
+        total = [sum(v) for v in zip(*r.stage_us, strict=True)]
+        for name, us, c in zip(STAGES, r.stage_us, cmds, strict=True):
+            share = 100 * statistics.fmean(us) / statistics.fmean(total)
+            rows.append([r.backend, name, f"{pct(us, 50):.0f}", f"{pct(us, 99):.0f}", f"{share:.0f}%",
+                         "" if math.isnan(c) else f"{c:.1f}"])  # fmt: skip
+        rows.append([r.backend, "decision (sum)", f"{pct(total, 50):.0f}", f"{pct(total, 99):.0f}", "100%",
+                     "" if r.commands is None else f"{sum(cmds):.1f}"])  # fmt: skip
+    print(table(["backend", "stage", "p50 us", "p99 us", "share", "redis cmds"], rows))
+    rows = [[r.backend, f"{r.load_s:.1f}", f"{len(r.stage_us[0])}", f"{r.sequential_per_s:,.0f}",
+             f"{r.concurrent_per_s:,.0f}", ",".join(f"{k}:{v}" for k, v in sorted(r.serves.items()))]
+            for r in results]  # fmt: skip
+    rows.append(["choose_placement alone", "", "", f"{pure:,.0f}", "", ""])
+    print()
+    print(table(["backend", "load s", "decisions", "decisions/s (1 at a time)",
+                 f"decisions/s ({args.concurrency} concurrent)", "placements"], rows))  # fmt: skip
+
+
+# ================================================================================ 3. restored TTFT
+@dataclass
+class TurnResult:
+    ttft_ms: float
+    total_ms: float
+    content: str
+    timings: dict[str, Any]
+    cache: str
+
+
+def stream_turn(
+    url: str, model: str, messages: list[dict[str, str]], session: str, n_predict: int
+) -> TurnResult:
+    """One streamed chat turn; TTFT = the first chunk that carries generated text."""
+    body = {"model": model, "messages": messages, "max_tokens": n_predict, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    content: list[str] = []
+    timings: dict[str, Any] = {}
+    ttft: float | None = None
+    t0 = time.perf_counter()
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers={"X-Session-Id": session},
+                      timeout=300) as resp:  # fmt: skip
+        if resp.status_code != 200:
+            raise RuntimeError(f"turn failed: HTTP {resp.status_code}: {resp.read()!r}")
+        cache = resp.headers.get("x-slotkeeper-cache", "-")
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            timings = chunk.get("timings") or timings
+            for choice in chunk.get("choices") or []:
+                delta = choice.get("delta") or {}
+                text = delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
+                if text and ttft is None:
+                    ttft = time.perf_counter() - t0
+                content.append(delta.get("content") or "")
+    total = time.perf_counter() - t0
+    return TurnResult((ttft or total) * 1000, total * 1000, "".join(content), timings, cache)
+
+
+def long_prompt(serve: Serve, tokens: int) -> list[dict[str, str]]:
+    """System + a user message of about `tokens` tokens (counted with the engine's tokenizer)."""
+    engine = serve.engines()[0]["url"]
+    per_chunk = len(httpx.post(engine + "/tokenize", json={"content": CHUNK}, timeout=30).json()["tokens"])
+    user = "Review this code:\n" + CHUNK * max(1, (tokens - 60) // per_chunk)
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+
+
+def _wait_durable(url: str, session: str, timeout: float = 120) -> None:
+    """The write-behind save of the last turn finished (the agent's next turn comes after it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if httpx.get(f"{url}/v1/sessions/{session}", timeout=5).json().get("generation", 0) >= 1:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"session {session} was not saved within {timeout}s")
+
+
+def wipe_local(data: Path) -> int:
+    """Remove the spill cache, the local blobs and every slot file; returns the bytes removed."""
+    victims = [p for p in (data / "spill", data / "blobs") if p.exists()]
+    files = [p for v in victims for p in v.rglob("*") if p.is_file()] + list(data.rglob("*.slot"))
+    size = sum(p.stat().st_size for p in files if p.exists())
+    for v in victims:
+        shutil.rmtree(v)
+    for p in data.rglob("*.slot"):
+        p.unlink()
+    return size
+
+
+@dataclass
+class Pass:
+    turn1: TurnResult
+    turn2: TurnResult
+    messages2: list[dict[str, str]]
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+def _serve_flags(args: argparse.Namespace, model: str, data: Path, endpoint: str, prefix: str) -> list[str]:
+    return ["--data-dir", str(data), "--model", model, "--slots", "1", "--ctx", str(args.ctx),
+            "--s3-endpoint", endpoint, "--s3-bucket", BUCKET, "--s3-prefix", prefix,
+            "--log-level", "info"]  # fmt: skip
+
+
+def run_pass(args: argparse.Namespace, workdir: Path, endpoint: str, name: str, restart: bool) -> Pass:
+    model = os.path.abspath(args.bench_model or cached_model(args.models_dir, "qwen35", size="bench"))
+    data = workdir / name
+    flags = _serve_flags(args, model, data, endpoint, f"bench-{name}-{os.getpid()}")
+    env = {**os.environ, **AWS_ENV}
+    session = f"agent-{name}"
+    serve = start_serve(workdir, f"restore-{name}", flags, env)
+    try:
+        model_id = serve.engines()[0]["model"]
+        msgs = long_prompt(serve, args.tokens)
+        turn1 = stream_turn(serve.url, model_id, msgs, session, args.n_predict)
+        msgs2 = msgs + [{"role": "assistant", "content": turn1.content},
+                        {"role": "user", "content": "Fix the bug in handler and run the tests."}]  # fmt: skip
+        _wait_durable(serve.url, session)
+        notes: dict[str, Any] = {}
+        if restart:
+            serve, notes = _restart(serve, workdir, name, flags, env, data, args)
+        turn2 = stream_turn(serve.url, model_id, msgs2, session, args.n_predict)
+        fills = serve.events("node.filled")
+        if fills:
+            notes["fill"] = fills[-1]
+        return Pass(turn1, turn2, msgs2, notes)
+    finally:
+        serve.kill()
+
+
+def _restart(serve: Serve, workdir: Path, name: str, flags: list[str], env: dict[str, str], data: Path,
+             args: argparse.Namespace) -> tuple[Serve, dict[str, Any]]:  # fmt: skip
+    t0 = time.perf_counter()
+    rc = serve.terminate(timeout=args.drain_timeout)
+    drain_s = time.perf_counter() - t0
+    if rc != 0:
+        raise RuntimeError(f"serve did not drain cleanly (exit {rc}):\n{serve.tail()}")
+    wiped = wipe_local(data)
+    t0 = time.perf_counter()
+    fresh = start_serve(workdir, f"restore-{name}-restarted", flags, env)
+    return fresh, {"drain_s": drain_s, "wiped_bytes": wiped, "start_s": time.perf_counter() - t0}
+
+
+def restore(args: argparse.Namespace, workdir: Path) -> int:
+    moto = MotoProcess(workdir)
+    moto.start()
+    try:
+        live = run_pass(args, workdir, moto.endpoint, "a", restart=False)
+        back = run_pass(args, workdir, moto.endpoint, "b", restart=True)
+    finally:
+        moto.kill()
+    return _print_restore(live, back)
+
+
+def _print_restore(live: Pass, back: Pass) -> int:
+    same_turn = live.messages2 == back.messages2
+    fill = back.notes.get("fill", {})
+    rows = []
+    for name, r in [("cold turn 1 (pass A)", live.turn1), ("cold turn 1 (pass B)", back.turn1),
+                    ("live turn 2", live.turn2), ("restored turn 2 (from S3)", back.turn2)]:  # fmt: skip
+        t = r.timings
+        rows.append([name, r.cache, f"{r.ttft_ms:.0f}", f"{r.total_ms:.0f}", str(t.get("prompt_n", "?")),
+                     str(t.get("cache_n", "?")), f"{t.get('prompt_ms', float('nan')):.0f}"])  # fmt: skip
+    print(f"\n== 3. restored vs live turn, bench qwen35, {live.turn1.timings.get('prompt_n', '?')}-token "
+          "first prompt, serve with S3 (moto) ==")  # fmt: skip
+    print(table(["turn", "served", "TTFT ms", "total ms", "prompt_n", "cache_n", "prompt ms"], rows))
+    ratio = back.turn2.ttft_ms / live.turn2.ttft_ms
+    print(
+        f"restored/live TTFT: {ratio:.2f}x (+{back.turn2.ttft_ms - live.turn2.ttft_ms:.0f} ms); "
+        f"restored/cold TTFT: {back.turn2.ttft_ms / back.turn1.ttft_ms:.3f}"
+    )
+    print(f"restart: drain (SIGTERM -> exit) {back.notes.get('drain_s', float('nan')):.1f} s, wiped "
+          f"{back.notes.get('wiped_bytes', 0) / 2**20:.1f} MiB local state, start to ready "
+          f"{back.notes.get('start_s', float('nan')):.1f} s; fill source={fill.get('source')} "
+          f"{fill.get('bytes', 0) / 2**20:.1f} MiB in {fill.get('ms', float('nan')):.0f} ms "
+          f"(download + restore, inside the restored TTFT)")  # fmt: skip
+    equal_n = live.turn2.timings.get("prompt_n") == back.turn2.timings.get("prompt_n")
+    print(
+        f"same turn-2 messages in both passes: {same_turn}; prompt_n equal: {equal_n}; "
+        f"same output: {live.turn2.content == back.turn2.content}"
+    )
+    ok = same_turn and equal_n and back.turn2.cache == "restored" and fill.get("source") == "store"
+    return 0 if ok else 1
+
+
+# ========================================================================================= command
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="slotkeeper bench gateway", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--only", action="append", choices=["overhead", "routing", "restore"],
+                    help="run only this part (repeatable; default: all three)")  # fmt: skip
+    ap.add_argument("--models-dir", default=os.path.join(".bench", "models"))
+    ap.add_argument("--workdir", help="keep logs and data here (default: a temporary directory)")
+    g = ap.add_argument_group("1. overhead")
+    g.add_argument("--tiny-model", help="GGUF (default: the generated tiny qwen35)")
+    g.add_argument("--requests", type=int, default=200, help="measured requests per target")
+    g.add_argument("--warmup", type=int, default=10, help="unmeasured rounds first")
+    g.add_argument("--overhead-time-limit", type=float, default=120.0, help="seconds, at most")
+    g.add_argument("--log-level", default="info", help="serve's log level (its default: info)")
+    g = ap.add_argument_group("2. routing")
+    g.add_argument("--sessions", type=int, default=100_000)
+    g.add_argument("--tenants", type=int, default=10)
+    g.add_argument("--engines", type=int, default=8)
+    g.add_argument("--slots-per-engine", type=int, default=4)
+    g.add_argument("--turns", type=int, default=3, help="complete turns (prefix digests) per session")
+    g.add_argument("--decisions", type=int, default=2000, help="decisions per measurement, at most")
+    g.add_argument("--concurrency", type=int, default=16)
+    g.add_argument("--request-pool", type=int, default=2000, help="distinct requests cycled through")
+    g.add_argument("--routing-time-limit", type=float, default=20.0, help="seconds per measurement")
+    g = ap.add_argument_group("3. restore")
+    g.add_argument("--bench-model", help="GGUF (default: the generated qwen35 bench model)")
+    g.add_argument("--tokens", type=int, default=4000, help="approximate first-prompt length")
+    g.add_argument("--ctx", type=int, default=8192)
+    g.add_argument("--n-predict", type=int, default=16)
+    g.add_argument("--drain-timeout", type=float, default=180.0)
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    parts = args.only or ["overhead", "routing", "restore"]
+    with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
+        workdir = Path(args.workdir or tmp).resolve()
+        workdir.mkdir(parents=True, exist_ok=True)
+        rc = 0
+        t0 = time.perf_counter()
+        if "overhead" in parts:
+            overhead(args, workdir)
+        if "routing" in parts:
+            routing(args, workdir)
+        if "restore" in parts:
+            rc = restore(args, workdir)
+        print(
+            f"\n(wall {time.perf_counter() - t0:.0f} s; logs in {workdir if args.workdir else 'a temp dir'})"
+        )
+    return rc

@@ -1,0 +1,249 @@
+"""helm/slotkeeper: the chart sets exactly the SLOTKEEPER_* variables the processes read.
+
+The text checks need only PyYAML. With a `helm` binary on PATH the chart is also linted and rendered,
+and the rendered ConfigMaps are handed to the real settings parsers (`gateway.settings`,
+`engine_pool.node_settings`), so a value the code would refuse fails here, not in a cluster.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from engine_pool.node_settings import FLAGS as NODE_FLAGS
+from engine_pool.node_settings import parse_node_settings
+from gateway.settings import FLAGS as GATEWAY_FLAGS
+from gateway.settings import parse_settings
+
+yaml = pytest.importorskip("yaml")
+
+CHART = Path(__file__).resolve().parents[2] / "helm" / "slotkeeper"
+ENV_TEMPLATE = CHART / "templates" / "env.yaml"
+GATEWAY_ENV = {row[2] for row in GATEWAY_FLAGS}
+NODE_ENV = {f.env for f in NODE_FLAGS}
+NAME = re.compile(r"SLOTKEEPER_[A-Z0-9_]+")
+# Settings the chart deliberately leaves to the process's default, with the reason. Empty today:
+# a flag added to either FLAGS table must be wired into env.yaml (or listed here).
+NOT_SET: dict[str, str] = {}
+# Variables the gateway gets that are not its own settings: boto3's credential chain.
+BOTO_ENV = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+HELM = shutil.which("helm")
+needs_helm = pytest.mark.skipif(HELM is None, reason="no helm binary on PATH")
+
+
+# -- without helm: the template text against the FLAGS tables --------------------------------------
+def test_chart_and_values_load() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2" and chart["name"] == "slotkeeper"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", chart["version"])
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert {"redis", "s3", "tenants", "gateway", "node", "image"} <= values.keys()
+    assert values["node"]["drainGraceS"] > 0 and values["node"]["models"]
+    for name in ("demo-values.yaml", "external-values.yaml"):
+        assert isinstance(yaml.safe_load((CHART / "ci" / name).read_text()), dict)
+
+
+def test_every_variable_in_the_env_template_is_read_by_a_process() -> None:
+    used = set(NAME.findall(ENV_TEMPLATE.read_text()))
+    assert used, "env.yaml names no SLOTKEEPER_* variable"
+    unknown = used - GATEWAY_ENV - NODE_ENV
+    assert not unknown, f"env.yaml sets variables no FLAGS table reads: {sorted(unknown)}"
+
+
+def test_every_setting_reaches_the_env_template() -> None:
+    used = set(NAME.findall(ENV_TEMPLATE.read_text()))
+    missing = (GATEWAY_ENV | NODE_ENV) - used - NOT_SET.keys()
+    assert not missing, f"settings without a chart value (wire them into env.yaml): {sorted(missing)}"
+
+
+def test_only_the_env_template_names_variables() -> None:
+    """STYLE.md habit 5: values become SLOTKEEPER_* variables in one template."""
+    others = {
+        p.name: sorted(set(NAME.findall(p.read_text())))
+        for p in (CHART / "templates").iterdir()
+        if p.is_file() and p != ENV_TEMPLATE
+    }
+    assert not {k: v for k, v in others.items() if v}
+
+
+# -- with helm: lint, render, parse with the real settings ------------------------------------------
+def helm(*args: str) -> subprocess.CompletedProcess[str]:
+    assert HELM is not None
+    return subprocess.run([HELM, *args], capture_output=True, text=True, timeout=60, check=False)
+
+
+def render(*values: str, sets: tuple[str, ...] = (), ns: str = "ai") -> dict[tuple[str, str], Any]:
+    """`helm template` → {(kind, name): manifest}."""
+    args = ["template", "sk", str(CHART), "--namespace", ns]
+    for v in values:
+        args += ["-f", str(CHART / "ci" / v)]
+    for s in sets:
+        args += ["--set", s]
+    out = helm(*args)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+def render_error(*sets: str) -> str:
+    args = ["template", "sk", str(CHART)]
+    for s in sets:
+        args += ["--set", s]
+    out = helm(*args)
+    assert out.returncode != 0, "expected helm template to refuse these values"
+    return out.stderr
+
+
+def pod_spec(docs: dict[tuple[str, str], Any], kind: str, name: str) -> dict[str, Any]:
+    spec: dict[str, Any] = docs[(kind, name)]["spec"]["template"]["spec"]
+    return spec
+
+
+def container_env(
+    docs: dict[tuple[str, str], Any], kind: str, name: str, fake: dict[str, str]
+) -> tuple[dict[str, str], set[str]]:
+    """The environment a container would see (ConfigMap data + `env` entries, faked where they come
+    from Secrets or the pod), and the names of its `env` entries."""
+    c = pod_spec(docs, kind, name)["containers"][0]
+    env: dict[str, str] = {}
+    for src in c.get("envFrom", []):
+        env.update(docs[("ConfigMap", src["configMapRef"]["name"])]["data"])
+    names = {e["name"] for e in c.get("env", [])}
+    for e in c.get("env", []):
+        env[e["name"]] = e.get("value", fake.get(e["name"], "x"))
+    return env, names
+
+
+FAKE = {
+    "SLOTKEEPER_REDIS_URL": "redis://:secret@redis:6379/0",
+    "SLOTKEEPER_NODE_ID": "sk-slotkeeper-node-0",
+    "SLOTKEEPER_ENGINE_HOST": "10.1.2.3",
+}
+VALUE_SETS = [("demo-values.yaml",), ("external-values.yaml",)]
+
+
+@needs_helm
+@pytest.mark.parametrize("values", ["demo-values.yaml", "external-values.yaml"])
+def test_helm_lint_strict(values: str) -> None:
+    out = helm("lint", "--strict", str(CHART), "-f", str(CHART / "ci" / values))
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@needs_helm
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_rendered_environment_parses_with_the_real_settings(values: tuple[str, ...]) -> None:
+    docs = render(*values)
+    chosen: dict[str, Any] = {}
+    for v in values:
+        chosen.update(yaml.safe_load((CHART / "ci" / v).read_text()))
+
+    gw_env, gw_names = container_env(docs, "Deployment", "sk-slotkeeper-gateway", FAKE)
+    assert {k for k in gw_env if k.startswith("SLOTKEEPER_")} <= GATEWAY_ENV
+    assert gw_names <= GATEWAY_ENV | BOTO_ENV
+    gw = parse_settings([], gw_env)
+    assert gw.host == "0.0.0.0" and gw.redis_url == FAKE["SLOTKEEPER_REDIS_URL"]
+    assert gw.s3_bucket == chosen["s3"]["bucket"] and gw.tenants
+
+    node_env, node_names = container_env(docs, "StatefulSet", "sk-slotkeeper-node", FAKE)
+    assert {k for k in node_env if k.startswith("SLOTKEEPER_")} <= NODE_ENV
+    assert node_names <= NODE_ENV
+    node = parse_node_settings([], node_env)
+    assert node.host == "0.0.0.0" and node.node_id == FAKE["SLOTKEEPER_NODE_ID"]
+    assert node.engine_host == FAKE["SLOTKEEPER_ENGINE_HOST"]  # engines reachable from the gateway
+    assert node.redis_prefix == gw.redis_prefix and node.s3_prefix == gw.s3_prefix
+    assert node.s3_bucket == gw.s3_bucket and node.s3_endpoint == gw.s3_endpoint
+    assert len(node.models) == len(chosen["node"]["models"])
+    assert all(m.startswith("/") for m in node.models)
+
+
+@needs_helm
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_gateway_addresses_every_node_pod(values: tuple[str, ...]) -> None:
+    docs = render(*values)
+    sts = docs[("StatefulSet", "sk-slotkeeper-node")]
+    svc = docs[("Service", sts["spec"]["serviceName"])]
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    gw_env, _ = container_env(docs, "Deployment", "sk-slotkeeper-gateway", FAKE)
+    urls = parse_settings([], gw_env).nodes
+    port = sts["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
+    assert len(urls) == sts["spec"]["replicas"]
+    for i, url in enumerate(urls):
+        parts = urlsplit(url)
+        assert parts.port == port
+        assert (parts.hostname or "").startswith(f"sk-slotkeeper-node-{i}.{svc['metadata']['name']}.ai.svc.")
+
+
+@needs_helm
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_node_is_given_time_to_drain(values: tuple[str, ...]) -> None:
+    docs = render(*values)
+    node_env, _ = container_env(docs, "StatefulSet", "sk-slotkeeper-node", FAKE)
+    node = parse_node_settings([], node_env)
+    spec = pod_spec(docs, "StatefulSet", "sk-slotkeeper-node")
+    # the drain, then SIGTERM → grace → SIGKILL of the engines, then the server's own shutdown
+    assert spec["terminationGracePeriodSeconds"] >= node.drain_grace_s + node.engine_stop_grace_s + 15
+    probes = spec["containers"][0]
+    assert "httpGet" not in probes["livenessProbe"], "/health is 503 while draining: liveness would kill"
+    assert probes["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+@needs_helm
+def test_a_grace_period_shorter_than_the_drain_is_refused() -> None:
+    err = render_error(
+        "redis.enabled=true", "s3.bucket=b", "node.drainGraceS=100", "node.terminationGracePeriodSeconds=60"
+    )
+    assert "terminationGracePeriodSeconds" in err
+
+
+@needs_helm
+def test_pods_probe_and_drop_service_links() -> None:
+    docs = render("demo-values.yaml")
+    gw = pod_spec(docs, "Deployment", "sk-slotkeeper-gateway")["containers"][0]
+    assert gw["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert gw["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert gw["command"] + gw["args"] == ["slotkeeper", "gateway"]
+    for kind, name in docs:
+        if kind in ("Deployment", "StatefulSet"):
+            # <SERVICE>_PORT=tcp://... would land in the SLOTKEEPER_ namespace for a release "slotkeeper"
+            assert pod_spec(docs, kind, name)["enableServiceLinks"] is False, name
+    assert ("ServiceMonitor", "sk-slotkeeper-gateway") in docs
+    assert ("PodDisruptionBudget", "sk-slotkeeper-node") in docs
+
+
+@needs_helm
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (("s3.bucket=b",), "shared Redis"),
+        (("redis.enabled=true",), "s3.bucket"),
+        (("redis.enabled=true", "s3.bucket=b", "s3.accessKey=a"), "go together"),
+        (("redis.enabled=true", "s3.bucket=b", "node.engineArgs={--override-kv,a=1\\,b=2}"), "comma"),
+    ],
+)
+def test_incomplete_values_are_refused(sets: tuple[str, ...], message: str) -> None:
+    assert message in render_error(*sets)
+
+
+@needs_helm
+def test_a_setting_rolls_only_the_pods_that_read_it() -> None:
+    """Rolling the nodes drains every live session: a gateway-only change must not do it."""
+
+    def checksums(*sets: str) -> tuple[str, str]:
+        docs = render("demo-values.yaml", sets=sets)
+        gw = docs[("Deployment", "sk-slotkeeper-gateway")]["spec"]["template"]["metadata"]["annotations"]
+        node = docs[("StatefulSet", "sk-slotkeeper-node")]["spec"]["template"]["metadata"]["annotations"]
+        return gw["checksum/env"], node["checksum/env"]
+
+    base = checksums()
+    tenants = checksums("tenants.toml=[tenants.x]\nkeys = [\"k\"]\n")
+    assert tenants[0] != base[0] and tenants[1] == base[1]
+    slots = checksums("node.slots=8")
+    assert slots[0] == base[0] and slots[1] != base[1]
+    more_nodes = checksums("node.replicas=3")  # a new --node URL for the gateway; nodes unchanged
+    assert more_nodes[0] != base[0] and more_nodes[1] == base[1]
