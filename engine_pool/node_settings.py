@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,8 @@ from typing import Any
 from storage.errors import InvalidId
 from storage.ids import validate_id, validate_prefix
 
-from .settings import SettingsError, _bytes, _int, _log_format
+from .flags import Check, Flag, SettingsError, check, parse_bytes, parse_int, parse_log_format, read_flags
+from .flags import build_parser as _build_parser
 from .supervisor import EngineSpec, SupervisorPolicy
 
 
@@ -101,30 +102,14 @@ class NodeSettings:
         )
 
 
-def _list(text: str) -> tuple[str, ...]:
-    return tuple(p for p in (s.strip() for s in text.split(",")) if p)
-
-
-@dataclass(frozen=True)
-class Flag:
-    """One row: settings field, its flags (none: variable only), its variable, parser, help line."""
-
-    field: str
-    flags: tuple[str, ...]
-    env: str
-    parse: Callable[[str], Any]
-    help: str
-    repeat: bool = False  # the flag may be given several times; the field is a tuple
-
-
 FLAGS: tuple[Flag, ...] = (
     Flag("models", ("-m", "--model"), "SLOTKEEPER_MODELS", str, "GGUF model; one engine each", repeat=True),
     Flag("aliases", ("--alias",), "SLOTKEEPER_ALIASES", str, "model id of the Nth --model", repeat=True),
     Flag("node_id", ("--node-id",), "SLOTKEEPER_NODE_ID", str, "id of this node (host name)"),
     Flag("host", ("--host",), "SLOTKEEPER_HOST", str, "address of the node API (127.0.0.1)"),
-    Flag("port", ("--port",), "SLOTKEEPER_PORT", _int, "port of the node API (8070)"),
-    Flag("n_slots", ("--slots",), "SLOTKEEPER_SLOTS", _int, "slots per engine (1)"),
-    Flag("ctx_per_slot", ("--ctx",), "SLOTKEEPER_CTX", _int, "context of one slot in tokens (4096)"),
+    Flag("port", ("--port",), "SLOTKEEPER_PORT", parse_int, "port of the node API (8070)"),
+    Flag("n_slots", ("--slots",), "SLOTKEEPER_SLOTS", parse_int, "slots per engine (1)"),
+    Flag("ctx_per_slot", ("--ctx",), "SLOTKEEPER_CTX", parse_int, "context of one slot in tokens (4096)"),
     Flag("data_dir", ("--data-dir",), "SLOTKEEPER_DATA_DIR", str, "engine slot dirs, spill cache, logs"),
     Flag("redis_url", ("--redis-url",), "SLOTKEEPER_REDIS_URL", str, "Redis (omitted: in-process index)"),
     Flag("redis_prefix", ("--redis-prefix",), "SLOTKEEPER_REDIS_PREFIX", str, "Redis key prefix"),
@@ -134,7 +119,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("s3_region", ("--s3-region",), "SLOTKEEPER_S3_REGION", str, "S3 region (us-east-1)"),
     Flag("s3_access_key", (), "SLOTKEEPER_S3_ACCESS_KEY", str, "S3 access key"),
     Flag("s3_secret_key", (), "SLOTKEEPER_S3_SECRET_KEY", str, "S3 secret key"),
-    Flag("spill_bytes", ("--spill-bytes",), "SLOTKEEPER_SPILL_BYTES", _bytes, "spill cache budget (8G)"),
+    Flag("spill_bytes", ("--spill-bytes",), "SLOTKEEPER_SPILL_BYTES", parse_bytes, "spill cache budget (8G)"),
     Flag(
         "engine_args",
         ("--engine-arg",),
@@ -168,8 +153,8 @@ FLAGS: tuple[Flag, ...] = (
         float,
         "first retry of failed uploads, doubling to 16× while the store stays down (2)",
     ),
-    Flag("retry_after_s", ("--retry-after",), "SLOTKEEPER_RETRY_AFTER", _int, "Retry-After on 503s (1)"),
-    Flag("log_format", ("--log-format",), "SLOTKEEPER_LOG_FORMAT", _log_format, "json or console"),
+    Flag("retry_after_s", ("--retry-after",), "SLOTKEEPER_RETRY_AFTER", parse_int, "Retry-After on 503s (1)"),
+    Flag("log_format", ("--log-format",), "SLOTKEEPER_LOG_FORMAT", parse_log_format, "json or console"),
     Flag("log_level", ("--log-level",), "SLOTKEEPER_LOG_LEVEL", str, "debug, info, warning, error"),
 )
 
@@ -192,7 +177,7 @@ def _prefix(value: str) -> bool:
 
 
 # Checked after parsing: (field, predicate, what it must be).
-_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+_CHECKS: tuple[Check, ...] = (
     ("models", lambda v: len(v) >= 1, "given at least once"),
     ("aliases", _ids, "valid ids (letters, digits, '-_.~@+=')"),
     ("node_id", lambda v: _ids((v,)), "a valid id (letters, digits, '-_.~@+=')"),
@@ -211,26 +196,16 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 )
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # argparse would print and exit; let the caller decide
-        raise SettingsError(message)
+_PROG = "slotkeeper node"
+_DESCRIPTION = (
+    "The node agent: runs one engine per --model, moves slot files between engines, the "
+    "local spill cache and the blob store, and drains on SIGTERM. Every flag can also be set by its "
+    "SLOTKEEPER_* variable (repeatable ones as a comma-separated list)."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="slotkeeper node",
-        description="The node agent: runs one engine per --model, moves slot files between engines, the "
-        "local spill cache and the blob store, and drains on SIGTERM. Every flag can also be set by its "
-        "SLOTKEEPER_* variable (repeatable ones as a comma-separated list).",
-        allow_abbrev=False,
-    )
-    for f in FLAGS:
-        if f.flags:
-            action = "append" if f.repeat else "store"
-            parser.add_argument(
-                *f.flags, dest=f.field, action=action, metavar=f.field.upper(), help=f"{f.help} [env {f.env}]"
-            )
-    return parser
+    return _build_parser(_PROG, _DESCRIPTION, FLAGS)
 
 
 def _hostname_id() -> str:
@@ -240,28 +215,12 @@ def _hostname_id() -> str:
 
 def parse_node_settings(argv: Sequence[str], environ: Mapping[str, str]) -> NodeSettings:
     """Settings from a command line and an environment. Raises SettingsError with a precise message."""
-    args = vars(build_parser().parse_args(list(argv)))
-    values: dict[str, Any] = {}
-    for f in FLAGS:
-        raw: Any = args.get(f.field)
-        source = f.flags[-1] if f.flags else f.env
-        if raw is None and f.env in environ:
-            raw, source = (_list(environ[f.env]) if f.repeat else environ[f.env]), f.env
-        if raw is None:
-            continue
-        try:
-            values[f.field] = tuple(f.parse(r) for r in raw) if f.repeat else f.parse(raw)
-        except ValueError as exc:
-            raise SettingsError(f"{source}: invalid value {raw!r} ({exc})") from None
+    values = read_flags(argv, environ, FLAGS, prog=_PROG, description=_DESCRIPTION)
     if "models" not in values:
         raise SettingsError("--model is required at least once (or set SLOTKEEPER_MODELS)")
     values.setdefault("node_id", _hostname_id())
     settings = NodeSettings(**values)
-    for name, ok, what in _CHECKS:
-        value = getattr(settings, name)
-        if not ok(value):
-            flag = next(f for f in FLAGS if f.field == name)
-            raise SettingsError(f"{(flag.flags or (flag.env,))[-1]} must be {what}, got {value!r}")
+    check(settings, FLAGS, _CHECKS)
     if len(settings.aliases) > len(settings.models):
         raise SettingsError(f"{len(settings.aliases)} --alias for {len(settings.models)} --model")
     if bool(settings.s3_endpoint) and not settings.s3_bucket:

@@ -12,13 +12,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .flags import (
+    Check,
+    Flag,
+    SettingsError,
+    check,
+    parse_bool,
+    parse_bytes,
+    parse_int,
+    parse_log_format,
+    read_flags,
+)
+from .flags import build_parser as _build_parser
 
-class SettingsError(ValueError):
-    """A flag or SLOTKEEPER_* variable is unknown, missing or has a bad value."""
+__all__ = ["FLAGS", "EngineSettings", "SettingsError", "build_parser", "describe", "parse_settings"]
 
 
 @dataclass(frozen=True)
@@ -62,81 +73,42 @@ class EngineSettings:
         return self.model.rsplit("/", 1)[-1]
 
 
-def _int(text: str) -> int:
-    return int(text, 0)
-
-
-def _bytes(text: str) -> int:
-    """`1073741824`, `512K`, `64M`, `1G` (powers of 1024)."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
-
-
-def _bool(text: str) -> bool:
-    t = text.strip().lower()
-    if t in ("1", "true", "yes", "on"):
-        return True
-    if t in ("0", "false", "no", "off", "auto", ""):
-        return False
-    raise ValueError(f"expected on/off, got {text!r}")
-
-
 def _threads(text: str) -> int:
     n = int(text)
     return 0 if n < 0 else n  # llama-server's -1 (auto) is the core's 0
 
 
-def _log_format(text: str) -> str:
-    if text not in ("json", "console"):
-        raise ValueError("expected json or console")
-    return text
-
-
-@dataclass(frozen=True)
-class Flag:
-    """One row: settings field, its flags, its variable, how to parse a value, the help line."""
-
-    field: str
-    flags: tuple[str, ...]
-    env: str
-    parse: Callable[[str], Any]
-    help: str
-    switch: bool = False  # a flag without a value (sets True); the variable still takes on/off
-    required: bool = False
-
-
 FLAGS: tuple[Flag, ...] = (
     Flag("model", ("-m", "--model"), "SLOTKEEPER_MODEL", str, "GGUF model file", required=True),
     Flag("host", ("--host",), "SLOTKEEPER_HOST", str, "address to listen on (127.0.0.1)"),
-    Flag("port", ("--port",), "SLOTKEEPER_PORT", _int, "port to listen on (8080)"),
-    Flag("n_slots", ("-np", "--parallel"), "SLOTKEEPER_PARALLEL", _int, "number of slots (1)"),
+    Flag("port", ("--port",), "SLOTKEEPER_PORT", parse_int, "port to listen on (8080)"),
+    Flag("n_slots", ("-np", "--parallel"), "SLOTKEEPER_PARALLEL", parse_int, "number of slots (1)"),
     Flag(
         "n_ctx",
         ("-c", "--ctx-size"),
         "SLOTKEEPER_CTX_SIZE",
-        _int,
+        parse_int,
         "total context (KV cells) shared by the slots; each slot gets ctx-size / parallel (4096)",
     ),
-    Flag("n_batch", ("-b", "--batch-size"), "SLOTKEEPER_BATCH_SIZE", _int, "logical batch size (2048)"),
-    Flag("n_ubatch", ("-ub", "--ubatch-size"), "SLOTKEEPER_UBATCH_SIZE", _int, "physical batch size (512)"),
+    Flag("n_batch", ("-b", "--batch-size"), "SLOTKEEPER_BATCH_SIZE", parse_int, "logical batch size (2048)"),
+    Flag(
+        "n_ubatch", ("-ub", "--ubatch-size"), "SLOTKEEPER_UBATCH_SIZE", parse_int, "physical batch size (512)"
+    ),
     Flag("n_threads", ("-t", "--threads"), "SLOTKEEPER_THREADS", _threads, "CPU threads (-1/0: all)"),
     Flag(
         "n_gpu_layers",
         ("-ngl", "--n-gpu-layers", "--gpu-layers"),
         "SLOTKEEPER_N_GPU_LAYERS",
-        _int,
+        parse_int,
         "layers to offload to the GPU (0)",
     ),
-    Flag("seed", ("-s", "--seed"), "SLOTKEEPER_SEED", _int, "default sampling seed (-1: random)"),
+    Flag("seed", ("-s", "--seed"), "SLOTKEEPER_SEED", parse_int, "default sampling seed (-1: random)"),
     Flag("temperature", ("--temp",), "SLOTKEEPER_TEMP", float, "default temperature (0.8)"),
     Flag(
         "n_predict",
         ("-n", "--n-predict"),
         "SLOTKEEPER_N_PREDICT",
-        _int,
+        parse_int,
         "default tokens to predict (-1: until a stop or the slot's context is full)",
     ),
     Flag("alias", ("-a", "--alias"), "SLOTKEEPER_ALIAS", str, "model name reported to clients"),
@@ -151,47 +123,51 @@ FLAGS: tuple[Flag, ...] = (
         "max_checkpoints",
         ("--ctx-checkpoints", "--swa-checkpoints"),
         "SLOTKEEPER_CTX_CHECKPOINTS",
-        _int,
+        parse_int,
         "checkpoints kept per slot (32; 0 disables them)",
     ),
     Flag(
         "checkpoint_min_step",
         ("--checkpoint-min-step",),
         "SLOTKEEPER_CHECKPOINT_MIN_STEP",
-        _int,
+        parse_int,
         "minimum distance in tokens between checkpoints (64)",
     ),
     Flag(
         "checkpoint_interval",
         ("--checkpoint-interval",),
         "SLOTKEEPER_CHECKPOINT_INTERVAL",
-        _int,
+        parse_int,
         "checkpoint every this many tokens inside long prompts (2048; 0: off)",
     ),
     Flag(
         "max_checkpoint_bytes",
         ("--max-checkpoint-bytes",),
         "SLOTKEEPER_MAX_CHECKPOINT_BYTES",
-        _bytes,
+        parse_bytes,
         "checkpoint memory per slot, e.g. 512M (1G)",
     ),
     Flag(
         "max_slot_file_bytes",
         ("--max-slot-file-bytes",),
         "SLOTKEEPER_MAX_SLOT_FILE_BYTES",
-        _bytes,
+        parse_bytes,
         "refuse to restore larger slot files (0: no limit)",
     ),
-    Flag("swa_full", ("--swa-full",), "SLOTKEEPER_SWA_FULL", _bool, "full-size SWA cache", switch=True),
+    Flag("swa_full", ("--swa-full",), "SLOTKEEPER_SWA_FULL", parse_bool, "full-size SWA cache", switch=True),
     Flag(
-        "flash_attn", ("-fa", "--flash-attn"), "SLOTKEEPER_FLASH_ATTN", _bool, "flash attention: on|off|auto"
+        "flash_attn",
+        ("-fa", "--flash-attn"),
+        "SLOTKEEPER_FLASH_ATTN",
+        parse_bool,
+        "flash attention: on|off|auto",
     ),
     Flag("api_key", ("--api-key",), "SLOTKEEPER_API_KEY", str, "require this key (Authorization: Bearer)"),
     Flag(
         "queue_size",
         ("--queue-size",),
         "SLOTKEEPER_QUEUE_SIZE",
-        _int,
+        parse_int,
         "requests that may wait for a busy slot; more get 503 + Retry-After (16)",
     ),
     Flag(
@@ -205,7 +181,7 @@ FLAGS: tuple[Flag, ...] = (
         "retry_after_s",
         ("--retry-after",),
         "SLOTKEEPER_RETRY_AFTER",
-        _int,
+        parse_int,
         "Retry-After seconds on 503 responses (1)",
     ),
     Flag(
@@ -215,12 +191,14 @@ FLAGS: tuple[Flag, ...] = (
         float,
         "seconds in-flight requests may finish after SIGTERM before they are aborted (10)",
     ),
-    Flag("log_format", ("--log-format",), "SLOTKEEPER_LOG_FORMAT", _log_format, "json or console (json)"),
+    Flag(
+        "log_format", ("--log-format",), "SLOTKEEPER_LOG_FORMAT", parse_log_format, "json or console (json)"
+    ),
     Flag("log_level", ("--log-level",), "SLOTKEEPER_LOG_LEVEL", str, "debug, info, warning, error (info)"),
 )
 
 # Checked after parsing: (field, predicate, what it must be).
-_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+_CHECKS: tuple[Check, ...] = (
     ("port", lambda v: 0 <= v <= 65535, "within 0..65535"),
     ("n_slots", lambda v: 1 <= v <= 256, "within 1..256"),
     ("n_ctx", lambda v: v >= 16, "at least 16"),
@@ -240,49 +218,21 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 )
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # argparse would print and exit; let the caller decide
-        raise SettingsError(message)
+_PROG = "slotkeeper engine"
+_DESCRIPTION = (
+    "One engine process: a llama-server-compatible API and OpenAI chat over the native core. "
+    "Every flag can also be set by its SLOTKEEPER_* variable."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="slotkeeper engine",
-        description="One engine process: a llama-server-compatible API and OpenAI chat over the native core. "
-        "Every flag can also be set by its SLOTKEEPER_* variable.",
-        allow_abbrev=False,
-    )
-    for f in FLAGS:
-        help_text = f"{f.help} [env {f.env}]"
-        if f.switch:
-            parser.add_argument(*f.flags, dest=f.field, action="store_const", const="on", help=help_text)
-        else:
-            parser.add_argument(*f.flags, dest=f.field, metavar=f.field.upper(), help=help_text)
-    return parser
+    return _build_parser(_PROG, _DESCRIPTION, FLAGS)
 
 
 def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> EngineSettings:
     """Settings from a command line and an environment. Raises SettingsError with a precise message."""
-    args = vars(build_parser().parse_args(list(argv)))
-    values: dict[str, Any] = {}
-    for f in FLAGS:
-        raw, source = args.get(f.field), f"{f.flags[-1]}"
-        if raw is None and f.env in environ:
-            raw, source = environ[f.env], f.env
-        if raw is None:
-            if f.required:
-                raise SettingsError(f"{'/'.join(f.flags)} is required (or set {f.env})")
-            continue
-        try:
-            values[f.field] = f.parse(raw)
-        except ValueError as exc:
-            raise SettingsError(f"{source}: invalid value {raw!r} ({exc})") from None
-    settings = EngineSettings(**values)
-    for name, ok, what in _CHECKS:
-        value = getattr(settings, name)
-        if not ok(value):
-            flag = next(f for f in FLAGS if f.field == name)
-            raise SettingsError(f"{flag.flags[-1]} must be {what}, got {value!r}")
+    settings = EngineSettings(**read_flags(argv, environ, FLAGS, prog=_PROG, description=_DESCRIPTION))
+    check(settings, FLAGS, _CHECKS)
     return settings
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import sys
 from collections.abc import Iterator
@@ -21,12 +22,12 @@ import structlog
 import uvicorn
 
 from engine_pool import logs
+from engine_pool.flags import add_flags
 from engine_pool.node_main import build_server
 from engine_pool.node_settings import parse_node_settings
-from engine_pool.settings import SettingsError as NodeSettingsError
 from gateway.app import build_app
 from gateway.main import services
-from gateway.settings import SettingsError, add_flags, settings_from
+from gateway.settings import FLAGS, SettingsError, settings_from_args
 from gateway.tenants import TenantConfigError, load_tenants
 from native.model_gen import cached_model
 from storage.index import in_process_redis
@@ -46,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="slotkeeper serve", description=__doc__)
     # The gateway's flags (--host, --port, --redis-url, --tenants, --s3-*, --data-dir ...); its node is
     # the one this process runs.
-    add_flags(ap, skip=frozenset({"nodes"}))
+    add_flags(ap, FLAGS, skip={"nodes"})
     ap.add_argument("--model", action="append", default=[], help="GGUF model (repeatable)")
     ap.add_argument("--slots", default="2", help="slots per engine [SLOTKEEPER_SLOTS]")
     ap.add_argument("--ctx", default="8192", help="context per slot in tokens")
@@ -66,7 +67,7 @@ async def _run(node_server: uvicorn.Server, gateway_server: uvicorn.Server) -> N
 def main(argv: list[str]) -> int:
     ns = _parser().parse_args(argv)
     try:
-        settings = settings_from(ns, os.environ)
+        settings = settings_from_args(vars(ns), os.environ)
         load_tenants(settings.tenants)
     except (SettingsError, TenantConfigError) as exc:
         print(f"slotkeeper serve: {exc}", file=sys.stderr)
@@ -94,10 +95,10 @@ def main(argv: list[str]) -> int:
         node_argv += ["--redis-url", settings.redis_url]
     try:
         node_settings = parse_node_settings(node_argv, os.environ)
-    except NodeSettingsError as exc:
+    except SettingsError as exc:
         print(f"slotkeeper serve: {exc}", file=sys.stderr)
         return 2
-    gw_settings = settings.__class__(**{**settings.__dict__, "nodes": (f"http://127.0.0.1:{node_port}",)})
+    gw_settings = dataclasses.replace(settings, nodes=(f"http://127.0.0.1:{node_port}",))
     redis = (
         aioredis.from_url(settings.redis_url, decode_responses=True)
         if settings.redis_url

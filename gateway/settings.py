@@ -1,15 +1,18 @@
 """The gateway's settings: one frozen object built at the edge from flags and SLOTKEEPER_* env.
 
-`FLAGS` is the one table mapping each flag to its field, environment variable and type; the command
-line wins over the environment, which wins over the default. Nothing else reads the environment.
+`FLAGS` is the one table mapping each flag to its field and variable (engine_pool.flags reads it:
+command line > environment > default). Nothing else reads the environment.
 """
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any
+
+from engine_pool.flags import Check, Flag, SettingsError, check, parse_int, read_flags, values_from
+
+__all__ = ["FLAGS", "GatewaySettings", "SettingsError", "parse_settings", "settings_from_args"]
 
 
 @dataclass(frozen=True)
@@ -28,65 +31,47 @@ class GatewaySettings:
     spill_wait_s: float = 30.0  # a request waits this long for its session's write-behind save
     request_timeout_s: float = 600.0
     log_level: str = "info"
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
-# flag, field, env, type, help
-FLAGS: list[tuple[str, str, str, Any, str]] = [
-    ("--host", "host", "SLOTKEEPER_HOST", str, "listen address"),
-    ("--port", "port", "SLOTKEEPER_PORT", int, "listen port"),
-    ("--node", "nodes", "SLOTKEEPER_NODES", "list", "node agent URL (repeatable; env: comma-separated)"),
-    ("--redis-url", "redis_url", "SLOTKEEPER_REDIS_URL", str, "Redis URL (default: in-process index)"),
-    ("--redis-prefix", "redis_prefix", "SLOTKEEPER_REDIS_PREFIX", str, "prefix of every Redis key"),
-    ("--tenants", "tenants", "SLOTKEEPER_TENANTS", str, "tenants TOML file (default: one open tenant)"),
-    ("--s3-endpoint", "s3_endpoint", "SLOTKEEPER_S3_ENDPOINT", str, "S3 endpoint URL"),
-    ("--s3-bucket", "s3_bucket", "SLOTKEEPER_S3_BUCKET", str, "S3 bucket"),
-    ("--s3-prefix", "s3_prefix", "SLOTKEEPER_S3_PREFIX", str, "key prefix in the bucket"),
-    ("--data-dir", "data_dir", "SLOTKEEPER_DATA_DIR", str, "local state directory"),
-    ("--lock-ttl-s", "lock_ttl_s", "SLOTKEEPER_LOCK_TTL_S", float, "session lock TTL"),
-    ("--spill-wait-s", "spill_wait_s", "SLOTKEEPER_SPILL_WAIT_S", float, "wait for a session's save"),
-    ("--request-timeout-s", "request_timeout_s", "SLOTKEEPER_REQUEST_TIMEOUT_S", float, "engine timeout"),
-    ("--log-level", "log_level", "SLOTKEEPER_LOG_LEVEL", str, "debug|info|warning|error"),
-]
+FLAGS: tuple[Flag, ...] = (
+    Flag("host", ("--host",), "SLOTKEEPER_HOST", str, "listen address (127.0.0.1)"),
+    Flag("port", ("--port",), "SLOTKEEPER_PORT", parse_int, "listen port (8000)"),
+    Flag("nodes", ("--node",), "SLOTKEEPER_NODES", str, "node agent URL (repeatable)", repeat=True),
+    Flag("redis_url", ("--redis-url",), "SLOTKEEPER_REDIS_URL", str, "Redis URL (default: in-process index)"),
+    Flag("redis_prefix", ("--redis-prefix",), "SLOTKEEPER_REDIS_PREFIX", str, "prefix of every Redis key"),
+    Flag(
+        "tenants", ("--tenants",), "SLOTKEEPER_TENANTS", str, "tenants TOML file (default: one open tenant)"
+    ),
+    Flag("s3_endpoint", ("--s3-endpoint",), "SLOTKEEPER_S3_ENDPOINT", str, "S3 endpoint URL"),
+    Flag("s3_bucket", ("--s3-bucket",), "SLOTKEEPER_S3_BUCKET", str, "S3 bucket (default: a local store)"),
+    Flag("s3_prefix", ("--s3-prefix",), "SLOTKEEPER_S3_PREFIX", str, "key prefix in the bucket"),
+    Flag("data_dir", ("--data-dir",), "SLOTKEEPER_DATA_DIR", str, "local state directory (.slotkeeper)"),
+    Flag("lock_ttl_s", ("--lock-ttl-s",), "SLOTKEEPER_LOCK_TTL_S", float, "session lock TTL, seconds"),
+    Flag("spill_wait_s", ("--spill-wait-s",), "SLOTKEEPER_SPILL_WAIT_S", float, "wait for a session's save"),
+    Flag(
+        "request_timeout_s", ("--request-timeout-s",), "SLOTKEEPER_REQUEST_TIMEOUT_S", float, "engine timeout"
+    ),
+    Flag("log_level", ("--log-level",), "SLOTKEEPER_LOG_LEVEL", str, "debug|info|warning|error"),
+)
+
+_CHECKS: tuple[Check, ...] = (
+    ("port", lambda v: 0 < v < 65536, "a TCP port"),
+    ("lock_ttl_s", lambda v: v > 0, "> 0"),
+    ("spill_wait_s", lambda v: v >= 0, ">= 0"),
+    ("request_timeout_s", lambda v: v > 0, "> 0"),
+    ("log_level", lambda v: v in ("debug", "info", "warning", "error"), "debug, info, warning or error"),
+)
 
 
-class SettingsError(ValueError):
-    pass
+def settings_from_args(args: Mapping[str, Any], environ: Mapping[str, str]) -> GatewaySettings:
+    """From parsed arguments (a parser that `engine_pool.flags.add_flags` filled) and the environment."""
+    settings = GatewaySettings(**values_from(args, FLAGS, environ))
+    check(settings, FLAGS, _CHECKS)
+    return settings
 
 
-def _convert(kind: Any, raw: str, flag: str) -> Any:
-    if kind == "list":
-        return tuple(x for x in (s.strip() for s in raw.split(",")) if x)
-    try:
-        return kind(raw)
-    except ValueError:
-        raise SettingsError(f"{flag}: {raw!r} is not a valid {kind.__name__}") from None
-
-
-def add_flags(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
-    for flag, name, env, kind, help_ in FLAGS:
-        if name in skip:
-            continue
-        if kind == "list":
-            parser.add_argument(flag, dest=name, action="append", help=f"{help_} [{env}]")
-        else:
-            parser.add_argument(flag, dest=name, help=f"{help_} [{env}]")
-
-
-def settings_from(ns: argparse.Namespace, environ: Mapping[str, str]) -> GatewaySettings:
-    values: dict[str, Any] = {}
-    known = {f.name for f in fields(GatewaySettings)}
-    for flag, name, env, kind, _ in FLAGS:
-        assert name in known
-        raw = getattr(ns, name, None)
-        if raw is not None:
-            values[name] = tuple(raw) if kind == "list" else _convert(kind, raw, flag)
-        elif env in environ:
-            values[name] = _convert(kind, environ[env], env)
-    return GatewaySettings(**values)
-
-
-def parse_settings(argv: Sequence[str], environ: Mapping[str, str], prog: str = "slotkeeper gateway"):
-    parser = argparse.ArgumentParser(prog=prog)
-    add_flags(parser)
-    return settings_from(parser.parse_args(list(argv)), environ)
+def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> GatewaySettings:
+    values = read_flags(argv, environ, FLAGS, prog="slotkeeper gateway", description=__doc__ or "")
+    settings = GatewaySettings(**values)
+    check(settings, FLAGS, _CHECKS)
+    return settings
