@@ -16,14 +16,16 @@ from typing import Any
 
 import httpx
 import structlog
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway.cluster import Cluster
 from gateway.errors import BadRequest, GatewayError, NotFound, QuotaExceeded, Unauthorized, error_response
+from gateway.metrics import Metrics, RequestCounter
 from gateway.relay import EngineUnreachable, StreamRelay, TurnOutcome, forward_json
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenant, Tenants
@@ -35,34 +37,6 @@ from storage.index import SessionIndex
 from storage.locks import SessionLocks
 
 log = structlog.get_logger("slotkeeper.gateway")
-
-
-class Metrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "slotkeeper_gateway_requests",
-            "Requests by route and status",
-            ["route", "status"],
-            registry=self.registry,
-        )
-        self.served = Counter(
-            "slotkeeper_gateway_sessions_served",
-            "Turns by how the session state was served",
-            ["cache"],
-            registry=self.registry,
-        )
-        self.prompt_tokens = Counter(
-            "slotkeeper_gateway_prompt_tokens",
-            "Prompt tokens evaluated vs reused",
-            ["kind"],
-            registry=self.registry,
-        )
-        self.ttft = Histogram(
-            "slotkeeper_gateway_ttft_seconds",
-            "Time to the first byte from the engine",
-            registry=self.registry,
-        )
 
 
 @dataclass
@@ -156,7 +130,7 @@ async def _turn(request: Request, path: str) -> Response:
             await svc.runner.finish(turn, messages, outcome)
             raise
         svc.metrics.ttft.observe(time.perf_counter() - t0)
-        _count_tokens(svc, outcome)
+        svc.metrics.turn_served(turn.placement.serve.value, outcome.timings)
         await svc.runner.finish(turn, messages, outcome)
         return JSONResponse(payload, headers=_headers(turn))
     try:
@@ -175,18 +149,12 @@ async def _turn(request: Request, path: str) -> Response:
         finally:
             # Also when the client went away mid-stream: the session must not stay locked. A task,
             # so that the cancellation of this generator cannot cut the bookkeeping short.
-            _count_tokens(svc, relay.outcome)
+            svc.metrics.turn_served(turn.placement.serve.value, relay.outcome.timings)
             done = asyncio.create_task(svc.runner.finish(turn, messages, relay.outcome))
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(done)
 
     return StreamingResponse(relayed(), media_type="text/event-stream", headers=_headers(turn))
-
-
-def _count_tokens(svc: Services, outcome: TurnOutcome) -> None:
-    t = outcome.timings
-    svc.metrics.prompt_tokens.labels("evaluated").inc(int(t.get("prompt_n", 0)))
-    svc.metrics.prompt_tokens.labels("reused").inc(int(t.get("cache_n", 0)))
 
 
 async def chat(request: Request) -> Response:
@@ -251,7 +219,7 @@ async def ready(request: Request) -> Response:
     )
 
 
-async def metrics(request: Request) -> Response:
+async def metrics_endpoint(request: Request) -> Response:
     svc: Services = request.app.state.services
     return Response(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -271,7 +239,9 @@ async def _on_error(request: Request, exc: Exception) -> Response:
     return error_response(GatewayError(f"internal error: {type(exc).__name__}"))
 
 
-def build_app(make_services: Callable[[], contextlib.AbstractAsyncContextManager[Services]]) -> Starlette:
+def build_app(
+    make_services: Callable[[], contextlib.AbstractAsyncContextManager[Services]], metrics: Metrics
+) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with make_services() as services:
@@ -287,6 +257,11 @@ def build_app(make_services: Callable[[], contextlib.AbstractAsyncContextManager
         Route("/v1/sessions/{session}", session_detail, methods=["GET", "DELETE"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={Exception: _on_error})
+    return Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={Exception: _on_error},
+        middleware=[Middleware(RequestCounter, metrics=metrics)],
+    )

@@ -18,8 +18,9 @@ import redis.asyncio as aioredis
 import structlog
 import uvicorn
 
-from gateway.app import Metrics, Services, build_app
+from gateway.app import Services, build_app
 from gateway.cluster import Cluster
+from gateway.metrics import Metrics
 from gateway.settings import GatewaySettings, SettingsError, parse_settings
 from gateway.tenants import TenantConfigError, load_tenants
 from gateway.turns import TurnRunner
@@ -45,7 +46,7 @@ def make_store(settings: GatewaySettings) -> BlobStore:
 
 @contextlib.asynccontextmanager
 async def services(
-    settings: GatewaySettings, *, redis: Any = None, store: BlobStore | None = None
+    settings: GatewaySettings, metrics: Metrics, *, redis: Any = None, store: BlobStore | None = None
 ) -> AsyncIterator[Services]:
     """Every client the gateway needs; `redis`/`store` may be shared with an in-process node."""
     tenants = load_tenants(settings.tenants)
@@ -69,10 +70,17 @@ async def services(
         )
     cluster = Cluster(registry, index, locks, settings.nodes, http)
     runner = TurnRunner(
-        cluster, index, locks, store, {}, lock_ttl_s=settings.lock_ttl_s, spill_wait_s=settings.spill_wait_s
+        cluster,
+        index,
+        locks,
+        store,
+        {},
+        metrics,
+        lock_ttl_s=settings.lock_ttl_s,
+        spill_wait_s=settings.spill_wait_s,
     )
     try:
-        yield Services(settings, tenants, index, locks, registry, store, http, cluster, runner, Metrics())
+        yield Services(settings, tenants, index, locks, registry, store, http, cluster, runner, metrics)
     finally:
         await http.aclose()
         for node in runner.nodes.values():
@@ -93,7 +101,8 @@ def main(argv: list[str]) -> int:
     if not settings.nodes:
         print("slotkeeper gateway: at least one --node URL is required", file=sys.stderr)
         return 2
-    app = build_app(lambda: services(settings))
+    metrics = Metrics()
+    app = build_app(lambda: services(settings, metrics), metrics)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             lifespan="on")  # fmt: skip
     asyncio.run(uvicorn.Server(config).serve())

@@ -27,6 +27,7 @@ from engine_pool.node_main import build_server
 from engine_pool.node_settings import parse_node_settings
 from gateway.app import build_app
 from gateway.main import services
+from gateway.metrics import Metrics
 from gateway.settings import FLAGS, SettingsError, settings_from_args
 from gateway.tenants import TenantConfigError, load_tenants
 from native.model_gen import cached_model
@@ -105,7 +106,8 @@ def main(argv: list[str]) -> int:
         else in_process_redis()
     )
     node_server = build_server(node_settings, redis)
-    app = build_app(lambda: services(gw_settings, redis=redis))
+    metrics = Metrics()
+    app = build_app(lambda: services(gw_settings, metrics, redis=redis), metrics)
     gateway_server = _QuietServer(
         uvicorn.Config(
             app, host=settings.host, port=settings.port, lifespan="on", log_config=None, access_log=False

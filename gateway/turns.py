@@ -19,6 +19,7 @@ import structlog
 from engine_pool.node_client import NodeClient, NodeError
 from gateway.cluster import Cluster
 from gateway.errors import BadRequest, NotFound, QuotaExceeded, Unavailable
+from gateway.metrics import Metrics
 from gateway.placement import NoCapacity, Placement, Serve, SessionView, choose_placement
 from gateway.prefixes import lookup_digests, turn_digests
 from gateway.relay import TurnOutcome
@@ -69,12 +70,14 @@ class TurnRunner:
         locks: SessionLocks,
         store: BlobStore,
         nodes: dict[str, NodeClient],
+        metrics: Metrics,
         *,
         lock_ttl_s: float,
         spill_wait_s: float,
     ) -> None:
         self.cluster = cluster
         self.store = store
+        self.metrics = metrics
         self.index = index
         self.locks = locks
         self.nodes = nodes  # node id -> client
@@ -188,6 +191,7 @@ class TurnRunner:
                 log.warning(
                     "session.restore_failed", tenant=tenant.name, session=record.session, error=str(exc)
                 )
+                self.metrics.restore_failures.inc()
                 await node.erase(engine.engine, placement.slot)
                 placement = Placement(placement.engine, placement.slot, Serve.COLD, placement.evict)
             else:
@@ -215,6 +219,8 @@ class TurnRunner:
                 tokens=out.tokens,
                 lock=lock,
             )
+            self.metrics.evictions.inc()
+            self.metrics.spilled("evict", out.bytes, out.ms)
             log.info(
                 "session.evicted",
                 tenant=victim.tenant,
@@ -284,6 +290,7 @@ class TurnRunner:
             await self.index.set_durable(
                 t, s, generation=gen, blob_key=out.key, nbytes=out.bytes, lock=turn.lock
             )
+            self.metrics.spilled("after-turn", out.bytes, out.ms)
             log.info(
                 "session.durable",
                 tenant=t,

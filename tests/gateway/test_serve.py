@@ -100,6 +100,14 @@ def test_more_sessions_than_slots_evict_and_restore(serve, tmp_path: Path):
                 assert headers["x-slotkeeper-cache"] == "restored"
                 assert timings["restored"] and timings["cache_n"] > done.usage.prompt_tokens // 2
             msgs.append({"role": "assistant", "content": done.choices[0].message.content})
+    metrics = {
+        line.split()[0]: float(line.split()[1])
+        for line in httpx.get(s.url + "/metrics").text.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert metrics["slotkeeper_gateway_evictions_total"] >= 4
+    assert metrics["slotkeeper_gateway_restores_reprefilled_total"] == 0
+    assert metrics['slotkeeper_gateway_requests_total{path="/v1/chat/completions",status="200"}'] == 8
 
 
 def _wait_durable(url: str, session: str, generation: int) -> None:

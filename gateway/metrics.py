@@ -1,0 +1,74 @@
+"""The gateway's Prometheus metrics, in one registry per process (served on /metrics)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "slotkeeper_gateway_requests", "Requests by path and status", ["path", "status"], registry=r
+        )
+        self.served = Counter(
+            "slotkeeper_gateway_sessions_served", "Turns by how the session was served", ["cache"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "slotkeeper_gateway_prompt_tokens", "Prompt tokens evaluated vs reused", ["kind"], registry=r
+        )
+        self.restores_reprefilled = Counter(
+            "slotkeeper_gateway_restores_reprefilled",
+            "Restored turns that still re-evaluated the whole prompt (alert on this)",
+            registry=r,
+        )
+        self.restore_failures = Counter(
+            "slotkeeper_gateway_restore_failures",
+            "Fills refused (damaged/foreign file): served cold",
+            registry=r,
+        )
+        self.evictions = Counter("slotkeeper_gateway_evictions", "Idle sessions spilled for room", registry=r)
+        self.spill_bytes = Counter(
+            "slotkeeper_gateway_spill_bytes", "Bytes of slot files saved", ["why"], registry=r
+        )
+        self.spill_seconds = Histogram(
+            "slotkeeper_gateway_spill_seconds", "Save + upload time of a slot", ["why"], registry=r
+        )
+        self.ttft = Histogram(
+            "slotkeeper_gateway_ttft_seconds", "Time to the engine's first byte", registry=r
+        )
+
+    def turn_served(self, cache: str, timings: dict[str, Any]) -> None:
+        prompt_n, cache_n = int(timings.get("prompt_n", 0)), int(timings.get("cache_n", 0))
+        self.prompt_tokens.labels("evaluated").inc(prompt_n)
+        self.prompt_tokens.labels("reused").inc(cache_n)
+        if cache == "restored" and timings and cache_n == 0:
+            self.restores_reprefilled.inc()
+
+    def spilled(self, why: str, nbytes: int, ms: float) -> None:
+        self.spill_bytes.labels(why).inc(nbytes)
+        self.spill_seconds.labels(why).observe(ms / 1000)
+
+
+class RequestCounter:
+    """ASGI middleware: one count per response, by route path and status (streams included)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"] if not scope["path"].startswith("/v1/sessions/") else "/v1/sessions/{id}"
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(path, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
