@@ -22,9 +22,9 @@ def parse_int(text: str) -> int:
 
 
 def parse_bytes(text: str) -> int:
-    """`1073741824`, `512K`, `64M`, `1G` (powers of 1024)."""
+    """`1073741824`, `512K`, `64M`, `1G`, `8Gi`, `8GiB` (powers of 1024)."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
     if t and t[-1] in units:
         return int(float(t[:-1]) * units[t[-1]])
     return int(t)

@@ -39,7 +39,12 @@ log = structlog.get_logger("slotkeeper.gateway")
 def make_store(settings: GatewaySettings) -> BlobStore:
     """S3 when an endpoint or bucket is configured, else a directory under --data-dir."""
     if settings.s3_bucket:
-        client = make_s3_client(endpoint_url=settings.s3_endpoint)
+        client = make_s3_client(
+            endpoint_url=settings.s3_endpoint,
+            region=settings.s3_region,
+            access_key=settings.s3_access_key,
+            secret_key=settings.s3_secret_key,
+        )
         return S3Store(client, settings.s3_bucket, prefix=settings.s3_prefix)
     return LocalStore(Path(settings.data_dir) / "blobs", prefix=settings.s3_prefix)
 

@@ -26,6 +26,9 @@ class GatewaySettings:
     s3_endpoint: str | None = None
     s3_bucket: str | None = None
     s3_prefix: str = "slotkeeper"
+    s3_region: str = "us-east-1"
+    s3_access_key: str | None = None  # variables only: a secret on a command line shows in `ps`
+    s3_secret_key: str | None = None
     data_dir: str = ".slotkeeper"
     lock_ttl_s: float = 600.0
     spill_wait_s: float = 30.0  # a request waits this long for its session's write-behind save
@@ -45,6 +48,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("s3_endpoint", ("--s3-endpoint",), "SLOTKEEPER_S3_ENDPOINT", str, "S3 endpoint URL"),
     Flag("s3_bucket", ("--s3-bucket",), "SLOTKEEPER_S3_BUCKET", str, "S3 bucket (default: a local store)"),
     Flag("s3_prefix", ("--s3-prefix",), "SLOTKEEPER_S3_PREFIX", str, "key prefix in the bucket"),
+    Flag("s3_region", ("--s3-region",), "SLOTKEEPER_S3_REGION", str, "S3 region (us-east-1)"),
+    Flag("s3_access_key", (), "SLOTKEEPER_S3_ACCESS_KEY", str, "S3 access key (else boto3's chain)"),
+    Flag("s3_secret_key", (), "SLOTKEEPER_S3_SECRET_KEY", str, "S3 secret key (else boto3's chain)"),
     Flag("data_dir", ("--data-dir",), "SLOTKEEPER_DATA_DIR", str, "local state directory (.slotkeeper)"),
     Flag("lock_ttl_s", ("--lock-ttl-s",), "SLOTKEEPER_LOCK_TTL_S", float, "session lock TTL, seconds"),
     Flag("spill_wait_s", ("--spill-wait-s",), "SLOTKEEPER_SPILL_WAIT_S", float, "wait for a session's save"),

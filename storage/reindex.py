@@ -93,7 +93,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--access-key", help="S3 access key (default: boto3's credential chain)")
     p.add_argument("--secret-key", help="S3 secret key (default: boto3's credential chain)")
     p.add_argument("--s3-prefix", "--prefix", dest="prefix", default="slotkeeper", help="blob key prefix")
-    p.add_argument("--redis-url", "--redis", dest="redis", required=True, metavar="URL", help="redis://host:port/db of the index")
+    p.add_argument(
+        "--redis-url",
+        "--redis",
+        dest="redis",
+        required=True,
+        metavar="URL",
+        help="redis://host:port/db of the index",
+    )
     p.add_argument("--redis-prefix", default="slotkeeper", help="Redis key prefix")
     p.add_argument("--tenant", action="append", help="only these tenants (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="report what would change, change nothing")

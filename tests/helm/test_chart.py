@@ -1,20 +1,27 @@
 """helm/slotkeeper: the chart sets exactly the SLOTKEEPER_* variables the processes read.
 
 The text checks need only PyYAML. With a `helm` binary on PATH the chart is also linted and rendered,
-and the rendered ConfigMaps are handed to the real settings parsers (`gateway.settings`,
-`engine_pool.node_settings`), so a value the code would refuse fails here, not in a cluster.
+the rendered environments are handed to the real settings parsers (`gateway.settings`,
+`engine_pool.node_settings`), so a value the code would refuse fails here, not in a cluster, and
+one test starts `slotkeeper node` and `slotkeeper gateway` with exactly that environment.
 """
 
 from __future__ import annotations
 
+import base64
+import os
 import re
 import shutil
+import signal
 import subprocess
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
+from support.servers import free_port, wait_until
 
 from engine_pool.node_settings import FLAGS as NODE_FLAGS
 from engine_pool.node_settings import parse_node_settings
@@ -25,8 +32,15 @@ yaml = pytest.importorskip("yaml")
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "slotkeeper"
 ENV_TEMPLATE = CHART / "templates" / "env.yaml"
-GATEWAY_ENV = {row[2] for row in GATEWAY_FLAGS}
-NODE_ENV = {f.env for f in NODE_FLAGS}
+
+
+def env_names(flags: Iterable[Any]) -> set[str]:
+    """The variable of each FLAGS row: a `Flag` (`.env`) or a `(flag, field, env, ...)` tuple."""
+    return {row.env if hasattr(row, "env") else row[2] for row in flags}
+
+
+GATEWAY_ENV = env_names(GATEWAY_FLAGS)
+NODE_ENV = env_names(NODE_FLAGS)
 NAME = re.compile(r"SLOTKEEPER_[A-Z0-9_]+")
 # Settings the chart deliberately leaves to the process's default, with the reason. Empty today:
 # a flag added to either FLAGS table must be wired into env.yaml (or listed here).
@@ -78,13 +92,17 @@ def helm(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([HELM, *args], capture_output=True, text=True, timeout=60, check=False)
 
 
-def render(*values: str, sets: tuple[str, ...] = (), ns: str = "ai") -> dict[tuple[str, str], Any]:
+def render(
+    *values: str, sets: tuple[str, ...] = (), set_json: tuple[str, ...] = (), ns: str = "ai"
+) -> dict[tuple[str, str], Any]:
     """`helm template` → {(kind, name): manifest}."""
     args = ["template", "sk", str(CHART), "--namespace", ns]
     for v in values:
         args += ["-f", str(CHART / "ci" / v)]
     for s in sets:
         args += ["--set", s]
+    for s in set_json:
+        args += ["--set-json", s]
     out = helm(*args)
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
@@ -241,9 +259,94 @@ def test_a_setting_rolls_only_the_pods_that_read_it() -> None:
         return gw["checksum/env"], node["checksum/env"]
 
     base = checksums()
-    tenants = checksums("tenants.toml=[tenants.x]\nkeys = [\"k\"]\n")
+    tenants = checksums("tenants.toml=changed")
     assert tenants[0] != base[0] and tenants[1] == base[1]
     slots = checksums("node.slots=8")
     assert slots[0] == base[0] and slots[1] != base[1]
     more_nodes = checksums("node.replicas=3")  # a new --node URL for the gateway; nodes unchanged
     assert more_nodes[0] != base[0] and more_nodes[1] == base[1]
+
+
+@needs_helm
+@pytest.mark.slow
+def test_the_rendered_environment_runs_a_node_and_a_gateway(
+    tiny_model: Callable[..., str], redis_port: int, moto_server: Any, tmp_path: Path
+) -> None:
+    """The processes, started with exactly what the chart gives the pods (cluster names and the pod
+    IP replaced by loopback), serve a tenant's turn and drain the session to S3 on SIGTERM."""
+    gport, nport, model = free_port(), free_port(), Path(tiny_model("qwen35"))
+    sets = (
+        f"redis.url=redis://127.0.0.1:{redis_port}/0",
+        f"redis.prefix=helm-{gport}",
+        f"s3.endpoint={moto_server.endpoint}",
+        "s3.bucket=slots",
+        f"s3.prefix=helm/{gport}",
+        "s3.accessKey=test",
+        "s3.secretKey=test",
+        "node.replicas=1",
+        f"node.port={nport}",
+        f"gateway.port={gport}",
+        f"node.dataDir={tmp_path / 'node'}",
+        f"gateway.dataDir={tmp_path / 'gateway'}",
+        f"node.modelVolume.mountPath={model.parent}",
+        "node.drainGraceS=30",
+        "node.engineStopGraceS=5",
+    )
+    models = f'node.models=[{{"path": "{model.name}", "alias": "qwen35"}}]'
+    docs = render("demo-values.yaml", sets=sets, set_json=(models,))
+    secret = docs[("Secret", "sk-slotkeeper-secrets")]["data"]
+    secret = {k: base64.b64decode(v).decode() for k, v in secret.items()}
+    (tmp_path / "tenants.toml").write_text(secret["tenants.toml"])
+
+    def process(kind: str, name: str) -> tuple[list[str], dict[str, str]]:
+        c = pod_spec(docs, kind, name)["containers"][0]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLOTKEEPER_", "AWS_"))}
+        pod = {"metadata.name": "sk-slotkeeper-node-0", "status.podIP": "127.0.0.1"}
+        for src in c["envFrom"]:
+            env.update(docs[("ConfigMap", src["configMapRef"]["name"])]["data"])
+        for e in c["env"]:
+            ref = e["valueFrom"]
+            if "secretKeyRef" in ref:
+                env[e["name"]] = secret[ref["secretKeyRef"]["key"]]
+            else:
+                env[e["name"]] = pod[ref["fieldRef"]["fieldPath"]]
+        return c["command"] + c["args"], env
+
+    node_cmd, node_env = process("StatefulSet", "sk-slotkeeper-node")
+    gw_cmd, gw_env = process("Deployment", "sk-slotkeeper-gateway")
+    gw_env["SLOTKEEPER_NODES"] = f"http://127.0.0.1:{nport}"  # the pod's DNS name
+    gw_env["SLOTKEEPER_TENANTS"] = str(tmp_path / "tenants.toml")  # the Secret's mount
+    procs: list[subprocess.Popen[bytes]] = []
+    for cmd, env, log in ((node_cmd, node_env, "node.log"), (gw_cmd, gw_env, "gateway.log")):
+        with open(tmp_path / log, "wb") as out:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=out, start_new_session=True))
+    node, gw = procs
+    base, auth = f"http://127.0.0.1:{gport}", {"Authorization": "Bearer sk-demo-1"}
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{base}/ready").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(ready, gw, "gateway ready", timeout=120)
+        body = {"model": "gpt-4o-mini", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, headers=auth, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "qwen35"  # the tenant's alias from the chart's tenants file
+        sid = r.headers["x-session-id"]
+        assert httpx.get(f"{base}/v1/sessions/{sid}", headers=auth).json()["state"] == "live"
+
+        os.killpg(node.pid, signal.SIGTERM)  # what the kubelet sends
+        assert node.wait(60) == 0  # every live session saved and uploaded
+        record = httpx.get(f"{base}/v1/sessions/{sid}", headers=auth).json()
+        assert record["state"] == "spilled" and record["blob_key"].startswith(f"helm/{gport}/demo/")
+        assert moto_server.exists(record["blob_key"])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for log in ("node.log", "gateway.log"):  # shown by pytest when the test failed
+            print(f"--- {log}\n{(tmp_path / log).read_text(errors='replace')[-4000:]}")
