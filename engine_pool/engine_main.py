@@ -9,6 +9,7 @@ clean shutdown, 1 when the model failed to load, 2 for bad flags or variables.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import sys
@@ -48,6 +49,21 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+def _exit_with_parent() -> None:
+    """Ask the kernel for SIGTERM when our parent dies: an engine started by a node agent that was
+    SIGKILLed must not live on holding a port and gigabytes of memory (it runs in a session of its
+    own, so killing the agent's process group does not reach it)."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the supervisor's own stop still applies
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         build_parser().print_help()
@@ -57,6 +73,8 @@ def main(argv: list[str]) -> int:
     except SettingsError as exc:
         print(f"slotkeeper engine: error: {exc}\n(see `slotkeeper engine --help`)", file=sys.stderr)
         return 2
+    if settings.exit_with_parent:
+        _exit_with_parent()
     logs.configure(settings.log_format, settings.log_level)
     log = structlog.get_logger("engine")
     log.info("engine.starting", settings=describe(settings))

@@ -62,6 +62,7 @@ class EngineSettings:
     slot_wait_s: float = 30.0
     retry_after_s: int = 1
     shutdown_grace_s: float = 10.0
+    exit_with_parent: bool = False
     log_format: str = "json"
     log_level: str = "info"
 
@@ -190,6 +191,14 @@ FLAGS: tuple[Flag, ...] = (
         "SLOTKEEPER_SHUTDOWN_GRACE",
         float,
         "seconds in-flight requests may finish after SIGTERM before they are aborted (10)",
+    ),
+    Flag(
+        "exit_with_parent",
+        ("--exit-with-parent",),
+        "SLOTKEEPER_EXIT_WITH_PARENT",
+        parse_bool,
+        "stop (as on SIGTERM) when the process that started this one dies (Linux; set by the node agent)",
+        switch=True,
     ),
     Flag(
         "log_format", ("--log-format",), "SLOTKEEPER_LOG_FORMAT", parse_log_format, "json or console (json)"

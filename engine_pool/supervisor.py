@@ -143,7 +143,7 @@ def engine_argv(spec: EngineSpec, port: int) -> list[str]:
     return [
         sys.executable, "-m", "gateway.cli", "engine", "-m", spec.model, "--host", spec.host,
         "--port", str(port), "-np", str(spec.n_slots), "-c", str(spec.n_ctx),
-        "--slot-save-path", str(spec.slot_dir), "-a", spec.model_id, *spec.extra_args,
+        "--slot-save-path", str(spec.slot_dir), "-a", spec.model_id, "--exit-with-parent", *spec.extra_args,
     ]  # fmt: skip
 
 

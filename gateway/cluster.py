@@ -56,26 +56,38 @@ class Cluster:
                 return e
         return None
 
-    async def snapshot(self, model: str, holder: tuple[str, str] | None = None) -> list[EngineView]:
-        """Engines serving `model` and their slots. `holder` is the session whose lock the caller
-        holds: its own slot is not busy for it."""
-        views = []
-        for e in await self.engines(model):
-            occupants: dict[int, SlotView] = {}
-            for tenant, session in await self.index.engine_sessions(e.engine):
-                rec = await self.index.find(tenant, session)
-                if (
-                    rec is None
-                    or rec.state is not SessionState.LIVE
-                    or rec.slot is None
-                    or rec.engine != e.engine
-                ):
-                    continue
-                busy = (tenant, session) != holder and await self.locks.owner(tenant, session) is not None
-                occupants[rec.slot] = SlotView(rec.slot, busy, tenant, session, rec.last_used)
-            slots = tuple(occupants.get(i, SlotView(i)) for i in range(e.n_slots))
-            views.append(EngineView(e.engine, e.model, True, slots))
-        return views
+    async def snapshot(
+        self, model: str, holder: tuple[str, str] | None = None
+    ) -> tuple[list[EngineView], dict[str, EngineRef]]:
+        """Engines serving `model` and who sits in their slots, in four round trips whatever the
+        pool's size. `holder` is the session whose lock the caller holds: its own slot is not busy
+        for it. Also returns the engines by id (their URLs and nodes) from the same listing."""
+        refs = {e.engine: e for e in await self.engines(model)}
+        live = await self.index.engines_sessions(list(refs))
+        pairs = [pair for sessions in live.values() for pair in sessions]
+        records = await self.index.find_many(pairs)
+        owners = await self.locks.owners(pairs)
+        occupants: dict[str, dict[int, SlotView]] = {e: {} for e in refs}
+        for (tenant, session), rec, owner in zip(pairs, records, owners, strict=True):
+            if (
+                rec is None
+                or rec.state is not SessionState.LIVE
+                or rec.slot is None
+                or rec.engine not in refs
+            ):
+                continue
+            busy = owner is not None and (tenant, session) != holder
+            occupants[rec.engine][rec.slot] = SlotView(rec.slot, busy, tenant, session, rec.last_used)
+        views = [
+            EngineView(
+                e.engine,
+                e.model,
+                True,
+                tuple(occupants[e.engine].get(i, SlotView(i)) for i in range(e.n_slots)),
+            )
+            for e in refs.values()
+        ]
+        return views, refs
 
     async def node_url(self, node_id: str) -> str | None:
         if node_id not in self._nodes:

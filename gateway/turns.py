@@ -8,6 +8,7 @@ them against the index, the node agents and the engines. Every state change is a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import secrets
 from collections.abc import Mapping, Sequence
@@ -83,7 +84,9 @@ class TurnRunner:
         self.nodes = nodes  # node id -> client
         self.lock_ttl_s = lock_ttl_s
         self.spill_wait_s = spill_wait_s
-        self._saving: dict[tuple[str, str], asyncio.Task[None]] = {}
+        # Sessions whose turn ended here and whose lock is still held for the bookkeeping and the
+        # write-behind save: a request for one of them waits for this instead of forking it.
+        self._settling: dict[tuple[str, str], asyncio.Future[None]] = {}
 
     # ---------------------------------------------------------------------------------- resolve
     async def resolve(
@@ -104,9 +107,10 @@ class TurnRunner:
         lock = await self.locks.try_acquire(tenant.name, session, ttl_s=self.lock_ttl_s)
         forked_from = None
         if lock is None:
-            saving = self._saving.get((tenant.name, session))
-            if saving is not None:  # our own write-behind save: wait for it, then take the session
-                await asyncio.wait_for(asyncio.shield(saving), self.spill_wait_s)
+            settling = self._settling.get((tenant.name, session))
+            if settling is not None:  # our own previous turn is still saving: wait, then take over
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(settling), self.spill_wait_s)
                 lock = await self.locks.try_acquire(tenant.name, session, ttl_s=self.lock_ttl_s)
         if lock is None:  # busy with another request: fork it
             forked_from, session = session, f"{session}.f{secrets.token_hex(4)}"
@@ -159,18 +163,14 @@ class TurnRunner:
             generation = base.generation if base else 0
         view = SessionView(tenant.name, record.session, record.engine, record.slot, generation)
         try:
-            snapshot = await self.cluster.snapshot(model, holder=(tenant.name, record.session))
+            snapshot, refs = await self.cluster.snapshot(model, holder=(tenant.name, record.session))
             placement = choose_placement(snapshot, model, view)
         except NoCapacity as exc:
             raise Unavailable(f"no free slot for model {model!r}: {exc}", retry_after=2) from None
-        engine = await self.cluster.engine(placement.engine)
-        if engine is None:
-            raise Unavailable(f"engine {placement.engine} just left the pool", retry_after=1)
+        engine = refs[placement.engine]
         node = await self._node(engine.node)
         if placement.serve is not Serve.LIVE and tenant.quotas.live_slots is not None:
-            live = sum(
-                1 for e in await self.cluster.snapshot(model) for s in e.slots if s.tenant == tenant.name
-            )
+            live = sum(1 for e in snapshot for s in e.slots if s.tenant == tenant.name)
             if live >= tenant.quotas.live_slots and placement.evict is None:
                 raise QuotaExceeded(
                     f"tenant {tenant.name} uses all of its {tenant.quotas.live_slots} live slots",
@@ -242,9 +242,12 @@ class TurnRunner:
 
     # ----------------------------------------------------------------------------------- finish
     async def finish(self, turn: Turn, messages: Sequence[Mapping[str, Any]], outcome: TurnOutcome) -> None:
-        """Bookkeeping after the engine answered (or failed); releases the session lock."""
+        """Bookkeeping after the engine answered (or failed); the lock is released when it and the
+        write-behind save (after-turn tenants) are done."""
         t, s = turn.tenant.name, turn.session
-        keep_lock = False
+        settled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._settling[(t, s)] = settled  # before any await: the client may already send its next turn
+        handed_off = False
         try:
             if outcome.engine_failed:
                 # The engine died (its supervisor restarts it): every session it held falls back to
@@ -268,16 +271,25 @@ class TurnRunner:
                 },
             )
             if turn.tenant.durability is Durability.AFTER_TURN:
-                keep_lock = True
-                task = asyncio.create_task(self._write_behind(turn))
-                self._saving[(t, s)] = task
+                asyncio.create_task(self._write_behind(turn, settled))
+                handed_off = True
         except LockLost:
             log.warning("session.lock_lost", tenant=t, session=s)
         finally:
-            if not keep_lock:
-                await self.locks.release(turn.lock)
+            if not handed_off:
+                await self._release(turn, settled)
 
-    async def _write_behind(self, turn: Turn) -> None:
+    async def _release(self, turn: Turn, settled: asyncio.Future[None]) -> None:
+        key = (turn.tenant.name, turn.session)
+        try:
+            await self.locks.release(turn.lock)
+        finally:
+            if self._settling.get(key) is settled:
+                del self._settling[key]
+            if not settled.done():
+                settled.set_result(None)
+
+    async def _write_behind(self, turn: Turn, settled: asyncio.Future[None]) -> None:
         t, s = turn.tenant.name, turn.session
         try:
             rec = await self.index.get(t, s)
@@ -302,13 +314,12 @@ class TurnRunner:
         except Exception as exc:  # the turn was answered; a failed save only costs durability
             log.warning("session.write_behind_failed", tenant=t, session=s, error=str(exc))
         finally:
-            self._saving.pop((t, s), None)
-            await self.locks.release(turn.lock)
+            await self._release(turn, settled)
 
     async def drain(self) -> None:
         """Wait for write-behind saves in flight (shutdown)."""
-        if self._saving:
-            await asyncio.gather(*self._saving.values(), return_exceptions=True)
+        if self._settling:
+            await asyncio.gather(*self._settling.values(), return_exceptions=True)
 
     # ----------------------------------------------------------------------------------- delete
     async def delete(self, tenant: Tenant, session: str) -> SessionRecord:

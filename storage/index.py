@@ -95,6 +95,19 @@ class SessionIndex:
             raw = await self._redis.hgetall(self.keys.session(tenant, session))
         return SessionRecord.from_hash(tenant, session, raw) if raw else None
 
+    async def find_many(self, pairs: Sequence[tuple[str, str]]) -> list[SessionRecord | None]:
+        """`find` for many ``(tenant, session)`` in one round trip (placement snapshots)."""
+        if not pairs:
+            return []
+        async with redis_errors(), self._redis.pipeline(transaction=False) as pipe:
+            for tenant, session in pairs:
+                pipe.hgetall(self.keys.session(tenant, session))
+            raws = await pipe.execute()
+        return [
+            SessionRecord.from_hash(t, s, raw) if raw else None
+            for (t, s), raw in zip(pairs, raws, strict=True)
+        ]
+
     async def get(self, tenant: str, session: str) -> SessionRecord:
         record = await self.find(tenant, session)
         if record is None:
@@ -119,6 +132,16 @@ class SessionIndex:
         async with redis_errors():
             raw = await self._redis.smembers(self.keys.engine_live(engine))
         return sorted(parse_member(text(m)) for m in raw)
+
+    async def engines_sessions(self, engines: Sequence[str]) -> dict[str, list[tuple[str, str]]]:
+        """`engine_sessions` for many engines in one round trip."""
+        if not engines:
+            return {}
+        async with redis_errors(), self._redis.pipeline(transaction=False) as pipe:
+            for engine in engines:
+                pipe.smembers(self.keys.engine_live(engine))
+            raws = await pipe.execute()
+        return {e: sorted(parse_member(text(m)) for m in raw) for e, raw in zip(engines, raws, strict=True)}
 
     # ------------------------------------------------------------------------------- transitions
     async def _change(

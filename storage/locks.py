@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -104,6 +105,14 @@ class SessionLocks:
 
         await transact(self._redis, [key], body)
         return replace(lock, ttl_s=ttl)
+
+    async def owners(self, pairs: Sequence[tuple[str, str]]) -> list[str | None]:
+        """`owner` for many ``(tenant, session)`` in one round trip."""
+        if not pairs:
+            return []
+        async with redis_errors():
+            values = await self._redis.mget([self.keys.lock(t, s) for t, s in pairs])
+        return [None if v is None else text(v) for v in values]
 
     async def owner(self, tenant: str, session: str) -> str | None:
         """The current owner token (for diagnostics), or None when unlocked."""

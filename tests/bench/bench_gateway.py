@@ -88,6 +88,7 @@ class Serve:
     node_url: str
     proc: subprocess.Popen[bytes]
     log: Path
+    engine_pids: set[int] = field(default_factory=set)
 
     def engines(self) -> list[dict[str, Any]]:
         return list(httpx.get(self.node_url + "/v1/engines", timeout=5).json()["engines"])
@@ -105,6 +106,7 @@ class Serve:
 
     def terminate(self, timeout: float) -> int:
         """SIGTERM (the node drains: every live session is saved and uploaded), then wait."""
+        self._note_engines()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
@@ -113,13 +115,44 @@ class Serve:
             self.kill()
             raise RuntimeError(f"serve did not drain within {timeout}s:\n{self.tail()}") from None
 
+    def close(self, timeout: float = 120) -> None:
+        """Stop gracefully (the node stops its engines); SIGKILL whatever is left."""
+        try:
+            self.terminate(timeout)
+        except RuntimeError:
+            pass
+        self.kill()
+
     def kill(self) -> None:
+        """SIGKILL serve and its engines: each engine leads its own process group (the supervisor
+        starts it in a new session), so killing serve's group alone would orphan them."""
+        self._note_engines()
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+        for pid in self.engine_pids:
+            if _is_engine(pid):
+                os.killpg(pid, signal.SIGKILL)
+
+    def _note_engines(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        try:
+            self.engine_pids |= {int(e["pid"]) for e in self.engines() if e.get("pid")}
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-3000:]
+
+
+def _is_engine(pid: int) -> bool:
+    """`pid` is still one of our engine processes (not a recycled pid)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"gateway.cli" in cmdline and b"engine" in cmdline
 
 
 def _ready(url: str) -> bool:
@@ -153,7 +186,7 @@ def serving(workdir: Path, name: str, flags: list[str], env: dict[str, str] | No
     try:
         yield serve
     finally:
-        serve.kill()
+        serve.close()
 
 
 # =============================================================================== 1. gateway overhead
@@ -346,7 +379,7 @@ class Decider:
         t.append(time.perf_counter())
         rec = await self.index.find(tenant.name, session)
         t.append(time.perf_counter())
-        snapshot = await self.cluster.snapshot(self.model, holder=(tenant.name, session))
+        snapshot, _ = await self.cluster.snapshot(self.model, holder=(tenant.name, session))
         t.append(time.perf_counter())
         view = SessionView(tenant.name, session, rec.engine, rec.slot, rec.generation)
         placement = choose_placement(snapshot, self.model, view)
@@ -364,6 +397,7 @@ async def make_decider(
     redis: Any, fleet: Fleet, workdir: Path
 ) -> tuple[Decider, Callable[[], Awaitable[None]]]:
     from gateway.cluster import Cluster
+    from gateway.metrics import Metrics
     from gateway.tenants import Tenant
     from gateway.turns import TurnRunner
     from storage.engines import EngineRegistry
@@ -378,7 +412,7 @@ async def make_decider(
     http = httpx.AsyncClient()
     store = LocalStore(workdir / "routing-blobs")
     cluster = Cluster(registry, index, locks, (), http)
-    runner = TurnRunner(cluster, index, locks, store, {}, lock_ttl_s=60, spill_wait_s=5)
+    runner = TurnRunner(cluster, index, locks, store, {}, Metrics(), lock_ttl_s=60, spill_wait_s=5)
 
     async def close() -> None:
         await http.aclose()
@@ -472,7 +506,7 @@ async def measure_backend(name: str, redis: Any, fleet: Fleet, args: argparse.Na
 async def _sanity(decider: Decider, fleet: Fleet) -> list[Any]:
     """The loaded keys read back through the index as the gateway would see them."""
     n_live = len(fleet.engines) * fleet.slots
-    snapshot = await decider.cluster.snapshot(fleet.model)
+    snapshot, _ = await decider.cluster.snapshot(fleet.model)
     occupied = sum(1 for e in snapshot for s in e.slots if s.session is not None)
     if len(snapshot) != len(fleet.engines) or occupied != n_live:
         raise RuntimeError(f"snapshot sees {len(snapshot)} engines and {occupied} live sessions")
@@ -529,6 +563,17 @@ def routing(args: argparse.Namespace, workdir: Path) -> None:
 STAGES = ["resolve (match_prefix)", "index.find", "cluster.snapshot", "choose_placement"]
 
 
+def _bottleneck(r: RoutingResult, n_engines: int) -> str:
+    """The stage that takes most of a decision, in words."""
+    means = [statistics.fmean(us) for us in r.stage_us]
+    k = max(range(len(means)), key=means.__getitem__)
+    line = f"{r.backend}: {STAGES[k]} takes {100 * means[k] / sum(means):.0f}% of a decision"
+    if r.commands is not None:
+        line += (f" and sends {r.commands[k]:.0f} of its {sum(r.commands):.0f} Redis commands "
+                 f"({r.commands[k] / n_engines:.1f} per engine)")  # fmt: skip
+    return line
+
+
 def _print_routing(fleet: Fleet, results: list[RoutingResult], pure: float, digests_s: float,
                    args: argparse.Namespace) -> None:  # fmt: skip
     n_live = len(fleet.engines) * fleet.slots
@@ -550,6 +595,8 @@ def _print_routing(fleet: Fleet, results: list[RoutingResult], pure: float, dige
         rows.append([r.backend, "decision (sum)", f"{pct(total, 50):.0f}", f"{pct(total, 99):.0f}", "100%",
                      "" if r.commands is None else f"{sum(cmds):.1f}"])  # fmt: skip
     print(table(["backend", "stage", "p50 us", "p99 us", "share", "redis cmds"], rows))
+    for r in results:
+        print(_bottleneck(r, n_engines))
     rows = [[r.backend, f"{r.load_s:.1f}", f"{len(r.stage_us[0])}", f"{r.sequential_per_s:,.0f}",
              f"{r.concurrent_per_s:,.0f}", ",".join(f"{k}:{v}" for k, v in sorted(r.serves.items()))]
             for r in results]  # fmt: skip
@@ -668,7 +715,7 @@ def run_pass(args: argparse.Namespace, workdir: Path, endpoint: str, name: str, 
             notes["fill"] = fills[-1]
         return Pass(turn1, turn2, msgs2, notes)
     finally:
-        serve.kill()
+        serve.close(timeout=args.drain_timeout)
 
 
 def _restart(serve: Serve, workdir: Path, name: str, flags: list[str], env: dict[str, str], data: Path,
@@ -685,45 +732,78 @@ def _restart(serve: Serve, workdir: Path, name: str, flags: list[str], env: dict
 
 
 def restore(args: argparse.Namespace, workdir: Path) -> int:
+    """`--repeat` pairs of passes in A B, B A, ... order (drift hits both cases alike)."""
     moto = MotoProcess(workdir)
     moto.start()
+    live: list[Pass] = []
+    back: list[Pass] = []
     try:
-        live = run_pass(args, workdir, moto.endpoint, "a", restart=False)
-        back = run_pass(args, workdir, moto.endpoint, "b", restart=True)
+        for r in range(args.repeat):
+            order = [False, True] if r % 2 == 0 else [True, False]
+            for restart in order:
+                name = f"{'b' if restart else 'a'}{r}"
+                (back if restart else live).append(run_pass(args, workdir, moto.endpoint, name, restart))
     finally:
         moto.kill()
     return _print_restore(live, back)
 
 
-def _print_restore(live: Pass, back: Pass) -> int:
-    same_turn = live.messages2 == back.messages2
-    fill = back.notes.get("fill", {})
-    rows = []
-    for name, r in [("cold turn 1 (pass A)", live.turn1), ("cold turn 1 (pass B)", back.turn1),
-                    ("live turn 2", live.turn2), ("restored turn 2 (from S3)", back.turn2)]:  # fmt: skip
-        t = r.timings
-        rows.append([name, r.cache, f"{r.ttft_ms:.0f}", f"{r.total_ms:.0f}", str(t.get("prompt_n", "?")),
-                     str(t.get("cache_n", "?")), f"{t.get('prompt_ms', float('nan')):.0f}"])  # fmt: skip
-    print(f"\n== 3. restored vs live turn, bench qwen35, {live.turn1.timings.get('prompt_n', '?')}-token "
-          "first prompt, serve with S3 (moto) ==")  # fmt: skip
-    print(table(["turn", "served", "TTFT ms", "total ms", "prompt_n", "cache_n", "prompt ms"], rows))
-    ratio = back.turn2.ttft_ms / live.turn2.ttft_ms
-    print(
-        f"restored/live TTFT: {ratio:.2f}x (+{back.turn2.ttft_ms - live.turn2.ttft_ms:.0f} ms); "
-        f"restored/cold TTFT: {back.turn2.ttft_ms / back.turn1.ttft_ms:.3f}"
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _turn_row(name: str, turns: list[TurnResult]) -> list[str]:
+    ttft = [t.ttft_ms for t in turns]
+    engine_ms = [float(t.timings.get("prompt_ms", "nan")) for t in turns]
+    return [name, ",".join(sorted({t.cache for t in turns})), ", ".join(f"{v:.0f}" for v in ttft),
+            f"{_median(ttft):.0f}", ",".join(sorted({str(t.timings.get("prompt_n", "?")) for t in turns})),
+            ",".join(sorted({str(t.timings.get("cache_n", "?")) for t in turns})),
+            f"{_median(engine_ms):.0f}"]  # fmt: skip
+
+
+def _restart_line(back: list[Pass], fills: list[dict[str, Any]]) -> str:
+    def med(key: str, scale: float = 1.0) -> float:
+        return _median([float(p.notes.get(key, "nan")) / scale for p in back])
+
+    sources = ",".join(sorted({str(f.get("source")) for f in fills}))
+    fill_mib = _median([float(f.get("bytes", "nan")) / 2**20 for f in fills])
+    fill_ms = _median([float(f.get("ms", "nan")) for f in fills])
+    return (
+        f"restart (medians): drain (SIGTERM -> exit) {med('drain_s'):.1f} s, wiped "
+        f"{med('wiped_bytes', 2**20):.0f} MiB of local state, start to ready {med('start_s'):.1f} s; "
+        f"fill from {sources}: {fill_mib:.1f} MiB in {fill_ms:.0f} ms (download + restore, inside the "
+        "restored TTFT)"
     )
-    print(f"restart: drain (SIGTERM -> exit) {back.notes.get('drain_s', float('nan')):.1f} s, wiped "
-          f"{back.notes.get('wiped_bytes', 0) / 2**20:.1f} MiB local state, start to ready "
-          f"{back.notes.get('start_s', float('nan')):.1f} s; fill source={fill.get('source')} "
-          f"{fill.get('bytes', 0) / 2**20:.1f} MiB in {fill.get('ms', float('nan')):.0f} ms "
-          f"(download + restore, inside the restored TTFT)")  # fmt: skip
-    equal_n = live.turn2.timings.get("prompt_n") == back.turn2.timings.get("prompt_n")
-    print(
-        f"same turn-2 messages in both passes: {same_turn}; prompt_n equal: {equal_n}; "
-        f"same output: {live.turn2.content == back.turn2.content}"
+
+
+def _print_restore(live: list[Pass], back: list[Pass]) -> int:
+    passes = live + back
+    first = passes[0].turn1.timings.get("prompt_n", "?")
+    print(f"\n== 3. restored vs live turn: bench qwen35, {first}-token first prompt, serve with S3 (moto), "
+          f"{len(live)} pass(es) each way ==")  # fmt: skip
+    rows = [
+        _turn_row("cold turn 1", [p.turn1 for p in passes]),
+        _turn_row("live turn 2", [p.turn2 for p in live]),
+        _turn_row("restored turn 2 (restart, from S3)", [p.turn2 for p in back]),
+    ]
+    header = ["turn", "served", "TTFT ms (each)", "TTFT p50", "prompt_n", "cache_n", "engine prompt ms p50"]
+    print(table(header, rows))
+    live_ms = _median([p.turn2.ttft_ms for p in live])
+    back_ms = _median([p.turn2.ttft_ms for p in back])
+    cold_ms = _median([p.turn1.ttft_ms for p in passes])
+    print(f"restored/live TTFT (medians): {back_ms / live_ms:.2f}x ({back_ms - live_ms:+.0f} ms); "
+          f"restored/cold: {back_ms / cold_ms:.3f}; live/cold: {live_ms / cold_ms:.3f}")  # fmt: skip
+    fills = [p.notes.get("fill", {}) for p in back]
+    print(_restart_line(back, fills))
+    same_turn = all(p.messages2 == passes[0].messages2 for p in passes)
+    prompt_ns = {p.turn2.timings.get("prompt_n") for p in passes}
+    same_out = len({p.turn2.content for p in passes}) == 1
+    print(f"same turn-2 messages in every pass: {same_turn}; turn-2 prompt_n equal: {len(prompt_ns) == 1}; "
+          f"same turn-2 output: {same_out}")  # fmt: skip
+    restored = all(p.turn2.cache == "restored" for p in back) and all(
+        f.get("source") == "store" for f in fills
     )
-    ok = same_turn and equal_n and back.turn2.cache == "restored" and fill.get("source") == "store"
-    return 0 if ok else 1
+    return 0 if same_turn and len(prompt_ns) == 1 and restored else 1
 
 
 # ========================================================================================= command
@@ -755,6 +835,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--tokens", type=int, default=4000, help="approximate first-prompt length")
     g.add_argument("--ctx", type=int, default=8192)
     g.add_argument("--n-predict", type=int, default=16)
+    g.add_argument("--repeat", type=int, default=2, help="pairs of passes (each pays one cold turn)")
     g.add_argument("--drain-timeout", type=float, default=180.0)
     return ap
 
