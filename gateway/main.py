@@ -103,8 +103,15 @@ def main(argv: list[str]) -> int:
     except (SettingsError, TenantConfigError) as exc:
         print(f"slotkeeper gateway: {exc}", file=sys.stderr)
         return 2
-    if not settings.nodes:
-        print("slotkeeper gateway: at least one --node URL is required", file=sys.stderr)
+    # A stateless gateway (several replicas, nodes elsewhere) shares its index and blobs with the
+    # nodes: an in-process index or a local directory would silently split the state.
+    # `slotkeeper serve` is the one-machine form with embedded defaults.
+    missing = [flag for flag, value in (("--node", settings.nodes), ("--redis-url", settings.redis_url),
+                                        ("--s3-bucket", settings.s3_bucket)) if not value]  # fmt: skip
+    if missing:
+        print(
+            f"slotkeeper gateway: {', '.join(missing)} required (or use `slotkeeper serve`)", file=sys.stderr
+        )
         return 2
     metrics = Metrics()
     app = build_app(lambda: services(settings, metrics), metrics)

@@ -275,3 +275,20 @@ def test_a_busy_session_is_forked_not_waited_for(serve, tmp_path: Path):
     long.close()
     metrics = httpx.get(s.url + "/metrics").text
     assert 'slotkeeper_gateway_sessions_served_total{cache="restored"}' in metrics
+
+
+def test_legacy_completions_with_a_session_and_gateway_flag_checks(serve, tmp_path: Path):
+    import subprocess
+    import sys
+
+    s = serve(tmp_path / "data")
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+    first = httpx.post(s.url + "/v1/completions", json=body, headers={"X-Session-Id": "story"})
+    assert first.status_code == 200 and first.headers["x-slotkeeper-cache"] == "cold"
+    again = httpx.post(s.url + "/v1/completions", json=body, headers={"X-Session-Id": "story"})
+    assert again.headers["x-slotkeeper-cache"] == "live"
+    assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    assert again.json()["timings"]["prompt_n"] == 0  # identical prompt: served from stored logits
+    gw = subprocess.run([sys.executable, "-m", "gateway.cli", "gateway", "--node", s.node_url],
+                        capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert gw.returncode == 2 and "--redis-url, --s3-bucket required" in gw.stderr
