@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx
 import structlog
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -47,6 +48,7 @@ from storage.spillcache import SpillCache
 
 from .body import read_json
 from .errors import BadRequest, EngineError, NotFound, Unavailable, as_engine_error, render_error
+from .node_metrics import NodeMetrics
 from .node_settings import NodeSettings
 from .supervisor import EngineSpec, EngineSupervisor, State
 
@@ -92,6 +94,7 @@ class NodeAgent:
         self, settings: NodeSettings, parts: NodeParts, specs: list[EngineSpec] | None = None
     ) -> None:
         self.settings, self.parts, policy = settings, parts, settings.supervisor_policy()
+        self.metrics = NodeMetrics()
         self.engines = {
             spec.engine_id: EngineSupervisor(spec, policy, http=parts.http, on_transition=self._changed)
             for spec in specs or settings.engine_specs()
@@ -206,12 +209,16 @@ class NodeAgent:
         sup, n = self._engine(engine_id, slot)
         self._inflight += 1
         self._idle.clear()
+        t0, result = time.monotonic(), None
         try:
             if op == "erase":
-                return {"n_erased": (await self._slot_call(sup, n, "erase"))["n_erased"]}
-            assert ref is not None
-            return await (self._spill(sup, n, ref) if op == "spill" else self._fill(sup, n, ref))
+                result = {"n_erased": (await self._slot_call(sup, n, "erase"))["n_erased"]}
+            else:
+                assert ref is not None
+                result = await (self._spill(sup, n, ref) if op == "spill" else self._fill(sup, n, ref))
+            return result
         finally:
+            self.metrics.observe(op, time.monotonic() - t0, result)
             self._inflight -= 1
             if not self._inflight:
                 self._idle.set()
@@ -405,6 +412,16 @@ async def engines(request: Request) -> Response:
     return JSONResponse({"node": a.settings.node_id, "engines": views})
 
 
+async def metrics(request: Request) -> Response:
+    a = agent(request)
+    body = a.metrics.render(
+        (sup.snapshot() for sup in a.engines.values()),
+        a.parts.cache.total_bytes,
+        len(a.parts.cache.pending()),
+    )
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
 async def slot_operation(request: Request) -> Response:
     a, p = agent(request), request.path_params
     op = p["op"]
@@ -434,6 +451,7 @@ def build_node_app(lifespan: Any) -> Starlette:
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/v1/engines", engines, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/engines/{engine}/slots/{slot}/{op}", slot_operation, methods=["POST"]),
         ],
         lifespan=lifespan,

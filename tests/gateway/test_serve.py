@@ -108,6 +108,9 @@ def test_more_sessions_than_slots_evict_and_restore(serve, tmp_path: Path):
     assert metrics["slotkeeper_gateway_evictions_total"] >= 4
     assert metrics["slotkeeper_gateway_restores_reprefilled_total"] == 0
     assert metrics['slotkeeper_gateway_requests_total{path="/v1/chat/completions",status="200"}'] == 8
+    node = httpx.get(s.node_url + "/metrics").text
+    assert 'slotkeeper_node_slot_operations_total{op="fill",outcome="ok"}' in node
+    assert 'slotkeeper_node_engines{state="ready"} 1.0' in node
 
 
 def _wait_durable(url: str, session: str, generation: int) -> None:

@@ -1,0 +1,52 @@
+"""The node agent's Prometheus metrics: slot moves (spill/fill/erase) with their bytes and seconds,
+engines by state and their restarts, and the spill cache (bytes held, uploads pending)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .supervisor import EngineSnapshot, State
+
+
+class NodeMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.operations = Counter(
+            "slotkeeper_node_slot_operations",
+            "Spill/fill/erase calls by outcome",
+            ["op", "outcome"],
+            registry=r,
+        )
+        self.bytes = Counter(
+            "slotkeeper_node_slot_bytes", "Slot-file bytes moved", ["op", "source"], registry=r
+        )
+        self.seconds = Histogram("slotkeeper_node_slot_seconds", "Spill/fill duration", ["op"], registry=r)
+        self.engines = Gauge("slotkeeper_node_engines", "Engines by state", ["state"], registry=r)
+        self.restarts = Gauge(
+            "slotkeeper_node_engine_restarts", "Restarts per engine", ["engine"], registry=r
+        )
+        self.cache_bytes = Gauge("slotkeeper_node_spill_cache_bytes", "Bytes in the spill cache", registry=r)
+        self.pending = Gauge("slotkeeper_node_uploads_pending", "Spilled files not yet uploaded", registry=r)
+
+    def observe(self, op: str, seconds: float, result: dict[str, Any] | None) -> None:
+        """One finished operation (`result` None when it failed)."""
+        self.operations.labels(op, "ok" if result is not None else "error").inc()
+        if result is None or op == "erase":
+            return
+        self.seconds.labels(op).observe(seconds)
+        source = str(result.get("source", "engine" if op == "spill" else "store"))
+        self.bytes.labels(op, source).inc(int(result.get("bytes", 0)))
+
+    def render(self, snaps: Iterable[EngineSnapshot], cache_bytes: int, pending: int) -> bytes:
+        counts = dict.fromkeys((s.value for s in State), 0)
+        for snap in snaps:
+            counts[snap.state.value] += 1
+            self.restarts.labels(snap.engine_id).set(snap.restarts)
+        for state, n in counts.items():
+            self.engines.labels(state).set(n)
+        self.cache_bytes.set(cache_bytes)
+        self.pending.set(pending)
+        return generate_latest(self.registry)
