@@ -8,12 +8,10 @@ clean shutdown, 1 when the model failed to load, 2 for bad flags or variables.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import signal
 import sys
-from collections.abc import Iterator
 from types import FrameType
 
 import structlog
@@ -23,9 +21,10 @@ from . import logs
 from .app import build_app
 from .runtime import Runtime
 from .settings import SettingsError, build_parser, describe, parse_settings
+from .signals import SignalServer
 
 
-class _Server(uvicorn.Server):
+class _Server(SignalServer):
     def __init__(self, config: uvicorn.Config, runtime: Runtime) -> None:
         super().__init__(config)
         self.runtime = runtime
@@ -35,18 +34,6 @@ class _Server(uvicorn.Server):
         # runtime aborts (with an error event or response) when the grace period is over.
         self.runtime.request_drain()
         super().handle_exit(sig, frame)
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        # uvicorn re-raises SIGTERM/SIGINT once its graceful shutdown is done, so the process would
-        # die by the signal. A graceful stop is a normal exit here (0); a supervisor tells it apart
-        # from a crash or a SIGKILL by the exit status.
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
 
 def _exit_with_parent() -> None:

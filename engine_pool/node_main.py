@@ -16,12 +16,11 @@ an upload is still pending in the spill cache (it is retried at the next start f
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import FrameType
 from typing import Any
@@ -42,6 +41,7 @@ from . import logs
 from .node_agent import NodeAgent, NodeParts, build_node_app
 from .node_settings import NodeSettings, build_parser, describe, parse_node_settings
 from .settings import SettingsError
+from .signals import SignalServer
 
 log = structlog.get_logger("engine.node")
 # A spill waits for the store at most about a second; after that the flush loop takes over.
@@ -85,7 +85,7 @@ async def open_parts(s: NodeSettings, stack: AsyncExitStack, redis: Any = None) 
     )
 
 
-class NodeServer(uvicorn.Server):
+class NodeServer(SignalServer):
     """uvicorn whose first SIGTERM/SIGINT drains the node; the drain ends the server."""
 
     def __init__(self, config: uvicorn.Config) -> None:
@@ -100,16 +100,6 @@ class NodeServer(uvicorn.Server):
             return
         log.info("node.signal", signal=signal.Signals(sig).name)
         self._loop.call_soon_threadsafe(self.drain_requested.set)
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        # uvicorn re-raises the signal after its shutdown; a drained node exits with its own code.
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
     async def drain_when_asked(self, agent: NodeAgent) -> None:
         self._loop = asyncio.get_running_loop()
