@@ -52,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"slotkeeper: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    # Logs go to stderr as JSON lines (stdout stays for a command's own output, e.g. `inspect --json`);
+    # the server commands reconfigure with their --log-level / --log-format.
+    from engine_pool import logs
+
+    logs.configure("json", "info")
     module, func, _ = COMMANDS[name]
     entry: Callable[[list[str]], int] = getattr(importlib.import_module(module), func)
     return int(entry(rest) or 0)

@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 import structlog
 import uvicorn
 
+from engine_pool import logs
 from gateway.app import Services, build_app
 from gateway.cluster import Cluster
 from gateway.metrics import Metrics
@@ -113,6 +114,7 @@ def main(argv: list[str]) -> int:
             f"slotkeeper gateway: {', '.join(missing)} required (or use `slotkeeper serve`)", file=sys.stderr
         )
         return 2
+    logs.configure("json", settings.log_level)
     metrics = Metrics()
     app = build_app(lambda: services(settings, metrics), metrics)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
