@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import time
 import uuid
@@ -52,6 +53,7 @@ from .node_metrics import NodeMetrics
 from .node_settings import NodeSettings
 from .supervisor import EngineSpec, EngineSupervisor, State
 
+_ROUTE = re.compile(r"[0-9a-f]{16,128}")
 log = structlog.get_logger("engine.node")
 SLOT_TIMEOUT = httpx.Timeout(600.0, connect=5.0)  # a save waits for the slot's running request
 DAMAGED = frozenset({"truncated", "bad_magic", "checksum_mismatch", "bad_layout"})
@@ -182,7 +184,7 @@ class NodeAgent:
                 # recording it yet: the slot is unchanged since, so the next generation is as good.
                 while ref in self.parts.cache and ref.generation < record.generation + 8:
                     ref = SlotRef(tenant, session, ref.generation + 1)
-                out = await self._spill(sup, record.slot, ref)
+                out = await self._spill(sup, record.slot, ref, record.route)
                 await index.mark_spilled(tenant, session, generation=ref.generation, blob_key=out["key"],
                                          nbytes=out["bytes"], tokens=out["tokens"])  # fmt: skip
                 ok = ok and bool(out["uploaded"])
@@ -205,7 +207,9 @@ class NodeAgent:
             raise Unavailable(f"engine {engine_id} is {sup.state}", retry_after=self.settings.retry_after_s)
         return sup, int(slot)
 
-    async def operation(self, op: str, engine_id: str, slot: str, ref: SlotRef | None) -> dict[str, Any]:
+    async def operation(
+        self, op: str, engine_id: str, slot: str, ref: SlotRef | None, route: str = ""
+    ) -> dict[str, Any]:
         sup, n = self._engine(engine_id, slot)
         self._inflight += 1
         self._idle.clear()
@@ -215,7 +219,7 @@ class NodeAgent:
                 result = {"n_erased": (await self._slot_call(sup, n, "erase"))["n_erased"]}
             else:
                 assert ref is not None
-                result = await (self._spill(sup, n, ref) if op == "spill" else self._fill(sup, n, ref))
+                result = await (self._spill(sup, n, ref, route) if op == "spill" else self._fill(sup, n, ref))
             return result
         finally:
             self.metrics.observe(op, time.monotonic() - t0, result)
@@ -223,7 +227,9 @@ class NodeAgent:
             if not self._inflight:
                 self._idle.set()
 
-    async def _spill(self, sup: EngineSupervisor, slot: int, ref: SlotRef) -> dict[str, Any]:
+    async def _spill(self, sup: EngineSupervisor, slot: int, ref: SlotRef, route: str = "") -> dict[str, Any]:
+        """Save, cache and upload; `route` (the session's newest routing digest) travels in the
+        object's metadata so that a reindex restores implicit routing too."""
         cache, t0 = self.parts.cache, time.monotonic()
         if ref in cache:
             raise Conflict(f"generation {ref.generation} of session {ref.session} was already spilled here")
@@ -238,7 +244,7 @@ class NodeAgent:
             raise Upstream(f"engine {sup.spec.engine_id} wrote an unreadable slot file: {exc}") from exc
         path = await cache.add(ref, src, pin=True)
         try:
-            uploaded = await self._upload(ref, path, sf.fingerprint or "", sf.n_tokens, crc, sf.size)
+            uploaded = await self._upload(ref, path, sf.fingerprint or "", sf.n_tokens, crc, sf.size, route)
         finally:
             cache.unpin(ref)
         await cache.evict()
@@ -248,10 +254,12 @@ class NodeAgent:
         log.info("node.spilled", engine=sup.spec.engine_id, slot=slot, **out)
         return out
 
-    async def _upload(self, ref: SlotRef, path: Path, model: str, tokens: int, crc: int, size: int) -> bool:
+    async def _upload(
+        self, ref: SlotRef, path: Path, model: str, tokens: int, crc: int, size: int, route: str = ""
+    ) -> bool:
         store, cache = self.parts.store, self.parts.cache
         try:
-            await store.put_file(ref, path, model=model, n_tokens=tokens, crc32=crc)
+            await store.put_file(ref, path, model=model, n_tokens=tokens, crc32=crc, route=route)
         except StoreUnavailable as exc:
             log.warning("node.upload_deferred", tenant=ref.tenant, session=ref.session,
                         generation=ref.generation, error=str(exc))  # fmt: skip
@@ -435,6 +443,10 @@ async def slot_operation(request: Request) -> Response:
                 raise BadRequest(f"'{field}' is required", param=field)
         tenant, session = body.get_str("tenant"), body.get_str("session")
         ref = SlotRef(str(tenant), str(session), body.get_int("generation", 0, lo=1))
+        route = body.get_str("route", "") or ""
+        if route and not _ROUTE.fullmatch(route):
+            raise BadRequest("'route' must be a lowercase hex digest of 16..128 characters", param="route")
+        return JSONResponse(await a.operation(op, p["engine"], p["slot"], ref, route))
     return JSONResponse(await a.operation(op, p["engine"], p["slot"], ref))
 
 

@@ -100,10 +100,13 @@ class NodeClient:
         return [NodeEngine(**{f: e.get(f) for f in NodeEngine.__dataclass_fields__}) for e in body["engines"]]
 
     async def spill(
-        self, engine: str, slot: int, *, tenant: str, session: str, generation: int
+        self, engine: str, slot: int, *, tenant: str, session: str, generation: int, route: str = ""
     ) -> SpillResult:
-        """Save the slot as (tenant, session, generation) and upload it; see `SpillResult.uploaded`."""
-        body = {"tenant": tenant, "session": session, "generation": generation}
+        """Save the slot as (tenant, session, generation) and upload it; see `SpillResult.uploaded`.
+        `route` is the session's newest routing digest, kept with the object for reindexing."""
+        body: dict[str, Any] = {"tenant": tenant, "session": session, "generation": generation}
+        if route:
+            body["route"] = route
         out = await self._call("POST", f"/v1/engines/{engine}/slots/{slot}/spill", body, retry_on=_NOT_SENT)
         return SpillResult(**{f: out[f] for f in SpillResult.__dataclass_fields__})
 

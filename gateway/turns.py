@@ -208,7 +208,12 @@ class TurnRunner:
             rec = await self.index.get(victim.tenant, victim.session)
             gen = rec.generation + 1
             out = await node.spill(
-                engine, victim.slot, tenant=victim.tenant, session=victim.session, generation=gen
+                engine,
+                victim.slot,
+                tenant=victim.tenant,
+                session=victim.session,
+                generation=gen,
+                route=rec.route,
             )
             await self.index.mark_spilled(
                 victim.tenant,
@@ -259,9 +264,11 @@ class TurnRunner:
                 await self.index.mark_idle(t, s, lock=turn.lock)
                 log.warning("session.turn_failed", tenant=t, session=s, error=outcome.error)
                 return
-            await self.index.mark_idle(t, s, tokens=outcome.tokens or None, lock=turn.lock)
             history = [*messages, outcome.assistant_message()]
-            await self.index.add_prefixes(t, s, turn_digests(history, turn.model))
+            digests = turn_digests(history, turn.model)
+            await self.index.add_prefixes(t, s, digests)
+            route = digests[-1] if digests else None
+            await self.index.mark_idle(t, s, tokens=outcome.tokens or None, route=route, lock=turn.lock)
             await self.index.incr_usage(
                 t,
                 {
@@ -297,7 +304,12 @@ class TurnRunner:
                 return
             gen = rec.generation + 1
             out = await turn.node.spill(
-                turn.placement.engine, turn.placement.slot, tenant=t, session=s, generation=gen
+                turn.placement.engine,
+                turn.placement.slot,
+                tenant=t,
+                session=s,
+                generation=gen,
+                route=rec.route,
             )
             await self.index.set_durable(
                 t, s, generation=gen, blob_key=out.key, nbytes=out.bytes, lock=turn.lock

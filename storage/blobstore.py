@@ -13,6 +13,7 @@ only then renamed into place, so a destination path never holds unverified bytes
 
 from __future__ import annotations
 
+import re
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Mapping
@@ -26,6 +27,7 @@ from storage.errors import StorageError
 from storage.ids import SlotRef, blob_key, validate_id, validate_prefix
 
 _FINGERPRINT_MAX = 256
+_ROUTE = re.compile(r"[0-9a-f]{16,128}")
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class BlobMeta:
     last_modified: float
     etag: str = ""
     writer: str = ""
+    route: str = ""  # the session's newest routing digest (implicit routing survives a reindex)
 
     @property
     def checksum(self) -> str | None:
@@ -58,14 +61,16 @@ class BlobMeta:
 
 
 def encode_metadata(
-    ref: SlotRef, *, size: int, crc32: int, model: str, n_tokens: int, writer: str
+    ref: SlotRef, *, size: int, crc32: int, model: str, n_tokens: int, writer: str, route: str = ""
 ) -> dict[str, str]:
     """The object metadata (all ASCII strings, as S3 user metadata requires)."""
     if not model.isascii() or len(model) > _FINGERPRINT_MAX or not model.isprintable():
         raise StorageError(f"model fingerprint must be printable ASCII of at most {_FINGERPRINT_MAX} chars")
     if n_tokens < 0:
         raise StorageError("n_tokens must be >= 0")
-    return {
+    if route and not _ROUTE.fullmatch(route):
+        raise StorageError("route must be a lowercase hex digest of 16..128 characters")
+    md = {
         "tenant": ref.tenant,
         "session": ref.session,
         "generation": str(ref.generation),
@@ -75,6 +80,9 @@ def encode_metadata(
         "checksum": format_checksum(crc32),
         "writer": writer,
     }
+    if route:
+        md["route"] = route
+    return md
 
 
 def decode_metadata(
@@ -96,6 +104,7 @@ def decode_metadata(
     return BlobMeta(
         ref=ref, key=key, size=size, crc32=crc, model=md.get("model", ""), n_tokens=n_tokens,
         last_modified=last_modified, etag=etag, writer=md.get("writer", ""),
+        route=md.get("route", "") if _ROUTE.fullmatch(md.get("route", "")) else "",
     )  # fmt: skip
 
 
@@ -120,8 +129,9 @@ class BlobStore(ABC):
 
     @abstractmethod
     async def put_file(
-        self, ref: SlotRef, path: str | Path, *, model: str, n_tokens: int, crc32: int | None = None
-    ) -> BlobMeta:
+        self, ref: SlotRef, path: str | Path, *, model: str, n_tokens: int, crc32: int | None = None,
+        route: str = "",
+    ) -> BlobMeta:  # fmt: skip
         """Upload ``path`` as generation ``ref``; :class:`Conflict` if that generation exists.
 
         ``crc32`` is the CRC the caller expects of the whole file (e.g. from a slot file's trailer,

@@ -59,6 +59,7 @@ class SessionRecord:
     blob_key: str = ""
     bytes: int = 0
     last_used: float = 0.0
+    route: str = ""  # newest routing digest: stored with the slot file, so reindex restores it
 
     def to_hash(self) -> dict[str, str]:
         fields = asdict(self)
@@ -75,7 +76,7 @@ class SessionRecord:
             tokens=int(h.get("tokens", 0)), engine=h.get("engine") or None,
             slot=int(h["slot"]) if h.get("slot") else None, generation=int(h.get("generation", 0)),
             blob_key=h.get("blob_key", ""), bytes=int(h.get("bytes", 0)),
-            last_used=float(h.get("last_used", 0)),
+            last_used=float(h.get("last_used", 0)), route=h.get("route", ""),
         )  # fmt: skip
 
 
@@ -243,22 +244,27 @@ class SessionIndex:
         return await self._required(tenant, session, self._touch_live(session), lock, idle=False)
 
     def _touch_live(
-        self, session: str, tokens: int | None = None
+        self, session: str, tokens: int | None = None, route: str | None = None
     ) -> Callable[[SessionRecord | None], SessionRecord]:
         now = self._clock()
 
         def decide(old: SessionRecord | None) -> SessionRecord:
             if old is None or old.state is not SessionState.LIVE or not old.engine:
                 raise Conflict(f"session {session} is not live")
-            return replace(old, tokens=old.tokens if tokens is None else tokens, last_used=now)
+            return replace(old, tokens=old.tokens if tokens is None else tokens, last_used=now,
+                           route=old.route if route is None else self._digest(route))  # fmt: skip
 
         return decide
 
     async def mark_idle(
-        self, tenant: str, session: str, *, tokens: int | None = None, lock: SessionLock | None = None
-    ) -> SessionRecord:
-        """The request finished: the live session joins its engine's idle LRU as most recent."""
-        return await self._required(tenant, session, self._touch_live(session, tokens), lock, idle=True)
+        self, tenant: str, session: str, *, tokens: int | None = None, route: str | None = None,
+        lock: SessionLock | None = None,
+    ) -> SessionRecord:  # fmt: skip
+        """The request finished: the live session joins its engine's idle LRU as most recent.
+        ``route`` is its newest routing digest (see :meth:`add_prefixes`)."""
+        return await self._required(
+            tenant, session, self._touch_live(session, tokens, route), lock, idle=True
+        )
 
     async def mark_spilled(
         self, tenant: str, session: str, *, generation: int, blob_key: str, nbytes: int,

@@ -67,13 +67,16 @@ class LocalStore(BlobStore):
         return self.root / self.key_for(ref)
 
     async def put_file(
-        self, ref: SlotRef, path: str | Path, *, model: str, n_tokens: int, crc32: int | None = None
-    ) -> BlobMeta:
-        meta = await asyncio.to_thread(self._put, ref, Path(path), model, n_tokens, crc32)
+        self, ref: SlotRef, path: str | Path, *, model: str, n_tokens: int, crc32: int | None = None,
+        route: str = "",
+    ) -> BlobMeta:  # fmt: skip
+        meta = await asyncio.to_thread(self._put, ref, Path(path), model, n_tokens, crc32, route)
         log.info("storage.upload", store="local", key=meta.key, bytes=meta.size, checksum=meta.checksum)
         return meta
 
-    def _put(self, ref: SlotRef, src: Path, model: str, n_tokens: int, expected: int | None) -> BlobMeta:
+    def _put(
+        self, ref: SlotRef, src: Path, model: str, n_tokens: int, expected: int | None, route: str
+    ) -> BlobMeta:
         dest = self._path(ref)
         meta_path = dest.with_name(dest.name + _META_SUFFIX)
         if dest.exists() or meta_path.exists():
@@ -87,7 +90,9 @@ class LocalStore(BlobStore):
                 raise ChecksumError(
                     f"{src}: crc32 {crc:08x}, expected {expected:08x}", expected=expected, actual=crc
                 )
-            md = encode_metadata(ref, size=size, crc32=crc, model=model, n_tokens=n_tokens, writer=writer)
+            md = encode_metadata(
+                ref, size=size, crc32=crc, model=model, n_tokens=n_tokens, writer=writer, route=route
+            )
             with open(meta_tmp, "x") as f:
                 json.dump(md, f)
                 f.flush()

@@ -59,7 +59,7 @@ async def reindex(
             record = SessionRecord(
                 info.ref.tenant, info.ref.session, SessionState.SPILLED, model=meta.model,
                 tokens=meta.n_tokens, generation=info.ref.generation, blob_key=meta.key, bytes=meta.size,
-                last_used=meta.last_modified,
+                last_used=meta.last_modified, route=meta.route,
             )  # fmt: skip
             changed = False
             if dry_run:
@@ -67,6 +67,8 @@ async def reindex(
                 changed = known is None or known.generation < record.generation
             else:
                 changed = await index.restore_spilled(record)
+                if changed and meta.route:  # implicit routing finds the session again
+                    await index.add_prefixes(record.tenant, record.session, [meta.route])
             if changed:
                 report.restored += 1
             else:

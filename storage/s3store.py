@@ -143,8 +143,9 @@ class S3Store(BlobStore):
 
     # -------------------------------------------------------------------------------------- upload
     async def put_file(
-        self, ref: SlotRef, path: str | Path, *, model: str, n_tokens: int, crc32: int | None = None
-    ) -> BlobMeta:
+        self, ref: SlotRef, path: str | Path, *, model: str, n_tokens: int, crc32: int | None = None,
+        route: str = "",
+    ) -> BlobMeta:  # fmt: skip
         key, path, started = self.key_for(ref), Path(path), time.monotonic()
         size = (await asyncio.to_thread(os.stat, path)).st_size
         if crc32 is None:  # metadata is fixed at create time, so the CRC is needed before the parts
@@ -153,7 +154,9 @@ class S3Store(BlobStore):
         if await self.writer_of(ref) is not None:
             raise Conflict(f"generation {ref.generation} of session {ref.session} exists")
         writer = new_writer_id()
-        md = encode_metadata(ref, size=size, crc32=crc32, model=model, n_tokens=n_tokens, writer=writer)
+        md = encode_metadata(
+            ref, size=size, crc32=crc32, model=model, n_tokens=n_tokens, writer=writer, route=route
+        )
         part_crcs = await Upload(self, ref, path, size, crc32, md, writer, native).run()
         meta = await self._verify_upload(ref, key, size, crc32, writer, part_crcs)
         seconds = round(time.monotonic() - started, 3)

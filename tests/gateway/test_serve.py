@@ -295,3 +295,20 @@ def test_legacy_completions_with_a_session_and_gateway_flag_checks(serve, tmp_pa
     gw = subprocess.run([sys.executable, "-m", "gateway.cli", "gateway", "--node", s.node_url],
                         capture_output=True, text=True, timeout=30)  # fmt: skip
     assert gw.returncode == 2 and "--redis-url, --s3-bucket required" in gw.stderr
+
+
+def test_implicit_routing_survives_a_restart_of_the_in_process_index(serve, tmp_path: Path):
+    """`serve` keeps its index in process; the routing digest travels with each slot file, so the
+    reindex at start-up lets a resent history find its session again."""
+    data = tmp_path / "data"
+    s = serve(data)
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "First step."}]
+    done, headers, _ = _turn(_client(s.url), msgs)
+    session = headers["x-session-id"]
+    msgs.append({"role": "assistant", "content": done.choices[0].message.content})
+    assert s.stop(signal.SIGTERM) == 0
+    s = serve(data)
+    msgs.append({"role": "user", "content": "Second step."})
+    done, headers, timings = _turn(_client(s.url), msgs)
+    assert headers["x-session-id"] == session
+    assert headers["x-slotkeeper-cache"] == "restored" and timings["cache_n"] > 0

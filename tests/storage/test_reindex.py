@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from storage.blobstore import BlobStore
+from storage.errors import StorageError
 from storage.ids import SlotRef
 from storage.index import SessionIndex, SessionState
 from storage.localstore import LocalStore
@@ -116,3 +117,18 @@ async def test_cli(
     assert rc == 0 and "unchanged 1" in capsys.readouterr().out.splitlines()[-1]
     with pytest.raises(SystemExit):
         main(["--s3-endpoint", "http://127.0.0.1:1", "--redis", url])  # no --bucket
+
+
+async def test_routing_digest_travels_with_the_object(
+    store: BlobStore, redis_client: Any, tmp_path: Path, slot_writer: Any
+) -> None:
+    index = SessionIndex(redis_client, prefix="sk")
+    route = "ab" * 16
+    src = slot_writer.write(tmp_path / "r.slot", slot_writer.Spec(n_tokens=3))
+    meta = await store.put_file(SlotRef("acme", "routed", 1), src, model="fp", n_tokens=3, route=route)
+    assert meta.route == route and (await store.head(SlotRef("acme", "routed", 1))).route == route
+    await reindex(store, index)
+    assert (await index.get("acme", "routed")).route == route
+    assert await index.match_prefix("acme", [route]) == (route, "routed")
+    with pytest.raises(StorageError, match="route"):
+        await store.put_file(SlotRef("acme", "routed", 2), src, model="fp", n_tokens=3, route="NOT-HEX")
