@@ -26,7 +26,7 @@ from gateway.prefixes import lookup_digests, turn_digests
 from gateway.relay import TurnOutcome
 from gateway.tenants import Durability, Tenant
 from storage.blobstore import BlobStore
-from storage.errors import InvalidId, LockLost
+from storage.errors import InvalidId, LockBusy, LockLost
 from storage.ids import validate_id
 from storage.index import SessionIndex, SessionRecord, SessionState
 from storage.locks import SessionLock, SessionLocks
@@ -112,6 +112,12 @@ class TurnRunner:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(settling), self.spill_wait_s)
                 lock = await self.locks.try_acquire(tenant.name, session, ttl_s=self.lock_ttl_s)
+            elif await self.index.is_idle(tenant.name, session):
+                # No request runs on it: another gateway replica is saving its last turn. Wait.
+                with contextlib.suppress(LockBusy):
+                    lock = await self.locks.acquire(
+                        tenant.name, session, ttl_s=self.lock_ttl_s, wait_s=self.spill_wait_s
+                    )
         if lock is None:  # busy with another request: fork it
             forked_from, session = session, f"{session}.f{secrets.token_hex(4)}"
             lock = await self.locks.try_acquire(tenant.name, session, ttl_s=self.lock_ttl_s)

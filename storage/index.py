@@ -120,6 +120,16 @@ class SessionIndex:
         async with redis_errors():
             return [text(m) for m in await self._redis.zrange(self.keys.sessions(tenant), 0, -1)]
 
+    async def is_idle(self, tenant: str, session: str) -> bool:
+        """Live and in its engine's idle LRU: no request is running on it (its lock, if held, is
+        held for bookkeeping such as a write-behind save)."""
+        record = await self.find(tenant, session)
+        if record is None or record.state is not SessionState.LIVE or not record.engine:
+            return False
+        async with redis_errors():
+            score = await self._redis.zscore(self.keys.engine_idle(record.engine), member(tenant, session))
+        return score is not None
+
     async def idle_sessions(self, engine: str, limit: int | None = None) -> list[tuple[str, str]]:
         """``(tenant, session)`` idle on ``engine``, least recently used first (eviction order)."""
         async with redis_errors():

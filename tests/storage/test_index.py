@@ -198,3 +198,16 @@ async def test_batched_reads_for_placement_snapshots(index: SessionIndex, redis_
     assert held is not None
     assert await locks.owners(pairs) == [None, held.token, None]
     assert await index.find_many([]) == [] and await locks.owners([]) == []
+
+
+async def test_is_idle_tells_a_running_turn_from_bookkeeping(index: SessionIndex) -> None:
+    assert not await index.is_idle("acme", "x")
+    await index.mark_live("acme", "x", engine="e1", slot=0, tokens=1)
+    assert not await index.is_idle("acme", "x")  # a request runs on it
+    await index.mark_idle("acme", "x", tokens=5, route="cd" * 16)
+    assert await index.is_idle("acme", "x")
+    assert (await index.get("acme", "x")).route == "cd" * 16
+    await index.mark_busy("acme", "x")
+    assert not await index.is_idle("acme", "x")
+    await index.mark_spilled("acme", "x", generation=1, blob_key="k", nbytes=1)
+    assert not await index.is_idle("acme", "x")
