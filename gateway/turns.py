@@ -119,7 +119,7 @@ class TurnRunner:
                         tenant.name, session, ttl_s=self.lock_ttl_s, wait_s=self.spill_wait_s
                     )
         if lock is None:  # busy with another request: fork it
-            forked_from, session = session, f"{session}.f{secrets.token_hex(4)}"
+            forked_from, session = session, f"{session[:110]}.f{secrets.token_hex(4)}"  # ids: <= 128 chars
             lock = await self.locks.try_acquire(tenant.name, session, ttl_s=self.lock_ttl_s)
             assert lock is not None
             source = "fork"
