@@ -63,7 +63,7 @@ class Cluster:
         pool's size. `holder` is the session whose lock the caller holds: its own slot is not busy
         for it. Also returns the engines by id (their URLs and nodes) from the same listing."""
         refs = {e.engine: e for e in await self.engines(model)}
-        live = await self.index.engines_sessions(list(refs))
+        live, idle = await self.index.engines_occupancy(list(refs))
         pairs = [pair for sessions in live.values() for pair in sessions]
         records = await self.index.find_many(pairs)
         owners = await self.locks.owners(pairs)
@@ -76,7 +76,9 @@ class Cluster:
                 or rec.engine not in refs
             ):
                 continue
-            busy = owner is not None and (tenant, session) != holder
+            # Locked but idle: its last turn is being saved (write-behind), which ends shortly; it
+            # can be evicted once the save releases the lock. Busy means a request runs on it.
+            busy = owner is not None and (tenant, session) not in idle and (tenant, session) != holder
             occupants[rec.engine][rec.slot] = SlotView(rec.slot, busy, tenant, session, rec.last_used)
         views = [
             EngineView(

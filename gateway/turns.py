@@ -207,9 +207,12 @@ class TurnRunner:
     async def _evict(self, engine: str, node: NodeClient, placement: Placement) -> None:
         victim = placement.evict
         assert victim is not None and victim.tenant and victim.session
-        lock = await self.locks.try_acquire(victim.tenant, victim.session, ttl_s=self.lock_ttl_s)
-        if lock is None:
-            raise Unavailable("the slot chosen for eviction just became busy; retry", retry_after=1)
+        try:  # an idle victim may still be saving its last turn: wait for that, not longer
+            lock = await self.locks.acquire(
+                victim.tenant, victim.session, ttl_s=self.lock_ttl_s, wait_s=self.spill_wait_s
+            )
+        except LockBusy:
+            raise Unavailable("the slot chosen for eviction stayed busy; retry", retry_after=1) from None
         try:
             rec = await self.index.get(victim.tenant, victim.session)
             gen = rec.generation + 1
