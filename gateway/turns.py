@@ -215,6 +215,14 @@ class TurnRunner:
             raise Unavailable("the slot chosen for eviction stayed busy; retry", retry_after=1) from None
         try:
             rec = await self.index.get(victim.tenant, victim.session)
+            if rec.generation and not rec.dirty:
+                # Its after-turn save is its current state: nothing to save again.
+                await self.index.mark_spilled(victim.tenant, victim.session, generation=rec.generation,
+                                              blob_key=rec.blob_key, nbytes=rec.bytes, lock=lock)  # fmt: skip
+                self.metrics.evictions.inc()
+                log.info("session.evicted", tenant=victim.tenant, session=victim.session, engine=engine,
+                         slot=victim.slot, generation=rec.generation, saved=False)  # fmt: skip
+                return
             gen = rec.generation + 1
             out = await node.spill(
                 engine,

@@ -60,6 +60,7 @@ class SessionRecord:
     bytes: int = 0
     last_used: float = 0.0
     route: str = ""  # newest routing digest: stored with the slot file, so reindex restores it
+    dirty: bool = False  # the slot changed since durable `generation` was saved
 
     def to_hash(self) -> dict[str, str]:
         fields = asdict(self)
@@ -76,7 +77,7 @@ class SessionRecord:
             tokens=int(h.get("tokens", 0)), engine=h.get("engine") or None,
             slot=int(h["slot"]) if h.get("slot") else None, generation=int(h.get("generation", 0)),
             blob_key=h.get("blob_key", ""), bytes=int(h.get("bytes", 0)),
-            last_used=float(h.get("last_used", 0)), route=h.get("route", ""),
+            last_used=float(h.get("last_used", 0)), route=h.get("route", ""), dirty=h.get("dirty") == "True",
         )  # fmt: skip
 
 
@@ -256,13 +257,16 @@ class SessionIndex:
         def decide(old: SessionRecord | None) -> SessionRecord:
             base = old or SessionRecord(tenant, session, SessionState.NEW, model=model or "")
             return replace(base, state=SessionState.LIVE, engine=engine, slot=slot, tokens=tokens,
-                           model=model or base.model, last_used=self._clock())  # fmt: skip
+                           model=model or base.model, last_used=self._clock(), dirty=True)  # fmt: skip
 
         return await self._required(tenant, session, decide, lock, idle=False)
 
     async def mark_busy(self, tenant: str, session: str, *, lock: SessionLock | None = None) -> SessionRecord:
         """A request started on the live session: it leaves its engine's idle LRU."""
-        return await self._required(tenant, session, self._touch_live(session), lock, idle=False)
+        busy = self._touch_live(session)
+        return await self._required(
+            tenant, session, lambda old: replace(busy(old), dirty=True), lock, idle=False
+        )
 
     def _touch_live(
         self, session: str, tokens: int | None = None, route: str | None = None
@@ -300,7 +304,7 @@ class SessionIndex:
             self._forward(old, generation)
             return replace(old, state=SessionState.SPILLED, engine=None, slot=None, generation=generation,
                            blob_key=blob_key, bytes=nbytes, tokens=old.tokens if tokens is None else tokens,
-                           last_used=self._clock())  # fmt: skip
+                           last_used=self._clock(), dirty=False)  # fmt: skip
 
         return await self._required(tenant, session, decide, lock)
 
@@ -315,7 +319,7 @@ class SessionIndex:
             if old is None:
                 raise NotFound(f"session {session} not found")
             self._forward(old, generation)
-            return replace(old, generation=generation, blob_key=blob_key, bytes=nbytes)
+            return replace(old, generation=generation, blob_key=blob_key, bytes=nbytes, dirty=False)
 
         return await self._required(tenant, session, decide, lock)
 

@@ -106,6 +106,9 @@ def test_more_sessions_than_slots_evict_and_restore(serve, tmp_path: Path):
         if line and not line.startswith("#")
     }
     assert metrics["slotkeeper_gateway_evictions_total"] >= 4
+    # After-turn tenants: every evicted session was already saved by its write-behind, never twice.
+    assert metrics['slotkeeper_gateway_spill_bytes_total{why="after-turn"}'] > 0
+    assert metrics.get('slotkeeper_gateway_spill_bytes_total{why="evict"}', 0) == 0
     assert metrics["slotkeeper_gateway_restores_reprefilled_total"] == 0
     assert metrics['slotkeeper_gateway_requests_total{path="/v1/chat/completions",status="200"}'] == 8
     node = httpx.get(s.node_url + "/metrics").text

@@ -211,3 +211,13 @@ async def test_is_idle_tells_a_running_turn_from_bookkeeping(index: SessionIndex
     assert not await index.is_idle("acme", "x")
     await index.mark_spilled("acme", "x", generation=1, blob_key="k", nbytes=1)
     assert not await index.is_idle("acme", "x")
+
+
+async def test_dirty_tracks_changes_since_the_durable_generation(index: SessionIndex) -> None:
+    rec = await index.mark_live("acme", "d", engine="e1", slot=0, tokens=1)
+    assert rec.dirty  # a turn runs: the slot will change
+    await index.mark_idle("acme", "d", tokens=4)
+    assert (await index.get("acme", "d")).dirty
+    assert not (await index.set_durable("acme", "d", generation=1, blob_key="k1", nbytes=9)).dirty
+    assert (await index.mark_busy("acme", "d")).dirty
+    assert not (await index.mark_spilled("acme", "d", generation=2, blob_key="k2", nbytes=9)).dirty
