@@ -57,16 +57,21 @@ def _upstream_error(resp_status: int, payload: Any) -> GatewayError:
     return exc
 
 
-async def forward_json(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any]
-) -> tuple[dict[str, Any], TurnOutcome]:
-    """Non-streaming request: the engine's JSON and what it means for the session."""
+async def _send(client: httpx.AsyncClient, request: httpx.Request, *, stream: bool) -> httpx.Response:
+    """Send to the engine; a failed connection means the engine died (its supervisor restarts it)."""
     try:
-        resp = await client.post(url, json=body)
+        return await client.send(request, stream=stream)
     except httpx.HTTPError as exc:
         raise EngineUnreachable(
             f"the engine is unreachable ({type(exc).__name__}); retry", retry_after=1
         ) from exc
+
+
+async def forward_json(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any]
+) -> tuple[dict[str, Any], TurnOutcome]:
+    """Non-streaming request: the engine's JSON and what it means for the session."""
+    resp = await _send(client, client.build_request("POST", url, json=body), stream=False)
     try:
         payload = resp.json()
     except ValueError:
@@ -92,13 +97,7 @@ class StreamRelay:
 
     @classmethod
     async def open(cls, client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> StreamRelay:
-        request = client.build_request("POST", url, json=body)
-        try:
-            resp = await client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise Unavailable(
-                f"the engine is unreachable ({type(exc).__name__}); retry", retry_after=1
-            ) from exc
+        resp = await _send(client, client.build_request("POST", url, json=body), stream=True)
         if resp.status_code != 200:
             raw = await resp.aread()
             await resp.aclose()
