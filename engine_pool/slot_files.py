@@ -64,27 +64,33 @@ async def _on_slot(rt: Runtime, slot: int, purpose: str, fn: Callable[[], T]) ->
     return await asyncio.shield(task)
 
 
+# llama-server's field names: action -> (log event, tokens field, bytes field)
+_REPORT = {
+    "save": ("slot.saved", "n_saved", "n_written"),
+    "restore": ("slot.restored", "n_restored", "n_read"),
+}
+
+
+def _report(action: str, slot: int, filename: Any, info: native.SlotFileInfo) -> dict[str, Any]:
+    """Log a completed save/restore and answer it as llama-server does."""
+    event, tokens_field, bytes_field = _REPORT[action]
+    log.info(event, slot=slot, filename=filename, n_tokens=info.n_tokens, n_bytes=info.n_bytes,
+             n_checkpoints=info.n_checkpoints, ms=round(info.ms, 2))  # fmt: skip
+    return {
+        "id_slot": slot,
+        "filename": filename,
+        tokens_field: info.n_tokens,
+        bytes_field: info.n_bytes,
+        "n_checkpoints": info.n_checkpoints,
+        "timings": {f"{action}_ms": info.ms},
+    }
+
+
 async def save(rt: Runtime, slot: int, filename: Any) -> dict[str, Any]:
     engine = rt.require()
     path = slot_file_path(rt.slot_dir, filename)
     info = await _on_slot(rt, slot, "save", lambda: engine.save_slot(slot, str(path)))
-    log.info(
-        "slot.saved",
-        slot=slot,
-        filename=filename,
-        n_tokens=info.n_tokens,
-        n_bytes=info.n_bytes,
-        n_checkpoints=info.n_checkpoints,
-        ms=round(info.ms, 2),
-    )
-    return {
-        "id_slot": slot,
-        "filename": filename,
-        "n_saved": info.n_tokens,
-        "n_written": info.n_bytes,
-        "n_checkpoints": info.n_checkpoints,
-        "timings": {"save_ms": info.ms},
-    }
+    return _report("save", slot, filename, info)
 
 
 async def restore(rt: Runtime, slot: int, filename: Any) -> dict[str, Any]:
@@ -110,23 +116,7 @@ async def restore(rt: Runtime, slot: int, filename: Any) -> dict[str, Any]:
             param="filename",
             extra={"kind": exc.kind},
         ) from None
-    log.info(
-        "slot.restored",
-        slot=slot,
-        filename=filename,
-        n_tokens=info.n_tokens,
-        n_bytes=info.n_bytes,
-        n_checkpoints=info.n_checkpoints,
-        ms=round(info.ms, 2),
-    )
-    return {
-        "id_slot": slot,
-        "filename": filename,
-        "n_restored": info.n_tokens,
-        "n_read": info.n_bytes,
-        "n_checkpoints": info.n_checkpoints,
-        "timings": {"restore_ms": info.ms},
-    }
+    return _report("restore", slot, filename, info)
 
 
 async def erase(rt: Runtime, slot: int) -> dict[str, Any]:
