@@ -39,6 +39,8 @@ class ModelInfo:
     meta: dict[str, str]
 
 class EngineConfig:
+    """Built once, by keyword; every field is read-only afterwards."""
+
     def __init__(
         self,
         model_path: str,
@@ -57,27 +59,41 @@ class EngineConfig:
         swa_full: bool = False,
         flash_attn: bool = False,
     ) -> None: ...
-    model_path: str
-    n_slots: int
-    n_ctx: int
-    """Total KV cells (one unified stream); every slot may use n_ctx // n_slots of them."""
-    n_batch: int
-    n_ubatch: int
-    n_threads: int
-    """0 = all hardware threads."""
-    n_gpu_layers: int
-    checkpoint_interval: int
-    """Checkpoint every this many prompt tokens inside long prompts (0 = off)."""
-    checkpoint_min_step: int
-    """Hinted/interval checkpoints closer than this to another planned one are skipped."""
-    max_checkpoints: int
-    """Per slot. 0 disables checkpoints (hybrid/recurrent reuse then needs the exact end)."""
-    max_checkpoint_bytes: int
-    """Per slot, the sum of checkpoint state blobs and their logits."""
-    max_slot_file_bytes: int
-    """Refuse to restore larger slot files (0 = no limit beyond the bounds checks)."""
-    swa_full: bool
-    flash_attn: bool
+    @property
+    def model_path(self) -> str: ...
+    @property
+    def n_slots(self) -> int: ...
+    @property
+    def n_ctx(self) -> int:
+        """Total KV cells (one unified stream); every slot may use n_ctx // n_slots of them."""
+    @property
+    def n_batch(self) -> int: ...
+    @property
+    def n_ubatch(self) -> int: ...
+    @property
+    def n_threads(self) -> int:
+        """0 = all hardware threads."""
+    @property
+    def n_gpu_layers(self) -> int: ...
+    @property
+    def checkpoint_interval(self) -> int:
+        """Checkpoint every this many prompt tokens inside long prompts (0 = off)."""
+    @property
+    def checkpoint_min_step(self) -> int:
+        """Hinted/interval checkpoints closer than this to another planned one are skipped."""
+    @property
+    def max_checkpoints(self) -> int:
+        """Per slot. 0 disables checkpoints (hybrid/recurrent reuse then needs the exact end)."""
+    @property
+    def max_checkpoint_bytes(self) -> int:
+        """Per slot, the sum of checkpoint state blobs and their logits."""
+    @property
+    def max_slot_file_bytes(self) -> int:
+        """Refuse to restore larger slot files (0 = no limit beyond the bounds checks)."""
+    @property
+    def swa_full(self) -> bool: ...
+    @property
+    def flash_attn(self) -> bool: ...
 
 class RequestParams:
     def __init__(self, prompt: list[int] = ...) -> None: ...
@@ -122,7 +138,10 @@ class Timings:
 
 class Event:
     request_id: int
-    kind: Literal["token", "done", "error"]
+    """-1 for the engine-level `fault` event."""
+    kind: Literal["token", "done", "error", "fault"]
+    """`fault`: the loop died of an exception (message = the reason); sent once, after every
+    request's error event, and nothing follows it."""
     token: int
     piece: bytes
     """UTF-8 bytes of the token (may be a partial character)."""
@@ -159,9 +178,17 @@ class Engine:
     @property
     def model(self) -> ModelInfo: ...
     @property
-    def config(self) -> EngineConfig: ...
+    def config(self) -> EngineConfig:
+        """A copy of the configuration the engine was built with."""
     @property
     def n_ctx_slot(self) -> int: ...
+    @property
+    def closed(self) -> bool:
+        """True once close() was called or the loop faulted: calls that need the loop raise
+        EngineClosedError."""
+    @property
+    def fault(self) -> str:
+        """Why the loop died of an exception ('' while healthy, or after a plain close())."""
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
     def detokenize(
         self, tokens: list[int], remove_special: bool = False, unparse_special: bool = True
@@ -187,7 +214,12 @@ class Engine:
     def slot_tokens(self, slot: int) -> list[int]: ...
     def metrics(self) -> dict[str, int]: ...
     def close(self) -> None:
-        """Stop the loop (pending requests end with an error event) and free the context."""
+        """Stop the loop (pending requests end with an error event) and wait for its thread.
+
+        Idempotent and thread-safe, also after a fault; the context is freed with the object."""
+    def _inject_fault_for_tests(self, where: Literal["command", "checkpoint"] = "command") -> None:
+        """TEST HOOK. Make the loop throw std::bad_alloc at the top of its next iteration
+        ("command") or in its next checkpoint capture ("checkpoint"): the real fault path runs."""
 
 def read_fingerprint(model_path: str) -> str:
     """The model fingerprint computed from the GGUF file alone (no load)."""

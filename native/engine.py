@@ -3,14 +3,19 @@
 The core pushes token/done/error events for every request into one queue and signals an eventfd.
 This class is that queue's single consumer: an asyncio reader on the eventfd (`stream`), or a
 blocking wait for scripts and tests (`generate`); use one style per engine.
+
+If the core's loop dies of an exception (a "fault", native/DESIGN.md), every request ends with an
+error event, later calls raise EngineClosedError, and the callbacks given to `on_fault` run once with
+the reason. `close` may be called any number of times, from any thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import codecs
+import threading
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 from . import _native
@@ -49,7 +54,12 @@ class Engine:
         self._raw = _native.Engine(config)
         self._sinks: dict[int, _Sink] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Guards _closed and _loop: close() may come from any thread while the event loop attaches.
+        self._lock = threading.Lock()
         self._closed = False
+        self._drained = False  # close() has routed the core's last events: nothing more will come
+        self._fault = ""
+        self._fault_callbacks: list[Callable[[str], None]] = []
 
     # -- plain forwards -------------------------------------------------------------------------
     @property
@@ -62,7 +72,18 @@ class Engine:
 
     @property
     def config(self) -> _native.EngineConfig:
+        """A copy of the engine's configuration (read-only; the running engine never changes)."""
         return self._raw.config
+
+    @property
+    def closed(self) -> bool:
+        """True once close() was called or the core's loop faulted."""
+        return self._closed or self._raw.closed
+
+    @property
+    def fault(self) -> str:
+        """Why the core's loop died ('' while it is healthy, or after a plain close())."""
+        return self._raw.fault
 
     @property
     def n_ctx_slot(self) -> int:
@@ -101,16 +122,58 @@ class Engine:
         return self._raw.cancel(request_id)
 
     def close(self) -> None:
-        """Stop the core; requests in flight end with their error event, streams included."""
-        self._closed = True
-        self._raw.close()
-        self._route(self._raw.poll())  # the shutdown errors, before the reader goes away
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self._raw.event_fd())
-        self._loop = None
-        for sink in self._sinks.values():
+        """Stop the core; requests in flight end with their error event, streams included.
+
+        Idempotent and thread-safe: every call returns once the core's loop has stopped; the first
+        one also detaches the asyncio reader, on the event loop's own thread (asyncio objects are
+        not thread-safe), so from another thread that part is scheduled rather than done.
+        """
+        with self._lock:
+            first = not self._closed
+            self._closed = True
+            loop, self._loop = self._loop, None
+        self._raw.close()  # the core's close is idempotent and thread-safe; GIL released
+        if not first:
+            return
+        if loop is None or loop.is_closed():
+            self._finish_close(None)
+            return
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._finish_close(loop)
+            return
+        try:
+            loop.call_soon_threadsafe(self._finish_close, loop)
+        except RuntimeError:  # the loop closed meanwhile: nobody is left to wake
+            self._finish_close(None)
+
+    def _finish_close(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        # The shutdown errors are routed before the reader goes away, then every stream is woken
+        # (each ends with its error event, or EngineClosedError).
+        self._route(self._raw.poll())
+        self._drained = True
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self._raw.event_fd())
+        for sink in list(self._sinks.values()):
             if sink.wake is not None:
                 sink.wake.set()
+
+    def on_fault(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(reason)` once if the core's loop dies; call from inside the event loop.
+
+        Attaches the eventfd reader to the running loop now, so the fault is seen even while no
+        stream is open; the callback then runs on the event loop (in a blocking `generate`, on its
+        thread). Registered after the fault was seen, it is called soon.
+        """
+        loop = asyncio.get_running_loop()
+        self._fault_callbacks.append(callback)
+        if self._fault:
+            loop.call_soon(callback, self._fault)
+            return
+        self._attach()
 
     # -- requests -------------------------------------------------------------------------------
     def submit(self, slot: int, params: _native.RequestParams) -> int:
@@ -120,6 +183,9 @@ class Engine:
 
     def _route(self, events: list[_native.Event]) -> None:
         for ev in events:
+            if ev.kind == "fault":  # engine-level (request_id -1), after every request's error
+                self._on_fault_event(ev.message)
+                continue
             sink = self._sinks.get(ev.request_id)
             if sink is None:
                 continue
@@ -128,6 +194,13 @@ class Engine:
                 sink.done = True
             if sink.wake is not None:
                 sink.wake.set()
+
+    def _on_fault_event(self, reason: str) -> None:
+        if self._fault:
+            return
+        self._fault = reason or "unknown"
+        for callback in list(self._fault_callbacks):
+            callback(self._fault)
 
     def generate(self, slot: int, params: _native.RequestParams, timeout_s: float = 600.0) -> Completion:
         """Run one request to the end, blocking. Raises NativeError on an error event."""
@@ -169,7 +242,7 @@ class Engine:
                     yield ev
                     if finished:
                         return
-                if self._closed:
+                if self._drained:  # not just _closed: its error event may still be on its way
                     raise EngineClosedError("the engine was closed")
                 sink.wake.clear()
                 await sink.wake.wait()
@@ -181,12 +254,17 @@ class Engine:
 
     def _attach(self) -> None:
         loop = asyncio.get_running_loop()
-        if self._loop is loop:
-            return
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self._raw.event_fd())
-        self._loop = loop
-        loop.add_reader(self._raw.event_fd(), lambda: self._route(self._raw.poll()))
+        with self._lock:
+            # Checked under the lock close() takes: a reader added after close() had taken _loop
+            # would never be removed.
+            if self._closed:
+                raise EngineClosedError("the engine was closed")
+            previous, self._loop = self._loop, loop
+            if previous is loop:
+                return
+            if previous is not None and not previous.is_closed():
+                previous.remove_reader(self._raw.event_fd())
+            loop.add_reader(self._raw.event_fd(), lambda: self._route(self._raw.poll()))
 
     @staticmethod
     def _consume(out: Completion, ev: _native.Event) -> bool:

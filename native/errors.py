@@ -21,7 +21,8 @@ class SlotBusyError(NativeError):
 
 
 class EngineClosedError(NativeError):
-    """The engine was closed; nothing more can be queued."""
+    """The engine was closed, or its loop faulted (the message then says why); nothing more can be
+    queued."""
 
 
 class SlotFileError(NativeError):

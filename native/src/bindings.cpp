@@ -105,20 +105,22 @@ PYBIND11_MODULE(_native, m) {
              py::arg("checkpoint_min_step") = 64, py::arg("max_checkpoints") = 32,
              py::arg("max_checkpoint_bytes") = uint64_t(1) << 30, py::arg("max_slot_file_bytes") = 0,
              py::arg("swa_full") = false, py::arg("flash_attn") = false)
-        .def_readwrite("model_path", &EngineConfig::model_path)
-        .def_readwrite("n_slots", &EngineConfig::n_slots)
-        .def_readwrite("n_ctx", &EngineConfig::n_ctx)
-        .def_readwrite("n_batch", &EngineConfig::n_batch)
-        .def_readwrite("n_ubatch", &EngineConfig::n_ubatch)
-        .def_readwrite("n_threads", &EngineConfig::n_threads)
-        .def_readwrite("n_gpu_layers", &EngineConfig::n_gpu_layers)
-        .def_readwrite("checkpoint_interval", &EngineConfig::checkpoint_interval)
-        .def_readwrite("checkpoint_min_step", &EngineConfig::checkpoint_min_step)
-        .def_readwrite("max_checkpoints", &EngineConfig::max_checkpoints)
-        .def_readwrite("max_checkpoint_bytes", &EngineConfig::max_checkpoint_bytes)
-        .def_readwrite("max_slot_file_bytes", &EngineConfig::max_slot_file_bytes)
-        .def_readwrite("swa_full", &EngineConfig::swa_full)
-        .def_readwrite("flash_attn", &EngineConfig::flash_attn);
+        // Read-only: a configuration is built once by the constructor above; the engine keeps its own
+        // copy (Engine.config hands out another), so nothing in Python can reach the running one.
+        .def_readonly("model_path", &EngineConfig::model_path)
+        .def_readonly("n_slots", &EngineConfig::n_slots)
+        .def_readonly("n_ctx", &EngineConfig::n_ctx)
+        .def_readonly("n_batch", &EngineConfig::n_batch)
+        .def_readonly("n_ubatch", &EngineConfig::n_ubatch)
+        .def_readonly("n_threads", &EngineConfig::n_threads)
+        .def_readonly("n_gpu_layers", &EngineConfig::n_gpu_layers)
+        .def_readonly("checkpoint_interval", &EngineConfig::checkpoint_interval)
+        .def_readonly("checkpoint_min_step", &EngineConfig::checkpoint_min_step)
+        .def_readonly("max_checkpoints", &EngineConfig::max_checkpoints)
+        .def_readonly("max_checkpoint_bytes", &EngineConfig::max_checkpoint_bytes)
+        .def_readonly("max_slot_file_bytes", &EngineConfig::max_slot_file_bytes)
+        .def_readonly("swa_full", &EngineConfig::swa_full)
+        .def_readonly("flash_attn", &EngineConfig::flash_attn);
 
     py::class_<RequestParams>(m, "RequestParams")
         .def(py::init([](std::vector<llama_token> prompt) {
@@ -196,12 +198,16 @@ PYBIND11_MODULE(_native, m) {
     py::class_<Engine>(m, "Engine")
         .def(py::init<const EngineConfig &>(), py::arg("config"), rel())
         .def_property_readonly("model", &Engine::model, py::return_value_policy::reference_internal)
-        .def_property_readonly("config", &Engine::config, py::return_value_policy::reference_internal)
+        // A copy: the loop and every thread read the engine's configuration without a lock (a
+        // writable reference let `config.n_slots = 99` admit slot ids past the end of slots_).
+        .def_property_readonly("config", [](const Engine & e) { return EngineConfig(e.config()); })
         .def_property_readonly("n_ctx_slot", &Engine::n_ctx_slot)
+        // Tokenizing a long prompt takes ~1 s per million characters: without the GIL, so that the
+        // engine's event loop keeps serving while a worker thread tokenizes (the vocab is read-only).
         .def("tokenize", &Engine::tokenize, py::arg("text"), py::arg("add_special") = true,
-             py::arg("parse_special") = true)
+             py::arg("parse_special") = true, rel())
         .def("detokenize", &Engine::detokenize, py::arg("tokens"), py::arg("remove_special") = false,
-             py::arg("unparse_special") = true)
+             py::arg("unparse_special") = true, rel())
         .def("token_piece", [](const Engine & e, llama_token t, bool special) { return py::bytes(e.token_piece(t, special)); },
              py::arg("token"), py::arg("special") = true)
         .def("submit", &Engine::submit, py::arg("slot"), py::arg("params"))
@@ -216,7 +222,11 @@ PYBIND11_MODULE(_native, m) {
         .def("slots", &Engine::slots, rel())
         .def("slot_tokens", &Engine::slot_tokens, py::arg("slot"), rel())
         .def("metrics", &Engine::metrics, rel())
-        .def("close", &Engine::close, rel());
+        .def("close", &Engine::close, rel())
+        // Both take cmd_mu_, which the loop only holds for a queue swap: no GIL release needed.
+        .def_property_readonly("closed", &Engine::closed)
+        .def_property_readonly("fault", &Engine::fault)
+        .def("_inject_fault_for_tests", &Engine::inject_fault_for_tests, py::arg("where") = "command");
 
     m.def("read_fingerprint", &model_fingerprint, py::arg("model_path"), rel());
     m.def("crc32", [](py::bytes data, uint32_t value) {

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstring>
 #include <future>
+#include <new>
 #include <random>
 
 #include <sys/eventfd.h>
@@ -20,6 +21,15 @@ double now_s() {
 }
 
 double ms_since(double t0) { return (now_s() - t0) * 1000.0; }
+
+Event error_event(int64_t request_id, int slot, const std::string & message) {
+    Event e;
+    e.request_id = request_id;
+    e.kind = "error";
+    e.message = message;
+    e.slot = slot;
+    return e;
+}
 
 }  // namespace
 
@@ -99,14 +109,43 @@ Engine::~Engine() {
 void Engine::close() {
     {
         std::lock_guard<std::mutex> lk(cmd_mu_);
-        if (closing_) {
-            // already closing or closed; fall through to join
-        }
         closing_ = true;
     }
     cmd_cv_.notify_all();
+    // std::thread::join from two threads at once is undefined: one close() joins, a concurrent one
+    // waits here until the loop is gone and then finds nothing to join. After a fault the loop has
+    // ended on its own and the join returns at once.
+    std::lock_guard<std::mutex> lk(join_mu_);
     if (thread_.joinable()) thread_.join();
-    closed_ = true;
+}
+
+bool Engine::closed() const {
+    std::lock_guard<std::mutex> lk(cmd_mu_);
+    return closing_;
+}
+
+std::string Engine::fault() const {
+    std::lock_guard<std::mutex> lk(cmd_mu_);
+    return fault_;
+}
+
+std::string Engine::closed_message_locked() const {
+    if (fault_.empty()) return "the engine is closed";
+    return "the engine is closed: its loop failed (" + fault_ + ")";
+}
+
+void Engine::inject_fault_for_tests(const std::string & where) {
+    if (where == "command") {
+        post({[] { throw std::bad_alloc(); }, nullptr});
+    } else if (where == "checkpoint") {
+        {
+            std::lock_guard<std::mutex> lk(cmd_mu_);
+            if (closing_) throw EngineClosedError(closed_message_locked());
+        }
+        fault_at_checkpoint_ = true;
+    } else {
+        throw InvalidRequestError("unknown fault site '" + where + "' (command | checkpoint)");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -194,20 +233,38 @@ std::map<std::string, int64_t> Engine::metrics() {
     return metrics_;
 }
 
-void Engine::post(std::function<void()> fn) {
+void Engine::post(Command cmd) {
     {
         std::lock_guard<std::mutex> lk(cmd_mu_);
-        if (closing_) throw EngineClosedError("the engine is closed");
-        commands_.push_back(std::move(fn));
+        if (closing_) throw EngineClosedError(closed_message_locked());
+        commands_.push_back(std::move(cmd));
     }
     cmd_cv_.notify_all();
 }
 
 template <typename R> R Engine::call(std::function<R()> fn) {
-    auto task = std::make_shared<std::packaged_task<R()>>(std::move(fn));
-    std::future<R> fut = task->get_future();
-    post([task] { (*task)(); });
-    return fut.get();  // rethrows what fn threw
+    auto done = std::make_shared<std::promise<R>>();
+    std::future<R> fut = done->get_future();
+    // The command holds the only reference to the promise, so dropping it unrun breaks the promise.
+    post({[fn = std::move(fn), done = std::move(done)] {
+              // A typed error is an answer: the command checked before it changed anything (or put
+              // the slot back in order, like restore). Anything else escapes to the loop, which
+              // cannot vouch for its state any more and faults.
+              try {
+                  done->set_value(fn());
+              } catch (const NativeError &) {
+                  done->set_exception(std::current_exception());
+              }
+          },
+          nullptr});
+    try {
+        return fut.get();  // rethrows the typed error fn threw
+    } catch (const std::future_error &) {
+        // The loop stopped without running (or finishing) the command and dropped it, which broke
+        // the promise: the engine faulted.
+        std::lock_guard<std::mutex> lk(cmd_mu_);
+        throw EngineClosedError(closed_message_locked());
+    }
 }
 
 int64_t Engine::submit(int slot, RequestParams params) {
@@ -232,13 +289,14 @@ int64_t Engine::submit(int slot, RequestParams params) {
     q.params = std::move(params);
     const int64_t id = q.id;
     auto holder = std::make_shared<Queued>(std::move(q));
-    post([this, holder] { queued_.push_back(std::move(*holder)); });
+    post({[this, holder] { queued_.push_back(std::move(*holder)); },
+          [this, id, slot](const std::string & why) { push_event(error_event(id, slot, why)); }});
     return id;
 }
 
 void Engine::cancel_nowait(int64_t request_id) {
     try {
-        post([this, request_id] { cancel_on_loop(request_id); });
+        post({[this, request_id] { cancel_on_loop(request_id); }, nullptr});
     } catch (const EngineClosedError &) {
         // closing: every request ends with an error event anyway
     }
@@ -286,14 +344,21 @@ SlotFileInfo Engine::save_slot(int slot, const std::string & path) {
         Slot & s = slots_[size_t(slot)];
         if (slot_busy(s)) throw SlotBusyError("slot " + std::to_string(slot) + " is processing a request");
         Snapshot out;
-        out.tokens = s.tokens;
         const size_t size = llama_state_seq_get_size(ctx_.get(), slot);
-        out.state.resize(size);
+        try {
+            out.tokens = s.tokens;
+            out.state.resize(size);
+            out.logits = s.last_logits;
+            out.checkpoints = s.checkpoints;
+        } catch (const std::bad_alloc &) {
+            // The one big allocation a command makes (the state and every checkpoint, possibly
+            // GBs). Only copies were being made, so the engine is intact: the save fails, not it.
+            throw NativeError("not enough memory to copy the state of slot " + std::to_string(slot) + " (" +
+                              std::to_string(size) + " bytes)");
+        }
         if (size < 8 || llama_state_seq_get_data(ctx_.get(), out.state.data(), size, slot) != size) {
             throw NativeError("llama.cpp could not copy the state of slot " + std::to_string(slot));
         }
-        out.logits = s.last_logits;
-        out.checkpoints = s.checkpoints;
         return out;
     });
     SlotFileMeta meta;
@@ -423,32 +488,89 @@ std::vector<llama_token> Engine::slot_tokens(int slot) {
 // Loop thread
 
 void Engine::loop() {
+    std::deque<Command> cmds;  // taken from commands_, not yet run
+    try {
+        std::string fault;
+        try {
+            run_loop(cmds);
+        } catch (const std::exception & e) {
+            fault = e.what();
+            if (fault.empty()) fault = "an exception with no message";
+        } catch (...) {
+            fault = "an exception of unknown type";
+        }
+        shut_down(cmds, fault);
+    } catch (...) {
+        // Out of memory even for the error events. Refuse everything from now on; dropping the
+        // commands still breaks the promises their callers wait on. (13 characters fit the
+        // string's inline buffer: this assignment does not allocate.)
+        std::lock_guard<std::mutex> lk(cmd_mu_);
+        closing_ = true;
+        if (fault_.empty()) fault_ = "out of memory";
+        std::deque<Command> late;
+        late.swap(commands_);
+        cmds.clear();
+    }
+}
+
+void Engine::run_loop(std::deque<Command> & cmds) {
     for (;;) {
-        std::deque<std::function<void()>> cmds;
         {
             std::unique_lock<std::mutex> lk(cmd_mu_);
             const bool idle = queued_.empty() &&
                               std::none_of(slots_.begin(), slots_.end(), [](const Slot & s) { return bool(s.active); });
             if (idle) cmd_cv_.wait(lk, [this] { return closing_ || !commands_.empty(); });
-            cmds.swap(commands_);
-            if (closing_ && cmds.empty()) break;
+            cmds.swap(commands_);  // cmds is empty here
+            if (closing_ && cmds.empty()) return;
         }
-        for (auto & c : cmds) c();
+        // A command leaves the queue only once it has run: one that throws stays for shut_down.
+        while (!cmds.empty()) {
+            cmds.front().run();
+            cmds.pop_front();
+        }
         start_queued();
         step();
     }
-    // Closing: whatever is queued or running ends with an error event.
+}
+
+void Engine::shut_down(std::deque<Command> & unrun, const std::string & fault) {
+    std::deque<Command> late;
+    {
+        std::lock_guard<std::mutex> lk(cmd_mu_);
+        closing_ = true;  // after a fault nobody called close(): refuse new work from here on
+        fault_ = fault;
+        late.swap(commands_);  // posted after the loop took its last batch
+    }
+    const std::string why = fault.empty() ? "the engine is shutting down" : "the engine failed: " + fault;
+    // Every request ends with an error event and every waiting caller is answered, so nothing
+    // hangs. The llama_context is not touched again: after a fault it may be mid-update.
+    for (auto * q : {&unrun, &late}) {
+        for (auto & c : *q) {
+            if (c.refuse) c.refuse(why);
+        }
+        q->clear();  // a call()'s dropped promise raises EngineClosedError in its caller
+    }
     for (auto & q : queued_) {
-        Event e;
-        e.request_id = q.id;
-        e.kind = "error";
-        e.message = "the engine is shutting down";
-        e.slot = q.slot;
-        push_event(std::move(e));
+        // A request whose start threw may already be a slot's active one: one error event each.
+        const bool active = std::any_of(slots_.begin(), slots_.end(),
+                                        [&](const Slot & s) { return s.active && s.active->id == q.id; });
+        if (!active) push_event(error_event(q.id, q.slot, why));
     }
     queued_.clear();
     for (auto & s : slots_) {
-        if (s.active) fail_slot(s, "the engine is shutting down");
+        if (!s.active) continue;
+        Event e = error_event(s.active->id, s.id, why);
+        e.timings = s.active->timings;
+        s.active.reset();
+        push_event(std::move(e));
+    }
+    if (!fault.empty()) {
+        // Last, after every request's error: the engine-level event (request_id -1) that tells the
+        // process its engine is gone.
+        Event e;
+        e.kind = "fault";
+        e.message = fault;
+        push_event(std::move(e));
     }
 }
 
@@ -470,9 +592,10 @@ void Engine::start_queued() {
             ++it;
             continue;
         }
-        Queued q = std::move(*it);
+        // Erased only once started: if starting throws, the entry (its id and slot survive the move)
+        // is still queued, so shut_down gives the request its error event.
+        start_request(slots_[size_t(target)], std::move(*it));
         it = queued_.erase(it);
-        start_request(slots_[size_t(target)], std::move(q));
     }
 }
 
@@ -720,11 +843,7 @@ void Engine::finish(Slot & s, const std::string & reason) {
 }
 
 void Engine::fail_slot(Slot & s, const std::string & message) {
-    Event e;
-    e.request_id = s.active->id;
-    e.kind = "error";
-    e.message = message;
-    e.slot = s.id;
+    Event e = error_event(s.active->id, s.id, message);
     e.timings = s.active->timings;
     s.active.reset();
     // The sequence may be half-updated: start it over.
@@ -734,6 +853,7 @@ void Engine::fail_slot(Slot & s, const std::string & message) {
 }
 
 void Engine::capture_checkpoint(Slot & s, CheckpointKind kind, const float * logits) {
+    if (fault_at_checkpoint_.exchange(false)) throw std::bad_alloc();  // inject_fault_for_tests
     Checkpoint c;
     c.n_tokens = int64_t(s.tokens.size());
     c.kind = kind;

@@ -1,7 +1,8 @@
 // The engine: one model, N slots (one llama.cpp sequence each) on one llama_context created with a
 // single unified KV stream, so a slot file loads into any engine of the same model. The context and
 // every slot belong to the loop thread (see native/DESIGN.md); other threads talk to it through the
-// command queue and read results from the event queue.
+// command queue and read results from the event queue. Whatever the loop throws ends the engine
+// (a "fault"): every request gets an error event, every waiting caller an EngineClosedError.
 #pragma once
 
 #include "model.h"
@@ -75,7 +76,7 @@ public:
     Engine & operator=(const Engine &) = delete;
 
     const ModelInfo & model() const { return model_.info(); }
-    const EngineConfig & config() const { return cfg_; }
+    const EngineConfig & config() const { return cfg_; }  // fixed at construction
     int n_ctx_slot() const { return n_ctx_slot_; }
 
     std::vector<llama_token> tokenize(const std::string & text, bool add_special, bool parse_special) const;
@@ -95,15 +96,32 @@ public:
     std::vector<SlotInfo> slots();
     std::vector<llama_token> slot_tokens(int slot);
     std::map<std::string, int64_t> metrics();
+    // Stop the loop and wait for it; idempotent and safe from any thread (every caller returns once
+    // the loop thread is gone), also after a fault.
     void close();
+    bool closed() const;
+    std::string fault() const;  // why the loop died; "" while healthy or after a plain close()
+
+    // Test hook: make the loop throw std::bad_alloc, at the top of its next iteration ("command")
+    // or in the next checkpoint capture ("checkpoint"), to exercise the fault path for real.
+    void inject_fault_for_tests(const std::string & where);
 
 private:
     struct Active;
     struct Slot;
     struct Queued;
 
+    // A closure for the loop. `refuse` (optional) tells its requester when the loop stops before
+    // running it; a call()'s caller needs none: dropping the command breaks its promise.
+    struct Command {
+        std::function<void()> run;
+        std::function<void(const std::string & why)> refuse;
+    };
+
     // --- loop thread only ---
     void loop();
+    void run_loop(std::deque<Command> & cmds);
+    void shut_down(std::deque<Command> & unrun, const std::string & fault);
     void start_queued();
     void start_request(Slot & s, Queued && q);
     bool step();  // one batch; false when there was nothing to do
@@ -123,9 +141,10 @@ private:
     void bump(const std::string & name, int64_t by = 1);
     // Run fn on the loop thread and wait for it (the caller's GIL is released by the bindings).
     template <typename R> R call(std::function<R()> fn);
-    void post(std::function<void()> fn);
+    void post(Command cmd);
+    std::string closed_message_locked() const;  // cmd_mu_ held
 
-    EngineConfig cfg_;
+    const EngineConfig cfg_;  // read by every thread without a lock, so never written after construction
     Model model_;
     ContextPtr ctx_;
     int n_ctx_slot_ = 0;
@@ -135,11 +154,14 @@ private:
     std::deque<Queued> queued_;        // loop thread
     llama_batch batch_{};
 
-    std::mutex cmd_mu_;
+    mutable std::mutex cmd_mu_;
     std::condition_variable cmd_cv_;
-    std::deque<std::function<void()>> commands_;
-    bool closing_ = false;
-    std::atomic<bool> closed_{false};
+    std::deque<Command> commands_;
+    bool closing_ = false;  // no more commands: close() was called or the loop stopped
+    std::string fault_;     // set once, by the loop, when it dies of an exception
+    std::atomic<bool> fault_at_checkpoint_{false};  // inject_fault_for_tests("checkpoint")
+
+    std::mutex join_mu_;  // one close() joins; a concurrent one waits for it
 
     std::mutex ev_mu_;
     std::condition_variable ev_cv_;
