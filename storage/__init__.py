@@ -5,21 +5,30 @@ and clients as constructor arguments; nothing reads the environment. The usual e
 
 * :func:`storage.slotfile.read_slot_file` / :func:`storage.slotfile.verify_slot_file`
 * :class:`storage.localstore.LocalStore`, :class:`storage.s3store.S3Store` (+ ``make_s3_client``)
+* :func:`storage.blobstore.delete_generations` (all, or superseded, generations of a session)
 * :class:`storage.spillcache.SpillCache`
-* :class:`storage.index.SessionIndex`, :class:`storage.locks.SessionLocks`,
+* :class:`storage.index.SessionIndex` (records, stored bytes, generation floors, implicit routes,
+  usage / windowed / in-flight counters), :class:`storage.locks.SessionLocks`,
   :class:`storage.engines.EngineRegistry` (on redis-py asyncio, or ``in_process_redis()``)
+* :func:`storage.probe.probe_store`, :func:`storage.probe.probe_redis` (start-up checks)
 * :func:`storage.reindex.reindex`; CLIs ``storage.inspect:main`` and ``storage.reindex:main``
+
+No botocore or redis-py exception escapes: each becomes a :class:`StorageError` with an HTTP
+status and code (:class:`StoreMisconfigured`, :class:`StoreUnavailable`...). ``OSError`` about the
+caller's own local files (a missing source path) passes through unchanged.
 """
 
 from storage.errors import (
     ChecksumError,
     Conflict,
+    GenerationUsed,
     InvalidId,
     LockBusy,
     LockLost,
     NotFound,
     SlotFileError,
     StorageError,
+    StoreMisconfigured,
     StoreUnavailable,
 )
 from storage.ids import SlotRef, validate_id
@@ -27,6 +36,7 @@ from storage.ids import SlotRef, validate_id
 __all__ = [
     "ChecksumError",
     "Conflict",
+    "GenerationUsed",
     "InvalidId",
     "LockBusy",
     "LockLost",
@@ -34,6 +44,7 @@ __all__ = [
     "SlotFileError",
     "SlotRef",
     "StorageError",
+    "StoreMisconfigured",
     "StoreUnavailable",
     "validate_id",
 ]

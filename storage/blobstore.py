@@ -9,10 +9,16 @@ whole object, and the id of the write that produced it) so that the store is the
 Writes are conditional: a generation is written once; a second writer gets :class:`Conflict`.
 Reads land in a temporary file beside the destination, are verified against the recorded CRC and
 only then renamed into place, so a destination path never holds unverified bytes.
+
+:func:`delete_generations` removes all of a session's generations, or those below a given one
+(superseded saves), so that what a tenant is charged for (``SessionIndex.stored_bytes``) is what
+the store holds. :meth:`BlobStore.probe` (via :func:`storage.probe.probe_store`) checks a store's
+configuration at start-up.
 """
 
 from __future__ import annotations
 
+import builtins
 import re
 import uuid
 from abc import ABC, abstractmethod
@@ -24,7 +30,7 @@ from typing import Self
 
 from storage.checksum import format_checksum, parse_checksum
 from storage.errors import StorageError
-from storage.ids import SlotRef, blob_key, validate_id, validate_prefix
+from storage.ids import SlotRef, blob_key, validate_generation, validate_id, validate_prefix
 
 _FINGERPRINT_MAX = 256
 _ROUTE = re.compile(r"[0-9a-f]{16,128}")
@@ -165,6 +171,12 @@ class BlobStore(ABC):
     async def delete(self, ref: SlotRef) -> None:
         """Remove one object; deleting an absent object is not an error."""
 
+    @abstractmethod
+    async def probe(self) -> None:
+        """Write, read back (checksum verified) and delete a small object outside every tenant's
+        namespace (``{prefix}/.probe/``); :class:`StoreMisconfigured` when the store refuses,
+        :class:`StoreUnavailable` when it cannot be reached."""
+
     async def latest(self, tenant: str, session: str) -> BlobInfo | None:
         """The newest generation of one session, or None."""
         newest: BlobInfo | None = None
@@ -183,6 +195,10 @@ class BlobStore(ABC):
                 newest[info.ref.session] = info
         return newest
 
+    async def generations(self, tenant: str, session: str) -> builtins.list[int]:
+        """The generations of one session the store holds, ascending."""
+        return sorted([info.ref.generation async for info in self.list(tenant, session)])
+
     async def aclose(self) -> None:  # noqa: B027 - optional hook, most stores own nothing
         """Release threads and connections owned by the store (not the client passed in)."""
 
@@ -193,3 +209,26 @@ class BlobStore(ABC):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.aclose()
+
+
+async def delete_generations(
+    store: BlobStore, tenant: str, session: str, *, below: int | None = None
+) -> list[SlotRef]:
+    """Delete the session's stored generations — all of them, or only those ``< below`` — and
+    return the refs deleted, ascending.
+
+    Independent of the index: it works from the store's own listing, so it also removes copies
+    the index never recorded (a save whose answer was lost). After a newer generation ``G`` is
+    durable, ``below=G - 1`` keeps ``G`` and the one before it (a fork may still be filling from
+    it). ``below`` of 0 or 1 deletes nothing. Objects vanishing meanwhile are not an error.
+    """
+    validate_id(tenant, "tenant id")
+    validate_id(session, "session id")
+    if below is not None:
+        validate_generation(max(below, 0))
+    refs = sorted(
+        [i.ref async for i in store.list(tenant, session) if below is None or i.ref.generation < below]
+    )
+    for ref in refs:  # a session holds a handful of generations: one at a time is enough
+        await store.delete(ref)
+    return refs

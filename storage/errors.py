@@ -70,6 +70,11 @@ class Conflict(StorageError):
     code = "conflict"
 
 
+class GenerationUsed(Conflict):
+    """The generation was used by an earlier, deleted session with the same id (at or below the
+    record's floor): save as ``SessionRecord.next_generation`` or later."""
+
+
 class InvalidId(StorageError, ValueError):
     """A tenant, session, engine or other id that could address a path or another namespace."""
 
@@ -87,6 +92,27 @@ class StoreUnavailable(StorageError):
 
     status = 503
     code = "store_unavailable"
+
+
+class StoreMisconfigured(StorageError):
+    """The blob store or Redis answers, but refuses us for a reason no retry fixes: a missing or
+    invalid bucket, wrong credentials, no permission, a read-only replica.
+
+    Raised by the start-up probes (:mod:`storage.probe`) and wherever S3 or Redis answers with
+    such an error later. ``service`` is ``"s3"``, ``"local"`` or ``"redis"``; ``error_code`` is the
+    server's code (``NoSuchBucket``, ``InvalidBucketName``, ``AccessDenied``, ``InvalidAccessKeyId``,
+    ``SignatureDoesNotMatch``, ``NOPERM``...) or the client library's exception name; ``where`` names
+    the bucket and endpoint (or directory, or Redis address).
+    """
+
+    status = 500
+    code = "store_misconfigured"
+
+    def __init__(self, message: str, *, service: str = "", error_code: str = "", where: str = "") -> None:
+        self.service = service
+        self.error_code = error_code
+        self.where = where
+        super().__init__(message)
 
 
 class LockBusy(StorageError):

@@ -1,95 +1,80 @@
-"""The session index on Redis: session records, message-prefix routing, engine LRUs, usage.
+"""The session index on Redis: session records, engine LRUs, stored bytes, generation floors.
 
 Keys (see :class:`~storage.keyspace.Keyspace`) are namespaced by a prefix and the tenant; every
 change that touches several keys — a record plus its tenant listing plus an engine's idle LRU and
-live set — is one WATCH/MULTI transaction, so a reader never sees half a transition. Writes may
-present a :class:`~storage.locks.SessionLock`; the transaction then also proves the lock is still
-held (fencing), raising :class:`LockLost` otherwise. Durable generations only move forward.
+live set plus the tenant's stored bytes — is one WATCH/MULTI transaction, so a reader never sees
+half a transition. Writes may present a :class:`~storage.locks.SessionLock`; the transaction then
+also proves the lock is still held (fencing), raising :class:`LockLost` otherwise.
 
+Invariants kept by :meth:`SessionIndex._change` for every transition:
+
+* **Durable generations only move forward**, and never to one at or below the record's ``floor``.
+* **Stored bytes**: the tenant's ``stored_bytes`` counter is the sum, over its records, of the
+  bytes of each record's newest durable generation (``SessionRecord.stored_bytes``); every
+  transition adds ``new - old`` in its own MULTI. :meth:`SessionIndex.recount_stored_bytes`
+  rebuilds it (``reindex`` calls it). Older generations still in the store are not counted: the
+  gateway deletes them (:func:`storage.blobstore.delete_generations`).
+* **Generation numbers are never reused for one (tenant, session id)**, not even after a delete:
+  saves take their number from :meth:`SessionIndex.reserve_generation` (or at least
+  ``SessionRecord.next_generation``); deleting a record leaves a tombstone holding the highest
+  generation the id recorded or handed out (kept ``floor_ttl_s``); a record created for the id
+  again starts with that ``floor`` and refuses generations at or below it. So no generation of a
+  new session can be mistaken for a copy of its deleted namesake's lingering in a node's spill
+  cache or the store, and ``restore_spilled`` (reindex) does not adopt such leftovers either.
+
+Engine LRU reads (:mod:`storage.occupancy`), routing (:mod:`storage.routes`) and per-tenant
+counters (:mod:`storage.usage`) live in their own modules, mixed into :class:`SessionIndex` so that
+callers hold one object.
 ``SessionIndex(in_process_redis())`` is the single-machine default: the same code on fakeredis.
 """
 
 from __future__ import annotations
 
-import re
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
-from enum import StrEnum
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import structlog
 
-from storage.errors import Conflict, InvalidId, NotFound
+from storage.errors import Conflict, GenerationUsed, InvalidId, NotFound
 from storage.ids import validate_generation, validate_id
-from storage.keyspace import (
-    Keyspace,
-    in_process_redis,
-    member,
-    parse_member,
-    redis_errors,
-    text,
-    text_map,
-    transact,
-)
+from storage.keyspace import Keyspace, in_process_redis, member, redis_errors, text, transact
 from storage.locks import SessionLock, check_owner
+from storage.occupancy import EngineOccupancy
+from storage.records import SessionRecord, SessionState
+from storage.routes import DEFAULT_ROUTE_TTL_S, PrefixRouting, route_ttl_ms, validate_digest
+from storage.usage import TenantCounters
 
 __all__ = ["SessionIndex", "SessionRecord", "SessionState", "in_process_redis"]
 log = structlog.get_logger("slotkeeper.storage")
-_DIGEST = re.compile(r"[0-9a-f]{16,128}")
-_COUNTER = re.compile(r"[a-z][a-z0-9_]{0,63}")
+DEFAULT_FLOOR_TTL_S = 30 * 24 * 3600.0
 
 
-class SessionState(StrEnum):
-    NEW = "new"  # known, nothing saved yet
-    LIVE = "live"  # in an engine slot (busy, or idle in the engine's LRU)
-    SPILLED = "spilled"  # only in the spill cache / blob store, at ``generation``
+class SessionIndex(EngineOccupancy, PrefixRouting, TenantCounters):
+    """Async session index; share one instance per process (it holds no per-call state).
 
-
-@dataclass(frozen=True)
-class SessionRecord:
-    tenant: str
-    session: str
-    state: SessionState
-    model: str = ""
-    tokens: int = 0
-    engine: str | None = None
-    slot: int | None = None
-    generation: int = 0  # newest durable generation; 0 = none
-    blob_key: str = ""
-    bytes: int = 0
-    last_used: float = 0.0
-    route: str = ""  # newest routing digest: stored with the slot file, so reindex restores it
-    dirty: bool = False  # the slot changed since durable `generation` was saved
-
-    def to_hash(self) -> dict[str, str]:
-        fields = asdict(self)
-        del fields["tenant"], fields["session"]
-        fields["engine"] = self.engine or ""
-        fields["slot"] = "" if self.slot is None else str(self.slot)
-        return {k: str(v) for k, v in fields.items()}
-
-    @classmethod
-    def from_hash(cls, tenant: str, session: str, raw: Mapping[Any, Any]) -> SessionRecord:
-        h = text_map(dict(raw))
-        return cls(
-            tenant=tenant, session=session, state=SessionState(h["state"]), model=h.get("model", ""),
-            tokens=int(h.get("tokens", 0)), engine=h.get("engine") or None,
-            slot=int(h["slot"]) if h.get("slot") else None, generation=int(h.get("generation", 0)),
-            blob_key=h.get("blob_key", ""), bytes=int(h.get("bytes", 0)),
-            last_used=float(h.get("last_used", 0)), route=h.get("route", ""), dirty=h.get("dirty") == "True",
-        )  # fmt: skip
-
-
-class SessionIndex:
-    """Async session index; share one instance per process (it holds no per-call state)."""
+    Besides records it offers the engines' LRUs (``idle_sessions``, ``engine_sessions``,
+    ``engines_occupancy``: :mod:`storage.occupancy`), implicit routing (``add_prefixes``,
+    ``match_prefix``: :mod:`storage.routes`) and per-tenant counters (``incr_usage``, ``usage``,
+    ``incr_window``, ``window_count``, ``acquire_inflight``, ``release_inflight``,
+    ``inflight_count``: :mod:`storage.usage`).
+    """
 
     def __init__(
-        self, redis: Any, *, prefix: str = "slotkeeper", clock: Callable[[], float] = time.time
-    ) -> None:
+        self, redis: Any, *, prefix: str = "slotkeeper", clock: Callable[[], float] = time.time,
+        route_ttl_s: float = DEFAULT_ROUTE_TTL_S, floor_ttl_s: float | None = DEFAULT_FLOOR_TTL_S,
+    ) -> None:  # fmt: skip
+        """``route_ttl_s``: how long implicit routes live after the session last recorded them.
+        ``floor_ttl_s``: how long a deleted session's generation floor is kept (None: until the id
+        is used again); it must outlast any stale copy (a node that was down during the delete)."""
+        if floor_ttl_s is not None and floor_ttl_s <= 0:
+            raise ValueError("floor_ttl_s must be > 0 or None")
         self._redis = redis
         self.keys = Keyspace(prefix)
         self._clock = clock
+        self._floor_px = None if floor_ttl_s is None else max(1, round(floor_ttl_s * 1000))
+        self.route_ttl_ms = route_ttl_ms(route_ttl_s)
 
     # -------------------------------------------------------------------------------------- reads
     async def find(self, tenant: str, session: str) -> SessionRecord | None:
@@ -121,6 +106,48 @@ class SessionIndex:
         async with redis_errors():
             return [text(m) for m in await self._redis.zrange(self.keys.sessions(tenant), 0, -1)]
 
+    async def count_sessions(self, tenant: str) -> int:
+        """How many sessions the tenant has (O(1): the sessions quota needs no listing)."""
+        async with redis_errors():
+            return int(await self._redis.zcard(self.keys.sessions(tenant)))
+
+    async def stored_bytes(self, tenant: str) -> int:
+        """Bytes of the newest durable generation of each of the tenant's sessions (O(1))."""
+        async with redis_errors():
+            return int(await self._redis.get(self.keys.stored_bytes(tenant)) or 0)
+
+    async def recount_stored_bytes(self, tenant: str) -> int:
+        """Rebuild the tenant's stored-bytes counter from its records; returns the total.
+
+        Atomic against concurrent transitions: every change of a record's bytes also changes the
+        counter, which the transaction watches, so a concurrent change makes it start again.
+        """
+        sessions, total_key = self.keys.sessions(tenant), self.keys.stored_bytes(tenant)
+
+        async def body(pipe: Any) -> int:
+            ids = [text(m) for m in await pipe.zrange(sessions, 0, -1)]
+            async with self._redis.pipeline(transaction=False) as reads:
+                for session in ids:
+                    reads.hmget(self.keys.session(tenant, session), ["generation", "bytes"])
+                rows = await reads.execute()
+            total = sum(int(b or 0) for g, b in rows if int(g or 0))
+            pipe.multi()
+            pipe.set(total_key, total)
+            return total
+
+        total = await transact(self._redis, [sessions, total_key], body)
+        log.info("index.stored_bytes_recounted", tenant=tenant, bytes=total)
+        return total
+
+    async def generation_floor(self, tenant: str, session: str) -> int:
+        """The generation a session with this id must save above: its record's floor, or what a
+        deleted namesake left (0 when the id was never used)."""
+        record = await self.find(tenant, session)
+        if record is not None:
+            return record.floor
+        async with redis_errors():
+            return int(await self._redis.get(self.keys.floor(tenant, session)) or 0)
+
     async def is_idle(self, tenant: str, session: str) -> bool:
         """Live and in its engine's idle LRU: no request is running on it (its lock, if held, is
         held for bookkeeping such as a write-behind save)."""
@@ -130,41 +157,6 @@ class SessionIndex:
         async with redis_errors():
             score = await self._redis.zscore(self.keys.engine_idle(record.engine), member(tenant, session))
         return score is not None
-
-    async def idle_sessions(self, engine: str, limit: int | None = None) -> list[tuple[str, str]]:
-        """``(tenant, session)`` idle on ``engine``, least recently used first (eviction order)."""
-        async with redis_errors():
-            raw = await self._redis.zrange(
-                self.keys.engine_idle(engine), 0, -1 if limit is None else limit - 1
-            )
-        return [parse_member(text(m)) for m in raw]
-
-    async def engine_sessions(self, engine: str) -> list[tuple[str, str]]:
-        """``(tenant, session)`` live on ``engine``, busy or idle."""
-        async with redis_errors():
-            raw = await self._redis.smembers(self.keys.engine_live(engine))
-        return sorted(parse_member(text(m)) for m in raw)
-
-    async def engines_sessions(self, engines: Sequence[str]) -> dict[str, list[tuple[str, str]]]:
-        """`engine_sessions` for many engines in one round trip."""
-        live, _ = await self.engines_occupancy(engines)
-        return live
-
-    async def engines_occupancy(
-        self, engines: Sequence[str]
-    ) -> tuple[dict[str, list[tuple[str, str]]], set[tuple[str, str]]]:
-        """For many engines in one round trip: the sessions live on each, and which of all those
-        are idle (in their engine's LRU: no request runs on them)."""
-        if not engines:
-            return {}, set()
-        async with redis_errors(), self._redis.pipeline(transaction=False) as pipe:
-            for engine in engines:
-                pipe.smembers(self.keys.engine_live(engine))
-                pipe.zrange(self.keys.engine_idle(engine), 0, -1)
-            raws = await pipe.execute()
-        live = {e: sorted(parse_member(text(m)) for m in raws[2 * i]) for i, e in enumerate(engines)}
-        idle = {parse_member(text(m)) for i in range(len(engines)) for m in raws[2 * i + 1]}
-        return live, idle
 
     # ------------------------------------------------------------------------------- transitions
     async def _change(
@@ -177,10 +169,12 @@ class SessionIndex:
     ) -> SessionRecord | None:
         """Read the record, let ``decide`` (pure) produce the new one, write it and its indexes.
 
-        ``idle`` True/False puts the session into / takes it out of its engine's idle LRU.
+        ``idle`` True/False puts the session into / takes it out of its engine's idle LRU. A record
+        created here inherits the floor a deleted namesake left; see the module doc.
         """
         key, routes = self.keys.session(tenant, session), self.keys.session_prefixes(tenant, session)
-        watch = [key, routes] + ([self.keys.lock(tenant, session)] if lock is not None else [])
+        floor_key = self.keys.floor(tenant, session)
+        watch = [key, routes, floor_key] + ([self.keys.lock(tenant, session)] if lock is not None else [])
         if lock is not None and (lock.tenant, lock.session) != (tenant, session):
             raise InvalidId("lock", "belongs to another session")
 
@@ -189,17 +183,12 @@ class SessionIndex:
             raw = await pipe.hgetall(key)
             old = SessionRecord.from_hash(tenant, session, raw) if raw else None
             new = decide(old)
-            owned: list[str] = []
-            if new is None:  # deleted: the prefix routes that still point at it go with it
-                route_keys = [self.keys.prefix_hash(tenant, text(d)) for d in await pipe.smembers(routes)]
-                if route_keys:
-                    await pipe.watch(*route_keys)
-                    targets = await pipe.mget(route_keys)
-                    owned = [
-                        k
-                        for k, t in zip(route_keys, targets, strict=True)
-                        if t is not None and text(t) == session
-                    ]
+            if new is not None and old is None:
+                new = replace(new, floor=max(new.floor, int(await pipe.get(floor_key) or 0)))
+            if new is not None and new.generation != (old.generation if old else 0):
+                self._above_floor(new)
+            # deleted: the prefix routes that still point at it go with it
+            owned = await self._owned_routes(pipe, tenant, session) if new is None else []
             pipe.multi()
             self._write(pipe, old, new, tenant, session)
             if new is None:
@@ -226,24 +215,36 @@ class SessionIndex:
         if old is not None and old.engine and (new is None or new.engine != old.engine):
             pipe.zrem(self.keys.engine_idle(old.engine), m)
             pipe.srem(self.keys.engine_live(old.engine), m)
+        delta = (new.stored_bytes if new else 0) - (old.stored_bytes if old else 0)
+        if delta:
+            pipe.incrby(self.keys.stored_bytes(tenant), delta)
         if new is None:
             pipe.delete(self.keys.session(tenant, session))
             pipe.zrem(self.keys.sessions(tenant), session)
+            floor = old.used_generations if old is not None else 0
+            if floor:  # the tombstone: a later namesake saves above it
+                pipe.set(self.keys.floor(tenant, session), floor, px=self._floor_px)
             return
+        if old is None:  # the record carries the floor from now on
+            pipe.delete(self.keys.floor(tenant, session))
         pipe.hset(self.keys.session(tenant, session), mapping=new.to_hash())
         pipe.zadd(self.keys.sessions(tenant), {session: new.last_used})
         if new.engine:
             pipe.sadd(self.keys.engine_live(new.engine), m)
 
-    async def create(self, tenant: str, session: str, *, model: str, tokens: int = 0) -> SessionRecord:
-        """A ``new`` session; :class:`Conflict` if the id is taken."""
+    async def create(
+        self, tenant: str, session: str, *, model: str, tokens: int = 0, floor: int = 0
+    ) -> SessionRecord:
+        """A ``new`` session; :class:`Conflict` if the id is taken. Its ``floor`` is the highest of
+        ``floor`` (e.g. the newest generation the store still lists for the id) and what a deleted
+        namesake left; save it as ``record.next_generation``."""
+        validate_generation(floor)
 
         def decide(old: SessionRecord | None) -> SessionRecord:
             if old is not None:
                 raise Conflict(f"session {session} exists")
-            return SessionRecord(
-                tenant, session, SessionState.NEW, model=model, tokens=tokens, last_used=self._clock()
-            )
+            return SessionRecord(tenant, session, SessionState.NEW, model=model, tokens=tokens,
+                                 last_used=self._clock(), floor=floor)  # fmt: skip
 
         return await self._required(tenant, session, decide, None)
 
@@ -277,7 +278,7 @@ class SessionIndex:
             if old is None or old.state is not SessionState.LIVE or not old.engine:
                 raise Conflict(f"session {session} is not live")
             return replace(old, tokens=old.tokens if tokens is None else tokens, last_used=now,
-                           route=old.route if route is None else self._digest(route))  # fmt: skip
+                           route=old.route if route is None else validate_digest(route))  # fmt: skip
 
         return decide
 
@@ -323,13 +324,35 @@ class SessionIndex:
 
         return await self._required(tenant, session, decide, lock)
 
+    async def reserve_generation(self, tenant: str, session: str, *, lock: SessionLock | None = None) -> int:
+        """Hand out the generation for the next save (``record.next_generation``), and remember
+        it: a save whose answer is lost still counts, so no later save nor a namesake after a
+        delete gets the same number. :class:`NotFound` without a record."""
+
+        def decide(old: SessionRecord | None) -> SessionRecord:
+            if old is None:
+                raise NotFound(f"session {session} not found")
+            return replace(old, reserved=old.next_generation)
+
+        return (await self._required(tenant, session, decide, lock)).reserved
+
     @staticmethod
     def _forward(old: SessionRecord, generation: int) -> None:
         if generation < old.generation:
             raise Conflict(f"generation {generation} is older than durable generation {old.generation}")
 
+    @staticmethod
+    def _above_floor(new: SessionRecord) -> None:
+        if new.generation and new.generation <= new.floor:
+            raise GenerationUsed(
+                f"generation {new.generation} of session {new.session} belonged to a deleted session "
+                f"with this id; save as generation {new.next_generation} or later"
+            )
+
     async def delete(self, tenant: str, session: str, *, lock: SessionLock | None = None) -> None:
-        """Forget the session, its prefix routes and its LRU membership (idempotent)."""
+        """Forget the session, its prefix routes and its LRU membership, take its bytes off the
+        tenant's stored bytes and leave its generation floor (idempotent). Its stored generations
+        are the caller's to delete (:func:`storage.blobstore.delete_generations`)."""
         await self._change(tenant, session, lambda old: None, lock)
         log.info("session.deleted", tenant=tenant, session=session)
 
@@ -351,7 +374,8 @@ class SessionIndex:
         return dropped
 
     async def restore_spilled(self, record: SessionRecord) -> bool:
-        """Reindex: adopt a durable generation from storage unless the index knows a newer state."""
+        """Reindex: adopt a durable generation from storage unless the index knows a newer state,
+        or the generation is at or below the id's floor (a leftover of a deleted namesake)."""
 
         def decide(old: SessionRecord | None) -> SessionRecord | None:
             if old is None:
@@ -362,10 +386,16 @@ class SessionIndex:
                 return replace(
                     old, generation=record.generation, blob_key=record.blob_key, bytes=record.bytes
                 )
-            return replace(record, state=SessionState.SPILLED, engine=None, slot=None)
+            return replace(record, state=SessionState.SPILLED, engine=None, slot=None, floor=old.floor,
+                           reserved=old.reserved)  # fmt: skip
 
         before = await self.find(record.tenant, record.session)
-        after = await self._change(record.tenant, record.session, decide, None)
+        try:
+            after = await self._change(record.tenant, record.session, decide, None)
+        except GenerationUsed:
+            log.warning("index.leftover_generation", tenant=record.tenant, session=record.session,
+                        generation=record.generation)  # fmt: skip
+            return False
         return after != before
 
     async def _required(
@@ -375,50 +405,3 @@ class SessionIndex:
         record = await self._change(tenant, session, decide, lock, idle)
         assert record is not None
         return record
-
-    # ---------------------------------------------------------------------------- prefix routing
-    async def add_prefixes(self, tenant: str, session: str, digests: Iterable[str]) -> None:
-        """Route these message-prefix hashes (lowercase hex) to ``session``."""
-        digests = [self._digest(d) for d in digests]
-        async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
-            for digest in digests:
-                pipe.set(self.keys.prefix_hash(tenant, digest), validate_id(session, "session id"))
-            if digests:
-                pipe.sadd(self.keys.session_prefixes(tenant, session), *digests)
-            await pipe.execute()
-
-    async def match_prefix(self, tenant: str, digests: Sequence[str]) -> tuple[str, str] | None:
-        """The first of ``digests`` (pass the longest prefix first) routed to a live record."""
-        if not digests:
-            return None
-        keys = [self.keys.prefix_hash(tenant, self._digest(d)) for d in digests]
-        async with redis_errors():
-            sessions = await self._redis.mget(keys)
-        for digest, session in zip(digests, sessions, strict=True):
-            if session is not None and await self.find(tenant, text(session)) is not None:
-                return digest, text(session)
-        return None
-
-    @staticmethod
-    def _digest(digest: str) -> str:
-        if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
-            raise InvalidId("prefix digest", "must be 16-128 lowercase hex characters")
-        return digest
-
-    # ------------------------------------------------------------------------------------- usage
-    async def incr_usage(self, tenant: str, counters: Mapping[str, int]) -> dict[str, int]:
-        """Add to the tenant's counters atomically; returns their new values."""
-        names = list(counters)
-        for name in names:
-            if not _COUNTER.fullmatch(name):
-                raise InvalidId("usage counter", f"{name!r} must match {_COUNTER.pattern}")
-        async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
-            for name in names:
-                pipe.hincrby(self.keys.usage(tenant), name, int(counters[name]))
-            values = await pipe.execute()
-        return dict(zip(names, (int(v) for v in values), strict=True))
-
-    async def usage(self, tenant: str) -> dict[str, int]:
-        async with redis_errors():
-            raw = await self._redis.hgetall(self.keys.usage(tenant))
-        return {k: int(v) for k, v in text_map(raw).items()}

@@ -16,11 +16,11 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from redis.exceptions import AuthenticationError, NoPermissionError, ReadOnlyError, RedisError, WatchError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.exceptions import WatchError
 
-from storage.errors import Conflict, StoreUnavailable
+from storage.errors import Conflict, StorageError, StoreMisconfigured, StoreUnavailable
 from storage.ids import validate_id
 
 T = TypeVar("T")
@@ -47,18 +47,36 @@ class Keyspace:
         """ZSET of the tenant's session ids scored by last use."""
         return f"{self.tenant(tenant)}:sessions"
 
+    def stored_bytes(self, tenant: str) -> str:
+        """Integer: bytes of the newest durable generation of every session of the tenant."""
+        return f"{self.tenant(tenant)}:stored_bytes"
+
+    def floor(self, tenant: str, session: str) -> str:
+        """Integer left by a deleted session: the highest generation its id has used."""
+        return f"{self.tenant(tenant)}:floor:{validate_id(session, 'session id')}"
+
     def prefix_hash(self, tenant: str, digest: str) -> str:
+        """STRING (with a TTL): the session a message-prefix digest routes to."""
         return f"{self.tenant(tenant)}:px:{digest}"
 
     def session_prefixes(self, tenant: str, session: str) -> str:
-        """SET of the prefix digests pointing at a session (to delete them with it)."""
+        """SET (with a TTL) of the prefix digests pointing at a session (to delete them with it)."""
         return f"{self.tenant(tenant)}:sx:{validate_id(session, 'session id')}"
 
     def lock(self, tenant: str, session: str) -> str:
         return f"{self.tenant(tenant)}:lock:{validate_id(session, 'session id')}"
 
     def usage(self, tenant: str) -> str:
+        """HASH of lifetime usage counters."""
         return f"{self.tenant(tenant)}:usage"
+
+    def window(self, tenant: str, name: str, window_ms: int, number: int) -> str:
+        """Integer counter of window ``number`` (``now // window``), expiring after it ends."""
+        return f"{self.tenant(tenant)}:w:{name}:{window_ms}:{number}"
+
+    def inflight(self, tenant: str) -> str:
+        """ZSET of the tenant's running requests' tokens, scored by expiry (ms)."""
+        return f"{self.tenant(tenant)}:inflight"
 
     def engines(self) -> str:
         """ZSET of engine ids scored by heartbeat expiry (ms)."""
@@ -95,13 +113,43 @@ def text_map(reply: dict[Any, Any]) -> dict[str, str]:
     return {text(k): text(v) for k, v in reply.items()}
 
 
+# redis-py exceptions that no retry fixes, with the code StoreMisconfigured reports
+_REDIS_CONFIG_ERRORS = (
+    (AuthenticationError, "AUTH"),
+    (NoPermissionError, "NOPERM"),
+    (ReadOnlyError, "READONLY"),
+)
+
+
+def redis_address(redis: Any) -> str:
+    """``host:port/db`` (or the socket path) of a redis-py client, for error messages."""
+    kwargs = getattr(getattr(redis, "connection_pool", None), "connection_kwargs", {}) or {}
+    if kwargs.get("path"):
+        return f"redis at {kwargs['path']}/{kwargs.get('db', 0)}"
+    if "host" in kwargs or "port" in kwargs:
+        return f"redis at {kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
+    return "redis (in-process)"
+
+
+def redis_error(exc: Exception, where: str = "redis") -> StorageError:
+    """The storage error a redis-py exception stands for: refused credentials or permissions and
+    read-only replicas are :class:`StoreMisconfigured`, connection failures, timeouts and a full
+    server (``OOM``) :class:`StoreUnavailable`, anything else a plain :class:`StorageError`."""
+    for cls, code in _REDIS_CONFIG_ERRORS:
+        if isinstance(exc, cls):
+            return StoreMisconfigured(f"{where}: {exc}", service="redis", error_code=code, where=where)
+    if isinstance(exc, RedisConnectionError | RedisTimeoutError) or str(exc).startswith("OOM"):
+        return StoreUnavailable(f"{where}: {exc}")
+    return StorageError(f"{where}: {exc}")
+
+
 @asynccontextmanager
 async def redis_errors() -> AsyncIterator[None]:
-    """Connection failures and timeouts leave as :class:`StoreUnavailable`."""
+    """redis-py exceptions leave as storage errors (see :func:`redis_error`)."""
     try:
         yield
-    except (RedisConnectionError, RedisTimeoutError) as exc:
-        raise StoreUnavailable(f"redis: {exc}") from exc
+    except RedisError as exc:  # WatchError never gets here: transact() handles it inside
+        raise redis_error(exc) from exc
 
 
 async def transact(

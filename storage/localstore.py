@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import errno
 import json
 import os
+import uuid
 import zlib
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -32,7 +34,7 @@ from storage.blobstore import (
     temp_beside,
 )
 from storage.checksum import crc32_of_parts
-from storage.errors import ChecksumError, Conflict, NotFound, StorageError
+from storage.errors import ChecksumError, Conflict, NotFound, StorageError, StoreMisconfigured
 from storage.ids import SlotRef, parse_blob_key, tenant_prefix, validate_id
 
 log = structlog.get_logger("slotkeeper.storage")
@@ -240,6 +242,32 @@ class LocalStore(BlobStore):
             path.parent.rmdir()
         except OSError:
             pass  # not empty, or gone
+
+    async def probe(self) -> None:
+        await asyncio.to_thread(self._probe)
+        log.info("storage.probed", store="local", root=str(self.root), prefix=self.prefix)
+
+    def _probe(self) -> None:
+        where = f"directory {self.root}"
+        path = (self.root / self.prefix if self.prefix else self.root) / ".probe" / uuid.uuid4().hex
+        data = os.urandom(256)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with open(path, "xb") as f:
+                    f.write(data)
+                    f.flush()
+                    self._sync(f.fileno())
+                got = path.read_bytes()
+            finally:
+                path.unlink(missing_ok=True)
+        except OSError as exc:
+            code = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+            raise StoreMisconfigured(f"local store in {where}: {code}: {exc.strerror or exc}",
+                                     service="local", error_code=code, where=where) from exc  # fmt: skip
+        if zlib.crc32(got) != zlib.crc32(data) or len(got) != len(data):
+            raise StoreMisconfigured(f"local store in {where} returned other bytes than were written",
+                                     service="local", error_code="ChecksumMismatch", where=where)  # fmt: skip
 
 
 def _copy_chunk(fin: int, fout: int, offset: int, length: int) -> int:

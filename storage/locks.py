@@ -5,6 +5,12 @@ WATCH/MULTI transaction), so after a holder dies and the TTL lets a new owner in
 holder's release and extend raise :class:`LockLost` instead of touching the new owner's lock.
 Index changes can present the lock too (``lock=`` in :class:`storage.index.SessionIndex`), which
 fences a stale holder's writes the same way.
+
+Short TTLs and renewal: a holder that works longer than the TTL renews with :meth:`SessionLocks.extend`
+every ``ttl/3`` (three round trips, no Lua: it runs the same on the in-process Redis). A holder that
+died simply stops renewing, so its lock lapses within one TTL; :meth:`SessionLocks.remaining_s` tells
+a live holder (always above two thirds of its TTL) from a dead one (below), and ``acquire(wait_s=…)``
+with ``wait_s`` a little over the remaining time takes the lock as soon as it lapses.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -51,11 +57,20 @@ def _ms(seconds: float) -> int:
 
 
 class SessionLocks:
-    """Locks of sessions, one per (tenant, session)."""
+    """Locks of sessions, one per (tenant, session).
 
-    def __init__(self, redis: Any, *, prefix: str = "slotkeeper") -> None:
+    ``monotonic`` and ``sleep`` pace :meth:`acquire`'s waiting (tests may inject them); TTLs are
+    always Redis's own.
+    """
+
+    def __init__(
+        self, redis: Any, *, prefix: str = "slotkeeper", monotonic: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:  # fmt: skip
         self._redis = redis
         self.keys = Keyspace(prefix)
+        self._monotonic = monotonic
+        self._sleep = sleep
 
     async def try_acquire(self, tenant: str, session: str, *, ttl_s: float) -> SessionLock | None:
         """The lock, or None when another owner holds it."""
@@ -71,15 +86,19 @@ class SessionLocks:
     async def acquire(
         self, tenant: str, session: str, *, ttl_s: float, wait_s: float = 0.0, poll_s: float = 0.05
     ) -> SessionLock:
-        """The lock, waiting up to ``wait_s``; :class:`LockBusy` when it stays held."""
-        deadline = time.monotonic() + wait_s
+        """The lock, trying every ``poll_s`` for up to ``wait_s`` (a last try at the deadline);
+        :class:`LockBusy` when it stays held."""
+        if poll_s <= 0:
+            raise ValueError("poll_s must be > 0")
+        deadline = self._monotonic() + wait_s
         while True:
             lock = await self.try_acquire(tenant, session, ttl_s=ttl_s)
             if lock is not None:
                 return lock
-            if time.monotonic() >= deadline:
+            left = deadline - self._monotonic()
+            if left <= 0:
                 raise LockBusy(f"session {validate_id(session, 'session id')} is locked by another request")
-            await asyncio.sleep(poll_s)
+            await self._sleep(min(poll_s, left))
 
     async def release(self, lock: SessionLock) -> None:
         """Release; :class:`LockLost` when the lock expired or belongs to someone else now."""
@@ -94,7 +113,9 @@ class SessionLocks:
         log.debug("lock.released", tenant=lock.tenant, session=lock.session)
 
     async def extend(self, lock: SessionLock, ttl_s: float | None = None) -> SessionLock:
-        """Push the expiry ``ttl_s`` (default: the lock's TTL) from now; :class:`LockLost` if lost."""
+        """Push the expiry ``ttl_s`` (default: the lock's TTL) from now; :class:`LockLost` if the
+        lock lapsed or has another owner (stop working then: writes fenced by it fail too). A
+        :class:`StoreUnavailable` is worth retrying at the next renewal tick."""
         key = self.keys.lock(lock.tenant, lock.session)
         ttl = lock.ttl_s if ttl_s is None else ttl_s
 
@@ -113,6 +134,14 @@ class SessionLocks:
         async with redis_errors():
             values = await self._redis.mget([self.keys.lock(t, s) for t, s in pairs])
         return [None if v is None else text(v) for v in values]
+
+    async def remaining_s(self, tenant: str, session: str) -> float | None:
+        """Seconds until the current holder's lock lapses unless renewed; None when unlocked."""
+        async with redis_errors():
+            ms = int(await self._redis.pttl(self.keys.lock(tenant, session)))
+        if ms == -2:
+            return None
+        return float("inf") if ms == -1 else ms / 1000
 
     async def owner(self, tenant: str, session: str) -> str | None:
         """The current owner token (for diagnostics), or None when unlocked."""

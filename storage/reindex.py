@@ -4,6 +4,8 @@ For every tenant in the store (or the ones named), the newest generation of ever
 looked up, its object metadata read, and the session recorded as ``spilled`` at that generation
 — unless the index already knows that generation or a newer one (a live session keeps its slot
 and only learns the newer durable generation). Running it twice changes nothing the second time.
+Afterwards each tenant's stored-bytes counter is recounted from its records, and a generation at or
+below a deleted session's floor (a leftover copy) is not adopted.
 The in-process index of a single machine runs :func:`reindex` at start-up to survive restarts.
 """
 
@@ -78,6 +80,8 @@ async def reindex(
         latest = await store.latest_per_session(tenant)
         report.sessions += len(latest)
         await asyncio.gather(*(one(info) for info in latest.values()))
+        if not dry_run:
+            await index.recount_stored_bytes(tenant)
     log.info("reindex.done", dry_run=dry_run, **{k: v for k, v in asdict(report).items() if k != "skipped"},
              skipped=len(report.skipped))  # fmt: skip
     return report

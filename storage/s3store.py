@@ -25,6 +25,11 @@ checking our writer id stand in. Remaining races, documented rather than hidden:
   same key can both succeed there (seen in about one run in four of the race test); SeaweedFS and
   AWS are atomic. Either way the object is always one writer's complete, verified bytes, and the
   per-session lock of :mod:`storage.locks` is what keeps two writers off one generation.
+
+Errors: every public method translates botocore exceptions at its boundary
+(:func:`storage.s3client.s3_errors`): configuration errors become :class:`StoreMisconfigured`
+(never retried), exhausted transient ones :class:`StoreUnavailable`. :meth:`S3Store.probe` checks
+the bucket, the credentials and the permissions once at start-up.
 """
 
 from __future__ import annotations
@@ -33,11 +38,12 @@ import asyncio
 import functools
 import os
 import time
+import uuid
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 
 import structlog
 from botocore.exceptions import ClientError
@@ -52,7 +58,7 @@ from storage.blobstore import (
     temp_beside,
 )
 from storage.checksum import composite_crc32_b64, crc32_b64, crc32_of_parts, file_crc32
-from storage.errors import ChecksumError, Conflict, NotFound, StorageError
+from storage.errors import ChecksumError, Conflict, NotFound, StorageError, StoreMisconfigured
 from storage.ids import SlotRef, parse_blob_key, tenant_prefix, validate_id
 from storage.retry import RetryPolicy, retrying
 from storage.s3client import (
@@ -60,14 +66,29 @@ from storage.s3client import (
     is_precondition_failed,
     is_transient_s3,
     probe_conditional_writes,
+    s3_errors,
 )
 from storage.s3upload import Upload
 
 T = TypeVar("T")
+P = ParamSpec("P")
 log = structlog.get_logger("slotkeeper.storage")
 MIN_PART = 5 << 20  # S3's minimum size of every part but the last
 MAX_PARTS = 10_000
 _READ_CHUNK = 1 << 20
+
+
+def _boundary(
+    method: Callable[Concatenate[S3Store, P], Coroutine[Any, Any, T]],
+) -> Callable[Concatenate[S3Store, P], Coroutine[Any, Any, T]]:
+    """No botocore exception leaves this method: see :func:`storage.s3client.s3_errors`."""
+
+    @functools.wraps(method)
+    async def wrapper(self: S3Store, *args: P.args, **kwargs: P.kwargs) -> T:
+        with s3_errors(method.__name__, self.bucket, self.endpoint):
+            return await method(self, *args, **kwargs)
+
+    return wrapper
 
 
 class S3Store(BlobStore):
@@ -92,6 +113,7 @@ class S3Store(BlobStore):
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
         self.client, self.bucket = client, bucket
+        self.endpoint = str(getattr(getattr(client, "meta", None), "endpoint_url", "") or "")
         self.part_size, self.concurrency = part_size, concurrency
         self.retry = retry or RetryPolicy()
         self.s3_checksums, self.fsync = s3_checksums, fsync
@@ -142,6 +164,7 @@ class S3Store(BlobStore):
         return [(off, min(part, size - off)) for off in range(0, size, part)]
 
     # -------------------------------------------------------------------------------------- upload
+    @_boundary
     async def put_file(
         self, ref: SlotRef, path: str | Path, *, model: str, n_tokens: int, crc32: int | None = None,
         route: str = "",
@@ -179,6 +202,7 @@ class S3Store(BlobStore):
             raise ChecksumError(f"{key}: server checksum {server_sum} does not match the parts sent")
         return meta
 
+    @_boundary
     async def writer_of(self, ref: SlotRef) -> str | None:
         """The writer id of the object at ``ref`` ("" for foreign objects), None when absent."""
         try:
@@ -186,6 +210,7 @@ class S3Store(BlobStore):
         except NotFound:
             return None
 
+    @_boundary
     async def native_conditional_writes(self) -> bool:
         """Whether the server refuses a second If-None-Match write (probed once, then cached)."""
         if self._native is None:
@@ -196,6 +221,7 @@ class S3Store(BlobStore):
         return self._native
 
     # ------------------------------------------------------------------------------------ download
+    @_boundary
     async def get_to_file(self, ref: SlotRef, dest: str | Path) -> BlobMeta:
         started, dest = time.monotonic(), Path(dest)
         meta, _ = await self._head(ref)
@@ -271,6 +297,7 @@ class S3Store(BlobStore):
             raise
 
     # ---------------------------------------------------------------------------- head, list, delete
+    @_boundary
     async def head(self, ref: SlotRef) -> BlobMeta:
         return (await self._head(ref))[0]
 
@@ -287,18 +314,20 @@ class S3Store(BlobStore):
         return meta, resp.get("ChecksumCRC32")
 
     async def list(self, tenant: str, session: str | None = None) -> AsyncIterator[BlobInfo]:
-        async for obj in self._list_pages(tenant_prefix(self.prefix, tenant, session)):
-            ref = parse_blob_key(self.prefix, obj["Key"])
-            if ref is not None and ref.tenant == tenant and session in (None, ref.session):
-                yield BlobInfo(ref, obj["Key"], int(obj["Size"]), obj["LastModified"].timestamp())
+        with s3_errors("list", self.bucket, self.endpoint):
+            async for obj in self._list_pages(tenant_prefix(self.prefix, tenant, session)):
+                ref = parse_blob_key(self.prefix, obj["Key"])
+                if ref is not None and ref.tenant == tenant and session in (None, ref.session):
+                    yield BlobInfo(ref, obj["Key"], int(obj["Size"]), obj["LastModified"].timestamp())
 
     async def list_tenants(self) -> AsyncIterator[str]:
         head = f"{self.prefix}/" if self.prefix else ""
-        async for common in self._list_pages(head, delimiter="/"):
-            try:
-                yield validate_id(common["Prefix"][len(head) :].rstrip("/"), "tenant id")
-            except StorageError:
-                continue
+        with s3_errors("list_tenants", self.bucket, self.endpoint):
+            async for common in self._list_pages(head, delimiter="/"):
+                try:
+                    yield validate_id(common["Prefix"][len(head) :].rstrip("/"), "tenant id")
+                except StorageError:
+                    continue
 
     async def _list_pages(self, prefix: str, delimiter: str | None = None) -> AsyncIterator[dict[str, Any]]:
         kwargs: dict[str, Any] = {"Prefix": prefix} | ({"Delimiter": delimiter} if delimiter else {})
@@ -310,6 +339,7 @@ class S3Store(BlobStore):
                 return
             kwargs["ContinuationToken"] = resp["NextContinuationToken"]
 
+    @_boundary
     async def delete(self, ref: SlotRef) -> None:
         key = self.key_for(ref)
         try:
@@ -318,6 +348,42 @@ class S3Store(BlobStore):
             if not is_missing(exc):
                 raise
         log.info("storage.delete", store="s3", key=key)
+
+    # --------------------------------------------------------------------------------------- probe
+    @_boundary
+    async def probe(self) -> None:
+        """Write, list, read back (CRC verified) and delete a small object under the prefix, then
+        probe conditional writes; :class:`StoreMisconfigured` names what the server refused."""
+        key = f"{self.prefix}/.probe/{uuid.uuid4().hex}".lstrip("/")
+        data = os.urandom(256)
+        where = f"bucket {self.bucket!r} at {self.endpoint or 'AWS'}"
+        await self._s3("put_object", Key=key, Body=data)
+        try:
+            listed = await self._s3("list_objects_v2", Prefix=key, MaxKeys=1)
+            got = await self.thread(_read_body, (await self._s3("get_object", Key=key))["Body"])
+        finally:
+            await self._s3("delete_object", Key=key)
+        if zlib.crc32(got) != zlib.crc32(data) or len(got) != len(data):
+            raise StoreMisconfigured(f"{where} returned other bytes than were written to {key}",
+                                     service="s3", error_code="ChecksumMismatch", where=where)  # fmt: skip
+        if [o.get("Key") for o in listed.get("Contents", []) or []] != [key]:
+            raise StoreMisconfigured(f"{where} does not list the object just written ({key})",
+                                     service="s3", error_code="ListMismatch", where=where)  # fmt: skip
+        native = await self.native_conditional_writes()
+        log.info(
+            "storage.probed",
+            store="s3",
+            bucket=self.bucket,
+            endpoint=self.endpoint,
+            native_conditional=native,
+        )
+
+
+def _read_body(body: Any) -> bytes:
+    try:
+        return bytes(body.read())
+    finally:
+        body.close()
 
 
 def _create_sized(path: Path, size: int) -> None:

@@ -88,6 +88,11 @@ class SpillCache:
     def __contains__(self, ref: SlotRef) -> bool:
         return ref in self._entries
 
+    def session_refs(self, tenant: str, session: str) -> list[SlotRef]:
+        """Every cached generation of one session (confirmed or not, pinned or not), ascending:
+        what deleting the session must :meth:`discard` on this node."""
+        return sorted(r for r in self._entries if (r.tenant, r.session) == (tenant, session))
+
     def pending(self) -> list[SlotRef]:
         """Files whose upload is not confirmed, oldest first."""
         return [r for r, e in sorted(self._entries.items(), key=lambda i: i[1].last_used) if not e.uploaded]

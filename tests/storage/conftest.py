@@ -3,18 +3,27 @@
 Servers are started once per session and only when a test asks for them: ``redis-server``
 (``--save '' --appendonly no``), moto's ``ThreadedMotoServer`` (in a child process, so it can be
 killed and restarted on the same port, and so moto's own warnings never meet ``-W error``), and
-SeaweedFS ``weed mini``. Tests isolate themselves with a fresh key prefix rather than fresh servers.
+SeaweedFS ``weed mini``. Neither S3 server checks credentials by default; ``moto_with_auth`` and
+``seaweed_with_auth`` are the same servers configured to check them. Tests isolate themselves
+with a fresh key prefix rather than fresh servers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import random
+import signal
 import struct
 import subprocess
+import sys
+import time
+import urllib.error
 import uuid
 import zlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,9 +184,18 @@ def restartable_moto(tmp_path: Path) -> Iterator[MotoProcess]:
     server.kill()
 
 
-@pytest.fixture(scope="session")
-def seaweed_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    data = tmp_path_factory.mktemp("seaweed")
+def http_answers(url: str) -> bool:
+    """The server answers HTTP below 500 (a 403 from a server that checks credentials counts)."""
+    try:
+        return http_ok(url)
+    except urllib.error.HTTPError as exc:
+        return exc.code < 500
+
+
+@contextmanager
+def weed_mini(data: Path, s3_config: dict[str, Any] | None = None) -> Iterator[str]:
+    """SeaweedFS ``weed mini`` on free loopback ports; yields its S3 endpoint. With ``s3_config``
+    (identities) its S3 gateway checks credentials and signatures; without, it accepts any."""
     ports = {name: free_port(also_plus=10000) for name in ("master", "volume", "filer", "s3", "admin")}
     cmd = ["weed", "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
            f"-master.port={ports['master']}", f"-volume.port={ports['volume']}",
@@ -185,17 +203,82 @@ def seaweed_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
            f"-admin.port={ports['admin']}", "-admin.ui=false", "-webdav=false",
            "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.localSocket={data}/s3.sock",
            f"-filer.localSocket={data}/filer.sock"]  # fmt: skip
+    if s3_config is not None:
+        (data / "s3.json").write_text(json.dumps(s3_config))
+        cmd.append(f"-s3.config={data / 's3.json'}")
     with open(data / "weed.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=log, cwd=data, start_new_session=True)
     endpoint = f"http://127.0.0.1:{ports['s3']}"
     try:
-        wait_until(lambda: http_ok(endpoint + "/"), proc, "weed mini", timeout=90)
+        wait_until(lambda: http_answers(endpoint + "/"), proc, "weed mini", timeout=90)
         yield endpoint
     finally:
         stop(proc)
         # gRPC sockets weed puts in /tmp with no flag to move them
         for name in (f"admin-grpc-{ports['admin'] + 10000}", f"s3-grpc-{ports['s3'] + 10000}"):
             Path(f"/tmp/seaweedfs-{name}.sock").unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def seaweed_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with weed_mini(tmp_path_factory.mktemp("seaweed")) as endpoint:
+        yield endpoint
+
+
+@dataclass(frozen=True)
+class AuthS3:
+    """An S3 endpoint that checks credentials, with the one key pair it accepts (bucket ``slots``)."""
+
+    endpoint: str
+    access_key: str
+    secret_key: str
+
+
+@pytest.fixture(scope="session")
+def seaweed_with_auth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthS3]:
+    """A second ``weed mini`` whose S3 gateway knows one identity (``test``/``test``)."""
+    identity = {"name": "slotkeeper", "credentials": [{"accessKey": "test", "secretKey": "test"}],
+                "actions": ["Admin", "Read", "List", "Tagging", "Write"]}  # fmt: skip
+    with weed_mini(tmp_path_factory.mktemp("seaweed-auth"), {"identities": [identity]}) as endpoint:
+        make_bucket(endpoint, "slots")  # CREDS are test/test
+        yield AuthS3(endpoint, "test", "test")
+
+
+# moto checks signatures only with INITIAL_NO_AUTH_ACTION_COUNT set; the IAM user whose key it then
+# accepts is created in-process before the server listens, and its key pair written to a file.
+_MOTO_AUTH = (
+    "import json, sys, time\n"
+    "from moto.core import DEFAULT_ACCOUNT_ID\n"
+    "from moto.iam.models import iam_backends\n"
+    "from moto.s3.models import s3_backends\n"
+    "from moto.server import ThreadedMotoServer\n"
+    "iam = iam_backends[DEFAULT_ACCOUNT_ID]['aws']\n"
+    "iam.create_user('us-east-1', 'slotkeeper')\n"
+    "key = iam.create_access_key('slotkeeper')\n"
+    "iam.put_user_policy('slotkeeper', 'all', json.dumps({'Version': '2012-10-17', 'Statement': [\n"
+    "    {'Effect': 'Allow', 'Action': 's3:*', 'Resource': '*'}]}))\n"
+    "s3_backends[DEFAULT_ACCOUNT_ID]['aws'].create_bucket('slots', 'us-east-1')\n"
+    "open(sys.argv[2], 'w').write(json.dumps([key.access_key_id, key.secret_access_key]))\n"
+    "ThreadedMotoServer(ip_address='127.0.0.1', port=int(sys.argv[1]), verbose=False).start()\n"
+    "time.sleep(10**9)\n"
+)
+
+
+@pytest.fixture(scope="session")
+def moto_with_auth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthS3]:
+    data = tmp_path_factory.mktemp("moto-auth")
+    port, keys = free_port(), data / "keys.json"
+    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"}
+    with open(data / "moto.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-c", _MOTO_AUTH, str(port), str(keys)], stdout=log,
+                                stderr=log, env=env, start_new_session=True)  # fmt: skip
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: keys.exists() and http_ok(endpoint + "/moto-api/"), proc, "moto server (auth)")
+        access_key, secret_key = json.loads(keys.read_text())
+        yield AuthS3(endpoint, access_key, secret_key)
+    finally:
+        stop(proc, signal.SIGKILL)
 
 
 def start_s3(request: pytest.FixtureRequest, server: str) -> str:
@@ -223,6 +306,24 @@ def s3_endpoint_for(request: pytest.FixtureRequest) -> Any:
 @pytest.fixture
 def key_prefix() -> str:
     return f"t{uuid.uuid4().hex[:12]}"
+
+
+Condition = Callable[[], Awaitable[bool]]
+
+
+@pytest.fixture
+def eventually() -> Callable[..., Awaitable[None]]:
+    """``await eventually(condition, what, timeout_s=5)``: poll an async condition until it holds;
+    fails loudly at the deadline (for TTLs that Redis itself runs out, never a fixed sleep)."""
+
+    async def wait(condition: Condition, what: str, timeout_s: float = 5.0, poll_s: float = 0.01) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not await condition():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: still not true after {timeout_s}s")
+            await asyncio.sleep(poll_s)
+
+    return wait
 
 
 @pytest.fixture(params=["redis-server", "in-process"])

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from storage.blobstore import BlobStore
+from storage.blobstore import BlobStore, delete_generations
 from storage.errors import ChecksumError, Conflict, InvalidId, NotFound
 from storage.ids import SlotRef
 from storage.localstore import LocalStore
@@ -206,3 +206,29 @@ async def test_tenant_scoping(case: Case, tmp_path: Path, slot_writer: Any) -> N
             [i async for i in case.store.list(bad)]
         with pytest.raises(InvalidId):
             await case.store.head(SlotRef("tenantB", bad, 1))
+
+
+async def test_delete_generations_below_and_all(case: Case, tmp_path: Path, slot_writer: Any) -> None:
+    src = slot(tmp_path, slot_writer, "a.slot")
+    for tenant, session, gen in [("acme", "s1", g) for g in (1, 2, 3, 5)] + [
+        ("acme", "s2", 1),
+        ("beta", "s1", 1),
+    ]:
+        await case.store.put_file(SlotRef(tenant, session, gen), src, model="m", n_tokens=1)
+    assert await delete_generations(case.store, "acme", "s1", below=1) == []
+    assert await delete_generations(case.store, "acme", "s1", below=3) == [
+        SlotRef("acme", "s1", 1),
+        SlotRef("acme", "s1", 2),
+    ]
+    assert await case.store.generations("acme", "s1") == [3, 5]
+    with pytest.raises(NotFound):
+        await case.store.head(SlotRef("acme", "s1", 2))
+    assert [r.generation for r in await delete_generations(case.store, "acme", "s1")] == [3, 5]
+    assert await case.store.generations("acme", "s1") == []
+    assert await delete_generations(case.store, "acme", "s1") == []  # idempotent
+    assert await case.store.generations("acme", "s2") == [1] and await case.store.generations(
+        "beta", "s1"
+    ) == [1]
+    await case.store.put_file(SlotRef("acme", "s1", 1), src, model="m", n_tokens=1)  # the id is free again
+    with pytest.raises(InvalidId):
+        await delete_generations(case.store, "acme", "../s2")

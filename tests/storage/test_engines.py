@@ -16,7 +16,7 @@ def registry(redis_client: Any) -> EngineRegistry:
     return EngineRegistry(redis_client, prefix="sk")
 
 
-async def test_register_list_heartbeat_expire(registry: EngineRegistry) -> None:
+async def test_register_list_heartbeat_expire(registry: EngineRegistry, eventually: Any) -> None:
     await registry.register("e1", node="n1", url="http://127.0.0.1:1", model="fpA", n_slots=4, ttl_s=0.3)
     await registry.register("e2", node="n1", url="http://127.0.0.1:2", model="fpB", n_slots=2, ttl_s=5)
     assert [e.engine_id for e in await registry.list()] == ["e1", "e2"]
@@ -27,8 +27,11 @@ async def test_register_list_heartbeat_expire(registry: EngineRegistry) -> None:
         await asyncio.sleep(0.15)
         assert await registry.heartbeat("e1", ttl_s=0.3) is True
     assert [e.engine_id for e in await registry.list()] == ["e1", "e2"]
-    await asyncio.sleep(0.45)  # e1 stops heartbeating
-    assert [e.engine_id for e in await registry.list()] == ["e2"]
+
+    async def e1_gone() -> bool:  # e1 stops heartbeating
+        return [e.engine_id for e in await registry.list()] == ["e2"]
+
+    await eventually(e1_gone, "an engine that stops heartbeating expires")
     assert await registry.get("e1") is None
     assert await registry.heartbeat("e1", ttl_s=0.3) is False
     await registry.register("e1", node="n2", url="u", model="fpA", n_slots=1, ttl_s=5)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -11,8 +13,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from storage.errors import Conflict, InvalidId, LockLost, NotFound, StoreUnavailable
-from storage.index import SessionIndex, SessionRecord, SessionState
+from storage.errors import Conflict, GenerationUsed, InvalidId, LockLost, NotFound, StoreUnavailable
+from storage.index import SessionIndex, SessionRecord, SessionState, in_process_redis
 from storage.keyspace import text
 from storage.locks import SessionLocks
 
@@ -127,8 +129,7 @@ async def test_lock_fencing(index: SessionIndex, redis_client: Any) -> None:
     locks = SessionLocks(redis_client, prefix="sk")
     await index.create("acme", "s", model="fp")
     stale = await locks.acquire("acme", "s", ttl_s=0.2)
-    await asyncio.sleep(0.35)
-    fresh = await locks.acquire("acme", "s", ttl_s=5)
+    fresh = await locks.acquire("acme", "s", ttl_s=5, wait_s=5, poll_s=0.01)  # once the stale one lapsed
     with pytest.raises(LockLost):
         await index.mark_spilled("acme", "s", generation=1, blob_key="k", nbytes=1, lock=stale)
     assert (await index.get("acme", "s")).state is SessionState.NEW
@@ -221,3 +222,171 @@ async def test_dirty_tracks_changes_since_the_durable_generation(index: SessionI
     assert not (await index.set_durable("acme", "d", generation=1, blob_key="k1", nbytes=9)).dirty
     assert (await index.mark_busy("acme", "d")).dirty
     assert not (await index.mark_spilled("acme", "d", generation=2, blob_key="k2", nbytes=9)).dirty
+
+
+# ---------------------------------------------------------------------------- sessions and bytes
+async def test_count_sessions_follows_creates_and_deletes(index: SessionIndex) -> None:
+    assert await index.count_sessions("acme") == 0
+    for s in ("a", "b", "c"):
+        await index.create("acme", s, model="fp")
+    await index.mark_live("acme", "d", engine="e1", slot=0, tokens=1)  # implicit create counts too
+    await index.create("beta", "a", model="fp")
+    await index.delete("acme", "b")
+    await index.delete("acme", "never")
+    assert await index.count_sessions("acme") == 3 and await index.count_sessions("beta") == 1
+
+
+async def test_stored_bytes_track_the_newest_durable_generation(index: SessionIndex) -> None:
+    assert await index.stored_bytes("acme") == 0
+    await index.mark_live("acme", "s1", engine="e1", slot=0, tokens=1)
+    assert await index.stored_bytes("acme") == 0  # nothing durable yet
+    await index.set_durable("acme", "s1", generation=1, blob_key="k1", nbytes=100)
+    assert await index.stored_bytes("acme") == 100
+    await index.set_durable("acme", "s1", generation=2, blob_key="k2", nbytes=130)  # replaces gen 1
+    await index.create("acme", "s2", model="fp")
+    await index.mark_spilled("acme", "s2", generation=1, blob_key="k", nbytes=40)
+    assert await index.stored_bytes("acme") == 170
+    with pytest.raises(Conflict):  # a refused transition changes nothing
+        await index.set_durable("acme", "s1", generation=1, blob_key="k1", nbytes=999)
+    await index.drop_engine("e1")  # falls back to its durable generation: same bytes
+    assert await index.stored_bytes("acme") == 170
+    await index.mark_spilled("acme", "s1", generation=3, blob_key="k3", nbytes=10)
+    assert await index.stored_bytes("acme") == 50
+    await index.delete("acme", "s1")
+    assert await index.stored_bytes("acme") == 40 and await index.stored_bytes("beta") == 0
+    newer = SessionRecord("acme", "s2", SessionState.SPILLED, generation=5, blob_key="k5", bytes=7)
+    assert await index.restore_spilled(newer)
+    assert await index.stored_bytes("acme") == 7
+
+
+async def test_stored_bytes_stay_exact_under_concurrent_saves(index: SessionIndex) -> None:
+    sessions = [f"s{i}" for i in range(12)]
+    for s in sessions:
+        await index.mark_live("acme", s, engine="e1", slot=0, tokens=1)
+
+    async def saves(session: str, n: int) -> None:
+        for gen in range(1, 4):
+            await index.set_durable("acme", session, generation=gen, blob_key="k", nbytes=n * gen)
+
+    await asyncio.gather(*(saves(s, i + 1) for i, s in enumerate(sessions)))
+    assert await index.stored_bytes("acme") == sum(3 * (i + 1) for i in range(len(sessions)))
+    await asyncio.gather(*(index.delete("acme", s) for s in sessions[::2]))
+    assert await index.stored_bytes("acme") == sum(3 * (i + 1) for i in range(1, len(sessions), 2))
+
+
+async def test_recount_repairs_a_drifted_counter(index: SessionIndex, redis_client: Any) -> None:
+    await index.create("acme", "a", model="fp")
+    await index.mark_spilled("acme", "a", generation=2, blob_key="k", nbytes=64)
+    await index.create("acme", "b", model="fp")  # nothing durable: counts 0
+    await redis_client.set(index.keys.stored_bytes("acme"), 12345)  # e.g. records from before the counter
+    assert await index.recount_stored_bytes("acme") == 64
+    assert await index.stored_bytes("acme") == 64
+    assert await index.recount_stored_bytes("empty") == 0
+
+
+async def test_stored_bytes_match_the_records_after_random_transitions() -> None:
+    """Fast logic check on the in-process Redis: whatever the sequence, the counter is the sum."""
+    rng = random.Random(7)
+    index = SessionIndex(in_process_redis(), prefix="p")
+    gens: dict[str, int] = {}
+    for _ in range(300):
+        s, op = f"s{rng.randrange(5)}", rng.randrange(6)
+        try:
+            if op == 0:
+                await index.mark_live("t", s, engine=f"e{rng.randrange(2)}", slot=0, tokens=1)
+            elif op in (1, 2):
+                gen = gens.get(s, 0) + rng.randrange(0, 2)
+                mark = index.set_durable if op == 1 else index.mark_spilled
+                await mark("t", s, generation=gen, blob_key="k", nbytes=rng.randrange(1000))
+                gens[s] = gen
+            elif op == 3:
+                await index.delete("t", s)
+                gens.pop(s, None)
+            elif op == 4:
+                await index.drop_engine(f"e{rng.randrange(2)}")
+            else:
+                await index.create("t", s, model="fp")
+        except (Conflict, NotFound):
+            pass
+        records = [r for r in await index.find_many([("t", x) for x in await index.list_sessions("t")]) if r]
+        assert await index.stored_bytes("t") == sum(r.stored_bytes for r in records)
+        assert await index.count_sessions("t") == len(records)
+        gens = {r.session: max(r.generation, r.floor) for r in records}
+
+
+# ------------------------------------------------------------------------------- reused session ids
+async def test_a_reused_id_saves_above_every_generation_of_its_deleted_namesake(
+    index: SessionIndex, redis_client: Any
+) -> None:
+    await index.create("acme", "s", model="fp")
+    assert (await index.get("acme", "s")).next_generation == 1  # a fresh id starts at 1
+    await index.mark_spilled("acme", "s", generation=3, blob_key="k3", nbytes=9)
+    await index.delete("acme", "s")
+    assert await index.generation_floor("acme", "s") == 3
+    assert await index.generation_floor("beta", "s") == 0  # per tenant
+    again = await index.create("acme", "s", model="fp")
+    assert (again.generation, again.floor, again.next_generation) == (0, 3, 4)
+    assert await redis_client.exists(index.keys.floor("acme", "s")) == 0  # the record carries it now
+    for stale in (1, 3):
+        with pytest.raises(GenerationUsed, match="deleted session"):
+            await index.mark_spilled("acme", "s", generation=stale, blob_key="k", nbytes=1)
+    await index.mark_spilled("acme", "s", generation=4, blob_key="k4", nbytes=1)
+    assert (await index.get("acme", "s")).next_generation == 5
+    await index.delete("acme", "s")
+    live = await index.mark_live("acme", "s", engine="e1", slot=0, tokens=1)  # created implicitly
+    assert live.floor == 4 and live.next_generation == 5
+    with pytest.raises(Conflict):
+        await index.set_durable("acme", "s", generation=2, blob_key="k", nbytes=1)
+
+
+async def test_floor_from_the_caller_and_tombstone_lifetime(redis_client: Any, eventually: Any) -> None:
+    index = SessionIndex(redis_client, prefix="sk", floor_ttl_s=0.2)
+    rec = await index.create("acme", "x", model="fp", floor=7)  # e.g. the store still lists gen 7
+    assert rec.next_generation == 8
+    await index.delete("acme", "x")
+    key = index.keys.floor("acme", "x")
+    assert 0 < await redis_client.pttl(key) <= 200
+
+    async def lapsed() -> bool:
+        return await index.generation_floor("acme", "x") == 0
+
+    await eventually(lapsed, "the floor's tombstone expires with floor_ttl_s")
+    kept = SessionIndex(redis_client, prefix="sk", floor_ttl_s=None)
+    await kept.create("acme", "y", model="fp", floor=2)
+    await kept.delete("acme", "y")
+    assert await redis_client.pttl(kept.keys.floor("acme", "y")) == -1  # kept until the id is reused
+    await kept.delete("acme", "unknown")  # deleting a missing record leaves no tombstone
+    assert await redis_client.exists(kept.keys.floor("acme", "unknown")) == 0
+    with pytest.raises(ValueError):
+        SessionIndex(redis_client, floor_ttl_s=0)
+
+
+async def test_reindex_does_not_adopt_a_deleted_namesakes_leftover(index: SessionIndex) -> None:
+    await index.create("acme", "s", model="fp")
+    await index.mark_spilled("acme", "s", generation=2, blob_key="k2", nbytes=5)
+    await index.delete("acme", "s")
+    leftover = SessionRecord("acme", "s", SessionState.SPILLED, generation=2, blob_key="k2", bytes=5)
+    assert await index.restore_spilled(leftover) is False
+    assert await index.find("acme", "s") is None and await index.stored_bytes("acme") == 0
+    newer = replace(leftover, generation=3, blob_key="k3")
+    assert await index.restore_spilled(newer) is True
+    assert (await index.get("acme", "s")).floor == 2
+    newest = replace(leftover, generation=4, blob_key="k4")  # the record keeps its floor when replaced
+    assert await index.restore_spilled(newest) is True
+    got = await index.get("acme", "s")
+    assert (got.generation, got.floor, got.next_generation) == (4, 2, 5)
+
+
+async def test_reserved_generations_are_never_handed_out_twice(index: SessionIndex) -> None:
+    with pytest.raises(NotFound):
+        await index.reserve_generation("acme", "r")
+    await index.create("acme", "r", model="fp")
+    assert [await index.reserve_generation("acme", "r") for _ in range(2)] == [1, 2]
+    await index.set_durable("acme", "r", generation=2, blob_key="k2", nbytes=3)  # 1's save failed
+    got = await asyncio.gather(*(index.reserve_generation("acme", "r") for _ in range(5)))
+    assert sorted(got) == [3, 4, 5, 6, 7]  # concurrent reservations stay distinct
+    # 7 was handed out but its save's answer was lost: the index never recorded it as durable
+    await index.delete("acme", "r")
+    assert await index.generation_floor("acme", "r") == 7
+    again = await index.create("acme", "r", model="fp")
+    assert again.next_generation == 8 and await index.reserve_generation("acme", "r") == 8

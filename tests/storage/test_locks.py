@@ -44,8 +44,8 @@ async def test_waiter_gets_the_lock_when_released(locks: SessionLocks) -> None:
 
 async def test_dead_holder_expires_and_stale_owner_is_refused(locks: SessionLocks) -> None:
     stale = await locks.acquire("acme", "s", ttl_s=0.2)
-    await asyncio.sleep(0.35)  # the holder "died": no extend, the TTL runs out
-    fresh = await locks.acquire("acme", "s", ttl_s=5)
+    # the holder "died": no extend; a waiter gets the lock as soon as the TTL runs out
+    fresh = await locks.acquire("acme", "s", ttl_s=5, wait_s=5, poll_s=0.01)
     with pytest.raises(LockLost):
         await locks.extend(stale)
     with pytest.raises(LockLost):
@@ -72,3 +72,56 @@ async def test_ids_are_validated(locks: SessionLocks) -> None:
             await locks.try_acquire("acme", bad, ttl_s=1)
         with pytest.raises(InvalidId):
             await locks.try_acquire(bad, "s", ttl_s=1)
+
+
+async def test_remaining_time_tells_a_renewed_holder_from_a_dead_one(
+    locks: SessionLocks, eventually: Any
+) -> None:
+    assert await locks.remaining_s("acme", "s") is None
+    lock = await locks.acquire("acme", "s", ttl_s=0.6)
+    left = await locks.remaining_s("acme", "s")
+    assert left is not None and 0.5 < left <= 0.6
+
+    async def below_half() -> bool:  # what a holder that stopped renewing looks like
+        left = await locks.remaining_s("acme", "s")
+        return left is not None and left < 0.3
+
+    await eventually(below_half, "the TTL runs down without renewal", timeout_s=2)
+    lock = await locks.extend(lock)  # one renewal brings it back
+    left = await locks.remaining_s("acme", "s")
+    assert left is not None and left > 0.5
+    waiter = await locks.acquire("acme", "s", ttl_s=5, wait_s=left + 1, poll_s=0.02)  # holder "dies"
+    assert waiter.token != lock.token and await locks.owner("acme", "s") == waiter.token
+
+
+async def test_a_renewal_loop_at_a_third_of_the_ttl_keeps_a_short_lock(locks: SessionLocks) -> None:
+    ttl = 0.6
+    lock = await locks.acquire("acme", "s", ttl_s=ttl)
+    for _ in range(6):  # 1.2 s of work: twice the TTL
+        await asyncio.sleep(ttl / 3)  # the renewal cadence, not a wait for the TTL
+        lock = await locks.extend(lock)
+        left = await locks.remaining_s("acme", "s")
+        assert left is not None and left > ttl / 2
+    assert await locks.owner("acme", "s") == lock.token
+
+
+async def test_acquire_paces_its_polls_and_tries_once_more_at_the_deadline(redis_client: Any) -> None:
+    now = [0.0]
+    slept: list[float] = []
+
+    async def fake_sleep(seconds: float) -> None:
+        slept.append(round(seconds, 6))
+        now[0] += seconds
+
+    locks = SessionLocks(redis_client, prefix="sk", monotonic=lambda: now[0], sleep=fake_sleep)
+    held = await locks.acquire("acme", "s", ttl_s=30)
+    with pytest.raises(LockBusy):
+        await locks.acquire("acme", "s", ttl_s=30, wait_s=0.12, poll_s=0.05)
+    assert slept == [0.05, 0.05, 0.02]  # never sleeps past the deadline
+    slept.clear()
+    with pytest.raises(LockBusy):
+        await locks.acquire("acme", "s", ttl_s=30)  # wait_s=0: one try, no sleep
+    assert slept == []
+    with pytest.raises(ValueError):
+        await locks.acquire("acme", "s", ttl_s=30, wait_s=1, poll_s=0)
+    await locks.release(held)

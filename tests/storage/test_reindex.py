@@ -75,6 +75,10 @@ async def test_flushed_redis_is_rebuilt(
     again = await reindex(store, index)
     assert (again.restored, again.unchanged) == (0, 3)
     assert await index.list_sessions("acme") and await index.list_sessions("beta")
+    for tenant in ("acme", "beta"):  # the stored-bytes counter came back with the records
+        newest = [b for (t, _), b in ((k, v.bytes) for k, v in before.items()) if t == tenant]
+        assert await index.stored_bytes(tenant) == sum(newest) > 0
+        assert await index.count_sessions(tenant) == len(newest)
 
 
 async def test_live_sessions_stay_live(
@@ -89,6 +93,24 @@ async def test_live_sessions_stay_live(
     assert (report.tenants, report.restored) == (1, 1)
     got = await index.get("acme", "s2")
     assert (got.state, got.engine, got.generation) == (SessionState.LIVE, "e1", 4)
+
+
+async def test_reindex_recounts_stored_bytes_and_skips_deleted_leftovers(
+    store: BlobStore, redis_client: Any, tmp_path: Path, slot_writer: Any
+) -> None:
+    index = SessionIndex(redis_client, prefix="sk")
+    await populate(store, index, tmp_path, slot_writer)
+    expected = await index.stored_bytes("acme")
+    await redis_client.set(index.keys.stored_bytes("acme"), 1)  # drifted
+    await index.delete("acme", "s2")  # its generation 3 stays in the store (a delete that failed half-way)
+    report = await reindex(store, index, tenants=["acme"])
+    assert report.restored == 0 and await index.find("acme", "s2") is None
+    s1 = await index.get("acme", "s1")
+    assert (
+        await index.stored_bytes("acme")
+        == s1.bytes
+        == expected - (await store.head(SlotRef("acme", "s2", 3))).size
+    )
 
 
 async def test_unusable_metadata_is_skipped(tmp_path: Path, redis_client: Any, slot_writer: Any) -> None:

@@ -121,3 +121,25 @@ async def test_store_down_keeps_files_until_confirmed(
     assert cache.total_bytes == 0 and [i.ref async for i in store.list("acme")] == refs
     await store.aclose()
     client.close()
+
+
+async def test_session_refs_lists_every_cached_generation_of_one_session(
+    tmp_path: Path, slot_writer: Any
+) -> None:
+    cache = SpillCache(tmp_path / "cache", max_bytes=1 << 30, clock=clock())
+    refs = [
+        SlotRef("acme", "s", 3),
+        SlotRef("acme", "s", 1),
+        SlotRef("acme", "t", 1),
+        SlotRef("beta", "s", 1),
+    ]
+    for i, ref in enumerate(refs):
+        await cache.add(ref, make(tmp_path, slot_writer, f"{i}.slot"), uploaded=i == 1)
+    cache.pin(refs[0])
+    assert cache.session_refs("acme", "s") == [SlotRef("acme", "s", 1), SlotRef("acme", "s", 3)]
+    for ref in cache.session_refs("acme", "s"):  # what a node does when the session is deleted
+        await cache.discard(ref)
+    assert cache.session_refs("acme", "s") == [] and not (tmp_path / "cache" / "acme" / "s").exists()
+    assert cache.session_refs("acme", "t") == [SlotRef("acme", "t", 1)]
+    reopened = await SpillCache.open(tmp_path / "cache", max_bytes=1 << 30)
+    assert reopened.session_refs("beta", "s") == [SlotRef("beta", "s", 1)]

@@ -1,0 +1,76 @@
+"""Session records as the index stores them: one Redis hash per (tenant, session).
+
+A record is plain data; :class:`storage.index.SessionIndex` decides transitions as pure functions
+over it and writes it back in one transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from typing import Any
+
+from storage.keyspace import text_map
+
+
+class SessionState(StrEnum):
+    NEW = "new"  # known, nothing saved yet
+    LIVE = "live"  # in an engine slot (busy, or idle in the engine's LRU)
+    SPILLED = "spilled"  # only in the spill cache / blob store, at ``generation``
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    tenant: str
+    session: str
+    state: SessionState
+    model: str = ""
+    tokens: int = 0
+    engine: str | None = None
+    slot: int | None = None
+    generation: int = 0  # newest durable generation; 0 = none
+    blob_key: str = ""
+    bytes: int = 0
+    last_used: float = 0.0
+    route: str = ""  # newest routing digest: stored with the slot file, so reindex restores it
+    dirty: bool = False  # the slot changed since durable `generation` was saved
+    # Generations up to `floor` belonged to an earlier, deleted session with this id: copies of them
+    # may linger in spill caches or the store, so this session never saves or records one of them.
+    floor: int = 0
+    reserved: int = 0  # the highest generation handed out by SessionIndex.reserve_generation
+
+    @property
+    def next_generation(self) -> int:
+        """The lowest generation the next save may use: above the durable one, every one handed
+        out already, and every one an earlier namesake used."""
+        return max(self.generation, self.floor, self.reserved) + 1
+
+    @property
+    def used_generations(self) -> int:
+        """The highest generation this session may have written anywhere (its tombstone)."""
+        return max(self.generation, self.floor, self.reserved)
+
+    @property
+    def stored_bytes(self) -> int:
+        """What this record adds to its tenant's stored bytes: its newest durable generation."""
+        return self.bytes if self.generation else 0
+
+    def to_hash(self) -> dict[str, str]:
+        fields = asdict(self)
+        del fields["tenant"], fields["session"]
+        fields["engine"] = self.engine or ""
+        fields["slot"] = "" if self.slot is None else str(self.slot)
+        return {k: str(v) for k, v in fields.items()}
+
+    @classmethod
+    def from_hash(cls, tenant: str, session: str, raw: Mapping[Any, Any]) -> SessionRecord:
+        h = text_map(dict(raw))
+        return cls(
+            tenant=tenant, session=session, state=SessionState(h["state"]), model=h.get("model", ""),
+            tokens=int(h.get("tokens", 0)), engine=h.get("engine") or None,
+            slot=int(h["slot"]) if h.get("slot") else None, generation=int(h.get("generation", 0)),
+            blob_key=h.get("blob_key", ""), bytes=int(h.get("bytes", 0)),
+            last_used=float(h.get("last_used", 0)), route=h.get("route", ""), dirty=h.get("dirty") == "True",
+            floor=int(h.get("floor", 0)), reserved=int(h.get("reserved", 0)),
+        )  # fmt: skip

@@ -1,0 +1,87 @@
+"""Implicit routing: message-prefix digests → the session that holds that conversation.
+
+A digest key (``px``) names one session; a per-session set (``sx``) lists the digests recorded
+for it, so that deleting the session takes its routes along (only those still pointing at it: a
+digest re-pointed to another session stays). Both expire ``ttl_s`` after the last
+:meth:`PrefixRouting.add_prefixes` for the session — a conversation nobody continues stops being routable
+and its keys go by themselves; every turn re-adds its history's digests and so refreshes them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from storage.errors import InvalidId
+from storage.ids import validate_id
+from storage.keyspace import Keyspace, redis_errors, text
+
+_DIGEST = re.compile(r"[0-9a-f]{16,128}")
+DEFAULT_ROUTE_TTL_S = 7 * 24 * 3600.0
+
+
+def validate_digest(digest: str) -> str:
+    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+        raise InvalidId("prefix digest", "must be 16-128 lowercase hex characters")
+    return digest
+
+
+def route_ttl_ms(ttl_s: float) -> int:
+    if not ttl_s > 0:
+        raise ValueError("route ttl must be > 0")
+    return max(1, round(ttl_s * 1000))
+
+
+class PrefixRouting:
+    """The routing part of :class:`storage.index.SessionIndex` (a mixin: it uses the index's
+    client, keyspace and ``route_ttl_ms``)."""
+
+    _redis: Any
+    keys: Keyspace
+    route_ttl_ms: int
+
+    async def add_prefixes(self, tenant: str, session: str, digests: Iterable[str]) -> None:
+        """Route these message-prefix digests (lowercase hex) to ``session`` for the route TTL,
+        and refresh the TTL of the session's set of routes."""
+        digests = [validate_digest(d) for d in digests]
+        session = validate_id(session, "session id")
+        routes = self.keys.session_prefixes(tenant, session)
+        async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
+            for digest in digests:
+                pipe.set(self.keys.prefix_hash(tenant, digest), session, px=self.route_ttl_ms)
+            if digests:
+                pipe.sadd(routes, *digests)
+            pipe.pexpire(routes, self.route_ttl_ms)
+            await pipe.execute()
+
+    async def match_prefix(self, tenant: str, digests: Sequence[str]) -> tuple[str, str] | None:
+        """The first of ``digests`` (pass the longest prefix first) routed to a session that still
+        has a record; two round trips whatever the number of digests."""
+        if not digests:
+            return None
+        keys = [self.keys.prefix_hash(tenant, validate_digest(d)) for d in digests]
+        async with redis_errors():
+            targets = [None if t is None else text(t) for t in await self._redis.mget(keys)]
+            candidates = sorted({t for t in targets if t is not None})
+            if not candidates:
+                return None
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for candidate in candidates:
+                    pipe.exists(self.keys.session(tenant, candidate))
+                alive = {s for s, n in zip(candidates, await pipe.execute(), strict=True) if n}
+        for digest, target in zip(digests, targets, strict=True):
+            if target is not None and target in alive:
+                return digest, target
+        return None
+
+    async def _owned_routes(self, pipe: Any, tenant: str, session: str) -> list[str]:
+        """Inside a transaction (immediate mode): WATCH and return the digest keys that still
+        route to ``session`` — what deleting it must delete besides its set."""
+        routes = self.keys.session_prefixes(tenant, session)
+        route_keys = [self.keys.prefix_hash(tenant, text(d)) for d in await pipe.smembers(routes)]
+        if not route_keys:
+            return []
+        await pipe.watch(*route_keys)
+        targets = await pipe.mget(route_keys)
+        return [k for k, t in zip(route_keys, targets, strict=True) if t is not None and text(t) == session]
