@@ -7,13 +7,15 @@ where a number is expected, even though Python's bool is an int.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 
-from .errors import BadRequest
+from .errors import BadRequest, PayloadTooLarge, RequestTimeout
 
 _JSON_TYPE = {
     dict: "object",
@@ -31,9 +33,77 @@ def json_type(value: Any) -> str:
     return _JSON_TYPE.get(type(value), type(value).__name__)
 
 
-async def read_json(request: Request) -> Body:
-    """The request's JSON object, or BadRequest saying precisely what is wrong with it."""
-    raw = await request.body()
+@dataclass(frozen=True)
+class BodyLimits:
+    """Bounds on one request body, each refused with a precise 4xx before the body is used.
+
+    `max_bytes` (413) is checked against Content-Length before anything is read and again while
+    reading, so a lying or missing header cannot get more in; `read_timeout_s` (408) bounds how long
+    a client may trickle its body; `max_depth` (400) bounds JSON nesting, which would otherwise reach
+    Python's recursion limit (a 500) or make every later walk over the body expensive.
+    """
+
+    max_bytes: int = 16 << 20
+    max_depth: int = 64
+    read_timeout_s: float = 60.0
+
+
+DEFAULT_LIMITS = BodyLimits()
+
+
+async def read_body(request: Request, limits: BodyLimits = DEFAULT_LIMITS) -> bytes:
+    """The raw body within `limits` (413 when larger, 408 when it does not arrive in time).
+
+    A body over the limit is still read to its end (within the read timeout) and thrown away, never
+    kept: answering while the client is still sending makes the closing socket reset the connection,
+    and the client would see a connection error instead of the 413.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and not declared.isdigit():
+        raise BadRequest("Content-Length must be a non-negative integer")
+    too_large = declared is not None and int(declared) > limits.max_bytes
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(limits.read_timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                too_large = too_large or size > limits.max_bytes
+                if not too_large:
+                    chunks.append(chunk)
+    except TimeoutError:
+        if not too_large:
+            raise RequestTimeout(
+                f"the request body did not arrive within {limits.read_timeout_s:g} s"
+            ) from None
+    if too_large:
+        raise PayloadTooLarge(
+            f"the request body has {max(size, int(declared or 0))} bytes or more; "
+            f"the limit is {limits.max_bytes}",
+            extra={"limit": limits.max_bytes},
+        )
+    return b"".join(chunks)
+
+
+def json_depth_exceeds(value: Any, max_depth: int) -> bool:
+    """True when arrays/objects nest deeper than `max_depth` (iterative: no recursion to exhaust)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > max_depth:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return False
+
+
+def parse_json_object(raw: bytes, limits: BodyLimits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """`raw` as a JSON object within `limits.max_depth`, or BadRequest saying precisely what is wrong."""
     if not raw.strip():
         raise BadRequest("the request body is empty; expected a JSON object")
     try:
@@ -42,9 +112,18 @@ async def read_json(request: Request) -> Body:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
     except UnicodeDecodeError:
         raise BadRequest("the request body is not valid UTF-8") from None
+    except RecursionError:
+        data = None  # deeper than the interpreter can parse: certainly deeper than the limit
+    if data is None or json_depth_exceeds(data, limits.max_depth):
+        raise BadRequest(f"the request body nests JSON deeper than {limits.max_depth} levels")
     if not isinstance(data, dict):
         raise BadRequest(f"the request body must be a JSON object, got {json_type(data)}")
-    return Body(data)
+    return data
+
+
+async def read_json(request: Request, limits: BodyLimits = DEFAULT_LIMITS) -> Body:
+    """The request's JSON object within `limits`, or a precise 4xx (400, 408, 413)."""
+    return Body(parse_json_object(await read_body(request, limits), limits))
 
 
 class Body:

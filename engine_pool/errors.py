@@ -1,10 +1,12 @@
-"""The engine process's errors: one hierarchy carrying HTTP status and OpenAI `type`, rendered in one place.
+"""Slotkeeper's one API error hierarchy, rendered in one place: engine, node agent and gateway.
 
-Every failure that reaches a client leaves through `error_payload` (the `{"error": {...}}` body,
-llama-server's types, `code` = the numeric status) — as a JSON response from the app's single
-exception handler (`render_error`), or as the last event of a stream that had already started.
-`as_engine_error` turns anything raised below (native core errors, routing errors, bugs) into one
-of these classes.
+Every failure that reaches a client leaves through `error_payload`: OpenAI's shape
+`{"error": {"message", "type", "param", "code"}}` where `code` is always a string or null (never the
+numeric status), plus any `extra` fields (llama-server's `n_prompt_tokens`/`n_ctx`, a slot file's
+`kind`). `render_error` makes it a JSON response with `Retry-After` (and `retry-after-ms`, which the
+OpenAI SDK honours) when the error says when to retry; a stream that already started sends the same
+payload as its last event. `api_error` turns anything raised below — native core errors, storage
+errors, Starlette's HTTP errors, bugs — into one of these classes; it is the only converter.
 """
 
 from __future__ import annotations
@@ -15,41 +17,50 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 
 from native import errors as native_errors
+from storage.errors import StorageError
+
+_UNSET: Any = object()
 
 
-class EngineError(Exception):
-    """Base: an HTTP status, an OpenAI/llama-server error type and a precise message."""
+class ApiError(Exception):
+    """Base: an HTTP status, an OpenAI/llama-server error `type`, a string `code` and a precise message."""
 
     status: int = 500
     type: str = "server_error"
+    code: str | None = "internal_error"
 
     def __init__(
         self,
         message: str,
         *,
         param: str | None = None,
-        retry_after: int | None = None,
+        retry_after: float | None = None,
         extra: dict[str, Any] | None = None,
         status: int | None = None,
+        type: str | None = None,
+        code: str | None = _UNSET,
     ) -> None:
         super().__init__(message)
         if status is not None:
             self.status = status
+        if type is not None:
+            self.type = type
+        if code is not _UNSET:
+            self.code = code
         self.message = message
         self.param = param
         self.retry_after = retry_after
         self.extra = extra or {}
 
 
-class BadRequest(EngineError):
-    status = 400
-    type = "invalid_request_error"
+class BadRequest(ApiError):
+    status, type, code = 400, "invalid_request_error", "invalid_request"
 
 
 class ContextSizeExceeded(BadRequest):
     """The prompt does not fit the slot's context (llama-server's exceed_context_size_error)."""
 
-    type = "exceed_context_size_error"
+    type, code = "exceed_context_size_error", "context_length_exceeded"
 
     def __init__(self, n_prompt_tokens: int, n_ctx: int) -> None:
         super().__init__(
@@ -59,67 +70,103 @@ class ContextSizeExceeded(BadRequest):
         )
 
 
-class Unauthorized(EngineError):
-    status = 401
-    type = "authentication_error"
+class Unauthorized(ApiError):
+    status, type, code = 401, "authentication_error", "invalid_api_key"
 
 
-class NotFound(EngineError):
-    status = 404
-    type = "not_found_error"
+class Forbidden(ApiError):
+    status, type, code = 403, "permission_error", "forbidden"
 
 
-class MethodNotAllowed(EngineError):
-    status = 405
-    type = "invalid_request_error"
+class NotFound(ApiError):
+    status, type, code = 404, "not_found_error", "not_found"
 
 
-class SlotBusy(EngineError):
+class MethodNotAllowed(ApiError):
+    status, type, code = 405, "invalid_request_error", "method_not_allowed"
+
+
+class RequestTimeout(ApiError):
+    """The client was too slow to send its request (headers or body)."""
+
+    status, type, code = 408, "invalid_request_error", "request_timeout"
+
+
+class Conflict(ApiError):
+    status, type, code = 409, "conflict_error", "conflict"
+
+
+class SlotBusy(Conflict):
     """A slot operation waited its bounded time and the slot was still serving requests."""
 
-    status = 409
-    type = "slot_busy_error"
+    type, code = "slot_busy_error", "slot_busy"
 
 
-class NotSupported(EngineError):
-    status = 501
-    type = "not_supported_error"
+class PayloadTooLarge(ApiError):
+    status, type, code = 413, "invalid_request_error", "payload_too_large"
 
 
-class Unavailable(EngineError):
-    """Loading, shutting down, or every slot busy with a full queue: retry later."""
+class RateLimited(ApiError):
+    """A quota or an admission limit: retry after `retry_after` seconds."""
 
-    status = 503
-    type = "unavailable_error"
+    status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
 
 
-class ClientGone(EngineError):
+class QuotaExceeded(RateLimited):
+    code = "quota_exceeded"
+
+
+class ClientGone(ApiError):
     """The client disconnected before the response; nobody reads this one (nginx's 499)."""
 
-    status = 499
-    type = "client_closed_request"
+    status, type, code = 499, "client_closed_request", "client_closed_request"
 
 
-class ServerError(EngineError):
-    status = 500
-    type = "server_error"
+class ServerError(ApiError):
+    status, type, code = 500, "server_error", "internal_error"
 
 
-_BY_STATUS: dict[int, type[EngineError]] = {
+class NotSupported(ApiError):
+    status, type, code = 501, "not_supported_error", "not_supported"
+
+
+class Upstream(ApiError):
+    """An engine, a node or the store failed in a way the caller cannot fix by changing its request."""
+
+    status, type, code = 502, "upstream_error", "upstream_error"
+
+
+class Unavailable(ApiError):
+    """Loading, shutting down, no capacity, or every slot busy with a full queue: retry later."""
+
+    status, type, code = 503, "unavailable_error", "unavailable"
+
+
+_BY_STATUS: dict[int, type[ApiError]] = {
     400: BadRequest,
     401: Unauthorized,
+    403: Forbidden,
     404: NotFound,
     405: MethodNotAllowed,
-    409: SlotBusy,
+    408: RequestTimeout,
+    409: Conflict,
+    413: PayloadTooLarge,
+    429: RateLimited,
     501: NotSupported,
+    502: Upstream,
     503: Unavailable,
 }
 
 
-def from_native(exc: native_errors.NativeError) -> EngineError:
+def for_status(status: int) -> type[ApiError]:
+    """The class that answers `status` (unlisted 4xx: BadRequest's type; 5xx: ServerError's)."""
+    return _BY_STATUS.get(status, ServerError if status >= 500 else BadRequest)
+
+
+def from_native(exc: native_errors.NativeError) -> ApiError:
     """The API error for a native core exception (the caller may add context to the message)."""
     if isinstance(exc, native_errors.SlotFileError):
-        return BadRequest(f"slot file {exc.kind}: {exc}", extra={"kind": exc.kind})
+        return BadRequest(f"slot file {exc.kind}: {exc}", extra={"kind": exc.kind}, code="slot_file_invalid")
     if isinstance(exc, native_errors.InvalidRequestError):
         return BadRequest(str(exc))
     if isinstance(exc, native_errors.SlotBusyError):
@@ -129,25 +176,43 @@ def from_native(exc: native_errors.NativeError) -> EngineError:
     return ServerError(f"engine error: {exc}")
 
 
-def as_engine_error(exc: BaseException) -> EngineError:
-    """Any exception as an EngineError (unexpected ones become a 500 with their type and text)."""
-    if isinstance(exc, EngineError):
+def from_storage(exc: StorageError) -> ApiError:
+    """A storage error keeps its status and code; 503s (store down) say when to retry."""
+    cls = for_status(exc.status)
+    return cls(str(exc), status=exc.status, code=exc.code, retry_after=1 if exc.status == 503 else None)
+
+
+def api_error(exc: BaseException) -> ApiError:
+    """Any exception as an ApiError. Unexpected ones become a 500 naming only their type: their text
+    may carry request content and is logged, never answered."""
+    if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, native_errors.NativeError):
         return from_native(exc)
+    if isinstance(exc, StorageError):
+        return from_storage(exc)
     if isinstance(exc, HTTPException):
-        cls = _BY_STATUS.get(exc.status_code, ServerError if exc.status_code >= 500 else BadRequest)
-        return cls(str(exc.detail), status=exc.status_code)
-    return ServerError(f"internal error: {type(exc).__name__}: {exc}")
+        return for_status(exc.status_code)(str(exc.detail), status=exc.status_code)
+    return ServerError(f"internal error: {type(exc).__name__}")
 
 
-def error_payload(err: EngineError) -> dict[str, Any]:
+def is_expected(exc: BaseException) -> bool:
+    """True for errors that are answers (logged at most as warnings), False for bugs worth a traceback."""
+    return isinstance(exc, ApiError | StorageError | native_errors.NativeError | HTTPException)
+
+
+def error_payload(err: ApiError) -> dict[str, Any]:
     """`{"error": {message, type, param, code, ...}}` — the body of every error, streamed or not."""
-    body: dict[str, Any] = {"message": err.message, "type": err.type, "param": err.param, "code": err.status}
+    body: dict[str, Any] = {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
     body.update(err.extra)
     return {"error": body}
 
 
-def render_error(err: EngineError) -> JSONResponse:
-    headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
-    return JSONResponse(error_payload(err), status_code=err.status, headers=headers)
+def retry_headers(retry_after: float | None) -> dict[str, str]:
+    if retry_after is None:
+        return {}
+    return {"Retry-After": str(max(1, round(retry_after))), "retry-after-ms": str(int(retry_after * 1000))}
+
+
+def render_error(err: ApiError) -> JSONResponse:
+    return JSONResponse(error_payload(err), status_code=err.status, headers=retry_headers(err.retry_after))

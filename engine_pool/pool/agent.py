@@ -42,42 +42,32 @@ from starlette.routing import Route
 from storage.blobstore import BlobStore
 from storage.engines import EngineRegistry
 from storage.errors import Conflict, StorageError, StoreUnavailable
-from storage.ids import SlotRef
+from storage.ids import SlotRef, validate_id
 from storage.index import SessionIndex, SessionState
 from storage.slotfile import read_slot_file, whole_file_crc32
 from storage.spillcache import SpillCache
 
-from .body import read_json
-from .errors import BadRequest, EngineError, NotFound, Unavailable, as_engine_error, render_error
-from .node_metrics import NodeMetrics
-from .node_settings import NodeSettings
+from ..body import read_json
+from ..credentials import RequireKey
+from ..errors import (
+    ApiError,
+    BadRequest,
+    NotFound,
+    Unavailable,
+    Upstream,
+    api_error,
+    is_expected,
+    render_error,
+)
+from .metrics import NodeMetrics
+from .settings import NodeSettings
 from .supervisor import EngineSpec, EngineSupervisor, State
 
 _ROUTE = re.compile(r"[0-9a-f]{16,128}")
 log = structlog.get_logger("engine.node")
+PUBLIC_PATHS = frozenset({"/health"})  # probes; nothing a tenant sent
 SLOT_TIMEOUT = httpx.Timeout(600.0, connect=5.0)  # a save waits for the slot's running request
 DAMAGED = frozenset({"truncated", "bad_magic", "checksum_mismatch", "bad_layout"})
-
-
-class Upstream(EngineError):
-    """An engine or the store failed in a way the caller cannot fix by changing its request."""
-
-    status = 502
-    type = "upstream_error"
-
-
-_STORAGE_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
-                  422: "invalid_request_error", 503: "unavailable_error"}  # fmt: skip
-
-
-def node_error(exc: BaseException) -> EngineError:
-    """Storage errors keep their status; everything else as the engine process renders it."""
-    if isinstance(exc, StorageError) and not isinstance(exc, EngineError):
-        err = EngineError(str(exc), status=exc.status)
-        err.type = _STORAGE_TYPES.get(exc.status, "upstream_error")
-        err.retry_after = 1 if exc.status == 503 else None
-        return err
-    return as_engine_error(exc)
 
 
 @dataclass
@@ -188,7 +178,7 @@ class NodeAgent:
                 await index.mark_spilled(tenant, session, generation=ref.generation, blob_key=out["key"],
                                          nbytes=out["bytes"], tokens=out["tokens"])  # fmt: skip
                 ok = ok and bool(out["uploaded"])
-            except (EngineError, StorageError) as exc:
+            except (ApiError, StorageError) as exc:
                 log.error("node.drain_spill_failed", tenant=tenant, session=session, error=str(exc))
                 ok = False
         return ok
@@ -226,6 +216,14 @@ class NodeAgent:
             self._inflight -= 1
             if not self._inflight:
                 self._idle.set()
+
+    async def forget(self, tenant: str, session: str) -> int:
+        """Discard every spill-cache file of the session, confirmed or not; returns how many."""
+        refs = self.parts.cache.session_refs(tenant, session)
+        for ref in refs:
+            await self.parts.cache.discard(ref)
+        log.info("node.forgot", tenant=tenant, session=session, files=len(refs))
+        return len(refs)
 
     async def _spill(self, sup: EngineSupervisor, slot: int, ref: SlotRef, route: str = "") -> dict[str, Any]:
         """Save, cache and upload; `route` (the session's newest routing digest) travels in the
@@ -282,7 +280,7 @@ class NodeAgent:
             await asyncio.to_thread(_link_or_copy, path, link)
             try:
                 out = await self._slot_call(sup, slot, "restore", name)
-            except EngineError as err:
+            except ApiError as err:
                 if err.extra.get("kind") in DAMAGED and source == "local" and cache.is_uploaded(ref):
                     await cache.discard(ref)  # damaged on this disk; the next fill downloads it again
                 raise
@@ -317,10 +315,13 @@ class NodeAgent:
         error = error if isinstance(error, dict) else {"message": r.text[:500]}
         status = r.status_code if r.status_code < 500 or r.status_code == 503 else 502
         extra = {k: v for k, v in error.items() if k not in ("message", "type", "param", "code")}
-        err = EngineError(f"engine {engine_id}: {error.get('message')}", status=status, extra=extra,
-                          retry_after=self.settings.retry_after_s if status == 503 else None)  # fmt: skip
-        err.type = str(error.get("type") or ("upstream_error" if status == 502 else "invalid_request_error"))
-        raise err
+        code = error.get("code")
+        raise ApiError(
+            f"engine {engine_id}: {error.get('message')}", status=status, extra=extra,
+            type=str(error.get("type") or ("upstream_error" if status == 502 else "invalid_request_error")),
+            code=code if isinstance(code, str) else None,
+            retry_after=self.settings.retry_after_s if status == 503 else None,
+        )  # fmt: skip
 
     # -- background loops ------------------------------------------------------------------------
     async def _registry_loop(self) -> None:
@@ -451,22 +452,35 @@ async def slot_operation(request: Request) -> Response:
 
 
 async def handle_error(request: Request, exc: Exception) -> Response:
-    err = node_error(exc)
-    if err.status >= 500 and not isinstance(exc, EngineError | StorageError):
+    err = api_error(exc)
+    if not is_expected(exc):
         log.error("http.unhandled", error=err.message, exc_info=exc)
     return render_error(err)
 
 
-def build_node_app(lifespan: Any) -> Starlette:
-    """The node API; `lifespan` creates the parts and the agent and puts it in `app.state.agent`."""
+async def forget_session(request: Request) -> Response:
+    """Drop every copy of a session this node holds: its spill-cache files, pending uploads included
+    (the gateway deletes the session; a pending upload flushed later would bring it back)."""
+    a, p = agent(request), request.path_params
+    tenant, session = validate_id(p["tenant"], "tenant"), validate_id(p["session"], "session")
+    dropped = await a.forget(tenant, session)
+    return JSONResponse({"tenant": tenant, "session": session, "n_files": dropped})
+
+
+def build_node_app(lifespan: Any, internal_key: str | None) -> Starlette:
+    """The node API; `lifespan` creates the parts and the agent and puts it in `app.state.agent`.
+    Everything but `/health` requires `internal_key` (see engine_pool.credentials)."""
     app = Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/v1/engines", engines, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/engines/{engine}/slots/{slot}/{op}", slot_operation, methods=["POST"]),
+            Route("/v1/sessions/{tenant}/{session}", forget_session, methods=["DELETE"]),
         ],
         lifespan=lifespan,
-        exception_handlers={e: handle_error for e in (EngineError, StorageError, HTTPException, Exception)},
+        exception_handlers={e: handle_error for e in (ApiError, StorageError, HTTPException, Exception)},
     )
+    if internal_key:
+        app.add_middleware(RequireKey, key=internal_key, public=PUBLIC_PATHS)
     return app

@@ -1,4 +1,4 @@
-"""The async client the gateway uses for one node agent's API (`engine_pool.node_agent`).
+"""The async client the gateway uses for one node agent's API (`engine_pool.pool.agent`).
 
 Every failure is a `NodeError` carrying the HTTP status and the node's error `type` and
 `message` (from its `{"error": {...}}` body); a node that cannot be reached is status 502,
@@ -20,19 +20,29 @@ from typing import Any, Self
 
 import httpx
 
+from ..credentials import auth_headers
+from ..errors import ApiError
+
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 _NO_RESPONSE = (*_NOT_SENT, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ReadTimeout)
 
 
-class NodeError(Exception):
-    """The node answered with an error (or could not be reached)."""
+class NodeError(ApiError):
+    """The node answered with an error (or could not be reached): its status, type, code and message."""
 
-    def __init__(self, status: int, type: str, message: str, *, retry_after: float | None = None) -> None:
-        super().__init__(f"{status} {type}: {message}")
-        self.status = status
-        self.type = type
-        self.message = message
-        self.retry_after = retry_after
+    def __init__(
+        self,
+        status: int,
+        type: str,
+        message: str,
+        *,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message, status=status, type=type, code=code, retry_after=retry_after)
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.type}: {self.message}"
 
 
 @dataclass(frozen=True)
@@ -70,10 +80,18 @@ class FillResult:
 class NodeClient:
     """One node agent at `base_url` (e.g. ``http://10.0.0.5:8070``)."""
 
-    def __init__(self, base_url: str, *, timeout_s: float = 600.0, connect_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        key: str | None = None,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 5.0,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout)
+        self._headers = auth_headers(key)  # the internal credential (engine_pool.credentials)
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout, headers=self._headers)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -116,6 +134,11 @@ class NodeClient:
         out = await self._call("POST", f"/v1/engines/{engine}/slots/{slot}/fill", body, retry_on=_NO_RESPONSE)
         return FillResult(**{f: out[f] for f in FillResult.__dataclass_fields__})
 
+    async def forget(self, tenant: str, session: str) -> int:
+        """Drop every spill-cache file of the session on this node (pending uploads too)."""
+        out = await self._call("DELETE", f"/v1/sessions/{tenant}/{session}", retry_on=_NO_RESPONSE)
+        return int(out["n_files"])
+
     async def erase(self, engine: str, slot: int) -> int:
         """Empty the slot; returns the number of tokens it held."""
         out = await self._call("POST", f"/v1/engines/{engine}/slots/{slot}/erase", retry_on=_NO_RESPONSE)
@@ -150,7 +173,9 @@ class NodeClient:
             pass  # nothing of the response arrived: once more, on a connection of its own
         except httpx.HTTPError as exc:
             raise _unreachable(method, path, exc) from exc
-        async with httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout) as fresh:
+        async with httpx.AsyncClient(
+            base_url=self.base_url, timeout=self._timeout, headers=self._headers
+        ) as fresh:
             try:
                 return await self._once(fresh, method, path, body)
             except httpx.HTTPError as exc:
@@ -182,11 +207,15 @@ def _error(r: httpx.Response, body: Any) -> NodeError:
     retry = r.headers.get("retry-after")
     retry_after = float(retry) if retry and retry.replace(".", "", 1).isdigit() else None
     if isinstance(err, dict):
+        code = err.get("code")
         return NodeError(
-            r.status_code, str(err.get("type", "error")), str(err.get("message", "")), retry_after=retry_after
-        )
+            r.status_code, str(err.get("type", "error")), str(err.get("message", "")),
+            code=code if isinstance(code, str) else None, retry_after=retry_after,
+        )  # fmt: skip
     return NodeError(r.status_code, "http_error", r.text[:500] or r.reason_phrase, retry_after=retry_after)
 
 
 def _unreachable(method: str, path: str, exc: Exception) -> NodeError:
-    return NodeError(502, "node_unreachable", f"{method} {path}: {type(exc).__name__}: {exc}")
+    return NodeError(
+        502, "node_unreachable", f"{method} {path}: {type(exc).__name__}: {exc}", code="node_unreachable"
+    )

@@ -20,7 +20,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import FrameType
 from typing import Any
@@ -32,16 +32,19 @@ from starlette.applications import Starlette
 
 from storage.blobstore import BlobStore
 from storage.engines import EngineRegistry
+from storage.errors import StorageError
 from storage.index import SessionIndex, in_process_redis
 from storage.localstore import LocalStore
+from storage.probe import probe_redis, probe_store
 from storage.retry import RetryPolicy
 from storage.spillcache import SpillCache
 
-from . import logs
-from .node_agent import NodeAgent, NodeParts, build_node_app
-from .node_settings import NodeSettings, build_parser, describe, parse_node_settings
-from .settings import SettingsError
-from .signals import SignalServer
+from .. import logs
+from ..credentials import auth_headers
+from ..flags import SettingsError
+from ..signals import SignalServer
+from .agent import NodeAgent, NodeParts, build_node_app
+from .settings import NodeSettings, build_parser, describe, parse_node_settings
 
 log = structlog.get_logger("engine.node")
 # A spill waits for the store at most about a second; after that the flush loop takes over.
@@ -75,7 +78,12 @@ async def open_parts(s: NodeSettings, stack: AsyncExitStack, redis: Any = None) 
         else:
             redis = in_process_redis()
         stack.push_async_callback(redis.aclose)
-    http = await stack.enter_async_context(httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0)))
+    # Misconfiguration is found here, not at the first spill: a bucket S3 refuses, wrong keys, an
+    # unreachable Redis stop the start with a precise message (see `check_backends`).
+    await check_backends(store, redis, s.redis_prefix, "node")
+    http = await stack.enter_async_context(
+        httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0), headers=auth_headers(s.internal_key))
+    )
     return NodeParts(
         store=store,
         cache=cache,
@@ -83,6 +91,18 @@ async def open_parts(s: NodeSettings, stack: AsyncExitStack, redis: Any = None) 
         registry=EngineRegistry(redis, prefix=s.redis_prefix),
         http=http,
     )
+
+
+async def check_backends(store: BlobStore, redis: Any, prefix: str, who: str) -> None:
+    """Write, read and delete a probe in the store and in Redis; a failure is logged with its precise
+    cause (and printed for whoever started the process) and stops the start."""
+    try:
+        await probe_store(store)
+        await probe_redis(redis, prefix=prefix)
+    except StorageError as exc:
+        log.error(f"{who}.misconfigured", error=str(exc))
+        print(f"slotkeeper {who}: cannot start: {exc}", file=sys.stderr)
+        raise
 
 
 class NodeServer(SignalServer):
@@ -111,13 +131,16 @@ class NodeServer(SignalServer):
             self.should_exit = True
 
 
-def build_server(settings: NodeSettings, redis: Any = None) -> NodeServer:
+def build_server(settings: NodeSettings, environ: Mapping[str, str], redis: Any = None) -> NodeServer:
+    """The node's server; `environ` is the node's environment, from which each engine's is made."""
     holder: dict[str, NodeServer] = {}
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
-            agent = NodeAgent(settings, await open_parts(settings, stack, redis))
+            agent = NodeAgent(
+                settings, await open_parts(settings, stack, redis), settings.engine_specs(environ)
+            )
             app.state.agent = agent
             stack.push_async_callback(agent.close)
             await agent.start()
@@ -129,7 +152,7 @@ def build_server(settings: NodeSettings, redis: Any = None) -> NodeServer:
                 await asyncio.gather(drain, return_exceptions=True)
 
     config = uvicorn.Config(
-        build_node_app(lifespan),
+        build_node_app(lifespan, settings.internal_key),
         host=settings.host,
         port=settings.port,
         lifespan="on",
@@ -153,7 +176,7 @@ def main(argv: list[str]) -> int:
     logs.configure(settings.log_format, settings.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health probe otherwise
     log.info("node.starting", settings=describe(settings))
-    server = build_server(settings)
+    server = build_server(settings, os.environ)
     server.run()
     if not server.started:
         log.error("node.exit", code=1, reason="the server did not start")

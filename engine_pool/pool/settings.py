@@ -23,8 +23,9 @@ from typing import Any
 from storage.errors import InvalidId
 from storage.ids import validate_id, validate_prefix
 
-from .flags import Check, Flag, SettingsError, check, parse_bytes, parse_int, parse_log_format, read_flags
-from .flags import build_parser as _build_parser
+from ..credentials import engine_environment
+from ..flags import Check, Flag, SettingsError, check, parse_bytes, parse_int, parse_log_format, read_flags
+from ..flags import build_parser as _build_parser
 from .supervisor import EngineSpec, SupervisorPolicy
 
 
@@ -48,6 +49,7 @@ class NodeSettings:
     s3_region: str = "us-east-1"
     s3_access_key: str | None = None
     s3_secret_key: str | None = None
+    internal_key: str | None = None  # the credential every caller of the node API (and engines) presents
     spill_bytes: int = 8 << 30
     engine_args: tuple[str, ...] = ()
     engine_host: str = "127.0.0.1"
@@ -76,9 +78,14 @@ class NodeSettings:
     def data_path(self) -> Path:
         return Path(self.data_dir)
 
-    def engine_specs(self) -> list[EngineSpec]:
-        """One engine per model: `{data_dir}/engines/{engine id}/` holds its slot dir and its log."""
+    def engine_specs(self, environ: Mapping[str, str] | None = None) -> list[EngineSpec]:
+        """One engine per model: `{data_dir}/engines/{engine id}/` holds its slot dir and its log.
+        `environ` (the node's) becomes each engine's environment, less the node's settings and
+        secrets, plus the internal key as the engine's API key."""
         root = self.data_path / "engines"
+        env = (
+            None if environ is None else tuple(sorted(engine_environment(environ, self.internal_key).items()))
+        )
         return [
             EngineSpec(
                 engine_id=self.engine_id(i),
@@ -90,6 +97,7 @@ class NodeSettings:
                 log_path=root / self.engine_id(i) / "engine.log",
                 host=self.engine_host,
                 extra_args=self.engine_args,
+                env=env,
             )  # fmt: skip
             for i, model in enumerate(self.models)
         ]
@@ -119,6 +127,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("s3_region", ("--s3-region",), "SLOTKEEPER_S3_REGION", str, "S3 region (us-east-1)"),
     Flag("s3_access_key", (), "SLOTKEEPER_S3_ACCESS_KEY", str, "S3 access key"),
     Flag("s3_secret_key", (), "SLOTKEEPER_S3_SECRET_KEY", str, "S3 secret key"),
+    Flag(
+        "internal_key", (), "SLOTKEEPER_INTERNAL_KEY", str, "the credential the gateway presents (required)"
+    ),
     Flag("spill_bytes", ("--spill-bytes",), "SLOTKEEPER_SPILL_BYTES", parse_bytes, "spill cache budget (8G)"),
     Flag(
         "engine_args",
@@ -223,6 +234,11 @@ def parse_node_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Node
     check(settings, FLAGS, _CHECKS)
     if len(settings.aliases) > len(settings.models):
         raise SettingsError(f"{len(settings.aliases)} --alias for {len(settings.models)} --model")
+    if not settings.internal_key:
+        raise SettingsError(
+            "SLOTKEEPER_INTERNAL_KEY is required: the node API and its engines answer only callers that "
+            "present it (the gateway holds the same key)"
+        )
     if bool(settings.s3_endpoint) and not settings.s3_bucket:
         raise SettingsError("--s3-endpoint needs --s3-bucket")
     return settings
@@ -231,7 +247,7 @@ def parse_node_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Node
 def describe(settings: NodeSettings) -> dict[str, Any]:
     """The settings as loggable data (secrets are never logged)."""
     out = dataclasses.asdict(settings)
-    for secret in ("s3_access_key", "s3_secret_key"):
+    for secret in ("s3_access_key", "s3_secret_key", "internal_key"):
         if out.get(secret):
             out[secret] = "***"
     if out.get("redis_url") and "@" in out["redis_url"]:  # redis://user:password@host

@@ -72,6 +72,9 @@ class EngineSpec:
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free port for every process
     extra_args: tuple[str, ...] = ()
+    # The process environment (credentials.engine_environment: the node's, less its settings and
+    # secrets, plus the engine's API key); None inherits the supervisor's (tests).
+    env: tuple[tuple[str, str], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -300,7 +303,7 @@ class EngineSupervisor:
                 # start_new_session: its own process group, so that stop and kill reach its children
                 self._proc = await asyncio.create_subprocess_exec(
                     *argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                    start_new_session=True,
+                    start_new_session=True, env=None if self.spec.env is None else dict(self.spec.env),
                 )  # fmt: skip
             finally:
                 log_file.close()

@@ -22,8 +22,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from native.errors import NativeError
 
+from ..credentials import matches, presented
+from ..errors import ApiError, Unauthorized, api_error, is_expected, render_error
 from . import routes_llama, routes_openai
-from .errors import EngineError, Unauthorized, as_engine_error, render_error
+from .limits import RequestLimits
 from .metrics import route_label
 from .runtime import Runtime
 
@@ -35,8 +37,8 @@ QUIET_PATHS = frozenset({"/health", "/v1/health", "/metrics"})
 
 
 async def handle_error(request: Request, exc: Exception) -> Response:
-    err = as_engine_error(exc)
-    if err.status >= 500 and not isinstance(exc, EngineError):
+    err = api_error(exc)
+    if not is_expected(exc):
         log.error("http.unhandled", error=err.message, exc_info=exc)
     return render_error(err)
 
@@ -68,7 +70,7 @@ class EdgeMiddleware:
 
         try:
             key = self.runtime.settings.api_key
-            if key and path not in PUBLIC_PATHS and not _authorized(headers, key):
+            if key and path not in PUBLIC_PATHS and not matches(presented(headers), key):
                 await render_error(Unauthorized("Invalid API Key"))(scope, receive, send_wrapper)
                 return
             await self.app(scope, receive, send_wrapper)
@@ -79,12 +81,6 @@ class EdgeMiddleware:
             emit = log.debug if path in QUIET_PATHS and status < 400 else log.info
             emit("http.request", method=scope["method"], status=status, ms=ms)
             structlog.contextvars.unbind_contextvars("request_id", "path")
-
-
-def _authorized(headers: dict[str, str], key: str) -> bool:
-    auth = headers.get("authorization", "")
-    given = auth[7:] if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
-    return secrets.compare_digest(given.encode(), key.encode())
 
 
 _ROUTES = routes_llama.ROUTES + routes_openai.ROUTES
@@ -111,12 +107,13 @@ def build_app(runtime: Runtime, on_fatal: Callable[[], None] | None = None) -> S
         routes=_ROUTES,
         lifespan=lifespan,
         exception_handlers={
-            EngineError: handle_error,
+            ApiError: handle_error,
             NativeError: handle_error,
             HTTPException: handle_error,
             Exception: handle_error,
         },
     )
     app.state.runtime = runtime
+    app.state.limits = RequestLimits.from_settings(runtime.settings)  # built once, read by every route
     app.add_middleware(EdgeMiddleware, runtime=runtime)
     return app

@@ -1,8 +1,9 @@
 """An OpenAI chat request, validated: messages, tools, tool_choice, response_format, stream options.
 
-`parse_chat` checks the shape of everything the engine acts on and says precisely what is wrong;
-`constraint` decides (purely) which grammar the output must follow and whether tool calls are
-parsed from it.
+`parse_chat` checks the shape — and the size, against `RequestLimits` — of everything the engine
+acts on and says precisely what is wrong; `constraint` decides (purely) which grammar the output
+must follow and whether tool calls are parsed from it. Building that grammar from a large schema
+takes time: routes call `build_constraint`, which runs it in a worker thread.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .body import Body, json_type
-from .errors import BadRequest
-from .grammar import json_object_grammar, schema_grammar, tool_call_grammar
+from ..body import Body, json_type
+from ..errors import BadRequest
+from .gbnf import check_grammar
+from .grammar import GrammarLimits, built_off_loop, json_object_grammar, schema_grammar, tool_call_grammar
+from .limits import RequestLimits, check_count, check_text
 from .sampling import Sampling, read_sampling
 
 _TEXT_PART = "text"
@@ -40,10 +43,13 @@ class Constraint:
     ban_tool_calls: bool
 
 
-def parse_messages(body: Body) -> list[dict[str, Any]]:
+def parse_messages(body: Body, limits: RequestLimits) -> list[dict[str, Any]]:
     raw = body.get_list("messages")
     if not raw:
         raise BadRequest("'messages' must be a non-empty array of messages", param="messages")
+    check_count("messages", raw, limits.max_messages, "messages")
+    # Everything a template may render counts: content, names, tool call arguments, extras.
+    check_text("messages", raw, limits.max_text_chars)
     out = []
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
@@ -56,18 +62,19 @@ def parse_messages(body: Body) -> list[dict[str, Any]]:
         if content is None and role != "assistant":
             raise BadRequest(f"'{where}.content' is required for role {role!r}", param=f"{where}.content")
         if content is not None and not isinstance(content, str):
-            _check_parts(content, f"{where}.content")
+            _check_parts(content, f"{where}.content", limits.max_messages)
         if m.get("tool_calls") is not None:
-            _check_tool_calls(m["tool_calls"], f"{where}.tool_calls")
+            _check_tool_calls(m["tool_calls"], f"{where}.tool_calls", limits.max_tools)
         out.append(dict(m))
     return out
 
 
-def _check_parts(content: Any, where: str) -> None:
+def _check_parts(content: Any, where: str, max_parts: int) -> None:
     if not isinstance(content, list):
         raise BadRequest(
             f"'{where}' must be a string or an array of content parts, got {json_type(content)}", param=where
         )
+    check_count(where, content, max_parts, "content parts")  # no more parts than messages
     for j, part in enumerate(content):
         if not isinstance(part, dict):
             raise BadRequest(f"'{where}[{j}]' must be an object", param=where)
@@ -80,9 +87,10 @@ def _check_parts(content: Any, where: str) -> None:
             raise BadRequest(f"'{where}[{j}].text' must be a string", param=where)
 
 
-def _check_tool_calls(calls: Any, where: str) -> None:
+def _check_tool_calls(calls: Any, where: str, max_calls: int) -> None:
     if not isinstance(calls, list):
         raise BadRequest(f"'{where}' must be an array", param=where)
+    check_count(where, calls, max_calls, "tool calls")  # no more calls than tools
     for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -91,8 +99,9 @@ def _check_tool_calls(calls: Any, where: str) -> None:
             raise BadRequest(f"'{where}[{j}].function.arguments' must be a JSON string", param=where)
 
 
-def parse_tools(body: Body) -> list[dict[str, Any]]:
+def parse_tools(body: Body, limits: RequestLimits) -> list[dict[str, Any]]:
     raw = body.get_list("tools") or []
+    check_count("tools", raw, limits.max_tools, "tools")
     for i, t in enumerate(raw):
         where = f"tools[{i}]"
         fn = t.get("function") if isinstance(t, dict) else None
@@ -105,9 +114,11 @@ def parse_tools(body: Body) -> list[dict[str, Any]]:
     return list(raw)
 
 
-def parse_chat(body: Body, defaults: Sampling, n_slots: int, n_vocab: int) -> ChatRequest:
-    messages = parse_messages(body)
-    tools = parse_tools(body)
+def parse_chat(
+    body: Body, defaults: Sampling, limits: RequestLimits, *, n_vocab: int, n_ctx: int
+) -> ChatRequest:
+    messages = parse_messages(body, limits)
+    tools = parse_tools(body, limits)
     names = [t["function"]["name"] for t in tools]
     choice, name = _tool_choice(body, names)
     fmt, schema = _response_format(body)
@@ -117,6 +128,8 @@ def parse_chat(body: Body, defaults: Sampling, n_slots: int, n_vocab: int) -> Ch
         raise BadRequest("'logprobs' is not supported by this engine", param="logprobs")
     options = body.get_object("stream_options")
     kwargs = body.get_object("chat_template_kwargs")
+    grammar = body.get_str("grammar", "") or ""
+    check_grammar(grammar, limits.max_grammar_bytes, limits.max_grammar_depth)
     return ChatRequest(
         messages=messages,
         tools=tools,
@@ -124,11 +137,11 @@ def parse_chat(body: Body, defaults: Sampling, n_slots: int, n_vocab: int) -> Ch
         tool_name=name,
         response_format=fmt,
         schema=schema,
-        grammar=body.get_str("grammar", "") or "",
+        grammar=grammar,
         stream=body.get_bool("stream", False),
         include_usage=options.get_bool("include_usage", False) if options else False,
         template_kwargs=dict(kwargs.data) if kwargs else {},
-        sampling=read_sampling(body, defaults, n_slots, n_vocab),
+        sampling=read_sampling(body, defaults, limits, n_vocab=n_vocab, n_ctx=n_ctx),
     )
 
 
@@ -172,17 +185,31 @@ def _response_format(body: Body) -> tuple[str, Any]:
     return kind, None
 
 
-def constraint(req: ChatRequest) -> Constraint:
+def constraint(req: ChatRequest, limits: GrammarLimits | None = None) -> Constraint:
     """The grammar for the output and how to read it; a forced tool call wins over response_format."""
     tools = {t["function"]["name"]: t["function"].get("parameters") or {} for t in req.tools}
     if req.tool_choice == "function" and req.tool_name is not None:
-        return Constraint(tool_call_grammar([(req.tool_name, tools[req.tool_name])]), True, False)
+        return Constraint(tool_call_grammar([(req.tool_name, tools[req.tool_name])], limits), True, False)
     if req.tool_choice == "required":
-        return Constraint(tool_call_grammar(list(tools.items())), True, False)
+        return Constraint(tool_call_grammar(list(tools.items()), limits), True, False)
     parse = bool(req.tools) and req.tool_choice == "auto"
     ban = bool(req.tools) and req.tool_choice == "none"
     if req.response_format == "json_schema" or (req.response_format == "json_object" and req.schema):
-        return Constraint(schema_grammar(req.schema), parse, ban)
+        return Constraint(schema_grammar(req.schema, limits=limits), parse, ban)
     if req.response_format == "json_object":
         return Constraint(json_object_grammar(), parse, ban)
     return Constraint(req.grammar, parse, ban)
+
+
+def builds_grammar(req: ChatRequest) -> bool:
+    """Whether `constraint` converts a schema or tools (work worth a thread), or only passes through."""
+    return req.tool_choice in ("function", "required") or req.response_format != "text"
+
+
+async def build_constraint(req: ChatRequest, limits: GrammarLimits) -> Constraint:
+    """`constraint` off the event loop when it builds a grammar: a large schema takes long enough
+    to stall every other request (and /health) of the engine if converted on the loop."""
+    if not builds_grammar(req):
+        return constraint(req, limits)
+    source = "tools" if req.tool_choice in ("function", "required") else req.response_format
+    return await built_off_loop(source, lambda: constraint(req, limits), lambda c: c.grammar)

@@ -19,7 +19,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .errors import BadRequest
+from ..errors import BadRequest
 from .scheduler import common_prefix
 
 Tokenizer = Callable[[str, bool], list[int]]  # (text, add_special) -> tokens

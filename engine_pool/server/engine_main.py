@@ -17,11 +17,11 @@ from types import FrameType
 import structlog
 import uvicorn
 
-from . import logs
+from .. import logs
+from ..signals import SignalServer
 from .app import build_app
 from .runtime import Runtime
 from .settings import SettingsError, build_parser, describe, parse_settings
-from .signals import SignalServer
 
 
 class _Server(SignalServer):

@@ -22,7 +22,7 @@ from starlette.requests import Request
 
 import native
 
-from .errors import ClientGone, ContextSizeExceeded, ServerError, Unavailable
+from ..errors import ClientGone, ContextSizeExceeded, ServerError, Unavailable
 from .runtime import Runtime
 from .sampling import Sampling, to_native
 from .text_stream import TextStream

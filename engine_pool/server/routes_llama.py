@@ -17,12 +17,14 @@ from starlette.routing import Route
 
 import native
 
+from ..body import check_tokens, json_type, read_json
+from ..errors import BadRequest, ContextSizeExceeded, NotFound, ServerError, Unavailable, error_payload
 from . import slot_files
-from .body import check_tokens, json_type, read_json
 from .chat_request import parse_messages, parse_tools
-from .errors import BadRequest, NotFound, ServerError, Unavailable, error_payload
+from .gbnf import check_grammar
 from .generation import Delta, Outcome, collect, generate
-from .grammar import schema_grammar
+from .grammar import built_off_loop, schema_grammar
+from .limits import RequestLimits, check_count, check_text
 from .metrics import CONTENT_TYPE
 from .runtime import Runtime
 from .sampling import Sampling, generation_settings, read_sampling
@@ -34,14 +36,18 @@ def runtime(request: Request) -> Runtime:
     return rt
 
 
+def limits(request: Request) -> RequestLimits:
+    """The engine's request limits, built once from its settings by `app.build_app`."""
+    lim: RequestLimits = request.app.state.limits
+    return lim
+
+
 async def health(request: Request) -> Response:
     rt = runtime(request)
     if rt.state == "ready":
         return JSONResponse({"status": "ok"})
     if rt.state == "failed":
-        return JSONResponse(
-            error_payload(ServerError(f"the model failed to load: {rt.error}")), status_code=500
-        )
+        return JSONResponse(error_payload(ServerError(rt.error)), status_code=500)
     err = Unavailable(
         "Loading model" if rt.state == "loading" else "the engine is shutting down",
         retry_after=rt.settings.retry_after_s,
@@ -130,14 +136,18 @@ async def slot_action(request: Request) -> Response:
         )
     if action == "erase":
         return JSONResponse(await slot_files.erase(rt, slot))
-    body = await read_json(request)
+    body = await read_json(request, limits(request).body)
     if action == "save":
         return JSONResponse(await slot_files.save(rt, slot, body.raw("filename")))
     return JSONResponse(await slot_files.restore(rt, slot, body.raw("filename")))
 
 
 def completion_prompt(rt: Runtime, value: Any, where: str = "prompt") -> list[int]:
-    """One prompt: text, token ids, or llama-server's mix of both (text pieces are tokenized in place)."""
+    """One prompt: text, token ids, or llama-server's mix of both (text pieces are tokenized in place).
+
+    Routes check its size first (`check_prompt`) and run this in a worker thread: tokenizing takes
+    about a microsecond per character. (The native tokenizer still holds the GIL, so for now the
+    loop waits all the same; the bound is what keeps that short.)"""
     n_vocab = rt.require().model.n_vocab
     if isinstance(value, str):
         tokens = rt.tokenize(value, True)
@@ -159,17 +169,34 @@ def completion_prompt(rt: Runtime, value: Any, where: str = "prompt") -> list[in
     return tokens
 
 
+def check_prompt(value: Any, lim: RequestLimits, n_ctx: int, where: str = "prompt") -> None:
+    """Bound a prompt (or a batch of them) before anything tokenizes it: its text against
+    --max-text-chars, its token ids against a slot's context (every id is one token)."""
+    check_text(where, value, lim.max_text_chars)
+    if isinstance(value, list):
+        n_ids = sum(1 for v in value if isinstance(v, int))
+        if n_ids >= n_ctx:
+            raise ContextSizeExceeded(n_ids, n_ctx)
+
+
 async def completion(request: Request) -> Response:
     rt = runtime(request)
     engine = rt.require()
-    body = await read_json(request)
+    lim = limits(request)
+    body = await read_json(request, lim.body)
     if not body.has("prompt"):
         raise BadRequest("'prompt' is required", param="prompt")
-    prompt = completion_prompt(rt, body.raw("prompt"))
-    sampling = read_sampling(body, rt.defaults, rt.settings.n_slots, engine.model.n_vocab)
+    # Cheap checks first: a refused request must not cost a tokenization or a grammar build.
+    check_prompt(body.raw("prompt"), lim, engine.n_ctx_slot)
+    sampling = read_sampling(body, rt.defaults, lim, n_vocab=engine.model.n_vocab, n_ctx=engine.n_ctx_slot)
     grammar = body.get_str("grammar", "") or ""
+    check_grammar(grammar, lim.max_grammar_bytes, lim.max_grammar_depth)
     if body.has("json_schema"):
-        grammar = schema_grammar(body.raw("json_schema"), "json_schema")
+        schema = body.raw("json_schema")
+        grammar = await built_off_loop(
+            "json_schema", lambda: schema_grammar(schema, "json_schema", lim.schema), lambda g: g
+        )
+    prompt = await asyncio.to_thread(completion_prompt, rt, body.raw("prompt"))
     gen = generate(rt, prompt, sampling, grammar=grammar, endpoint="/completion")
     if body.get_bool("stream", False):
         return await start_stream(_completion_chunks(rt, gen, sampling), done_marker=False)
@@ -212,12 +239,14 @@ def _completion_final(rt: Runtime, o: Outcome, sampling: Sampling, *, streamed: 
 async def tokenize(request: Request) -> Response:
     rt = runtime(request)
     engine = rt.require()
-    body = await read_json(request)
+    lim = limits(request)
+    body = await read_json(request, lim.body)
     content = body.get_str("content")
     if content is None:
         raise BadRequest("'content' is required and must be a string", param="content")
-    tokens = engine.tokenize(
-        content, body.get_bool("add_special", False), body.get_bool("parse_special", True)
+    check_text("content", content, lim.max_text_chars)
+    tokens = await asyncio.to_thread(
+        engine.tokenize, content, body.get_bool("add_special", False), body.get_bool("parse_special", True)
     )
     if not body.get_bool("with_pieces", False):
         return JSONResponse({"tokens": tokens})
@@ -235,21 +264,28 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     rt = runtime(request)
     engine = rt.require()
-    body = await read_json(request)
-    tokens = body.get_token_list("tokens", engine.model.n_vocab)
-    if tokens is None:
+    lim = limits(request)
+    body = await read_json(request, lim.body)
+    raw = body.get_list("tokens")
+    if raw is None:
         raise BadRequest("'tokens' is required (an array of token ids)", param="tokens")
-    return JSONResponse({"content": engine.detokenize(tokens)})
+    check_count("tokens", raw, lim.max_text_chars, "tokens")  # a token is at least a character
+    tokens = check_tokens(raw, engine.model.n_vocab, "tokens")
+    return JSONResponse({"content": await asyncio.to_thread(engine.detokenize, tokens)})
 
 
 async def apply_template(request: Request) -> Response:
     rt = runtime(request)
     rt.require()
-    body = await read_json(request)
+    lim = limits(request)
+    body = await read_json(request, lim.body)
     kwargs = body.get_object("chat_template_kwargs")
-    text = rt.template.render(
-        parse_messages(body),
-        parse_tools(body) or None,
+    messages, tools = parse_messages(body, lim), parse_tools(body, lim)
+    # Rendering runs a client-sized loop in jinja: off the event loop.
+    text = await asyncio.to_thread(
+        rt.template.render,
+        messages,
+        tools or None,
         add_generation_prompt=body.get_bool("add_generation_prompt", True),
         kwargs=dict(kwargs.data) if kwargs else None,
     )

@@ -23,11 +23,12 @@ from starlette.routing import Route
 
 import native
 
-from .body import json_type, read_json
-from .chat_request import ChatRequest, Constraint, constraint, parse_chat
-from .errors import BadRequest
+from ..body import json_type, read_json
+from ..errors import BadRequest
+from .chat_request import ChatRequest, Constraint, build_constraint, parse_chat
 from .generation import Delta, Outcome, collect, generate
-from .routes_llama import completion_prompt, runtime
+from .limits import RequestLimits, check_count, check_text
+from .routes_llama import check_prompt, completion_prompt, limits, runtime
 from .runtime import Runtime
 from .sampling import read_sampling
 from .sse import start_stream
@@ -69,10 +70,14 @@ def usage(outcomes: list[Outcome]) -> dict[str, Any]:
 async def chat_completions(request: Request) -> Response:
     rt = runtime(request)
     engine = rt.require()
-    body = await read_json(request)
-    req = parse_chat(body, rt.defaults, rt.settings.n_slots, engine.model.n_vocab)
-    con = constraint(req)
-    prompt = rt.template.prompt(
+    lim = limits(request)
+    body = await read_json(request, lim.body)
+    req = parse_chat(body, rt.defaults, lim, n_vocab=engine.model.n_vocab, n_ctx=engine.n_ctx_slot)
+    con = await build_constraint(req, lim.schema)
+    # Rendering (jinja over client-sized messages, once per checkpoint hint) and tokenizing: off the
+    # event loop, like the grammar above.
+    prompt = await asyncio.to_thread(
+        rt.template.prompt,
         lambda text, add_special: rt.tokenize(text, add_special),
         req.messages,
         req.tools or None,
@@ -182,7 +187,8 @@ async def _chat_chunks(
 async def completions(request: Request) -> Response:
     rt = runtime(request)
     engine = rt.require()
-    body = await read_json(request)
+    lim = limits(request)
+    body = await read_json(request, lim.body)
     for field in ("suffix", "logprobs"):
         if body.has(field):
             raise BadRequest(f"'{field}' is not supported by this engine", param=field)
@@ -190,8 +196,8 @@ async def completions(request: Request) -> Response:
         raise BadRequest("'echo' is not supported by this engine", param="echo")
     if body.get_int("n", 1) != 1 or body.get_int("best_of", 1) != 1:
         raise BadRequest("'n' and 'best_of' must be 1: send several prompts instead", param="n")
-    prompts = _prompts(rt, body.raw("prompt"))
-    sampling = read_sampling(body, rt.defaults, rt.settings.n_slots, engine.model.n_vocab)
+    sampling = read_sampling(body, rt.defaults, lim, n_vocab=engine.model.n_vocab, n_ctx=engine.n_ctx_slot)
+    prompts = await asyncio.to_thread(_prompts, rt, body.raw("prompt"), lim, engine.n_ctx_slot)
     stream = body.get_bool("stream", False)
     options = body.get_object("stream_options")
     include_usage = options.get_bool("include_usage", False) if options else False
@@ -230,11 +236,16 @@ async def completions(request: Request) -> Response:
     return JSONResponse(response)
 
 
-def _prompts(rt: Runtime, value: Any) -> list[list[int]]:
-    """OpenAI's prompt forms: a string, strings, token ids, or arrays of token ids."""
+def _prompts(rt: Runtime, value: Any, lim: RequestLimits, n_ctx: int) -> list[list[int]]:
+    """OpenAI's prompt forms: a string, strings, token ids, or arrays of token ids (bounded first;
+    the route runs this in a worker thread, as it tokenizes)."""
     if value is None:
         raise BadRequest("'prompt' is required", param="prompt")
     if isinstance(value, list) and value and all(isinstance(v, str | list) for v in value):
+        check_count("prompt", value, lim.max_prompts, "prompts (at most one per slot and queue place)")
+        check_text("prompt", value, lim.max_text_chars)
+        for i, v in enumerate(value):
+            check_prompt(v, lim, n_ctx, f"prompt[{i}]")
         return [completion_prompt(rt, v, f"prompt[{i}]") for i, v in enumerate(value)]
     if isinstance(value, list) and not value:
         raise BadRequest("'prompt' is empty", param="prompt")
@@ -243,6 +254,7 @@ def _prompts(rt: Runtime, value: Any) -> list[list[int]]:
             f"'prompt' must be a string, strings, token ids or arrays of token ids; got {json_type(value)}",
             param="prompt",
         )
+    check_prompt(value, lim, n_ctx)
     return [completion_prompt(rt, value)]
 
 

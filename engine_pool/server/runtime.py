@@ -8,6 +8,7 @@ loads; every route that needs the model calls `require()`, which raises that sam
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -17,8 +18,8 @@ import structlog
 
 import native
 
+from ..errors import ServerError, Unavailable
 from .chat_template import ChatTemplate
-from .errors import ServerError, Unavailable
 from .metrics import EngineMetrics
 from .sampling import Sampling
 from .scheduler import SlotScheduler
@@ -78,10 +79,11 @@ class Runtime:
                 self.slot_dir.mkdir(parents=True, exist_ok=True)
             engine = await asyncio.to_thread(native.Engine, self.engine_config())
         except (native.NativeError, OSError) as exc:
-            self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            self.state, self.error = "failed", f"the model failed to load: {type(exc).__name__}: {exc}"
             log.error("engine.load_failed", model=self.settings.model, error=self.error)
             return
         self.engine = engine
+        engine.on_fault(self._on_fault)
         if self.state == "draining":  # SIGTERM while loading
             return
         model = engine.model
@@ -99,6 +101,22 @@ class Runtime:
             n_ctx_slot=engine.n_ctx_slot,
             load_s=round(time.monotonic() - t0, 3),
         )
+
+    def _on_fault(self, reason: str) -> None:
+        """The core's decode loop died (native/DESIGN.md, "Faults"): its requests have already
+        ended with an error and it refuses everything, so only a new process can serve again.
+
+        `failed` turns /health into a 500; the SIGTERM starts uvicorn's ordinary shutdown, after
+        which engine_main exits 1 and the supervisor restarts the process. Only when a server has
+        taken SIGTERM (engine_main does): an app run in-process by tests is left alone.
+        """
+        if self.state in ("failed", "closed"):
+            return
+        self.state, self.error = "failed", f"the native engine failed: {reason}"
+        log.error("engine.fault", reason=reason)
+        self.scheduler.close()
+        if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None):
+            signal.raise_signal(signal.SIGTERM)
 
     def request_drain(self) -> None:
         """Start draining (safe to call from a signal handler on the loop's thread)."""
@@ -187,7 +205,7 @@ class Runtime:
         if self.state == "loading":
             raise Unavailable("Loading model", retry_after=self.settings.retry_after_s)
         if self.state == "failed":
-            raise ServerError(f"the model failed to load: {self.error}")
+            raise ServerError(self.error)
         raise Unavailable("the engine is shutting down", retry_after=self.settings.retry_after_s)
 
     def token_text(self, token: int) -> str:

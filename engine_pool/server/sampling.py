@@ -13,8 +13,9 @@ from typing import Any
 
 import native
 
-from .body import Body, json_type
-from .errors import BadRequest
+from ..body import Body, json_type
+from ..errors import BadRequest
+from .limits import RequestLimits, check_count, check_n_predict, too_many
 
 
 @dataclass(frozen=True)
@@ -49,25 +50,31 @@ class FieldSpec:
     hi: float | None = None
 
 
+# The core's integers are C ints: a larger value would fail inside the binding (a 500), not here.
+_INT32_MAX = 2**31 - 1
+
 FIELDS: tuple[FieldSpec, ...] = (
-    FieldSpec(("n_predict", "max_completion_tokens", "max_tokens"), "n_predict", "int", -1),
+    FieldSpec(("n_predict", "max_completion_tokens", "max_tokens"), "n_predict", "int", -1, _INT32_MAX),
     FieldSpec(("temperature",), "temperature", "float", 0.0, 100.0),
-    FieldSpec(("top_k",), "top_k", "int", 0),
+    FieldSpec(("top_k",), "top_k", "int", 0, _INT32_MAX),
     FieldSpec(("top_p",), "top_p", "float", 0.0, 1.0),
     FieldSpec(("min_p",), "min_p", "float", 0.0, 1.0),
     FieldSpec(("seed",), "seed", "int", -1, 2**63 - 1),
     FieldSpec(("repeat_penalty",), "repeat_penalty", "float", 0.0),
-    FieldSpec(("repeat_last_n",), "repeat_last_n", "int", -1),
+    FieldSpec(("repeat_last_n",), "repeat_last_n", "int", -1, _INT32_MAX),
     FieldSpec(("presence_penalty",), "presence_penalty", "float", -2.0, 2.0),
     FieldSpec(("frequency_penalty",), "frequency_penalty", "float", -2.0, 2.0),
     FieldSpec(("ignore_eos",), "ignore_eos", "bool"),
     FieldSpec(("cache_prompt",), "cache_prompt", "bool"),
-    FieldSpec(("id_slot", "slot_id"), "id_slot", "int", -1),
+    FieldSpec(("id_slot", "slot_id"), "id_slot", "int", -1, _INT32_MAX),
 )
 
 
-def read_sampling(body: Body, defaults: Sampling, n_slots: int, n_vocab: int) -> Sampling:
-    """The request's options over `defaults` (the engine's --temp, --seed, -n)."""
+def read_sampling(
+    body: Body, defaults: Sampling, limits: RequestLimits, *, n_vocab: int, n_ctx: int
+) -> Sampling:
+    """The request's options over `defaults` (the engine's --temp, --seed, -n), within `limits` and
+    a slot's context `n_ctx`."""
     values: dict[str, Any] = {}
     for spec in FIELDS:
         name = next((n for n in spec.names if body.has(n)), None)
@@ -79,16 +86,23 @@ def read_sampling(body: Body, defaults: Sampling, n_slots: int, n_vocab: int) ->
             values[spec.attr] = body.get_float(name, 0.0, lo=spec.lo, hi=spec.hi)
         else:
             values[spec.attr] = body.get_bool(name, False)
+        if spec.attr in ("n_predict", "repeat_last_n"):
+            # Neither means anything past a slot's context; llama.cpp would allocate the penalty
+            # window (repeat_last_n) in full, on the event loop's thread.
+            check_n_predict(name, values[spec.attr], n_ctx)
     id_slot = values.get("id_slot", -1)
+    n_slots = limits.n_slots
     if id_slot >= n_slots:
         raise BadRequest(
             f"'id_slot' {id_slot} does not exist (this engine has slots 0..{n_slots - 1})", param="id_slot"
         )
-    stop = tuple(body.get_str_list("stop"))
-    if any(not s for s in stop):
-        raise BadRequest("'stop' strings must not be empty", param="stop")
     return Sampling(
-        **{**defaults.__dict__, **values, "stop": stop, "logit_bias": read_logit_bias(body, n_vocab)}
+        **{
+            **defaults.__dict__,
+            **values,
+            "stop": read_stop(body, limits),
+            "logit_bias": read_logit_bias(body, n_vocab, limits.max_logit_bias),
+        }
     )
 
 
@@ -96,7 +110,20 @@ def _int(v: float | None) -> int | None:
     return None if v is None else int(v)
 
 
-def read_logit_bias(body: Body, n_vocab: int) -> dict[int, float]:
+def read_stop(body: Body, limits: RequestLimits) -> tuple[str, ...]:
+    """Stop strings: each is matched against every generated piece, so their number and length
+    bound the per-token work on the event loop."""
+    stop = tuple(body.get_str_list("stop"))
+    check_count("stop", stop, limits.max_stop, "strings")
+    for i, s in enumerate(stop):
+        if not s:
+            raise BadRequest("'stop' strings must not be empty", param="stop")
+        if len(s) > limits.max_stop_chars:
+            raise too_many(f"stop[{i}]", len(s), limits.max_stop_chars, "characters")
+    return stop
+
+
+def read_logit_bias(body: Body, n_vocab: int, max_entries: int) -> dict[int, float]:
     """OpenAI's `{"id": bias}` or llama-server's `[[id, bias], ...]` (bias `false` bans the token)."""
     raw = body.raw("logit_bias")
     if raw is None:
@@ -112,6 +139,7 @@ def read_logit_bias(body: Body, n_vocab: int) -> dict[int, float]:
             f"got {json_type(raw)}",
             param="logit_bias",
         )
+    check_count("logit_bias", pairs, max_entries)
     out: dict[int, float] = {}
     for key, bias in pairs:
         try:

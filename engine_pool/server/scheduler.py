@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from .errors import SlotBusy, Unavailable
+from ..errors import SlotBusy, Unavailable
 
 log = structlog.get_logger("engine.scheduler")
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .flags import (
+from ..flags import (
     Check,
     Flag,
     SettingsError,
@@ -27,7 +27,7 @@ from .flags import (
     parse_log_format,
     read_flags,
 )
-from .flags import build_parser as _build_parser
+from ..flags import build_parser as _build_parser
 
 __all__ = ["FLAGS", "EngineSettings", "SettingsError", "build_parser", "describe", "parse_settings"]
 
@@ -65,6 +65,22 @@ class EngineSettings:
     exit_with_parent: bool = False
     log_format: str = "json"
     log_level: str = "info"
+    # What one request may ask (each refused with a precise 4xx naming the field and the limit; see
+    # limits.py and DESIGN.md "Limits").
+    max_body_bytes: int = 16 << 20
+    max_json_depth: int = 64
+    body_timeout_s: float = 60.0
+    max_messages: int = 4096
+    max_tools: int = 512
+    max_text_chars: int = 1 << 20
+    max_stop: int = 16
+    max_stop_chars: int = 256
+    max_logit_bias: int = 2048
+    max_grammar_bytes: int = 64 << 10
+    max_grammar_depth: int = 64
+    max_schema_depth: int = 32
+    max_schema_grammar_bytes: int = 2 << 20
+    max_schema_grammar_rules: int = 32768
 
     @property
     def model_id(self) -> str:
@@ -204,6 +220,93 @@ FLAGS: tuple[Flag, ...] = (
         "log_format", ("--log-format",), "SLOTKEEPER_LOG_FORMAT", parse_log_format, "json or console (json)"
     ),
     Flag("log_level", ("--log-level",), "SLOTKEEPER_LOG_LEVEL", str, "debug, info, warning, error (info)"),
+    # -- request limits (the gateway uses the same names for its own edge limits) --------------------
+    Flag(
+        "max_body_bytes",
+        ("--max-body-bytes",),
+        "SLOTKEEPER_MAX_BODY_BYTES",
+        parse_bytes,
+        "largest request body, e.g. 16M; larger ones get 413 (16M)",
+    ),
+    Flag(
+        "max_json_depth",
+        ("--max-json-depth",),
+        "SLOTKEEPER_MAX_JSON_DEPTH",
+        parse_int,
+        "deepest JSON nesting of a request body (64)",
+    ),
+    Flag(
+        "body_timeout_s",
+        ("--body-timeout-s",),
+        "SLOTKEEPER_BODY_TIMEOUT_S",
+        float,
+        "seconds a client may take to send its request body; slower ones get 408 (60)",
+    ),
+    Flag(
+        "max_messages",
+        ("--max-messages",),
+        "SLOTKEEPER_MAX_MESSAGES",
+        parse_int,
+        "messages per request (4096)",
+    ),
+    Flag("max_tools", ("--max-tools",), "SLOTKEEPER_MAX_TOOLS", parse_int, "tools per request (512)"),
+    Flag(
+        "max_text_chars",
+        ("--max-text-chars",),
+        "SLOTKEEPER_MAX_TEXT_CHARS",
+        parse_bytes,
+        "characters of text in one request's messages or prompts, e.g. 4M (1M)",
+    ),
+    Flag("max_stop", ("--max-stop",), "SLOTKEEPER_MAX_STOP", parse_int, "stop strings per request (16)"),
+    Flag(
+        "max_stop_chars",
+        ("--max-stop-chars",),
+        "SLOTKEEPER_MAX_STOP_CHARS",
+        parse_int,
+        "characters per stop string (256)",
+    ),
+    Flag(
+        "max_logit_bias",
+        ("--max-logit-bias",),
+        "SLOTKEEPER_MAX_LOGIT_BIAS",
+        parse_int,
+        "logit_bias entries (2048)",
+    ),
+    Flag(
+        "max_grammar_bytes",
+        ("--max-grammar-bytes",),
+        "SLOTKEEPER_MAX_GRAMMAR_BYTES",
+        parse_bytes,
+        "size of a request's raw GBNF `grammar` (64K)",
+    ),
+    Flag(
+        "max_grammar_depth",
+        ("--max-grammar-depth",),
+        "SLOTKEEPER_MAX_GRAMMAR_DEPTH",
+        parse_int,
+        "parenthesis nesting of a raw GBNF `grammar` (64; llama.cpp parses it recursively)",
+    ),
+    Flag(
+        "max_schema_depth",
+        ("--max-schema-depth",),
+        "SLOTKEEPER_MAX_SCHEMA_DEPTH",
+        parse_int,
+        "nesting of a JSON schema (response_format, json_schema, tool parameters), $refs included (32)",
+    ),
+    Flag(
+        "max_schema_grammar_bytes",
+        ("--max-schema-grammar-bytes",),
+        "SLOTKEEPER_MAX_SCHEMA_GRAMMAR_BYTES",
+        parse_bytes,
+        "size of the grammar built from a request's JSON schemas and tools (2M)",
+    ),
+    Flag(
+        "max_schema_grammar_rules",
+        ("--max-schema-grammar-rules",),
+        "SLOTKEEPER_MAX_SCHEMA_GRAMMAR_RULES",
+        parse_int,
+        "rules in the grammar built from a request's JSON schemas and tools (32768)",
+    ),
 )
 
 # Checked after parsing: (field, predicate, what it must be).
@@ -224,6 +327,23 @@ _CHECKS: tuple[Check, ...] = (
     ("shutdown_grace_s", lambda v: v >= 0, ">= 0"),
     ("temperature", lambda v: v >= 0, ">= 0"),
     ("log_level", lambda v: v in ("debug", "info", "warning", "error"), "debug, info, warning or error"),
+    ("max_body_bytes", lambda v: v >= 1024, ">= 1024"),
+    ("max_json_depth", lambda v: 4 <= v <= 512, "within 4..512"),
+    ("body_timeout_s", lambda v: v > 0, "> 0"),
+    ("max_messages", lambda v: v >= 1, ">= 1"),
+    ("max_tools", lambda v: v >= 0, ">= 0"),
+    ("max_text_chars", lambda v: v >= 1, ">= 1"),
+    ("max_stop", lambda v: v >= 0, ">= 0"),
+    ("max_stop_chars", lambda v: v >= 1, ">= 1"),
+    ("max_logit_bias", lambda v: v >= 0, ">= 0"),
+    ("max_grammar_bytes", lambda v: v >= 0, ">= 0"),
+    # llama.cpp parses GBNF recursively (one C++ frame chain per parenthesis) on the event loop's
+    # thread: a few thousand levels crash the process, so this bound is not the operator's to lift.
+    ("max_grammar_depth", lambda v: 1 <= v <= 1024, "within 1..1024"),
+    # The schema walk recurses in Python (a few frames per level, under the interpreter's 1000).
+    ("max_schema_depth", lambda v: 1 <= v <= 128, "within 1..128"),
+    ("max_schema_grammar_bytes", lambda v: v >= 1024, ">= 1024"),
+    ("max_schema_grammar_rules", lambda v: v >= 16, ">= 16"),
 )
 
 

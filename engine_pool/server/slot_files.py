@@ -19,7 +19,7 @@ import structlog
 
 import native
 
-from .errors import BadRequest, NotFound, NotSupported
+from ..errors import BadRequest, NotFound, NotSupported
 from .runtime import Runtime
 
 log = structlog.get_logger("engine.slots")

@@ -17,7 +17,7 @@ import structlog
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
-from .errors import as_engine_error, error_payload
+from ..errors import api_error, error_payload
 
 log = structlog.get_logger("engine.sse")
 
@@ -67,7 +67,7 @@ async def _body(
             async for item in items:
                 yield event(item)
     except Exception as exc:  # the stream has started: report in-band and end it
-        err = as_engine_error(exc)
+        err = api_error(exc)
         log.warning("stream.failed", error=err.message, type=err.type)
         yield event(error_payload(err))
         return

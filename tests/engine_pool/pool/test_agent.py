@@ -22,11 +22,11 @@ from typing import Any
 
 import httpx
 import pytest
-from support.servers import MotoProcess
+from support.servers import INTERNAL_AUTH, INTERNAL_KEY, MotoProcess
 
-from engine_pool import supervisor
-from engine_pool.node_client import NodeClient, NodeError
-from engine_pool.node_settings import SettingsError, parse_node_settings
+from engine_pool.pool import supervisor
+from engine_pool.pool.client import NodeClient, NodeError
+from engine_pool.pool.settings import SettingsError, parse_node_settings
 from storage.engines import EngineRegistry
 from storage.index import SessionIndex, SessionState
 from storage.localstore import LocalStore
@@ -56,7 +56,7 @@ def wait_for(probe: Callable[[], bool], what: str, timeout: float = 30.0) -> Non
 
 
 class NodeProcess:
-    """One `slotkeeper node` subprocess (`python -m engine_pool.node_main`)."""
+    """One `slotkeeper node` subprocess (`python -m engine_pool.pool.main`)."""
 
     def __init__(
         self, tmp: Path, model: str, *args: str, node_id: str = "n1", env: dict[str, str] | None = None
@@ -64,7 +64,7 @@ class NodeProcess:
         self.port, self.node_id, self.data = free_port(), node_id, tmp / "data"
         self.log_path = tmp / "node.log"
         tmp.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "engine_pool.node_main", "--model", model, "--slots", "2",
+        cmd = [sys.executable, "-m", "engine_pool.pool.main", "--model", model, "--slots", "2",
                "--ctx", "512", "--port", str(self.port), "--node-id", node_id, "--data-dir", str(self.data),
                "--engine-arg=-t", "--engine-arg=1", "--heartbeat-ttl", "3", *args]  # fmt: skip
         env = {**os.environ, **(env or {})}
@@ -83,7 +83,7 @@ class NodeProcess:
     def _engine_ready(self) -> bool:
         if self.proc.poll() is not None:
             raise AssertionError(f"node exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-        engines = httpx.get(f"{self.url}/v1/engines", timeout=1).json()["engines"]
+        engines = httpx.get(f"{self.url}/v1/engines", timeout=1, headers=INTERNAL_AUTH).json()["engines"]
         self.engine = engines[0]
         return bool(engines[0]["state"] == "ready")
 
@@ -152,7 +152,7 @@ def stored(blob: Path) -> tuple[int, dict[str, str], str | None, int]:
 
 async def chat(engine_url: str, slot: int) -> dict[str, Any]:
     body = {"messages": MESSAGES, "id_slot": slot, "max_tokens": 4, "temperature": 0}
-    async with httpx.AsyncClient(timeout=60) as c:
+    async with httpx.AsyncClient(timeout=60, headers=INTERNAL_AUTH) as c:
         r = await c.post(f"{engine_url}/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     out: dict[str, Any] = r.json()
@@ -160,7 +160,7 @@ async def chat(engine_url: str, slot: int) -> dict[str, Any]:
 
 
 async def slot_tokens(engine_url: str, slot: int) -> int:
-    async with httpx.AsyncClient(timeout=10) as c:
+    async with httpx.AsyncClient(timeout=10, headers=INTERNAL_AUTH) as c:
         return int((await c.get(f"{engine_url}/slots")).json()[slot]["n_tokens"])
 
 
@@ -171,7 +171,7 @@ async def test_spill_erase_fill_through_the_local_store(
     eng, url = node.engine["id"], node.engine["url"]
     assert (eng, node.engine["model"], node.engine["n_slots"]) == ("n1-e0", "qwen35-seed0", 2)
     first = await chat(url, 0)
-    async with NodeClient(node.url) as client:
+    async with NodeClient(node.url, key=INTERNAL_KEY) as client:
         assert await client.health() == {"status": "ok", "node": "n1"}
         spilled = await client.spill(eng, 0, tenant="t1", session="s1", generation=1)
         assert spilled.uploaded and spilled.tokens == await slot_tokens(url, 0) > 0
@@ -212,7 +212,7 @@ async def test_spill_erase_fill_through_the_local_store(
             with pytest.raises(NodeError) as err:
                 await call
             assert err.value.status == status, err.value
-    async with httpx.AsyncClient() as c:
+    async with httpx.AsyncClient(headers=INTERNAL_AUTH) as c:
         r = await c.post(f"{node.url}/v1/engines/{eng}/slots/0/fill", content=b"[1]")
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
@@ -225,7 +225,7 @@ async def test_s3_store_down_during_spill_then_flushed(
     eng, url = node.engine["id"], node.engine["url"]
     s3 = moto.client()
     await chat(url, 0)
-    async with NodeClient(node.url) as client:
+    async with NodeClient(node.url, key=INTERNAL_KEY) as client:
         up = await client.spill(eng, 0, tenant="t1", session="s1", generation=1)
         assert up.uploaded
         head = s3.head_object(Bucket="slots", Key=up.key)
@@ -286,7 +286,7 @@ async def test_engine_crash_drops_its_sessions_and_restarts(
         await asyncio.sleep(0.1)
     await index.mark_live("t1", "s1", engine=eng, slot=0, tokens=10)
     os.killpg(first_pid, signal.SIGKILL)
-    async with NodeClient(node.url) as client:
+    async with NodeClient(node.url, key=INTERNAL_KEY) as client:
         for _ in range(100):
             view = (await client.engines())[0]
             if view.state == "ready" and view.pid != first_pid:
@@ -327,7 +327,7 @@ async def test_client_retries_only_before_the_first_byte() -> None:
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    async with server, NodeClient(f"http://127.0.0.1:{port}") as client:
+    async with server, NodeClient(f"http://127.0.0.1:{port}", key=INTERNAL_KEY) as client:
         mode = "close-first"
         assert await client.health() == {"status": "ok", "node": "fake"}
         assert len(connections) == 2
@@ -346,6 +346,7 @@ def test_node_settings_from_flags_and_environment() -> None:
         "SLOTKEEPER_MODELS": "/m/a.gguf, /m/b.gguf",
         "SLOTKEEPER_ALIASES": "alpha",
         "SLOTKEEPER_SLOTS": "4",
+        "SLOTKEEPER_INTERNAL_KEY": "k-1",
     }
     s = parse_node_settings(["--node-id", "n9", "--ctx", "1024", "--engine-arg=-t", "--engine-arg", "2"], env)
     assert s.models == ("/m/a.gguf", "/m/b.gguf") and s.model_ids == ("alpha", "b")
@@ -363,4 +364,14 @@ def test_node_settings_from_flags_and_environment() -> None:
         (["-m", "x", "--alias", "a", "--alias", "b"], "2 --alias for 1 --model"),
     ):
         with pytest.raises(SettingsError, match=message):
-            parse_node_settings(argv, {})
+            parse_node_settings(argv, {"SLOTKEEPER_INTERNAL_KEY": "k"})
+    with pytest.raises(SettingsError, match="SLOTKEEPER_INTERNAL_KEY is required"):
+        parse_node_settings(["-m", "x"], {})
+
+
+def test_engines_get_the_key_but_not_the_node_settings_or_store_secrets() -> None:
+    node_env = {"PATH": "/bin", "SLOTKEEPER_INTERNAL_KEY": "k-2", "SLOTKEEPER_S3_SECRET_KEY": "s3-secret",
+                "SLOTKEEPER_PORT": "8070", "AWS_SECRET_ACCESS_KEY": "aws-secret", "HOME": "/h"}  # fmt: skip
+    s = parse_node_settings(["-m", "x.gguf"], node_env)
+    env = dict(s.engine_specs(node_env)[0].env or ())
+    assert env == {"PATH": "/bin", "HOME": "/h", "SLOTKEEPER_API_KEY": "k-2"}

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from engine_pool.supervisor import EngineSpec, EngineSupervisor, State, SupervisorPolicy
+from engine_pool.pool.supervisor import EngineSpec, EngineSupervisor, State, SupervisorPolicy
 
 # A stand-in engine: /health answers 200 until the file `sick` exists (then 500), or never
 # ("never-healthy"); "ignore-term" ignores SIGTERM and leaves a child in its group that does too.

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .conftest import EngineProcess
+from ..conftest import EngineProcess
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

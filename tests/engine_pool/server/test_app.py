@@ -1,4 +1,4 @@
-"""engine_pool/app.py and sse.py in-process: 503 while loading, one error shape, stream failures."""
+"""engine_pool/server/app.py and sse.py in-process: 503 while loading, one error shape, stream failures."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from typing import Any
 
 import httpx
 
-from engine_pool.app import build_app
-from engine_pool.errors import BadRequest, ContextSizeExceeded, as_engine_error, error_payload
-from engine_pool.runtime import Runtime
-from engine_pool.settings import parse_settings
-from engine_pool.sse import start_stream
+from engine_pool.errors import BadRequest, ContextSizeExceeded, api_error, error_payload
+from engine_pool.server.app import build_app
+from engine_pool.server.runtime import Runtime
+from engine_pool.server.settings import parse_settings
+from engine_pool.server.sse import start_stream
 from native.errors import SlotBusyError, SlotFileError
 
 
@@ -27,7 +27,12 @@ async def test_everything_answers_503_while_loading() -> None:
         r = await c.get("/health")
         assert r.status_code == 503 and r.headers["retry-after"] == "3"
         assert r.json() == {
-            "error": {"message": "Loading model", "type": "unavailable_error", "param": None, "code": 503}
+            "error": {
+                "message": "Loading model",
+                "type": "unavailable_error",
+                "param": None,
+                "code": "unavailable",
+            }
         }
         for method, path in [
             ("GET", "/props"),
@@ -47,14 +52,14 @@ async def test_everything_answers_503_while_loading() -> None:
 async def test_routing_errors_use_the_same_shape() -> None:
     async with _loading_app() as c:
         r = await c.delete("/health")
-        assert r.status_code == 405 and r.json()["error"]["code"] == 405
+        assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
 
 
 def test_native_errors_map_to_statuses() -> None:
-    err = as_engine_error(SlotFileError("checksum_mismatch", "bad crc"))
+    err = api_error(SlotFileError("checksum_mismatch", "bad crc"))
     assert (err.status, err.extra["kind"]) == (400, "checksum_mismatch")
-    assert as_engine_error(SlotBusyError("busy")).status == 409
-    assert as_engine_error(ValueError("boom")).status == 500
+    assert api_error(SlotBusyError("busy")).status == 409
+    assert api_error(ValueError("boom")).status == 500
     payload = error_payload(ContextSizeExceeded(2000, 1024))
     assert payload["error"]["type"] == "exceed_context_size_error"
     assert (payload["error"]["n_prompt_tokens"], payload["error"]["n_ctx"]) == (2000, 1024)

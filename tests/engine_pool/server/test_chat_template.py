@@ -1,4 +1,4 @@
-"""engine_pool/chat_template.py: the GGUF template in a sandbox, and its message boundaries in tokens."""
+"""engine_pool/server/chat_template.py: the GGUF template in a sandbox, its message boundaries in tokens."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 import native
-from engine_pool.chat_template import ChatTemplate, boundary_cuts
 from engine_pool.errors import BadRequest
+from engine_pool.server.chat_template import ChatTemplate, boundary_cuts
 from native.model_gen import CHAT_TEMPLATE, write_model
 
 TOOLS = [

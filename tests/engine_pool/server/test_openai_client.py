@@ -9,7 +9,7 @@ from typing import Any
 import openai
 import pytest
 
-from .conftest import EngineProcess
+from ..conftest import EngineProcess
 
 WEATHER: Any = {
     "type": "function",

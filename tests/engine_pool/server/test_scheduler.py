@@ -1,4 +1,4 @@
-"""engine_pool/scheduler.py: slot choice (pure) and leases with a bounded queue (on the event loop)."""
+"""engine_pool/server/scheduler.py: slot choice (pure) and leases with a bounded queue (on the event loop)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from engine_pool.errors import SlotBusy, Unavailable
-from engine_pool.scheduler import SlotScheduler, SlotView, choose_slot, common_prefix
+from engine_pool.server.scheduler import SlotScheduler, SlotView, choose_slot, common_prefix
 
 
 def test_common_prefix() -> None:

@@ -1,4 +1,4 @@
-"""engine_pool/settings.py: llama-server's flags, SLOTKEEPER_* variables, one frozen object."""
+"""engine_pool/server/settings.py: llama-server's flags, SLOTKEEPER_* variables, one frozen object."""
 
 from __future__ import annotations
 
@@ -6,8 +6,11 @@ import dataclasses
 
 import pytest
 
-from engine_pool.engine_main import main
-from engine_pool.settings import FLAGS, EngineSettings, SettingsError, parse_settings
+from engine_pool.body import BodyLimits
+from engine_pool.server.engine_main import main
+from engine_pool.server.grammar import GrammarLimits
+from engine_pool.server.limits import RequestLimits
+from engine_pool.server.settings import FLAGS, EngineSettings, SettingsError, parse_settings
 
 
 def test_llama_server_flags_keep_their_meaning() -> None:
@@ -101,6 +104,10 @@ def test_settings_are_frozen() -> None:
         (["-m", "x", "--max-checkpoint-bytes", "lots"], {}, "--max-checkpoint-bytes: invalid value"),
         (["-m", "x", "-fa", "maybe"], {}, "--flash-attn: invalid value 'maybe'"),
         (["-m", "x", "--log-level", "loud"], {}, "--log-level must be"),
+        (["-m", "x", "--max-grammar-depth", "5000"], {}, "--max-grammar-depth must be within 1..1024"),
+        (["-m", "x"], {"SLOTKEEPER_MAX_SCHEMA_DEPTH": "0"}, "--max-schema-depth must be within 1..128"),
+        (["-m", "x", "--max-body-bytes", "1"], {}, "--max-body-bytes must be >= 1024"),
+        (["-m", "x", "--body-timeout-s", "0"], {}, "--body-timeout-s must be > 0"),
     ],
 )
 def test_bad_flags_and_variables_are_clear_errors(argv: list[str], env: dict[str, str], message: str) -> None:
@@ -123,3 +130,30 @@ def test_main_returns_2_on_bad_flags(capsys: pytest.CaptureFixture[str]) -> None
     assert "slotkeeper engine: error: unrecognized arguments: --nope" in capsys.readouterr().err
     assert main(["--help"]) == 0
     assert "--slot-save-path" in capsys.readouterr().out
+
+
+def test_request_limits_come_from_settings_once() -> None:
+    default = RequestLimits.from_settings(parse_settings(["-m", "x", "-np", "3", "--queue-size", "5"], {}))
+    # The defaults of the settings are the defaults of the limits (one source of truth each way).
+    assert dataclasses.replace(default, n_slots=1, queue_size=16) == RequestLimits()
+    assert default.max_prompts == 8
+    assert (default.body, default.schema) == (
+        BodyLimits(16 << 20, 64, 60.0),
+        GrammarLimits(32, 2 << 20, 32768),
+    )
+    s = parse_settings(
+        [
+            "-m",
+            "x",
+            "--max-body-bytes",
+            "1M",
+            "--max-grammar-bytes",
+            "8K",
+            "--max-schema-grammar-rules",
+            "99",
+        ],
+        {"SLOTKEEPER_MAX_TOOLS": "3", "SLOTKEEPER_BODY_TIMEOUT_S": "2.5", "SLOTKEEPER_MAX_TEXT_CHARS": "1M"},
+    )
+    lim = RequestLimits.from_settings(s)
+    assert (lim.body.max_bytes, lim.body.read_timeout_s, lim.max_tools) == (1 << 20, 2.5, 3)
+    assert (lim.max_grammar_bytes, lim.max_text_chars, lim.schema.max_rules) == (8 << 10, 1 << 20, 99)

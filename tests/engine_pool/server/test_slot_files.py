@@ -1,4 +1,4 @@
-"""engine_pool/slot_files.py: slot file names stay inside the slot directory."""
+"""engine_pool/server/slot_files.py: slot file names stay inside the slot directory."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from engine_pool.errors import BadRequest, NotSupported
-from engine_pool.slot_files import slot_file_path
+from engine_pool.server.slot_files import slot_file_path
 
 
 @pytest.mark.parametrize("name", ["a.slot", "session-1_2.bin", "X" * 255, "a..b"])

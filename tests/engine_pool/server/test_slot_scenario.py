@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .conftest import CHECKPOINT_ARGS, EngineProcess
+from ..conftest import CHECKPOINT_ARGS, EngineProcess
 
 TEXT_A = (
     "The model state is saved in a slot cache, then restored for the user. Every session keeps its "

@@ -1,10 +1,10 @@
-"""engine_pool/text_stream.py: incremental UTF-8 and stop strings with hold-back."""
+"""engine_pool/server/text_stream.py: incremental UTF-8 and stop strings with hold-back."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine_pool.text_stream import StopMatcher, TextStream
+from engine_pool.server.text_stream import StopMatcher, TextStream
 
 
 def feed_all(stream: TextStream, pieces: list[bytes]) -> list[str]:

@@ -1,10 +1,10 @@
-"""engine_pool/tool_calls.py: `<tool_call>` blocks into OpenAI tool calls, whole and streamed."""
+"""engine_pool/server/tool_calls.py: `<tool_call>` blocks into OpenAI tool calls, whole and streamed."""
 
 from __future__ import annotations
 
 import json
 
-from engine_pool.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+from engine_pool.server.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 
 TEXT = (
     'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
