@@ -13,13 +13,13 @@ from collections.abc import Callable
 
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "engine": (
-        "engine_pool.engine_main",
+        "engine_pool.server.engine_main",
         "main",
         "one engine process: llama-server-compatible API over the native core",
     ),
     "serve": ("gateway.serve", "main", "all-in-one: gateway + node agent + engines on this machine"),
     "node": (
-        "engine_pool.node_main",
+        "engine_pool.pool.main",
         "main",
         "node agent: engine pool, spill/fill of slot files, drain on SIGTERM",
     ),

@@ -8,6 +8,7 @@ an engine is found among the configured node agents by the node id they report.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -16,6 +17,8 @@ from gateway.placement import EngineView, SlotView
 from storage.engines import EngineInfo, EngineRegistry
 from storage.index import SessionIndex, SessionState
 from storage.locks import SessionLocks
+
+_CONFIGURED_TTL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,8 @@ class Cluster:
         self._node_urls = node_urls
         self._http = http
         self._nodes: dict[str, str] = {}  # node id -> agent URL
+        self._configured: set[str] = set()
+        self._configured_at = -_CONFIGURED_TTL_S
 
     async def engines(self, model: str | None = None) -> list[EngineRef]:
         infos: list[EngineInfo] = await self.registry.list(model)
@@ -49,6 +54,24 @@ class Cluster:
 
     async def models(self) -> set[str]:
         return {e.model for e in await self.engines()}
+
+    async def configured_models(self) -> set[str]:
+        """The models the node agents run engines for, ready or not (asked of the nodes at most every
+        few seconds): tells a model that is restarting (503) from one that does not exist (404)."""
+        now = time.monotonic()
+        if now - self._configured_at > _CONFIGURED_TTL_S:
+            self._configured_at = now
+
+            async def listed(url: str) -> set[str]:
+                try:
+                    resp = await self._http.get(url.rstrip("/") + "/v1/engines", timeout=5.0)
+                    return {str(e["model"]) for e in resp.json()["engines"]}
+                except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                    return set()
+
+            found = await asyncio.gather(*(listed(u) for u in self._node_urls))
+            self._configured = set().union(*found)
+        return self._configured
 
     async def engine(self, engine_id: str) -> EngineRef | None:
         for e in await self.engines():
@@ -95,6 +118,10 @@ class Cluster:
         if node_id not in self._nodes:
             await self.refresh_nodes()
         return self._nodes.get(node_id)
+
+    async def node_ids(self) -> list[str]:
+        """The ids of the node agents that answered the last refresh."""
+        return sorted(self._nodes)
 
     async def refresh_nodes(self) -> None:
         async def probe(url: str) -> tuple[str, str] | None:

@@ -19,6 +19,9 @@ import structlog
 import uvicorn
 
 from engine_pool import logs
+from engine_pool.credentials import auth_headers
+from engine_pool.http_deadlines import header_deadline
+from engine_pool.pool.main import check_backends
 from gateway.app import Services, build_app
 from gateway.cluster import Cluster
 from gateway.metrics import Metrics
@@ -64,7 +67,12 @@ async def services(
     index = SessionIndex(redis, prefix=settings.redis_prefix)
     locks = SessionLocks(redis, prefix=settings.redis_prefix)
     registry = EngineRegistry(redis, prefix=settings.redis_prefix)
-    http = httpx.AsyncClient(timeout=httpx.Timeout(settings.request_timeout_s, connect=5.0))
+    await check_backends(store, redis, settings.redis_prefix, "gateway")  # refuse to start if unusable
+    # Engines answer only the internal credential; a silent engine fails the request it serves, only.
+    http = httpx.AsyncClient(
+        timeout=httpx.Timeout(settings.request_timeout_s, connect=5.0),
+        headers=auth_headers(settings.internal_key),
+    )
     if settings.redis_url is None:
         # The in-process index starts empty: storage is the source of truth for spilled sessions.
         report = await reindex(store, index)
@@ -84,6 +92,7 @@ async def services(
         metrics,
         lock_ttl_s=settings.lock_ttl_s,
         spill_wait_s=settings.spill_wait_s,
+        internal_key=settings.internal_key,
     )
     try:
         yield Services(settings, tenants, index, locks, registry, store, http, cluster, runner, metrics)
@@ -107,8 +116,13 @@ def main(argv: list[str]) -> int:
     # A stateless gateway (several replicas, nodes elsewhere) shares its index and blobs with the
     # nodes: an in-process index or a local directory would silently split the state.
     # `slotkeeper serve` is the one-machine form with embedded defaults.
-    missing = [flag for flag, value in (("--node", settings.nodes), ("--redis-url", settings.redis_url),
-                                        ("--s3-bucket", settings.s3_bucket)) if not value]  # fmt: skip
+    required = (
+        ("--node", settings.nodes),
+        ("--redis-url", settings.redis_url),
+        ("--s3-bucket", settings.s3_bucket),
+        ("SLOTKEEPER_INTERNAL_KEY", settings.internal_key),
+    )
+    missing = [flag for flag, value in required if not value]
     if missing:
         print(
             f"slotkeeper gateway: {', '.join(missing)} required (or use `slotkeeper serve`)", file=sys.stderr
@@ -118,6 +132,7 @@ def main(argv: list[str]) -> int:
     metrics = Metrics()
     app = build_app(lambda: services(settings, metrics), metrics)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            lifespan="on")  # fmt: skip
+                            lifespan="on", http=header_deadline(settings.header_timeout_s),
+                            timeout_keep_alive=round(settings.keep_alive_s))  # fmt: skip
     asyncio.run(uvicorn.Server(config).serve())
     return 0

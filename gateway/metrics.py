@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine_pool.server.metrics import route_label
 
 
 class Metrics:
@@ -37,6 +40,9 @@ class Metrics:
         self.spill_seconds = Histogram(
             "slotkeeper_gateway_spill_seconds", "Save + upload time of a slot", ["why"], registry=r
         )
+        self.saves_skipped = Counter(
+            "slotkeeper_gateway_saves_skipped", "After-turn saves not made, by reason", ["reason"], registry=r
+        )
         self.ttft = Histogram(
             "slotkeeper_gateway_ttft_seconds", "Time to the engine's first byte", registry=r
         )
@@ -54,17 +60,19 @@ class Metrics:
 
 
 class RequestCounter:
-    """ASGI middleware: one count per response, by route path and status (streams included)."""
+    """ASGI middleware: one count per response, by route template and status (streams included).
+    Paths no route matches share one label, `other`: a client cannot mint series."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: Sequence[Any]) -> None:
         self.app = app
         self.metrics = metrics
+        self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope["path"] if not scope["path"].startswith("/v1/sessions/") else "/v1/sessions/{id}"
+        path = route_label(scope["path"], self.routes)
 
         async def counted(message: Message) -> None:
             if message["type"] == "http.response.start":

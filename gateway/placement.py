@@ -54,10 +54,20 @@ class NoCapacity(Exception):
     """Every slot of every ready engine serving the model is busy."""
 
 
-def choose_placement(engines: list[EngineView], model: str, session: SessionView) -> Placement:
+class LiveSlotsExhausted(Exception):
+    """The tenant holds its whole live-slot quota and every one of those sessions is busy."""
+
+
+def choose_placement(
+    engines: list[EngineView], model: str, session: SessionView, live_limit: int | None = None
+) -> Placement:
     """Live → its own slot. Otherwise a free slot of a ready engine with the model (the engine with
     most free slots first), else the least recently used idle slot there, whose session is evicted.
-    Busy slots are never evicted. Raises NoCapacity when nothing is idle."""
+    Busy slots are never evicted. Raises NoCapacity when nothing is idle.
+
+    `live_limit` is the tenant's live-slot quota, counted after the placement whoever is evicted:
+    a tenant already holding that many slots makes room by evicting its OWN least recently used idle
+    session (LiveSlotsExhausted when all of them are busy), never by taking one more slot."""
     candidates = [e for e in engines if e.ready and e.model == model]
     for e in candidates:
         if e.engine != session.engine:
@@ -68,6 +78,19 @@ def choose_placement(engines: list[EngineView], model: str, session: SessionView
                     break  # the caller forks a busy session; never wait here
                 return Placement(e.engine, s.slot, Serve.LIVE)
     serve = Serve.RESTORE if session.generation > 0 else Serve.COLD
+    if live_limit is not None:
+        own = [
+            (s.last_used, e.engine, s)
+            for e in candidates
+            for s in e.slots
+            if s.tenant == session.tenant and s.session is not None and s.session != session.session
+        ]
+        if len(own) >= live_limit:
+            idle_own = [t for t in own if not t[2].busy]
+            if not idle_own:
+                raise LiveSlotsExhausted(f"tenant {session.tenant} uses all of its {live_limit} live slots")
+            _, engine, victim = min(idle_own, key=lambda t: (t[0], t[1], t[2].slot))
+            return Placement(engine, victim.slot, serve, evict=victim)
 
     def free(e: EngineView) -> list[SlotView]:
         return [s for s in e.slots if not s.busy and s.session is None]

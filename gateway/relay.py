@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from gateway.errors import GatewayError, Unavailable, UpstreamError, error_body
+from engine_pool.errors import ApiError, Unavailable, Upstream, error_payload, for_status
 
 
 @dataclass
@@ -28,7 +28,6 @@ class TurnOutcome:
     usage: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, Any] = field(default_factory=dict)
     error: str = ""
-    engine_failed: bool = False  # the connection broke: the engine died, its slots are gone
 
     def assistant_message(self) -> dict[str, Any]:
         msg: dict[str, Any] = {"role": "assistant", "content": self.content}
@@ -41,30 +40,31 @@ class TurnOutcome:
         return int(self.usage.get("prompt_tokens", 0)) + int(self.usage.get("completion_tokens", 0))
 
 
-class EngineUnreachable(Unavailable):
-    """The connection to the engine failed: the engine died (its supervisor restarts it)."""
+class EngineTimeout(ApiError):
+    """The engine did not answer within the request timeout: this request fails, nothing else."""
+
+    status, type, code = 504, "timeout_error", "engine_timeout"
 
 
-def _upstream_error(resp_status: int, payload: Any) -> GatewayError:
+def _upstream_error(resp_status: int, payload: Any) -> ApiError:
     err = payload.get("error", {}) if isinstance(payload, dict) else {}
     message = err.get("message") or f"engine answered {resp_status}"
-    exc = GatewayError(message)
-    exc.status = resp_status
-    exc.type = err.get("type", "server_error")
-    exc.code = str(err.get("code", resp_status))
-    if resp_status == 503:
-        exc.retry_after = 1
-    return exc
+    code = err.get("code")
+    return for_status(resp_status)(
+        str(message), status=resp_status, type=str(err.get("type") or "server_error"),
+        code=code if isinstance(code, str) else None, retry_after=1 if resp_status == 503 else None,
+    )  # fmt: skip
 
 
 async def _send(client: httpx.AsyncClient, request: httpx.Request, *, stream: bool) -> httpx.Response:
-    """Send to the engine; a failed connection means the engine died (its supervisor restarts it)."""
+    """Send to the engine. A failure fails this request only: whether the engine died is for its node
+    to say (process exit, failed health checks, a new registration), never inferred from one request."""
     try:
         return await client.send(request, stream=stream)
+    except httpx.TimeoutException as exc:
+        raise EngineTimeout(f"the engine did not answer in time ({type(exc).__name__})") from exc
     except httpx.HTTPError as exc:
-        raise EngineUnreachable(
-            f"the engine is unreachable ({type(exc).__name__}); retry", retry_after=1
-        ) from exc
+        raise Unavailable(f"the engine is unreachable ({type(exc).__name__}); retry", retry_after=1) from exc
 
 
 async def forward_json(
@@ -75,7 +75,7 @@ async def forward_json(
     try:
         payload = resp.json()
     except ValueError:
-        raise UpstreamError(f"the engine answered {resp.status_code} without JSON") from None
+        raise Upstream(f"the engine answered {resp.status_code} without JSON") from None
     if resp.status_code != 200:
         raise _upstream_error(resp.status_code, payload)
     out = TurnOutcome(ok=True, usage=payload.get("usage") or {}, timings=payload.get("timings") or {})
@@ -156,9 +156,8 @@ class StreamRelay:
                 yield data
         except httpx.HTTPError as exc:
             self.outcome.ok = False
-            self.outcome.engine_failed = True
             self.outcome.error = f"the engine stream broke ({type(exc).__name__})"
-            err = Unavailable("the engine failed mid-stream; the session resumes from its last durable turn")
-            yield b"data: " + json.dumps(error_body(err)).encode() + b"\n\n"
+            err = Unavailable("the engine stream broke off; retry (the session resumes from its last save)")
+            yield b"data: " + json.dumps(error_payload(err)).encode() + b"\n\n"
         finally:
             await self._response.aclose()

@@ -22,9 +22,11 @@ import structlog
 import uvicorn
 
 from engine_pool import logs
+from engine_pool.credentials import new_key
 from engine_pool.flags import add_flags
-from engine_pool.node_main import build_server
-from engine_pool.node_settings import parse_node_settings
+from engine_pool.http_deadlines import header_deadline
+from engine_pool.pool.main import build_server
+from engine_pool.pool.settings import parse_node_settings
 from gateway.app import build_app
 from gateway.main import services
 from gateway.metrics import Metrics
@@ -94,24 +96,37 @@ def main(argv: list[str]) -> int:
             node_argv += ["--s3-endpoint", settings.s3_endpoint]
     if settings.redis_url:
         node_argv += ["--redis-url", settings.redis_url]
+    # The node API and the engines answer only this credential; one machine: a fresh one per start.
+    internal_key = settings.internal_key or new_key()
     try:
-        node_settings = parse_node_settings(node_argv, os.environ)
+        node_settings = parse_node_settings(
+            node_argv, {**os.environ, "SLOTKEEPER_INTERNAL_KEY": internal_key}
+        )
     except SettingsError as exc:
         print(f"slotkeeper serve: {exc}", file=sys.stderr)
         return 2
-    gw_settings = dataclasses.replace(settings, nodes=(f"http://127.0.0.1:{node_port}",))
+    gw_settings = dataclasses.replace(
+        settings, nodes=(f"http://127.0.0.1:{node_port}",), internal_key=internal_key
+    )
     redis = (
         aioredis.from_url(settings.redis_url, decode_responses=True)
         if settings.redis_url
         else in_process_redis()
     )
-    node_server = build_server(node_settings, redis)
+    node_server = build_server(node_settings, os.environ, redis)
     metrics = Metrics()
     app = build_app(lambda: services(gw_settings, metrics, redis=redis), metrics)
     gateway_server = _QuietServer(
         uvicorn.Config(
-            app, host=settings.host, port=settings.port, lifespan="on", log_config=None, access_log=False
-        )
+            app,
+            host=settings.host,
+            port=settings.port,
+            lifespan="on",
+            log_config=None,
+            access_log=False,
+            http=header_deadline(settings.header_timeout_s),
+            timeout_keep_alive=round(settings.keep_alive_s),
+        )  # fmt: skip
     )
     log.info(
         "serve.start", gateway=f"http://{settings.host}:{settings.port}", node_port=node_port, models=models

@@ -10,7 +10,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine_pool.flags import Check, Flag, SettingsError, check, parse_int, read_flags, values_from
+from engine_pool.body import BodyLimits
+from engine_pool.flags import (
+    Check,
+    Flag,
+    SettingsError,
+    check,
+    parse_bytes,
+    parse_int,
+    read_flags,
+    values_from,
+)
 
 __all__ = ["FLAGS", "GatewaySettings", "SettingsError", "parse_settings", "settings_from_args"]
 
@@ -29,11 +39,27 @@ class GatewaySettings:
     s3_region: str = "us-east-1"
     s3_access_key: str | None = None  # variables only: a secret on a command line shows in `ps`
     s3_secret_key: str | None = None
+    internal_key: str | None = None  # presented to node agents and engines (variable only)
     data_dir: str = ".slotkeeper"
-    lock_ttl_s: float = 600.0
+    # Short, and renewed every third of it while a turn runs: a dead gateway frees its sessions fast.
+    lock_ttl_s: float = 15.0
     spill_wait_s: float = 30.0  # a request waits this long for its session's write-behind save
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0  # an engine silent this long fails that request (only)
+    # Limits at the edge (each a precise 4xx): body bytes (413), JSON nesting (400), body and header
+    # read time (408 / connection closed), requests running at once per tenant (429).
+    max_body_bytes: int = 16 << 20
+    max_json_depth: int = 64
+    max_messages: int = 4096
+    body_timeout_s: float = 60.0
+    header_timeout_s: float = 10.0
+    # Longer than clients keep idle connections (httpx, the OpenAI SDK: 5 s), so that the client, not
+    # the server, ends an idle connection: never one the client is sending a request on at that moment.
+    keep_alive_s: float = 30.0
+    max_inflight: int = 64  # per tenant, unless its quotas say otherwise
     log_level: str = "info"
+
+    def body_limits(self) -> BodyLimits:
+        return BodyLimits(self.max_body_bytes, self.max_json_depth, self.body_timeout_s)
 
 
 FLAGS: tuple[Flag, ...] = (
@@ -51,11 +77,27 @@ FLAGS: tuple[Flag, ...] = (
     Flag("s3_region", ("--s3-region",), "SLOTKEEPER_S3_REGION", str, "S3 region (us-east-1)"),
     Flag("s3_access_key", (), "SLOTKEEPER_S3_ACCESS_KEY", str, "S3 access key (else boto3's chain)"),
     Flag("s3_secret_key", (), "SLOTKEEPER_S3_SECRET_KEY", str, "S3 secret key (else boto3's chain)"),
+    Flag("internal_key", (), "SLOTKEEPER_INTERNAL_KEY", str, "credential for node agents and engines"),
     Flag("data_dir", ("--data-dir",), "SLOTKEEPER_DATA_DIR", str, "local state directory (.slotkeeper)"),
     Flag("lock_ttl_s", ("--lock-ttl-s",), "SLOTKEEPER_LOCK_TTL_S", float, "session lock TTL, seconds"),
     Flag("spill_wait_s", ("--spill-wait-s",), "SLOTKEEPER_SPILL_WAIT_S", float, "wait for a session's save"),
     Flag(
         "request_timeout_s", ("--request-timeout-s",), "SLOTKEEPER_REQUEST_TIMEOUT_S", float, "engine timeout"
+    ),
+    Flag(
+        "max_body_bytes", ("--max-body-bytes",), "SLOTKEEPER_MAX_BODY_BYTES", parse_bytes, "body limit (16M)"
+    ),
+    Flag(
+        "max_json_depth", ("--max-json-depth",), "SLOTKEEPER_MAX_JSON_DEPTH", parse_int, "JSON nesting (64)"
+    ),
+    Flag("max_messages", ("--max-messages",), "SLOTKEEPER_MAX_MESSAGES", parse_int, "messages per request"),
+    Flag("body_timeout_s", ("--body-timeout-s",), "SLOTKEEPER_BODY_TIMEOUT_S", float, "body read limit (60)"),
+    Flag(
+        "header_timeout_s", ("--header-timeout-s",), "SLOTKEEPER_HEADER_TIMEOUT_S", float, "header read limit"
+    ),
+    Flag("keep_alive_s", ("--keep-alive-s",), "SLOTKEEPER_KEEP_ALIVE_S", float, "idle connection limit (30)"),
+    Flag(
+        "max_inflight", ("--max-inflight",), "SLOTKEEPER_MAX_INFLIGHT", parse_int, "running requests/tenant"
     ),
     Flag("log_level", ("--log-level",), "SLOTKEEPER_LOG_LEVEL", str, "debug|info|warning|error"),
 )
@@ -65,6 +107,13 @@ _CHECKS: tuple[Check, ...] = (
     ("lock_ttl_s", lambda v: v > 0, "> 0"),
     ("spill_wait_s", lambda v: v >= 0, ">= 0"),
     ("request_timeout_s", lambda v: v > 0, "> 0"),
+    ("max_body_bytes", lambda v: v >= 1024, ">= 1024"),
+    ("max_json_depth", lambda v: 4 <= v <= 512, "within 4..512"),
+    ("max_messages", lambda v: v >= 1, ">= 1"),
+    ("body_timeout_s", lambda v: v > 0, "> 0"),
+    ("header_timeout_s", lambda v: v > 0, "> 0"),
+    ("keep_alive_s", lambda v: v > 0, "> 0"),
+    ("max_inflight", lambda v: v >= 1, ">= 1"),
     ("log_level", lambda v: v in ("debug", "info", "warning", "error"), "debug, info, warning or error"),
 )
 

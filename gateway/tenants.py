@@ -13,6 +13,7 @@ The tenants file is TOML:
     stored_bytes = 50_000_000_000
     live_slots = 8
     requests_per_minute = 600
+    inflight = 16                        # requests running at once (default: --max-inflight)
 
 Without a file there is one tenant, `default`, with no key and no quotas (local use).
 """
@@ -41,6 +42,7 @@ class Quotas:
     stored_bytes: int | None = None
     live_slots: int | None = None
     requests_per_minute: int | None = None
+    inflight: int | None = None
 
 
 @dataclass(frozen=True)

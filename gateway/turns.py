@@ -17,21 +17,31 @@ from typing import Any
 
 import structlog
 
-from engine_pool.node_client import NodeClient, NodeError
+from engine_pool.errors import BadRequest, Conflict, NotFound, QuotaExceeded, Unavailable
+from engine_pool.pool.client import NodeClient, NodeError, SpillResult
 from gateway.cluster import Cluster
-from gateway.errors import BadRequest, NotFound, QuotaExceeded, Unavailable
 from gateway.metrics import Metrics
-from gateway.placement import NoCapacity, Placement, Serve, SessionView, choose_placement
+from gateway.placement import (
+    LiveSlotsExhausted,
+    NoCapacity,
+    Placement,
+    Serve,
+    SessionView,
+    choose_placement,
+)
 from gateway.prefixes import lookup_digests, turn_digests
 from gateway.relay import TurnOutcome
 from gateway.tenants import Durability, Tenant
-from storage.blobstore import BlobStore
-from storage.errors import InvalidId, LockBusy, LockLost
+from storage.blobstore import BlobStore, delete_generations
+from storage.errors import Conflict as RecordConflict
+from storage.errors import InvalidId, LockBusy, LockLost, StorageError
+from storage.errors import NotFound as RecordNotFound
 from storage.ids import validate_id
 from storage.index import SessionIndex, SessionRecord, SessionState
 from storage.locks import SessionLock, SessionLocks
 
 log = structlog.get_logger("slotkeeper.gateway")
+_GENERATION_TRIES = 8
 
 
 @dataclass
@@ -45,6 +55,14 @@ class Turn:
     node: NodeClient
     source: str  # how the session was found: header | prompt_cache_key | implicit | new | fork
     forked_from: str | None = None
+    keeper: asyncio.Task[None] | None = None  # renews the lock until the turn is settled
+
+
+def fork_id(session: str) -> str:
+    """A fresh id for a fork of `session`: valid whatever the parent's id ends with, at most 128
+    characters (a parent like `dot2.` would otherwise give `dot2..fXXXX`, which ids refuse)."""
+    base = session[:110].rstrip(".") or "s"
+    return validate_id(f"{base}.f{secrets.token_hex(4)}", "fork id")
 
 
 def session_from_request(headers: Mapping[str, str], body: Mapping[str, Any]) -> tuple[str | None, str]:
@@ -75,6 +93,7 @@ class TurnRunner:
         *,
         lock_ttl_s: float,
         spill_wait_s: float,
+        internal_key: str | None = None,
     ) -> None:
         self.cluster = cluster
         self.store = store
@@ -84,9 +103,11 @@ class TurnRunner:
         self.nodes = nodes  # node id -> client
         self.lock_ttl_s = lock_ttl_s
         self.spill_wait_s = spill_wait_s
+        self.internal_key = internal_key
         # Sessions whose turn ended here and whose lock is still held for the bookkeeping and the
         # write-behind save: a request for one of them waits for this instead of forking it.
         self._settling: dict[tuple[str, str], asyncio.Future[None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()  # write-behind saves in flight
 
     # ---------------------------------------------------------------------------------- resolve
     async def resolve(
@@ -104,30 +125,21 @@ class TurnRunner:
 
     # ------------------------------------------------------------------------------------ begin
     async def begin(self, tenant: Tenant, session: str, model: str, source: str) -> Turn:
-        lock = await self.locks.try_acquire(tenant.name, session, ttl_s=self.lock_ttl_s)
+        lock = await self._lock(tenant.name, session)
         forked_from = None
-        if lock is None:
-            settling = self._settling.get((tenant.name, session))
-            if settling is not None:  # our own previous turn is still saving: wait, then take over
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(settling), self.spill_wait_s)
-                lock = await self.locks.try_acquire(tenant.name, session, ttl_s=self.lock_ttl_s)
-            elif await self.index.is_idle(tenant.name, session):
-                # No request runs on it: another gateway replica is saving its last turn. Wait.
-                with contextlib.suppress(LockBusy):
-                    lock = await self.locks.acquire(
-                        tenant.name, session, ttl_s=self.lock_ttl_s, wait_s=self.spill_wait_s
-                    )
         if lock is None:  # busy with another request: fork it
-            forked_from, session = session, f"{session[:110]}.f{secrets.token_hex(4)}"  # ids: <= 128 chars
+            forked_from, session = session, fork_id(session)
             lock = await self.locks.try_acquire(tenant.name, session, ttl_s=self.lock_ttl_s)
             assert lock is not None
             source = "fork"
+        keeper = asyncio.create_task(self._keep(lock))
+        created = False
         try:
             record = await self.index.find(tenant.name, session)
             if record is None:
                 await self._check_new_session_quota(tenant)
                 record = await self.index.create(tenant.name, session, model=model)
+                created = True
             placement, engine_url, node = await self._place(tenant, record, model, forked_from)
             await self.index.mark_live(
                 tenant.name,
@@ -147,16 +159,66 @@ class TurnRunner:
                 serve=placement.serve.value,
                 source=source,
             )
-            return Turn(tenant, session, model, lock, placement, engine_url, node, source, forked_from)
+            return Turn(
+                tenant, session, model, lock, placement, engine_url, node, source, forked_from, keeper
+            )
         except BaseException:
-            await self.locks.release(lock)
+            keeper.cancel()
+            if created:  # a failed placement leaves no record behind (it would count toward quotas)
+                with contextlib.suppress(StorageError):
+                    await self.index.delete(tenant.name, session, lock=lock)
+            with contextlib.suppress(StorageError):
+                await self.locks.release(lock)
             raise
 
+    async def _lock(self, tenant: str, session: str) -> SessionLock | None:
+        """The session's lock, waiting where its holder is only settling or dead; None when a live
+        request holds it (the caller forks)."""
+        lock = await self.locks.try_acquire(tenant, session, ttl_s=self.lock_ttl_s)
+        if lock is not None:
+            return lock
+        settling = self._settling.get((tenant, session))
+        if settling is not None:  # our own previous turn is still saving: wait, then take over
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(settling), self.spill_wait_s)
+            return await self.locks.try_acquire(tenant, session, ttl_s=self.lock_ttl_s)
+        if await self.index.is_idle(tenant, session):
+            wait = self.spill_wait_s  # no request runs on it: another replica is saving its last turn
+        else:
+            left = await self.locks.remaining_s(tenant, session)
+            # A live holder renews every third of the TTL, so its lock never runs below two thirds; one
+            # below half was not renewed in time: its gateway died. Wait for it to lapse, never fork.
+            if left is not None and left >= self.lock_ttl_s / 2:
+                return None
+            wait = (left or 0.0) + 1.0
+        with contextlib.suppress(LockBusy):
+            return await self.locks.acquire(tenant, session, ttl_s=self.lock_ttl_s, wait_s=wait)
+        return None
+
+    async def _keep(self, lock: SessionLock) -> None:
+        """Renew the lock every third of its TTL until cancelled (the turn settled)."""
+        while True:
+            await asyncio.sleep(self.lock_ttl_s / 3)
+            try:
+                await self.locks.extend(lock)
+            except LockLost:
+                log.error("session.lock_lost", tenant=lock.tenant, session=lock.session)
+                return
+            except StorageError as exc:  # Redis down a moment: try again at the next tick
+                log.warning("session.lock_renew_failed", tenant=lock.tenant, session=lock.session,
+                            error=str(exc))  # fmt: skip
+
     async def _check_new_session_quota(self, tenant: Tenant) -> None:
-        limit = tenant.quotas.sessions
-        if limit is not None and len(await self.index.list_sessions(tenant.name)) >= limit:
+        q = tenant.quotas
+        if q.sessions is not None and await self.index.count_sessions(tenant.name) >= q.sessions:
             raise QuotaExceeded(
-                f"tenant {tenant.name} has reached its limit of {limit} sessions", retry_after=60
+                f"tenant {tenant.name} has reached its limit of {q.sessions} sessions", retry_after=60
+            )
+        if q.stored_bytes is not None and await self.index.stored_bytes(tenant.name) >= q.stored_bytes:
+            raise QuotaExceeded(
+                f"tenant {tenant.name} stores {q.stored_bytes} bytes of sessions, its limit: delete sessions "
+                "to start new ones",
+                retry_after=60,
             )
 
     async def _place(
@@ -170,18 +232,13 @@ class TurnRunner:
         view = SessionView(tenant.name, record.session, record.engine, record.slot, generation)
         try:
             snapshot, refs = await self.cluster.snapshot(model, holder=(tenant.name, record.session))
-            placement = choose_placement(snapshot, model, view)
+            placement = choose_placement(snapshot, model, view, tenant.quotas.live_slots)
         except NoCapacity as exc:
             raise Unavailable(f"no free slot for model {model!r}: {exc}", retry_after=2) from None
+        except LiveSlotsExhausted as exc:
+            raise QuotaExceeded(str(exc), retry_after=2) from None
         engine = refs[placement.engine]
         node = await self._node(engine.node)
-        if placement.serve is not Serve.LIVE and tenant.quotas.live_slots is not None:
-            live = sum(1 for e in snapshot for s in e.slots if s.tenant == tenant.name)
-            if live >= tenant.quotas.live_slots and placement.evict is None:
-                raise QuotaExceeded(
-                    f"tenant {tenant.name} uses all of its {tenant.quotas.live_slots} live slots",
-                    retry_after=2,
-                )
         if placement.evict is not None:
             await self._evict(engine.engine, node, placement)
         try:
@@ -193,18 +250,20 @@ class TurnRunner:
                 # A slot is never shared across sessions: clear what a dropped session left behind.
                 await node.erase(engine.engine, placement.slot)
         except NodeError as exc:
-            if placement.serve is Serve.RESTORE:
+            if placement.serve is Serve.RESTORE and exc.status < 500:
                 log.warning(
                     "session.restore_failed", tenant=tenant.name, session=record.session, error=str(exc)
                 )
                 self.metrics.restore_failures.inc()
                 await node.erase(engine.engine, placement.slot)
                 placement = Placement(placement.engine, placement.slot, Serve.COLD, placement.evict)
-            else:
-                raise Unavailable(f"could not prepare the slot: {exc}", retry_after=1) from exc
+            else:  # the node or its store is down: this request fails, the session stays as it was
+                raise Unavailable(f"could not prepare the slot: {exc.message}", retry_after=1) from exc
         return placement, engine.url, node
 
     async def _evict(self, engine: str, node: NodeClient, placement: Placement) -> None:
+        """Spill the placement's victim out of its slot; any failure costs this request only (503)
+        and leaves the victim live where it was."""
         victim = placement.evict
         assert victim is not None and victim.tenant and victim.session
         try:  # an idle victim may still be saving its last turn: wait for that, not longer
@@ -223,19 +282,11 @@ class TurnRunner:
                 log.info("session.evicted", tenant=victim.tenant, session=victim.session, engine=engine,
                          slot=victim.slot, generation=rec.generation, saved=False)  # fmt: skip
                 return
-            gen = rec.generation + 1
-            out = await node.spill(
-                engine,
-                victim.slot,
-                tenant=victim.tenant,
-                session=victim.session,
-                generation=gen,
-                route=rec.route,
-            )
+            out = await self._save(node, engine, victim.slot, victim.tenant, victim.session, rec, lock)
             await self.index.mark_spilled(
                 victim.tenant,
                 victim.session,
-                generation=gen,
+                generation=out.generation,
                 blob_key=out.key,
                 nbytes=out.bytes,
                 tokens=out.tokens,
@@ -243,41 +294,57 @@ class TurnRunner:
             )
             self.metrics.evictions.inc()
             self.metrics.spilled("evict", out.bytes, out.ms)
-            log.info(
-                "session.evicted",
-                tenant=victim.tenant,
-                session=victim.session,
-                engine=engine,
-                slot=victim.slot,
-                generation=gen,
-            )
+            log.info("session.evicted", tenant=victim.tenant, session=victim.session, engine=engine,
+                     slot=victim.slot, generation=out.generation)  # fmt: skip
+        except (NodeError, StorageError) as exc:
+            log.warning("session.evict_failed", tenant=victim.tenant, session=victim.session, engine=engine,
+                        error=str(exc))  # fmt: skip
+            raise Unavailable("could not make room for this session; retry", retry_after=1) from exc
         finally:
-            await self.locks.release(lock)
+            with contextlib.suppress(StorageError):
+                await self.locks.release(lock)
+
+    async def _save(
+        self, node: NodeClient, engine: str, slot: int, tenant: str, session: str, rec: SessionRecord,
+        lock: SessionLock,
+    ) -> SpillResult:  # fmt: skip
+        """Save the slot as the session's next generation, a number the index hands out once per
+        session id (also across a delete and a reuse of the id). A generation the node or the store
+        holds already (a copy a crash left) is skipped for the next one, never overwritten."""
+        for _ in range(_GENERATION_TRIES):
+            generation = await self.index.reserve_generation(tenant, session, lock=lock)
+            try:
+                return await node.spill(
+                    engine, slot, tenant=tenant, session=session, generation=generation, route=rec.route
+                )
+            except NodeError as exc:
+                if exc.status != 409 or exc.code != "conflict":
+                    raise
+        raise Unavailable(
+            f"session {session}: {_GENERATION_TRIES} generations in a row are taken", retry_after=1
+        )
 
     async def _node(self, node_id: str) -> NodeClient:
         if node_id not in self.nodes:
             url = await self.cluster.node_url(node_id)
             if url is None:
                 raise Unavailable(f"node {node_id} is not reachable", retry_after=2)
-            self.nodes[node_id] = NodeClient(url)
+            self.nodes[node_id] = NodeClient(url, key=self.internal_key)
         return self.nodes[node_id]
 
     # ----------------------------------------------------------------------------------- finish
     async def finish(self, turn: Turn, messages: Sequence[Mapping[str, Any]], outcome: TurnOutcome) -> None:
         """Bookkeeping after the engine answered (or failed); the lock is released when it and the
-        write-behind save (after-turn tenants) are done."""
+        write-behind save (after-turn tenants) are done. Never raises: a fault here costs durability
+        or routing of this one session, never the answer already given."""
         t, s = turn.tenant.name, turn.session
         settled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._settling[(t, s)] = settled  # before any await: the client may already send its next turn
         handed_off = False
         try:
-            if outcome.engine_failed:
-                # The engine died (its supervisor restarts it): every session it held falls back to
-                # its last durable generation.
-                await self.index.drop_engine(turn.placement.engine)
-                log.warning("session.engine_failed", tenant=t, session=s, error=outcome.error)
-                return
             if not outcome.ok:
+                # A failed or timed-out request fails alone. Whether the engine died is the node's to
+                # say (process exit, failed health, re-registration drop its sessions), not ours.
                 await self.index.mark_idle(t, s, lock=turn.lock)
                 log.warning("session.turn_failed", tenant=t, session=s, error=outcome.error)
                 return
@@ -295,18 +362,29 @@ class TurnRunner:
                 },
             )
             if turn.tenant.durability is Durability.AFTER_TURN:
-                asyncio.create_task(self._write_behind(turn, settled))
+                task = asyncio.create_task(self._write_behind(turn, settled))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
                 handed_off = True
         except LockLost:
             log.warning("session.lock_lost", tenant=t, session=s)
+        except (RecordConflict, RecordNotFound):
+            # The node dropped the session meanwhile (its engine died) or it was deleted: nothing to keep.
+            log.info("session.gone_after_turn", tenant=t, session=s)
+        except StorageError as exc:
+            log.warning("session.finish_failed", tenant=t, session=s, error=str(exc))
         finally:
             if not handed_off:
                 await self._release(turn, settled)
 
     async def _release(self, turn: Turn, settled: asyncio.Future[None]) -> None:
         key = (turn.tenant.name, turn.session)
+        if turn.keeper is not None:
+            turn.keeper.cancel()
         try:
             await self.locks.release(turn.lock)
+        except StorageError as exc:  # lost (expired and taken over) or Redis down: it lapses by itself
+            log.warning("session.release_failed", tenant=key[0], session=key[1], error=str(exc))
         finally:
             if self._settling.get(key) is settled:
                 del self._settling[key]
@@ -319,27 +397,24 @@ class TurnRunner:
             rec = await self.index.get(t, s)
             if rec.engine != turn.placement.engine or rec.slot != turn.placement.slot:
                 return
-            gen = rec.generation + 1
-            out = await turn.node.spill(
-                turn.placement.engine,
-                turn.placement.slot,
-                tenant=t,
-                session=s,
-                generation=gen,
-                route=rec.route,
+            limit = turn.tenant.quotas.stored_bytes
+            if limit is not None and await self.index.stored_bytes(t) >= limit:
+                self.metrics.saves_skipped.labels("stored_bytes").inc()
+                log.warning(
+                    "session.save_skipped", tenant=t, session=s, reason="stored_bytes quota", limit=limit
+                )
+                return
+            out = await self._save(
+                turn.node, turn.placement.engine, turn.placement.slot, t, s, rec, turn.lock
             )
             await self.index.set_durable(
-                t, s, generation=gen, blob_key=out.key, nbytes=out.bytes, lock=turn.lock
+                t, s, generation=out.generation, blob_key=out.key, nbytes=out.bytes, lock=turn.lock
             )
             self.metrics.spilled("after-turn", out.bytes, out.ms)
-            log.info(
-                "session.durable",
-                tenant=t,
-                session=s,
-                generation=gen,
-                bytes=out.bytes,
-                uploaded=out.uploaded,
-            )
+            log.info("session.durable", tenant=t, session=s, generation=out.generation, bytes=out.bytes,
+                     uploaded=out.uploaded)  # fmt: skip
+            # The previous generation stays (a fork may be filling from it); older ones go.
+            await delete_generations(self.store, t, s, below=out.generation - 1)
         except Exception as exc:  # the turn was answered; a failed save only costs durability
             log.warning("session.write_behind_failed", tenant=t, session=s, error=str(exc))
         finally:
@@ -352,21 +427,36 @@ class TurnRunner:
 
     # ----------------------------------------------------------------------------------- delete
     async def delete(self, tenant: Tenant, session: str) -> SessionRecord:
+        """Remove every copy: the slot, each node's spill cache (pending uploads too), every stored
+        generation and the index record. A later request with the same id starts a new session."""
         rec = await self.index.find(tenant.name, session)
         if rec is None:
             raise NotFound(f"session {session} not found")
-        lock = await self.locks.acquire(tenant.name, session, ttl_s=self.lock_ttl_s, wait_s=self.spill_wait_s)
+        try:
+            lock = await self.locks.acquire(
+                tenant.name, session, ttl_s=self.lock_ttl_s, wait_s=self.spill_wait_s
+            )
+        except LockBusy:
+            raise Conflict(f"session {session} is busy with a request; retry", retry_after=1) from None
         try:
             if rec.state is SessionState.LIVE and rec.engine is not None and rec.slot is not None:
                 engine = await self.cluster.engine(rec.engine)
                 if engine is not None:
                     node = await self._node(engine.node)
                     await node.erase(engine.engine, rec.slot)
-            refs = [info.ref async for info in self.store.list(tenant.name, session)]
-            for ref in refs:
-                await self.store.delete(ref)
+            for node in await self._all_nodes():
+                await node.forget(tenant.name, session)
+            await delete_generations(self.store, tenant.name, session)
             await self.index.delete(tenant.name, session, lock=lock)
+        except NodeError as exc:
+            raise Unavailable(f"could not delete every copy of session {session}: {exc.message}",
+                              retry_after=1) from exc  # fmt: skip
         finally:
-            await self.locks.release(lock)
+            with contextlib.suppress(StorageError):
+                await self.locks.release(lock)
         log.info("session.deleted", tenant=tenant.name, session=session)
         return rec
+
+    async def _all_nodes(self) -> list[NodeClient]:
+        await self.cluster.refresh_nodes()
+        return [await self._node(node_id) for node_id in await self.cluster.node_ids()]

@@ -11,6 +11,15 @@ import pytest
 ARCHS = ["llama", "gemma2", "mamba2", "lfm2", "qwen35"]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Node agents, gateways and `serve` started by tests inherit one known internal credential."""
+    import os
+
+    from support.servers import INTERNAL_KEY
+
+    os.environ.setdefault("SLOTKEEPER_INTERNAL_KEY", INTERNAL_KEY)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
     """`tiny_model(arch, seed=0)` → path of a generated tiny GGUF (written once per session)."""

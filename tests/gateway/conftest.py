@@ -8,12 +8,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+from support.servers import INTERNAL_AUTH
 
 
 def _free_port() -> int:
@@ -38,57 +39,62 @@ class Serve:
             return self.proc.wait(10)
 
     def engines(self) -> list[dict]:
-        return httpx.get(self.node_url + "/v1/engines", timeout=5).json()["engines"]
+        return httpx.get(self.node_url + "/v1/engines", timeout=5, headers=INTERNAL_AUTH).json()["engines"]
 
     node_url: str = ""
 
 
+def start_serve(
+    model: str,
+    data_dir: Path,
+    log: Path,
+    *,
+    slots: int = 2,
+    tenants: Path | None = None,
+    port: int | None = None,
+    args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> Serve:
+    """Start `slotkeeper serve` (its own process group) and wait for /ready."""
+    port = port or _free_port()
+    node_port = _free_port()
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--node-port", str(node_port),
+           "--data-dir", str(data_dir), "--model", model, "--slots", str(slots), "--ctx", "2048",
+           "--log-level", "warning", *args]  # fmt: skip
+    if tenants is not None:
+        cmd += ["--tenants", str(tenants)]
+    with log.open("wb") as out:
+        full_env = {**os.environ, **(env or {})}
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=full_env
+        )
+    s = Serve(f"http://127.0.0.1:{port}", proc, log, node_url=f"http://127.0.0.1:{node_port}")
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(s.url + "/ready", timeout=2).status_code == 200:
+                return s
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    s.stop(signal.SIGKILL)
+    raise RuntimeError(f"serve did not become ready:\n{log.read_text()[-3000:]}")
+
+
 @pytest.fixture
 def serve(tiny_model: Callable[..., str], tmp_path: Path) -> Iterator[Callable[..., Serve]]:
-    """`serve(data_dir, slots=2, tenants=None)` starts `slotkeeper serve` and waits for /ready."""
+    """`serve(data_dir, slots=2, tenants=None, args=(), env=None)` starts `slotkeeper serve`."""
     started: list[Serve] = []
 
-    def start(data_dir: Path, slots: int = 2, tenants: Path | None = None, port: int | None = None) -> Serve:
-        port = port or _free_port()
-        node_port = _free_port()
+    def start(data_dir: Path, slots: int = 2, tenants: Path | None = None, port: int | None = None,
+              args: Sequence[str] = (), env: dict[str, str] | None = None) -> Serve:  # fmt: skip
         log = tmp_path / f"serve-{port}-{len(started)}.log"
-        cmd = [
-            sys.executable,
-            "-m",
-            "gateway.cli",
-            "serve",
-            "--port",
-            str(port),
-            "--node-port",
-            str(node_port),
-            "--data-dir",
-            str(data_dir),
-            "--model",
-            tiny_model("qwen35"),
-            "--slots",
-            str(slots),
-            "--ctx",
-            "2048",
-            "--log-level",
-            "warning",
-        ]
-        if tenants is not None:
-            cmd += ["--tenants", str(tenants)]
-        with log.open("wb") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        s = Serve(f"http://127.0.0.1:{port}", proc, log, node_url=f"http://127.0.0.1:{node_port}")
+        s = start_serve(tiny_model("qwen35"), data_dir, log, slots=slots, tenants=tenants, port=port,
+                        args=args, env=env)  # fmt: skip
         started.append(s)
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(s.url + "/ready", timeout=2).status_code == 200:
-                    return s
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"serve did not become ready:\n{log.read_text()[-3000:]}")
+        return s
 
     yield start
     for s in started:

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.placement import EngineView, NoCapacity, Serve, SessionView, SlotView, choose_placement
+from gateway.placement import (
+    EngineView,
+    LiveSlotsExhausted,
+    NoCapacity,
+    Serve,
+    SessionView,
+    SlotView,
+    choose_placement,
+)
 
 
 def _engine(name: str, *slots: SlotView, model: str = "m", ready: bool = True) -> EngineView:
@@ -53,3 +61,27 @@ def test_engines_not_ready_are_skipped():
     engines = [_engine("e1", SlotView(0), ready=False)]
     with pytest.raises(NoCapacity):
         choose_placement(engines, "m", SessionView("t", "s"))
+
+
+def test_a_tenant_at_its_live_slot_quota_makes_room_by_evicting_its_own_idle_session():
+    engines = [
+        _engine(
+            "e1",
+            SlotView(0),  # free: but taking it would be a third live slot for t
+            SlotView(1, tenant="t", session="a", last_used=5),
+            SlotView(2, tenant="t", session="b", last_used=3),
+            SlotView(3, tenant="u", session="c", last_used=1),
+        )
+    ]
+    p = choose_placement(engines, "m", SessionView("t", "new"), live_limit=2)
+    assert (p.slot, p.evict and p.evict.session) == (2, "b")
+    # Under the quota: the usual rule (a free slot), whoever else is there.
+    assert choose_placement(engines, "m", SessionView("t", "new"), live_limit=3).slot == 0
+    # The session itself does not count against its own placement.
+    assert choose_placement(engines, "m", SessionView("t", "a", generation=1), live_limit=2).slot == 0
+
+
+def test_a_tenant_whose_live_slots_are_all_busy_is_refused():
+    engines = [_engine("e1", SlotView(0), SlotView(1, busy=True, tenant="t", session="a"))]
+    with pytest.raises(LiveSlotsExhausted):
+        choose_placement(engines, "m", SessionView("t", "new"), live_limit=1)

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from support.servers import INTERNAL_AUTH
 
 MODEL = "qwen35-seed0"
 SYSTEM = "You are a coding agent. Read files, run tests, fix bugs, and report briefly. " * 4
@@ -111,7 +112,7 @@ def test_more_sessions_than_slots_evict_and_restore(serve, tmp_path: Path):
     assert metrics.get('slotkeeper_gateway_spill_bytes_total{why="evict"}', 0) == 0
     assert metrics["slotkeeper_gateway_restores_reprefilled_total"] == 0
     assert metrics['slotkeeper_gateway_requests_total{path="/v1/chat/completions",status="200"}'] == 8
-    node = httpx.get(s.node_url + "/metrics").text
+    node = httpx.get(s.node_url + "/metrics", headers=INTERNAL_AUTH).text
     assert 'slotkeeper_node_slot_operations_total{op="fill",outcome="ok"}' in node
     assert 'slotkeeper_node_engines{state="ready"} 1.0' in node
 

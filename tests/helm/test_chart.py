@@ -2,7 +2,7 @@
 
 The text checks need only PyYAML. With a `helm` binary on PATH the chart is also linted and rendered,
 the rendered environments are handed to the real settings parsers (`gateway.settings`,
-`engine_pool.node_settings`), so a value the code would refuse fails here, not in a cluster, and
+`engine_pool.pool.settings`), so a value the code would refuse fails here, not in a cluster, and
 one test starts `slotkeeper node` and `slotkeeper gateway` with exactly that environment.
 """
 
@@ -23,8 +23,8 @@ import httpx
 import pytest
 from support.servers import free_port, wait_until
 
-from engine_pool.node_settings import FLAGS as NODE_FLAGS
-from engine_pool.node_settings import parse_node_settings
+from engine_pool.pool.settings import FLAGS as NODE_FLAGS
+from engine_pool.pool.settings import parse_node_settings
 from gateway.settings import FLAGS as GATEWAY_FLAGS
 from gateway.settings import parse_settings
 

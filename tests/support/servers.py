@@ -18,6 +18,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+# The internal credential every test process shares (tests/conftest.py puts it in the environment
+# that node agents, gateways and `serve` inherit); test code presents it with INTERNAL_AUTH.
+INTERNAL_KEY = "test-internal-key-0123456789"
+INTERNAL_AUTH = {"Authorization": f"Bearer {INTERNAL_KEY}"}
+
 REGION = "us-east-1"
 CREDS = {"aws_access_key_id": "test", "aws_secret_access_key": "test", "region_name": REGION}
 

@@ -1,0 +1,98 @@
+"""The request path's fault rules, in process on the in-process index: locks renewed while a turn runs,
+a failed or timed-out request fails alone, fork ids always valid."""
+
+from __future__ import annotations
+
+import asyncio
+
+import fakeredis
+import httpx
+import pytest
+
+from gateway.cluster import Cluster
+from gateway.metrics import Metrics
+from gateway.placement import Placement, Serve
+from gateway.relay import EngineTimeout, TurnOutcome, forward_json
+from gateway.tenants import Tenant
+from gateway.turns import Turn, TurnRunner, fork_id
+from storage.engines import EngineRegistry
+from storage.ids import validate_id
+from storage.index import SessionIndex, SessionState
+from storage.localstore import LocalStore
+from storage.locks import SessionLocks
+
+
+@pytest.fixture
+async def parts(tmp_path):
+    redis = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
+    index, locks = SessionIndex(redis), SessionLocks(redis)
+    async with httpx.AsyncClient() as http:
+        cluster = Cluster(EngineRegistry(redis), index, locks, (), http)
+        yield index, locks, cluster, LocalStore(tmp_path / "blobs")
+    await redis.aclose()
+
+
+def _runner(parts, ttl_s: float = 0.3) -> TurnRunner:
+    index, locks, cluster, store = parts
+    return TurnRunner(cluster, index, locks, store, {}, Metrics(), lock_ttl_s=ttl_s, spill_wait_s=1.0)
+
+
+async def test_the_lock_is_renewed_while_a_turn_runs_and_lapses_after(parts) -> None:
+    runner = _runner(parts, ttl_s=0.3)
+    _, locks, _, _ = parts
+    lock = await locks.try_acquire("t", "s", ttl_s=0.3)
+    assert lock is not None
+    keeper = asyncio.create_task(runner._keep(lock))
+    await asyncio.sleep(1.0)  # over three TTLs: without renewal the lock would be gone
+    assert await locks.owner("t", "s") == lock.token
+    keeper.cancel()
+    deadline = asyncio.get_running_loop().time() + 5
+    while await locks.owner("t", "s") is not None:  # nobody renews it now: it lapses by itself
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.05)
+
+
+async def test_a_failed_request_fails_alone_and_drops_no_session(parts) -> None:
+    index, locks, _, _ = parts
+    runner = _runner(parts)
+    for session, slot in (("mine", 0), ("other", 1)):
+        await index.create("t", session, model="m")
+        await index.mark_live("t", session, engine="e1", slot=slot, tokens=10)
+    lock = await locks.try_acquire("t", "mine", ttl_s=5)
+    assert lock is not None
+    turn = Turn(Tenant("t"), "mine", "m", lock, Placement("e1", 0, Serve.LIVE), "http://e1", None, "header")  # type: ignore[arg-type]
+    await runner.finish(turn, [], TurnOutcome(error="the engine did not answer in time"))
+    for session in ("mine", "other"):
+        rec = await index.get("t", session)
+        assert (rec.state, rec.engine) == (SessionState.LIVE, "e1")
+    assert await index.is_idle("t", "mine")
+    assert await locks.owner("t", "mine") is None  # released
+
+
+async def test_an_engine_that_does_not_answer_in_time_gets_504_for_that_request() -> None:
+    accepted, gone = asyncio.Event(), asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.set()
+        try:
+            await reader.read()  # never answers; returns when the client gives up and closes
+        finally:
+            writer.close()
+            gone.set()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(0.3, connect=1)) as client:
+            with pytest.raises(EngineTimeout) as err:
+                await forward_json(client, f"http://127.0.0.1:{port}/v1/chat/completions", {"x": 1})
+        await asyncio.wait_for(gone.wait(), 5)
+    assert accepted.is_set()
+    assert (err.value.status, err.value.code) == (504, "engine_timeout")
+
+
+@pytest.mark.parametrize("parent", ["dot2.", "a", "x" * 128, "a.b.", "s-" + "9" * 30])
+def test_fork_ids_are_always_valid_and_short_enough(parent: str) -> None:
+    fork = fork_id(parent)
+    assert validate_id(fork, "fork") == fork and len(fork) <= 128 and fork != parent
+    assert fork.startswith(parent[:110].rstrip("."))
