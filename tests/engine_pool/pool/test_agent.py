@@ -375,3 +375,34 @@ def test_engines_get_the_key_but_not_the_node_settings_or_store_secrets() -> Non
     s = parse_node_settings(["-m", "x.gguf"], node_env)
     env = dict(s.engine_specs(node_env)[0].env or ())
     assert env == {"PATH": "/bin", "HOME": "/h", "SLOTKEEPER_API_KEY": "k-2"}
+
+
+@pytest.mark.parametrize(
+    ("bucket", "redis", "says"),
+    [
+        ("no-such-bucket", None, "NoSuchBucket"),  # moto: a bucket that does not exist
+        ("slots", "redis://127.0.0.1:1/0", "redis"),  # nothing listens there
+    ],
+)
+def test_a_node_with_an_unusable_store_or_redis_refuses_to_start(
+    tmp_path: Path,
+    tiny_model: Callable[..., str],
+    moto: MotoProcess,
+    bucket: str,
+    redis: str | None,
+    says: str,
+) -> None:
+    """Found at start, not at the first spill: the node exits non-zero with the precise cause and
+    never registers or starts an engine."""
+    cmd = [sys.executable, "-m", "engine_pool.pool.main", "--model", tiny_model("qwen35"),
+           "--port", str(free_port()), "--data-dir", str(tmp_path / "data"),
+           "--s3-endpoint", moto.endpoint, "--s3-bucket", bucket,
+           *(["--redis-url", redis] if redis else [])]  # fmt: skip
+    done = subprocess.run(
+        cmd, cwd=REPO, env={**os.environ, **S3_ENV}, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0
+    assert "slotkeeper node: cannot start: " in done.stderr and says in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "data" / "engines").exists() or not any(
+        (tmp_path / "data" / "engines").rglob("engine.log")
+    )
