@@ -6,7 +6,8 @@ it out (spill the evicted session, fill the session into the slot, forward the r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Set
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 
@@ -48,6 +49,17 @@ class Placement:
     slot: int
     serve: Serve
     evict: SlotView | None = None  # an idle session to spill out of the slot first
+
+
+def reserved(engines: list[EngineView], taken: Set[tuple[str, int]]) -> list[EngineView]:
+    """The snapshot with the `(engine, slot)`s another placement has just chosen shown busy: that
+    placement is evicting into, filling or erasing them, and the index does not show it yet."""
+    if not taken:
+        return engines
+    return [
+        replace(e, slots=tuple(replace(s, busy=True) if (e.engine, s.slot) in taken else s for s in e.slots))
+        for e in engines
+    ]
 
 
 class NoCapacity(Exception):

@@ -28,9 +28,11 @@ from gateway.placement import (
     Serve,
     SessionView,
     choose_placement,
+    reserved,
 )
 from gateway.prefixes import lookup_digests, turn_digests
 from gateway.relay import TurnOutcome
+from gateway.reservations import SlotReservations
 from gateway.tenants import Durability, Tenant
 from storage.blobstore import BlobStore, delete_generations
 from storage.errors import Conflict as RecordConflict
@@ -108,6 +110,7 @@ class TurnRunner:
         # write-behind save: a request for one of them waits for this instead of forking it.
         self._settling: dict[tuple[str, str], asyncio.Future[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # write-behind saves in flight
+        self._reserved = SlotReservations()  # slots chosen here, not yet recorded as taken
 
     # ---------------------------------------------------------------------------------- resolve
     async def resolve(
@@ -141,15 +144,18 @@ class TurnRunner:
                 record = await self.index.create(tenant.name, session, model=model)
                 created = True
             placement, engine_url, node = await self._place(tenant, record, model, forked_from)
-            await self.index.mark_live(
-                tenant.name,
-                session,
-                engine=placement.engine,
-                slot=placement.slot,
-                tokens=record.tokens,
-                model=model,
-                lock=lock,
-            )
+            try:
+                await self.index.mark_live(
+                    tenant.name,
+                    session,
+                    engine=placement.engine,
+                    slot=placement.slot,
+                    tokens=record.tokens,
+                    model=model,
+                    lock=lock,
+                )
+            finally:  # recorded there now (or failed): the index says who holds the slot
+                self._reserved.release((placement.engine, placement.slot))
             log.info(
                 "session.placed",
                 tenant=tenant.name,
@@ -230,35 +236,50 @@ class TurnRunner:
             base = await self.index.find(tenant.name, forked_from)
             generation = base.generation if base else 0
         view = SessionView(tenant.name, record.session, record.engine, record.slot, generation)
+        started = self._reserved.start_snapshot()
         try:
             snapshot, refs = await self.cluster.snapshot(model, holder=(tenant.name, record.session))
-            placement = choose_placement(snapshot, model, view, tenant.quotas.live_slots)
+            # No await from here to the reservation: what this choice sees and the slot it holds
+            # are one step for every other placement of this process (gateway.reservations).
+            views = reserved(snapshot, self._reserved.taken(started))
+            placement = choose_placement(views, model, view, tenant.quotas.live_slots)
+            self._reserved.hold((placement.engine, placement.slot))
         except NoCapacity as exc:
             raise Unavailable(f"no free slot for model {model!r}: {exc}", retry_after=2) from None
         except LiveSlotsExhausted as exc:
             raise QuotaExceeded(str(exc), retry_after=2) from None
-        engine = refs[placement.engine]
-        node = await self._node(engine.node)
-        if placement.evict is not None:
-            await self._evict(engine.engine, node, placement)
+        finally:
+            self._reserved.end_snapshot(started)
         try:
-            if placement.serve is Serve.RESTORE:
-                await node.fill(
-                    engine.engine, placement.slot, tenant=tenant.name, session=source, generation=generation
-                )
-            elif placement.serve is Serve.COLD:
-                # A slot is never shared across sessions: clear what a dropped session left behind.
-                await node.erase(engine.engine, placement.slot)
-        except NodeError as exc:
-            if placement.serve is Serve.RESTORE and exc.status < 500:
-                log.warning(
-                    "session.restore_failed", tenant=tenant.name, session=record.session, error=str(exc)
-                )
-                self.metrics.restore_failures.inc()
-                await node.erase(engine.engine, placement.slot)
-                placement = Placement(placement.engine, placement.slot, Serve.COLD, placement.evict)
-            else:  # the node or its store is down: this request fails, the session stays as it was
-                raise Unavailable(f"could not prepare the slot: {exc.message}", retry_after=1) from exc
+            engine = refs[placement.engine]
+            node = await self._node(engine.node)
+            if placement.evict is not None:
+                await self._evict(engine.engine, node, placement)
+            try:
+                if placement.serve is Serve.RESTORE:
+                    await node.fill(
+                        engine.engine,
+                        placement.slot,
+                        tenant=tenant.name,
+                        session=source,
+                        generation=generation,
+                    )
+                elif placement.serve is Serve.COLD:
+                    # A slot is never shared across sessions: clear what a dropped session left behind.
+                    await node.erase(engine.engine, placement.slot)
+            except NodeError as exc:
+                if placement.serve is Serve.RESTORE and exc.status < 500:
+                    log.warning(
+                        "session.restore_failed", tenant=tenant.name, session=record.session, error=str(exc)
+                    )
+                    self.metrics.restore_failures.inc()
+                    await node.erase(engine.engine, placement.slot)
+                    placement = Placement(placement.engine, placement.slot, Serve.COLD, placement.evict)
+                else:  # the node or its store is down: this request fails, the session stays as it was
+                    raise Unavailable(f"could not prepare the slot: {exc.message}", retry_after=1) from exc
+        except BaseException:
+            self._reserved.release((placement.engine, placement.slot))
+            raise
         return placement, engine.url, node
 
     async def _evict(self, engine: str, node: NodeClient, placement: Placement) -> None:
@@ -274,6 +295,10 @@ class TurnRunner:
             raise Unavailable("the slot chosen for eviction stayed busy; retry", retry_after=1) from None
         try:
             rec = await self.index.get(victim.tenant, victim.session)
+            if (rec.state, rec.engine, rec.slot) != (SessionState.LIVE, engine, victim.slot):
+                # It moved while we waited for its lock (its own next turn took it elsewhere):
+                # the slot no longer holds it, and saving the slot would give it someone else's state.
+                raise Unavailable("the slot chosen for eviction changed hands; retry", retry_after=1)
             if rec.generation and not rec.dirty:
                 # Its after-turn save is its current state: nothing to save again.
                 await self.index.mark_spilled(victim.tenant, victim.session, generation=rec.generation,

@@ -435,15 +435,20 @@ def test_in_flight_requests_per_tenant_get_429_with_retry_after(pool: Pool) -> N
 
 
 def test_rate_counters_and_routing_keys_expire(pool: Pool) -> None:
+    assert pool.chat("mallory", [{"role": "user", "content": "counted"}]).status_code == 200
+
     async def ttls(client: Any) -> dict[str, int]:
         out = {}
-        async for key in client.scan_iter(match=f"{pool.prefix}:t:alice:*"):
-            out[key] = await client.ttl(key)
+        for tenant in ("alice", "mallory"):
+            async for key in client.scan_iter(match=f"{pool.prefix}:t:{tenant}:*"):
+                out[key] = await client.ttl(key)
         return out
 
     keys = pool.run(pool.with_redis(ttls))
     routes = {k: v for k, v in keys.items() if ":px:" in k or ":sx:" in k}
+    windows = {k: v for k, v in keys.items() if ":w:rpm:" in k}  # mallory's requests per minute
     assert routes and all(v > 0 for v in routes.values()), routes
+    assert windows and all(0 < v <= 120 for v in windows.values()), windows
 
 
 # -- observability cannot be used against the gateway ------------------------------------------------------

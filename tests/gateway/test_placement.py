@@ -12,6 +12,7 @@ from gateway.placement import (
     SessionView,
     SlotView,
     choose_placement,
+    reserved,
 )
 
 
@@ -85,3 +86,13 @@ def test_a_tenant_whose_live_slots_are_all_busy_is_refused():
     engines = [_engine("e1", SlotView(0), SlotView(1, busy=True, tenant="t", session="a"))]
     with pytest.raises(LiveSlotsExhausted):
         choose_placement(engines, "m", SessionView("t", "new"), live_limit=1)
+
+
+def test_slots_another_placement_just_chose_are_busy():
+    engines = [_engine("e1", SlotView(0), SlotView(1, tenant="t", session="old", last_used=1))]
+    taken = reserved(engines, {("e1", 0)})
+    p = choose_placement(taken, "m", SessionView("u", "new"))
+    assert (p.slot, p.evict and p.evict.session) == (1, "old")
+    with pytest.raises(NoCapacity):
+        choose_placement(reserved(engines, {("e1", 0), ("e1", 1)}), "m", SessionView("u", "new"))
+    assert reserved(engines, set()) is engines
