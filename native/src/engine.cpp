@@ -1,6 +1,4 @@
-#include "engine.h"
-
-#include "errors.h"
+#include "engine_state.h"
 
 #include <algorithm>
 #include <chrono>
@@ -14,57 +12,6 @@
 
 namespace sk {
 
-namespace {
-
-double now_s() {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-double ms_since(double t0) { return (now_s() - t0) * 1000.0; }
-
-Event error_event(int64_t request_id, int slot, const std::string & message) {
-    Event e;
-    e.request_id = request_id;
-    e.kind = "error";
-    e.message = message;
-    e.slot = slot;
-    return e;
-}
-
-}  // namespace
-
-struct Engine::Active {
-    int64_t id = 0;
-    RequestParams params;
-    std::unique_ptr<Sampler> sampler;
-    bool generating = false;
-    size_t cursor = 0;                      // next prompt index to evaluate
-    std::vector<PlannedCheckpoint> plan;    // checkpoints still to capture, ascending
-    size_t chunk_end = 0;                   // prompt index the chunk in flight ends at
-    llama_token pending = -1;               // sampled, not yet evaluated
-    int batch_index = -1;                   // batch row whose logits are ours
-    int n_sampled = 0;
-    Timings timings;
-    double t_start = 0.0;
-    double t_prompt_done = 0.0;
-};
-
-struct Engine::Slot {
-    int id = 0;
-    std::vector<llama_token> tokens;        // evaluated tokens (positions 0..n-1)
-    std::vector<float> last_logits;         // logits after tokens.back(); empty = unknown
-    std::vector<Checkpoint> checkpoints;    // ascending n_tokens
-    bool restored = false;                  // state came from a file and has not served yet
-    double last_used = 0.0;
-    std::unique_ptr<Active> active;
-};
-
-struct Engine::Queued {
-    int64_t id = 0;
-    int slot = -1;
-    RequestParams params;
-    std::unique_ptr<Sampler> sampler;
-};
 
 Engine::Engine(const EngineConfig & cfg) : cfg_(cfg), model_(cfg.model_path, cfg.n_gpu_layers) {
     if (cfg_.n_slots < 1 || cfg_.n_slots > 256) throw InvalidRequestError("n_slots must be within 1..256");
@@ -242,31 +189,6 @@ void Engine::post(Command cmd) {
     cmd_cv_.notify_all();
 }
 
-template <typename R> R Engine::call(std::function<R()> fn) {
-    auto done = std::make_shared<std::promise<R>>();
-    std::future<R> fut = done->get_future();
-    // The command holds the only reference to the promise, so dropping it unrun breaks the promise.
-    post({[fn = std::move(fn), done = std::move(done)] {
-              // A typed error is an answer: the command checked before it changed anything (or put
-              // the slot back in order, like restore). Anything else escapes to the loop, which
-              // cannot vouch for its state any more and faults.
-              try {
-                  done->set_value(fn());
-              } catch (const NativeError &) {
-                  done->set_exception(std::current_exception());
-              }
-          },
-          nullptr});
-    try {
-        return fut.get();  // rethrows the typed error fn threw
-    } catch (const std::future_error &) {
-        // The loop stopped without running (or finishing) the command and dropped it, which broke
-        // the promise: the engine faulted.
-        std::lock_guard<std::mutex> lk(cmd_mu_);
-        throw EngineClosedError(closed_message_locked());
-    }
-}
-
 int64_t Engine::submit(int slot, RequestParams params) {
     if (slot != -1) check_slot_id(slot);
     const int L = int(params.prompt.size());
@@ -328,160 +250,6 @@ bool Engine::cancel_on_loop(int64_t request_id) {
         }
         return false;
     }
-}
-
-SlotFileInfo Engine::save_slot(int slot, const std::string & path) {
-    check_slot_id(slot);
-    const double t0 = now_s();
-    // Copy the state on the loop thread (memory speed), write the file on this thread.
-    struct Snapshot {
-        std::vector<llama_token> tokens;
-        std::vector<uint8_t> state;
-        std::vector<float> logits;
-        std::vector<Checkpoint> checkpoints;
-    };
-    Snapshot snap = call<Snapshot>([this, slot] {
-        Slot & s = slots_[size_t(slot)];
-        if (slot_busy(s)) throw SlotBusyError("slot " + std::to_string(slot) + " is processing a request");
-        Snapshot out;
-        const size_t size = llama_state_seq_get_size(ctx_.get(), slot);
-        try {
-            out.tokens = s.tokens;
-            out.state.resize(size);
-            out.logits = s.last_logits;
-            out.checkpoints = s.checkpoints;
-        } catch (const std::bad_alloc &) {
-            // The one big allocation a command makes (the state and every checkpoint, possibly
-            // GBs). Only copies were being made, so the engine is intact: the save fails, not it.
-            throw NativeError("not enough memory to copy the state of slot " + std::to_string(slot) + " (" +
-                              std::to_string(size) + " bytes)");
-        }
-        if (size < 8 || llama_state_seq_get_data(ctx_.get(), out.state.data(), size, slot) != size) {
-            throw NativeError("llama.cpp could not copy the state of slot " + std::to_string(slot));
-        }
-        return out;
-    });
-    SlotFileMeta meta;
-    const ModelInfo & mi = model();
-    meta.fingerprint = mi.fingerprint;
-    meta.arch = mi.arch;
-    meta.n_vocab = mi.n_vocab;
-    meta.n_embd = mi.n_embd;
-    meta.n_layer = mi.n_layer;
-    meta.recurrent = mi.recurrent;
-    meta.hybrid = mi.hybrid;
-    meta.n_swa = mi.n_swa;
-    meta.n_ctx = int(llama_n_ctx(ctx_.get()));
-    meta.n_slots = cfg_.n_slots;
-    meta.n_ctx_slot = n_ctx_slot_;
-    meta.swa_full = cfg_.swa_full;
-    meta.flash_attn = cfg_.flash_attn;
-    meta.source_slot = slot;
-    SlotFileInfo info;
-    info.path = path;
-    info.n_tokens = int(snap.tokens.size());
-    info.n_checkpoints = int(snap.checkpoints.size());
-    info.n_bytes = write_slot_file(path, meta, snap.tokens, snap.state, snap.logits, snap.checkpoints);
-    info.ms = ms_since(t0);
-    bump("slot_saves");
-    bump("slot_save_bytes", int64_t(info.n_bytes));
-    return info;
-}
-
-SlotFileInfo Engine::restore_slot(int slot, const std::string & path) {
-    check_slot_id(slot);
-    const double t0 = now_s();
-    // Read and validate on this thread; only the state load runs on the loop.
-    ReadLimits lim;
-    lim.fingerprint = model().fingerprint;
-    lim.n_vocab = n_vocab_;
-    lim.n_ctx_slot = n_ctx_slot_ - 1;
-    lim.max_file_bytes = cfg_.max_slot_file_bytes;
-    lim.max_checkpoints = size_t(cfg_.max_checkpoints);
-    std::shared_ptr<SlotImage> img;
-    try {
-        img = std::make_shared<SlotImage>(read_slot_file(path, lim));
-        for (const auto & c : img->checkpoints) {
-            if (model().needs_checkpoints_to_trim() && c.state.empty()) {
-                throw SlotFileError("bad_layout", "a checkpoint of a recurrent/hybrid model holds no state");
-            }
-        }
-    } catch (const SlotFileError &) {
-        // The caller meant to replace the slot's session: never leave the old one in its place.
-        bump("slot_restore_errors");
-        call<int>([this, slot] {
-            Slot & s = slots_[size_t(slot)];
-            if (!slot_busy(s)) clear_slot_memory(s);
-            return 0;
-        });
-        throw;
-    }
-    SlotFileInfo info = call<SlotFileInfo>([this, slot, img, path] {
-        Slot & s = slots_[size_t(slot)];
-        if (slot_busy(s)) throw SlotBusyError("slot " + std::to_string(slot) + " is processing a request");
-        clear_slot_memory(s);
-        if (!img->tokens.empty()) {
-            const size_t n = llama_state_seq_set_data(ctx_.get(), img->state_data(), img->state_size, slot);
-            const llama_pos pos_max = llama_memory_seq_pos_max(llama_get_memory(ctx_.get()), slot);
-            if (n != img->state_size || pos_max != llama_pos(img->tokens.size()) - 1) {
-                clear_slot_memory(s);
-                bump("slot_restore_errors");
-                throw SlotFileError("shape_mismatch", "llama.cpp refused the saved sequence state (another context "
-                                                      "shape, KV type or memory layout); the slot was left empty");
-            }
-        }
-        s.tokens = img->tokens;
-        s.last_logits = std::move(img->last_logits);
-        s.checkpoints = std::move(img->checkpoints);
-        s.restored = true;
-        enforce_checkpoint_budget(s);
-        SlotFileInfo out;
-        out.path = path;
-        out.n_tokens = int(s.tokens.size());
-        out.n_bytes = img->file_size;
-        out.n_checkpoints = int(s.checkpoints.size());
-        return out;
-    });
-    info.ms = ms_since(t0);
-    bump("slot_restores");
-    bump("slot_restore_bytes", int64_t(info.n_bytes));
-    return info;
-}
-
-int Engine::erase_slot(int slot) {
-    check_slot_id(slot);
-    return call<int>([this, slot] {
-        Slot & s = slots_[size_t(slot)];
-        if (slot_busy(s)) throw SlotBusyError("slot " + std::to_string(slot) + " is processing a request");
-        const int n = int(s.tokens.size());
-        clear_slot_memory(s);
-        return n;
-    });
-}
-
-std::vector<SlotInfo> Engine::slots() {
-    return call<std::vector<SlotInfo>>([this] {
-        std::vector<SlotInfo> out;
-        for (const auto & s : slots_) {
-            SlotInfo i;
-            i.id = s.id;
-            i.busy = bool(s.active);
-            i.request_id = s.active ? s.active->id : -1;
-            for (const auto & q : queued_) i.queued += q.slot == s.id ? 1 : 0;
-            i.n_tokens = int(s.tokens.size());
-            i.n_checkpoints = int(s.checkpoints.size());
-            for (const auto & c : s.checkpoints) i.checkpoint_bytes += c.bytes();
-            i.restored = s.restored;
-            i.last_used = s.last_used;
-            out.push_back(i);
-        }
-        return out;
-    });
-}
-
-std::vector<llama_token> Engine::slot_tokens(int slot) {
-    check_slot_id(slot);
-    return call<std::vector<llama_token>>([this, slot] { return slots_[size_t(slot)].tokens; });
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,0 +1,167 @@
+// Slot operations called from other threads (save, restore, erase, listing): each runs its part
+// that touches the context on the loop thread through `call`, and its file work on the caller's.
+#include "engine_state.h"
+
+#include "slotfile.h"
+
+#include <algorithm>
+#include <cstring>
+#include <new>
+
+namespace sk {
+
+SlotFileInfo Engine::save_slot(int slot, const std::string & path) {
+    check_slot_id(slot);
+    const double t0 = now_s();
+    // Copy the state on the loop thread (memory speed), write the file on this thread.
+    struct Snapshot {
+        std::vector<llama_token> tokens;
+        std::vector<uint8_t> state;
+        std::vector<float> logits;
+        std::vector<Checkpoint> checkpoints;
+    };
+    Snapshot snap = call<Snapshot>([this, slot] {
+        Slot & s = slots_[size_t(slot)];
+        if (slot_busy(s)) throw SlotBusyError("slot " + std::to_string(slot) + " is processing a request");
+        Snapshot out;
+        const size_t size = llama_state_seq_get_size(ctx_.get(), slot);
+        try {
+            out.tokens = s.tokens;
+            out.state.resize(size);
+            out.logits = s.last_logits;
+            out.checkpoints = s.checkpoints;
+        } catch (const std::bad_alloc &) {
+            // The one big allocation a command makes (the state and every checkpoint, possibly
+            // GBs). Only copies were being made, so the engine is intact: the save fails, not it.
+            throw NativeError("not enough memory to copy the state of slot " + std::to_string(slot) + " (" +
+                              std::to_string(size) + " bytes)");
+        }
+        if (size < 8 || llama_state_seq_get_data(ctx_.get(), out.state.data(), size, slot) != size) {
+            throw NativeError("llama.cpp could not copy the state of slot " + std::to_string(slot));
+        }
+        return out;
+    });
+    SlotFileMeta meta;
+    const ModelInfo & mi = model();
+    meta.fingerprint = mi.fingerprint;
+    meta.arch = mi.arch;
+    meta.n_vocab = mi.n_vocab;
+    meta.n_embd = mi.n_embd;
+    meta.n_layer = mi.n_layer;
+    meta.recurrent = mi.recurrent;
+    meta.hybrid = mi.hybrid;
+    meta.n_swa = mi.n_swa;
+    meta.n_ctx = int(llama_n_ctx(ctx_.get()));
+    meta.n_slots = cfg_.n_slots;
+    meta.n_ctx_slot = n_ctx_slot_;
+    meta.swa_full = cfg_.swa_full;
+    meta.flash_attn = cfg_.flash_attn;
+    meta.source_slot = slot;
+    SlotFileInfo info;
+    info.path = path;
+    info.n_tokens = int(snap.tokens.size());
+    info.n_checkpoints = int(snap.checkpoints.size());
+    info.n_bytes = write_slot_file(path, meta, snap.tokens, snap.state, snap.logits, snap.checkpoints);
+    info.ms = ms_since(t0);
+    bump("slot_saves");
+    bump("slot_save_bytes", int64_t(info.n_bytes));
+    return info;
+}
+
+SlotFileInfo Engine::restore_slot(int slot, const std::string & path) {
+    check_slot_id(slot);
+    const double t0 = now_s();
+    // Read and validate on this thread; only the state load runs on the loop.
+    ReadLimits lim;
+    lim.fingerprint = model().fingerprint;
+    lim.n_vocab = n_vocab_;
+    lim.n_ctx_slot = n_ctx_slot_ - 1;
+    lim.max_file_bytes = cfg_.max_slot_file_bytes;
+    lim.max_checkpoints = size_t(cfg_.max_checkpoints);
+    std::shared_ptr<SlotImage> img;
+    try {
+        img = std::make_shared<SlotImage>(read_slot_file(path, lim));
+        for (const auto & c : img->checkpoints) {
+            if (model().needs_checkpoints_to_trim() && c.state.empty()) {
+                throw SlotFileError("bad_layout", "a checkpoint of a recurrent/hybrid model holds no state");
+            }
+        }
+    } catch (const SlotFileError &) {
+        // The caller meant to replace the slot's session: never leave the old one in its place.
+        bump("slot_restore_errors");
+        call<int>([this, slot] {
+            Slot & s = slots_[size_t(slot)];
+            if (!slot_busy(s)) clear_slot_memory(s);
+            return 0;
+        });
+        throw;
+    }
+    SlotFileInfo info = call<SlotFileInfo>([this, slot, img, path] {
+        Slot & s = slots_[size_t(slot)];
+        if (slot_busy(s)) throw SlotBusyError("slot " + std::to_string(slot) + " is processing a request");
+        clear_slot_memory(s);
+        if (!img->tokens.empty()) {
+            const size_t n = llama_state_seq_set_data(ctx_.get(), img->state_data(), img->state_size, slot);
+            const llama_pos pos_max = llama_memory_seq_pos_max(llama_get_memory(ctx_.get()), slot);
+            if (n != img->state_size || pos_max != llama_pos(img->tokens.size()) - 1) {
+                clear_slot_memory(s);
+                bump("slot_restore_errors");
+                throw SlotFileError("shape_mismatch", "llama.cpp refused the saved sequence state (another context "
+                                                      "shape, KV type or memory layout); the slot was left empty");
+            }
+        }
+        s.tokens = img->tokens;
+        s.last_logits = std::move(img->last_logits);
+        s.checkpoints = std::move(img->checkpoints);
+        s.restored = true;
+        enforce_checkpoint_budget(s);
+        SlotFileInfo out;
+        out.path = path;
+        out.n_tokens = int(s.tokens.size());
+        out.n_bytes = img->file_size;
+        out.n_checkpoints = int(s.checkpoints.size());
+        return out;
+    });
+    info.ms = ms_since(t0);
+    bump("slot_restores");
+    bump("slot_restore_bytes", int64_t(info.n_bytes));
+    return info;
+}
+
+int Engine::erase_slot(int slot) {
+    check_slot_id(slot);
+    return call<int>([this, slot] {
+        Slot & s = slots_[size_t(slot)];
+        if (slot_busy(s)) throw SlotBusyError("slot " + std::to_string(slot) + " is processing a request");
+        const int n = int(s.tokens.size());
+        clear_slot_memory(s);
+        return n;
+    });
+}
+
+std::vector<SlotInfo> Engine::slots() {
+    return call<std::vector<SlotInfo>>([this] {
+        std::vector<SlotInfo> out;
+        for (const auto & s : slots_) {
+            SlotInfo i;
+            i.id = s.id;
+            i.busy = bool(s.active);
+            i.request_id = s.active ? s.active->id : -1;
+            for (const auto & q : queued_) i.queued += q.slot == s.id ? 1 : 0;
+            i.n_tokens = int(s.tokens.size());
+            i.n_checkpoints = int(s.checkpoints.size());
+            for (const auto & c : s.checkpoints) i.checkpoint_bytes += c.bytes();
+            i.restored = s.restored;
+            i.last_used = s.last_used;
+            out.push_back(i);
+        }
+        return out;
+    });
+}
+
+std::vector<llama_token> Engine::slot_tokens(int slot) {
+    check_slot_id(slot);
+    return call<std::vector<llama_token>>([this, slot] { return slots_[size_t(slot)].tokens; });
+}
+
+}  // namespace sk
