@@ -46,6 +46,7 @@ _TESTS = Path(__file__).resolve().parents[1]
 _ROOT = _TESTS.parent
 if str(_TESTS) not in sys.path:  # the real-server helpers the test suites use (tests/support)
     sys.path.insert(0, str(_TESTS))
+from support.report import pct, table  # noqa: E402
 from support.servers import MotoProcess, free_port, redis_server, wait_until  # noqa: E402
 
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -69,16 +70,6 @@ CHUNK = (
 
 
 # ------------------------------------------------------------------------------------ statistics
-def pct(values: list[float], q: float) -> float:
-    """The q-th percentile (nearest rank) of values."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    fmt = "  ".join(f"{{:{'<' if i == 0 else '>'}{w}}}" for i, w in enumerate(widths))
-    return "\n".join(fmt.format(*r) for r in [header, *rows])
 
 
 # ------------------------------------------------------------------------- slotkeeper serve process
