@@ -133,9 +133,11 @@ async def _model(svc: Services, tenant: Tenant, body: dict[str, Any]) -> str:
     model = tenant.model_id(requested, await svc.cluster.models())
     if model is not None:
         return model
-    if tenant.model_id(requested, await svc.cluster.configured_models()) is not None:
-        # A node runs it but no engine of it is ready (restarting after a crash, still loading).
-        raise Unavailable(f"the model {requested!r} is starting; retry", retry_after=2, param="model")
+    configured = await svc.cluster.configured_models()
+    if configured is None or tenant.model_id(requested, configured) is not None:
+        # A node runs it but no engine of it is ready (restarting after a crash, still loading), or a
+        # node did not answer and it may be one of its models.
+        raise Unavailable(f"the model {requested!r} is not ready; retry", retry_after=2, param="model")
     raise NotFound(f"the model {requested!r} does not exist", param="model")
 
 

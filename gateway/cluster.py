@@ -55,22 +55,27 @@ class Cluster:
     async def models(self) -> set[str]:
         return {e.model for e in await self.engines()}
 
-    async def configured_models(self) -> set[str]:
-        """The models the node agents run engines for, ready or not (asked of the nodes at most every
-        few seconds): tells a model that is restarting (503) from one that does not exist (404)."""
-        now = time.monotonic()
-        if now - self._configured_at > _CONFIGURED_TTL_S:
-            self._configured_at = now
+    async def configured_models(self) -> set[str] | None:
+        """The models the node agents run engines for, ready or not: tells a model that is restarting
+        (503) from one that does not exist (404). None when a node did not answer (nobody can tell).
+        A complete answer is kept a few seconds; an incomplete one is asked again next time."""
+        if time.monotonic() - self._configured_at <= _CONFIGURED_TTL_S:
+            return self._configured
 
-            async def listed(url: str) -> set[str]:
-                try:
-                    resp = await self._http.get(url.rstrip("/") + "/v1/engines", timeout=5.0)
-                    return {str(e["model"]) for e in resp.json()["engines"]}
-                except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                    return set()
+        async def listed(url: str) -> set[str] | None:
+            try:
+                resp = await self._http.get(url.rstrip("/") + "/v1/engines", timeout=5.0)
+                return {str(e["model"]) for e in resp.json()["engines"]}
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                return None
 
-            found = await asyncio.gather(*(listed(u) for u in self._node_urls))
-            self._configured = set().union(*found)
+        found = await asyncio.gather(*(listed(u) for u in self._node_urls))
+        models: set[str] = set()
+        for listing in found:
+            if listing is None:
+                return None
+            models |= listing
+        self._configured, self._configured_at = models, time.monotonic()
         return self._configured
 
     async def engine(self, engine_id: str) -> EngineRef | None:

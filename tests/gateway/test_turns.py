@@ -96,3 +96,21 @@ def test_fork_ids_are_always_valid_and_short_enough(parent: str) -> None:
     fork = fork_id(parent)
     assert validate_id(fork, "fork") == fork and len(fork) <= 128 and fork != parent
     assert fork.startswith(parent[:110].rstrip("."))
+
+
+async def test_models_that_nodes_run_but_no_engine_serves_yet_are_told_from_unknown_ones(parts) -> None:
+    index, locks, _, _ = parts
+    answers = {"http://n1": {"node": "n1", "engines": [{"model": "qwen35", "state": "crashed"}]}}
+
+    def node(request: httpx.Request) -> httpx.Response:
+        url = f"{request.url.scheme}://{request.url.host}"
+        if url not in answers:
+            raise httpx.ConnectError("down", request=request)
+        return httpx.Response(200, json=answers[url])
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(node)) as http:
+        up = Cluster(EngineRegistry(index._redis), index, locks, ("http://n1",), http)
+        assert await up.models() == set()  # nothing registered: no engine is ready
+        assert await up.configured_models() == {"qwen35"}  # but a node runs one: 503, not 404
+        half = Cluster(EngineRegistry(index._redis), index, locks, ("http://n1", "http://n2"), http)
+        assert await half.configured_models() is None  # a node did not answer: nobody can say 404
