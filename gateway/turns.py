@@ -188,8 +188,10 @@ class TurnRunner:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(settling), self.spill_wait_s)
             return await self.locks.try_acquire(tenant, session, ttl_s=self.lock_ttl_s)
-        if await self.index.is_idle(tenant, session):
-            wait = self.spill_wait_s  # no request runs on it: another replica is saving its last turn
+        if await self.index.find(tenant, session) is None or await self.index.is_idle(tenant, session):
+            # No request runs on it: a delete, an eviction or another replica's save of its last turn
+            # holds the lock a moment. There is nothing to fork from anyway: wait.
+            wait = self.spill_wait_s
         else:
             left = await self.locks.remaining_s(tenant, session)
             # A live holder renews every third of the TTL, so its lock never runs below two thirds; one

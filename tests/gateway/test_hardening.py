@@ -12,6 +12,7 @@ import json
 import random
 import socket
 import string
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -365,6 +366,34 @@ def test_a_session_whose_holder_died_is_waited_for_not_forked(pool: Pool) -> Non
     assert r.status_code == 200, r.text
     assert r.headers["x-session-id"] == sid  # not a fork
     assert time.monotonic() - t0 < LOCK_TTL_S + 5
+    pool.assert_honest_still_live()
+
+
+def test_a_deleted_id_reused_while_an_eviction_still_holds_its_lock_waits_instead_of_forking(
+    pool: Pool,
+) -> None:
+    sid = "ghost-" + uuid.uuid4().hex[:6]  # no record: deleted a moment ago, its evictor still finishing
+
+    async def hold_then_release(client: Any) -> None:
+        locks = SessionLocks(client, prefix=pool.prefix)
+        lock = await locks.acquire("mallory", sid, ttl_s=60, wait_s=5)
+        await asyncio.sleep(1.0)  # the evictor's work; the request below arrives meanwhile
+        await locks.release(lock)
+
+    holder = threading.Thread(target=pool.run, args=(pool.with_redis(hold_then_release),))
+    holder.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not pool.run(
+            pool.with_redis(lambda c: SessionLocks(c, prefix=pool.prefix).owner("mallory", sid))
+        ):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        r = pool.chat("mallory", [{"role": "user", "content": "again"}], session=sid)
+    finally:
+        holder.join()
+    assert r.status_code == 200, r.text
+    assert r.headers["x-session-id"] == sid and r.headers["x-slotkeeper-cache"] == "cold"
     pool.assert_honest_still_live()
 
 
