@@ -21,7 +21,6 @@ import uvicorn
 from engine_pool import logs
 from engine_pool.credentials import auth_headers
 from engine_pool.http_deadlines import header_deadline
-from engine_pool.pool.main import check_backends
 from gateway.app import Services, build_app
 from gateway.cluster import Cluster
 from gateway.metrics import Metrics
@@ -33,6 +32,7 @@ from storage.engines import EngineRegistry
 from storage.index import SessionIndex, in_process_redis
 from storage.localstore import LocalStore
 from storage.locks import SessionLocks
+from storage.probe import check_backends
 from storage.reindex import reindex
 from storage.s3client import make_s3_client
 from storage.s3store import S3Store

@@ -13,6 +13,7 @@ save fail minutes later:
 
 from __future__ import annotations
 
+import sys
 import uuid
 from typing import Any
 
@@ -20,7 +21,7 @@ import structlog
 from redis.exceptions import RedisError, ResponseError
 
 from storage.blobstore import BlobStore
-from storage.errors import StoreMisconfigured
+from storage.errors import StorageError, StoreMisconfigured
 from storage.keyspace import Keyspace, redis_address, redis_error, text
 
 log = structlog.get_logger("slotkeeper.storage")
@@ -74,3 +75,15 @@ async def _server_version(redis: Any) -> tuple[int, ...] | None:
         return tuple(int(p) for p in raw.split(".")[:2])
     except ValueError:
         return None
+
+
+async def check_backends(store: BlobStore, redis: Any, prefix: str, who: str) -> None:
+    """Write, read and delete a probe in the store and in Redis; a failure is logged with its precise
+    cause (and printed for whoever started the process) and stops the start."""
+    try:
+        await probe_store(store)
+        await probe_redis(redis, prefix=prefix)
+    except StorageError as exc:
+        log.error(f"{who}.misconfigured", error=str(exc))
+        print(f"slotkeeper {who}: cannot start: {exc}", file=sys.stderr)
+        raise

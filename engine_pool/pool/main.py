@@ -32,10 +32,9 @@ from starlette.applications import Starlette
 
 from storage.blobstore import BlobStore
 from storage.engines import EngineRegistry
-from storage.errors import StorageError
 from storage.index import SessionIndex, in_process_redis
 from storage.localstore import LocalStore
-from storage.probe import probe_redis, probe_store
+from storage.probe import check_backends
 from storage.retry import RetryPolicy
 from storage.spillcache import SpillCache
 
@@ -91,18 +90,6 @@ async def open_parts(s: NodeSettings, stack: AsyncExitStack, redis: Any = None) 
         registry=EngineRegistry(redis, prefix=s.redis_prefix),
         http=http,
     )
-
-
-async def check_backends(store: BlobStore, redis: Any, prefix: str, who: str) -> None:
-    """Write, read and delete a probe in the store and in Redis; a failure is logged with its precise
-    cause (and printed for whoever started the process) and stops the start."""
-    try:
-        await probe_store(store)
-        await probe_redis(redis, prefix=prefix)
-    except StorageError as exc:
-        log.error(f"{who}.misconfigured", error=str(exc))
-        print(f"slotkeeper {who}: cannot start: {exc}", file=sys.stderr)
-        raise
 
 
 class NodeServer(SignalServer):
