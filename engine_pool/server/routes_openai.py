@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 import native
 
-from ..body import json_type, read_json
+from ..body import Body, json_type, read_json
 from ..errors import BadRequest
 from .chat_request import ChatRequest, Constraint, build_constraint, parse_chat
 from .generation import Delta, Outcome, collect, generate
@@ -68,10 +68,25 @@ def usage(outcomes: list[Outcome]) -> dict[str, Any]:
 
 # -- chat ---------------------------------------------------------------------------------------
 async def chat_completions(request: Request) -> Response:
+    lim = limits(request)
+    body = await read_json(request, lim.body)
+    result = await run_chat(request, body)
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return await start_stream(result, done_marker=True)
+
+
+async def run_chat(
+    request: Request, body: Body
+) -> dict[str, Any] | AsyncGenerator[dict[str, Any], None]:
+    """One chat completion from a parsed body: the response object, or (`stream`) its chunks.
+
+    The Responses and Messages routes call this with a body translated from their own shapes and
+    translate what comes back, so every API shares one chat path (templates, formats, grammars).
+    """
     rt = runtime(request)
     engine = rt.require()
     lim = limits(request)
-    body = await read_json(request, lim.body)
     req = parse_chat(body, rt.defaults, lim, n_vocab=engine.model.n_vocab, n_ctx=engine.n_ctx_slot)
     con = await build_constraint(req, lim.schema)
     # Rendering (jinja over client-sized messages, once per checkpoint hint) and tokenizing: off the
@@ -96,28 +111,26 @@ async def chat_completions(request: Request) -> Response:
         f"chatcmpl-{secrets.token_hex(12)}", "chat.completion", int(time.time()), rt.settings.model_id
     )
     if req.stream:
-        return await start_stream(_chat_chunks(gen, req, con, meta), done_marker=True)
+        return _chat_chunks(gen, req, con, meta)
     o = await collect(gen, request)
     content, calls = parse_tool_calls(o.text) if con.parse_tools else (o.text, [])
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = [c.as_openai() for c in calls]
-    return JSONResponse(
-        {
-            **meta.head(),
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "logprobs": None,
-                    "finish_reason": "tool_calls" if calls else o.finish_reason,
-                }
-            ],
-            "usage": usage([o]),
-            "timings": o.timings,
-            "id_slot": o.slot,
-        }
-    )
+    return {
+        **meta.head(),
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": "tool_calls" if calls else o.finish_reason,
+            }
+        ],
+        "usage": usage([o]),
+        "timings": o.timings,
+        "id_slot": o.slot,
+    }
 
 
 def _tool_call_ban(rt: Runtime) -> dict[int, float]:

@@ -81,6 +81,12 @@ class EngineSettings:
     max_schema_depth: int = 32
     max_schema_grammar_bytes: int = 2 << 20
     max_schema_grammar_rules: int = 32768
+    # Chat templates and formats (llama-server's flags; see chat_template.py and formats/).
+    chat_template: str | None = None  # a built-in template name or an inline jinja template
+    chat_template_file: str | None = None
+    jinja: bool = True  # accepted for llama-server command lines: templates are always jinja here
+    reasoning_format: str = "auto"  # none | deepseek | deepseek-legacy | auto
+    chat_format: str = "auto"  # the tool-call format: auto (from the template) or a family name
 
     @property
     def model_id(self) -> str:
@@ -307,6 +313,36 @@ FLAGS: tuple[Flag, ...] = (
         parse_int,
         "rules in the grammar built from a request's JSON schemas and tools (32768)",
     ),
+    Flag(
+        "chat_template",
+        ("--chat-template",),
+        "SLOTKEEPER_CHAT_TEMPLATE",
+        str,
+        "chat template: a built-in name (chatml, ...) or a jinja template; overrides the GGUF's",
+    ),
+    Flag(
+        "chat_template_file",
+        ("--chat-template-file",),
+        "SLOTKEEPER_CHAT_TEMPLATE_FILE",
+        str,
+        "read the chat template (jinja) from this file; overrides the GGUF's",
+    ),
+    Flag("jinja", ("--jinja",), "SLOTKEEPER_JINJA", parse_bool, "jinja chat templates (always on)", switch=True),
+    Flag(
+        "reasoning_format",
+        ("--reasoning-format",),
+        "SLOTKEEPER_REASONING_FORMAT",
+        str,
+        "where reasoning goes: none (left in content), deepseek / auto (reasoning_content), "
+        "deepseek-legacy (both) (auto)",
+    ),
+    Flag(
+        "chat_format",
+        ("--chat-format",),
+        "SLOTKEEPER_CHAT_FORMAT",
+        str,
+        "tool-call format: auto (detected from the template), hermes, qwen-xml, lfm2 (auto)",
+    ),
 )
 
 # Checked after parsing: (field, predicate, what it must be).
@@ -344,6 +380,11 @@ _CHECKS: tuple[Check, ...] = (
     ("max_schema_depth", lambda v: 1 <= v <= 128, "within 1..128"),
     ("max_schema_grammar_bytes", lambda v: v >= 1024, ">= 1024"),
     ("max_schema_grammar_rules", lambda v: v >= 16, ">= 16"),
+    (
+        "reasoning_format",
+        lambda v: v in ("none", "deepseek", "deepseek-legacy", "auto"),
+        "none, deepseek, deepseek-legacy or auto",
+    ),
 )
 
 
