@@ -177,6 +177,19 @@ class BlobStore(ABC):
         namespace (``{prefix}/.probe/``); :class:`StoreMisconfigured` when the store refuses,
         :class:`StoreUnavailable` when it cannot be reached."""
 
+    @abstractmethod
+    async def put_document(self, tenant: str, kind: str, name: str, data: bytes) -> None:
+        """Write (or replace) one small document of a tenant atomically: a reader sees the old bytes
+        or the new ones, never a part. Documents are not slot files: listings never include them."""
+
+    @abstractmethod
+    async def get_document(self, tenant: str, kind: str, name: str) -> bytes:
+        """One document's bytes; :class:`NotFound` if absent."""
+
+    @abstractmethod
+    async def delete_document(self, tenant: str, kind: str, name: str) -> None:
+        """Remove one document; an absent one is not an error."""
+
     async def latest(self, tenant: str, session: str) -> BlobInfo | None:
         """The newest generation of one session, or None."""
         newest: BlobInfo | None = None

@@ -87,6 +87,16 @@ def blob_key(prefix: str, ref: SlotRef) -> str:
     return f"{tenant_prefix(prefix, ref.tenant, ref.session)}{ref.generation:020d}.slot"
 
 
+def document_key(prefix: str, tenant: str, kind: str, name: str) -> str:
+    """A small JSON document of one tenant (e.g. a stored response), ``{tenant}/.{kind}/{name}.json``.
+
+    The folder starts with ``.``, which no session id may, so documents never share a name with a
+    session's slot files and listings of slot files never see them.
+    """
+    folder = validate_id(kind, "document kind")
+    return f"{tenant_prefix(prefix, tenant)}.{folder}/{validate_id(name, 'document id')}.json"
+
+
 def parse_blob_key(prefix: str, key: str) -> SlotRef | None:
     """The ref a key names, or None when the key is not a slot key under ``prefix``."""
     head = f"{prefix}/" if prefix else ""

@@ -35,7 +35,7 @@ from storage.blobstore import (
 )
 from storage.checksum import crc32_of_parts
 from storage.errors import ChecksumError, Conflict, NotFound, StorageError, StoreMisconfigured
-from storage.ids import SlotRef, parse_blob_key, tenant_prefix, validate_id
+from storage.ids import SlotRef, document_key, parse_blob_key, tenant_prefix, validate_id
 
 log = structlog.get_logger("slotkeeper.storage")
 _META_SUFFIX = ".meta.json"
@@ -242,6 +242,34 @@ class LocalStore(BlobStore):
             path.parent.rmdir()
         except OSError:
             pass  # not empty, or gone
+
+    async def put_document(self, tenant: str, kind: str, name: str, data: bytes) -> None:
+        dest = self.root / document_key(self.prefix, tenant, kind, name)
+        await asyncio.to_thread(self._put_document, dest, data)
+
+    def _put_document(self, dest: Path, data: bytes) -> None:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temp_beside(dest, new_writer_id())
+        try:
+            with open(tmp, "xb") as f:
+                f.write(data)
+                f.flush()
+                self._sync(f.fileno())
+            os.replace(tmp, dest)
+            self._sync_dir(dest.parent)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    async def get_document(self, tenant: str, kind: str, name: str) -> bytes:
+        path = self.root / document_key(self.prefix, tenant, kind, name)
+        try:
+            return await asyncio.to_thread(path.read_bytes)
+        except FileNotFoundError:
+            raise NotFound(f"{kind} document {name} not found") from None
+
+    async def delete_document(self, tenant: str, kind: str, name: str) -> None:
+        path = self.root / document_key(self.prefix, tenant, kind, name)
+        await asyncio.to_thread(path.unlink, missing_ok=True)
 
     async def probe(self) -> None:
         await asyncio.to_thread(self._probe)

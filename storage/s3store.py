@@ -59,7 +59,7 @@ from storage.blobstore import (
 )
 from storage.checksum import composite_crc32_b64, crc32_b64, crc32_of_parts, file_crc32
 from storage.errors import ChecksumError, Conflict, NotFound, StorageError, StoreMisconfigured
-from storage.ids import SlotRef, parse_blob_key, tenant_prefix, validate_id
+from storage.ids import SlotRef, document_key, parse_blob_key, tenant_prefix, validate_id
 from storage.retry import RetryPolicy, retrying
 from storage.s3client import (
     is_missing,
@@ -348,6 +348,31 @@ class S3Store(BlobStore):
             if not is_missing(exc):
                 raise
         log.info("storage.delete", store="s3", key=key)
+
+    # ----------------------------------------------------------------------------------- documents
+    @_boundary
+    async def put_document(self, tenant: str, kind: str, name: str, data: bytes) -> None:
+        # One PUT is atomic in S3: readers see the old object or the new one.
+        await self._s3("put_object", Key=document_key(self.prefix, tenant, kind, name), Body=data)
+
+    @_boundary
+    async def get_document(self, tenant: str, kind: str, name: str) -> bytes:
+        key = document_key(self.prefix, tenant, kind, name)
+        try:
+            resp = await self._s3("get_object", Key=key)
+        except ClientError as exc:
+            if is_missing(exc):
+                raise NotFound(f"{kind} document {name} not found") from None
+            raise
+        return await self.thread(_read_body, resp["Body"])
+
+    @_boundary
+    async def delete_document(self, tenant: str, kind: str, name: str) -> None:
+        try:
+            await self._s3("delete_object", Key=document_key(self.prefix, tenant, kind, name))
+        except ClientError as exc:
+            if not is_missing(exc):
+                raise
 
     # --------------------------------------------------------------------------------------- probe
     @_boundary

@@ -232,3 +232,27 @@ async def test_delete_generations_below_and_all(case: Case, tmp_path: Path, slot
     await case.store.put_file(SlotRef("acme", "s1", 1), src, model="m", n_tokens=1)  # the id is free again
     with pytest.raises(InvalidId):
         await delete_generations(case.store, "acme", "../s2")
+
+
+async def test_documents_round_trip_per_tenant_and_stay_out_of_listings(
+    case: Case, tmp_path: Path, slot_writer: Any
+) -> None:
+    store = case.store
+    await store.put_document("t1", "responses", "resp_1", b'{"a": 1}')
+    assert await store.get_document("t1", "responses", "resp_1") == b'{"a": 1}'
+    await store.put_document("t1", "responses", "resp_1", b'{"a": 2}')  # replaced whole
+    assert await store.get_document("t1", "responses", "resp_1") == b'{"a": 2}'
+    with pytest.raises(NotFound):
+        await store.get_document("t2", "responses", "resp_1")  # another tenant: not found
+    for bad in ("../t2", ".hidden", "a/b"):
+        with pytest.raises(InvalidId):
+            await store.get_document("t1", "responses", bad)
+    # Documents are not slot files: a session's listing, the latest generations and the tenant
+    # listing are unchanged by them.
+    await store.put_file(SlotRef("t1", "s1", 1), slot(tmp_path, slot_writer, "a"), model="m", n_tokens=4)
+    assert [i.ref for i in [x async for x in store.list("t1")]] == [SlotRef("t1", "s1", 1)]
+    assert [t async for t in store.list_tenants()] == ["t1"]
+    await store.delete_document("t1", "responses", "resp_1")
+    await store.delete_document("t1", "responses", "resp_1")  # absent: not an error
+    with pytest.raises(NotFound):
+        await store.get_document("t1", "responses", "resp_1")
