@@ -1,4 +1,5 @@
-"""Fixtures shared by every suite: tiny random-weight models generated once per session."""
+"""Fixtures shared by every suite: tiny random-weight models generated once per session, a real
+Gemma 3 270M assembled once per machine, redis and moto servers."""
 
 from __future__ import annotations
 
@@ -37,6 +38,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def gemma_model() -> Path:
+    """Gemma 3 270M Q4_K_M, a real model (253 MB, no chat template), assembled once per machine
+    into a cache directory (support/gemma.py)."""
+    from support.gemma import gemma_gguf
+
+    return gemma_gguf()
 
 
 @pytest.fixture(scope="session")

@@ -1,25 +1,44 @@
-"""The GGUF's chat template rendered with sandboxed jinja2, and where its message boundaries fall in tokens.
+"""The chat template rendered with sandboxed jinja2, which template that is, and where its message
+boundaries fall in tokens.
+
+Which template (llama-server's rules, `select_template`): `--chat-template-file` wins over
+`--chat-template` (a built-in name from `builtin_templates`, or an inline jinja template), which
+wins over the GGUF's `tokenizer.chat_template`; a GGUF without a template, or with one that does not
+compile, falls back to ChatML. A template given by flag that cannot be used — a name that is
+neither built-in nor jinja, an unreadable file, a template that does not compile or cannot render a
+one-message conversation — raises `TemplateConfigError`, and the engine refuses to start.
 
 `ChatTemplate.prompt` renders a conversation, tokenizes it, and computes the checkpoint hints the
-core should capture while prefilling: the end of the system/tools prefix (shared by every session
-of an agent) and the start of the last user message (where the next turn of the same session
-usually diverges). A boundary is found by rendering the conversation's prefix on its own and taking
-its common token prefix with the whole prompt, so it is right even where a template or the
+core should capture while prefilling:
+- the end of the system/tools prefix (shared by every session of an agent);
+- the start of the last user message (where another request of the same session may diverge);
+- the end of the history as the NEXT turn will re-render it. Templates render the generation
+  prompt and a past assistant turn differently (Qwen3.5 opens `<think>` in the generation prompt
+  and drops the reasoning from history), so the next turn leaves this prompt before its end, and
+  the checkpoint at the prompt's end is past the divergence. The hint is where this prompt and the
+  conversation continued by a placeholder assistant reply and user message first differ. (It is
+  usually a few tokens before the prompt's end — two for Qwen3.5; the core spaces only its interval
+  checkpoints by `--checkpoint-min-step`, never hints, so it keeps both.)
+A boundary is found by rendering (a prefix or a continuation of) the conversation on its own and
+taking its common token prefix with the whole prompt, so it is right even where a template or the
 tokenizer joins text across the boundary.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import BadRequest
+from .builtin_templates import BUILTIN_TEMPLATES, CHATML
 from .scheduler import common_prefix
 
 Tokenizer = Callable[[str, bool], list[int]]  # (text, add_special) -> tokens
@@ -47,24 +66,38 @@ class ChatPrompt:
     hints: list[int]
 
 
-class ChatTemplate:
-    """One compiled chat template with the model's special token texts."""
+# Two placeholder replies that differ from their first character: wherever the template puts the
+# content of the next turn's assistant message, at least one of them differs from this prompt there.
+_PLACEHOLDERS = ("A", "B")
 
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+class ChatTemplate:
+    """One compiled chat template with the model's special token texts.
+
+    `origin` says where the source came from (`gguf`, `chatml-fallback`, `builtin:NAME`, `inline`,
+    `file:PATH`), for the logs and /props.
+    """
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", origin: str = "gguf") -> None:
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = _strftime_now
+        self.origin = origin
         try:
-            self._template = env.from_string(source) if source else None
+            self._template = _environment().from_string(source) if source else None
         except jinja2.TemplateSyntaxError as exc:
             self._template = None
-            self.error = f"the model's chat template does not compile: {exc}"
+            self.error = f"the chat template does not compile: {_syntax_error(exc)}"
         else:
             self.error = "" if source else "the model has no chat template"
 
@@ -102,7 +135,8 @@ class ChatTemplate:
         tools: Sequence[dict[str, Any]] | None = None,
         kwargs: dict[str, Any] | None = None,
     ) -> ChatPrompt:
-        """Render, tokenize and place checkpoint hints at the message boundaries."""
+        """Render, tokenize and place checkpoint hints at the message boundaries and where the next
+        turn's re-rendered history will leave this prompt."""
         text = self.render(messages, tools, add_generation_prompt=True, kwargs=kwargs)
         tokens = self.tokenize(tokenize, text)
         hints: list[int] = []
@@ -116,12 +150,138 @@ class ChatTemplate:
             n = common_prefix(self.tokenize(tokenize, head), tokens)
             if 0 < n < len(tokens):
                 hints.append(n)
+        end = self.next_turn_divergence(messages, tools, kwargs, text)
+        if 0 < end < len(text):
+            n = common_prefix(self.tokenize(tokenize, text[:end]), tokens)
+            if 0 < n < len(tokens):
+                hints.append(n)
         return ChatPrompt(text, tokens, sorted(set(hints)))
+
+    def next_turn_divergence(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None,
+        kwargs: dict[str, Any] | None,
+        text: str,
+    ) -> int:
+        """Characters of `text` (this prompt) that the next turn's prompt will repeat.
+
+        The next turn renders this conversation, the reply as an assistant message, and a new
+        message. Rendering it with a placeholder reply and user message and taking the common prefix
+        with `text` finds where it leaves this prompt: at the end for ChatML, before the `<think>`
+        that a reasoning template's generation prompt opens, inside the last user message for a
+        template that renders the last one differently. A template that refuses the placeholder
+        continuation (roles out of order, a last message that is not the user's) gets the end of
+        the conversation rendered without the generation prompt instead. 0: nothing found.
+        """
+        ends = []
+        for filler in _PLACEHOLDERS:
+            following = [{"role": "assistant", "content": filler}, {"role": "user", "content": filler}]
+            try:
+                nxt = self.render([*messages, *following], tools, add_generation_prompt=False, kwargs=kwargs)
+            except BadRequest:
+                break
+            ends.append(len(os.path.commonprefix([text, nxt])))
+        else:
+            return min(ends)
+        try:
+            head = self.render(messages, tools, add_generation_prompt=False, kwargs=kwargs)
+        except BadRequest:
+            return 0
+        return len(os.path.commonprefix([text, head]))
 
     def tokenize(self, tokenize: Tokenizer, text: str) -> list[int]:
         # A template that writes the BOS text itself must not get a second BOS from the tokenizer.
         add_special = not (self.bos_token and text.startswith(self.bos_token))
         return tokenize(text, add_special)
+
+
+# -- which template ------------------------------------------------------------------------------
+class TemplateConfigError(Exception):
+    """A template given by flag cannot be used; the engine refuses to start with this message."""
+
+
+@dataclass(frozen=True)
+class TemplateChoice:
+    """The template source the engine will use, where it came from, and why when it fell back."""
+
+    source: str
+    origin: str  # file:PATH | builtin:NAME | inline | gguf | chatml-fallback
+    fallback_reason: str = ""
+
+
+_SMOKE = [{"role": "user", "content": "Hello"}]
+
+
+def _syntax_error(exc: jinja2.TemplateSyntaxError) -> str:
+    return f"line {exc.lineno}: {exc.message}" if exc.lineno else str(exc.message)
+
+
+def _unusable(source: str) -> str:
+    """Why `source` cannot serve as a chat template ('' when it can): it must compile and render a
+    one-message conversation (as llama-server renders an example at start-up)."""
+    template = ChatTemplate(source, origin="check")
+    if template.error:
+        return template.error
+    try:
+        template.render(_SMOKE)
+    except BadRequest as exc:
+        return f"the chat template cannot render a one-message conversation: {exc.message}"
+    return ""
+
+
+def looks_like_jinja(value: str) -> bool:
+    return "{{" in value or "{%" in value
+
+
+def template_override(chat_template: str | None, chat_template_file: str | None) -> TemplateChoice | None:
+    """The template the flags ask for, or None when they ask for none (then the GGUF's is used).
+
+    `--chat-template-file` wins over `--chat-template`, as the more specific of the two. Raises
+    TemplateConfigError, naming the flag, when the asked-for template cannot be used.
+    """
+    if chat_template_file:
+        path = Path(chat_template_file)
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise TemplateConfigError(
+                f"--chat-template-file {chat_template_file!r} cannot be read: {why}"
+            ) from None
+        if not source.strip():
+            raise TemplateConfigError(f"--chat-template-file {chat_template_file!r} is empty")
+        choice = TemplateChoice(source, f"file:{path}")
+        where = f"--chat-template-file {chat_template_file!r}"
+    elif chat_template:
+        if chat_template in BUILTIN_TEMPLATES:
+            return TemplateChoice(BUILTIN_TEMPLATES[chat_template], f"builtin:{chat_template}")
+        if not looks_like_jinja(chat_template):
+            raise TemplateConfigError(
+                f"--chat-template {chat_template!r} is neither a built-in template "
+                f"({', '.join(sorted(BUILTIN_TEMPLATES))}) nor a jinja template"
+            )
+        choice = TemplateChoice(chat_template, "inline")
+        where = "--chat-template"
+    else:
+        return None
+    why = _unusable(choice.source)
+    if why:
+        raise TemplateConfigError(f"{where}: {why}")
+    return choice
+
+
+def select_template(override: TemplateChoice | None, gguf_template: str) -> TemplateChoice:
+    """The template to use: the flags' (already checked), else the GGUF's, else ChatML — as
+    llama-server falls back to ChatML for a model without a usable template."""
+    if override is not None:
+        return override
+    if not gguf_template:
+        return TemplateChoice(CHATML, "chatml-fallback", "the model has no chat template")
+    why = _unusable(gguf_template)
+    if why:
+        return TemplateChoice(CHATML, "chatml-fallback", f"the model's template is unusable: {why}")
+    return TemplateChoice(gguf_template, "gguf")
 
 
 def boundary_cuts(messages: Sequence[dict[str, Any]], has_tools: bool) -> list[int]:

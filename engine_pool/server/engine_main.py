@@ -3,7 +3,8 @@
 Startup reads top to bottom: settings from flags and environment, logging, the runtime, the app,
 then uvicorn serves until SIGTERM/SIGINT (uvicorn turns them into a graceful shutdown: stop
 accepting, finish responses, then the lifespan closes the native engine). Exit codes: 0 after a
-clean shutdown, 1 when the model failed to load, 2 for bad flags or variables.
+clean shutdown, 1 when the model failed to load or the chat template that the flags ask for
+cannot be used (runtime.py), 2 for bad flags or variables.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ async def props(request: Request) -> Response:
             "model_alias": rt.settings.model_id,
             "model_path": rt.settings.model,
             "modalities": {"vision": False, "audio": False},
-            "chat_template": m.chat_template,
+            "chat_template": rt.template.source,  # the one in use (flags, GGUF, or ChatML fallback)
             "bos_token": rt.token_text(m.bos),
             "eos_token": rt.token_text(m.eos),
             "build_info": f"slotkeeper {native.ENGINE_VERSION} / {native.LLAMA_BUILD}",
@@ -82,6 +82,7 @@ async def props(request: Request) -> Response:
                 "recurrent": m.recurrent,
                 "n_swa": m.n_swa,
                 "fingerprint": m.fingerprint,
+                "chat_template_origin": rt.template.origin,
                 "state_seq_version": native.STATE_SEQ_VERSION,
                 "slot_save_path": str(rt.slot_dir) if rt.slot_dir else None,
                 "n_ctx": rt.settings.n_ctx,

@@ -19,11 +19,22 @@ import structlog
 import native
 
 from ..errors import ServerError, Unavailable
-from .chat_template import ChatTemplate
+from .chat_template import ChatTemplate, TemplateConfigError, select_template, template_override
 from .metrics import EngineMetrics
 from .sampling import Sampling
 from .scheduler import SlotScheduler
 from .settings import EngineSettings
+
+
+def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether the CPU has AMX tiles: llama.cpp's AMX buffer type crashes on multi-token batches
+    over quantized weights there (llama.cpp #20824), so such engines load without repacking."""
+    try:
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:
+        return False
+    return any(line.startswith("flags") and " amx_tile" in line for line in text.splitlines())
+
 
 log = structlog.get_logger("engine.runtime")
 
@@ -67,6 +78,7 @@ class Runtime:
             max_slot_file_bytes=s.max_slot_file_bytes,
             swa_full=s.swa_full,
             flash_attn=s.flash_attn,
+            repack=not s.no_repack and not cpu_has_amx(),
         )
 
     async def load(self) -> None:
@@ -74,6 +86,15 @@ class Runtime:
         t0 = time.monotonic()
         self._loop = asyncio.get_running_loop()
         log.info("engine.loading", model=self.settings.model)
+        try:
+            # The flags' template is checked before the model loads: a typo fails in milliseconds.
+            override = await asyncio.to_thread(
+                template_override, self.settings.chat_template, self.settings.chat_template_file
+            )
+        except TemplateConfigError as exc:
+            self.state, self.error = "failed", f"the chat template cannot be used: {exc}"
+            log.error("engine.load_failed", model=self.settings.model, error=self.error)
+            return
         try:
             if self.slot_dir is not None:
                 self.slot_dir.mkdir(parents=True, exist_ok=True)
@@ -87,8 +108,12 @@ class Runtime:
         if self.state == "draining":  # SIGTERM while loading
             return
         model = engine.model
+        choice = await asyncio.to_thread(select_template, override, model.chat_template)  # compiles jinja
+        if choice.fallback_reason:
+            log.warning("engine.chat_template_fallback", reason=choice.fallback_reason, template="chatml")
+        log.info("engine.chat_template", origin=choice.origin, chars=len(choice.source))
         self.template = ChatTemplate(
-            model.chat_template, self.token_text(model.bos), self.token_text(model.eos)
+            choice.source, self.token_text(model.bos), self.token_text(model.eos), origin=choice.origin
         )
         self.state = "ready"
         log.info(
@@ -98,6 +123,7 @@ class Runtime:
             hybrid=model.hybrid,
             recurrent=model.recurrent,
             n_slots=self.settings.n_slots,
+            repack=engine.config.repack,
             n_ctx_slot=engine.n_ctx_slot,
             load_s=round(time.monotonic() - t0, 3),
         )

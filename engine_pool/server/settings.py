@@ -87,6 +87,7 @@ class EngineSettings:
     jinja: bool = True  # accepted for llama-server command lines: templates are always jinja here
     reasoning_format: str = "auto"  # none | deepseek | deepseek-legacy | auto
     chat_format: str = "auto"  # the tool-call format: auto (from the template) or a family name
+    no_repack: bool = False  # llama-server's --no-repack (also forced on CPUs with AMX: runtime.py)
 
     @property
     def model_id(self) -> str:
@@ -327,7 +328,17 @@ FLAGS: tuple[Flag, ...] = (
         str,
         "read the chat template (jinja) from this file; overrides the GGUF's",
     ),
-    Flag("jinja", ("--jinja",), "SLOTKEEPER_JINJA", parse_bool, "jinja chat templates (always on)", switch=True),
+    Flag(
+        "no_repack",
+        ("-nr", "--no-repack"),
+        "SLOTKEEPER_NO_REPACK",
+        parse_bool,
+        "no weight repacking (llama.cpp extra buffer types); always off on CPUs with AMX",
+        switch=True,
+    ),
+    Flag(
+        "jinja", ("--jinja",), "SLOTKEEPER_JINJA", parse_bool, "jinja chat templates (always on)", switch=True
+    ),
     Flag(
         "reasoning_format",
         ("--reasoning-format",),

@@ -81,7 +81,8 @@ PYBIND11_MODULE(_native, m) {
     py::class_<EngineConfig>(m, "EngineConfig")
         .def(py::init([](std::string model_path, int n_slots, int n_ctx, int n_batch, int n_ubatch, int n_threads,
                          int n_gpu_layers, int checkpoint_interval, int checkpoint_min_step, int max_checkpoints,
-                         uint64_t max_checkpoint_bytes, uint64_t max_slot_file_bytes, bool swa_full, bool flash_attn) {
+                         uint64_t max_checkpoint_bytes, uint64_t max_slot_file_bytes, bool swa_full, bool flash_attn,
+                         bool repack) {
                  EngineConfig c;
                  c.model_path = std::move(model_path);
                  c.n_slots = n_slots;
@@ -97,6 +98,7 @@ PYBIND11_MODULE(_native, m) {
                  c.max_slot_file_bytes = max_slot_file_bytes;
                  c.swa_full = swa_full;
                  c.flash_attn = flash_attn;
+                 c.repack = repack;
                  return c;
              }),
              py::arg("model_path"), py::kw_only(), py::arg("n_slots") = 1, py::arg("n_ctx") = 4096,
@@ -104,7 +106,7 @@ PYBIND11_MODULE(_native, m) {
              py::arg("n_gpu_layers") = 0, py::arg("checkpoint_interval") = 2048,
              py::arg("checkpoint_min_step") = 64, py::arg("max_checkpoints") = 32,
              py::arg("max_checkpoint_bytes") = uint64_t(1) << 30, py::arg("max_slot_file_bytes") = 0,
-             py::arg("swa_full") = false, py::arg("flash_attn") = false)
+             py::arg("swa_full") = false, py::arg("flash_attn") = false, py::arg("repack") = true)
         // Read-only: a configuration is built once by the constructor above; the engine keeps its own
         // copy (Engine.config hands out another), so nothing in Python can reach the running one.
         .def_readonly("model_path", &EngineConfig::model_path)
@@ -120,7 +122,8 @@ PYBIND11_MODULE(_native, m) {
         .def_readonly("max_checkpoint_bytes", &EngineConfig::max_checkpoint_bytes)
         .def_readonly("max_slot_file_bytes", &EngineConfig::max_slot_file_bytes)
         .def_readonly("swa_full", &EngineConfig::swa_full)
-        .def_readonly("flash_attn", &EngineConfig::flash_attn);
+        .def_readonly("flash_attn", &EngineConfig::flash_attn)
+        .def_readonly("repack", &EngineConfig::repack);
 
     py::class_<RequestParams>(m, "RequestParams")
         .def(py::init([](std::vector<llama_token> prompt) {

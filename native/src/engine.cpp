@@ -13,7 +13,7 @@
 namespace sk {
 
 
-Engine::Engine(const EngineConfig & cfg) : cfg_(cfg), model_(cfg.model_path, cfg.n_gpu_layers) {
+Engine::Engine(const EngineConfig & cfg) : cfg_(cfg), model_(cfg.model_path, cfg.n_gpu_layers, cfg.repack) {
     if (cfg_.n_slots < 1 || cfg_.n_slots > 256) throw InvalidRequestError("n_slots must be within 1..256");
     if (cfg_.n_ctx < 16 * cfg_.n_slots) throw InvalidRequestError("n_ctx must give every slot at least 16 tokens");
     if (cfg_.n_batch < 1 || cfg_.n_ubatch < 1) throw InvalidRequestError("n_batch and n_ubatch must be positive");

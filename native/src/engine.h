@@ -41,6 +41,10 @@ struct EngineConfig {
     uint64_t max_slot_file_bytes = 0;
     bool swa_full = false;
     bool flash_attn = false;
+    // llama.cpp's extra weight buffer types (CPU repacking, AMX). llama-server's --no-repack turns
+    // them off; on CPUs with AMX, multi-token batches over quantized weights crash in the AMX
+    // kernels (llama.cpp #20824), so the engine process turns them off there.
+    bool repack = true;
 };
 
 struct SlotFileInfo {

@@ -69,12 +69,13 @@ std::string model_fingerprint(const std::string & path) {
     return h.hexdigest();
 }
 
-Model::Model(const std::string & path, int n_gpu_layers) {
+Model::Model(const std::string & path, int n_gpu_layers, bool repack) {
     // Read the fingerprint first: it also rejects non-GGUF files before llama.cpp sees them.
     std::string fp = model_fingerprint(path);
 
     llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = n_gpu_layers;
+    mp.use_extra_bufts = repack;
     model_.reset(llama_model_load_from_file(path.c_str(), mp));
     if (!model_) throw ModelLoadError("llama.cpp could not load the model: " + path);
 

@@ -108,6 +108,15 @@ std::vector<PlannedCheckpoint> plan_checkpoints(int64_t start, int64_t n_prompt,
                                                 int interval, int min_step, const std::vector<int64_t> & existing) {
     std::vector<PlannedCheckpoint> out;
     if (n_prompt <= start) return out;
+    auto taken = [&](int64_t q) {
+        for (int64_t e : existing) {
+            if (e == q) return true;
+        }
+        for (const auto & c : out) {
+            if (c.n_tokens == q) return true;
+        }
+        return false;
+    };
     auto near = [&](int64_t q) {
         for (int64_t e : existing) {
             if (std::llabs(e - q) < min_step || e == q) return true;
@@ -124,7 +133,9 @@ std::vector<PlannedCheckpoint> plan_checkpoints(int64_t start, int64_t n_prompt,
     std::vector<int> hs(hints.begin(), hints.end());
     std::sort(hs.begin(), hs.end());
     for (int h : hs) {
-        if (h > start && h < n_prompt && !near(h)) out.push_back({h, CheckpointKind::Hint});
+        // Hints are few and placed where the next request diverges (a history rewrite lands two
+        // tokens before the prompt end): the spacing rule is for the interval fallback only.
+        if (h > start && h < n_prompt && !taken(h)) out.push_back({h, CheckpointKind::Hint});
     }
     if (interval > 0) {
         for (int64_t q = (start / interval + 1) * interval; q < n_prompt; q += interval) {

@@ -157,3 +157,16 @@ def test_request_limits_come_from_settings_once() -> None:
     lim = RequestLimits.from_settings(s)
     assert (lim.body.max_bytes, lim.body.read_timeout_s, lim.max_tools) == (1 << 20, 2.5, 3)
     assert (lim.max_grammar_bytes, lim.max_text_chars, lim.schema.max_rules) == (8 << 10, 1 << 20, 99)
+
+
+def test_repacking_is_off_when_asked_or_on_cpus_with_amx(tmp_path):
+    from engine_pool.server.runtime import cpu_has_amx
+
+    assert parse_settings(["-m", "m.gguf", "--no-repack"], {}).no_repack is True
+    assert parse_settings(["-m", "m.gguf"], {"SLOTKEEPER_NO_REPACK": "on"}).no_repack is True
+    assert parse_settings(["-m", "m.gguf"], {}).no_repack is False
+    amx = tmp_path / "amx"
+    amx.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f amx_bf16 amx_tile amx_int8\n")
+    plain = tmp_path / "plain"
+    plain.write_text("processor\t: 0\nflags\t\t: fpu sse avx2\n")
+    assert cpu_has_amx(str(amx)) and not cpu_has_amx(str(plain)) and not cpu_has_amx(str(tmp_path / "no"))

@@ -1,0 +1,152 @@
+"""Chat templates the engine knows by name, for `--chat-template NAME` (llama-server's built-ins).
+
+llama-server accepts a built-in template name (the names of llama.cpp's `llama-chat.cpp`) and falls
+back to ChatML when a model has no template of its own. These are our own jinja templates that
+render those formats — not copies of upstream text — for the names in common use:
+
+- `chatml`: `<|im_start|>{role}\n{content}<|im_end|>\n`, generation prompt `<|im_start|>assistant\n`;
+  tools Hermes/Qwen style (`<tools>` in the system turn, `<tool_call>{json}</tool_call>`, tool
+  results as `<tool_response>` in a user turn).
+- `gemma`: `<start_of_turn>{user or model}\n{content}<end_of_turn>\n` after the BOS text; system
+  text opens the next user turn.
+- `llama3`: `<|start_header_id|>{role}<|end_header_id|>\n\n{content}<|eot_id|>` after the BOS text.
+- `mistral-v7`: `[SYSTEM_PROMPT] ..[/SYSTEM_PROMPT]`, `[INST] ..[/INST]`, ` {answer}</s>`.
+
+Only `chatml` carries a tool-call format (the one `tool_calls.py` parses); the others refuse a
+request with tools (400) rather than silently drop them. Content may be a string or a list of text
+parts; `none` content (an assistant turn with only tool calls) renders as empty.
+"""
+
+from __future__ import annotations
+
+# Every template starts with this macro: content as a string, a list of text parts, or none.
+_TEXT = r"""{%- macro text(content) -%}
+    {%- if content is string -%}
+        {{- content -}}
+    {%- elif content -%}
+        {%- for part in content -%}
+            {%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}
+        {%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+"""
+
+
+def _no_tools(name: str) -> str:
+    return (
+        "{%- if tools -%}{{- raise_exception(\"the built-in '" + name + "' chat template has no "
+        'tool-call format; use --chat-template chatml or a template made for tools") -}}{%- endif -%}\n'
+    )
+
+
+CHATML = (
+    _TEXT
+    + r"""{%- if tools -%}
+    {{- '<|im_start|>system\n' -}}
+    {%- if messages and messages[0].role == 'system' -%}
+        {{- text(messages[0].content) + '\n\n' -}}
+    {%- endif -%}
+    {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' -}}
+    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' -}}
+    {%- for tool in tools -%}
+        {{- '\n' -}}{{- tool | tojson -}}
+    {%- endfor -%}
+    {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments' -}}
+    {{- ' within <tool_call></tool_call> XML tags:\n<tool_call>\n' -}}
+    {{- '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' -}}
+{%- endif -%}
+{%- for message in messages -%}
+    {%- if tools and loop.first and message.role == 'system' -%}
+    {%- elif message.role == 'assistant' -%}
+        {%- set content = text(message.content) -%}
+        {{- '<|im_start|>assistant' -}}
+        {%- if content or not message.tool_calls -%}
+            {{- '\n' + content -}}
+        {%- endif -%}
+        {%- for call in message.tool_calls or [] -%}
+            {%- set fn = call.function if call.function is defined else call -%}
+            {{- '\n<tool_call>\n{"name": ' -}}{{- fn.name | tojson -}}{{- ', "arguments": ' -}}
+            {%- if fn.arguments is string -%}
+                {{- fn.arguments -}}
+            {%- else -%}
+                {{- fn.arguments | tojson -}}
+            {%- endif -%}
+            {{- '}\n</tool_call>' -}}
+        {%- endfor -%}
+        {{- '<|im_end|>\n' -}}
+    {%- elif message.role == 'tool' -%}
+        {{- '<|im_start|>user\n<tool_response>\n' + text(message.content) -}}
+        {{- '\n</tool_response><|im_end|>\n' -}}
+    {%- else -%}
+        {{- '<|im_start|>' + message.role + '\n' + text(message.content) + '<|im_end|>\n' -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\n' -}}
+{%- endif -%}
+"""
+)
+
+GEMMA = (
+    _TEXT
+    + _no_tools("gemma")
+    + r"""{{- bos_token -}}
+{%- set ns = namespace(system='') -%}
+{%- for message in messages -%}
+    {%- if message.role in ('system', 'developer') -%}
+        {%- set ns.system = ns.system + (text(message.content) | trim) -%}
+    {%- else -%}
+        {%- set role = 'model' if message.role == 'assistant' else message.role -%}
+        {{- '<start_of_turn>' + role + '\n' -}}
+        {%- if ns.system and role != 'model' -%}
+            {{- ns.system + '\n\n' -}}
+            {%- set ns.system = '' -%}
+        {%- endif -%}
+        {{- (text(message.content) | trim) + '<end_of_turn>\n' -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<start_of_turn>model\n' -}}
+{%- endif -%}
+"""
+)
+
+LLAMA3 = (
+    _TEXT
+    + _no_tools("llama3")
+    + r"""{{- bos_token -}}
+{%- for message in messages -%}
+    {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' -}}
+    {{- (text(message.content) | trim) + '<|eot_id|>' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+{%- endif -%}
+"""
+)
+
+MISTRAL_V7 = (
+    _TEXT
+    + _no_tools("mistral-v7")
+    + r"""{{- bos_token -}}
+{%- for message in messages -%}
+    {%- if message.role == 'system' -%}
+        {{- '[SYSTEM_PROMPT] ' + text(message.content) + '[/SYSTEM_PROMPT]' -}}
+    {%- elif message.role == 'user' -%}
+        {{- '[INST] ' + text(message.content) + '[/INST]' -}}
+    {%- elif message.role == 'assistant' -%}
+        {{- ' ' + text(message.content) + eos_token -}}
+    {%- else -%}
+        {{- raise_exception("the built-in 'mistral-v7' chat template has no role " + message.role) -}}
+    {%- endif -%}
+{%- endfor -%}
+"""
+)
+
+# name -> jinja source; `--chat-template NAME` looks names up here.
+BUILTIN_TEMPLATES: dict[str, str] = {
+    "chatml": CHATML,
+    "gemma": GEMMA,
+    "llama3": LLAMA3,
+    "mistral-v7": MISTRAL_V7,
+}
