@@ -360,6 +360,18 @@ SPECIAL_TOKENS: tuple[tuple[str, gguf.TokenType], ...] = (
     ("<think>", gguf.TokenType.USER_DEFINED),
     ("</think>", gguf.TokenType.USER_DEFINED),
 )
+# LFM2's tags, single tokens in Liquid's vocabulary. They take the LAST ids (the last pieces of the
+# list made room), so that every token before them kept its id and its embedding. CONTROL, as in
+# Liquid's GGUFs: llama.cpp renders them only when asked to, so the engine must preserve the ones its
+# chat format reads (as llama-server does) for calls to be seen at all.
+FAMILY_TOKENS: tuple[str, ...] = (
+    "<|tool_list_start|>",
+    "<|tool_list_end|>",
+    "<|tool_call_start|>",
+    "<|tool_call_end|>",
+    "<|tool_response_start|>",
+    "<|tool_response_end|>",
+)
 
 _SPACE = "\u2581"  # SentencePiece's visible space
 
@@ -423,9 +435,10 @@ class Vocab:
 def build_vocab(n_vocab: int) -> Vocab:
     """The vocabulary of every generated model with `n_vocab` tokens (deterministic).
 
-    Ids: `<unk>` 0, `<s>` 1, `</s>` 2, the ChatML specials, the 256 byte tokens, `▁`, then pieces.
-    Byte fallback makes any UTF-8 text round-trip through llama.cpp's tokenizer, except a literal
-    U+2581 (`▁`), which SentencePiece cannot tell from a space.
+    Ids: `<unk>` 0, `<s>` 1, `</s>` 2, the ChatML specials, the 256 byte tokens, `▁`, pieces, and
+    last the family tags (FAMILY_TOKENS). Byte fallback makes any UTF-8 text round-trip through
+    llama.cpp's tokenizer, except a literal U+2581 (`▁`), which SentencePiece cannot tell from a
+    space.
     """
     fixed: list[tuple[str, int]] = [(text, int(kind)) for text, kind in SPECIAL_TOKENS]
     fixed += [(f"<0x{b:02X}>", int(gguf.TokenType.BYTE)) for b in range(256)]
@@ -433,87 +446,42 @@ def build_vocab(n_vocab: int) -> Vocab:
     seen = {text for text, _ in fixed}
     normal: list[str] = []
     for piece in _pieces():
-        if len(fixed) + len(normal) == n_vocab:
+        if len(fixed) + len(normal) + len(FAMILY_TOKENS) == n_vocab:
             break
         if piece not in seen:
             seen.add(piece)
             normal.append(piece)
-    tokens = [text for text, _ in fixed] + normal
+    tokens = [text for text, _ in fixed] + normal + list(FAMILY_TOKENS)
     types = [kind for _, kind in fixed] + [int(gguf.TokenType.NORMAL)] * len(normal)
+    types += [int(gguf.TokenType.CONTROL)] * len(FAMILY_TOKENS)
     # Earlier pieces win merges (higher score); special and byte tokens never take part in merges.
     scores = [0.0] * len(fixed) + [-float(rank) for rank in range(1, len(normal) + 1)]
+    scores += [0.0] * len(FAMILY_TOKENS)
     return Vocab(tokens, scores, types)
 
 
-# ChatML in the Qwen/Hermes style. Renders with a plain (sandboxed) jinja2 environment. `tojson`
-# output is never concatenated with `+`: jinja2's tojson returns Markup, which would HTML-escape
-# the other operand.
-CHAT_TEMPLATE = r"""{%- macro render_content(content) -%}
-    {%- if content is none -%}
-    {%- elif content is string -%}
-        {{- content -}}
-    {%- else -%}
-        {%- for part in content -%}
-            {%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}
-        {%- endfor -%}
-    {%- endif -%}
-{%- endmacro -%}
-{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages and messages[0].role == 'system' %}
-        {{- render_content(messages[0].content) + '\n\n' }}
-    {%- endif %}
-    {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' }}
-    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
-    {%- for tool in tools %}
-        {{- '\n' }}{{- tool | tojson }}
-    {%- endfor %}
-    {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments' }}
-    {{- ' within <tool_call></tool_call> XML tags:\n<tool_call>\n' }}
-    {{- '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
-{%- elif messages and messages[0].role == 'system' %}
-    {{- '<|im_start|>system\n' + render_content(messages[0].content) + '<|im_end|>\n' }}
-{%- endif %}
-{%- for message in messages %}
-    {%- if message.role == 'system' and loop.first %}
-    {%- elif message.role == 'tool' %}
-        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' + render_content(message.content) + '\n</tool_response>' }}
-        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- elif message.role == 'assistant' %}
-        {{- '<|im_start|>assistant' }}
-        {%- set content = render_content(message.content) %}
-        {%- if content %}
-            {{- '\n' + content }}
-        {%- endif %}
-        {%- for tool_call in message.tool_calls or [] %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {{- '\n<tool_call>\n{"name": ' }}{{- tool_call.name | tojson }}{{- ', "arguments": ' }}
-            {%- if tool_call.arguments is string %}
-                {{- tool_call.arguments }}
-            {%- else %}
-                {{- tool_call.arguments | tojson }}
-            {%- endif %}
-            {{- '}\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\n' }}
-    {%- else %}
-        {{- '<|im_start|>' + message.role + '\n' + render_content(message.content) + '<|im_end|>\n' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-{%- endif %}
-"""
+# Chat templates of the model families, written for these models after each family's documented
+# format (one file each in chat_templates/). `hermes` is ChatML with Hermes-style JSON tool calls
+# (Qwen2.5/Qwen3); `qwen35` and `nemotron` use XML tool calls and a reasoning block the generation
+# prompt opens; `lfm2` Python-call tool calls between single-token tags; `granite` JSON tool calls
+# in Granite 4.0's role markup. They render with a plain sandboxed jinja2 environment. `tojson`
+# output is never concatenated with `+`: jinja2's own tojson returns Markup, which would HTML-escape
+# the other operand (the engine's environment returns plain JSON, as llama.cpp's does).
+TEMPLATES = ("hermes", "qwen35", "lfm2", "granite", "nemotron")
+_TEMPLATE_DIR = Path(__file__).resolve().parent / "chat_templates"
 
 
-def _tokenizer_metadata(vocab: Vocab) -> dict[str, Any]:
+def chat_template(name: str) -> str:
+    """The jinja source of the chat template `name` (one of TEMPLATES)."""
+    if name not in TEMPLATES:
+        raise ValueError(f"unknown chat template {name!r}; choose one of {', '.join(TEMPLATES)}")
+    return (_TEMPLATE_DIR / f"{name}.jinja").read_text(encoding="utf-8")
+
+
+CHAT_TEMPLATE = chat_template("hermes")
+
+
+def _tokenizer_metadata(vocab: Vocab, template: str) -> dict[str, Any]:
     return {
         "tokenizer.ggml.model": "llama",
         "tokenizer.ggml.tokens": vocab.tokens,
@@ -529,7 +497,7 @@ def _tokenizer_metadata(vocab: Vocab) -> dict[str, Any]:
         "tokenizer.ggml.add_eos_token": False,
         # No implicit leading space: text after a special token (ChatML) must not gain one.
         "tokenizer.ggml.add_space_prefix": False,
-        "tokenizer.chat_template": CHAT_TEMPLATE,
+        "tokenizer.chat_template": template,
     }
 
 
@@ -537,7 +505,7 @@ def _tokenizer_metadata(vocab: Vocab) -> dict[str, Any]:
 # Writing
 
 
-def _metadata(arch: str, spec: ArchSpec, d: Dims, size: str, seed: int) -> dict[str, Any]:
+def _metadata(arch: str, spec: ArchSpec, d: Dims, size: str, seed: int, template: str) -> dict[str, Any]:
     common = {
         "vocab_size": d.n_vocab,
         "context_length": d.n_ctx_train,
@@ -556,7 +524,7 @@ def _metadata(arch: str, spec: ArchSpec, d: Dims, size: str, seed: int) -> dict[
         "slotkeeper.seed": seed,
         "slotkeeper.size": size,
     }
-    return general | arch_keys | _tokenizer_metadata(build_vocab(d.n_vocab))
+    return general | arch_keys | _tokenizer_metadata(build_vocab(d.n_vocab), chat_template(template))
 
 
 def _add_kv(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
@@ -601,24 +569,30 @@ def cached_model(directory: str | os.PathLike[str], arch: str, size: str = "tiny
     return path
 
 
-def write_model(path: str | os.PathLike[str], arch: str, size: str = "tiny", seed: int = 0) -> None:
+def write_model(
+    path: str | os.PathLike[str], arch: str, size: str = "tiny", seed: int = 0, template: str = "hermes"
+) -> None:
     """Write a random-weight GGUF model of `arch` ("llama", "gemma2", "mamba2", "lfm2", "qwen35").
 
     `size` is "tiny" (a few MB, fast on CPU) or, for qwen35 only, "bench" (~210M f16 parameters).
-    The same (arch, size, seed) always produces a byte-identical file; `seed` must fit in 32 bits.
-    Tensors are generated and written one at a time, so memory stays at about the largest tensor.
-    The file appears atomically: it is written beside `path` and renamed into place.
-    Raises ValueError for an unknown architecture, a size the architecture lacks, or a bad seed.
+    `template` names the chat template it carries (TEMPLATES; any with any architecture).
+    The same (arch, size, seed, template) always produces a byte-identical file; `seed` must fit in
+    32 bits. Tensors are generated and written one at a time, so memory stays at about the largest
+    tensor. The file appears atomically: it is written beside `path` and renamed into place.
+    Raises ValueError for an unknown architecture, template, a size the architecture lacks, or a
+    bad seed.
     """
     spec, dims = _resolve(arch, size)
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed must be in [0, 2**32), got {seed}")
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown chat template {template!r}; choose one of {', '.join(TEMPLATES)}")
     tensors = _tensors(spec, dims)
     path = Path(path)
     partial = path.with_name(path.name + ".part")
     writer = gguf.GGUFWriter(partial, arch)
     try:
-        for key, value in _metadata(arch, spec, dims, size, seed).items():
+        for key, value in _metadata(arch, spec, dims, size, seed, template).items():
             _add_kv(writer, key, value)
         for t in tensors:
             dtype = np.dtype(_dtype(t, dims))
@@ -644,7 +618,8 @@ def _seed(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`slotkeeper make-model --arch ARCH [--size tiny|bench] [--seed N] OUT.gguf`; returns the exit code.
+    """`slotkeeper make-model --arch ARCH [--size tiny|bench] [--seed N] [--template NAME] OUT.gguf`;
+    returns the exit code.
 
     Usage errors (including a size the architecture lacks) exit with status 2 through argparse.
     """
@@ -655,15 +630,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--arch", required=True, choices=ARCHS)
     parser.add_argument("--size", default="tiny", choices=SIZES)
     parser.add_argument("--seed", type=_seed, default=0)
+    parser.add_argument(
+        "--template", default="hermes", choices=TEMPLATES, help="the chat template of a model family (hermes)"
+    )
     parser.add_argument("out", type=Path, metavar="OUT.gguf")
     args = parser.parse_args(argv)
     if args.size not in ARCH_SPECS[args.arch].sizes:
         having = [arch for arch, spec in ARCH_SPECS.items() if args.size in spec.sizes]
         parser.error(f"--size {args.size} is only available for --arch {', '.join(having)}")
-    write_model(args.out, args.arch, args.size, args.seed)
+    write_model(args.out, args.arch, args.size, args.seed, args.template)
     n_params = param_count(args.arch, args.size)
     mib = args.out.stat().st_size / 2**20
-    print(f"wrote {args.out}: {args.arch} {args.size} seed {args.seed}, {n_params:,} params, {mib:.1f} MiB")
+    print(
+        f"wrote {args.out}: {args.arch} {args.size} seed {args.seed}, {args.template} template, "
+        f"{n_params:,} params, {mib:.1f} MiB"
+    )
     return 0
 
 

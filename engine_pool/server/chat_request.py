@@ -2,8 +2,10 @@
 
 `parse_chat` checks the shape — and the size, against `RequestLimits` — of everything the engine
 acts on and says precisely what is wrong; `constraint` decides (purely) which grammar the output
-must follow and whether tool calls are parsed from it. Building that grammar from a large schema
-takes time: routes call `build_constraint`, which runs it in a worker thread.
+must follow and whether tool calls are parsed from it: forced calls are written in the model
+family's format (`formats.ChatFormat`), and when the prompt leaves a reasoning block open every
+grammar built here lets the model finish it first. Building that grammar from a large schema takes
+time: routes call `build_constraint`, which runs it in a worker thread.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from typing import Any
 
 from ..body import Body, json_type
 from ..errors import BadRequest
+from .formats import FORMATS, ChatFormat
 from .gbnf import check_grammar
-from .grammar import GrammarLimits, built_off_loop, json_object_grammar, schema_grammar, tool_call_grammar
+from .grammar import GrammarLimits, built_off_loop, json_object_grammar, schema_grammar
 from .limits import RequestLimits, check_count, check_text
 from .sampling import Sampling, read_sampling
 
@@ -65,6 +68,11 @@ def parse_messages(body: Body, limits: RequestLimits) -> list[dict[str, Any]]:
             _check_parts(content, f"{where}.content", limits.max_messages)
         if m.get("tool_calls") is not None:
             _check_tool_calls(m["tool_calls"], f"{where}.tool_calls", limits.max_tools)
+        if not isinstance(m.get("reasoning_content", ""), str | None):
+            # Templates write it as text (`|trim`, `+`): anything else would fail inside them.
+            raise BadRequest(
+                f"'{where}.reasoning_content' must be a string", param=f"{where}.reasoning_content"
+            )
         out.append(dict(m))
     return out
 
@@ -185,19 +193,30 @@ def _response_format(body: Body) -> tuple[str, Any]:
     return kind, None
 
 
-def constraint(req: ChatRequest, limits: GrammarLimits | None = None) -> Constraint:
-    """The grammar for the output and how to read it; a forced tool call wins over response_format."""
+def constraint(
+    req: ChatRequest,
+    limits: GrammarLimits | None = None,
+    fmt: ChatFormat = FORMATS["hermes"],
+    *,
+    reasoning: bool = False,
+) -> Constraint:
+    """The grammar for the output and how to read it; a forced tool call wins over response_format.
+
+    `fmt`: the family's tool-call format; `reasoning`: the prompt leaves a reasoning block open (a
+    raw `grammar` from the client is taken as it is).
+    """
     tools = {t["function"]["name"]: t["function"].get("parameters") or {} for t in req.tools}
     if req.tool_choice == "function" and req.tool_name is not None:
-        return Constraint(tool_call_grammar([(req.tool_name, tools[req.tool_name])], limits), True, False)
+        forced = [(req.tool_name, tools[req.tool_name])]
+        return Constraint(fmt.grammar(forced, limits, reasoning=reasoning), True, False)
     if req.tool_choice == "required":
-        return Constraint(tool_call_grammar(list(tools.items()), limits), True, False)
+        return Constraint(fmt.grammar(list(tools.items()), limits, reasoning=reasoning), True, False)
     parse = bool(req.tools) and req.tool_choice == "auto"
     ban = bool(req.tools) and req.tool_choice == "none"
     if req.response_format == "json_schema" or (req.response_format == "json_object" and req.schema):
-        return Constraint(schema_grammar(req.schema, limits=limits), parse, ban)
+        return Constraint(schema_grammar(req.schema, limits=limits, reasoning=reasoning), parse, ban)
     if req.response_format == "json_object":
-        return Constraint(json_object_grammar(), parse, ban)
+        return Constraint(json_object_grammar(reasoning=reasoning), parse, ban)
     return Constraint(req.grammar, parse, ban)
 
 
@@ -206,10 +225,14 @@ def builds_grammar(req: ChatRequest) -> bool:
     return req.tool_choice in ("function", "required") or req.response_format != "text"
 
 
-async def build_constraint(req: ChatRequest, limits: GrammarLimits) -> Constraint:
+async def build_constraint(
+    req: ChatRequest, limits: GrammarLimits, fmt: ChatFormat = FORMATS["hermes"], *, reasoning: bool = False
+) -> Constraint:
     """`constraint` off the event loop when it builds a grammar: a large schema takes long enough
     to stall every other request (and /health) of the engine if converted on the loop."""
     if not builds_grammar(req):
-        return constraint(req, limits)
+        return constraint(req, limits, fmt, reasoning=reasoning)
     source = "tools" if req.tool_choice in ("function", "required") else req.response_format
-    return await built_off_loop(source, lambda: constraint(req, limits), lambda c: c.grammar)
+    return await built_off_loop(
+        source, lambda: constraint(req, limits, fmt, reasoning=reasoning), lambda c: c.grammar
+    )

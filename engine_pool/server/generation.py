@@ -101,8 +101,13 @@ async def generate(
     checkpoint_hints: list[int] | None = None,
     extra_bias: dict[int, float] | None = None,
     endpoint: str = "",
+    preserved: frozenset[int] = frozenset(),
 ) -> AsyncGenerator[Delta | Outcome, None]:
-    """Deltas as they come, then one Outcome. Iterate inside `aclosing` so that leaving early cancels."""
+    """Deltas as they come, then one Outcome. Iterate inside `aclosing` so that leaving early cancels.
+
+    `preserved`: special tokens whose text belongs in the output (a chat format's tags, such as
+    LFM2's `<|tool_call_start|>`, a CONTROL token llama.cpp otherwise renders as nothing), like
+    llama-server's preserved tokens."""
     engine = rt.require()
     n_ctx = engine.n_ctx_slot
     if len(prompt) >= n_ctx:
@@ -130,7 +135,8 @@ async def generate(
                     if not tokens:
                         ttft = time.monotonic() - t0
                     tokens.append(ev.token)
-                    delta = text.feed(ev.piece)
+                    piece = engine.token_piece(ev.token, True) if ev.token in preserved else ev.piece
+                    delta = text.feed(piece)
                     if text.stopped_by is not None:
                         await asyncio.to_thread(engine.cancel, ev.request_id)
                     yield Delta(delta, [ev.token])

@@ -19,6 +19,11 @@ left-recursion check and stack expansion recurse along rule references). `Gramma
 schema's depth (`$ref`s included) and the grammar's bytes and rules while it is built, so a hostile
 schema is refused (400) after bounded work. Building can still take a while for a large schema:
 callers run it in a worker thread.
+
+Forced tool calls are written in the model family's format: `calls_grammar` takes the family's
+rule for one call (`hermes_call` here, the others in `formats/`), which builds on `GrammarBuilder`
+(`text_without` for free text up to a closing tag). Every grammar can start with the end of a
+reasoning block the prompt opened (`reasoning=True`): any text without `</think>`, then `</think>`.
 """
 
 from __future__ import annotations
@@ -79,6 +84,8 @@ _HANDLED = frozenset(
 # minItems and maxItems above this are refused here, precisely, rather than by llama.cpp's parser.
 MAX_REPETITION = 2000
 
+THINK_CLOSE = "</think>"
+
 
 @dataclass(frozen=True)
 class GrammarLimits:
@@ -95,7 +102,9 @@ def literal(text: str) -> str:
     return '"' + escaped.replace("\t", "\\t") + '"'
 
 
-class _Builder:
+class GrammarBuilder:
+    """Builds one GBNF grammar: named rules, budgeted by `GrammarLimits`, from JSON schemas and text."""
+
     def __init__(self, root_schema: Any, where: str, limits: GrammarLimits) -> None:
         self.rules: dict[str, str] = {}
         self.root_schema = root_schema
@@ -105,6 +114,8 @@ class _Builder:
         self.size = 0  # bytes of the rules so far (names and bodies)
         self.visits = 0
         self._next: dict[str, int] = {}  # rule name base -> next suffix (no quadratic name search)
+        self._without: dict[str, str] = {}  # stop string -> its text_without rule
+        self._ends: dict[str, str] = {}  # closing tag -> the rule ending the block it closes
 
     def use(self, name: str) -> str:
         if name not in self.rules:
@@ -150,6 +161,26 @@ class _Builder:
     def fail(self, path: str, what: str) -> BadRequest:
         return BadRequest(f"{self.where}: {what} at {path or 'the root'}", param=self.where)
 
+    def check_keywords(self, schema: dict[str, Any], path: str) -> None:
+        """Refuse the keywords that constrain values in ways these grammars do not express."""
+        unknown = sorted(k for k in schema if k not in _HANDLED and k not in _IGNORED)
+        if unknown:
+            raise self.fail(path, f"unsupported JSON schema keyword(s) {', '.join(unknown)}")
+
+    def parameters(self, args: Any) -> tuple[dict[str, Any], set[str]]:
+        """The properties (in order) and the required names of a tool's arguments schema, for the
+        formats that write each argument on its own rather than as one JSON object."""
+        if not isinstance(args, dict) or args.get("type", "object") != "object" or "$ref" in args:
+            raise self.fail("", "a tool's parameters must be an object schema with 'properties'")
+        self.check_keywords(args, "")
+        props = args.get("properties", {})
+        if not isinstance(props, dict):
+            raise self.fail("", "'properties' must be an object")
+        required = args.get("required", [])
+        if not isinstance(required, list) or any(not isinstance(r, str) or r not in props for r in required):
+            raise self.fail("", "'required' must list names from 'properties'")
+        return props, set(required)
+
     def visit(self, schema: Any, path: str, hint: str, depth: int = 1) -> str:
         """A GBNF expression matching `schema` (followed by optional whitespace); `depth` counts
         nested schemas, `$ref`s included (a chain of definitions nests like inline schemas)."""
@@ -166,9 +197,7 @@ class _Builder:
             return self.use("value")
         if not isinstance(schema, dict):
             raise self.fail(path, f"a schema must be an object, got {type(schema).__name__}")
-        unknown = sorted(k for k in schema if k not in _HANDLED and k not in _IGNORED)
-        if unknown:
-            raise self.fail(path, f"unsupported JSON schema keyword(s) {', '.join(unknown)}")
+        self.check_keywords(schema, path)
         if "$ref" in schema:
             return self.ref(schema["$ref"], path, depth)
         if "const" in schema:
@@ -272,7 +301,7 @@ class _Builder:
             )
         needed = set(required)
         req = [kvs[n] for n in props if n in needed]
-        opt = _OptionalProperties(self, hint, [kvs[n] for n in props if n not in needed], sp)
+        opt = OptionalSequence(self, hint, [kvs[n] for n in props if n not in needed], f'"," {sp}')
         if req:
             body = f' "," {sp} '.join(req) + (f" {opt.rest()}" if opt.kvs else "")
         elif opt.kvs:
@@ -298,32 +327,78 @@ class _Builder:
         self.check_budget()
         return name
 
-    def text(self, root: str) -> str:
+    def for_tool(self, name: str, params: Any) -> Any:
+        """Start on a tool's parameters: its `$ref`s resolve in its own schema and errors name it.
+        Returns the schema of its arguments (a function declared without parameters takes none)."""
+        self.root_schema, self.refs = (params if isinstance(params, dict) else {}), {}
+        self.where = f"tools[{name}].function.parameters"
+        return params if params else {"type": "object", "properties": {}}
+
+    def text_without(self, stop: str) -> str:
+        """A rule matching any text, the empty text too, in which `stop` does not occur.
+
+        `stop` is a closing tag such as `</parameter>`: its first character occurs nowhere else in
+        it, so after a mismatch only that character can restart a match. The rules are the states
+        of the matcher (k = characters of `stop` matched so far); each is right-recursive, so
+        llama.cpp's stacks do not grow with the text's length.
+        """
+        if len(stop) < 2 or stop[0] in stop[1:]:
+            raise ValueError(f"text_without needs a closing tag, got {stop!r}")
+        if stop in self._without:
+            return self._without[stop]
+        hint = "not-" + "".join(c for c in stop if c.isalnum())
+        names = [self.add(hint, "") for _ in stop]  # reserved first: the states refer to each other
+        head = _class_char(stop[0])
+        for k, name in enumerate(names):
+            other = f"[^{head}]" if k == 0 else f"[^{head}{_class_char(stop[k])}]"
+            alts = [f"{other} {names[0]}", f"{literal(stop[0])} {names[1]}"]
+            if 0 < k < len(stop) - 1:
+                alts.append(f"{literal(stop[k])} {names[k + 1]}")
+            body = "(" + " | ".join(alts) + ")?"
+            self.size += len(body)
+            self.rules[name] = body
+        self.check_budget()
+        self._without[stop] = names[0]
+        return names[0]
+
+    def reasoning_end(self) -> str:
+        """The rest of a reasoning block the prompt opened: any text without `</think>`, then
+        `</think>` and at most two newlines."""
+        if THINK_CLOSE not in self._ends:
+            body = f'{self.text_without(THINK_CLOSE)} {literal(THINK_CLOSE)} "\\n"{{0,2}}'
+            self._ends[THINK_CLOSE] = self.add("reasoning", body)
+        return self._ends[THINK_CLOSE]
+
+    def text(self, root: str, *, reasoning: bool = False) -> str:
+        """The grammar: `root`, after the end of an open reasoning block when `reasoning`."""
+        if reasoning:
+            root = f"{self.reasoning_end()} ({root})"
         self.size += len(root) + 10
         self.check_budget()
         lines = [f"root ::= {root}"] + [f"{k} ::= {v}" for k, v in self.rules.items()]
         return "\n".join(lines) + "\n"
 
 
-class _OptionalProperties:
-    """Optional properties `kvs` (in order) as a balanced tree of named rules.
+class OptionalSequence:
+    """Optional items `kvs` (in order) as a balanced tree of named rules.
 
-    Any ordered subset of them may appear. `rest()` matches such a subset with a comma before each
-    (after required properties); `first()` a non-empty subset without a leading comma (an object of
-    optional properties only). Each node of the tree over `kvs[lo:hi]` is one rule built from its
-    two halves, memoised, so every property appears a constant number of times — the flat form
-    (for each property, "it first, then any of the rest") is quadratic in their number.
+    Any ordered subset of them may appear. `rest()` matches such a subset with the separator `sep`
+    (a GBNF expression, `"," space` in JSON objects) before each (after required items); `first()`
+    a non-empty subset without a leading separator (an object of optional properties only). Each
+    node of the tree over `kvs[lo:hi]` is one rule built from its two halves, memoised, so every
+    item appears a constant number of times — the flat form (for each item, "it first, then any of
+    the rest") is quadratic in their number.
     """
 
-    def __init__(self, b: _Builder, hint: str, kvs: list[str], sp: str) -> None:
-        self.b, self.hint, self.kvs, self.sp = b, hint, kvs, sp
+    def __init__(self, b: GrammarBuilder, hint: str, kvs: list[str], sep: str) -> None:
+        self.b, self.hint, self.kvs, self.sep = b, hint, kvs, sep
         self._rest: dict[tuple[int, int], str] = {}
         self._first: dict[tuple[int, int], str] = {}
 
     def rest(self, lo: int = 0, hi: int | None = None) -> str:
         hi = len(self.kvs) if hi is None else hi
         if hi - lo == 1:
-            return f'("," {self.sp} {self.kvs[lo]})?'
+            return f"({self.sep} {self.kvs[lo]})?"
         if (lo, hi) not in self._rest:
             mid = (lo + hi) // 2
             self._rest[lo, hi] = self.b.add(f"{self.hint}-rest", f"{self.rest(lo, mid)} {self.rest(mid, hi)}")
@@ -342,37 +417,62 @@ class _OptionalProperties:
 
 
 def schema_grammar(
-    schema: Any, where: str = "response_format.json_schema.schema", limits: GrammarLimits | None = None
+    schema: Any,
+    where: str = "response_format.json_schema.schema",
+    limits: GrammarLimits | None = None,
+    *,
+    reasoning: bool = False,
 ) -> str:
-    """A GBNF grammar whose sentences are JSON documents valid for `schema`, within `limits`."""
-    b = _Builder(schema, where, limits or GrammarLimits())
-    return b.text(b.visit(schema, "", "root"))
+    """A GBNF grammar whose sentences are JSON documents valid for `schema`, within `limits` (after
+    the end of a reasoning block the prompt opened, when `reasoning`)."""
+    b = GrammarBuilder(schema, where, limits or GrammarLimits())
+    return b.text(b.visit(schema, "", "root"), reasoning=reasoning)
 
 
-def json_object_grammar() -> str:
+def json_object_grammar(*, reasoning: bool = False) -> str:
     """Any JSON object (response_format json_object)."""
-    b = _Builder({}, "response_format", GrammarLimits())
-    return b.text(b.use("object"))
+    b = GrammarBuilder({}, "response_format", GrammarLimits())
+    return b.text(b.use("object"), reasoning=reasoning)
 
 
-def tool_call_grammar(tools: Sequence[tuple[str, Any]], limits: GrammarLimits | None = None) -> str:
-    """Exactly one `<tool_call>` block calling one of `tools` ((name, parameters schema) pairs).
+# A family's GBNF for one call: (builder, tool name, schema of its arguments) -> expression.
+CallRule = Callable[[GrammarBuilder, str, Any], str]
 
-    The opening and closing tags are string literals: llama.cpp matches grammar literals against
-    token texts, so they accept the single special token `<tool_call>` as well as its spelling.
+
+def calls_grammar(
+    tools: Sequence[tuple[str, Any]],
+    call: CallRule,
+    limits: GrammarLimits | None = None,
+    *,
+    reasoning: bool = False,
+) -> str:
+    """Exactly one call of one of `tools` ((name, parameters schema) pairs), written as `call` writes
+    it, after the end of a reasoning block the prompt opened when `reasoning`.
+
+    Tags are string literals: llama.cpp matches grammar literals against token texts, so a literal
+    accepts a tag that is one token of the vocabulary as well as its spelling.
     """
-    b = _Builder({}, "tools", limits or GrammarLimits())
-    alts = []
-    for name, params in tools:
-        b.root_schema, b.refs = (params if isinstance(params, dict) else {}), {}
-        b.where = f"tools[{name}].function.parameters"
-        # A function declared without parameters takes none: its arguments are exactly `{}`.
-        args = b.visit(params if params else {"type": "object", "properties": {}}, "", f"args-{name}")
-        head = literal('<tool_call>\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": ')
-        alts.append(
-            b.add(f"call-{name}", f"{head} {args} {literal('}')} {literal(chr(10) + '</tool_call>')}")
-        )
-    return b.text(" | ".join(alts))
+    b = GrammarBuilder({}, "tools", limits or GrammarLimits())
+    alts = [b.add(f"call-{name}", call(b, name, b.for_tool(name, params))) for name, params in tools]
+    return b.text(" | ".join(alts), reasoning=reasoning)
+
+
+def hermes_call(b: GrammarBuilder, name: str, args: Any) -> str:
+    """One Hermes call: `<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>`."""
+    head = literal('<tool_call>\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": ')
+    return f"{head} {b.visit(args, '', f'args-{name}')} {literal('}')} {literal(chr(10) + '</tool_call>')}"
+
+
+def tool_call_grammar(
+    tools: Sequence[tuple[str, Any]], limits: GrammarLimits | None = None, *, reasoning: bool = False
+) -> str:
+    """Exactly one Hermes `<tool_call>` block calling one of `tools` ((name, parameters schema) pairs)."""
+    return calls_grammar(tools, hermes_call, limits, reasoning=reasoning)
+
+
+def _class_char(c: str) -> str:
+    """`c` inside a GBNF character class."""
+    return {"\\": "\\\\", "]": "\\]", "[": "\\[", "^": "\\^", "-": "\\-", "\n": "\\n", "\r": "\\r"}.get(c, c)
 
 
 async def built_off_loop(source: str, build: Callable[[], T], grammar_of: Callable[[T], str]) -> T:

@@ -25,14 +25,24 @@ import native
 
 from ..body import Body, json_type, read_json
 from ..errors import BadRequest
-from .chat_request import ChatRequest, Constraint, build_constraint, parse_chat
+from .chat_request import ChatRequest, build_constraint, parse_chat
+from .formats import (
+    ChatFormat,
+    ChatOutput,
+    Piece,
+    Reasoning,
+    assemble,
+    opened_by,
+    prepare_history,
+    select_format,
+)
+from .formats.reasoning import THINK_CLOSE, THINK_OPEN
 from .generation import Delta, Outcome, collect, generate
 from .limits import RequestLimits, check_count, check_text
 from .routes_llama import check_prompt, completion_prompt, limits, runtime
 from .runtime import Runtime
 from .sampling import read_sampling
 from .sse import start_stream
-from .tool_calls import OPEN, ToolCall, ToolCallStream, parse_tool_calls
 
 
 @dataclass(frozen=True)
@@ -76,89 +86,123 @@ async def chat_completions(request: Request) -> Response:
     return await start_stream(result, done_marker=True)
 
 
-async def run_chat(
-    request: Request, body: Body
-) -> dict[str, Any] | AsyncGenerator[dict[str, Any], None]:
+async def run_chat(request: Request, body: Body) -> dict[str, Any] | AsyncGenerator[dict[str, Any], None]:
     """One chat completion from a parsed body: the response object, or (`stream`) its chunks.
 
     The Responses and Messages routes call this with a body translated from their own shapes and
     translate what comes back, so every API shares one chat path (templates, formats, grammars).
+    Beyond OpenAI's shape: `message.reasoning_content` / `delta.reasoning_content` (when the model
+    reasoned), and the final choice's `stopping_word` when a stop string ended the generation.
     """
     rt = runtime(request)
     engine = rt.require()
     lim = limits(request)
     req = parse_chat(body, rt.defaults, lim, n_vocab=engine.model.n_vocab, n_ctx=engine.n_ctx_slot)
-    con = await build_constraint(req, lim.schema)
-    # Rendering (jinja over client-sized messages, once per checkpoint hint) and tokenizing: off the
-    # event loop, like the grammar above.
+    fmt = select_format(rt.settings.chat_format, rt.template.source)
+    # Preparing the history (JSON arguments), rendering (jinja over client-sized messages, once per
+    # checkpoint hint) and tokenizing: off the event loop, like the grammar below.
     prompt = await asyncio.to_thread(
-        rt.template.prompt,
-        lambda text, add_special: rt.tokenize(text, add_special),
-        req.messages,
-        req.tools or None,
-        req.template_kwargs,
+        lambda: rt.template.prompt(
+            lambda text, add_special: rt.tokenize(text, add_special),
+            prepare_history(req.messages),
+            req.tools or None,
+            req.template_kwargs,
+        )
     )
+    opened = opened_by(prompt.text)  # the template opened a reasoning block (Qwen3.5, Nemotron-3)
+    con = await build_constraint(req, lim.schema, fmt, reasoning=opened)
     gen = generate(
         rt,
         prompt.tokens,
         req.sampling,
         grammar=con.grammar,
         checkpoint_hints=prompt.hints,
-        extra_bias=_tool_call_ban(rt) if con.ban_tool_calls else None,
+        extra_bias=_tool_call_ban(rt, fmt) if con.ban_tool_calls else None,
         endpoint="/v1/chat/completions",
+        preserved=_preserved(rt, fmt),
     )
+    out = ChatOutput(fmt.stream(req.tools) if con.parse_tools else None, rt.settings.reasoning_format, opened)
     meta = Meta(
         f"chatcmpl-{secrets.token_hex(12)}", "chat.completion", int(time.time()), rt.settings.model_id
     )
     if req.stream:
-        return _chat_chunks(gen, req, con, meta)
-    o = await collect(gen, request)
-    content, calls = parse_tool_calls(o.text) if con.parse_tools else (o.text, [])
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = [c.as_openai() for c in calls]
+        return _chat_chunks(gen, req, out, meta)
+    pieces: list[Piece] = []
+
+    async def read(items: AsyncGenerator[Delta | Outcome, None]) -> AsyncGenerator[Delta | Outcome, None]:
+        # The same pieces a stream would send, from the same deltas: the two cannot disagree.
+        async with aclosing(items):
+            async for item in items:
+                if isinstance(item, Delta):
+                    pieces.extend(out.feed(item.text, len(item.tokens)))
+                yield item
+
+    o = await collect(read(gen), request)
+    msg = assemble(pieces + out.finish())
+    message: dict[str, Any] = {"role": "assistant", "content": msg.content}
+    if msg.reasoning:
+        message["reasoning_content"] = msg.reasoning
+    if msg.calls:
+        message["tool_calls"] = [c.as_openai() for c in msg.calls]
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": message,
+        "logprobs": None,
+        "finish_reason": "tool_calls" if msg.calls else o.finish_reason,
+    }
+    if o.stop_type == "word":
+        choice["stopping_word"] = o.stopping_word
     return {
         **meta.head(),
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": None,
-                "finish_reason": "tool_calls" if calls else o.finish_reason,
-            }
-        ],
-        "usage": usage([o]),
+        "choices": [choice],
+        "usage": _chat_usage(o, out),
         "timings": o.timings,
         "id_slot": o.slot,
     }
 
 
-def _tool_call_ban(rt: Runtime) -> dict[int, float]:
-    """tool_choice none: forbid the `<tool_call>` token when it is one token of the vocabulary."""
-    ids = rt.tokenize(OPEN, False)
+def _chat_usage(o: Outcome, out: ChatOutput) -> dict[str, Any]:
+    u = usage([o])
+    u["completion_tokens_details"]["reasoning_tokens"] = out.reasoning_tokens
+    return u
+
+
+def _preserved(rt: Runtime, fmt: ChatFormat) -> frozenset[int]:
+    """The format's tags that are single special tokens: their text must reach the output parsers."""
+    ids = (rt.tokenize(tag, False) for tag in (fmt.open, fmt.close, THINK_OPEN, THINK_CLOSE))
+    return frozenset(t[0] for t in ids if len(t) == 1)
+
+
+def _tool_call_ban(rt: Runtime, fmt: ChatFormat) -> dict[int, float]:
+    """tool_choice none: forbid the token that opens the family's call block, when it is one token
+    of the vocabulary (a tag spelled in several tokens cannot be banned by a bias)."""
+    ids = rt.tokenize(fmt.open, False)
     return {ids[0]: -math.inf} if len(ids) == 1 else {}
 
 
 async def _chat_chunks(
-    gen: AsyncGenerator[Delta | Outcome, None], req: ChatRequest, con: Constraint, meta: Meta
+    gen: AsyncGenerator[Delta | Outcome, None], req: ChatRequest, out: ChatOutput, meta: Meta
 ) -> AsyncGenerator[dict[str, Any], None]:
     head = {**meta.head(), "object": "chat.completion.chunk"}
-    calls = ToolCallStream() if con.parse_tools else None
     n_calls = 0
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        out = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        c = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
         if req.include_usage:
-            out["usage"] = None
-        return out
+            c["usage"] = None
+        return c
 
-    def pieces(parts: list[str | ToolCall]) -> list[dict[str, Any]]:
+    def pieces(parts: list[Piece]) -> list[dict[str, Any]]:
         nonlocal n_calls
-        out = []
+        chunks = []
         for p in parts:
             if isinstance(p, str):
                 if p:
-                    out.append(chunk({"content": p}))
+                    chunks.append(chunk({"content": p}))
+                continue
+            if isinstance(p, Reasoning):
+                if p.text:
+                    chunks.append(chunk({"reasoning_content": p.text}))
                 continue
             fn_head = {
                 "index": n_calls,
@@ -166,10 +210,10 @@ async def _chat_chunks(
                 "type": "function",
                 "function": {"name": p.name, "arguments": ""},
             }
-            out.append(chunk({"tool_calls": [fn_head]}))
-            out.append(chunk({"tool_calls": [{"index": n_calls, "function": {"arguments": p.arguments}}]}))
+            chunks.append(chunk({"tool_calls": [fn_head]}))
+            chunks.append(chunk({"tool_calls": [{"index": n_calls, "function": {"arguments": p.arguments}}]}))
             n_calls += 1
-        return out
+        return chunks
 
     started = False
     async with aclosing(gen) as items:
@@ -178,19 +222,21 @@ async def _chat_chunks(
                 started = True
                 yield chunk({"role": "assistant", "content": ""})
             if isinstance(item, Delta):
-                for c in pieces(calls.feed(item.text) if calls else [item.text]):
+                for c in pieces(out.feed(item.text, len(item.tokens))):
                     yield c
                 continue
-            for c in pieces(calls.finish() if calls else []):
+            for c in pieces(out.finish()):
                 yield c
             last = chunk({}, "tool_calls" if n_calls else item.finish_reason)
+            if item.stop_type == "word":
+                last["choices"][0]["stopping_word"] = item.stopping_word
             last.update(timings=item.timings, id_slot=item.slot)
             yield last
             if req.include_usage:
                 yield {
                     **head,
                     "choices": [],
-                    "usage": usage([item]),
+                    "usage": _chat_usage(item, out),
                     "timings": item.timings,
                     "id_slot": item.slot,
                 }

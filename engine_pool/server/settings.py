@@ -28,6 +28,7 @@ from ..flags import (
     read_flags,
 )
 from ..flags import build_parser as _build_parser
+from .formats import FORMATS
 
 __all__ = ["FLAGS", "EngineSettings", "SettingsError", "build_parser", "describe", "parse_settings"]
 
@@ -391,6 +392,7 @@ _CHECKS: tuple[Check, ...] = (
     ("max_schema_depth", lambda v: 1 <= v <= 128, "within 1..128"),
     ("max_schema_grammar_bytes", lambda v: v >= 1024, ">= 1024"),
     ("max_schema_grammar_rules", lambda v: v >= 16, ">= 16"),
+    ("chat_format", lambda v: v == "auto" or v in FORMATS, f"auto or one of {', '.join(FORMATS)}"),
     (
         "reasoning_format",
         lambda v: v in ("none", "deepseek", "deepseek-legacy", "auto"),

@@ -1,4 +1,5 @@
-"""native/model_gen.py: every generated architecture loads, decodes and tokenizes in llama.cpp."""
+"""native/model_gen.py: every generated architecture loads, decodes and tokenizes in llama.cpp, and carries
+the chat template of the family it is made for."""
 
 from __future__ import annotations
 
@@ -96,10 +97,10 @@ def _tokenize(vocab: Any, text: str, *, add_special: bool = False, parse_special
     return list(buf[:n])
 
 
-def _detokenize(vocab: Any, tokens: list[int]) -> str:
+def _detokenize(vocab: Any, tokens: list[int], *, unparse_special: bool = False) -> str:
     arr = (llama.llama_token * max(len(tokens), 1))(*tokens)
-    out = ctypes.create_string_buffer(16 * len(tokens) + 16)
-    n = llama.llama_detokenize(vocab, arr, len(tokens), out, len(out), False, False)
+    out = ctypes.create_string_buffer(32 * len(tokens) + 16)
+    n = llama.llama_detokenize(vocab, arr, len(tokens), out, len(out), False, unparse_special)
     assert n >= 0
     return out.raw[:n].decode()
 
@@ -254,6 +255,38 @@ def test_chat_template_renders_tools_calls_and_results() -> None:
     assert plain == "<|im_start|>user\nHi<|im_end|>\n"
 
 
+def test_family_tags_are_control_tokens_with_the_last_ids(tiny_models: dict[str, Path]) -> None:
+    n = len(model_gen.FAMILY_TOKENS)
+    vocab_ids = model_gen.build_vocab(1024)
+    assert vocab_ids.tokens[-n:] == list(model_gen.FAMILY_TOKENS)
+    with _vocab(tiny_models["lfm2"]) as vocab:
+        for i, tag in enumerate(model_gen.FAMILY_TOKENS):
+            # As in Liquid's GGUFs: one token when special text is parsed (templates), plain text
+            # otherwise, and invisible in generated text unless rendered as special.
+            assert _tokenize(vocab, tag, parse_special=True) == [1024 - n + i]
+            assert len(_tokenize(vocab, tag)) > 1
+            assert _detokenize(vocab, [1024 - n + i]) == ""
+            assert _detokenize(vocab, [1024 - n + i], unparse_special=True) == tag
+            assert not llama.llama_vocab_is_eog(vocab, 1024 - n + i)
+        call = "<|tool_call_start|>[f(a=1)]<|tool_call_end|>"
+        assert _detokenize(vocab, _tokenize(vocab, call, parse_special=True), unparse_special=True) == call
+
+
+@pytest.mark.parametrize("name", model_gen.TEMPLATES)
+def test_each_template_is_written_into_the_model(tmp_path: Path, name: str) -> None:
+    path = tmp_path / "m.gguf"
+    model_gen.write_model(path, "llama", template=name)
+    source = gguf.GGUFReader(path).fields["tokenizer.chat_template"].contents()
+    assert source == model_gen.chat_template(name)
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    assert "Hi" in env.from_string(source).render(
+        messages=[{"role": "user", "content": "Hi"}], add_generation_prompt=True, bos_token="<s>"
+    )
+    default = tmp_path / "d.gguf"
+    model_gen.write_model(default, "llama")
+    assert gguf.GGUFReader(default).fields["tokenizer.chat_template"].contents() == model_gen.CHAT_TEMPLATE
+
+
 def test_bench_is_a_realistic_qwen35() -> None:
     assert 180e6 < model_gen.param_count("qwen35", "bench") < 260e6
     dims = model_gen.ARCH_SPECS["qwen35"].sizes["bench"]
@@ -263,9 +296,11 @@ def test_bench_is_a_realistic_qwen35() -> None:
 
 def test_cli_writes_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "m.gguf"
-    assert model_gen.main(["--arch", "lfm2", "--seed", "3", str(out)]) == 0
-    assert gguf.GGUFReader(out).fields["slotkeeper.seed"].contents() == 3
-    assert "lfm2 tiny seed 3" in capsys.readouterr().out
+    assert model_gen.main(["--arch", "lfm2", "--seed", "3", "--template", "lfm2", str(out)]) == 0
+    fields = gguf.GGUFReader(out).fields
+    assert fields["slotkeeper.seed"].contents() == 3
+    assert fields["tokenizer.chat_template"].contents() == model_gen.chat_template("lfm2")
+    assert "lfm2 tiny seed 3, lfm2 template" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == [out]  # no partial file left behind
 
 
@@ -275,6 +310,7 @@ def test_cli_writes_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         ["--arch", "llama", "--size", "bench"],
         ["--arch", "gpt2"],
         ["--arch", "qwen35", "--seed", "-1"],
+        ["--arch", "llama", "--template", "mistral"],
     ],
 )
 def test_cli_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
@@ -289,4 +325,6 @@ def test_write_model_rejects_unknown_arch_size_and_seed(tmp_path: Path) -> None:
     for arch, size, seed in [("gpt2", "tiny", 0), ("mamba2", "bench", 0), ("llama", "tiny", 2**32)]:
         with pytest.raises(ValueError):
             model_gen.write_model(tmp_path / "m.gguf", arch, size, seed)
+    with pytest.raises(ValueError, match="unknown chat template"):
+        model_gen.write_model(tmp_path / "m.gguf", "llama", template="mistral")
     assert not any(tmp_path.iterdir())

@@ -167,6 +167,26 @@ def test_tool_choice_auto_parses_a_call_the_model_writes(client: openai.OpenAI) 
     assert r.choices[0].message.content is None
 
 
+def test_a_stop_string_is_reported_as_the_stopping_word(client: openai.OpenAI) -> None:
+    # llama-server's `stopping_word`, which the Messages API turns into `stop_sequence`.
+    kwargs: dict[str, Any] = {
+        "model": "m",
+        "messages": MESSAGES,
+        "max_tokens": 30,
+        "stop": ["STOP"],
+        "extra_body": {"grammar": 'root ::= "Hello STOP world"'},
+    }
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert (choice.message.content, choice.finish_reason) == ("Hello ", "stop")
+    assert (choice.model_extra or {})["stopping_word"] == "STOP"
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    finals = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and (finals[0].model_extra or {})["stopping_word"] == "STOP"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello "
+    unstopped = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2).choices[0]
+    assert "stopping_word" not in (unstopped.model_extra or {})
+
+
 def test_json_schema_output_parses(client: openai.OpenAI) -> None:
     schema: dict[str, Any] = {
         "type": "object",

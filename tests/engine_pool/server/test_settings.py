@@ -170,3 +170,12 @@ def test_repacking_is_off_when_asked_or_on_cpus_with_amx(tmp_path):
     plain = tmp_path / "plain"
     plain.write_text("processor\t: 0\nflags\t\t: fpu sse avx2\n")
     assert cpu_has_amx(str(amx)) and not cpu_has_amx(str(plain)) and not cpu_has_amx(str(tmp_path / "no"))
+
+
+def test_template_and_format_flags():
+    argv = ["-m", "m.gguf", "--chat-format", "qwen-xml", "--reasoning-format", "none", "--jinja"]
+    s = parse_settings(argv, {})
+    assert (s.chat_format, s.reasoning_format, s.jinja) == ("qwen-xml", "none", True)
+    for argv in (["--chat-format", "nope"], ["--reasoning-format", "sometimes"]):
+        with pytest.raises(SettingsError, match=argv[0].lstrip("-").replace("-", "[-_]")):
+            parse_settings(["-m", "m.gguf", *argv], {})

@@ -1,0 +1,92 @@
+"""Chat formats per model family: how tool calls are written, read and forced, and where reasoning goes.
+
+One module per family — `hermes` (JSON in `<tool_call>`: Qwen2.5/Qwen3, Hermes, Granite 4.0),
+`qwen_xml` (`<function=…><parameter=…>`: Qwen3.5/3.6, Qwen3-Next, Qwen3-Coder, Nemotron-3),
+`lfm2` (Python calls in `<|tool_call_start|>`: LFM2/LFM2.5) — each with a block parser and a
+forced-call grammar; `reasoning` splits `<think>` blocks; `output` chains the two over a
+generation; `history` prepares past turns for the template. `FORMATS` is the table
+`--chat-format` picks from; under `auto` the template's text decides (`select_format`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import ServerError
+from ..grammar import CallRule, GrammarLimits, calls_grammar
+from . import hermes, lfm2, qwen_xml
+from .calls import CallStream, ToolCall
+from .history import prepare_history
+from .output import ChatMessage, ChatOutput, Piece, assemble
+from .reasoning import Reasoning, opened_by
+
+__all__ = [
+    "FORMATS",
+    "ChatFormat",
+    "ChatMessage",
+    "ChatOutput",
+    "Piece",
+    "Reasoning",
+    "ToolCall",
+    "assemble",
+    "opened_by",
+    "prepare_history",
+    "select_format",
+]
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """One family's tool-call format."""
+
+    name: str
+    open: str  # the tag opening a call block (tool_choice none bans it when it is one token)
+    close: str
+    parse_block: Callable[[str, Mapping[str, Any]], list[ToolCall] | None]  # (block, schemas by tool)
+    call_grammar: CallRule
+    markers: tuple[str, ...]  # under `auto`, a template containing all of these uses this format
+
+    def stream(self, tools: Sequence[dict[str, Any]]) -> CallStream:
+        """A stream reading this format's calls of `tools` (OpenAI tool objects) from text."""
+        schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
+        return CallStream(self.open, self.close, lambda block: self.parse_block(block, schemas))
+
+    def grammar(
+        self,
+        tools: Sequence[tuple[str, Any]],
+        limits: GrammarLimits | None = None,
+        *,
+        reasoning: bool = False,
+    ) -> str:
+        """GBNF forcing exactly one call of one of `tools` ((name, parameters) pairs), after the end
+        of the reasoning block the prompt opened when `reasoning`."""
+        return calls_grammar(tools, self.call_grammar, limits, reasoning=reasoning)
+
+
+# In detection order; the last one has no markers and is the default.
+FORMATS: dict[str, ChatFormat] = {
+    "qwen-xml": ChatFormat(
+        "qwen-xml",
+        qwen_xml.OPEN,
+        qwen_xml.CLOSE,
+        qwen_xml.parse_block,
+        qwen_xml.call_grammar,
+        (qwen_xml.FUNCTION, qwen_xml.PARAMETER),
+    ),
+    "lfm2": ChatFormat("lfm2", lfm2.OPEN, lfm2.CLOSE, lfm2.parse_block, lfm2.call_grammar, (lfm2.OPEN,)),
+    "hermes": ChatFormat("hermes", hermes.OPEN, hermes.CLOSE, hermes.parse_block, hermes.call_grammar, ()),
+}
+
+
+def select_format(setting: str, template_source: str) -> ChatFormat:
+    """The format `--chat-format` names, or under `auto` the first whose markers the template holds."""
+    if setting != "auto":
+        fmt = FORMATS.get(setting)
+        if fmt is None:
+            raise ServerError(
+                f"--chat-format {setting!r} is not a chat format of this engine: auto, {', '.join(FORMATS)}"
+            )
+        return fmt
+    return next(f for f in FORMATS.values() if all(m in template_source for m in f.markers))
