@@ -1,11 +1,13 @@
 """Slotkeeper's one API error hierarchy, rendered in one place: engine, node agent and gateway.
 
-Every failure that reaches a client leaves through `error_payload`: OpenAI's shape
-`{"error": {"message", "type", "param", "code"}}` where `code` is always a string or null (never the
-numeric status), plus any `extra` fields (llama-server's `n_prompt_tokens`/`n_ctx`, a slot file's
-`kind`). `render_error` makes it a JSON response with `Retry-After` (and `retry-after-ms`, which the
-OpenAI SDK honours) when the error says when to retry; a stream that already started sends the same
-payload as its last event. `api_error` turns anything raised below — native core errors, storage
+Every failure that reaches a client leaves through `error_payload`, in the shape of the API the
+client speaks (`error_style(path)`): OpenAI's `{"error": {"message", "type", "param", "code"}}`
+where `code` is always a string or null (never the numeric status), plus any `extra` fields
+(llama-server's `n_prompt_tokens`/`n_ctx`, a slot file's `kind`); or, on the Anthropic Messages
+endpoints, Anthropic's `{"type": "error", "error": {"type", "message"}}` with the type chosen from
+the status. `render_error` makes it a JSON response with `Retry-After` (and `retry-after-ms`, which
+the OpenAI SDK honours) when the error says when to retry; a stream that already started sends the
+same payload as its last event. `api_error` turns anything raised below — native core errors, storage
 errors, Starlette's HTTP errors, bugs — into one of these classes; it is the only converter.
 """
 
@@ -201,8 +203,45 @@ def is_expected(exc: BaseException) -> bool:
     return isinstance(exc, ApiError | StorageError | native_errors.NativeError | HTTPException)
 
 
-def error_payload(err: ApiError) -> dict[str, Any]:
-    """`{"error": {message, type, param, code, ...}}` — the body of every error, streamed or not."""
+# Anthropic's error types by HTTP status (docs.anthropic.com "Errors"); other 4xx are invalid requests,
+# other 5xx api errors. 503 (warming up, draining, no capacity) is what Anthropic calls overloaded.
+_ANTHROPIC_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+_ANTHROPIC_PATHS = ("/v1/messages", "/messages")
+
+
+def error_style(path: str) -> str:
+    """The error shape the client of `path` parses: "anthropic" on the Messages endpoints, else "openai"."""
+    for prefix in _ANTHROPIC_PATHS:
+        if path == prefix or path.startswith(prefix + "/"):
+            return "anthropic"
+    return "openai"
+
+
+def anthropic_type(status: int) -> str:
+    return _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+
+def error_payload(err: ApiError, style: str = "openai") -> dict[str, Any]:
+    """The body of every error, streamed or not: `{"error": {message, type, param, code, ...}}`, or
+    Anthropic's `{"type": "error", "error": {type, message, ...}}` (extras kept in both)."""
+    if style not in ("openai", "anthropic"):
+        raise ValueError(f"unknown error style {style!r}")
+    if style == "anthropic":
+        return {
+            "type": "error",
+            "error": {"type": anthropic_type(err.status), "message": err.message, **err.extra},
+        }
     body: dict[str, Any] = {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
     body.update(err.extra)
     return {"error": body}
@@ -214,5 +253,7 @@ def retry_headers(retry_after: float | None) -> dict[str, str]:
     return {"Retry-After": str(max(1, round(retry_after))), "retry-after-ms": str(int(retry_after * 1000))}
 
 
-def render_error(err: ApiError) -> JSONResponse:
-    return JSONResponse(error_payload(err), status_code=err.status, headers=retry_headers(err.retry_after))
+def render_error(err: ApiError, style: str = "openai") -> JSONResponse:
+    return JSONResponse(
+        error_payload(err, style), status_code=err.status, headers=retry_headers(err.retry_after)
+    )

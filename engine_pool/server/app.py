@@ -2,7 +2,8 @@
 
 The lifespan starts the model load in a worker thread and yields at once, so the server answers
 while the model loads (`/health` 503); it closes the native engine on shutdown. Every error leaves
-through `handle_error` -> `errors.render_error`.
+through `handle_error` -> `errors.render_error`, in the shape of the API the path belongs to
+(`errors.error_style`: Anthropic's on /v1/messages, OpenAI's elsewhere).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from native.errors import NativeError
 
 from ..credentials import matches, presented
-from ..errors import ApiError, Unauthorized, api_error, is_expected, render_error
+from ..errors import ApiError, Unauthorized, api_error, error_style, is_expected, render_error
 from . import routes_llama, routes_openai
+from .apis import routes as routes_apis
 from .limits import RequestLimits
 from .metrics import route_label
 from .runtime import Runtime
@@ -40,11 +42,14 @@ async def handle_error(request: Request, exc: Exception) -> Response:
     err = api_error(exc)
     if not is_expected(exc):
         log.error("http.unhandled", error=err.message, exc_info=exc)
-    return render_error(err)
+    return render_error(err, error_style(request.url.path))
 
 
 class EdgeMiddleware:
-    """Per request: a request id bound to the logs, the API key check, HTTP metrics and one log line."""
+    """Per request: a request id bound to the logs, the API key check, HTTP metrics and one log line.
+
+    The key is read as `Authorization: Bearer KEY` or `X-Api-Key: KEY` (what the Anthropic SDK
+    sends), `credentials.presented`."""
 
     def __init__(self, app: ASGIApp, runtime: Runtime) -> None:
         self.app = app
@@ -71,7 +76,8 @@ class EdgeMiddleware:
         try:
             key = self.runtime.settings.api_key
             if key and path not in PUBLIC_PATHS and not matches(presented(headers), key):
-                await render_error(Unauthorized("Invalid API Key"))(scope, receive, send_wrapper)
+                err = Unauthorized("Invalid API Key")
+                await render_error(err, error_style(path))(scope, receive, send_wrapper)
                 return
             await self.app(scope, receive, send_wrapper)
         finally:
@@ -83,7 +89,7 @@ class EdgeMiddleware:
             structlog.contextvars.unbind_contextvars("request_id", "path")
 
 
-_ROUTES = routes_llama.ROUTES + routes_openai.ROUTES
+_ROUTES = routes_llama.ROUTES + routes_openai.ROUTES + routes_apis.ROUTES
 
 
 def build_app(runtime: Runtime, on_fatal: Callable[[], None] | None = None) -> Starlette:

@@ -63,9 +63,7 @@ def logged(eng: EngineProcess, event: str) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def gemma(gemma_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
     tmp = tmp_path_factory.mktemp("gemma")
-    eng = EngineProcess(
-        gemma_model, "-np", "1", "-c", "2048", log_path=tmp / "engine.log"
-    ).start()
+    eng = EngineProcess(gemma_model, "-np", "1", "-c", "2048", log_path=tmp / "engine.log").start()
     try:
         yield eng
     finally:

@@ -1,0 +1,102 @@
+"""Anthropic Message objects from chat completions, as the anthropic SDK parses them. Pure.
+
+Content blocks in order: `thinking` (the reasoning, with an empty `signature`: nothing here signs
+it), `text`, one `tool_use` per tool call (only the first with `disable_parallel_tool_use`; the id
+is the chat call id with Anthropic's `toolu_` prefix; `input` the parsed arguments). `stop_reason`:
+tool_use, max_tokens (the limit), stop_sequence (with the `stop_sequence` that matched, from the
+chat choice's `stopping_word`) or end_turn. Usage as Anthropic counts it: `input_tokens` are the
+prompt tokens computed, `cache_read_input_tokens` those the engine reused, nothing is ever written
+to a cache on request (`cache_creation_input_tokens` 0).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..chat_result import Call, ChatResult, Usage, read_completion
+from .request import MessagesRequest
+
+
+def tool_use_id(call_id: str) -> str:
+    """Anthropic's id for a chat tool call: the same token, `toolu_` instead of `call_`."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as the object `tool_use.input` must be. Arguments that are not a JSON
+    object (a model that wrote something else) are kept whole, under `_raw_arguments`."""
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError:
+        value = None
+    return value if isinstance(value, dict) else {"_raw_arguments": arguments}
+
+
+def usage_object(u: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": max(0, u.prompt_tokens - u.cached_tokens),
+        "output_tokens": u.completion_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": u.cached_tokens,
+    }
+
+
+def stop_reason(finish_reason: str | None, stopping_word: str, has_calls: bool) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence)."""
+    if has_calls or finish_reason == "tool_calls":
+        return "tool_use", None
+    if finish_reason == "length":
+        return "max_tokens", None
+    if stopping_word:
+        return "stop_sequence", stopping_word
+    return "end_turn", None
+
+
+def tool_use_block(call: Call) -> dict[str, Any]:
+    return {
+        "type": "tool_use",
+        "id": tool_use_id(call.id),
+        "name": call.name,
+        "input": tool_input(call.arguments),
+    }
+
+
+def content_blocks(result: ChatResult, *, parallel_tool_calls: bool) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if result.reasoning:
+        out.append({"type": "thinking", "thinking": result.reasoning, "signature": ""})
+    if result.content:
+        out.append({"type": "text", "text": result.content})
+    calls = result.calls if parallel_tool_calls else result.calls[:1]
+    out.extend(tool_use_block(c) for c in calls)
+    return out
+
+
+def message_shell(req: MessagesRequest, *, message_id: str, model: str) -> dict[str, Any]:
+    """A Message without content, stop reason or usage yet (a stream's `message_start`)."""
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": req.model or model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": usage_object(Usage()),
+    }
+
+
+def message_object(req: MessagesRequest, chat: dict[str, Any], *, message_id: str) -> dict[str, Any]:
+    """The complete Message for a `chat.completion` object."""
+    result = read_completion(chat)
+    model = chat.get("model")
+    message = message_shell(req, message_id=message_id, model=model if isinstance(model, str) else "")
+    reason, sequence = stop_reason(result.finish_reason, result.stopping_word, bool(result.calls))
+    message.update(
+        content=content_blocks(result, parallel_tool_calls=req.parallel_tool_calls),
+        stop_reason=reason,
+        stop_sequence=sequence,
+        usage=usage_object(result.usage),
+    )
+    return message

@@ -1,0 +1,173 @@
+"""Responses items as chat messages, and a Responses request as a chat completions body. Pure.
+
+One assistant turn of chat (reasoning_content, content, tool_calls) is several Responses items in
+that order: a `reasoning` item, a `message` item, `function_call` items. `items_to_messages` folds
+such a run back into one assistant message — both for a request's input and for a stored response's
+output — so that a conversation continued with `previous_response_id` renders exactly the tokens the
+engine generated and the slot's state is reused. `function_call_output` items become `tool`
+messages; `developer` is the chat templates' `system`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from ..engine_options import merge_template_kwargs
+from .request import ResponsesRequest
+
+# Where an item goes inside the assistant turn being built: an item at or before the stage already
+# reached starts a new turn.
+_REASONING, _CONTENT, _CALLS = 1, 2, 3
+
+
+def _text(parts: Any, field: str = "text") -> str:
+    if isinstance(parts, str):
+        return parts
+    texts = [p.get(field) or p.get("refusal") or "" for p in parts or [] if isinstance(p, dict)]
+    return "\n".join(t for t in texts if isinstance(t, str))
+
+
+def reasoning_text(item: dict[str, Any]) -> str:
+    """A reasoning item's text: its reasoning content, else its summary."""
+    return _text(item.get("content")) or "\n\n".join(
+        p["text"] for p in item.get("summary") or [] if isinstance(p, dict) and isinstance(p.get("text"), str)
+    )
+
+
+def items_to_messages(items: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Responses items (input or output) as chat messages."""
+    out: list[dict[str, Any]] = []
+    turn: dict[str, Any] | None = None
+    stage = 0
+
+    def assistant(at: int) -> dict[str, Any]:
+        """The assistant turn an item of stage `at` belongs to: the current one while items come in
+        turn order (several calls share a turn), else a new one."""
+        nonlocal turn, stage
+        if turn is None or stage > at or (stage == at and at != _CALLS):
+            turn = {"role": "assistant", "content": None}
+            out.append(turn)
+        stage = at
+        return turn
+
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "reasoning":
+            text = reasoning_text(item)
+            if text:
+                assistant(_REASONING)["reasoning_content"] = text
+        elif kind == "message" and item.get("role") == "assistant":
+            assistant(_CONTENT)["content"] = _text(item.get("content"))
+        elif kind == "function_call":
+            assistant(_CALLS).setdefault("tool_calls", []).append(
+                {
+                    "id": item.get("call_id"),
+                    "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")},
+                }
+            )
+        elif kind == "function_call_output":
+            turn, stage = None, 0
+            out.append(
+                {"role": "tool", "tool_call_id": item.get("call_id"), "content": _text(item.get("output"))}
+            )
+        elif kind == "message":
+            turn, stage = None, 0
+            role = item.get("role")
+            out.append(
+                {"role": "system" if role == "developer" else role, "content": _text(item.get("content"))}
+            )
+    return out
+
+
+def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input items as chat messages (not `instructions`: they do not carry over to a
+    response that continues this one)."""
+    return items_to_messages(req.items)
+
+
+def output_messages(response: dict[str, Any]) -> list[dict[str, Any]]:
+    """A Response's output items as chat messages, for the conversation a later turn continues."""
+    output = response.get("output")
+    return items_to_messages(i for i in output if isinstance(i, dict)) if isinstance(output, list) else []
+
+
+def input_item_list(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input items as `GET /v1/responses/{id}/input_items` lists them (oldest first)."""
+    out = []
+    for item in req.items:
+        entry = dict(item)
+        if item["type"] != "reasoning":
+            entry["status"] = "completed"
+        out.append(entry)
+    return out
+
+
+def chat_tools(req: ResponsesRequest) -> list[dict[str, Any]]:
+    out = []
+    for tool in req.tools:
+        fn: dict[str, Any] = {"name": tool["name"]}
+        for key in ("description", "parameters", "strict"):
+            if tool.get(key) is not None:
+                fn[key] = tool[key]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, dict):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def chat_response_format(fmt: dict[str, Any]) -> dict[str, Any] | None:
+    if fmt["type"] == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": schema}
+    if fmt["type"] == "json_object":
+        return {"type": "json_object"}
+    return None
+
+
+def merge_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The system messages a conversation starts with as one (blank-line separated): `instructions`
+    and the developer messages an agent sends first are one system prompt to a chat template, and
+    many templates accept a system message only as the first message."""
+    n = 0
+    while n < len(messages) and messages[n]["role"] == "system":
+        n += 1
+    if n < 2:
+        return messages
+    text = "\n\n".join(m["content"] for m in messages[:n] if m["content"])
+    return [{"role": "system", "content": text}, *messages[n:]]
+
+
+def chat_body(req: ResponsesRequest, history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat completions body for `req` after `history` (the chat messages of the responses it
+    continues): [system: instructions] + history + the input, leading system messages merged; a
+    stream asks for usage, which the Responses stream reports at its end. Reasoning effort "none"
+    turns the template's thinking off."""
+    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": merge_leading_system(messages + list(history) + input_messages(req)),
+        **req.engine_options,
+    }
+    if req.tools:
+        body["tools"] = chat_tools(req)
+        body["tool_choice"] = chat_tool_choice(req.tool_choice)
+        body["parallel_tool_calls"] = req.parallel_tool_calls
+    if req.max_output_tokens is not None:
+        body["max_tokens"] = req.max_output_tokens
+    for key in ("temperature", "top_p"):
+        if getattr(req, key) is not None:
+            body[key] = getattr(req, key)
+    if (fmt := chat_response_format(req.text_format)) is not None:
+        body["response_format"] = fmt
+    if req.reasoning and req.reasoning.get("effort") == "none":
+        body = merge_template_kwargs(body, {"enable_thinking": False})
+    if req.stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body

@@ -1,0 +1,164 @@
+"""The engine's Responses and Messages endpoints: translate, run the chat path, translate back.
+
+Stateless like llama-server's: `POST /v1/responses` accepts `store` but keeps nothing, so a
+`previous_response_id` — and reading or deleting a response — is a 404 saying so (the gateway keeps
+responses). `POST /v1/messages` serves Anthropic's Messages API; `/v1/messages/count_tokens`
+renders and tokenizes the conversation exactly as a generation would. Errors leave in each API's
+own shape (the app's handler picks it from the path, `errors.error_style`); a chat-path complaint
+about a field the client did not send by that name is renamed to the field it did send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+import time
+from collections.abc import AsyncGenerator, Mapping
+from contextlib import aclosing
+from typing import Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ...body import Body, read_json
+from ...errors import ApiError, BadRequest, NotFound
+from ..chat_request import parse_chat
+from ..formats import prepare_history
+from ..routes_llama import limits, runtime
+from ..routes_openai import run_chat
+from ..sse import NamedEvent, start_event_stream
+from . import messages, responses
+
+NO_STORE = (
+    "this engine keeps no responses (store is accepted, nothing is stored): "
+    "the Slotkeeper gateway keeps them and serves {what}"
+)
+
+# Chat fields the translations fill from a differently named field of the client's request.
+RESPONSES_FIELDS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+MESSAGES_FIELDS = {"stop": "stop_sequences", "response_format": "output_config.format"}
+
+_HEAD = re.compile(r"[A-Za-z_]+")
+
+
+class EventTranslator(Protocol):
+    def feed(self, chunk: dict[str, Any]) -> list[NamedEvent]: ...
+    def finish(self) -> list[NamedEvent]: ...
+    def failed(self, err: ApiError) -> list[NamedEvent]: ...
+
+
+def renamed(err: ApiError, fields: Mapping[str, str]) -> ApiError:
+    """`err` naming the client's field where it names a chat field `fields` maps (in place)."""
+    head = _HEAD.match(err.param or "")
+    if head is None or head.group() not in fields or err.param is None:
+        return err
+    old, new = head.group(), fields[head.group()]
+    if old == "messages" and err.param != old:
+        return err  # a message's index differs from the item's: leave the chat path's words
+    err.param = new + err.param[len(old) :]
+    err.message = err.message.replace(f"'{old}", f"'{new}")
+    return err
+
+
+async def _chat(
+    request: Request, chat: dict[str, Any], fields: Mapping[str, str]
+) -> dict[str, Any] | AsyncGenerator[dict[str, Any], None]:
+    try:
+        return await run_chat(request, Body(chat))
+    except BadRequest as err:
+        raise renamed(err, fields) from None
+
+
+async def _events(
+    chunks: AsyncGenerator[dict[str, Any], None], translator: EventTranslator
+) -> AsyncGenerator[NamedEvent, None]:
+    async with aclosing(chunks) as items:
+        async for chunk in items:
+            for ev in translator.feed(chunk):
+                yield ev
+    for ev in translator.finish():
+        yield ev
+
+
+# -- Responses ----------------------------------------------------------------------------------
+async def create_response(request: Request) -> Response:
+    lim = limits(request)
+    body = await read_json(request, lim.body)
+    req = responses.parse_request(body.data, max_items=lim.max_messages)
+    if req.previous_response_id:
+        raise NotFound(
+            f"response {req.previous_response_id!r} not found: "
+            + NO_STORE.format(what="'previous_response_id'"),
+            param="previous_response_id",
+        )
+    result = await _chat(request, responses.chat_body(req, []), RESPONSES_FIELDS)
+    response_id, created_at = "resp_" + secrets.token_hex(24), int(time.time())
+    if isinstance(result, dict):
+        return JSONResponse(
+            responses.response_object(req, result, response_id=response_id, created_at=created_at)
+        )
+    stream = responses.ResponseStream(req, response_id=response_id, created_at=created_at)
+    return await start_event_stream(_events(result, stream), failed=stream.failed)
+
+
+async def stored_response(request: Request) -> Response:
+    response_id = request.path_params["response_id"]
+    raise NotFound(
+        f"response {response_id!r} not found: " + NO_STORE.format(what="stored responses"),
+        param="response_id",
+    )
+
+
+# -- Messages -----------------------------------------------------------------------------------
+async def create_message(request: Request) -> Response:
+    lim = limits(request)
+    body = await read_json(request, lim.body)
+    req = messages.parse_request(body.data, max_messages=lim.max_messages)
+    result = await _chat(request, messages.chat_body(req), MESSAGES_FIELDS)
+    message_id = "msg_" + secrets.token_hex(12)
+    if isinstance(result, dict):
+        return JSONResponse(messages.message_object(req, result, message_id=message_id))
+    stream = messages.MessageStream(req, message_id=message_id)
+    return await start_event_stream(_events(result, stream), failed=stream.failed)
+
+
+async def count_tokens(request: Request) -> Response:
+    """`{"input_tokens": n}`: the conversation rendered by the model's template (tools included)
+    and tokenized, as the chat path does before generating."""
+    rt = runtime(request)
+    engine = rt.require()
+    lim = limits(request)
+    body = await read_json(request, lim.body)
+    req = messages.parse_count_request(body.data, max_messages=lim.max_messages)
+    try:
+        chat = parse_chat(
+            Body(messages.chat_body(req)),
+            rt.defaults,
+            lim,
+            n_vocab=engine.model.n_vocab,
+            n_ctx=engine.n_ctx_slot,
+        )
+    except BadRequest as err:
+        raise renamed(err, MESSAGES_FIELDS) from None
+    prompt = await asyncio.to_thread(  # rendering and tokenizing: off the event loop, as in run_chat
+        rt.template.prompt,
+        lambda text, add_special: rt.tokenize(text, add_special),
+        prepare_history(chat.messages),
+        chat.tools or None,
+        chat.template_kwargs,
+    )
+    return JSONResponse({"input_tokens": len(prompt.tokens)})
+
+
+ROUTES = [
+    Route("/v1/responses", create_response, methods=["POST"]),
+    Route("/responses", create_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
+    Route("/v1/responses/{response_id}/input_items", stored_response, methods=["GET"]),
+    Route("/v1/messages", create_message, methods=["POST"]),
+    Route("/messages", create_message, methods=["POST"]),
+    Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+    Route("/messages/count_tokens", count_tokens, methods=["POST"]),
+]
