@@ -21,9 +21,10 @@ import uvicorn
 from engine_pool import logs
 from engine_pool.credentials import auth_headers
 from engine_pool.http_deadlines import header_deadline
-from gateway.app import Services, build_app
+from gateway.app import build_app
 from gateway.cluster import Cluster
 from gateway.metrics import Metrics
+from gateway.services import Services
 from gateway.settings import GatewaySettings, SettingsError, parse_settings
 from gateway.tenants import TenantConfigError, load_tenants
 from gateway.turns import TurnRunner
@@ -34,6 +35,7 @@ from storage.localstore import LocalStore
 from storage.locks import SessionLocks
 from storage.probe import check_backends
 from storage.reindex import reindex
+from storage.responses import ResponseStore
 from storage.s3client import make_s3_client
 from storage.s3store import S3Store
 
@@ -95,7 +97,10 @@ async def services(
         internal_key=settings.internal_key,
     )
     try:
-        yield Services(settings, tenants, index, locks, registry, store, http, cluster, runner, metrics)
+        yield Services(
+            settings, tenants, index, locks, registry, store, http, cluster, runner, metrics,
+            ResponseStore(store),
+        )  # fmt: skip
     finally:
         await http.aclose()
         for node in runner.nodes.values():

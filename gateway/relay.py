@@ -17,6 +17,8 @@ import httpx
 
 from engine_pool.errors import ApiError, Unavailable, Upstream, error_payload, for_status
 
+_BROKE = "the engine stream broke off; retry (the session resumes from its last save)"
+
 
 @dataclass
 class TurnOutcome:
@@ -108,8 +110,10 @@ class StreamRelay:
             raise _upstream_error(resp.status_code, payload)
         return cls(resp)
 
-    def _observe(self, data: bytes) -> None:
+    def _observe(self, data: bytes) -> list[dict[str, Any]]:
+        """Read the complete events in `data` (with what was buffered): the chunks they carry."""
         self._buffer += data
+        chunks = []
         while b"\n\n" in self._buffer:
             event, self._buffer = self._buffer.split(b"\n\n", 1)
             for line in event.split(b"\n"):
@@ -123,7 +127,10 @@ class StreamRelay:
                     chunk = json.loads(payload)
                 except ValueError:
                     continue
-                self._take(chunk)
+                if isinstance(chunk, dict):
+                    self._take(chunk)
+                    chunks.append(chunk)
+        return chunks
 
     def _take(self, chunk: dict[str, Any]) -> None:
         if "error" in chunk:
@@ -149,6 +156,20 @@ class StreamRelay:
                 self.outcome.ok = True
         self.outcome.tool_calls = [self._calls[i] for i in sorted(self._calls)]
 
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """The stream's chunks as objects (for a caller that re-renders them in another API's
+        shape); a broken stream ends with an `{"error": ...}` object."""
+        try:
+            async for data in self._response.aiter_raw():
+                for chunk in self._observe(data):
+                    yield chunk
+        except httpx.HTTPError as exc:
+            self.outcome.ok = False
+            self.outcome.error = f"the engine stream broke ({type(exc).__name__})"
+            yield error_payload(Unavailable(_BROKE))
+        finally:
+            await self._response.aclose()
+
     async def chunks(self) -> AsyncIterator[bytes]:
         try:
             async for data in self._response.aiter_raw():
@@ -157,7 +178,6 @@ class StreamRelay:
         except httpx.HTTPError as exc:
             self.outcome.ok = False
             self.outcome.error = f"the engine stream broke ({type(exc).__name__})"
-            err = Unavailable("the engine stream broke off; retry (the session resumes from its last save)")
-            yield b"data: " + json.dumps(error_payload(err)).encode() + b"\n\n"
+            yield b"data: " + json.dumps(error_payload(Unavailable(_BROKE))).encode() + b"\n\n"
         finally:
             await self._response.aclose()

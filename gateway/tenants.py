@@ -6,7 +6,9 @@ The tenants file is TOML:
     keys = ["sk-acme-1"]                 # plaintext keys are hashed at load and then forgotten
     key_sha256 = ["9f86d081..."]         # or their digests (`slotkeeper` never needs the key itself)
     durability = "after-turn"            # or "on-evict"
-    models = { "gpt-4o" = "qwen35" }     # alias → served model id (ids are also accepted as is)
+    models = { "gpt-4o" = "qwen35", "claude-*" = "qwen35" }
+                                         # alias → served model id (ids are also accepted as is);
+                                         # an alias with * or ? matches names like a shell pattern
 
     [tenants.acme.quotas]
     sessions = 1000
@@ -15,7 +17,9 @@ The tenants file is TOML:
     requests_per_minute = 600
     inflight = 16                        # requests running at once (default: --max-inflight)
 
-Without a file there is one tenant, `default`, with no key and no quotas (local use).
+Without a file there is one tenant, `default`, with no key and no quotas (local use); when one model
+is served, any model name reaches it (agents send their own names: `claude-…`, `gpt-…`), as with
+llama-server.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import hmac
 import tomllib
 from dataclasses import dataclass, field
 from enum import StrEnum
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +57,25 @@ class Tenant:
     durability: Durability = Durability.AFTER_TURN
     models: dict[str, str] = field(default_factory=dict)
     quotas: Quotas = Quotas()
+    any_name: bool = False  # any model name means the one served model (no tenants file)
 
     def model_id(self, requested: str, served: set[str]) -> str | None:
-        """The served model a requested name means for this tenant (alias or id), else None."""
-        target = self.models.get(requested, requested)
-        return target if target in served else None
+        """The served model a requested name means for this tenant, else None: an exact alias, the
+        first wildcard alias that matches (in the file's order), the id itself, or — for the open
+        tenant with exactly one model served — that model."""
+        target = self.models.get(requested)
+        if target is None:
+            patterns = ((alias, m) for alias, m in self.models.items() if is_pattern(alias))
+            target = next((m for alias, m in patterns if fnmatchcase(requested, alias)), requested)
+        if target in served:
+            return target
+        if self.any_name and len(served) == 1:
+            return next(iter(served))
+        return None
+
+
+def is_pattern(alias: str) -> bool:
+    return any(c in alias for c in "*?[")
 
 
 class TenantConfigError(ValueError):
@@ -88,7 +107,7 @@ class Tenants:
 
 
 def open_tenants() -> Tenants:
-    return Tenants({"default": Tenant("default")}, open_access=True)
+    return Tenants({"default": Tenant("default", any_name=True)}, open_access=True)
 
 
 def _int_or_none(raw: dict[str, Any], name: str, where: str) -> int | None:

@@ -3,6 +3,7 @@ survives its node's SIGTERM (restored on the other node from S3) and a Redis flu
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import agents
 import httpx
 import openai
 import pytest
@@ -30,7 +32,7 @@ ENV = {
 
 class Proc:
     def __init__(self, name: str, cmd: list[str], log: Path, url: str) -> None:
-        self.name, self.url, self.log = name, url, log
+        self.name, self.url, self.log, self.cmd = name, url, log, cmd
         with log.open("wb") as out:
             self.proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=ENV
@@ -81,6 +83,15 @@ def cluster(tiny_model, redis_port, moto_server, tmp_path: Path) -> Iterator[dic
     finally:
         for p in procs:
             stop(p.proc, signal.SIGKILL)
+
+
+@pytest.fixture
+def procs_to_stop() -> Iterator[list[Proc]]:
+    """Processes a test starts itself (a restarted node), SIGKILLed at its end."""
+    started: list[Proc] = []
+    yield started
+    for p in started:
+        stop(p.proc, signal.SIGKILL)
 
 
 def _turn(url: str, messages: list[dict], session: str):
@@ -137,3 +148,99 @@ def test_node_sigterm_moves_sessions_and_redis_flush_is_reindexed(cluster):
     msgs.append({"role": "user", "content": "Step 3: finish."})
     done, headers, timings = _turn(gw.url, msgs, "agent-7")
     assert headers["x-slotkeeper-cache"] == "restored" and timings["cache_n"] > 0
+
+
+def test_agent_apis_continue_on_another_node(cluster, procs_to_stop):
+    """A Responses chain and an Anthropic tool round trip: the home node is drained between turns,
+    the next turn lands on the other node and reuses the restored state."""
+    import anthropic
+
+    gw = cluster["gateway"]
+    with openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=2, timeout=60) as client:
+        raw = client.responses.with_raw_response.create(
+            model="gpt-5", instructions=SYSTEM, input="Step 1: list files.", max_output_tokens=8,
+            temperature=0,
+        )  # fmt: skip
+        first, session = raw.parse(), raw.headers["x-session-id"]
+    tool = {
+        "name": "read_file",
+        "description": "Read a file.",
+        "input_schema": {"type": "object", "properties": {"path": {"type": "string", "maxLength": 12}},
+                         "required": ["path"]},
+    }  # fmt: skip
+    with anthropic.Anthropic(base_url=gw.url, api_key="none", max_retries=2, timeout=60) as claude:
+        msgs: list[dict] = [{"role": "user", "content": "Open the README."}]
+        raw_a = claude.messages.with_raw_response.create(
+            model="claude-test-agent", system=SYSTEM, max_tokens=250, messages=msgs,  # type: ignore[arg-type]
+            tools=[tool], tool_choice={"type": "tool", "name": "read_file"},  # type: ignore[list-item]
+            extra_body={"temperature": 0},
+        )  # fmt: skip
+        use, a_session = raw_a.parse(), raw_a.headers["x-session-id"]
+
+    def drain(name: str) -> None:
+        node = cluster["nodes"][name]
+        node.proc.send_signal(signal.SIGTERM)  # spills its sessions to S3, exits
+        assert node.proc.wait(60) == 0, node.log.read_text()[-2000:]
+
+    home = _node_of(gw.url, session)
+    drain(home)
+    with openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=2, timeout=60) as client:
+        raw = client.responses.with_raw_response.create(
+            model="gpt-5", instructions=SYSTEM, input="Step 2: run tests.", previous_response_id=first.id,
+            max_output_tokens=8, temperature=0,
+        )  # fmt: skip
+        second = raw.parse()
+    assert raw.headers["x-session-id"] == session and raw.headers["x-slotkeeper-cache"] == "restored"
+    assert _node_of(gw.url, session) != home
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+
+    # Bring the drained node back, drain the other: the Anthropic session moves too.
+    back = cluster["nodes"][home]
+    cluster["nodes"][home] = Proc(home, back.cmd, back.log.with_suffix(".2.log"), back.url)
+    procs_to_stop.append(cluster["nodes"][home])
+    cluster["nodes"][home].wait_ready("/health")
+    deadline = time.monotonic() + 60
+    while httpx.get(gw.url + "/ready").json()["engines"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    a_home = _node_of(gw.url, a_session)
+    drain(a_home)
+    call = next(b for b in use.content if b.type == "tool_use")
+    msgs.append({"role": "assistant", "content": [b.model_dump() for b in use.content]})
+    result = {"type": "tool_result", "tool_use_id": call.id, "content": "ok"}
+    msgs.append({"role": "user", "content": [result]})
+    with anthropic.Anthropic(base_url=gw.url, api_key="none", max_retries=2, timeout=60) as claude:
+        raw_b = claude.messages.with_raw_response.create(
+            model="claude-test-agent", system=SYSTEM, max_tokens=8, messages=msgs,  # type: ignore[arg-type]
+            tools=[tool], extra_body={"temperature": 0},  # type: ignore[list-item]
+        )  # fmt: skip
+        follow = raw_b.parse()
+    assert raw_b.headers["x-session-id"] == a_session and raw_b.headers["x-slotkeeper-cache"] == "restored"
+    assert _node_of(gw.url, a_session) != a_home
+    total = use.usage.input_tokens + (use.usage.cache_read_input_tokens or 0)
+    assert (follow.usage.cache_read_input_tokens or 0) >= total
+
+    # The Agents SDK continues the Responses chain there too (its session now restored on the other
+    # node once more): its tool runs and the run completes.
+    agents.set_tracing_disabled(True)  # traces would go to api.openai.com
+    cities: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        cities.append(city)
+        return "sunny"
+
+    async def run_agent() -> str:
+        async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=2) as client:
+            agent = agents.Agent(
+                name="weather",
+                instructions=SYSTEM,
+                tools=[get_weather],
+                tool_use_behavior="stop_on_first_tool",
+                model=agents.OpenAIResponsesModel(model="gpt-5", openai_client=client),
+                model_settings=agents.ModelSettings(tool_choice="get_weather", max_tokens=250, temperature=0),
+            )
+            result = await agents.Runner.run(agent, "Weather?", max_turns=2, previous_response_id=second.id)
+            return str(result.final_output)
+
+    assert asyncio.run(run_agent()) == "sunny" and len(cities) == 1

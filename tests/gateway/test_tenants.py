@@ -46,3 +46,27 @@ def test_bad_tenant_files_name_the_problem(doc, message):
 def test_tenant_names_are_ids():
     with pytest.raises(InvalidId):
         parse_tenants({"tenants": {"../x": {"keys": ["k"]}}})
+
+
+def test_model_names_agents_send_find_the_served_model():
+    tenants = parse_tenants(
+        {
+            "tenants": {
+                "a": {
+                    "keys": ["k"],
+                    "models": {"gpt-4o": "llama", "claude-*": "qwen35", "claude-opus-*": "llama"},
+                }
+            }
+        }
+    )
+    a = tenants.by_name["a"]
+    served = {"qwen35", "llama"}
+    assert a.model_id("gpt-4o", served) == "llama"  # exact alias
+    assert a.model_id("claude-opus-4-1", served) == "qwen35"  # first matching pattern, file order
+    assert a.model_id("qwen35", served) == "qwen35"  # ids as they are
+    assert a.model_id("gpt-5", served) is None  # with a tenants file, nothing else
+    assert a.model_id("claude-x", {"llama"}) is None  # the pattern's target is not served
+    open_tenant = load_tenants(None).by_name["default"]
+    assert open_tenant.model_id("claude-sonnet-4-5", {"qwen35"}) == "qwen35"  # one model: any name
+    assert open_tenant.model_id("claude-sonnet-4-5", served) is None  # several: names must match
+    assert open_tenant.model_id("llama", served) == "llama"

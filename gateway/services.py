@@ -1,0 +1,33 @@
+"""What the gateway's handlers share: the clients and runners built once in the lifespan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+
+from gateway.cluster import Cluster
+from gateway.metrics import Metrics
+from gateway.settings import GatewaySettings
+from gateway.tenants import Tenants
+from gateway.turns import TurnRunner
+from storage.blobstore import BlobStore
+from storage.engines import EngineRegistry
+from storage.index import SessionIndex
+from storage.locks import SessionLocks
+from storage.responses import ResponseStore
+
+
+@dataclass
+class Services:
+    settings: GatewaySettings
+    tenants: Tenants
+    index: SessionIndex
+    locks: SessionLocks
+    registry: EngineRegistry
+    store: BlobStore
+    http: httpx.AsyncClient
+    cluster: Cluster
+    runner: TurnRunner
+    metrics: Metrics
+    responses: ResponseStore

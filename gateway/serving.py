@@ -1,0 +1,225 @@
+"""Serving one turn for any of the gateway's APIs: admit it, run it on its session, answer.
+
+Every API (Chat Completions, Completions, Responses, Anthropic Messages) is one chat turn on the
+engines: a `Dialect` says how its request becomes the engine's chat body and how the engine's
+answer (JSON or stream chunks) becomes that API's answer. Chat and completions pass through
+unchanged (byte for byte when streamed). The session machinery — resolution, locks, placement,
+restore, write-behind saves — is the same for all, so an Anthropic or Responses client resumes its
+session without re-prefill exactly like a chat client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from engine_pool.body import parse_json_object, read_body
+from engine_pool.credentials import presented
+from engine_pool.errors import (
+    ApiError,
+    BadRequest,
+    NotFound,
+    QuotaExceeded,
+    RateLimited,
+    Unauthorized,
+    Unavailable,
+)
+from gateway.relay import StreamRelay, TurnOutcome, forward_json
+from gateway.services import Services
+from gateway.tenants import Tenant
+from gateway.turns import Turn
+from storage.errors import StorageError
+
+Release = Callable[[], Awaitable[None]]
+
+
+class Dialect(Protocol):
+    """How one API's turn maps onto the engine's chat completions (None: passed through as is)."""
+
+    async def answer(self, payload: dict[str, Any], turn: Turn) -> dict[str, Any]:
+        """The API's answer for the engine's JSON answer (and what the API keeps of it, stored
+        before the answer goes out)."""
+        ...
+
+    def stream(self, chunks: AsyncIterator[dict[str, Any]], turn: Turn) -> AsyncIterator[bytes]:
+        """The API's event stream for the engine's chunks (an `{"error": ...}` chunk ends it)."""
+        ...
+
+
+def tenant_of(request: Request) -> Tenant:
+    """The tenant of the key presented as `Authorization: Bearer KEY` or `x-api-key: KEY`."""
+    svc: Services = request.app.state.services
+    tenant = svc.tenants.authenticate(presented(request.headers) or None)
+    if tenant is None:
+        raise Unauthorized("a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)")
+    return tenant
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    svc: Services = request.app.state.services
+    limits = svc.settings.body_limits()
+    return parse_json_object(await read_body(request, limits), limits)
+
+
+async def rate_limit(svc: Services, tenant: Tenant) -> None:
+    """Requests per minute: one counter per tenant and minute, expiring with its window."""
+    limit = tenant.quotas.requests_per_minute
+    if limit is None:
+        return
+    count = await svc.index.incr_window(tenant.name, "rpm", 60)
+    if count > limit:
+        raise QuotaExceeded(
+            f"tenant {tenant.name} exceeded {limit} requests per minute", retry_after=60 - time.time() % 60
+        )
+
+
+async def admit(svc: Services, tenant: Tenant) -> Release:
+    """Take one of the tenant's in-flight places (429 + Retry-After when none is free) and return
+    its release (idempotent). Places of a gateway that died lapse by themselves."""
+    limit = tenant.quotas.inflight or svc.settings.max_inflight
+    token = await svc.index.acquire_inflight(tenant.name, limit, ttl_s=svc.settings.request_timeout_s + 60)
+    if token is None:
+        raise RateLimited(f"tenant {tenant.name} already has {limit} requests running", retry_after=1)
+    released = False
+
+    async def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            with contextlib.suppress(StorageError):  # Redis away: the place lapses with its TTL
+                await svc.index.release_inflight(tenant.name, token)
+
+    return release
+
+
+def check_messages(body: dict[str, Any], limit: int) -> list[dict[str, Any]]:
+    """`messages` as a list of objects with a string role, at most `limit` of them (400 otherwise)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise BadRequest("'messages' must be a list", param="messages")
+    if len(messages) > limit:
+        raise BadRequest(f"'messages' has {len(messages)} messages; the limit is {limit}", param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            where = f"messages[{i}]"
+            raise BadRequest(f"'{where}' must be an object with a string 'role'", param=where)
+    return messages
+
+
+async def served_model(svc: Services, tenant: Tenant, requested: Any) -> str:
+    """The served model id a requested name means for the tenant (404 unknown, 503 not ready)."""
+    if not isinstance(requested, str) or not requested:
+        raise BadRequest("'model' is required", param="model")
+    model = tenant.model_id(requested, await svc.cluster.models())
+    if model is not None:
+        return model
+    configured = await svc.cluster.configured_models()
+    if configured is None or tenant.model_id(requested, configured) is not None:
+        # A node runs it but no engine of it is ready (restarting after a crash, still loading), or a
+        # node did not answer and it may be one of its models.
+        raise Unavailable(f"the model {requested!r} is not ready; retry", retry_after=2, param="model")
+    raise NotFound(f"the model {requested!r} does not exist", param="model")
+
+
+def session_headers(turn: Turn) -> dict[str, str]:
+    return {"X-Session-Id": turn.session, "X-Slotkeeper-Cache": turn.placement.serve.value}
+
+
+async def serve_turn(
+    request: Request,
+    tenant: Tenant,
+    body: dict[str, Any],
+    model: str,
+    messages: list[dict[str, Any]],
+    path: str,
+    *,
+    dialect: Dialect | None = None,
+    session: tuple[str, str] | None = None,
+) -> Response:
+    """Admit, run and answer one turn. `body` is the engine's request body (chat completions, or
+    completions when `path` says so); `session` is (id, how it was found) when the caller already
+    knows it (a `previous_response_id`), else the usual resolution runs."""
+    svc: Services = request.app.state.services
+    release = await admit(svc, tenant)
+    try:
+        return await _run_turn(svc, request, tenant, body, model, messages, path, release, dialect, session)
+    except BaseException:
+        await release()
+        raise
+
+
+async def _run_turn(
+    svc: Services,
+    request: Request,
+    tenant: Tenant,
+    body: dict[str, Any],
+    model: str,
+    messages: list[dict[str, Any]],
+    path: str,
+    release: Release,
+    dialect: Dialect | None,
+    known: tuple[str, str] | None,
+) -> Response:
+    """Resolve, place and forward one turn. A plain response releases the tenant's in-flight place
+    before returning; a stream hands it (with the session bookkeeping) to its body's end."""
+    session, source = known or await svc.runner.resolve(tenant, request.headers, body, model)
+    turn = await svc.runner.begin(tenant, session, model, source)
+    upstream = {k: v for k, v in body.items() if k not in ("prompt_cache_key", "id_slot")}
+    upstream.update(model=model, id_slot=turn.placement.slot, cache_prompt=True)
+    svc.metrics.served.labels(turn.placement.serve.value).inc()
+    url = turn.engine_url.rstrip("/") + path
+    t0 = time.perf_counter()
+    if not body.get("stream"):
+        outcome = TurnOutcome()
+        try:
+            payload, outcome = await forward_json(svc.http, url, upstream)
+            answer = await dialect.answer(payload, turn) if dialect else payload
+        except (ApiError, StorageError) as exc:
+            outcome.ok = False
+            outcome.error = str(exc)
+            await svc.runner.finish(turn, messages, outcome)
+            raise
+        svc.metrics.ttft.observe(time.perf_counter() - t0)
+        svc.metrics.turn_served(turn.placement.serve.value, outcome.timings)
+        await svc.runner.finish(turn, messages, outcome)
+        await release()
+        return JSONResponse(answer, headers=session_headers(turn))
+    try:
+        relay = await StreamRelay.open(svc.http, url, upstream)
+    except ApiError as exc:
+        await svc.runner.finish(turn, messages, TurnOutcome(error=exc.message))
+        raise
+    svc.metrics.ttft.observe(time.perf_counter() - t0)
+
+    async def relayed() -> AsyncIterator[bytes]:
+        try:
+            if dialect is None:
+                async for raw in relay.chunks():
+                    yield raw
+            else:
+                async for data in dialect.stream(relay.events(), turn):
+                    yield data
+        finally:
+            # Also when the client went away mid-stream: the session must not stay locked. A task,
+            # so that the cancellation of this generator cannot cut the bookkeeping short.
+            svc.metrics.turn_served(turn.placement.serve.value, relay.outcome.timings)
+            done = asyncio.create_task(_settle(svc, turn, messages, relay.outcome, release))
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(done)
+
+    return StreamingResponse(relayed(), media_type="text/event-stream", headers=session_headers(turn))
+
+
+async def _settle(
+    svc: Services, turn: Turn, messages: list[dict[str, Any]], outcome: TurnOutcome, release: Release
+) -> None:
+    try:
+        await svc.runner.finish(turn, messages, outcome)
+    finally:
+        await release()
