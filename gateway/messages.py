@@ -18,8 +18,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine_pool.errors import Unavailable
+from engine_pool.errors import BadRequest, Unavailable
 from engine_pool.server.apis import messages as api
+from engine_pool.server.apis.routes import MESSAGES_FIELDS, renamed
 from engine_pool.server.sse import named_event
 from gateway.relay import forward_json
 from gateway.responses import stream_failure
@@ -58,9 +59,12 @@ async def create(request: Request) -> Response:
     model = await served_model(svc, tenant, req.model)
     chat = api.chat_body(req)
     messages = check_messages(chat, svc.settings.max_messages)
-    return await serve_turn(
-        request, tenant, chat, model, messages, "/v1/chat/completions", dialect=MessagesDialect(req)
-    )
+    try:
+        return await serve_turn(
+            request, tenant, chat, model, messages, "/v1/chat/completions", dialect=MessagesDialect(req)
+        )
+    except BadRequest as err:  # the engine's chat path names its own fields: name the client's
+        raise renamed(err, MESSAGES_FIELDS) from None
 
 
 async def count_tokens(request: Request) -> Response:

@@ -51,10 +51,11 @@ class EngineTimeout(ApiError):
 def _upstream_error(resp_status: int, payload: Any) -> ApiError:
     err = payload.get("error", {}) if isinstance(payload, dict) else {}
     message = err.get("message") or f"engine answered {resp_status}"
-    code = err.get("code")
+    code, param = err.get("code"), err.get("param")
     return for_status(resp_status)(
         str(message), status=resp_status, type=str(err.get("type") or "server_error"),
         code=code if isinstance(code, str) else None, retry_after=1 if resp_status == 503 else None,
+        param=param if isinstance(param, str) else None,
     )  # fmt: skip
 
 

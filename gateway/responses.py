@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from engine_pool.errors import BadRequest, ServerError
 from engine_pool.server.apis import responses as api
+from engine_pool.server.apis.routes import RESPONSES_FIELDS, renamed
 from engine_pool.server.sse import named_event
 from gateway.services import Services
 from gateway.serving import check_messages, json_body, rate_limit, serve_turn, served_model, tenant_of
@@ -128,9 +129,12 @@ async def create(request: Request) -> Response:
         chat["prompt_cache_key"] = data["prompt_cache_key"]
     messages = check_messages(chat, svc.settings.max_messages)
     dialect = ResponsesDialect(svc, tenant, req, model, history)
-    return await serve_turn(
-        request, tenant, chat, model, messages, "/v1/chat/completions", dialect=dialect, session=session
-    )
+    try:
+        return await serve_turn(
+            request, tenant, chat, model, messages, "/v1/chat/completions", dialect=dialect, session=session
+        )
+    except BadRequest as err:  # the engine's chat path names its own fields: name the client's
+        raise renamed(err, RESPONSES_FIELDS) from None
 
 
 async def detail(request: Request) -> Response:

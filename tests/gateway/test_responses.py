@@ -188,6 +188,10 @@ def test_stored_responses_belong_to_their_tenant_and_bad_input_is_precise(serve,
         with pytest.raises(openai.BadRequestError) as err:
             a.responses.create(model="gpt-4.1", **extra)  # type: ignore[call-overload]
         assert err.value.body and err.value.body.get("message")  # OpenAI error shape
+    # Checked by the engine's chat path as max_tokens; refused under the name the client sent.
+    with pytest.raises(openai.BadRequestError) as err:
+        a.responses.create(model="gpt-4.1", input="x", max_output_tokens=1_000_000)
+    assert isinstance(err.value.body, dict) and err.value.body["param"] == "max_output_tokens"
     # Deleted: gone for retrieve and for continuation.
     assert a.responses.delete(r.id) is None
     with pytest.raises(openai.NotFoundError):
