@@ -34,6 +34,7 @@ log = structlog.get_logger("slotkeeper.gateway")
 
 _MAX_LIST = 100
 _FINAL = ("response.completed", "response.incomplete")  # the events that carry the final response
+_UNSTORED = ServerError("the response could not be stored; retry")
 
 
 def stream_failure(chunk: dict[str, Any]) -> ServerError:
@@ -87,12 +88,14 @@ class ResponsesDialect:
                 return
             for name, data in events.feed(chunk):
                 if name in _FINAL and not await self._stored(data, turn):
-                    for fname, fdata in events.failed(ServerError("the response could not be stored; retry")):
-                        yield named_event(fname, fdata)
+                    for failed in events.failed(_UNSTORED):
+                        yield named_event(*failed)
                     return
                 yield named_event(name, data)
         for name, data in events.finish():  # a stream that ended without its usage chunk
             if name in _FINAL and not await self._stored(data, turn):
+                for failed in events.failed(_UNSTORED):
+                    yield named_event(*failed)
                 return
             yield named_event(name, data)
 
