@@ -9,7 +9,9 @@ import llama_cpp  # noqa: F401  (see above)
 
 from ._native import (
     ENGINE_VERSION,
+    KV_CACHE_TYPES,
     LLAMA_BUILD,
+    MAX_N_PROBS,
     STATE_SEQ_VERSION,
     EngineConfig,
     Event,
@@ -33,7 +35,9 @@ from .errors import (
 
 __all__ = [
     "ENGINE_VERSION",
+    "KV_CACHE_TYPES",
     "LLAMA_BUILD",
+    "MAX_N_PROBS",
     "STATE_SEQ_VERSION",
     "Completion",
     "Engine",

@@ -11,6 +11,11 @@ STATE_SEQ_VERSION: int
 LLAMA_BUILD: str
 """Identifier of the linked llama.cpp build, recorded in slot files."""
 ENGINE_VERSION: str
+MAX_N_PROBS: int
+"""The largest RequestParams.n_probs the core accepts (100)."""
+KV_CACHE_TYPES: tuple[str, ...]
+"""The KV cache types EngineConfig.cache_type_k/v accept, as llama-server's -ctk/-ctv: f32, f16,
+bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1."""
 
 class ModelInfo:
     path: str
@@ -59,6 +64,13 @@ class EngineConfig:
         swa_full: bool = False,
         flash_attn: bool = False,
         repack: bool = True,
+        kv_unified: bool = False,
+        cache_type_k: str = "f16",
+        cache_type_v: str = "f16",
+        use_mmap: bool = True,
+        use_mlock: bool = False,
+        warmup: bool = True,
+        context_shift: bool = False,
     ) -> None: ...
     @property
     def model_path(self) -> str: ...
@@ -66,7 +78,8 @@ class EngineConfig:
     def n_slots(self) -> int: ...
     @property
     def n_ctx(self) -> int:
-        """Total KV cells (one unified stream); every slot may use n_ctx // n_slots of them."""
+        """Total KV cells (one unified stream); every slot may use n_ctx // n_slots of them, or all
+        of them with kv_unified."""
     @property
     def n_batch(self) -> int: ...
     @property
@@ -97,6 +110,33 @@ class EngineConfig:
     def flash_attn(self) -> bool: ...
     @property
     def repack(self) -> bool: ...
+    @property
+    def kv_unified(self) -> bool:
+        """llama-server's --kv-unified: a slot may grow into the whole pool (Engine.n_ctx_slot ==
+        n_ctx). When the shared cells run out, idle slots' cached sessions are dropped (least
+        recently used first); then a prompt still being evaluated fails ("the KV cache is full"),
+        else the longest generation shifts (context_shift) or stops with stop_reason "context"."""
+    @property
+    def cache_type_k(self) -> str:
+        """KV cache type of K (KV_CACHE_TYPES). Unknown names raise InvalidRequestError."""
+    @property
+    def cache_type_v(self) -> str:
+        """KV cache type of V; a quantized one needs flash_attn (InvalidRequestError otherwise). Slot
+        files record both types and restore only into an engine with the same."""
+    @property
+    def use_mmap(self) -> bool:
+        """False = --no-mmap: read the weights into memory instead of mapping the file."""
+    @property
+    def use_mlock(self) -> bool:
+        """--mlock: lock the weights in RAM (llama.cpp warns and goes on when the limit is too low)."""
+    @property
+    def warmup(self) -> bool:
+        """Decode BOS+EOS once at start and forget it, as llama-server does (--no-warmup: skip)."""
+    @property
+    def context_shift(self) -> bool:
+        """--context-shift: a generating slot that reaches n_ctx_slot drops tokens after its
+        request's n_keep and goes on. Refused at start (InvalidRequestError) for recurrent and
+        hybrid models, and where llama.cpp cannot shift the cache (SWA without swa_full)."""
 
 class RequestParams:
     def __init__(self, prompt: list[int] = ...) -> None: ...
@@ -123,6 +163,16 @@ class RequestParams:
     """Token counts after which the state is worth a checkpoint (message boundaries)."""
     cache_prompt: bool
     """False: ignore the slot's cached tokens and evaluate the whole prompt."""
+    n_probs: int
+    """0 = off. 1..MAX_N_PROBS: every token event carries `logprob` and the n_probs most probable
+    tokens (`top_logprobs`), from the raw logits of its position (a softmax over the vocabulary,
+    before bias, penalties and grammar; llama-server's default). Outside that range submit raises
+    InvalidRequestError."""
+    n_keep: int
+    """Context shift: prompt tokens always kept (-1 = the whole prompt); the BOS is kept on top of
+    it when the model adds one. At most n_ctx_slot - 4 are kept."""
+    n_discard: int
+    """Context shift: tokens dropped per shift (0 = half of those after the kept ones)."""
 
 class Timings:
     prompt_n: int
@@ -138,6 +188,8 @@ class Timings:
     restored: bool
     """The slot's state came from a slot file restored since it last served a request."""
     checkpoints_created: int
+    context_shifts: int
+    """How often the context was shifted during generation (llama-server's `truncated` when > 0)."""
 
 class Event:
     request_id: int
@@ -152,6 +204,12 @@ class Event:
     timings: Timings
     message: str
     slot: int
+    logprob: float
+    """Token events of a request with n_probs > 0: the sampled token's natural-log probability
+    under the raw logits (0.0 otherwise)."""
+    top_logprobs: list[tuple[int, float]]
+    """Token events of a request with n_probs > 0: (token, logprob) of the min(n_probs, n_vocab)
+    most probable tokens, most probable first (ties: lower id first). Empty otherwise."""
 
 class SlotFileInfo:
     path: str
@@ -184,7 +242,9 @@ class Engine:
     def config(self) -> EngineConfig:
         """A copy of the configuration the engine was built with."""
     @property
-    def n_ctx_slot(self) -> int: ...
+    def n_ctx_slot(self) -> int:
+        """A request's context limit: n_ctx // n_slots, or n_ctx with kv_unified. Prompts must be
+        shorter; generation stops ("context") or shifts (context_shift) at it."""
     @property
     def closed(self) -> bool:
         """True once close() was called or the loop faulted: calls that need the loop raise

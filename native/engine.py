@@ -24,7 +24,11 @@ from .errors import EngineClosedError, NativeError
 
 @dataclass
 class Completion:
-    """A finished request: sampled tokens, their text, why it stopped, and its timings."""
+    """A finished request: sampled tokens, their text, why it stopped, and its timings.
+
+    With `RequestParams.n_probs > 0`, `logprobs[i]` and `top_logprobs[i]` belong to `tokens[i]`
+    (as on its token event); otherwise both stay empty.
+    """
 
     request_id: int
     tokens: list[int] = field(default_factory=list)
@@ -32,6 +36,8 @@ class Completion:
     stop_reason: str = ""
     timings: _native.Timings | None = None
     slot: int = -1
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -272,6 +278,10 @@ class Engine:
             out.tokens.append(ev.token)
             out.pieces.append(ev.piece)
             out.slot = ev.slot
+            top = ev.top_logprobs
+            if top:  # n_probs > 0: every token event carries at least one entry
+                out.logprobs.append(ev.logprob)
+                out.top_logprobs.append(top)
             return False
         if ev.kind == "error":
             raise NativeError(f"request {ev.request_id} failed: {ev.message}")

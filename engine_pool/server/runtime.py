@@ -79,6 +79,13 @@ class Runtime:
             swa_full=s.swa_full,
             flash_attn=s.flash_attn,
             repack=not s.no_repack and not cpu_has_amx(),
+            kv_unified=s.kv_unified,
+            cache_type_k=s.cache_type_k,
+            cache_type_v=s.cache_type_v,
+            use_mmap=not s.no_mmap,
+            use_mlock=s.mlock,
+            warmup=not s.no_warmup,
+            context_shift=s.context_shift,
         )
 
     async def load(self) -> None:
@@ -125,6 +132,10 @@ class Runtime:
             n_slots=self.settings.n_slots,
             repack=engine.config.repack,
             n_ctx_slot=engine.n_ctx_slot,
+            kv_unified=engine.config.kv_unified,
+            cache_type_k=engine.config.cache_type_k,
+            cache_type_v=engine.config.cache_type_v,
+            context_shift=engine.config.context_shift,
             load_s=round(time.monotonic() - t0, 3),
         )
 

@@ -38,6 +38,8 @@ PYBIND11_MODULE(_native, m) {
     m.attr("STATE_SEQ_VERSION") = LLAMA_STATE_SEQ_VERSION;
     m.attr("LLAMA_BUILD") = SK_LLAMA_BUILD;
     m.attr("ENGINE_VERSION") = SK_ENGINE_VERSION;
+    m.attr("MAX_N_PROBS") = kMaxProbs;
+    m.attr("KV_CACHE_TYPES") = py::tuple(py::cast(kv_cache_type_names()));
 
     py::register_exception_translator([](std::exception_ptr p) {
         try {
@@ -82,7 +84,8 @@ PYBIND11_MODULE(_native, m) {
         .def(py::init([](std::string model_path, int n_slots, int n_ctx, int n_batch, int n_ubatch, int n_threads,
                          int n_gpu_layers, int checkpoint_interval, int checkpoint_min_step, int max_checkpoints,
                          uint64_t max_checkpoint_bytes, uint64_t max_slot_file_bytes, bool swa_full, bool flash_attn,
-                         bool repack) {
+                         bool repack, bool kv_unified, std::string cache_type_k, std::string cache_type_v,
+                         bool use_mmap, bool use_mlock, bool warmup, bool context_shift) {
                  EngineConfig c;
                  c.model_path = std::move(model_path);
                  c.n_slots = n_slots;
@@ -99,6 +102,13 @@ PYBIND11_MODULE(_native, m) {
                  c.swa_full = swa_full;
                  c.flash_attn = flash_attn;
                  c.repack = repack;
+                 c.kv_unified = kv_unified;
+                 c.cache_type_k = std::move(cache_type_k);
+                 c.cache_type_v = std::move(cache_type_v);
+                 c.use_mmap = use_mmap;
+                 c.use_mlock = use_mlock;
+                 c.warmup = warmup;
+                 c.context_shift = context_shift;
                  return c;
              }),
              py::arg("model_path"), py::kw_only(), py::arg("n_slots") = 1, py::arg("n_ctx") = 4096,
@@ -106,7 +116,10 @@ PYBIND11_MODULE(_native, m) {
              py::arg("n_gpu_layers") = 0, py::arg("checkpoint_interval") = 2048,
              py::arg("checkpoint_min_step") = 64, py::arg("max_checkpoints") = 32,
              py::arg("max_checkpoint_bytes") = uint64_t(1) << 30, py::arg("max_slot_file_bytes") = 0,
-             py::arg("swa_full") = false, py::arg("flash_attn") = false, py::arg("repack") = true)
+             py::arg("swa_full") = false, py::arg("flash_attn") = false, py::arg("repack") = true,
+             py::arg("kv_unified") = false, py::arg("cache_type_k") = "f16", py::arg("cache_type_v") = "f16",
+             py::arg("use_mmap") = true, py::arg("use_mlock") = false, py::arg("warmup") = true,
+             py::arg("context_shift") = false)
         // Read-only: a configuration is built once by the constructor above; the engine keeps its own
         // copy (Engine.config hands out another), so nothing in Python can reach the running one.
         .def_readonly("model_path", &EngineConfig::model_path)
@@ -123,7 +136,14 @@ PYBIND11_MODULE(_native, m) {
         .def_readonly("max_slot_file_bytes", &EngineConfig::max_slot_file_bytes)
         .def_readonly("swa_full", &EngineConfig::swa_full)
         .def_readonly("flash_attn", &EngineConfig::flash_attn)
-        .def_readonly("repack", &EngineConfig::repack);
+        .def_readonly("repack", &EngineConfig::repack)
+        .def_readonly("kv_unified", &EngineConfig::kv_unified)
+        .def_readonly("cache_type_k", &EngineConfig::cache_type_k)
+        .def_readonly("cache_type_v", &EngineConfig::cache_type_v)
+        .def_readonly("use_mmap", &EngineConfig::use_mmap)
+        .def_readonly("use_mlock", &EngineConfig::use_mlock)
+        .def_readonly("warmup", &EngineConfig::warmup)
+        .def_readonly("context_shift", &EngineConfig::context_shift);
 
     py::class_<RequestParams>(m, "RequestParams")
         .def(py::init([](std::vector<llama_token> prompt) {
@@ -148,7 +168,10 @@ PYBIND11_MODULE(_native, m) {
         .def_readwrite("ignore_eos", &RequestParams::ignore_eos)
         .def_readwrite("grammar", &RequestParams::grammar)
         .def_readwrite("checkpoint_hints", &RequestParams::checkpoint_hints)
-        .def_readwrite("cache_prompt", &RequestParams::cache_prompt);
+        .def_readwrite("cache_prompt", &RequestParams::cache_prompt)
+        .def_readwrite("n_probs", &RequestParams::n_probs)
+        .def_readwrite("n_keep", &RequestParams::n_keep)
+        .def_readwrite("n_discard", &RequestParams::n_discard);
 
     py::class_<Timings>(m, "Timings")
         .def_readonly("prompt_n", &Timings::prompt_n)
@@ -159,6 +182,7 @@ PYBIND11_MODULE(_native, m) {
         .def_readonly("reuse", &Timings::reuse)
         .def_readonly("restored", &Timings::restored)
         .def_readonly("checkpoints_created", &Timings::checkpoints_created)
+        .def_readonly("context_shifts", &Timings::context_shifts)
         .def("__repr__", [](const Timings & t) {
             return "Timings(prompt_n=" + std::to_string(t.prompt_n) + ", cache_n=" + std::to_string(t.cache_n) +
                    ", predicted_n=" + std::to_string(t.predicted_n) + ", reuse='" + t.reuse +
@@ -174,6 +198,8 @@ PYBIND11_MODULE(_native, m) {
         .def_readonly("timings", &Event::timings)
         .def_readonly("message", &Event::message)
         .def_readonly("slot", &Event::slot)
+        .def_readonly("logprob", &Event::logprob)
+        .def_readonly("top_logprobs", &Event::top_logprobs)
         .def("__repr__", [](const Event & e) {
             return "Event(request_id=" + std::to_string(e.request_id) + ", kind='" + e.kind + "', token=" +
                    std::to_string(e.token) + ", stop_reason='" + e.stop_reason + "')";

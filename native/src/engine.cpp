@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <future>
 #include <new>
@@ -13,11 +14,70 @@
 namespace sk {
 
 
-Engine::Engine(const EngineConfig & cfg) : cfg_(cfg), model_(cfg.model_path, cfg.n_gpu_layers, cfg.repack) {
-    if (cfg_.n_slots < 1 || cfg_.n_slots > 256) throw InvalidRequestError("n_slots must be within 1..256");
-    if (cfg_.n_ctx < 16 * cfg_.n_slots) throw InvalidRequestError("n_ctx must give every slot at least 16 tokens");
-    if (cfg_.n_batch < 1 || cfg_.n_ubatch < 1) throw InvalidRequestError("n_batch and n_ubatch must be positive");
-    if (cfg_.max_checkpoints < 0) throw InvalidRequestError("max_checkpoints must be >= 0");
+namespace {
+
+struct KvTypeName {
+    const char * name;
+    ggml_type type;
+};
+
+// llama-server's allowed -ctk/-ctv values (common/arg.cpp kv_cache_types), in its order.
+constexpr KvTypeName kKvTypes[] = {
+    {"f32", GGML_TYPE_F32},   {"f16", GGML_TYPE_F16},   {"bf16", GGML_TYPE_BF16},
+    {"q8_0", GGML_TYPE_Q8_0}, {"q4_0", GGML_TYPE_Q4_0}, {"q4_1", GGML_TYPE_Q4_1},
+    {"iq4_nl", GGML_TYPE_IQ4_NL}, {"q5_0", GGML_TYPE_Q5_0}, {"q5_1", GGML_TYPE_Q5_1},
+};
+
+bool is_quantized(ggml_type t) { return t != GGML_TYPE_F32 && t != GGML_TYPE_F16 && t != GGML_TYPE_BF16; }
+
+// Everything that can be refused without the model, checked before it loads (seconds to minutes).
+const EngineConfig & checked(const EngineConfig & cfg) {
+    if (cfg.n_slots < 1 || cfg.n_slots > 256) throw InvalidRequestError("n_slots must be within 1..256");
+    if (cfg.n_ctx < 16 * cfg.n_slots) throw InvalidRequestError("n_ctx must give every slot at least 16 tokens");
+    if (cfg.n_batch < 1 || cfg.n_ubatch < 1) throw InvalidRequestError("n_batch and n_ubatch must be positive");
+    if (cfg.max_checkpoints < 0) throw InvalidRequestError("max_checkpoints must be >= 0");
+    kv_cache_type(cfg.cache_type_k, "--cache-type-k");
+    const ggml_type v = kv_cache_type(cfg.cache_type_v, "--cache-type-v");
+    if (is_quantized(v) && !cfg.flash_attn) {
+        // llama_init_from_model refuses it too ("V cache quantization requires flash_attn"), after
+        // the model has loaded and with only a log line to say why.
+        throw InvalidRequestError("--cache-type-v " + cfg.cache_type_v +
+                                  " needs flash attention (-fa on): llama.cpp quantizes the V cache only "
+                                  "with flash attention");
+    }
+    return cfg;
+}
+
+}  // namespace
+
+const std::vector<std::string> & kv_cache_type_names() {
+    static const std::vector<std::string> names = [] {
+        std::vector<std::string> out;
+        for (const auto & t : kKvTypes) out.emplace_back(t.name);
+        return out;
+    }();
+    return names;
+}
+
+ggml_type kv_cache_type(const std::string & name, const char * flag) {
+    for (const auto & t : kKvTypes) {
+        if (name == t.name) return t.type;
+    }
+    std::string allowed;
+    for (const auto & t : kKvTypes) allowed += std::string(allowed.empty() ? "" : ", ") + t.name;
+    throw InvalidRequestError(std::string(flag) + ": unknown KV cache type '" + name + "' (allowed: " + allowed + ")");
+}
+
+Engine::Engine(const EngineConfig & cfg)
+    : cfg_(checked(cfg)), model_(cfg.model_path, cfg.n_gpu_layers, cfg.repack, cfg.use_mmap, cfg.use_mlock) {
+    if (cfg_.context_shift && model().needs_checkpoints_to_trim()) {
+        // A recurrent state summarises every token it has seen: nothing can be dropped from the
+        // middle (seq_rm refuses), so a shift would corrupt the sequence. llama-server turns the
+        // option off with a warning; an explicit flag the engine cannot honour is refused instead.
+        throw InvalidRequestError(std::string("--context-shift cannot be used with this model (") + model().arch +
+                                  ", " + (model().hybrid ? "hybrid" : "recurrent") +
+                                  "): its recurrent state cannot drop tokens; start without --context-shift");
+    }
 
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx = uint32_t(cfg_.n_ctx);
@@ -27,24 +87,54 @@ Engine::Engine(const EngineConfig & cfg) : cfg_(cfg), model_(cfg.model_path, cfg
     const int hw = int(std::max(1u, std::thread::hardware_concurrency()));
     cp.n_threads = cfg_.n_threads > 0 ? cfg_.n_threads : hw;
     cp.n_threads_batch = cp.n_threads;
-    // One KV stream: a slot file then restores into any engine of this model and context shape,
-    // whatever its slot count (a per-sequence stream layout is baked into the saved state).
+    // One KV stream whatever cfg_.kv_unified says: a slot file then restores into any engine of
+    // this model and context shape, whatever its slot count (a per-sequence stream layout is baked
+    // into the saved state). cfg_.kv_unified only decides how much of it one slot may use.
     cp.kv_unified = true;
     cp.swa_full = cfg_.swa_full;
     cp.flash_attn_type = cfg_.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    cp.type_k = kv_cache_type(cfg_.cache_type_k, "--cache-type-k");
+    cp.type_v = kv_cache_type(cfg_.cache_type_v, "--cache-type-v");
     cp.no_perf = true;
     ctx_.reset(llama_init_from_model(model_.get(), cp));
-    if (!ctx_) throw ModelLoadError("llama.cpp could not create a context (n_ctx=" + std::to_string(cfg_.n_ctx) + ")");
+    if (!ctx_) {
+        throw ModelLoadError("llama.cpp could not create a context (n_ctx=" + std::to_string(cfg_.n_ctx) +
+                             ", KV types k=" + cfg_.cache_type_k + " v=" + cfg_.cache_type_v + ", flash attention " +
+                             (cfg_.flash_attn ? "on" : "off") + "; a quantized type needs a head size that is a "
+                             "multiple of its block)");
+    }
+    if (cfg_.context_shift && !llama_memory_can_shift(llama_get_memory(ctx_.get()))) {
+        throw InvalidRequestError(std::string("--context-shift: llama.cpp cannot shift the KV cache of this model (") +
+                                  model().arch + (model().n_swa > 0 && !cfg_.swa_full ? "; a sliding-window cache "
+                                  "shifts only with --swa-full" : "") + "); start without --context-shift");
+    }
 
-    n_ctx_slot_ = int(llama_n_ctx(ctx_.get())) / cfg_.n_slots;
+    n_ctx_ = int(llama_n_ctx(ctx_.get()));
+    n_ctx_slot_ = cfg_.kv_unified ? n_ctx_ : n_ctx_ / cfg_.n_slots;
     n_vocab_ = model().n_vocab;
     slots_.resize(size_t(cfg_.n_slots));
     for (int i = 0; i < cfg_.n_slots; i++) slots_[size_t(i)].id = i;
+    if (cfg_.warmup) warm_up();
     batch_ = llama_batch_init(std::max(cfg_.n_batch, cfg_.n_slots), 0, 1);
 
     event_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (event_fd_ < 0) throw NativeError("eventfd failed");
     thread_ = std::thread([this] { loop(); });
+}
+
+// llama-server's warmup (common_init_from_params): decode BOS+EOS once, then forget it, so that the
+// first request does not pay for first-touch weight pages, backend buffers and graph allocation.
+void Engine::warm_up() {
+    std::vector<llama_token> tmp;
+    if (model().bos >= 0) tmp.push_back(model().bos);
+    if (model().eos >= 0) tmp.push_back(model().eos);
+    if (tmp.empty()) tmp.push_back(0);
+    if (int(tmp.size()) > cfg_.n_batch) tmp.resize(size_t(cfg_.n_batch));
+    const int rc = llama_decode(ctx_.get(), llama_batch_get_one(tmp.data(), int32_t(tmp.size())));
+    llama_memory_clear(llama_get_memory(ctx_.get()), true);
+    llama_synchronize(ctx_.get());
+    if (rc != 0) throw ModelLoadError("the warmup decode failed with code " + std::to_string(rc) + " (--no-warmup skips it)");
+    bump("warmups");
 }
 
 Engine::~Engine() {
@@ -203,6 +293,11 @@ int64_t Engine::submit(int slot, RequestParams params) {
     for (llama_token t : params.stop_tokens) {
         if (t < 0 || t >= n_vocab_) throw InvalidRequestError("stop token " + std::to_string(t) + " is outside the vocabulary");
     }
+    if (params.n_probs < 0 || params.n_probs > kMaxProbs) {
+        throw InvalidRequestError("n_probs must be within 0.." + std::to_string(kMaxProbs));
+    }
+    if (params.n_keep < -1) throw InvalidRequestError("n_keep must be >= -1 (-1 = the whole prompt)");
+    if (params.n_discard < 0) throw InvalidRequestError("n_discard must be >= 0 (0 = half)");
     static std::atomic<uint32_t> seed_counter{uint32_t(std::random_device{}())};
     Queued q;
     q.sampler = std::make_unique<Sampler>(model_.vocab(), params, seed_counter.fetch_add(0x9E3779B9u));
@@ -515,6 +610,17 @@ bool Engine::step() {
     if (batch_.n_tokens == 0) return false;
 
     const int rc = llama_decode(ctx_.get(), batch_);
+    if (rc == 1 && cfg_.kv_unified) {
+        // No room for this batch in the shared pool. llama.cpp placed nothing (it plans every
+        // ubatch before computing any), so every slot is as it was: free some cells and let the
+        // next iteration build the batch again.
+        bump("kv_pool_full");
+        for (auto & s : slots_) {
+            if (s.active) s.active->batch_index = -1;
+        }
+        make_room_in_pool();
+        return true;
+    }
     if (rc != 0) {
         bump("decode_errors");
         for (auto & s : slots_) {
@@ -584,13 +690,38 @@ void Engine::after_token(Slot & s, const float * logits) {
     e.token = t;
     e.piece = token_piece(t, false);
     e.slot = s.id;
+    if (a.params.n_probs > 0) token_probs(logits, t, a.params.n_probs, e);
     push_event(std::move(e));
     if (a.params.n_predict >= 0 && a.n_sampled >= a.params.n_predict) {
         finish(s, "length");
-    } else if (int(s.tokens.size()) + 1 >= n_ctx_slot_) {
+    } else if (int(s.tokens.size()) + 1 >= n_ctx_slot_ && !(cfg_.context_shift && shift_context(s))) {
         finish(s, "context");
     } else {
         a.pending = t;
+    }
+}
+
+// llama-server's probabilities without post_sampling_probs: a softmax over the raw logits of the
+// position (before bias, penalties and grammar), the sampled token's and the n most probable.
+// Only requests that ask pay for it: O(n_vocab) plus a partial sort of n entries.
+void Engine::token_probs(const float * logits, llama_token sampled, int n_probs, Event & e) {
+    const int V = n_vocab_;
+    float mx = logits[0];
+    for (int i = 1; i < V; i++) mx = std::max(mx, logits[i]);
+    double sum = 0.0;
+    for (int i = 0; i < V; i++) sum += std::exp(double(logits[i]) - double(mx));
+    const double lse = double(mx) + std::log(sum);
+    e.logprob = float(double(logits[sampled]) - lse);
+    const int k = std::min(n_probs, V);
+    prob_order_.resize(size_t(V));
+    for (int i = 0; i < V; i++) prob_order_[size_t(i)] = i;
+    std::partial_sort(prob_order_.begin(), prob_order_.begin() + k, prob_order_.end(), [logits](int x, int y) {
+        return logits[x] > logits[y] || (logits[x] == logits[y] && x < y);
+    });
+    e.top_logprobs.reserve(size_t(k));
+    for (int i = 0; i < k; i++) {
+        const int id = prob_order_[size_t(i)];
+        e.top_logprobs.emplace_back(id, float(double(logits[id]) - lse));
     }
 }
 

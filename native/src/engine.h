@@ -45,7 +45,28 @@ struct EngineConfig {
     // them off; on CPUs with AMX, multi-token batches over quantized weights crash in the AMX
     // kernels (llama.cpp #20824), so the engine process turns them off there.
     bool repack = true;
+    // llama-server's --kv-unified: every slot may grow into the whole KV pool (n_ctx cells shared
+    // by all slots) instead of n_ctx / n_slots. The llama_context has one unified stream either
+    // way; this only changes each slot's limit and what happens when the shared cells run out.
+    bool kv_unified = false;
+    // -ctk / -ctv: KV cache data types (f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1). A
+    // quantized V cache needs flash attention. Recorded in slot files: a file restores only into
+    // an engine with the same types.
+    std::string cache_type_k = "f16";
+    std::string cache_type_v = "f16";
+    bool use_mmap = true;    // --no-mmap turns it off (read the weights into memory)
+    bool use_mlock = false;  // --mlock: keep the weights resident
+    bool warmup = true;      // one throwaway decode at start, as llama-server does (--no-warmup)
+    // --context-shift: a generating slot that reaches its context drops the older half of what
+    // follows its request's n_keep tokens and goes on (attention-only models; refused at start for
+    // recurrent/hybrid models and wherever llama.cpp cannot shift the KV cache).
+    bool context_shift = false;
 };
+
+// The KV cache types llama-server's -ctk/-ctv accept, by name. Throws InvalidRequestError naming
+// `flag` for any other name.
+ggml_type kv_cache_type(const std::string & name, const char * flag);
+const std::vector<std::string> & kv_cache_type_names();
 
 struct SlotFileInfo {
     std::string path;
@@ -133,6 +154,12 @@ private:
     void finish(Slot & s, const std::string & reason);
     bool cancel_on_loop(int64_t request_id);
     void fail_slot(Slot & s, const std::string & message);
+    bool shift_context(Slot & s);
+    void token_probs(const float * logits, llama_token sampled, int n_probs, Event & e);
+    void make_room_in_pool();
+    bool evict_idle_slot(int except_slot);
+    size_t cells_held(const Slot & s) const;
+    void warm_up();
     void capture_checkpoint(Slot & s, CheckpointKind kind, const float * logits);
     void enforce_checkpoint_budget(Slot & s);
     void clear_slot_memory(Slot & s);
@@ -152,7 +179,9 @@ private:
     Model model_;
     ContextPtr ctx_;
     int n_ctx_slot_ = 0;
+    int n_ctx_ = 0;        // KV cells in the context (the pool every slot draws from)
     int n_vocab_ = 0;
+    std::vector<int> prob_order_;  // loop thread: scratch for the top-n_probs selection
 
     std::vector<Slot> slots_;          // loop thread
     std::deque<Queued> queued_;        // loop thread

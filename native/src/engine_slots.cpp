@@ -51,11 +51,13 @@ SlotFileInfo Engine::save_slot(int slot, const std::string & path) {
     meta.recurrent = mi.recurrent;
     meta.hybrid = mi.hybrid;
     meta.n_swa = mi.n_swa;
-    meta.n_ctx = int(llama_n_ctx(ctx_.get()));
+    meta.n_ctx = n_ctx_;
     meta.n_slots = cfg_.n_slots;
     meta.n_ctx_slot = n_ctx_slot_;
     meta.swa_full = cfg_.swa_full;
     meta.flash_attn = cfg_.flash_attn;
+    meta.type_k = cfg_.cache_type_k;
+    meta.type_v = cfg_.cache_type_v;
     meta.source_slot = slot;
     SlotFileInfo info;
     info.path = path;
@@ -78,6 +80,8 @@ SlotFileInfo Engine::restore_slot(int slot, const std::string & path) {
     lim.n_ctx_slot = n_ctx_slot_ - 1;
     lim.max_file_bytes = cfg_.max_slot_file_bytes;
     lim.max_checkpoints = size_t(cfg_.max_checkpoints);
+    lim.type_k = cfg_.cache_type_k;
+    lim.type_v = cfg_.cache_type_v;
     std::shared_ptr<SlotImage> img;
     try {
         img = std::make_shared<SlotImage>(read_slot_file(path, lim));
@@ -100,6 +104,22 @@ SlotFileInfo Engine::restore_slot(int slot, const std::string & path) {
         Slot & s = slots_[size_t(slot)];
         if (slot_busy(s)) throw SlotBusyError("slot " + std::to_string(slot) + " is processing a request");
         clear_slot_memory(s);
+        if (cfg_.kv_unified && !model().recurrent) {
+            // The slots share the pool: idle sessions give their cells back until the file fits.
+            const size_t need = img->tokens.size();
+            for (;;) {
+                size_t held = 0;
+                for (const auto & o : slots_) held += cells_held(o);
+                if (held + need <= size_t(n_ctx_)) break;
+                if (!evict_idle_slot(slot)) {
+                    bump("slot_restore_errors");
+                    throw SlotFileError("too_large", "the slot file holds " + std::to_string(need) + " tokens and the KV "
+                                        "pool the slots share (--kv-unified) has " + std::to_string(size_t(n_ctx_) - held) +
+                                        " of " + std::to_string(n_ctx_) + " cells free (the rest serve requests); the slot "
+                                        "was left empty");
+                }
+            }
+        }
         if (!img->tokens.empty()) {
             const size_t n = llama_state_seq_set_data(ctx_.get(), img->state_data(), img->state_size, slot);
             const llama_pos pos_max = llama_memory_seq_pos_max(llama_get_memory(ctx_.get()), slot);

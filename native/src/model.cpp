@@ -69,13 +69,17 @@ std::string model_fingerprint(const std::string & path) {
     return h.hexdigest();
 }
 
-Model::Model(const std::string & path, int n_gpu_layers, bool repack) {
+Model::Model(const std::string & path, int n_gpu_layers, bool repack, bool use_mmap, bool use_mlock) {
     // Read the fingerprint first: it also rejects non-GGUF files before llama.cpp sees them.
     std::string fp = model_fingerprint(path);
 
     llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = n_gpu_layers;
     mp.use_extra_bufts = repack;
+    // This llama.cpp takes one load mode instead of use_mmap/use_mlock. Its default (AUTO) maps the
+    // file where every device can; --no-mmap reads it instead, --mlock locks what was loaded.
+    if (!use_mmap) mp.load_mode = use_mlock ? LLAMA_LOAD_MODE_MLOCK : LLAMA_LOAD_MODE_NONE;
+    else if (use_mlock) mp.load_mode = LLAMA_LOAD_MODE_MMAP_MLOCK;
     model_.reset(llama_model_load_from_file(path.c_str(), mp));
     if (!model_) throw ModelLoadError("llama.cpp could not load the model: " + path);
 

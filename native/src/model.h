@@ -44,7 +44,7 @@ using ModelPtr = std::unique_ptr<llama_model, ModelDeleter>;
 class Model {
 public:
     // Throws ModelLoadError.
-    Model(const std::string & path, int n_gpu_layers, bool repack = true);
+    Model(const std::string & path, int n_gpu_layers, bool repack = true, bool use_mmap = true, bool use_mlock = false);
 
     llama_model * get() const { return model_.get(); }
     const llama_vocab * vocab() const { return llama_model_get_vocab(model_.get()); }

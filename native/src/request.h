@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace sk {
@@ -28,7 +29,17 @@ struct RequestParams {
     std::string grammar;
     std::vector<int> checkpoint_hints;
     bool cache_prompt = true;
+    // Log probabilities: 0 = off; n > 0 makes every token event carry the sampled token's logprob
+    // and the n most probable tokens, from the raw logits (softmax over the vocabulary).
+    int n_probs = 0;
+    // Context shift (EngineConfig::context_shift): prompt tokens always kept (-1 = the whole
+    // prompt; the BOS is kept on top of n_keep when the model adds one), and how many to drop per
+    // shift (0 = half of what follows the kept ones).
+    int n_keep = 0;
+    int n_discard = 0;
 };
+
+constexpr int kMaxProbs = 100;  // bound on RequestParams::n_probs
 
 struct Timings {
     int prompt_n = 0;
@@ -39,6 +50,7 @@ struct Timings {
     std::string reuse = "none";  // none | live | checkpoint | logits
     bool restored = false;
     int checkpoints_created = 0;
+    int context_shifts = 0;  // times the context was shifted during generation (llama-server's "truncated")
 };
 
 struct Event {
@@ -50,6 +62,10 @@ struct Event {
     Timings timings;
     std::string message;
     int slot = -1;
+    // Token events of a request with n_probs > 0 (else 0 and empty): the sampled token's natural-log
+    // probability and the n_probs most probable tokens, most probable first.
+    float logprob = 0.0f;
+    std::vector<std::pair<llama_token, float>> top_logprobs;
 };
 
 }  // namespace sk

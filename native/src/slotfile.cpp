@@ -96,7 +96,8 @@ std::string meta_json(const SlotFileMeta & m, size_t n_tokens, const std::vector
       << ",\"n_swa\":" << m.n_swa << "},\"llama\":{\"state_seq_version\":" << LLAMA_STATE_SEQ_VERSION
       << ",\"build\":\"" << json_escape(SK_LLAMA_BUILD) << "\"},\"context\":{\"n_ctx\":" << m.n_ctx
       << ",\"n_slots\":" << m.n_slots << ",\"n_ctx_slot\":" << m.n_ctx_slot
-      << ",\"kv_unified\":true,\"type_k\":\"f16\",\"type_v\":\"f16\",\"swa_full\":" << (m.swa_full ? "true" : "false")
+      << ",\"kv_unified\":true,\"type_k\":\"" << json_escape(m.type_k)
+      << "\",\"type_v\":\"" << json_escape(m.type_v) << "\",\"swa_full\":" << (m.swa_full ? "true" : "false")
       << ",\"flash_attn\":" << (m.flash_attn ? "true" : "false")
       << "},\"checkpoints\":[";
     for (size_t i = 0; i < ckpts.size(); i++) {
@@ -413,6 +414,17 @@ SlotImage read_slot_file(const std::string & path, const ReadLimits & lim) {
     if (!lim.fingerprint.empty() && img.fingerprint != lim.fingerprint) {
         throw SlotFileError("model_mismatch", "slot file was written by another model (fingerprint " +
                                                   img.fingerprint.substr(0, 12) + ", this model " + lim.fingerprint.substr(0, 12) + ")");
+    }
+    // The KV types are part of the state's shape (llama.cpp would refuse the state too, with only a
+    // log line to say why). Checked before anything is loaded, and named.
+    if (!lim.type_k.empty() || !lim.type_v.empty()) {
+        const std::string fk = json_string_field(doc, "type_k");
+        const std::string fv = json_string_field(doc, "type_v");
+        if (fk != lim.type_k || fv != lim.type_v) {
+            throw SlotFileError("shape_mismatch", "slot file KV cache types are k=" + (fk.empty() ? "?" : fk) + " v=" +
+                                                      (fv.empty() ? "?" : fv) + ", this engine's are k=" + lim.type_k +
+                                                      " v=" + lim.type_v + " (-ctk/-ctv)");
+        }
     }
 
     // Checkpoints.

@@ -42,6 +42,8 @@ struct SlotFileMeta {
     int n_ctx_slot = 0;
     bool swa_full = false;
     bool flash_attn = false;  // changes the V cache layout (transposed without it)
+    std::string type_k = "f16";  // KV cache types (-ctk/-ctv names)
+    std::string type_v = "f16";
     int source_slot = -1;
 };
 
@@ -73,6 +75,8 @@ struct ReadLimits {
     int n_ctx_slot = 0;        // max tokens
     uint64_t max_file_bytes = 0;  // 0 = no limit
     size_t max_checkpoints = 0;   // keep at most this many (newest); 0 = drop all
+    std::string type_k;           // KV cache types the file must record ("" = not checked)
+    std::string type_v;
 };
 
 // Throws SlotFileError with the kind of the first problem found.
