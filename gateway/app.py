@@ -2,7 +2,8 @@
 
 Clients — Redis (or the in-process index), the blob store, the HTTP client for engines and nodes —
 are created in the lifespan and handed down; errors leave through engine_pool.errors only
-(`api_error` → `render_error`).
+(`api_error` → `render_error`). CORS (`--cors-origins`) is the outermost layer, so a browser's
+preflight, which carries no key, is answered before any route asks for a tenant's key.
 """
 
 from __future__ import annotations
@@ -17,15 +18,27 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from engine_pool.credentials import cors_options
 from engine_pool.errors import ApiError, NotFound, api_error, error_style, is_expected, render_error
+from engine_pool.flags import parse_list
 from gateway import messages, responses
 from gateway.metrics import Metrics, RequestCounter
 from gateway.services import Services
-from gateway.serving import check_messages, json_body, rate_limit, serve_turn, served_model, tenant_of
+from gateway.serving import (
+    check_messages,
+    forward_stateless,
+    json_body,
+    rate_limit,
+    serve_turn,
+    served_model,
+    tenant_of,
+)
 from gateway.tenants import is_pattern
 from storage.errors import StorageError
 
@@ -40,6 +53,18 @@ async def _turn(request: Request, path: str) -> Response:
     model = await served_model(svc, tenant, body.get("model"))
     messages = check_messages(body, svc.settings.max_messages) if path == "/v1/chat/completions" else []
     return await serve_turn(request, tenant, body, model, messages, path)
+
+
+async def input_tokens(request: Request) -> Response:
+    """How many prompt tokens a chat request would take (llama-server's /chat/completions/input_tokens)."""
+    svc: Services = request.app.state.services
+    tenant = tenant_of(request)
+    body = await json_body(request)
+    await rate_limit(svc, tenant)
+    model = await served_model(svc, tenant, body.get("model"))
+    check_messages(body, svc.settings.max_messages)
+    payload = await forward_stateless(svc, model, "/v1/chat/completions/input_tokens", body)
+    return JSONResponse(payload)
 
 
 async def chat(request: Request) -> Response:
@@ -115,6 +140,27 @@ async def _on_error(request: Request, exc: Exception) -> Response:
     return render_error(api_error(exc), error_style(request.url.path))
 
 
+class Cors:
+    """Starlette's CORSMiddleware by the settings' `--cors-origins`. The settings reach the app with its
+    services (the lifespan), so the middleware is built at the first request. No credentials: tenants
+    present keys, not cookies, so any allowed origin is answered with `*` unless origins are listed."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self._cors: ASGIApp | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self._cors is None:
+            services: Services | None = getattr(scope["app"].state, "services", None)
+            origins = services.settings.cors_origins if services is not None else "*"
+            options = cors_options(parse_list(origins), credentials=False)
+            self._cors = CORSMiddleware(self.app, **options)
+        await self._cors(scope, receive, send)
+
+
 def build_app(
     make_services: Callable[[], contextlib.AbstractAsyncContextManager[Services]], metrics: Metrics
 ) -> Starlette:
@@ -127,6 +173,7 @@ def build_app(
 
     routes = [
         Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/chat/completions/input_tokens", input_tokens, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         *responses.ROUTES,
@@ -143,5 +190,5 @@ def build_app(
         # The expected errors by class: Starlette's catch-all `Exception` handler re-raises after
         # answering (uvicorn then logs a traceback and drops the connection), so it is for bugs only.
         exception_handlers={e: _on_error for e in (ApiError, StorageError, HTTPException, Exception)},
-        middleware=[Middleware(RequestCounter, metrics=metrics, routes=routes)],
+        middleware=[Middleware(Cors), Middleware(RequestCounter, metrics=metrics, routes=routes)],
     )

@@ -18,14 +18,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine_pool.errors import BadRequest, Unavailable
+from engine_pool.errors import BadRequest
 from engine_pool.server.apis import messages as api
 from engine_pool.server.apis.routes import MESSAGES_FIELDS, renamed
 from engine_pool.server.sse import named_event
-from gateway.relay import forward_json
 from gateway.responses import stream_failure
 from gateway.services import Services
-from gateway.serving import check_messages, json_body, rate_limit, serve_turn, served_model, tenant_of
+from gateway.serving import (
+    check_messages,
+    forward_stateless,
+    json_body,
+    rate_limit,
+    serve_turn,
+    served_model,
+    tenant_of,
+)
 from gateway.turns import Turn
 
 
@@ -74,12 +81,7 @@ async def count_tokens(request: Request) -> Response:
     data = await json_body(request)
     await rate_limit(svc, tenant)
     model = await served_model(svc, tenant, data.get("model"))
-    engines = await svc.cluster.engines(model)
-    if not engines:
-        raise Unavailable(f"no engine of {model!r} is ready; retry", retry_after=2)
-    engine = engines[secrets.randbelow(len(engines))]
-    url = engine.url.rstrip("/") + "/v1/messages/count_tokens"
-    payload, _ = await forward_json(svc.http, url, {**data, "model": model})
+    payload = await forward_stateless(svc, model, "/v1/messages/count_tokens", data)
     return JSONResponse({"input_tokens": int(payload.get("input_tokens", 0))})
 
 

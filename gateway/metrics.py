@@ -48,6 +48,9 @@ class Metrics:
         )
 
     def turn_served(self, cache: str, timings: dict[str, Any]) -> None:
+        """One turn's prompt tokens, from the engine's `timings` (llama-server's numbers: how the
+        prefix was reused is the engine's `slotkeeper` field, not read here); `cache` is how the
+        gateway placed the session (a restore that reused nothing is counted)."""
         prompt_n, cache_n = int(timings.get("prompt_n", 0)), int(timings.get("cache_n", 0))
         self.prompt_tokens.labels("evaluated").inc(prompt_n)
         self.prompt_tokens.labels("reused").inc(cache_n)

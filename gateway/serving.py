@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
@@ -125,6 +126,16 @@ async def served_model(svc: Services, tenant: Tenant, requested: Any) -> str:
         # node did not answer and it may be one of its models.
         raise Unavailable(f"the model {requested!r} is not ready; retry", retry_after=2, param="model")
     raise NotFound(f"the model {requested!r} does not exist", param="model")
+
+
+async def forward_stateless(svc: Services, model: str, path: str, data: dict[str, Any]) -> dict[str, Any]:
+    """A request that involves no session (token counting), answered by any ready engine of the model."""
+    engines = await svc.cluster.engines(model)
+    if not engines:
+        raise Unavailable(f"no engine of {model!r} is ready; retry", retry_after=2)
+    engine = engines[secrets.randbelow(len(engines))]
+    payload, _ = await forward_json(svc.http, engine.url.rstrip("/") + path, {**data, "model": model})
+    return payload
 
 
 def session_headers(turn: Turn) -> dict[str, str]:

@@ -18,6 +18,7 @@ from engine_pool.flags import (
     check,
     parse_bytes,
     parse_int,
+    parse_list,
     read_flags,
     values_from,
 )
@@ -57,6 +58,8 @@ class GatewaySettings:
     keep_alive_s: float = 30.0
     max_inflight: int = 64  # per tenant, unless its quotas say otherwise
     log_level: str = "info"
+    # Origins whose pages may call the API (CORS), comma-separated: * any, localhost only this machine's.
+    cors_origins: str = "*"
 
     def body_limits(self) -> BodyLimits:
         return BodyLimits(self.max_body_bytes, self.max_json_depth, self.body_timeout_s)
@@ -100,6 +103,13 @@ FLAGS: tuple[Flag, ...] = (
         "max_inflight", ("--max-inflight",), "SLOTKEEPER_MAX_INFLIGHT", parse_int, "running requests/tenant"
     ),
     Flag("log_level", ("--log-level",), "SLOTKEEPER_LOG_LEVEL", str, "debug|info|warning|error"),
+    Flag(
+        "cors_origins",
+        ("--cors-origins",),
+        "SLOTKEEPER_CORS_ORIGINS",
+        str,
+        "origins whose pages may call the API, comma-separated: * any, localhost this machine's (*)",
+    ),
 )
 
 _CHECKS: tuple[Check, ...] = (
@@ -115,6 +125,7 @@ _CHECKS: tuple[Check, ...] = (
     ("keep_alive_s", lambda v: v > 0, "> 0"),
     ("max_inflight", lambda v: v >= 1, ">= 1"),
     ("log_level", lambda v: v in ("debug", "info", "warning", "error"), "debug, info, warning or error"),
+    ("cors_origins", lambda v: bool(parse_list(v)), "*, localhost or one or more origins"),
 )
 
 

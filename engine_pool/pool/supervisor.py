@@ -142,11 +142,14 @@ Message = Start | Stop | Notice | Probe | Exited
 
 
 def engine_argv(spec: EngineSpec, port: int) -> list[str]:
-    """The `slotkeeper engine` command line of a spec (llama-server's flags)."""
+    """The `slotkeeper engine` command line of a spec (llama-server's flags). `--metrics`: an engine
+    serves /metrics only when asked (llama-server's default); a node's engines keep theirs (reuse
+    counters per source, checkpoints, process start time) for whoever reads them."""
     return [
         sys.executable, "-m", "gateway.cli", "engine", "-m", spec.model, "--host", spec.host,
         "--port", str(port), "-np", str(spec.n_slots), "-c", str(spec.n_ctx),
-        "--slot-save-path", str(spec.slot_dir), "-a", spec.model_id, "--exit-with-parent", *spec.extra_args,
+        "--slot-save-path", str(spec.slot_dir), "-a", spec.model_id, "--metrics", "--exit-with-parent",
+        *spec.extra_args,
     ]  # fmt: skip
 
 

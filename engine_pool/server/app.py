@@ -1,9 +1,11 @@
 """The engine process's Starlette app: routes, the one error handler, the edge middleware, the lifespan.
 
 The lifespan starts the model load in a worker thread and yields at once, so the server answers
-while the model loads (`/health` 503); it closes the native engine on shutdown. Every error leaves
-through `handle_error` -> `errors.render_error`, in the shape of the API the path belongs to
-(`errors.error_style`: Anthropic's on /v1/messages, OpenAI's elsewhere).
+while the model loads (`/health` 503); it closes the native engine on shutdown. CORS is the
+outermost layer (`credentials.cors_options`): a browser's preflight carries no API key, so it is
+answered before the key check, as llama-server does, and every response to an allowed Origin says
+so. Every error leaves through `handle_error` -> `errors.render_error`, in the shape of the API the
+path belongs to (`errors.error_style`: Anthropic's on /v1/messages, OpenAI's elsewhere).
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from contextlib import asynccontextmanager
 import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from native.errors import NativeError
 
-from ..credentials import matches, presented
+from ..credentials import cors_options, matches, presented
 from ..errors import ApiError, Unauthorized, api_error, error_style, is_expected, render_error
 from . import routes_llama, routes_openai
 from .apis import routes as routes_apis
@@ -36,6 +39,7 @@ log = structlog.get_logger("engine.http")
 # llama-server answers these without an API key.
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models"})
 QUIET_PATHS = frozenset({"/health", "/v1/health", "/metrics"})
+VERBOSE_BODY_BYTES = 64 << 10  # what -v logs of each request and response body
 
 
 async def handle_error(request: Request, exc: Exception) -> Response:
@@ -49,7 +53,8 @@ class EdgeMiddleware:
     """Per request: a request id bound to the logs, the API key check, HTTP metrics and one log line.
 
     The key is read as `Authorization: Bearer KEY` or `X-Api-Key: KEY` (what the Anthropic SDK
-    sends), `credentials.presented`."""
+    sends), `credentials.presented`. With `-v` the request and response bodies are logged too
+    (`http.body`, debug, the first `VERBOSE_BODY_BYTES` of each), as llama-server's verbose log does."""
 
     def __init__(self, app: ASGIApp, runtime: Runtime) -> None:
         self.app = app
@@ -65,12 +70,22 @@ class EdgeMiddleware:
         structlog.contextvars.bind_contextvars(request_id=request_id, path=path)
         status = 500
         t0 = time.monotonic()
+        verbose = self.runtime.settings.verbose
+        bodies = (bytearray(), bytearray())  # request, response: kept only with -v
+
+        async def receive_wrapper() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                _keep(bodies[0], message.get("body", b""))
+            return message
 
         async def send_wrapper(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message.setdefault("headers", []).append((b"x-request-id", request_id.encode("latin-1")))
+            elif verbose and message["type"] == "http.response.body":
+                _keep(bodies[1], message.get("body", b""))
             await send(message)
 
         try:
@@ -79,14 +94,24 @@ class EdgeMiddleware:
                 err = Unauthorized("Invalid API Key")
                 await render_error(err, error_style(path))(scope, receive, send_wrapper)
                 return
-            await self.app(scope, receive, send_wrapper)
+            await self.app(scope, receive_wrapper if verbose else receive, send_wrapper)
         finally:
             ms = round((time.monotonic() - t0) * 1000.0, 2)
+            if verbose:
+                log.debug(
+                    "http.body",
+                    request=bodies[0].decode("utf-8", "replace"),
+                    response=bodies[1].decode("utf-8", "replace"),
+                )
             self.runtime.metrics.http_request(route_label(path, _ROUTES), status)
             # Probes and scrapes would drown the request log.
             emit = log.debug if path in QUIET_PATHS and status < 400 else log.info
             emit("http.request", method=scope["method"], status=status, ms=ms)
             structlog.contextvars.unbind_contextvars("request_id", "path")
+
+
+def _keep(buf: bytearray, data: bytes) -> None:
+    buf += data[: max(0, VERBOSE_BODY_BYTES - len(buf))]
 
 
 _ROUTES = routes_llama.ROUTES + routes_openai.ROUTES + routes_apis.ROUTES
@@ -122,4 +147,6 @@ def build_app(runtime: Runtime, on_fatal: Callable[[], None] | None = None) -> S
     app.state.runtime = runtime
     app.state.limits = RequestLimits.from_settings(runtime.settings)  # built once, read by every route
     app.add_middleware(EdgeMiddleware, runtime=runtime)
+    # Added last, so outermost: preflights are answered before EdgeMiddleware asks for a key.
+    app.add_middleware(CORSMiddleware, **cors_options(runtime.settings.cors_origin_list, credentials=True))
     return app

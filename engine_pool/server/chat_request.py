@@ -6,18 +6,25 @@ must follow and whether tool calls are parsed from it: forced calls are written 
 family's format (`formats.ChatFormat`), and when the prompt leaves a reasoning block open every
 grammar built here lets the model finish it first. Building that grammar from a large schema takes
 time: routes call `build_constraint`, which runs it in a worker thread.
+
+llama-server's extensions read here: a top-level `json_schema` (like `response_format`'s schema),
+`n` choices, `logprobs`/`top_logprobs` (or `n_probs`), and assistant prefill: a conversation that
+ends with an assistant message continues that message (`continue_final_message`, implied when the
+last message is the assistant's, exactly as llama-server does) instead of opening a new turn.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..body import Body, json_type
 from ..errors import BadRequest
 from .formats import FORMATS, ChatFormat
+from .formats.reasoning import THINK_OPEN, opened_by
 from .gbnf import check_grammar
-from .grammar import GrammarLimits, built_off_loop, json_object_grammar, schema_grammar
+from .grammar import THINK_CLOSE, GrammarLimits, built_off_loop, json_object_grammar, schema_grammar
 from .limits import RequestLimits, check_count, check_text
 from .sampling import Sampling, read_sampling
 
@@ -37,6 +44,11 @@ class ChatRequest:
     include_usage: bool
     template_kwargs: dict[str, Any]
     sampling: Sampling
+    n: int = 1  # choices, each its own generation of the same prompt
+    top_logprobs: int | None = None  # None: no logprobs; else alternatives per token
+    continue_final: bool = False  # continue the last (assistant) message instead of a new turn
+    add_generation_prompt: bool = True
+    schema_field: str = "response_format.json_schema.schema"  # where `schema` came from
 
 
 @dataclass(frozen=True)
@@ -130,14 +142,36 @@ def parse_chat(
     names = [t["function"]["name"] for t in tools]
     choice, name = _tool_choice(body, names)
     fmt, schema = _response_format(body)
-    if body.get_int("n", 1) != 1:
-        raise BadRequest("'n' must be 1: this engine returns one choice per request", param="n")
-    if body.get_bool("logprobs", False):
-        raise BadRequest("'logprobs' is not supported by this engine", param="logprobs")
     options = body.get_object("stream_options")
     kwargs = body.get_object("chat_template_kwargs")
     grammar = body.get_str("grammar", "") or ""
     check_grammar(grammar, limits.max_grammar_bytes, limits.max_grammar_depth)
+    schema_field = "response_format.json_schema.schema" if fmt == "json_schema" else "response_format.schema"
+    if body.has("json_schema"):  # llama-server's own field: a schema without response_format
+        if grammar:
+            raise BadRequest("Cannot use both json_schema and grammar", param="json_schema")
+        if fmt != "text":
+            raise BadRequest(
+                "'json_schema' and 'response_format' both constrain the output: send one", param="json_schema"
+            )
+        if not isinstance(body.raw("json_schema"), dict | bool):
+            raise BadRequest("'json_schema' must be a JSON schema object", param="json_schema")
+        fmt, schema, schema_field = "json_schema", body.raw("json_schema"), "json_schema"
+    stream = body.get_bool("stream", False)
+    n = body.get_int("n", 1, lo=1, hi=limits.max_generations)
+    if n > 1 and stream:
+        raise BadRequest(
+            "'n' above 1 is not supported with 'stream': ask for one choice per stream", param="n"
+        )
+    sampling = read_sampling(body, defaults, limits, n_vocab=n_vocab, n_ctx=n_ctx)
+    top_logprobs = _logprobs(body, limits.max_n_probs, sampling.n_probs)
+    if top_logprobs is not None:
+        sampling = replace(sampling, n_probs=max(top_logprobs, 1))  # the core reports none at 0
+    continue_final, add_generation_prompt = continuation(
+        messages,
+        body.get_bool("add_generation_prompt", True),
+        body.raw("continue_final_message"),
+    )
     return ChatRequest(
         messages=messages,
         tools=tools,
@@ -146,11 +180,92 @@ def parse_chat(
         response_format=fmt,
         schema=schema,
         grammar=grammar,
-        stream=body.get_bool("stream", False),
+        stream=stream,
         include_usage=options.get_bool("include_usage", False) if options else False,
         template_kwargs=dict(kwargs.data) if kwargs else {},
-        sampling=read_sampling(body, defaults, limits, n_vocab=n_vocab, n_ctx=n_ctx),
+        sampling=sampling,
+        n=n,
+        top_logprobs=top_logprobs,
+        continue_final=continue_final,
+        add_generation_prompt=add_generation_prompt,
+        schema_field=schema_field,
     )
+
+
+def _logprobs(body: Body, max_n: int, n_probs: int) -> int | None:
+    """Alternatives per token the response reports (None: no `logprobs`). OpenAI's `logprobs: true`
+    with `top_logprobs` (0 when absent, as OpenAI; llama-server defaults to 20), or llama-server's
+    `n_probs` sent on chat directly."""
+    if body.get_bool("logprobs", False):
+        return body.get_int("top_logprobs", 0, lo=0, hi=max_n)
+    if body.has("top_logprobs"):
+        raise BadRequest("top_logprobs requires logprobs to be set to true", param="top_logprobs")
+    return n_probs or None
+
+
+def continuation(
+    messages: Sequence[dict[str, Any]], add_generation_prompt: bool, continue_final: Any
+) -> tuple[bool, bool]:
+    """(continue the last message, add the generation prompt), by llama-server's rules: a last
+    message from the assistant is continued (prefill, whatever `add_generation_prompt` says), and
+    then the one before must not be the assistant's; `continue_final_message: true` (or "content") asks
+    for it explicitly and needs `add_generation_prompt: false`; a message with tool calls cannot
+    be continued. (llama-server also refuses a history that merely ends with a tool call; here such a
+    message is a finished turn, rendered as the template renders it, as before prefill existed.)"""
+    if continue_final is None or continue_final is False:
+        explicit = False
+    elif continue_final is True or continue_final == "content":
+        explicit = True
+    elif continue_final == "reasoning_content":
+        raise BadRequest(
+            "'continue_final_message': continuing the reasoning ('reasoning_content') is not supported by "
+            "this engine; send true to continue the message's content",
+            param="continue_final_message",
+        )
+    else:
+        raise BadRequest(
+            f"'continue_final_message' must be a boolean or \"content\", got {json_type(continue_final)}",
+            param="continue_final_message",
+        )
+    last = messages[-1] if messages else {}
+    if explicit:
+        if add_generation_prompt:
+            raise BadRequest(
+                "Cannot set both add_generation_prompt and continue_final_message to true.",
+                param="continue_final_message",
+            )
+        if last.get("role") != "assistant":
+            raise BadRequest(
+                "'continue_final_message' continues the last message, which must be the assistant's",
+                param="continue_final_message",
+            )
+    elif last.get("role") == "assistant" and not last.get("tool_calls"):
+        if len(messages) >= 2 and messages[-2].get("role") == "assistant":
+            raise BadRequest(
+                "Cannot have 2 or more assistant messages at the end of the list.", param="messages"
+            )
+    else:
+        return False, add_generation_prompt
+    if last.get("tool_calls"):
+        raise BadRequest("Cannot continue an assistant message that contains tool calls.", param="messages")
+    return True, False
+
+
+def prefill_text(message: dict[str, Any]) -> str:
+    """The text of the assistant message a prompt continues (its content; text parts joined)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
+
+
+def continued_open(head: str, prefill: str) -> bool:
+    """Whether a prompt continuing `prefill` after `head` (rendered up to the generation prompt)
+    leaves a reasoning block open: the generation prompt opened one, or the prefill did, and the
+    prefill has not closed it."""
+    tail = (THINK_OPEN if opened_by(head) else "") + prefill
+    start = tail.rfind(THINK_OPEN)
+    return start >= 0 and THINK_CLOSE not in tail[start:]
 
 
 def _tool_choice(body: Body, names: list[str]) -> tuple[str, str | None]:
@@ -214,7 +329,8 @@ def constraint(
     parse = bool(req.tools) and req.tool_choice == "auto"
     ban = bool(req.tools) and req.tool_choice == "none"
     if req.response_format == "json_schema" or (req.response_format == "json_object" and req.schema):
-        return Constraint(schema_grammar(req.schema, limits=limits, reasoning=reasoning), parse, ban)
+        grammar = schema_grammar(req.schema, req.schema_field, limits=limits, reasoning=reasoning)
+        return Constraint(grammar, parse, ban)
     if req.response_format == "json_object":
         return Constraint(json_object_grammar(reasoning=reasoning), parse, ban)
     return Constraint(req.grammar, parse, ban)

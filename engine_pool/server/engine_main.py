@@ -1,18 +1,24 @@
 """`slotkeeper engine`: one process, one model, N slots — settings, logging, uvicorn (one worker).
 
-Startup reads top to bottom: settings from flags and environment, logging, the runtime, the app,
-then uvicorn serves until SIGTERM/SIGINT (uvicorn turns them into a graceful shutdown: stop
-accepting, finish responses, then the lifespan closes the native engine). Exit codes: 0 after a
-clean shutdown, 1 when the model failed to load or the chat template that the flags ask for
-cannot be used (runtime.py), 2 for bad flags or variables.
+Startup reads top to bottom: settings from flags and environment, logging, the listening sockets
+(one per `--host` address, as llama-server: TCP addresses share `--port`, a path ending in `.sock`
+is a UNIX socket), the runtime, the app, then uvicorn serves on those sockets until SIGTERM/SIGINT
+(uvicorn turns them into a graceful shutdown: stop accepting, finish responses, then the lifespan
+closes the native engine). Exit codes: 0 after a clean shutdown, 1 when an address cannot be bound,
+the model failed to load or the chat template that the flags ask for cannot be used (runtime.py),
+2 for bad flags or variables.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
+import socket
+import stat
 import sys
+from collections.abc import Sequence
 from types import FrameType
 
 import structlog
@@ -52,6 +58,47 @@ def _exit_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def bind_sockets(hosts: Sequence[str], port: int) -> list[socket.socket]:
+    """One bound socket per address: TCP ones on `port` (0: any free port, one TCP address only),
+    UNIX ones at the path (a stale socket file left by a killed engine is replaced). With several TCP
+    addresses an IPv6 one binds IPv6 only, so `0.0.0.0,::` does not collide (llama-server's rule).
+    Raises OSError naming the address that failed; what was bound by then is closed."""
+    tcp = [h for h in hosts if not h.endswith(".sock")]
+    out: list[socket.socket] = []
+    try:
+        for host in [*tcp, *(h for h in hosts if h.endswith(".sock"))]:  # TCP first: uvicorn logs [0]
+            if host.endswith(".sock"):
+                with contextlib.suppress(FileNotFoundError):
+                    if stat.S_ISSOCK(os.stat(host).st_mode):
+                        os.unlink(host)
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                out.append(sock)
+                sock.bind(host)
+                os.chmod(host, 0o666)  # as uvicorn's --uds: access is the API key's business
+                continue
+            family, kind, proto, _, addr = socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+            sock = socket.socket(family, kind, proto)
+            out.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and len(tcp) > 1:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(addr)
+    except OSError as exc:
+        for sock in out:
+            sock.close()
+        raise OSError(exc.errno, f"cannot listen on {host} (port {port}): {exc.strerror or exc}") from exc
+    return out
+
+
+def _unlink_sockets(hosts: Sequence[str]) -> None:
+    for host in hosts:
+        if host.endswith(".sock"):
+            with contextlib.suppress(OSError):
+                os.unlink(host)
+
+
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         build_parser().print_help()
@@ -63,9 +110,15 @@ def main(argv: list[str]) -> int:
         return 2
     if settings.exit_with_parent:
         _exit_with_parent()
-    logs.configure(settings.log_format, settings.log_level)
+    logs.configure(settings.log_format, settings.effective_log_level)
     log = structlog.get_logger("engine")
     log.info("engine.starting", settings=describe(settings))
+    try:
+        sockets = bind_sockets(settings.hosts, settings.port)
+    except OSError as exc:
+        log.error("engine.exit", code=1, reason=str(exc))
+        return 1
+    log.info("engine.listening", addresses=[_address(s) for s in sockets])
 
     runtime = Runtime(settings)
     server: _Server | None = None
@@ -76,8 +129,10 @@ def main(argv: list[str]) -> int:
 
     config = uvicorn.Config(
         build_app(runtime, on_fatal),
-        host=settings.host,
+        # For uvicorn's own start message only: it serves `sockets`.
+        host=settings.tcp_hosts[0] if settings.tcp_hosts else "127.0.0.1",
         port=settings.port,
+        uds=None if settings.tcp_hosts else settings.hosts[0],
         workers=1,  # one native engine per process: its event queue has a single consumer
         lifespan="on",
         log_config=None,
@@ -85,12 +140,25 @@ def main(argv: list[str]) -> int:
         timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5,
     )
     server = _Server(config, runtime)
-    server.run()
+    try:
+        server.run(sockets=sockets)
+    finally:
+        for sock in sockets:
+            sock.close()
+        _unlink_sockets(settings.hosts)
     if runtime.state == "failed":
         log.error("engine.exit", code=1, reason=runtime.error)
         return 1
     log.info("engine.exit", code=0)
     return 0
+
+
+def _address(sock: socket.socket) -> str:
+    name = sock.getsockname()
+    if sock.family == socket.AF_UNIX:
+        return f"unix://{name}"
+    host = f"[{name[0]}]" if sock.family == socket.AF_INET6 else name[0]
+    return f"http://{host}:{name[1]}"
 
 
 if __name__ == "__main__":

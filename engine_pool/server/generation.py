@@ -6,13 +6,20 @@ UTF-8, stop strings held back and matched), cancels the core request when a stop
 (and still waits for the core's final event, which carries the timings), and gives the lease back
 once the core is done with the slot. Leaving the iteration early — a client that went away — cancels
 the core request the same way.
+
+What a generation reports: llama-server's `timings` (numbers only, as its clients parse them) and,
+beside them, how the prompt's prefix was served (`reuse`: live, checkpoint, logits or none; whether
+the slot was restored from a file; checkpoints captured) — sent as the `slotkeeper` field of every
+response that carries `timings`. With `n_probs`, each token's log-probability and its step's most
+likely tokens (from the raw logits), rendered in llama-server's and OpenAI's shapes below.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,18 +31,30 @@ import native
 
 from ..errors import ClientGone, ContextSizeExceeded, ServerError, Unavailable
 from .runtime import Runtime
-from .sampling import Sampling, to_native
+from .sampling import Sampling, resolve_text_bias, to_native
 from .text_stream import TextStream
 
 log = structlog.get_logger("engine.generation")
 
 
 @dataclass(frozen=True)
+class TokenProb:
+    """A generated token's log-probability and the most likely tokens of its step (id, logprob),
+    from the raw logits (llama-server's `n_probs` without `post_sampling_probs`)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
 class Delta:
-    """New text (possibly empty while a stop string may be forming) and the tokens that made it."""
+    """New text (possibly empty while a stop string may be forming) and the tokens that made it
+    (with their probabilities when the request asked for `n_probs`)."""
 
     text: str
     tokens: list[int]
+    probs: tuple[TokenProb, ...] = ()
 
 
 @dataclass
@@ -48,7 +67,9 @@ class Outcome:
     n_prompt: int
     stop_type: str  # eos | word | limit | none (llama-server's names)
     stopping_word: str
-    timings: dict[str, Any]
+    timings: dict[str, float]
+    reuse: dict[str, Any] = field(default_factory=dict)  # the response's `slotkeeper` field
+    probs: list[TokenProb] = field(default_factory=list)
     ttft_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -68,28 +89,61 @@ class Outcome:
 _STOP_TYPE = {"eos": "eos", "stop_token": "eos", "length": "limit", "context": "limit", "cancelled": "none"}
 
 
-def timings_dict(t: native.Timings) -> dict[str, Any]:
-    """llama-server's `timings` object, plus how the reused prefix was served."""
+# llama-server's floor for the generation time: its clock starts at the first token, so one token
+# takes max(1 µs, 0) and reports 1e6 tokens/s.
+_MIN_MS = 0.001
 
-    def per(n: int, ms: float) -> tuple[float, float]:
-        return (ms / n if n else 0.0, 1000.0 * n / ms if ms > 0 else 0.0)
 
-    p_tok, p_sec = per(t.prompt_n, t.prompt_ms)
-    g_tok, g_sec = per(t.predicted_n, t.predicted_ms)
+def _rates(n: int, ms: float) -> tuple[float, float, float]:
+    """(ms, ms per token, tokens per second) as llama-server computes them (`1e3 / ms * n`), with its
+    1 µs floor once a token exists; 0 where it would divide by zero (it sends null: not a number)."""
+    if n <= 0:
+        return ms, 0.0, 0.0
+    ms = max(ms, _MIN_MS)
+    return ms, ms / n, 1e3 / ms * n
+
+
+def timings_dict(t: native.Timings) -> dict[str, float]:
+    """llama-server's `timings` object: numbers only.
+
+    llama-server counts the time to the first token as prompt time and generation from the first
+    token on; our core's generation clock starts when the prompt is done. With one token that whole
+    time is llama-server's prompt time (its generation then reports 1e6 tokens/s); with more, the
+    first token's sampling stays in `predicted_ms` here (microseconds)."""
+    prompt_ms, predicted_ms = t.prompt_ms, t.predicted_ms
+    if t.predicted_n == 1:
+        prompt_ms, predicted_ms = prompt_ms + predicted_ms, 0.0
+    prompt_ms, prompt_tok, prompt_sec = _rates(t.prompt_n, prompt_ms)
+    pred_ms, pred_tok, pred_sec = _rates(t.predicted_n, predicted_ms)
     return {
         "cache_n": t.cache_n,
         "prompt_n": t.prompt_n,
-        "prompt_ms": t.prompt_ms,
-        "prompt_per_token_ms": p_tok,
-        "prompt_per_second": p_sec,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_tok,
+        "prompt_per_second": prompt_sec,
         "predicted_n": t.predicted_n,
-        "predicted_ms": t.predicted_ms,
-        "predicted_per_token_ms": g_tok,
-        "predicted_per_second": g_sec,
-        "reuse": t.reuse,
-        "restored": t.restored,
-        "checkpoints_created": t.checkpoints_created,
+        "predicted_ms": pred_ms,
+        "predicted_per_token_ms": pred_tok,
+        "predicted_per_second": pred_sec,
     }
+
+
+def reuse_dict(t: native.Timings) -> dict[str, Any]:
+    """How the prompt's prefix was served (the `slotkeeper` field next to `timings`): `reuse` is
+    live | checkpoint | logits | none, `restored` says the slot's state came from a slot file."""
+    return {"reuse": t.reuse, "restored": t.restored, "checkpoints_created": t.checkpoints_created}
+
+
+async def with_text_bias(rt: Runtime, sampling: Sampling) -> Sampling:
+    """`sampling` with its text-keyed `logit_bias` tokenized (in a worker thread)."""
+    if not sampling.logit_bias_text:
+        return sampling
+    return await asyncio.to_thread(
+        resolve_text_bias,
+        sampling,
+        lambda text: rt.tokenize(text, False, False),
+        rt.settings.max_logit_bias,
+    )
 
 
 async def generate(
@@ -112,6 +166,7 @@ async def generate(
     n_ctx = engine.n_ctx_slot
     if len(prompt) >= n_ctx:
         raise ContextSizeExceeded(len(prompt), n_ctx)
+    sampling = await with_text_bias(rt, sampling)
     params = to_native(
         sampling, prompt, grammar=grammar, checkpoint_hints=checkpoint_hints, extra_bias=extra_bias
     )
@@ -120,6 +175,7 @@ async def generate(
     held_tokens = rt.scheduler.n_tokens(slot)
     text = TextStream(sampling.stop)
     tokens: list[int] = []
+    probs: list[TokenProb] = []
     done: native.Event | None = None
     request_id: int | None = None
     ended = False  # the core sent this request's last event: the slot is idle there
@@ -139,7 +195,11 @@ async def generate(
                     delta = text.feed(piece)
                     if text.stopped_by is not None:
                         await asyncio.to_thread(engine.cancel, ev.request_id)
-                    yield Delta(delta, [ev.token])
+                    if sampling.n_probs:
+                        probs.append(TokenProb(ev.token, ev.logprob, tuple(ev.top_logprobs)))
+                        yield Delta(delta, [ev.token], (probs[-1],))
+                    else:
+                        yield Delta(delta, [ev.token])
                 elif ev.kind == "done":
                     done, ended = ev, True
                 else:
@@ -168,6 +228,8 @@ async def generate(
         stop_type=stop_type,
         stopping_word=text.stopped_by or "",
         timings=timings_dict(done.timings),
+        reuse=reuse_dict(done.timings),
+        probs=probs,
         ttft_s=ttft,
     )
     _log_outcome(rt, outcome, held_tokens, endpoint)
@@ -175,7 +237,7 @@ async def generate(
 
 
 def _log_outcome(rt: Runtime, o: Outcome, held_tokens: int, endpoint: str) -> None:
-    t = o.timings
+    t, r = o.timings, o.reuse
     rt.metrics.generation_done(endpoint, o)
     log.info(
         "generation.done",
@@ -184,13 +246,13 @@ def _log_outcome(rt: Runtime, o: Outcome, held_tokens: int, endpoint: str) -> No
         n_prompt=o.n_prompt,
         prompt_n=t["prompt_n"],
         cache_n=t["cache_n"],
-        reuse=t["reuse"],
-        restored=t["restored"],
+        reuse=r["reuse"],
+        restored=r["restored"],
         predicted_n=t["predicted_n"],
         stop_type=o.stop_type,
         ttft_ms=round(o.ttft_s * 1000.0, 2),
     )
-    if t["restored"] and held_tokens > 0 and t["cache_n"] == 0:
+    if r["restored"] and held_tokens > 0 and t["cache_n"] == 0:
         # A restored session that still re-prefilled: exactly what this project exists to avoid.
         log.warning("restore.reprefilled", slot=o.slot, restored_tokens=held_tokens, n_prompt=o.n_prompt)
 
@@ -221,8 +283,72 @@ async def collect(gen: AsyncGenerator[Delta | Outcome, None], request: Request |
     return task.result()
 
 
+async def collect_all(
+    gens: Sequence[AsyncGenerator[Delta | Outcome, None]], request: Request | None = None
+) -> list[Outcome]:
+    """Run several generations at once (each takes its own slot lease, queueing like any request)
+    to their Outcomes, in order; the first failure cancels the others and is raised."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(collect(g, request)) for g in gens]
+    except BaseExceptionGroup as group:
+        raise group.exceptions[0] from None
+    return [t.result() for t in tasks]
+
+
 async def _disconnected(request: Request) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+# -- token probabilities, in llama-server's and OpenAI's shapes ----------------------------------------
+TokenBytes = Callable[[int], bytes]  # a token's piece (`engine.token_piece(t, True)`)
+
+# llama-server's stand-in for log(0), which JSON cannot carry (float32's lowest).
+_LOG_ZERO = -3.4028234663852886e38
+
+
+def _logprob(x: float) -> float:
+    return x if math.isfinite(x) else _LOG_ZERO
+
+
+def _token(token: int, piece: TokenBytes) -> dict[str, Any]:
+    raw = piece(token)
+    # A piece can end inside a character: its text keeps the complete ones, `bytes` has them all.
+    return {"id": token, "token": raw.decode("utf-8", "ignore"), "bytes": list(raw)}
+
+
+def probs_json(
+    probs: Sequence[TokenProb], piece: TokenBytes, n_top: int | None = None
+) -> list[dict[str, Any]]:
+    """llama-server's `completion_probabilities` (and `logprobs.content` of chat, a superset of
+    OpenAI's entries): per token `id`, `token`, `bytes`, `logprob`, `top_logprobs` (its first `n_top`)."""
+    return [
+        {
+            **_token(p.token, piece),
+            "logprob": _logprob(p.logprob),
+            "top_logprobs": [{**_token(t, piece), "logprob": _logprob(lp)} for t, lp in p.top[:n_top]],
+        }
+        for p in probs
+    ]
+
+
+def completion_logprobs(
+    probs: Sequence[TokenProb], piece: TokenBytes, n_top: int, offset: int = 0
+) -> dict[str, Any]:
+    """OpenAI's legacy completions `logprobs` (tokens, token_logprobs, top_logprobs as {text:
+    logprob}, text_offset from `offset` characters), plus llama-server's `content` entries."""
+    content = probs_json(probs, piece, n_top)
+    offsets = []
+    for c in content:
+        offsets.append(offset)
+        offset += len(c["token"])
+    return {
+        "tokens": [c["token"] for c in content],
+        "token_logprobs": [c["logprob"] for c in content],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in c["top_logprobs"]} for c in content],
+        "text_offset": offsets,
+        "content": content,
+    }

@@ -35,6 +35,9 @@ class RequestLimits:
     max_grammar_bytes: int = 64 << 10
     max_grammar_depth: int = 64
     schema: GrammarLimits = field(default_factory=GrammarLimits)
+    # Not settings (yet): fixed bounds on fields whose cost grows per generated token.
+    max_n_probs: int = 100  # `n_probs`, `top_logprobs`, `logprobs`: pieces looked up per token
+    max_response_fields: int = 64  # `response_fields` paths
 
     @classmethod
     def from_settings(cls, s: EngineSettings) -> RequestLimits:
@@ -58,6 +61,12 @@ class RequestLimits:
         """Prompts in one /v1/completions batch: each needs a slot or a queue place at once, so a
         larger batch could only ever end in 503s that a client would retry forever."""
         return self.n_slots + self.queue_size
+
+    @property
+    def max_generations(self) -> int:
+        """Generations one request may start (`n` choices of each prompt): as `max_prompts`, each
+        needs a slot or a queue place at once."""
+        return self.max_prompts
 
 
 def too_many(field: str, n: int, limit: int, what: str) -> BadRequest:

@@ -1,6 +1,8 @@
 """Prometheus metrics of one engine process: its own request metrics and the core's counters.
 
 The registry belongs to the process's Runtime (no module globals, so tests can run several apps).
+It also holds prometheus_client's process collector (`process_start_time_seconds`, CPU seconds,
+resident memory, open files: what a restart or a leak shows in), read from /proc at scrape time.
 The core's counters (`engine.metrics()`) are read at scrape time by a collector and exposed through
 one table, `CORE_COUNTERS`; counters the table does not know yet still appear, as
 `slotkeeper_core_<name>_total`.
@@ -11,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -136,6 +138,7 @@ class EngineMetrics:
             registry=self.registry,
         )
         self.registry.register(_CoreCollector(read_core, gauges))
+        ProcessCollector(registry=self.registry)
 
     def generation_done(self, endpoint: str, o: Outcome) -> None:
         self.generations.labels(endpoint or "other", o.stop_type).inc()

@@ -17,14 +17,22 @@ from starlette.routing import Route
 
 import native
 
-from ..body import check_tokens, json_type, read_json
-from ..errors import BadRequest, ContextSizeExceeded, NotFound, ServerError, Unavailable, error_payload
+from ..body import Body, check_tokens, json_type, read_json
+from ..errors import (
+    BadRequest,
+    ContextSizeExceeded,
+    NotFound,
+    NotSupported,
+    ServerError,
+    Unavailable,
+    error_payload,
+)
 from . import slot_files
-from .chat_request import parse_messages, parse_tools
+from .chat_request import continuation, parse_messages, parse_tools, prefill_text
 from .gbnf import check_grammar
-from .generation import Delta, Outcome, collect, generate
+from .generation import Delta, Outcome, TokenBytes, collect_all, generate, probs_json, with_text_bias
 from .grammar import built_off_loop, schema_grammar
-from .limits import RequestLimits, check_count, check_text
+from .limits import RequestLimits, check_count, check_text, too_many
 from .metrics import CONTENT_TYPE
 from .runtime import Runtime
 from .sampling import Sampling, generation_settings, read_sampling
@@ -76,6 +84,9 @@ async def props(request: Request) -> Response:
             "eos_token": rt.token_text(m.eos),
             "build_info": f"slotkeeper {native.ENGINE_VERSION} / {native.LLAMA_BUILD}",
             "is_sleeping": False,
+            "endpoint_slots": not rt.settings.no_slots,
+            "endpoint_props": False,  # POST /props (changing global properties) is not served
+            "endpoint_metrics": rt.settings.metrics,
             "slotkeeper": {
                 "arch": m.arch,
                 "hybrid": m.hybrid,
@@ -83,6 +94,8 @@ async def props(request: Request) -> Response:
                 "n_swa": m.n_swa,
                 "fingerprint": m.fingerprint,
                 "chat_template_origin": rt.template.origin,
+                "aliases": list(rt.settings.aliases),
+                "tags": list(rt.settings.model_tags),
                 "state_seq_version": native.STATE_SEQ_VERSION,
                 "slot_save_path": str(rt.slot_dir) if rt.slot_dir else None,
                 "n_ctx": rt.settings.n_ctx,
@@ -94,8 +107,15 @@ async def props(request: Request) -> Response:
     )
 
 
+# llama-server's messages for the endpoints a flag turns off (501, not_supported_error).
+NO_SLOTS = "This server does not support slots endpoint. Start it with `--slots`"
+NO_METRICS = "This server does not support metrics endpoint. Start it with `--metrics`"
+
+
 async def slots(request: Request) -> Response:
     rt = runtime(request)
+    if rt.settings.no_slots:
+        raise NotSupported(NO_SLOTS)
     engine = rt.require()
     infos = await asyncio.to_thread(engine.slots)
     sched = rt.scheduler
@@ -124,6 +144,8 @@ _SLOT_ACTIONS = ("save", "restore", "erase")
 
 async def slot_action(request: Request) -> Response:
     rt = runtime(request)
+    if rt.settings.no_slots:  # llama-server gates only GET /slots; a node never passes --no-slots
+        raise NotSupported(NO_SLOTS)
     rt.require()
     raw_id = request.path_params["id_slot"]
     if not raw_id.isdigit() or int(raw_id) >= rt.settings.n_slots:
@@ -143,18 +165,72 @@ async def slot_action(request: Request) -> Response:
     return JSONResponse(await slot_files.restore(rt, slot, body.raw("filename")))
 
 
-def completion_prompt(rt: Runtime, value: Any, where: str = "prompt") -> list[int]:
-    """One prompt: text, token ids, or llama-server's mix of both (text pieces are tokenized in place).
+def split_prompts(value: Any) -> list[Any]:
+    """llama-server's prompt forms: an array that holds no token id at its top level is several
+    prompts (strings, arrays of token ids, mixes, `{"prompt_string": ...}` objects); anything else
+    is one prompt."""
+    if isinstance(value, list) and not any(_is_id(v) for v in value):
+        if not value:
+            raise BadRequest("'prompt' must not be empty", param="prompt")
+        return list(value)
+    return [value]
 
-    Routes check its size first (`check_prompt`) and run this in a worker thread: tokenizing takes
+
+def _is_id(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_prompts(value: Any, lim: RequestLimits, n_ctx: int, n: int = 1) -> list[Any]:
+    """The prompts `value` holds (`split_prompts`), bounded before anything tokenizes them: their
+    number (times `n` choices each) against what the engine can run at once, their text against
+    --max-text-chars, each one's token ids against a slot's context."""
+    prompts = split_prompts(value)
+    check_text("prompt", value, lim.max_text_chars)
+    if len(prompts) * n > lim.max_generations:
+        if n == 1:
+            raise too_many(
+                "prompt", len(prompts), lim.max_generations, "prompts (at most one per slot and queue place)"
+            )
+        raise too_many(
+            "prompt",
+            len(prompts) * n,
+            lim.max_generations,
+            f"generations at {n} choices a prompt (one per slot and queue place)",
+        )
+    for i, p in enumerate(prompts):
+        check_prompt(p, lim, n_ctx, prompt_field(prompts, i))
+    return prompts
+
+
+def prompt_field(prompts: list[Any], i: int) -> str:
+    return "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+
+
+def completion_prompt(rt: Runtime, value: Any, where: str = "prompt") -> list[int]:
+    """One prompt: text, token ids, llama-server's mix of both (text pieces are tokenized in place),
+    or `{"prompt_string": text or mix}` (with `multimodal_data`: refused, no model here reads media).
+
+    Routes check its size first (`check_prompts`) and run this in a worker thread: tokenizing takes
     about a microsecond per character. (The native tokenizer still holds the GIL, so for now the
     loop waits all the same; the bound is what keeps that short.)"""
     n_vocab = rt.require().model.n_vocab
+    if isinstance(value, dict):
+        if value.get("multimodal_data") is not None:
+            raise BadRequest(
+                f"'{where}.multimodal_data': this engine serves a text-only model; multimodal prompts "
+                "are not supported",
+                param=f"{where}.multimodal_data",
+            )
+        if "prompt_string" not in value:
+            raise BadRequest(
+                f"'{where}' must be a string, token ids or an object with 'prompt_string'; "
+                "this object has none",
+                param=where,
+            )
+        value, where = value["prompt_string"], f"{where}.prompt_string"
     if isinstance(value, str):
         tokens = rt.tokenize(value, True)
-    elif isinstance(value, list) and all(
-        isinstance(v, str) or isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
+    elif isinstance(value, list) and all(isinstance(v, str) or _is_id(v) for v in value):
         tokens = []
         for i, v in enumerate(value):
             tokens += (
@@ -162,7 +238,8 @@ def completion_prompt(rt: Runtime, value: Any, where: str = "prompt") -> list[in
             )
     else:
         raise BadRequest(
-            f"'{where}' must be a string, an array of token ids, or a mix of both; got {json_type(value)}",
+            f"'{where}' must be a string, an array of token ids, a mix of both, or an object with "
+            f"'prompt_string'; got {json_type(value)}",
             param=where,
         )
     if not tokens:
@@ -171,13 +248,38 @@ def completion_prompt(rt: Runtime, value: Any, where: str = "prompt") -> list[in
 
 
 def check_prompt(value: Any, lim: RequestLimits, n_ctx: int, where: str = "prompt") -> None:
-    """Bound a prompt (or a batch of them) before anything tokenizes it: its text against
-    --max-text-chars, its token ids against a slot's context (every id is one token)."""
+    """Bound one prompt before anything tokenizes it: its text against --max-text-chars, its token
+    ids against a slot's context (every id is one token)."""
     check_text(where, value, lim.max_text_chars)
+    if isinstance(value, dict):
+        value = value.get("prompt_string")
     if isinstance(value, list):
-        n_ids = sum(1 for v in value if isinstance(v, int))
+        n_ids = sum(1 for v in value if _is_id(v))
         if n_ids >= n_ctx:
             raise ContextSizeExceeded(n_ids, n_ctx)
+
+
+def response_fields(body: Body, lim: RequestLimits) -> list[str]:
+    """llama-server's `response_fields`: the paths (`a/b` reaches into objects) a /completion
+    result is cut down to."""
+    fields = body.get_str_list("response_fields")
+    check_count("response_fields", fields, lim.max_response_fields, "paths")
+    return list(fields)
+
+
+def select_fields(result: dict[str, Any], paths: list[str]) -> dict[str, Any]:
+    """`result` cut down to `paths`, each kept under its own name (`generation_settings/n_predict`
+    becomes a top-level key of that name); a path that leads nowhere is left out, as llama-server does."""
+    out: dict[str, Any] = {}
+    for path in paths:
+        value: Any = result
+        for key in path.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            out[path] = value
+    return out
 
 
 async def completion(request: Request) -> Response:
@@ -188,38 +290,90 @@ async def completion(request: Request) -> Response:
     if not body.has("prompt"):
         raise BadRequest("'prompt' is required", param="prompt")
     # Cheap checks first: a refused request must not cost a tokenization or a grammar build.
-    check_prompt(body.raw("prompt"), lim, engine.n_ctx_slot)
+    n_cmpl = body.get_int("n_cmpl", 1, lo=1, hi=lim.max_generations)
+    prompts = check_prompts(body.raw("prompt"), lim, engine.n_ctx_slot, n_cmpl)
+    stream = body.get_bool("stream", False)
+    if stream and len(prompts) * n_cmpl > 1:
+        raise BadRequest("streaming takes exactly one prompt and one completion (n_cmpl 1)", param="prompt")
     sampling = read_sampling(body, rt.defaults, lim, n_vocab=engine.model.n_vocab, n_ctx=engine.n_ctx_slot)
+    fields = response_fields(body, lim)
     grammar = body.get_str("grammar", "") or ""
     check_grammar(grammar, lim.max_grammar_bytes, lim.max_grammar_depth)
     if body.has("json_schema"):
+        if grammar:  # llama-server would drop the schema silently
+            raise BadRequest("Cannot use both json_schema and grammar", param="json_schema")
         schema = body.raw("json_schema")
         grammar = await built_off_loop(
             "json_schema", lambda: schema_grammar(schema, "json_schema", lim.schema), lambda g: g
         )
-    prompt = await asyncio.to_thread(completion_prompt, rt, body.raw("prompt"))
-    gen = generate(rt, prompt, sampling, grammar=grammar, endpoint="/completion")
-    if body.get_bool("stream", False):
-        return await start_stream(_completion_chunks(rt, gen, sampling), done_marker=False)
-    outcome = await collect(gen, request)
-    return JSONResponse(_completion_final(rt, outcome, sampling, streamed=False))
+    tokens = await asyncio.to_thread(
+        lambda: [completion_prompt(rt, p, prompt_field(prompts, i)) for i, p in enumerate(prompts)]
+    )
+    sampling = await with_text_bias(rt, sampling)
+    pieces = token_pieces(engine)
+    if stream:
+        gen = generate(rt, tokens[0], sampling, grammar=grammar, endpoint="/completion")
+        return await start_stream(_completion_chunks(rt, gen, sampling, pieces, fields), done_marker=False)
+    runs = [p for p in tokens for _ in range(n_cmpl)]
+    outcomes = await collect_all(
+        [generate(rt, p, sampling, grammar=grammar, endpoint="/completion") for p in runs], request
+    )
+    results = [
+        _completion_final(rt, o, sampling, pieces, fields, streamed=False, index=i)
+        for i, o in enumerate(outcomes)
+    ]
+    return JSONResponse(results[0] if len(results) == 1 else results)
+
+
+def token_pieces(engine: native.Engine) -> TokenBytes:
+    """A token's piece (special tokens spelled out), remembered for one request's probabilities."""
+    seen: dict[int, bytes] = {}
+
+    def piece(token: int) -> bytes:
+        if token not in seen:
+            seen[token] = engine.token_piece(token, True)
+        return seen[token]
+
+    return piece
 
 
 async def _completion_chunks(
-    rt: Runtime, gen: AsyncGenerator[Delta | Outcome, None], sampling: Sampling
+    rt: Runtime,
+    gen: AsyncGenerator[Delta | Outcome, None],
+    sampling: Sampling,
+    pieces: TokenBytes,
+    fields: list[str],
 ) -> AsyncGenerator[dict[str, Any], None]:
     async with aclosing(gen) as items:
         async for item in items:
             if isinstance(item, Delta):
-                yield {"index": 0, "content": item.text, "tokens": item.tokens, "stop": False}
+                chunk: dict[str, Any] = {
+                    "index": 0,
+                    "content": item.text,
+                    "tokens": item.tokens,
+                    "stop": False,
+                }
+                if item.probs:
+                    chunk["completion_probabilities"] = probs_json(item.probs, pieces)
+                yield chunk
             else:
-                yield _completion_final(rt, item, sampling, streamed=True)
+                yield _completion_final(rt, item, sampling, pieces, fields, streamed=True)
 
 
-def _completion_final(rt: Runtime, o: Outcome, sampling: Sampling, *, streamed: bool) -> dict[str, Any]:
-    """The whole result, or (streamed) the last chunk: everything but the text and tokens already sent."""
-    return {
-        "index": 0,
+def _completion_final(
+    rt: Runtime,
+    o: Outcome,
+    sampling: Sampling,
+    pieces: TokenBytes,
+    fields: list[str],
+    *,
+    streamed: bool,
+    index: int = 0,
+) -> dict[str, Any]:
+    """The whole result, or (streamed) the last chunk: everything but the text, tokens and
+    probabilities already sent; cut down to `fields` when the request named some."""
+    result: dict[str, Any] = {
+        "index": index,
         "content": "" if streamed else o.text,
         "tokens": [] if streamed else o.tokens,
         "id_slot": o.slot,
@@ -234,7 +388,11 @@ def _completion_final(rt: Runtime, o: Outcome, sampling: Sampling, *, streamed: 
         "stopping_word": o.stopping_word,
         "tokens_cached": o.n_prompt + max(o.n_predicted - 1, 0),
         "timings": o.timings,
+        "slotkeeper": o.reuse,
     }
+    if o.probs and not streamed:
+        result["completion_probabilities"] = probs_json(o.probs, pieces)
+    return select_fields(result, fields) if fields else result
 
 
 async def tokenize(request: Request) -> Response:
@@ -282,19 +440,27 @@ async def apply_template(request: Request) -> Response:
     body = await read_json(request, lim.body)
     kwargs = body.get_object("chat_template_kwargs")
     messages, tools = parse_messages(body, lim), parse_tools(body, lim)
-    # Rendering runs a client-sized loop in jinja: off the event loop.
-    text = await asyncio.to_thread(
-        rt.template.render,
-        messages,
-        tools or None,
-        add_generation_prompt=body.get_bool("add_generation_prompt", True),
-        kwargs=dict(kwargs.data) if kwargs else None,
+    cont, generation_prompt = continuation(
+        messages, body.get_bool("add_generation_prompt", True), body.raw("continue_final_message")
     )
-    return JSONResponse({"prompt": text})
+
+    def render() -> str:  # a client-sized loop in jinja: off the event loop
+        extra = dict(kwargs.data) if kwargs else None
+        if cont:  # llama-server's prefill: the last (assistant) message is continued
+            head = rt.template.render(messages[:-1], tools or None, add_generation_prompt=True, kwargs=extra)
+            return head + prefill_text(messages[-1])
+        return rt.template.render(
+            messages, tools or None, add_generation_prompt=generation_prompt, kwargs=extra
+        )
+
+    return JSONResponse({"prompt": await asyncio.to_thread(render)})
 
 
 async def metrics(request: Request) -> Response:
-    return Response(runtime(request).metrics.render(), media_type=CONTENT_TYPE)
+    rt = runtime(request)
+    if not rt.settings.metrics:
+        raise NotSupported(NO_METRICS)
+    return Response(rt.metrics.render(), media_type=CONTENT_TYPE)
 
 
 ROUTES = [

@@ -1,9 +1,12 @@
-"""OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models.
+"""OpenAI-compatible endpoints: /v1/chat/completions (+ /input_tokens), /v1/completions, /v1/models.
 
 Responses follow the OpenAI API as the official SDK parses it, plus llama-server's extras: `timings`
-on responses and on the last stream chunk, `id_slot` (which slot served the request), and
-`usage.prompt_tokens_details.cached_tokens` = the prompt tokens actually reused (timings.cache_n,
-restored ones included).
+(numbers only) on responses and on the last stream chunk, `id_slot` (which slot served the request),
+and `usage.prompt_tokens_details.cached_tokens` = the prompt tokens actually reused (timings.cache_n,
+restored ones included). Beside `timings`, `slotkeeper` says how the prefix was served (reuse kind,
+restored). `n` choices run as separate generations at once, each on a slot of its own (or queued
+for one), like a batch of prompts; their prompt counts once in `usage`. `logprobs` come from the
+raw logits, streamed with the chunks their tokens made.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import secrets
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -23,9 +26,10 @@ from starlette.routing import Route
 
 import native
 
-from ..body import Body, json_type, read_json
+from ..body import Body, read_json
 from ..errors import BadRequest
-from .chat_request import ChatRequest, build_constraint, parse_chat
+from .chat_request import ChatRequest, build_constraint, continued_open, parse_chat, prefill_text
+from .chat_template import ChatPrompt
 from .formats import (
     ChatFormat,
     ChatOutput,
@@ -37,11 +41,21 @@ from .formats import (
     select_format,
 )
 from .formats.reasoning import THINK_CLOSE, THINK_OPEN
-from .generation import Delta, Outcome, collect, generate
-from .limits import RequestLimits, check_count, check_text
-from .routes_llama import check_prompt, completion_prompt, limits, runtime
+from .generation import (
+    Delta,
+    Outcome,
+    TokenBytes,
+    TokenProb,
+    collect_all,
+    completion_logprobs,
+    generate,
+    probs_json,
+    with_text_bias,
+)
+from .routes_llama import check_prompts, completion_prompt, limits, prompt_field, runtime, token_pieces
 from .runtime import Runtime
 from .sampling import read_sampling
+from .scheduler import common_prefix
 from .sse import start_stream
 
 
@@ -64,16 +78,24 @@ class Meta:
         }
 
 
-def usage(outcomes: list[Outcome]) -> dict[str, Any]:
-    prompt = sum(o.n_prompt for o in outcomes)
+def usage(outcomes: list[Outcome], n: int = 1) -> dict[str, Any]:
+    """OpenAI's usage of a request's generations, `n` consecutive ones per prompt: a prompt counts
+    once (as OpenAI bills `n` choices), with the tokens its first generation reused."""
+    firsts = outcomes[::n]
+    prompt = sum(o.n_prompt for o in firsts)
     completion = sum(o.n_predicted for o in outcomes)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(o.cache_n for o in outcomes)},
+        "prompt_tokens_details": {"cached_tokens": sum(o.cache_n for o in firsts)},
         "completion_tokens_details": {"reasoning_tokens": 0},
     }
+
+
+def extras(o: Outcome) -> dict[str, Any]:
+    """llama-server's fields beyond OpenAI's (and ours beside them) for one generation."""
+    return {"timings": o.timings, "slotkeeper": o.reuse, "id_slot": o.slot}
 
 
 # -- chat ---------------------------------------------------------------------------------------
@@ -84,6 +106,44 @@ async def chat_completions(request: Request) -> Response:
     if isinstance(result, dict):
         return JSONResponse(result)
     return await start_stream(result, done_marker=True)
+
+
+async def chat_input_tokens(request: Request) -> Response:
+    """llama-server's `POST /chat/completions/input_tokens`: `{"input_tokens": n}`, the prompt a chat
+    request would evaluate (template, tools, prefill), counted without generating."""
+    rt = runtime(request)
+    engine = rt.require()
+    lim = limits(request)
+    body = await read_json(request, lim.body)
+    req = parse_chat(body, rt.defaults, lim, n_vocab=engine.model.n_vocab, n_ctx=engine.n_ctx_slot)
+    prompt, _ = await asyncio.to_thread(chat_prompt, rt, req)
+    return JSONResponse({"input_tokens": len(prompt.tokens)})
+
+
+def chat_prompt(rt: Runtime, req: ChatRequest) -> tuple[ChatPrompt, bool]:
+    """The rendered, tokenized conversation (with its checkpoint hints) and whether it leaves a
+    reasoning block open. A continued last message (prefill) follows the generation prompt of the
+    conversation before it; without the generation prompt, the conversation ends as rendered.
+    Renders and tokenizes client-sized text: call it in a worker thread."""
+
+    def tokenize(text: str, add_special: bool) -> list[int]:
+        return rt.tokenize(text, add_special)
+
+    history, tools = prepare_history(req.messages), req.tools or None
+    if req.continue_final:
+        head = rt.template.prompt(tokenize, history[:-1], tools, req.template_kwargs)
+        prefill = prefill_text(req.messages[-1])
+        text = head.text + prefill
+        tokens = rt.template.tokenize(tokenize, text)
+        kept = common_prefix(head.tokens, tokens)  # the prefill may merge with the head's last token
+        return ChatPrompt(text, tokens, [h for h in head.hints if h <= kept]), continued_open(
+            head.text, prefill
+        )
+    if not req.add_generation_prompt:
+        text = rt.template.render(history, tools, add_generation_prompt=False, kwargs=req.template_kwargs)
+        return ChatPrompt(text, rt.template.tokenize(tokenize, text), []), opened_by(text)
+    prompt = rt.template.prompt(tokenize, history, tools, req.template_kwargs)
+    return prompt, opened_by(prompt.text)
 
 
 async def run_chat(request: Request, body: Body) -> dict[str, Any] | AsyncGenerator[dict[str, Any], None]:
@@ -101,64 +161,89 @@ async def run_chat(request: Request, body: Body) -> dict[str, Any] | AsyncGenera
     fmt = select_format(rt.settings.chat_format, rt.template.source)
     # Preparing the history (JSON arguments), rendering (jinja over client-sized messages, once per
     # checkpoint hint) and tokenizing: off the event loop, like the grammar below.
-    prompt = await asyncio.to_thread(
-        lambda: rt.template.prompt(
-            lambda text, add_special: rt.tokenize(text, add_special),
-            prepare_history(req.messages),
-            req.tools or None,
-            req.template_kwargs,
-        )
-    )
-    opened = opened_by(prompt.text)  # the template opened a reasoning block (Qwen3.5, Nemotron-3)
+    prompt, opened = await asyncio.to_thread(chat_prompt, rt, req)  # opened: Qwen3.5, Nemotron-3
     con = await build_constraint(req, lim.schema, fmt, reasoning=opened)
-    gen = generate(
-        rt,
-        prompt.tokens,
-        req.sampling,
-        grammar=con.grammar,
-        checkpoint_hints=prompt.hints,
-        extra_bias=_tool_call_ban(rt, fmt) if con.ban_tool_calls else None,
-        endpoint="/v1/chat/completions",
-        preserved=_preserved(rt, fmt),
-    )
-    out = ChatOutput(fmt.stream(req.tools) if con.parse_tools else None, rt.settings.reasoning_format, opened)
+    sampling = await with_text_bias(rt, req.sampling)  # once for every choice
+    preserved = _preserved(rt, fmt)
+    extra_bias = _tool_call_ban(rt, fmt) if con.ban_tool_calls else None
+
+    def gen() -> AsyncGenerator[Delta | Outcome, None]:
+        return generate(
+            rt,
+            prompt.tokens,
+            sampling,
+            grammar=con.grammar,
+            checkpoint_hints=prompt.hints,
+            extra_bias=extra_bias,
+            endpoint="/v1/chat/completions",
+            preserved=preserved,
+        )
+
+    def output() -> ChatOutput:
+        return ChatOutput(
+            fmt.stream(req.tools) if con.parse_tools else None, rt.settings.reasoning_format, opened
+        )
+
     meta = Meta(
         f"chatcmpl-{secrets.token_hex(12)}", "chat.completion", int(time.time()), rt.settings.model_id
     )
+    pieces = token_pieces(engine)
     if req.stream:
-        return _chat_chunks(gen, req, out, meta)
-    pieces: list[Piece] = []
+        return _chat_chunks(gen(), req, output(), meta, pieces)
+    outs = [output() for _ in range(req.n)]
+    parts: list[list[Piece]] = [[] for _ in range(req.n)]
 
-    async def read(items: AsyncGenerator[Delta | Outcome, None]) -> AsyncGenerator[Delta | Outcome, None]:
+    async def read(
+        items: AsyncGenerator[Delta | Outcome, None], out: ChatOutput, into: list[Piece]
+    ) -> AsyncGenerator[Delta | Outcome, None]:
         # The same pieces a stream would send, from the same deltas: the two cannot disagree.
         async with aclosing(items):
             async for item in items:
                 if isinstance(item, Delta):
-                    pieces.extend(out.feed(item.text, len(item.tokens)))
+                    into.extend(out.feed(item.text, len(item.tokens)))
                 yield item
 
-    o = await collect(read(gen), request)
-    msg = assemble(pieces + out.finish())
+    outcomes = await collect_all([read(gen(), outs[i], parts[i]) for i in range(req.n)], request)
+    choices = [
+        _chat_choice(i, o, parts[i] + outs[i].finish(), req, pieces, several=req.n > 1)
+        for i, o in enumerate(outcomes)
+    ]
+    u = usage(outcomes, req.n)
+    u["completion_tokens_details"]["reasoning_tokens"] = sum(out.reasoning_tokens for out in outs)
+    response: dict[str, Any] = {**meta.head(), "choices": choices, "usage": u}
+    if req.n == 1:
+        response.update(extras(outcomes[0]))
+    return response
+
+
+def _chat_choice(
+    index: int, o: Outcome, pieces: list[Piece], req: ChatRequest, token_bytes: TokenBytes, *, several: bool
+) -> dict[str, Any]:
+    msg = assemble(pieces)
     message: dict[str, Any] = {"role": "assistant", "content": msg.content}
     if msg.reasoning:
         message["reasoning_content"] = msg.reasoning
     if msg.calls:
         message["tool_calls"] = [c.as_openai() for c in msg.calls]
     choice: dict[str, Any] = {
-        "index": 0,
+        "index": index,
         "message": message,
-        "logprobs": None,
+        "logprobs": _chat_logprobs(o.probs, req, token_bytes),
         "finish_reason": "tool_calls" if msg.calls else o.finish_reason,
     }
     if o.stop_type == "word":
         choice["stopping_word"] = o.stopping_word
-    return {
-        **meta.head(),
-        "choices": [choice],
-        "usage": _chat_usage(o, out),
-        "timings": o.timings,
-        "id_slot": o.slot,
-    }
+    if several:  # each choice is a generation of its own: its timings and slot go with it
+        choice.update(extras(o))
+    return choice
+
+
+def _chat_logprobs(
+    probs: list[TokenProb], req: ChatRequest, token_bytes: TokenBytes
+) -> dict[str, Any] | None:
+    if req.top_logprobs is None:
+        return None
+    return {"content": probs_json(probs, token_bytes, req.top_logprobs), "refusal": None}
 
 
 def _chat_usage(o: Outcome, out: ChatOutput) -> dict[str, Any]:
@@ -181,10 +266,15 @@ def _tool_call_ban(rt: Runtime, fmt: ChatFormat) -> dict[int, float]:
 
 
 async def _chat_chunks(
-    gen: AsyncGenerator[Delta | Outcome, None], req: ChatRequest, out: ChatOutput, meta: Meta
+    gen: AsyncGenerator[Delta | Outcome, None],
+    req: ChatRequest,
+    out: ChatOutput,
+    meta: Meta,
+    token_bytes: TokenBytes,
 ) -> AsyncGenerator[dict[str, Any], None]:
     head = {**meta.head(), "object": "chat.completion.chunk"}
     n_calls = 0
+    pending: list[TokenProb] = []  # probabilities of tokens whose text no chunk has carried yet
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         c = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
@@ -215,31 +305,33 @@ async def _chat_chunks(
             n_calls += 1
         return chunks
 
+    def with_probs(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        # A chunk carries the probabilities of the tokens that made it (and of held-back ones before).
+        if chunks and pending:
+            chunks[-1]["choices"][0]["logprobs"] = _chat_logprobs(pending, req, token_bytes)
+            pending.clear()
+        return chunks
+
     started = False
     async with aclosing(gen) as items:
         async for item in items:
             if not started:
                 started = True
-                yield chunk({"role": "assistant", "content": ""})
+                yield chunk({"role": "assistant", "content": None})  # as OpenAI and llama-server
             if isinstance(item, Delta):
-                for c in pieces(out.feed(item.text, len(item.tokens))):
+                pending.extend(item.probs)
+                for c in with_probs(pieces(out.feed(item.text, len(item.tokens)))):
                     yield c
                 continue
-            for c in pieces(out.finish()):
+            for c in with_probs(pieces(out.finish())):
                 yield c
-            last = chunk({}, "tool_calls" if n_calls else item.finish_reason)
+            last = with_probs([chunk({}, "tool_calls" if n_calls else item.finish_reason)])[0]
             if item.stop_type == "word":
                 last["choices"][0]["stopping_word"] = item.stopping_word
-            last.update(timings=item.timings, id_slot=item.slot)
+            last.update(extras(item))
             yield last
             if req.include_usage:
-                yield {
-                    **head,
-                    "choices": [],
-                    "usage": _chat_usage(item, out),
-                    "timings": item.timings,
-                    "id_slot": item.slot,
-                }
+                yield {**head, "choices": [], "usage": _chat_usage(item, out), **extras(item)}
 
 
 # -- completions --------------------------------------------------------------------------------
@@ -248,82 +340,79 @@ async def completions(request: Request) -> Response:
     engine = rt.require()
     lim = limits(request)
     body = await read_json(request, lim.body)
-    for field in ("suffix", "logprobs"):
-        if body.has(field):
-            raise BadRequest(f"'{field}' is not supported by this engine", param=field)
+    if body.has("suffix"):
+        raise BadRequest("'suffix' is not supported by this engine", param="suffix")
     if body.get_bool("echo", False):
         raise BadRequest("'echo' is not supported by this engine", param="echo")
-    if body.get_int("n", 1) != 1 or body.get_int("best_of", 1) != 1:
-        raise BadRequest("'n' and 'best_of' must be 1: send several prompts instead", param="n")
-    sampling = read_sampling(body, rt.defaults, lim, n_vocab=engine.model.n_vocab, n_ctx=engine.n_ctx_slot)
-    prompts = await asyncio.to_thread(_prompts, rt, body.raw("prompt"), lim, engine.n_ctx_slot)
+    if body.get_int("best_of", 1) != 1:
+        raise BadRequest("'best_of' must be 1: ask for 'n' choices instead", param="best_of")
+    if body.raw("prompt") is None:
+        raise BadRequest("'prompt' is required", param="prompt")
+    n = body.get_int("n", 1, lo=1, hi=lim.max_generations)
+    prompts = check_prompts(body.raw("prompt"), lim, engine.n_ctx_slot, n)
     stream = body.get_bool("stream", False)
+    if stream and len(prompts) * n > 1:
+        raise BadRequest("streaming takes exactly one prompt and 'n' 1", param="prompt" if n == 1 else "n")
+    sampling = read_sampling(body, rt.defaults, lim, n_vocab=engine.model.n_vocab, n_ctx=engine.n_ctx_slot)
+    # OpenAI's `logprobs: N` (llama-server: n_probs, unless n_probs itself was sent).
+    top = (
+        body.get_int("logprobs", sampling.n_probs, lo=0, hi=lim.max_n_probs) if body.has("logprobs") else None
+    )
+    if top is None and sampling.n_probs:
+        top = sampling.n_probs
+    if top is not None:
+        sampling = replace(sampling, n_probs=max(top, 1))  # the core reports none at 0
+    tokens = await asyncio.to_thread(
+        lambda: [completion_prompt(rt, p, prompt_field(prompts, i)) for i, p in enumerate(prompts)]
+    )
+    sampling = await with_text_bias(rt, sampling)
     options = body.get_object("stream_options")
     include_usage = options.get_bool("include_usage", False) if options else False
     meta = Meta(f"cmpl-{secrets.token_hex(12)}", "text_completion", int(time.time()), rt.settings.model_id)
+    pieces = token_pieces(engine)
     if stream:
-        if len(prompts) != 1:
-            raise BadRequest("streaming takes exactly one prompt", param="prompt")
-        gen = generate(rt, prompts[0], sampling, endpoint="/v1/completions")
-        return await start_stream(_completion_chunks(gen, meta, include_usage), done_marker=True)
-    try:
-        async with asyncio.TaskGroup() as tg:  # one slot per prompt; a failure cancels the others
-            tasks = [
-                tg.create_task(collect(generate(rt, p, sampling, endpoint="/v1/completions"), request))
-                for p in prompts
-            ]
-    except BaseExceptionGroup as group:
-        raise group.exceptions[0] from None
-    outcomes = [t.result() for t in tasks]
+        gen = generate(rt, tokens[0], sampling, endpoint="/v1/completions")
+        return await start_stream(_completion_chunks(gen, meta, include_usage, top, pieces), done_marker=True)
+    runs = [p for p in tokens for _ in range(n)]  # OpenAI's order: the choices of each prompt together
+    outcomes = await collect_all(
+        [generate(rt, p, sampling, endpoint="/v1/completions") for p in runs], request
+    )
     response: dict[str, Any] = {
         **meta.head(),
         "choices": [
             {
                 "text": o.text,
                 "index": i,
-                "logprobs": None,
+                "logprobs": None if top is None else completion_logprobs(o.probs, pieces, top),
                 "finish_reason": o.finish_reason,
-                "timings": o.timings,
-                "id_slot": o.slot,
+                **extras(o),
             }
             for i, o in enumerate(outcomes)
         ],
-        "usage": usage(outcomes),
+        "usage": usage(outcomes, n),
     }
     if len(outcomes) == 1:
-        response.update(timings=outcomes[0].timings, id_slot=outcomes[0].slot)
+        response.update(extras(outcomes[0]))
     return JSONResponse(response)
 
 
-def _prompts(rt: Runtime, value: Any, lim: RequestLimits, n_ctx: int) -> list[list[int]]:
-    """OpenAI's prompt forms: a string, strings, token ids, or arrays of token ids (bounded first;
-    the route runs this in a worker thread, as it tokenizes)."""
-    if value is None:
-        raise BadRequest("'prompt' is required", param="prompt")
-    if isinstance(value, list) and value and all(isinstance(v, str | list) for v in value):
-        check_count("prompt", value, lim.max_prompts, "prompts (at most one per slot and queue place)")
-        check_text("prompt", value, lim.max_text_chars)
-        for i, v in enumerate(value):
-            check_prompt(v, lim, n_ctx, f"prompt[{i}]")
-        return [completion_prompt(rt, v, f"prompt[{i}]") for i, v in enumerate(value)]
-    if isinstance(value, list) and not value:
-        raise BadRequest("'prompt' is empty", param="prompt")
-    if not isinstance(value, str | list):
-        raise BadRequest(
-            f"'prompt' must be a string, strings, token ids or arrays of token ids; got {json_type(value)}",
-            param="prompt",
-        )
-    check_prompt(value, lim, n_ctx)
-    return [completion_prompt(rt, value)]
-
-
 async def _completion_chunks(
-    gen: AsyncGenerator[Delta | Outcome, None], meta: Meta, include_usage: bool
+    gen: AsyncGenerator[Delta | Outcome, None],
+    meta: Meta,
+    include_usage: bool,
+    top: int | None,
+    token_bytes: TokenBytes,
 ) -> AsyncGenerator[dict[str, Any], None]:
     head = meta.head()
+    offset = 0  # characters of the completion so far: where the next chunk's tokens start
 
-    def chunk(text: str, finish: str | None) -> dict[str, Any]:
-        out = {**head, "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+    def chunk(text: str, finish: str | None, probs: tuple[TokenProb, ...] = ()) -> dict[str, Any]:
+        nonlocal offset
+        logprobs = None
+        if top is not None and probs:
+            logprobs = completion_logprobs(probs, token_bytes, top, offset)
+        offset += len(text)
+        out = {**head, "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}]}
         if include_usage:
             out["usage"] = None
         return out
@@ -331,14 +420,14 @@ async def _completion_chunks(
     async with aclosing(gen) as items:
         async for item in items:
             if isinstance(item, Delta):
-                if item.text:
-                    yield chunk(item.text, None)
+                if item.text or item.probs:
+                    yield chunk(item.text, None, item.probs)
                 continue
             last = chunk("", item.finish_reason)
-            last.update(timings=item.timings, id_slot=item.slot)
+            last.update(extras(item))
             yield last
             if include_usage:
-                yield {**head, "choices": [], "usage": usage([item]), "timings": item.timings}
+                yield {**head, "choices": [], "usage": usage([item]), **extras(item)}
 
 
 # -- models -------------------------------------------------------------------------------------
@@ -346,6 +435,9 @@ async def models(request: Request) -> Response:
     rt = runtime(request)
     entry: dict[str, Any] = {
         "id": rt.settings.model_id,
+        # llama-server's shape: every --alias is a name clients may use; --tags are informational.
+        "aliases": list(rt.settings.aliases),
+        "tags": list(rt.settings.model_tags),
         "object": "model",
         "created": int(rt.started),
         "owned_by": "slotkeeper",
@@ -369,6 +461,8 @@ async def models(request: Request) -> Response:
 ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/chat/completions/input_tokens", chat_input_tokens, methods=["POST"]),
+    Route("/chat/completions/input_tokens", chat_input_tokens, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/models", models, methods=["GET"]),
     Route("/models", models, methods=["GET"]),

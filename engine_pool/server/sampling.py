@@ -8,7 +8,9 @@ the core's RequestParams.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import native
@@ -37,6 +39,10 @@ class Sampling:
     id_slot: int = -1
     stop: tuple[str, ...] = ()
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Biases keyed by text, applied to every token of the text's tokenization once it is tokenized
+    # (`resolve_text_bias`, in a worker thread: the keys are client-sized text).
+    logit_bias_text: tuple[tuple[str, float], ...] = ()
+    n_probs: int = 0  # alternatives reported per generated token (0: no probabilities)
 
 
 @dataclass(frozen=True)
@@ -90,18 +96,33 @@ def read_sampling(
             # Neither means anything past a slot's context; llama.cpp would allocate the penalty
             # window (repeat_last_n) in full, on the event loop's thread.
             check_n_predict(name, values[spec.attr], n_ctx)
+    if body.get_bool("post_sampling_probs", False):
+        raise BadRequest(
+            "'post_sampling_probs' is not supported by this engine: probabilities (n_probs) come from "
+            "the raw logits, before the sampler chain",
+            param="post_sampling_probs",
+        )
+    if body.get_bool("return_progress", False) and body.get_bool("stream", False):
+        raise BadRequest(
+            "'return_progress' is not supported by this engine: its core reports no progress while it "
+            "processes a prompt (the last chunk's timings say how the prompt was served)",
+            param="return_progress",
+        )
+    values["n_probs"] = body.get_int("n_probs", defaults.n_probs, lo=0, hi=limits.max_n_probs)
     id_slot = values.get("id_slot", -1)
     n_slots = limits.n_slots
     if id_slot >= n_slots:
         raise BadRequest(
             f"'id_slot' {id_slot} does not exist (this engine has slots 0..{n_slots - 1})", param="id_slot"
         )
+    by_id, by_text = read_logit_bias(body, n_vocab, limits.max_logit_bias, limits.max_text_chars)
     return Sampling(
         **{
             **defaults.__dict__,
             **values,
             "stop": read_stop(body, limits),
-            "logit_bias": read_logit_bias(body, n_vocab, limits.max_logit_bias),
+            "logit_bias": by_id,
+            "logit_bias_text": by_text,
         }
     )
 
@@ -123,11 +144,19 @@ def read_stop(body: Body, limits: RequestLimits) -> tuple[str, ...]:
     return stop
 
 
-def read_logit_bias(body: Body, n_vocab: int, max_entries: int) -> dict[int, float]:
-    """OpenAI's `{"id": bias}` or llama-server's `[[id, bias], ...]` (bias `false` bans the token)."""
+_TOKEN_ID = re.compile(r"\s*[+-]?\d+")
+
+
+def read_logit_bias(
+    body: Body, n_vocab: int, max_entries: int, max_chars: int = 1 << 20
+) -> tuple[dict[int, float], tuple[tuple[str, float], ...]]:
+    """llama-server's `logit_bias` forms: OpenAI's `{"key": bias}` or `[[key, bias], ...]`, where a
+    key is a token id (a number, or a string holding one) or a text whose every token gets the bias;
+    a bias of `false` bans the token(s). Returns the biases by token id and, still to be tokenized
+    (`resolve_text_bias`), those by text."""
     raw = body.raw("logit_bias")
     if raw is None:
-        return {}
+        return {}, ()
     pairs: list[tuple[Any, Any]]
     if isinstance(raw, dict):
         pairs = list(raw.items())
@@ -135,28 +164,70 @@ def read_logit_bias(body: Body, n_vocab: int, max_entries: int) -> dict[int, flo
         pairs = [(p[0], p[1]) for p in raw]
     else:
         raise BadRequest(
-            "'logit_bias' must be an object {token_id: bias} or an array of [token_id, bias] pairs, "
-            f"got {json_type(raw)}",
+            "'logit_bias' must be an object {token_id_or_text: bias} or an array of [token_id_or_text, bias] "
+            f"pairs, got {json_type(raw)}",
             param="logit_bias",
         )
     check_count("logit_bias", pairs, max_entries)
-    out: dict[int, float] = {}
+    by_id: dict[int, float] = {}
+    by_text: list[tuple[str, float]] = []
+    n_chars = 0
     for key, bias in pairs:
-        try:
-            token = int(key) if not isinstance(key, bool) else -1
-        except (TypeError, ValueError):
-            raise BadRequest(f"'logit_bias' key {key!r} is not a token id", param="logit_bias") from None
-        if not 0 <= token < n_vocab:
-            raise BadRequest(f"'logit_bias' token {token} is outside the vocabulary", param="logit_bias")
         if bias is False:
-            out[token] = -math.inf
+            value = -math.inf
         elif isinstance(bias, int | float) and not isinstance(bias, bool):
-            out[token] = float(bias)
+            value = float(bias)
         else:
             raise BadRequest(
-                f"'logit_bias' bias for token {token} must be a number or false", param="logit_bias"
+                f"'logit_bias' bias for {key!r} must be a number or false, got {json_type(bias)}",
+                param="logit_bias",
             )
-    return out
+        if _is_token_id(key):
+            token = int(key)
+            if not 0 <= token < n_vocab:
+                raise BadRequest(
+                    f"'logit_bias' token {token} is outside the vocabulary (0..{n_vocab - 1})",
+                    param="logit_bias",
+                )
+            by_id[token] = value
+        elif isinstance(key, str) and key:
+            n_chars += len(key)
+            by_text.append((key, value))
+        else:
+            raise BadRequest(
+                f"'logit_bias' key {key!r} is neither a token id nor a non-empty text", param="logit_bias"
+            )
+    if n_chars > max_chars:
+        raise too_many("logit_bias", n_chars, max_chars, "characters of text in its keys")
+    return by_id, tuple(by_text)
+
+
+def _is_token_id(key: Any) -> bool:
+    """A number, or a string holding one (llama-server parses object keys with strtol)."""
+    if isinstance(key, str):
+        return _TOKEN_ID.fullmatch(key) is not None
+    return isinstance(key, int) and not isinstance(key, bool)
+
+
+def resolve_text_bias(s: Sampling, tokenize: Callable[[str], list[int]], max_entries: int) -> Sampling:
+    """`s` with its text-keyed biases applied to the tokens of each text (tokenized without special
+    tokens, as llama-server does) — at most `max_entries` biased tokens in all, since the sampler
+    applies each of them on every step. A text-keyed bias wins over an id-keyed one on the same token.
+    Tokenizing is work the client sized: run this in a worker thread."""
+    if not s.logit_bias_text:
+        return s
+    bias = dict(s.logit_bias)
+    for text, value in s.logit_bias_text:
+        for token in tokenize(text):
+            bias[token] = value
+    if len(bias) > max_entries:
+        raise BadRequest(
+            f"'logit_bias' biases {len(bias)} tokens once its texts are tokenized; "
+            f"this engine accepts at most {max_entries}",
+            param="logit_bias",
+            extra={"limit": max_entries},
+        )
+    return replace(s, logit_bias=bias, logit_bias_text=())
 
 
 def to_native(
@@ -181,7 +252,10 @@ def to_native(
     p.frequency_penalty = s.frequency_penalty
     p.ignore_eos = s.ignore_eos
     p.cache_prompt = s.cache_prompt
+    if s.logit_bias_text:
+        raise ValueError("text-keyed logit biases must be resolved (resolve_text_bias) before submitting")
     p.logit_bias = {**s.logit_bias, **(extra_bias or {})}
+    p.n_probs = s.n_probs
     p.grammar = grammar
     p.checkpoint_hints = sorted(set(checkpoint_hints or []))
     return p
@@ -203,4 +277,10 @@ def generation_settings(s: Sampling) -> dict[str, Any]:
         "ignore_eos": s.ignore_eos,
         "cache_prompt": s.cache_prompt,
         "stop": list(s.stop),
+        "n_probs": s.n_probs,
+        "post_sampling_probs": False,
+        # llama-server's echo: a ban (-inf) reads as null there too.
+        "logit_bias": [
+            {"bias": b if math.isfinite(b) else None, "token": t} for t, b in s.logit_bias.items()
+        ],
     }

@@ -1,11 +1,12 @@
 """Settings of one engine process: llama-server's flags, their SLOTKEEPER_* variables, one frozen object.
 
 `FLAGS` is the single table that maps every command-line flag to its settings field and its
-environment variable (command line > environment > default). `parse_settings(argv, environ)` is
-the only reader of that table; `engine_main` hands it `os.environ`, nothing else reads the
-environment. Flags keep llama-server's names and meanings, so a command line written for
-llama-server starts this engine unchanged as long as it uses the common flags; anything unknown is
-refused with a clear message rather than silently ignored.
+environment variable (command line > environment > default); `SWITCHES_OFF` adds the other half of
+llama-server's `--x/--no-x` pairs. `parse_settings(argv, environ)` is the only reader of the tables;
+`engine_main` hands it `os.environ`, nothing else reads the environment. Flags keep llama-server's
+names and meanings, so a command line written for llama-server starts this engine unchanged as long
+as it uses the common flags; anything unknown is refused with a clear message rather than silently
+ignored. Lists (`--alias`, `--tags`, `--host`, `--cors-origins`) are comma-separated, as there.
 """
 
 from __future__ import annotations
@@ -25,12 +26,21 @@ from ..flags import (
     parse_bytes,
     parse_int,
     parse_log_format,
-    read_flags,
+    values_from,
 )
 from ..flags import build_parser as _build_parser
 from .formats import FORMATS
 
-__all__ = ["FLAGS", "EngineSettings", "SettingsError", "build_parser", "describe", "parse_settings"]
+__all__ = [
+    "CACHE_TYPES",
+    "FLAGS",
+    "SWITCHES_OFF",
+    "EngineSettings",
+    "SettingsError",
+    "build_parser",
+    "describe",
+    "parse_settings",
+]
 
 
 @dataclass(frozen=True)
@@ -89,13 +99,73 @@ class EngineSettings:
     reasoning_format: str = "auto"  # none | deepseek | deepseek-legacy | auto
     chat_format: str = "auto"  # the tool-call format: auto (from the template) or a family name
     no_repack: bool = False  # llama-server's --no-repack (also forced on CPUs with AMX: runtime.py)
+    # llama-server drop-in flags (issue 10); each wired where its behaviour lives.
+    kv_unified: bool = False  # one slot may grow into the whole shared KV pool
+    cache_type_k: str = "f16"  # -ctk: KV cache type (f16, q8_0, ...)
+    cache_type_v: str = "f16"  # -ctv
+    no_mmap: bool = False
+    mlock: bool = False
+    no_warmup: bool = False
+    context_shift: bool = False
+    no_slots: bool = False  # slot endpoints answer 501
+    metrics: bool = False  # /metrics answers only with --metrics (llama-server's default: off)
+    verbose: bool = False
+    cors_origins: str = "*"  # comma-separated origins allowed by CORS ("*": any)
+    tags: str = ""  # comma-separated model tags reported by /v1/models and /props
+    offline: bool = False  # accepted: this engine never downloads anything
+
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        """Every name `--alias` gives the model (comma-separated, as llama-server), in order, once each."""
+        return _csv(self.alias or "")
 
     @property
     def model_id(self) -> str:
-        """The name clients use for this model (`--alias`, else the file name)."""
-        if self.alias:
-            return self.alias
+        """The name the model is reported by: the first `--alias`, else the file name. (llama-server keeps
+        its aliases in a sorted set and reports the alphabetically first; the first given is ours.)"""
+        aliases = self.aliases
+        if aliases:
+            return aliases[0]
         return self.model.rsplit("/", 1)[-1]
+
+    @property
+    def model_tags(self) -> tuple[str, ...]:
+        """`--tags`: informational labels reported by /v1/models, never used to route."""
+        return _csv(self.tags)
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        """`--host`: the addresses to listen on; one ending in `.sock` is a UNIX socket path."""
+        return _csv(self.host)
+
+    @property
+    def tcp_hosts(self) -> tuple[str, ...]:
+        return tuple(h for h in self.hosts if not h.endswith(".sock"))
+
+    @property
+    def cors_origin_list(self) -> tuple[str, ...]:
+        """`--cors-origins`: `*` (any), `localhost` (only local pages), or the origins allowed."""
+        return _csv(self.cors_origins)
+
+    @property
+    def effective_log_level(self) -> str:
+        """`-v/--verbose` logs everything (llama-server's "verbosity to infinity")."""
+        return "debug" if self.verbose else self.log_level
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    """A comma-separated list: items stripped, empty ones dropped, duplicates kept once (first place)."""
+    return tuple(dict.fromkeys(p for p in (s.strip() for s in text.split(",")) if p))
+
+
+# llama-server's `-ctk/-ctv` values (common/arg.cpp's kv_cache_types).
+CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+
+
+def _cache_type(text: str) -> str:
+    if text not in CACHE_TYPES:
+        raise ValueError(f"allowed values: {', '.join(CACHE_TYPES)}")
+    return text
 
 
 def _threads(text: str) -> int:
@@ -105,7 +175,14 @@ def _threads(text: str) -> int:
 
 FLAGS: tuple[Flag, ...] = (
     Flag("model", ("-m", "--model"), "SLOTKEEPER_MODEL", str, "GGUF model file", required=True),
-    Flag("host", ("--host",), "SLOTKEEPER_HOST", str, "address to listen on (127.0.0.1)"),
+    Flag(
+        "host",
+        ("--host",),
+        "SLOTKEEPER_HOST",
+        str,
+        "addresses to listen on, comma-separated; one ending in .sock is a UNIX socket path; with several "
+        "TCP addresses :: binds IPv6 only (127.0.0.1)",
+    ),
     Flag("port", ("--port",), "SLOTKEEPER_PORT", parse_int, "port to listen on (8080)"),
     Flag("n_slots", ("-np", "--parallel"), "SLOTKEEPER_PARALLEL", parse_int, "number of slots (1)"),
     Flag(
@@ -136,7 +213,20 @@ FLAGS: tuple[Flag, ...] = (
         parse_int,
         "default tokens to predict (-1: until a stop or the slot's context is full)",
     ),
-    Flag("alias", ("-a", "--alias"), "SLOTKEEPER_ALIAS", str, "model name reported to clients"),
+    Flag(
+        "alias",
+        ("-a", "--alias"),
+        "SLOTKEEPER_ALIAS",
+        str,
+        "model names, comma-separated, listed by /v1/models; the first is the model id (file name)",
+    ),
+    Flag(
+        "tags",
+        ("--tags",),
+        "SLOTKEEPER_TAGS",
+        str,
+        "model tags, comma-separated, listed by /v1/models (informational, never used to route)",
+    ),
     Flag(
         "slot_save_path",
         ("--slot-save-path",),
@@ -228,6 +318,97 @@ FLAGS: tuple[Flag, ...] = (
         "log_format", ("--log-format",), "SLOTKEEPER_LOG_FORMAT", parse_log_format, "json or console (json)"
     ),
     Flag("log_level", ("--log-level",), "SLOTKEEPER_LOG_LEVEL", str, "debug, info, warning, error (info)"),
+    Flag(
+        "verbose",
+        ("-v", "--log-verbose", "--verbose"),
+        "SLOTKEEPER_VERBOSE",
+        parse_bool,
+        "log everything: --log-level debug, plus every request and response body (first 64 KiB)",
+        switch=True,
+    ),
+    # -- llama-server's endpoints and its CORS ---------------------------------------------------------
+    Flag(
+        "metrics",
+        ("--metrics",),
+        "SLOTKEEPER_METRICS",
+        parse_bool,
+        "serve Prometheus metrics on /metrics (without it: 501, as llama-server)",
+        switch=True,
+    ),
+    Flag(
+        "no_slots",
+        ("--no-slots",),
+        "SLOTKEEPER_NO_SLOTS",
+        parse_bool,
+        "answer GET /slots and POST /slots/{id} with 501 (--slots: serve them, the default)",
+        switch=True,
+    ),
+    Flag(
+        "cors_origins",
+        ("--cors-origins",),
+        "SLOTKEEPER_CORS_ORIGINS",
+        str,
+        "origins whose pages may call this API, comma-separated; * any (with credentials, the Origin is "
+        "echoed), localhost only pages served from this machine (*)",
+    ),
+    Flag(
+        "offline",
+        ("--offline",),
+        "SLOTKEEPER_OFFLINE",
+        parse_bool,
+        "accepted for llama-server command lines: this engine never downloads anything",
+        switch=True,
+    ),
+    # -- the model and its KV cache (llama-server's flags; wired in runtime.py) -------------------------
+    Flag(
+        "kv_unified",
+        ("-kvu", "--kv-unified"),
+        "SLOTKEEPER_KV_UNIFIED",
+        parse_bool,
+        "one KV buffer shared by all slots (-no-kvu/--no-kv-unified: off, the default)",
+        switch=True,
+    ),
+    Flag(
+        "cache_type_k",
+        ("-ctk", "--cache-type-k"),
+        "SLOTKEEPER_CACHE_TYPE_K",
+        _cache_type,
+        f"KV cache type of K: {', '.join(CACHE_TYPES)} (f16)",
+    ),
+    Flag(
+        "cache_type_v",
+        ("-ctv", "--cache-type-v"),
+        "SLOTKEEPER_CACHE_TYPE_V",
+        _cache_type,
+        f"KV cache type of V: {', '.join(CACHE_TYPES)} (f16)",
+    ),
+    Flag(
+        "no_mmap",
+        ("--no-mmap",),
+        "SLOTKEEPER_NO_MMAP",
+        parse_bool,
+        "read the model into memory instead of mapping it (--mmap: map it, the default)",
+        switch=True,
+    ),
+    Flag(
+        "mlock", ("--mlock",), "SLOTKEEPER_MLOCK", parse_bool, "keep the model in RAM (no swap)", switch=True
+    ),
+    Flag(
+        "no_warmup",
+        ("--no-warmup",),
+        "SLOTKEEPER_NO_WARMUP",
+        parse_bool,
+        "skip the empty warm-up run at load (--warmup: run it, the default)",
+        switch=True,
+    ),
+    Flag(
+        "context_shift",
+        ("--context-shift",),
+        "SLOTKEEPER_CONTEXT_SHIFT",
+        parse_bool,
+        "shift the context when a generation fills it (--no-context-shift: stop instead, the default)",
+        switch=True,
+    ),
     # -- request limits (the gateway uses the same names for its own edge limits) --------------------
     Flag(
         "max_body_bytes",
@@ -359,6 +540,7 @@ FLAGS: tuple[Flag, ...] = (
 
 # Checked after parsing: (field, predicate, what it must be).
 _CHECKS: tuple[Check, ...] = (
+    ("host", lambda v: bool(_csv(v)), "one or more addresses"),
     ("port", lambda v: 0 <= v <= 65535, "within 0..65535"),
     ("n_slots", lambda v: 1 <= v <= 256, "within 1..256"),
     ("n_ctx", lambda v: v >= 16, "at least 16"),
@@ -375,6 +557,7 @@ _CHECKS: tuple[Check, ...] = (
     ("shutdown_grace_s", lambda v: v >= 0, ">= 0"),
     ("temperature", lambda v: v >= 0, ">= 0"),
     ("log_level", lambda v: v in ("debug", "info", "warning", "error"), "debug, info, warning or error"),
+    ("cors_origins", lambda v: bool(_csv(v)), "*, localhost or one or more origins"),
     ("max_body_bytes", lambda v: v >= 1024, ">= 1024"),
     ("max_json_depth", lambda v: 4 <= v <= 512, "within 4..512"),
     ("body_timeout_s", lambda v: v > 0, "> 0"),
@@ -401,6 +584,16 @@ _CHECKS: tuple[Check, ...] = (
 )
 
 
+# llama-server's "--x, --no-x" pairs: the flags that turn a switch of `FLAGS` off again (the last one on
+# the command line wins, as in llama-server).
+SWITCHES_OFF: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("kv_unified", ("-no-kvu", "--no-kv-unified")),
+    ("no_mmap", ("--mmap",)),
+    ("no_warmup", ("--warmup",)),
+    ("context_shift", ("--no-context-shift",)),
+    ("no_slots", ("--slots",)),
+)
+
 _PROG = "slotkeeper engine"
 _DESCRIPTION = (
     "One engine process: a llama-server-compatible API and OpenAI chat over the native core. "
@@ -409,13 +602,22 @@ _DESCRIPTION = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return _build_parser(_PROG, _DESCRIPTION, FLAGS)
+    parser = _build_parser(_PROG, _DESCRIPTION, FLAGS)
+    by_field = {f.field: f for f in FLAGS}
+    for name, flags in SWITCHES_OFF:
+        on = by_field[name]
+        parser.add_argument(*flags, dest=name, action="store_const", const="off", help=f"undoes {on.name}")
+    return parser
 
 
 def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> EngineSettings:
     """Settings from a command line and an environment. Raises SettingsError with a precise message."""
-    settings = EngineSettings(**read_flags(argv, environ, FLAGS, prog=_PROG, description=_DESCRIPTION))
+    args = vars(build_parser().parse_args(list(argv)))
+    settings = EngineSettings(**values_from(args, FLAGS, environ))
     check(settings, FLAGS, _CHECKS)
+    if settings.port == 0 and len(settings.tcp_hosts) > 1:
+        # Each TCP address would get a port of its own; llama-server refuses this too.
+        raise SettingsError("--port 0 is not supported with multiple TCP addresses")
     return settings
 
 

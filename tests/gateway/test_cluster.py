@@ -130,7 +130,7 @@ def test_node_sigterm_moves_sessions_and_redis_flush_is_reindexed(cluster):
     done, headers, timings = _turn(gw.url, msgs, "agent-7")
     assert headers["x-slotkeeper-cache"] == "restored"
     assert _node_of(gw.url, "agent-7") != home
-    assert timings["restored"] and timings["cache_n"] > done.usage.prompt_tokens // 2
+    assert done.model_extra["slotkeeper"]["restored"] and timings["cache_n"] > done.usage.prompt_tokens // 2
     msgs.append({"role": "assistant", "content": done.choices[0].message.content})
 
     # Redis loses everything; storage is the source of truth.

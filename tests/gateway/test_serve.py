@@ -41,6 +41,7 @@ def _turn(client: openai.OpenAI, messages: list[dict], session: str | None = Non
     )
     done = raw.parse()
     timings = done.model_extra["timings"]
+    assert all(isinstance(v, int | float) for v in timings.values()), timings  # llama-server's: numbers
     return done, raw.headers, timings
 
 
@@ -99,7 +100,8 @@ def test_more_sessions_than_slots_evict_and_restore(serve, tmp_path: Path):
                 # Evicted by the two sessions after it: back from its slot file, reusing the checkpoint
                 # at the end of its last prompt.
                 assert headers["x-slotkeeper-cache"] == "restored"
-                assert timings["restored"] and timings["cache_n"] > done.usage.prompt_tokens // 2
+                assert done.model_extra["slotkeeper"]["restored"]
+                assert timings["cache_n"] > done.usage.prompt_tokens // 2
             msgs.append({"role": "assistant", "content": done.choices[0].message.content})
     metrics = {
         line.split()[0]: float(line.split()[1])
@@ -245,7 +247,7 @@ def test_engine_killed_mid_stream_resumes_from_the_last_durable_turn(serve, tmp_
         time.sleep(0.1)
     done, headers, timings = _turn(client, msgs, session="agent-9")
     assert headers["x-slotkeeper-cache"] == "restored"
-    assert timings["restored"] and timings["cache_n"] > done.usage.prompt_tokens // 2
+    assert done.model_extra["slotkeeper"]["restored"] and timings["cache_n"] > done.usage.prompt_tokens // 2
 
 
 def test_quotas_answer_429_with_retry_after(serve, tmp_path: Path):
@@ -320,3 +322,14 @@ def test_implicit_routing_survives_a_restart_of_the_in_process_index(serve, tmp_
     done, headers, timings = _turn(_client(s.url), msgs)
     assert headers["x-session-id"] == session
     assert headers["x-slotkeeper-cache"] == "restored" and timings["cache_n"] > 0
+
+
+def test_input_tokens_counts_a_chat_without_running_it(serve, tmp_path: Path):
+    s = serve(tmp_path / "data")
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Count me."}]
+    counted = httpx.post(f"{s.url}/v1/chat/completions/input_tokens", json={"model": MODEL, "messages": msgs})
+    assert counted.status_code == 200, counted.text
+    done, _, _ = _turn(_client(s.url), msgs)
+    assert counted.json()["input_tokens"] == done.usage.prompt_tokens
+    assert httpx.get(f"{s.url}/v1/sessions").json()["data"][0]["tokens"] > 0  # only the real turn made one
+    assert len(httpx.get(f"{s.url}/v1/sessions").json()["data"]) == 1

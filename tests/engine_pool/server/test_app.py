@@ -18,7 +18,7 @@ from native.errors import SlotBusyError, SlotFileError
 
 def _loading_app() -> httpx.AsyncClient:
     # The lifespan is not run: the runtime stays in `loading`, as while a large model loads.
-    rt = Runtime(parse_settings(["-m", "never-loaded.gguf", "--retry-after", "3"], {}))
+    rt = Runtime(parse_settings(["-m", "never-loaded.gguf", "--retry-after", "3", "--metrics"], {}))
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(rt)), base_url="http://engine")
 
 

@@ -59,10 +59,10 @@ CASES: list[tuple[str, str, Any, int, str, str]] = [
     (
         "POST",
         "/completion",
-        {"prompt": "hi", "logit_bias": {"x": 1}},
+        {"prompt": "hi", "logit_bias": {"": 1}},
         400,
         "invalid_request_error",
-        "not a token id",
+        "neither a token id nor a non-empty text",
     ),
     (
         "POST",
@@ -147,7 +147,8 @@ CASES: list[tuple[str, str, Any, int, str, str]] = [
         "invalid_request_error",
         "'stream' must be a boolean",
     ),
-    ("POST", CHAT, {"messages": USER, "n": 2}, 400, "invalid_request_error", "'n' must be 1"),
+    ("POST", CHAT, {"messages": USER, "n": 2, "stream": True}, 400, "invalid_request_error", "'stream'"),
+    ("POST", CHAT, {"messages": USER, "n": 0}, 400, "invalid_request_error", "within 1.."),
     (
         "POST",
         CHAT,

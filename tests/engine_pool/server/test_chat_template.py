@@ -255,7 +255,7 @@ def test_next_turn_on_a_hybrid_model_evaluates_only_the_reply_and_the_new_messag
             restored = _turn(c, turn2)
     finally:
         assert second.stop() == 0
-    assert restored["timings"]["restored"] is True
+    assert restored["slotkeeper"]["restored"] is True
     assert restored["timings"]["cache_n"] == reply_start
     assert restored["timings"]["prompt_n"] == live["timings"]["prompt_n"]
     assert restored["usage"]["prompt_tokens_details"]["cached_tokens"] == reply_start

@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
+from ..conftest import CHECKPOINT_ARGS, EngineProcess, _engine
 from .test_slot_scenario import complete, slot_action, tokenize
 
 PROMPT = "The model state is saved in a slot cache, then restored for the user."
+
+
+@pytest.fixture(scope="module")
+def qwen_engine(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+    """The shared qwen engine's flags plus `--metrics`: an engine serves /metrics only when asked."""
+    tmp = tmp_path_factory.mktemp("qwen-metrics")
+    args = ("-np", "2", "-c", "2048", "--slot-save-path", str(tmp / "slots"), "-a", "tiny-qwen")
+    yield from _engine(models, tmp, "qwen35", *args, "--metrics", *CHECKPOINT_ARGS)
 
 
 def _metric(text: str, name: str) -> float:
@@ -136,7 +148,7 @@ def test_metrics_count_reuse_by_source(qwen: httpx.Client) -> None:
     a = tokenize(qwen, PROMPT)
     complete(qwen, a, 0)
     r = complete(qwen, a, 0)  # identical prompt: served from the stored logits
-    assert r["timings"]["reuse"] == "logits" and r["timings"]["prompt_n"] == 0
+    assert r["slotkeeper"]["reuse"] == "logits" and r["timings"]["prompt_n"] == 0
     after = qwen.get("/metrics").text
     name = 'slotkeeper_prompt_tokens_reused_total{source="logits"}'
     assert _metric(after, name) - _metric(before, name) == len(a)

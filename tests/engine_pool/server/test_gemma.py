@@ -153,7 +153,7 @@ def test_save_kill_restart_restore(gemma_model: Path, tmp_path: Path) -> None:
         assert second.stop() == 0
 
     # Next turn: only the tokens after the common prefix, and the live slot's text.
-    assert nxt["timings"]["restored"] is True
+    assert nxt["slotkeeper"]["restored"] is True
     assert nxt["timings"]["prompt_n"] == len(p2) - keep == live["timings"]["prompt_n"]
     assert nxt["timings"]["cache_n"] == keep
     assert nxt["content"] == live["content"] and nxt["tokens"] == live["tokens"]

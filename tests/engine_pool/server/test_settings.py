@@ -10,7 +10,14 @@ from engine_pool.body import BodyLimits
 from engine_pool.server.engine_main import main
 from engine_pool.server.grammar import GrammarLimits
 from engine_pool.server.limits import RequestLimits
-from engine_pool.server.settings import FLAGS, EngineSettings, SettingsError, parse_settings
+from engine_pool.server.settings import (
+    CACHE_TYPES,
+    FLAGS,
+    SWITCHES_OFF,
+    EngineSettings,
+    SettingsError,
+    parse_settings,
+)
 
 
 def test_llama_server_flags_keep_their_meaning() -> None:
@@ -108,6 +115,12 @@ def test_settings_are_frozen() -> None:
         (["-m", "x"], {"SLOTKEEPER_MAX_SCHEMA_DEPTH": "0"}, "--max-schema-depth must be within 1..128"),
         (["-m", "x", "--max-body-bytes", "1"], {}, "--max-body-bytes must be >= 1024"),
         (["-m", "x", "--body-timeout-s", "0"], {}, "--body-timeout-s must be > 0"),
+        (["-m", "x", "-ctk", "q8"], {}, "--cache-type-k: invalid value 'q8' (allowed values: f32, f16,"),
+        (["-m", "x"], {"SLOTKEEPER_CACHE_TYPE_V": "Q8_0"}, "SLOTKEEPER_CACHE_TYPE_V: invalid value 'Q8_0'"),
+        (["-m", "x", "--host", " , "], {}, "--host must be one or more addresses"),
+        (["-m", "x", "--host", "a,b", "--port", "0"], {}, "--port 0 is not supported with multiple TCP"),
+        (["-m", "x", "--cors-origins", ","], {}, "--cors-origins must be *, localhost or one or more"),
+        (["-m", "x", "--metrics", "on"], {}, "unrecognized arguments: on"),
     ],
 )
 def test_bad_flags_and_variables_are_clear_errors(argv: list[str], env: dict[str, str], message: str) -> None:
@@ -121,8 +134,10 @@ def test_every_field_has_exactly_one_row() -> None:
     rows = [f.field for f in FLAGS]
     assert sorted(rows) == sorted(fields)
     assert all(f.env.startswith("SLOTKEEPER_") for f in FLAGS)
-    flags = [flag for f in FLAGS for flag in f.flags]
+    flags = [flag for f in FLAGS for flag in f.flags] + [flag for _, off in SWITCHES_OFF for flag in off]
     assert len(flags) == len(set(flags))
+    switches = {f.field for f in FLAGS if f.switch}
+    assert {field for field, _ in SWITCHES_OFF} <= switches  # only a switch can be turned off again
 
 
 def test_main_returns_2_on_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
@@ -179,3 +194,81 @@ def test_template_and_format_flags():
     for argv in (["--chat-format", "nope"], ["--reasoning-format", "sometimes"]):
         with pytest.raises(SettingsError, match=argv[0].lstrip("-").replace("-", "[-_]")):
             parse_settings(["-m", "m.gguf", *argv], {})
+
+
+# -- llama-server drop-in flags (issue 10) ------------------------------------------------------------------
+def test_drop_in_switches_and_their_opposites() -> None:
+    argv = ["-m", "m.gguf", "-kvu", "--no-mmap", "--mlock", "--no-warmup", "--context-shift", "--no-slots"]
+    s = parse_settings([*argv, "--metrics", "-v", "--offline"], {})
+    assert (s.kv_unified, s.no_mmap, s.mlock, s.no_warmup, s.context_shift, s.no_slots) == (True,) * 6
+    assert (s.metrics, s.verbose, s.offline) == (True, True, True)
+    # llama-server's defaults: a unified KV cache, mmap, warm-up and context shift off; slots on; no
+    # /metrics; not verbose.
+    d = parse_settings(["-m", "m.gguf"], {})
+    assert not any((d.kv_unified, d.no_mmap, d.mlock, d.no_warmup, d.context_shift, d.no_slots))
+    assert not any((d.metrics, d.verbose, d.offline))
+    # The other half of each pair; the last one given wins, as in llama-server.
+    off = ["-no-kvu", "--mmap", "--warmup", "--no-context-shift", "--slots"]
+    o = parse_settings([*argv, *off], {})
+    assert not any((o.kv_unified, o.no_mmap, o.no_warmup, o.context_shift, o.no_slots))
+    assert parse_settings(["-m", "m", "--no-kv-unified", "--kv-unified"], {}).kv_unified
+    assert parse_settings(["-m", "m", "--log-verbose"], {}).verbose
+    assert parse_settings(["-m", "m", "--verbose"], {}).verbose
+
+
+def test_drop_in_variables_and_the_command_line_over_them() -> None:
+    env = {
+        "SLOTKEEPER_CONTEXT_SHIFT": "on",
+        "SLOTKEEPER_NO_SLOTS": "1",
+        "SLOTKEEPER_METRICS": "yes",
+        "SLOTKEEPER_KV_UNIFIED": "on",
+        "SLOTKEEPER_CACHE_TYPE_K": "q8_0",
+        "SLOTKEEPER_CACHE_TYPE_V": "q4_0",
+        "SLOTKEEPER_TAGS": "a,b",
+        "SLOTKEEPER_CORS_ORIGINS": "https://x.example",
+        "SLOTKEEPER_VERBOSE": "on",
+    }
+    s = parse_settings(["-m", "m"], env)
+    assert (s.context_shift, s.no_slots, s.metrics, s.kv_unified, s.verbose) == (True,) * 5
+    assert (s.cache_type_k, s.cache_type_v, s.model_tags, s.cors_origin_list) == (
+        "q8_0",
+        "q4_0",
+        ("a", "b"),
+        ("https://x.example",),
+    )
+    o = parse_settings(["-m", "m", "--no-context-shift", "--slots", "-no-kvu", "-ctk", "bf16"], env)
+    assert (o.context_shift, o.no_slots, o.kv_unified, o.cache_type_k) == (False, False, False, "bf16")
+
+
+@pytest.mark.parametrize("kind", CACHE_TYPES)
+def test_every_cache_type_llama_server_allows(kind: str) -> None:
+    s = parse_settings(["-m", "m", "-ctk", kind, "--cache-type-v", kind], {})
+    assert (s.cache_type_k, s.cache_type_v) == (kind, kind)
+
+
+def test_aliases_tags_hosts_and_origins_are_comma_lists() -> None:
+    s = parse_settings(
+        ["-m", "dir/m.gguf", "-a", " first, second ,first,,third", "--tags", "chat, small"], {}
+    )
+    assert s.aliases == ("first", "second", "third") and s.model_id == "first"  # the first given
+    assert s.model_tags == ("chat", "small")
+    bare = parse_settings(["-m", "dir/m.gguf", "-a", " , "], {})
+    assert (bare.aliases, bare.model_id, bare.model_tags) == ((), "m.gguf", ())
+    h = parse_settings(["-m", "m", "--host", "127.0.0.1, ::1,/run/e.sock"], {})
+    assert h.hosts == ("127.0.0.1", "::1", "/run/e.sock") and h.tcp_hosts == ("127.0.0.1", "::1")
+    with pytest.raises(SettingsError, match="--port 0 is not supported"):
+        parse_settings(["-m", "m", "--host", "127.0.0.1,::1", "--port", "0"], {})
+    one_tcp = parse_settings(["-m", "m", "--host", "127.0.0.1,/run/e.sock", "--port", "0"], {})
+    assert one_tcp.port == 0  # a UNIX socket takes no port
+    assert parse_settings(["-m", "m"], {}).cors_origin_list == ("*",)
+    assert parse_settings(["-m", "m", "--cors-origins", "localhost"], {}).cors_origin_list == ("localhost",)
+
+
+def test_verbose_means_debug_logs() -> None:
+    assert parse_settings(["-m", "m", "-v", "--log-level", "error"], {}).effective_log_level == "debug"
+    assert parse_settings(["-m", "m", "--log-level", "error"], {}).effective_log_level == "error"
+
+
+def test_main_refuses_several_tcp_hosts_on_port_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["-m", "x", "--host", "127.0.0.1,127.0.0.2", "--port", "0"]) == 2
+    assert "--port 0 is not supported with multiple TCP addresses" in capsys.readouterr().err

@@ -86,7 +86,7 @@ def test_save_other_prompt_restore_into_other_slot(
     r3 = complete(c, a + extra, 0)
     assert r3["timings"]["prompt_n"] == len(extra), r3["timings"]
     assert r3["timings"]["cache_n"] == len(a)
-    assert r3["timings"]["restored"] is True
+    assert r3["slotkeeper"]["restored"] is True
 
     # The same request on a slot whose state never left memory: same work, same tokens.
     complete(c, a, 1)
@@ -111,7 +111,8 @@ def _divergent(a: list[int], other: list[int]) -> list[int]:
 def test_restart_restore_extend_identical_divergent(
     arch: str, models: dict[str, Path], tmp_path: Path
 ) -> None:
-    args = ("-np", "2", "-c", "2048", "--slot-save-path", str(tmp_path / "slots"), *CHECKPOINT_ARGS)
+    slots = str(tmp_path / "slots")
+    args = ("-np", "2", "-c", "2048", "--slot-save-path", slots, "--metrics", *CHECKPOINT_ARGS)
     first = EngineProcess(models[arch], *args, log_path=tmp_path / "first.log").start()
     try:
         c = httpx.Client(base_url=first.url, timeout=60)
@@ -201,4 +202,4 @@ def test_hybrid_chat_turns_reuse_checkpoints_after_restore(qwen: httpx.Client) -
     other = _chat(qwen, fresh, 0)
     prefix = _chat_prompt(qwen, [system], generation_prompt=False)
     assert other["timings"]["cache_n"] >= len(prefix) - 3
-    assert other["timings"]["reuse"] == "checkpoint"
+    assert other["slotkeeper"]["reuse"] == "checkpoint"
