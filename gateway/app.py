@@ -22,7 +22,6 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine_pool.credentials import cors_options
 from engine_pool.errors import ApiError, NotFound, api_error, error_style, is_expected, render_error
@@ -140,30 +139,15 @@ async def _on_error(request: Request, exc: Exception) -> Response:
     return render_error(api_error(exc), error_style(request.url.path))
 
 
-class Cors:
-    """Starlette's CORSMiddleware by the settings' `--cors-origins`. The settings reach the app with its
-    services (the lifespan), so the middleware is built at the first request. No credentials: tenants
-    present keys, not cookies, so any allowed origin is answered with `*` unless origins are listed."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-        self._cors: ASGIApp | None = None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if self._cors is None:
-            services: Services | None = getattr(scope["app"].state, "services", None)
-            origins = services.settings.cors_origins if services is not None else "*"
-            options = cors_options(parse_list(origins), credentials=False)
-            self._cors = CORSMiddleware(self.app, **options)
-        await self._cors(scope, receive, send)
-
-
 def build_app(
-    make_services: Callable[[], contextlib.AbstractAsyncContextManager[Services]], metrics: Metrics
+    make_services: Callable[[], contextlib.AbstractAsyncContextManager[Services]],
+    metrics: Metrics,
+    cors_origins: str = "*",
 ) -> Starlette:
+    """The gateway app. CORS (`--cors-origins`) is outermost, so a browser's preflight is answered
+    before any key check; no credentials: tenants present keys, not cookies, so any allowed origin
+    is answered with `*` unless origins are listed."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with make_services() as services:
@@ -190,5 +174,8 @@ def build_app(
         # The expected errors by class: Starlette's catch-all `Exception` handler re-raises after
         # answering (uvicorn then logs a traceback and drops the connection), so it is for bugs only.
         exception_handlers={e: _on_error for e in (ApiError, StorageError, HTTPException, Exception)},
-        middleware=[Middleware(Cors), Middleware(RequestCounter, metrics=metrics, routes=routes)],
+        middleware=[
+            Middleware(CORSMiddleware, **cors_options(parse_list(cors_origins), credentials=False)),
+            Middleware(RequestCounter, metrics=metrics, routes=routes),
+        ],
     )

@@ -135,7 +135,7 @@ def main(argv: list[str]) -> int:
         return 2
     logs.configure("json", settings.log_level)
     metrics = Metrics()
-    app = build_app(lambda: services(settings, metrics), metrics)
+    app = build_app(lambda: services(settings, metrics), metrics, settings.cors_origins)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             lifespan="on", http=header_deadline(settings.header_timeout_s),
                             timeout_keep_alive=round(settings.keep_alive_s))  # fmt: skip

@@ -115,7 +115,7 @@ def main(argv: list[str]) -> int:
     )
     node_server = build_server(node_settings, os.environ, redis)
     metrics = Metrics()
-    app = build_app(lambda: services(gw_settings, metrics, redis=redis), metrics)
+    app = build_app(lambda: services(gw_settings, metrics, redis=redis), metrics, gw_settings.cors_origins)
     gateway_server = _QuietServer(
         uvicorn.Config(
             app,

@@ -40,7 +40,8 @@ def gateway(tmp_path: Path) -> Iterator[Callable[..., TestClient]]:
     def start(**changes: str) -> TestClient:
         settings = GatewaySettings(data_dir=str(tmp_path / "gw"), tenants=str(tenants), **changes)  # type: ignore[arg-type]
         metrics = Metrics()
-        client = TestClient(build_app(lambda: services(settings, metrics), metrics)).__enter__()
+        app = build_app(lambda: services(settings, metrics), metrics, settings.cors_origins)
+        client = TestClient(app).__enter__()
         clients.append(client)
         return client
 
