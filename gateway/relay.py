@@ -2,7 +2,7 @@
 
 Streams pass through byte for byte; on the way, the SSE events are read to learn what the
 assistant said (content and tool calls of the first choice, for implicit routing) and the final
-usage, timings (llama-server's numbers) and `slotkeeper` (how the engine reused the prefix). An
+usage and timings (llama-server's numbers; the engine's `slotkeeper` reuse facts pass through). An
 engine failure before the first byte becomes a 503 with Retry-After (the caller may retry); after
 the first byte it becomes an error event in the stream, never a hang.
 """
@@ -30,7 +30,6 @@ class TurnOutcome:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     usage: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, Any] = field(default_factory=dict)  # numbers only (prompt_n, cache_n, ...)
-    reuse: dict[str, Any] = field(default_factory=dict)  # the engine's `slotkeeper`: reuse, restored
     error: str = ""
 
     def assistant_message(self) -> dict[str, Any]:
@@ -83,12 +82,7 @@ async def forward_json(
         raise Upstream(f"the engine answered {resp.status_code} without JSON") from None
     if resp.status_code != 200:
         raise _upstream_error(resp.status_code, payload)
-    out = TurnOutcome(
-        ok=True,
-        usage=payload.get("usage") or {},
-        timings=payload.get("timings") or {},
-        reuse=payload.get("slotkeeper") or {},
-    )
+    out = TurnOutcome(ok=True, usage=payload.get("usage") or {}, timings=payload.get("timings") or {})
     choices = payload.get("choices") or [{}]
     message = choices[0].get("message") or {}
     out.content = message.get("content") or choices[0].get("text") or ""
@@ -148,8 +142,6 @@ class StreamRelay:
             self.outcome.usage = chunk["usage"]
         if chunk.get("timings"):
             self.outcome.timings = chunk["timings"]
-        if chunk.get("slotkeeper"):
-            self.outcome.reuse = chunk["slotkeeper"]
         for choice in chunk.get("choices") or []:
             if choice.get("index", 0) != 0:
                 continue  # the session continues with the first choice
