@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import native
+
 from ..body import BodyLimits
 from ..errors import BadRequest
 from .grammar import GrammarLimits
@@ -36,7 +38,7 @@ class RequestLimits:
     max_grammar_depth: int = 64
     schema: GrammarLimits = field(default_factory=GrammarLimits)
     # Not settings (yet): fixed bounds on fields whose cost grows per generated token.
-    max_n_probs: int = 100  # `n_probs`, `top_logprobs`, `logprobs`: pieces looked up per token
+    max_n_probs: int = native.MAX_N_PROBS  # `n_probs`, `top_logprobs`, `logprobs`: the core's bound
     max_response_fields: int = 64  # `response_fields` paths
 
     @classmethod

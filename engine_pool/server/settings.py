@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import native
+
 from ..flags import (
     Check,
     Flag,
@@ -30,6 +32,7 @@ from ..flags import (
 )
 from ..flags import build_parser as _build_parser
 from .formats import FORMATS
+from .formats.output import REASONING_FORMATS
 
 __all__ = [
     "CACHE_TYPES",
@@ -159,7 +162,7 @@ def _csv(text: str) -> tuple[str, ...]:
 
 
 # llama-server's `-ctk/-ctv` values (common/arg.cpp's kv_cache_types).
-CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+CACHE_TYPES = native.KV_CACHE_TYPES  # llama-server's names, as the core accepts them
 
 
 def _cache_type(text: str) -> str:
@@ -578,8 +581,8 @@ _CHECKS: tuple[Check, ...] = (
     ("chat_format", lambda v: v == "auto" or v in FORMATS, f"auto or one of {', '.join(FORMATS)}"),
     (
         "reasoning_format",
-        lambda v: v in ("none", "deepseek", "deepseek-legacy", "auto"),
-        "none, deepseek, deepseek-legacy or auto",
+        lambda v: v in REASONING_FORMATS,
+        f"one of {', '.join(REASONING_FORMATS)}",
     ),
 )
 
