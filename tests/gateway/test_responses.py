@@ -188,6 +188,17 @@ def test_stored_responses_belong_to_their_tenant_and_bad_input_is_precise(serve,
         with pytest.raises(openai.BadRequestError) as err:
             a.responses.create(model="gpt-4.1", **extra)  # type: ignore[call-overload]
         assert err.value.body and err.value.body.get("message")  # OpenAI error shape
+    # The input_items listing's query is bounded like any other tenant input.
+    for query, param in (
+        ("limit=1000", "limit"),
+        ("limit=x", "limit"),
+        ("order=up", "order"),
+        ("after=x", "after"),
+    ):
+        got = httpx.get(
+            f"{s.url}/v1/responses/{r.id}/input_items?{query}", headers={"Authorization": "Bearer key-a"}
+        )
+        assert got.status_code == 400 and got.json()["error"]["param"] == param, got.text
     # Checked by the engine's chat path as max_tokens; refused under the name the client sent.
     with pytest.raises(openai.BadRequestError) as err:
         a.responses.create(model="gpt-4.1", input="x", max_output_tokens=1_000_000)
