@@ -24,13 +24,16 @@ from engine_pool.http_deadlines import header_deadline
 from gateway.app import build_app
 from gateway.cluster import Cluster
 from gateway.metrics import Metrics
+from gateway.retention import Retention
 from gateway.services import Services
 from gateway.settings import GatewaySettings, SettingsError, parse_settings
 from gateway.tenants import TenantConfigError, load_tenants
 from gateway.turns import TurnRunner
 from storage.blobstore import BlobStore
+from storage.chunkstore import ChunkedStore
 from storage.engines import EngineRegistry
 from storage.index import SessionIndex, in_process_redis
+from storage.ledger import ChunkLedger
 from storage.localstore import LocalStore
 from storage.locks import SessionLocks
 from storage.probe import check_backends
@@ -42,8 +45,10 @@ from storage.s3store import S3Store
 log = structlog.get_logger("slotkeeper.gateway")
 
 
-def make_store(settings: GatewaySettings) -> BlobStore:
-    """S3 when an endpoint or bucket is configured, else a directory under --data-dir."""
+def make_store(settings: GatewaySettings, redis: Any) -> ChunkedStore:
+    """S3 when an endpoint or bucket is configured, else a directory under --data-dir; sessions are
+    stored in chunks (storage.chunkstore), shared pieces accounted on `redis`."""
+    inner: BlobStore
     if settings.s3_bucket:
         client = make_s3_client(
             endpoint_url=settings.s3_endpoint,
@@ -51,8 +56,10 @@ def make_store(settings: GatewaySettings) -> BlobStore:
             access_key=settings.s3_access_key,
             secret_key=settings.s3_secret_key,
         )
-        return S3Store(client, settings.s3_bucket, prefix=settings.s3_prefix)
-    return LocalStore(Path(settings.data_dir) / "blobs", prefix=settings.s3_prefix)
+        inner = S3Store(client, settings.s3_bucket, prefix=settings.s3_prefix)
+    else:
+        inner = LocalStore(Path(settings.data_dir) / "blobs", prefix=settings.s3_prefix)
+    return ChunkedStore(inner, ChunkLedger(redis, prefix=settings.redis_prefix))
 
 
 @contextlib.asynccontextmanager
@@ -65,7 +72,7 @@ async def services(
     if redis is None:
         redis = aioredis.from_url(settings.redis_url) if settings.redis_url else in_process_redis()
     own_store = store is None
-    store = store or make_store(settings)
+    store = store or make_store(settings, redis)
     index = SessionIndex(redis, prefix=settings.redis_prefix)
     locks = SessionLocks(redis, prefix=settings.redis_prefix)
     registry = EngineRegistry(redis, prefix=settings.redis_prefix)
@@ -85,6 +92,9 @@ async def services(
             skipped=len(report.skipped),
         )
     cluster = Cluster(registry, index, locks, settings.nodes, http)
+    retention = None
+    if isinstance(store, ChunkedStore):
+        retention = Retention(store, index, tenants, interval_s=settings.collect_interval_s)
     runner = TurnRunner(
         cluster,
         index,
@@ -95,13 +105,22 @@ async def services(
         lock_ttl_s=settings.lock_ttl_s,
         spill_wait_s=settings.spill_wait_s,
         internal_key=settings.internal_key,
+        keep_generations=settings.keep_generations,
+        tenants=tenants,
+        superseded=retention.collect_soon if retention is not None else None,
     )
+    task = None
+    if retention is not None:
+        task = asyncio.create_task(retention.run(runner.delete))
     try:
         yield Services(
             settings, tenants, index, locks, registry, store, http, cluster, runner, metrics,
-            ResponseStore(store),
+            ResponseStore(store), retention,
         )  # fmt: skip
     finally:
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         await http.aclose()
         for node in runner.nodes.values():
             await node.aclose()

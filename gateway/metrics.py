@@ -37,6 +37,12 @@ class Metrics:
         self.spill_bytes = Counter(
             "slotkeeper_gateway_spill_bytes", "Bytes of slot files saved", ["why"], registry=r
         )
+        self.store_written = Counter(
+            "slotkeeper_gateway_store_written_bytes",
+            "Bytes saves added to the store (only chunks it lacked, the tail and the manifest)",
+            ["why"],
+            registry=r,
+        )
         self.spill_seconds = Histogram(
             "slotkeeper_gateway_spill_seconds", "Save + upload time of a slot", ["why"], registry=r
         )
@@ -57,8 +63,9 @@ class Metrics:
         if cache == "restored" and timings and cache_n == 0:
             self.restores_reprefilled.inc()
 
-    def spilled(self, why: str, nbytes: int, ms: float) -> None:
+    def spilled(self, why: str, nbytes: int, ms: float, written: int = 0) -> None:
         self.spill_bytes.labels(why).inc(nbytes)
+        self.store_written.labels(why).inc(written)
         self.spill_seconds.labels(why).observe(ms / 1000)
 
 

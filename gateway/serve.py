@@ -94,6 +94,10 @@ def main(argv: list[str]) -> int:
         node_argv += ["--s3-bucket", settings.s3_bucket]
         if settings.s3_endpoint:
             node_argv += ["--s3-endpoint", settings.s3_endpoint]
+    else:
+        # The store is this machine's disk: a spill-cache copy of what it holds would be a second
+        # copy of the same bytes, so the cache keeps only files not yet stored (and fills in flight).
+        node_argv += ["--spill-bytes", "0"]
     if settings.redis_url:
         node_argv += ["--redis-url", settings.redis_url]
     # The node API and the engines answer only this credential; one machine: a fresh one per start.

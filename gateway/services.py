@@ -8,6 +8,7 @@ import httpx
 
 from gateway.cluster import Cluster
 from gateway.metrics import Metrics
+from gateway.retention import Retention
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenants
 from gateway.turns import TurnRunner
@@ -31,3 +32,4 @@ class Services:
     runner: TurnRunner
     metrics: Metrics
     responses: ResponseStore
+    retention: Retention | None = None  # None when the store is not chunked (tests with a bare store)

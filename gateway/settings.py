@@ -45,6 +45,8 @@ class GatewaySettings:
     # Short, and renewed every third of it while a turn runs: a dead gateway frees its sessions fast.
     lock_ttl_s: float = 15.0
     spill_wait_s: float = 30.0  # a request waits this long for its session's write-behind save
+    keep_generations: int = 2  # stored generations kept per session (the newest K)
+    collect_interval_s: float = 300.0  # chunk collection and idle-session expiry, per tenant
     request_timeout_s: float = 600.0  # an engine silent this long fails that request (only)
     # Limits at the edge (each a precise 4xx): body bytes (413), JSON nesting (400), body and header
     # read time (408 / connection closed), requests running at once per tenant (429).
@@ -85,6 +87,20 @@ FLAGS: tuple[Flag, ...] = (
     Flag("lock_ttl_s", ("--lock-ttl-s",), "SLOTKEEPER_LOCK_TTL_S", float, "session lock TTL, seconds"),
     Flag("spill_wait_s", ("--spill-wait-s",), "SLOTKEEPER_SPILL_WAIT_S", float, "wait for a session's save"),
     Flag(
+        "keep_generations",
+        ("--keep-generations",),
+        "SLOTKEEPER_KEEP_GENERATIONS",
+        int,
+        "stored generations kept per session (2)",
+    ),
+    Flag(
+        "collect_interval_s",
+        ("--collect-interval-s",),
+        "SLOTKEEPER_COLLECT_INTERVAL_S",
+        float,
+        "seconds between chunk collections and idle-session expiry (300; 0 = never)",
+    ),
+    Flag(
         "request_timeout_s", ("--request-timeout-s",), "SLOTKEEPER_REQUEST_TIMEOUT_S", float, "engine timeout"
     ),
     Flag(
@@ -116,6 +132,8 @@ _CHECKS: tuple[Check, ...] = (
     ("port", lambda v: 0 < v < 65536, "a TCP port"),
     ("lock_ttl_s", lambda v: v > 0, "> 0"),
     ("spill_wait_s", lambda v: v >= 0, ">= 0"),
+    ("keep_generations", lambda v: v >= 1, ">= 1"),
+    ("collect_interval_s", lambda v: v >= 0, ">= 0"),
     ("request_timeout_s", lambda v: v > 0, "> 0"),
     ("max_body_bytes", lambda v: v >= 1024, ">= 1024"),
     ("max_json_depth", lambda v: 4 <= v <= 512, "within 4..512"),

@@ -17,6 +17,11 @@ The tenants file is TOML:
     requests_per_minute = 600
     inflight = 16                        # requests running at once (default: --max-inflight)
 
+    [tenants.acme.storage]
+    share_chunks = true                  # sessions share stored chunks they have in common (forks,
+                                         # a system prompt); false keeps each session's chunks its own
+    idle_ttl_s = 2592000                 # a session unused this long is deleted (default: never)
+
 Without a file there is one tenant, `default`, with no key and no quotas (local use); when one model
 is served, any model name reaches it (agents send their own names: `claude-…`, `gpt-…`), as with
 llama-server.
@@ -57,6 +62,8 @@ class Tenant:
     durability: Durability = Durability.AFTER_TURN
     models: dict[str, str] = field(default_factory=dict)
     quotas: Quotas = Quotas()
+    share_chunks: bool = True  # stored chunks shared between the tenant's sessions (never tenants)
+    idle_ttl_s: float | None = None  # sessions unused this long are deleted
     any_name: bool = False  # any model name means the one served model (no tenants file)
 
     def model_id(self, requested: str, served: set[str]) -> str | None:
@@ -119,6 +126,21 @@ def _int_or_none(raw: dict[str, Any], name: str, where: str) -> int | None:
     return value
 
 
+def _storage(raw: Any, where: str) -> tuple[bool, float | None]:
+    if not isinstance(raw, dict):
+        raise TenantConfigError(f"{where}.storage must be a table")
+    unknown = set(raw) - {"share_chunks", "idle_ttl_s"}
+    if unknown:
+        raise TenantConfigError(f"{where}.storage has unknown keys: {', '.join(sorted(unknown))}")
+    share = raw.get("share_chunks", True)
+    if not isinstance(share, bool):
+        raise TenantConfigError(f"{where}.storage.share_chunks must be true or false")
+    ttl = raw.get("idle_ttl_s")
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0):
+        raise TenantConfigError(f"{where}.storage.idle_ttl_s must be a positive number of seconds")
+    return share, None if ttl is None else float(ttl)
+
+
 def parse_tenants(doc: dict[str, Any]) -> Tenants:
     raw_tenants = doc.get("tenants")
     if not isinstance(raw_tenants, dict) or not raw_tenants:
@@ -152,7 +174,8 @@ def parse_tenants(doc: dict[str, Any]) -> Tenants:
         if not isinstance(q, dict):
             raise TenantConfigError(f"{where}.quotas must be a table")
         quotas = Quotas(**{f: _int_or_none(q, f, where) for f in Quotas.__dataclass_fields__})
-        out[name] = Tenant(name, frozenset(all_digests), durability, dict(models), quotas)
+        share, ttl = _storage(raw.get("storage", {}), where)
+        out[name] = Tenant(name, frozenset(all_digests), durability, dict(models), quotas, share, ttl)
     return Tenants(out, open_access=False)
 
 

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import hashlib
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +33,7 @@ from gateway.placement import (
 from gateway.prefixes import lookup_digests, turn_digests
 from gateway.relay import TurnOutcome
 from gateway.reservations import SlotReservations
-from gateway.tenants import Durability, Tenant
+from gateway.tenants import Durability, Tenant, Tenants
 from storage.blobstore import BlobStore, delete_generations
 from storage.errors import Conflict as RecordConflict
 from storage.errors import InvalidId, LockBusy, LockLost, StorageError
@@ -96,6 +96,9 @@ class TurnRunner:
         lock_ttl_s: float,
         spill_wait_s: float,
         internal_key: str | None = None,
+        keep_generations: int = 2,
+        tenants: Tenants | None = None,
+        superseded: Callable[[str], None] | None = None,
     ) -> None:
         self.cluster = cluster
         self.store = store
@@ -106,6 +109,9 @@ class TurnRunner:
         self.lock_ttl_s = lock_ttl_s
         self.spill_wait_s = spill_wait_s
         self.internal_key = internal_key
+        self.keep_generations = keep_generations
+        self.tenants = tenants
+        self._superseded = superseded  # told the tenant whose stored generations were deleted
         # Sessions whose turn ended here and whose lock is still held for the bookkeeping and the
         # write-behind save: a request for one of them waits for this instead of forking it.
         self._settling: dict[tuple[str, str], asyncio.Future[None]] = {}
@@ -320,7 +326,7 @@ class TurnRunner:
                 lock=lock,
             )
             self.metrics.evictions.inc()
-            self.metrics.spilled("evict", out.bytes, out.ms)
+            self.metrics.spilled("evict", out.bytes, out.ms, out.written)
             log.info("session.evicted", tenant=victim.tenant, session=victim.session, engine=engine,
                      slot=victim.slot, generation=out.generation)  # fmt: skip
         except (NodeError, StorageError) as exc:
@@ -330,6 +336,11 @@ class TurnRunner:
         finally:
             with contextlib.suppress(StorageError):
                 await self.locks.release(lock)
+
+    def _shares(self, tenant: str) -> bool:
+        """Whether the tenant's sessions share stored chunks (a tenants-file setting, default yes)."""
+        known = self.tenants.by_name.get(tenant) if self.tenants is not None else None
+        return known.share_chunks if known is not None else True
 
     async def _save(
         self, node: NodeClient, engine: str, slot: int, tenant: str, session: str, rec: SessionRecord,
@@ -342,8 +353,9 @@ class TurnRunner:
             generation = await self.index.reserve_generation(tenant, session, lock=lock)
             try:
                 return await node.spill(
-                    engine, slot, tenant=tenant, session=session, generation=generation, route=rec.route
-                )
+                    engine, slot, tenant=tenant, session=session, generation=generation, route=rec.route,
+                    share=self._shares(tenant),
+                )  # fmt: skip
             except NodeError as exc:
                 if exc.status != 409 or exc.code != "conflict":
                     raise
@@ -437,15 +449,20 @@ class TurnRunner:
             await self.index.set_durable(
                 t, s, generation=out.generation, blob_key=out.key, nbytes=out.bytes, lock=turn.lock
             )
-            self.metrics.spilled("after-turn", out.bytes, out.ms)
+            self.metrics.spilled("after-turn", out.bytes, out.ms, out.written)
             log.info("session.durable", tenant=t, session=s, generation=out.generation, bytes=out.bytes,
-                     uploaded=out.uploaded)  # fmt: skip
-            # The previous generation stays (a fork may be filling from it); older ones go.
-            await delete_generations(self.store, t, s, below=out.generation - 1)
+                     written=out.written, uploaded=out.uploaded)  # fmt: skip
+            # The newest K stay (the one before may be what a fork is filling from); older ones go.
+            if await delete_generations(self.store, t, s, below=out.generation - self.keep_generations + 1):
+                self._told_superseded(t)
         except Exception as exc:  # the turn was answered; a failed save only costs durability
             log.warning("session.write_behind_failed", tenant=t, session=s, error=str(exc))
         finally:
             await self._release(turn, settled)
+
+    def _told_superseded(self, tenant: str) -> None:
+        if self._superseded is not None:
+            self._superseded(tenant)
 
     async def drain(self) -> None:
         """Wait for write-behind saves in flight (shutdown)."""
@@ -475,6 +492,7 @@ class TurnRunner:
                 await node.forget(tenant.name, session)
             await delete_generations(self.store, tenant.name, session)
             await self.index.delete(tenant.name, session, lock=lock)
+            self._told_superseded(tenant.name)
         except NodeError as exc:
             raise Unavailable(f"could not delete every copy of session {session}: {exc.message}",
                               retry_after=1) from exc  # fmt: skip

@@ -30,7 +30,7 @@ from typing import Self
 
 from storage.checksum import format_checksum, parse_checksum
 from storage.errors import StorageError
-from storage.ids import SlotRef, blob_key, validate_generation, validate_id, validate_prefix
+from storage.ids import SlotRef, blob_key, tenant_prefix, validate_generation, validate_id, validate_prefix
 
 _FINGERPRINT_MAX = 256
 _ROUTE = re.compile(r"[0-9a-f]{16,128}")
@@ -41,6 +41,15 @@ class BlobInfo:
     """One object as a listing shows it (no user metadata)."""
 
     ref: SlotRef
+    key: str
+    size: int
+    last_modified: float
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One raw object (a chunk, checkpoint, tail or manifest) as a listing shows it."""
+
     key: str
     size: int
     last_modified: float
@@ -60,6 +69,7 @@ class BlobMeta:
     etag: str = ""
     writer: str = ""
     route: str = ""  # the session's newest routing digest (implicit routing survives a reindex)
+    written: int = 0  # bytes this put added to the store (a chunked save writes only what is new)
 
     @property
     def checksum(self) -> str | None:
@@ -136,14 +146,16 @@ class BlobStore(ABC):
     @abstractmethod
     async def put_file(
         self, ref: SlotRef, path: str | Path, *, model: str, n_tokens: int, crc32: int | None = None,
-        route: str = "",
+        route: str = "", share: bool = True,
     ) -> BlobMeta:  # fmt: skip
         """Upload ``path`` as generation ``ref``; :class:`Conflict` if that generation exists.
 
         ``crc32`` is the CRC the caller expects of the whole file (e.g. from a slot file's trailer,
         :func:`storage.slotfile.whole_file_crc32`); the bytes actually sent must match it, else
         :class:`ChecksumError`. Without it the store computes it first. The source file is never
-        modified or removed. Transient failures are retried; when they persist
+        modified or removed. ``share`` lets a chunked store share this file's pieces with the tenant's
+        other sessions (:class:`storage.chunkstore.ChunkedStore`); a whole-file store ignores it.
+        Transient failures are retried; when they persist
         :class:`StoreUnavailable` is raised and nothing is left half-visible.
         """
 
@@ -189,6 +201,31 @@ class BlobStore(ABC):
     @abstractmethod
     async def delete_document(self, tenant: str, kind: str, name: str) -> None:
         """Remove one document; an absent one is not an error."""
+
+    # Raw objects: keys come only from storage.ids (piece_key, manifest_key), never from a tenant.
+    @abstractmethod
+    async def put_object(self, key: str, data: bytes) -> None:
+        """Write (or replace) one object atomically and durably."""
+
+    @abstractmethod
+    async def get_object(self, key: str) -> bytes:
+        """One object's bytes; :class:`NotFound` if absent."""
+
+    @abstractmethod
+    async def object_exists(self, key: str) -> bool:
+        """Whether the object is there (one head)."""
+
+    @abstractmethod
+    def list_objects(self, key_prefix: str) -> AsyncIterator[ObjectInfo]:
+        """Every object whose key starts with ``key_prefix`` (a folder ending in ``/``)."""
+
+    @abstractmethod
+    async def delete_object(self, key: str) -> None:
+        """Remove one object; an absent one is not an error."""
+
+    async def stored_bytes(self, tenant: str) -> int:
+        """Bytes the store holds for one tenant (every object under its folder)."""
+        return sum([o.size async for o in self.list_objects(tenant_prefix(self.prefix, tenant))])
 
     async def latest(self, tenant: str, session: str) -> BlobInfo | None:
         """The newest generation of one session, or None."""

@@ -97,6 +97,48 @@ def document_key(prefix: str, tenant: str, kind: str, name: str) -> str:
     return f"{tenant_prefix(prefix, tenant)}.{folder}/{validate_id(name, 'document id')}.json"
 
 
+_NAME = re.compile(r"[0-9a-f]{16,128}(-[0-9a-f]{8})?")
+PIECE_KINDS = frozenset({"kv", "ck"})
+
+
+def manifest_key(prefix: str, ref: SlotRef, suffix: str = "manifest") -> str:
+    """A generation's chunk manifest (``.manifest``) or tail (``.tail``) beside where its v1 slot
+    file would be: ``{tenant}/{session}/{generation:020d}.{suffix}``."""
+    if suffix not in ("manifest", "tail"):
+        raise InvalidId("object suffix", f"{suffix!r} is not manifest or tail")
+    return f"{tenant_prefix(prefix, ref.tenant, ref.session)}{ref.generation:020d}.{suffix}"
+
+
+def chunks_prefix(prefix: str, tenant: str) -> str:
+    """Where a tenant's content-addressed pieces live: ``{tenant}/.chunks/`` (never a session id,
+    which cannot start with ``.``)."""
+    return f"{tenant_prefix(prefix, tenant)}.chunks/"
+
+
+def piece_key(prefix: str, tenant: str, ns: str, name: str, kind: str) -> str:
+    """A content-addressed piece of a tenant: ``{tenant}/.chunks/{ns[:32]}/{name}.{kind}``."""
+    if kind not in PIECE_KINDS:
+        raise InvalidId("piece kind", f"{kind!r} is not one of {sorted(PIECE_KINDS)}")
+    if not _NAME.fullmatch(ns) or not _NAME.fullmatch(name):
+        raise InvalidId("piece name", "must be lowercase hex digests")
+    return f"{chunks_prefix(prefix, tenant)}{ns[:32]}/{name}.{kind}"
+
+
+_MANIFEST_TAIL = re.compile(r"(?P<tenant>[^/]+)/(?P<session>[^/]+)/(?P<generation>[0-9]{20})\.manifest")
+
+
+def parse_manifest_key(prefix: str, key: str) -> SlotRef | None:
+    """The ref a manifest key names, or None."""
+    head = f"{prefix}/" if prefix else ""
+    match = _MANIFEST_TAIL.fullmatch(key[len(head) :]) if key.startswith(head) else None
+    if match is None:
+        return None
+    try:
+        return SlotRef(match["tenant"], match["session"], int(match["generation"]))
+    except InvalidId:
+        return None
+
+
 def parse_blob_key(prefix: str, key: str) -> SlotRef | None:
     """The ref a key names, or None when the key is not a slot key under ``prefix``."""
     head = f"{prefix}/" if prefix else ""

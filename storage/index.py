@@ -9,11 +9,10 @@ also proves the lock is still held (fencing), raising :class:`LockLost` otherwis
 Invariants kept by :meth:`SessionIndex._change` for every transition:
 
 * **Durable generations only move forward**, and never to one at or below the record's ``floor``.
-* **Stored bytes**: the tenant's ``stored_bytes`` counter is the sum, over its records, of the
-  bytes of each record's newest durable generation (``SessionRecord.stored_bytes``); every
-  transition adds ``new - old`` in its own MULTI. :meth:`SessionIndex.recount_stored_bytes`
-  rebuilds it (``reindex`` calls it). Older generations still in the store are not counted: the
-  gateway deletes them (:func:`storage.blobstore.delete_generations`).
+* **Stored bytes**: the tenant's ``stored_bytes`` counter is what the store holds for it, in unique
+  bytes (shared chunks once): the chunk ledger adds what each save writes and subtracts what
+  deletes free, each collection sets it exactly (:mod:`storage.ledger`), and ``reindex`` sets it
+  from a listing (:meth:`SessionIndex.set_stored_bytes`). Records do not change it.
 * **Generation numbers are never reused for one (tenant, session id)**, not even after a delete:
   saves take their number from :meth:`SessionIndex.reserve_generation` (or at least
   ``SessionRecord.next_generation``); deleting a record leaves a tombstone holding the highest
@@ -106,38 +105,29 @@ class SessionIndex(EngineOccupancy, PrefixRouting, TenantCounters):
         async with redis_errors():
             return [text(m) for m in await self._redis.zrange(self.keys.sessions(tenant), 0, -1)]
 
+    async def unused_since(self, tenant: str, before: float, limit: int = 1000) -> list[str]:
+        """The tenant's sessions last used before ``before`` (seconds), least recently used first."""
+        async with redis_errors():
+            key = self.keys.sessions(tenant)
+            found = await self._redis.zrangebyscore(key, "-inf", before, start=0, num=limit)
+        return [text(m) for m in found]
+
     async def count_sessions(self, tenant: str) -> int:
         """How many sessions the tenant has (O(1): the sessions quota needs no listing)."""
         async with redis_errors():
             return int(await self._redis.zcard(self.keys.sessions(tenant)))
 
     async def stored_bytes(self, tenant: str) -> int:
-        """Bytes of the newest durable generation of each of the tenant's sessions (O(1))."""
+        """Bytes the store holds for the tenant (O(1)): unique bytes, counted by the chunk ledger
+        (:mod:`storage.ledger`) as saves write and collections find them."""
         async with redis_errors():
             return int(await self._redis.get(self.keys.stored_bytes(tenant)) or 0)
 
-    async def recount_stored_bytes(self, tenant: str) -> int:
-        """Rebuild the tenant's stored-bytes counter from its records; returns the total.
-
-        Atomic against concurrent transitions: every change of a record's bytes also changes the
-        counter, which the transaction watches, so a concurrent change makes it start again.
-        """
-        sessions, total_key = self.keys.sessions(tenant), self.keys.stored_bytes(tenant)
-
-        async def body(pipe: Any) -> int:
-            ids = [text(m) for m in await pipe.zrange(sessions, 0, -1)]
-            async with self._redis.pipeline(transaction=False) as reads:
-                for session in ids:
-                    reads.hmget(self.keys.session(tenant, session), ["generation", "bytes"])
-                rows = await reads.execute()
-            total = sum(int(b or 0) for g, b in rows if int(g or 0))
-            pipe.multi()
-            pipe.set(total_key, total)
-            return total
-
-        total = await transact(self._redis, [sessions, total_key], body)
-        log.info("index.stored_bytes_recounted", tenant=tenant, bytes=total)
-        return total
+    async def set_stored_bytes(self, tenant: str, total: int) -> None:
+        """Set the tenant's stored-bytes counter (``reindex``: from a listing of the store)."""
+        async with redis_errors():
+            await self._redis.set(self.keys.stored_bytes(tenant), total)
+        log.info("index.stored_bytes_set", tenant=tenant, bytes=total)
 
     async def generation_floor(self, tenant: str, session: str) -> int:
         """The generation a session with this id must save above: its record's floor, or what a
@@ -215,9 +205,6 @@ class SessionIndex(EngineOccupancy, PrefixRouting, TenantCounters):
         if old is not None and old.engine and (new is None or new.engine != old.engine):
             pipe.zrem(self.keys.engine_idle(old.engine), m)
             pipe.srem(self.keys.engine_live(old.engine), m)
-        delta = (new.stored_bytes if new else 0) - (old.stored_bytes if old else 0)
-        if delta:
-            pipe.incrby(self.keys.stored_bytes(tenant), delta)
         if new is None:
             pipe.delete(self.keys.session(tenant, session))
             pipe.zrem(self.keys.sessions(tenant), session)

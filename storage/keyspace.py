@@ -48,7 +48,7 @@ class Keyspace:
         return f"{self.tenant(tenant)}:sessions"
 
     def stored_bytes(self, tenant: str) -> str:
-        """Integer: bytes of the newest durable generation of every session of the tenant."""
+        """Integer: unique bytes the store holds for the tenant (see storage.ledger)."""
         return f"{self.tenant(tenant)}:stored_bytes"
 
     def floor(self, tenant: str, session: str) -> str:

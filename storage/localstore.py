@@ -28,6 +28,7 @@ from storage.blobstore import (
     BlobInfo,
     BlobMeta,
     BlobStore,
+    ObjectInfo,
     decode_metadata,
     encode_metadata,
     new_writer_id,
@@ -70,7 +71,7 @@ class LocalStore(BlobStore):
 
     async def put_file(
         self, ref: SlotRef, path: str | Path, *, model: str, n_tokens: int, crc32: int | None = None,
-        route: str = "",
+        route: str = "", share: bool = True,
     ) -> BlobMeta:  # fmt: skip
         meta = await asyncio.to_thread(self._put, ref, Path(path), model, n_tokens, crc32, route)
         log.info("storage.upload", store="local", key=meta.key, bytes=meta.size, checksum=meta.checksum)
@@ -270,6 +271,53 @@ class LocalStore(BlobStore):
     async def delete_document(self, tenant: str, kind: str, name: str) -> None:
         path = self.root / document_key(self.prefix, tenant, kind, name)
         await asyncio.to_thread(path.unlink, missing_ok=True)
+
+    async def put_object(self, key: str, data: bytes) -> None:
+        await asyncio.to_thread(self._put_document, self.root / key, data)
+
+    async def get_object(self, key: str) -> bytes:
+        try:
+            return await asyncio.to_thread((self.root / key).read_bytes)
+        except FileNotFoundError:
+            raise NotFound(f"object {key} not found") from None
+
+    async def object_exists(self, key: str) -> bool:
+        return await asyncio.to_thread((self.root / key).is_file)
+
+    async def list_objects(self, key_prefix: str) -> AsyncIterator[ObjectInfo]:
+        for info in await asyncio.to_thread(self._list_objects, key_prefix):
+            yield info
+
+    def _list_objects(self, key_prefix: str) -> builtins.list[ObjectInfo]:
+        """Keys starting with ``key_prefix``, as S3 lists them (a folder or a whole key)."""
+        base = self.root / key_prefix.rpartition("/")[0]
+        found: builtins.list[ObjectInfo] = []
+        if not base.is_dir():
+            return found
+        for dirpath, _, files in os.walk(base):
+            for name in files:
+                if name.startswith(".") and name.endswith(".part") or name.endswith(_META_SUFFIX):
+                    continue  # a write in progress, or a slot file's metadata
+                path = Path(dirpath) / name
+                key = path.relative_to(self.root).as_posix()
+                if not key.startswith(key_prefix):
+                    continue
+                try:
+                    st = path.stat()
+                except FileNotFoundError:
+                    continue
+                found.append(ObjectInfo(key, st.st_size, st.st_mtime))
+        return sorted(found, key=lambda i: i.key)
+
+    async def delete_object(self, key: str) -> None:
+        await asyncio.to_thread(self._delete_object, self.root / key)
+
+    def _delete_object(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+        try:
+            path.parent.rmdir()
+        except OSError:
+            pass  # not empty, or gone
 
     async def probe(self) -> None:
         await asyncio.to_thread(self._probe)

@@ -51,11 +51,6 @@ class SessionRecord:
         """The highest generation this session may have written anywhere (its tombstone)."""
         return max(self.generation, self.floor, self.reserved)
 
-    @property
-    def stored_bytes(self) -> int:
-        """What this record adds to its tenant's stored bytes: its newest durable generation."""
-        return self.bytes if self.generation else 0
-
     def to_hash(self) -> dict[str, str]:
         fields = asdict(self)
         del fields["tenant"], fields["session"]

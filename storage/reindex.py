@@ -4,7 +4,7 @@ For every tenant in the store (or the ones named), the newest generation of ever
 looked up, its object metadata read, and the session recorded as ``spilled`` at that generation
 — unless the index already knows that generation or a newer one (a live session keeps its slot
 and only learns the newer durable generation). Running it twice changes nothing the second time.
-Afterwards each tenant's stored-bytes counter is recounted from its records, and a generation at or
+Afterwards each tenant's stored-bytes counter is set to what the store holds for it, and a generation at or
 below a deleted session's floor (a leftover copy) is not adopted.
 The in-process index of a single machine runs :func:`reindex` at start-up to survive restarts.
 """
@@ -81,7 +81,7 @@ async def reindex(
         report.sessions += len(latest)
         await asyncio.gather(*(one(info) for info in latest.values()))
         if not dry_run:
-            await index.recount_stored_bytes(tenant)
+            await index.set_stored_bytes(tenant, await store.stored_bytes(tenant))
     log.info("reindex.done", dry_run=dry_run, **{k: v for k, v in asdict(report).items() if k != "skipped"},
              skipped=len(report.skipped))  # fmt: skip
     return report
@@ -117,6 +117,8 @@ def _parser() -> argparse.ArgumentParser:
 async def _run(args: argparse.Namespace) -> ReindexReport:
     import redis.asyncio as aioredis
 
+    from storage.chunkstore import ChunkedStore
+    from storage.ledger import ChunkLedger
     from storage.localstore import LocalStore
     from storage.s3client import make_s3_client
     from storage.s3store import S3Store
@@ -131,6 +133,7 @@ async def _run(args: argparse.Namespace) -> ReindexReport:
                                 secret_key=args.secret_key)  # fmt: skip
         store = S3Store(client, args.bucket, prefix=args.prefix)
     redis = aioredis.from_url(args.redis)
+    store = ChunkedStore(store, ChunkLedger(redis, prefix=args.redis_prefix))  # manifests and v1 files
     try:
         index = SessionIndex(redis, prefix=args.redis_prefix)
         return await reindex(store, index, tenants=args.tenant, dry_run=args.dry_run)

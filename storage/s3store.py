@@ -52,6 +52,7 @@ from storage.blobstore import (
     BlobInfo,
     BlobMeta,
     BlobStore,
+    ObjectInfo,
     decode_metadata,
     encode_metadata,
     new_writer_id,
@@ -167,7 +168,7 @@ class S3Store(BlobStore):
     @_boundary
     async def put_file(
         self, ref: SlotRef, path: str | Path, *, model: str, n_tokens: int, crc32: int | None = None,
-        route: str = "",
+        route: str = "", share: bool = True,
     ) -> BlobMeta:  # fmt: skip
         key, path, started = self.key_for(ref), Path(path), time.monotonic()
         size = (await asyncio.to_thread(os.stat, path)).st_size
@@ -370,6 +371,44 @@ class S3Store(BlobStore):
     async def delete_document(self, tenant: str, kind: str, name: str) -> None:
         try:
             await self._s3("delete_object", Key=document_key(self.prefix, tenant, kind, name))
+        except ClientError as exc:
+            if not is_missing(exc):
+                raise
+
+    # --------------------------------------------------------------------------------- raw objects
+    @_boundary
+    async def put_object(self, key: str, data: bytes) -> None:
+        await self._s3("put_object", Key=key, Body=data, ChecksumCRC32=crc32_b64(zlib.crc32(data)))
+
+    @_boundary
+    async def get_object(self, key: str) -> bytes:
+        try:
+            resp = await self._s3("get_object", Key=key)
+        except ClientError as exc:
+            if is_missing(exc):
+                raise NotFound(f"object {key} not found") from None
+            raise
+        return await self.thread(_read_body, resp["Body"])
+
+    @_boundary
+    async def object_exists(self, key: str) -> bool:
+        try:
+            await self._s3("head_object", Key=key)
+        except ClientError as exc:
+            if is_missing(exc):
+                return False
+            raise
+        return True
+
+    async def list_objects(self, key_prefix: str) -> AsyncIterator[ObjectInfo]:
+        with s3_errors("list", self.bucket, self.endpoint):
+            async for obj in self._list_pages(key_prefix):
+                yield ObjectInfo(obj["Key"], int(obj["Size"]), obj["LastModified"].timestamp())
+
+    @_boundary
+    async def delete_object(self, key: str) -> None:
+        try:
+            await self._s3("delete_object", Key=key)
         except ClientError as exc:
             if not is_missing(exc):
                 raise

@@ -220,7 +220,7 @@ class SpillCache:
                 generation=ref.generation,
                 bytes=entry.size,
             )
-        if total > self.max_bytes:
+        if total > self.max_bytes and self.pending():  # pinned files are in use for a moment only
             log.warning(
                 "spill.over_budget", bytes=total, max_bytes=self.max_bytes, pending=len(self.pending())
             )

@@ -59,6 +59,16 @@ def redis_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
 
 
 @pytest.fixture(scope="session")
+def seaweed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """SeaweedFS (`weed mini`) with S3 on a free loopback port, bucket ``slots``; yields the endpoint."""
+    from support.servers import make_bucket, weed_mini
+
+    with weed_mini(tmp_path_factory.mktemp("weed")) as endpoint:
+        make_bucket(endpoint, "slots")
+        yield endpoint
+
+
+@pytest.fixture(scope="session")
 def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """moto's S3 server in a child process, bucket ``slots`` created."""
     from support.servers import MotoProcess

@@ -41,7 +41,7 @@ from starlette.routing import Route
 
 from storage.blobstore import BlobStore
 from storage.engines import EngineRegistry
-from storage.errors import Conflict, StorageError, StoreUnavailable
+from storage.errors import Conflict, LockBusy, LockLost, StorageError, StoreUnavailable
 from storage.ids import SlotRef, validate_id
 from storage.index import SessionIndex, SessionState
 from storage.slotfile import read_slot_file, whole_file_crc32
@@ -198,7 +198,7 @@ class NodeAgent:
         return sup, int(slot)
 
     async def operation(
-        self, op: str, engine_id: str, slot: str, ref: SlotRef | None, route: str = ""
+        self, op: str, engine_id: str, slot: str, ref: SlotRef | None, route: str = "", share: bool = True
     ) -> dict[str, Any]:
         sup, n = self._engine(engine_id, slot)
         self._inflight += 1
@@ -209,7 +209,8 @@ class NodeAgent:
                 result = {"n_erased": (await self._slot_call(sup, n, "erase"))["n_erased"]}
             else:
                 assert ref is not None
-                result = await (self._spill(sup, n, ref, route) if op == "spill" else self._fill(sup, n, ref))
+                spill = op == "spill"
+                result = await (self._spill(sup, n, ref, route, share) if spill else self._fill(sup, n, ref))
             return result
         finally:
             self.metrics.observe(op, time.monotonic() - t0, result)
@@ -225,9 +226,12 @@ class NodeAgent:
         log.info("node.forgot", tenant=tenant, session=session, files=len(refs))
         return len(refs)
 
-    async def _spill(self, sup: EngineSupervisor, slot: int, ref: SlotRef, route: str = "") -> dict[str, Any]:
+    async def _spill(
+        self, sup: EngineSupervisor, slot: int, ref: SlotRef, route: str = "", share: bool = True
+    ) -> dict[str, Any]:
         """Save, cache and upload; `route` (the session's newest routing digest) travels in the
-        object's metadata so that a reindex restores implicit routing too."""
+        object's metadata so that a reindex restores implicit routing too; `share` lets the stored
+        chunks be shared with the tenant's other sessions."""
         cache, t0 = self.parts.cache, time.monotonic()
         if ref in cache:
             raise Conflict(f"generation {ref.generation} of session {ref.session} was already spilled here")
@@ -242,33 +246,40 @@ class NodeAgent:
             raise Upstream(f"engine {sup.spec.engine_id} wrote an unreadable slot file: {exc}") from exc
         path = await cache.add(ref, src, pin=True)
         try:
-            uploaded = await self._upload(ref, path, sf.fingerprint or "", sf.n_tokens, crc, sf.size, route)
+            model = sf.fingerprint or ""
+            written = await self._upload(ref, path, model, sf.n_tokens, crc, sf.size, route, share)
         finally:
             cache.unpin(ref)
         await cache.evict()
         out = {"tenant": ref.tenant, "session": ref.session, "generation": ref.generation,
                "key": self.parts.store.key_for(ref), "bytes": sf.size, "tokens": sf.n_tokens,
-               "uploaded": uploaded, "ms": round((time.monotonic() - t0) * 1000, 2)}  # fmt: skip
+               "uploaded": written is not None, "written": written or 0,
+               "ms": round((time.monotonic() - t0) * 1000, 2)}  # fmt: skip
         log.info("node.spilled", engine=sup.spec.engine_id, slot=slot, **out)
         return out
 
     async def _upload(
-        self, ref: SlotRef, path: Path, model: str, tokens: int, crc: int, size: int, route: str = ""
-    ) -> bool:
+        self, ref: SlotRef, path: Path, model: str, tokens: int, crc: int, size: int, route: str = "",
+        share: bool = True,
+    ) -> int | None:  # fmt: skip
+        """Upload; the bytes it added to the store, or None when it stays pending (store down)."""
         store, cache = self.parts.store, self.parts.cache
+        written = 0
         try:
-            await store.put_file(ref, path, model=model, n_tokens=tokens, crc32=crc, route=route)
-        except StoreUnavailable as exc:
+            meta = await store.put_file(ref, path, model=model, n_tokens=tokens, crc32=crc, route=route,
+                                        share=share)  # fmt: skip
+            written = meta.written
+        except (StoreUnavailable, LockBusy, LockLost) as exc:
             log.warning("node.upload_deferred", tenant=ref.tenant, session=ref.session,
                         generation=ref.generation, error=str(exc))  # fmt: skip
-            return False
+            return None
         except Conflict:
             remote = await store.head(ref)  # the flush loop may have uploaded it a moment ago
             if remote.crc32 != crc or remote.size != size:
                 await cache.discard(ref)
                 raise
         await cache.mark_uploaded(ref)
-        return True
+        return written
 
     async def _fill(self, sup: EngineSupervisor, slot: int, ref: SlotRef) -> dict[str, Any]:
         cache, t0 = self.parts.cache, time.monotonic()
@@ -287,6 +298,7 @@ class NodeAgent:
         finally:
             await asyncio.to_thread(link.unlink, missing_ok=True)
             cache.unpin(ref)
+        await cache.evict()  # with a budget of 0 (one machine, local store) the copy goes now
         result = {"tokens": out["n_restored"], "bytes": out["n_read"], "source": source,
                   "ms": round((time.monotonic() - t0) * 1000, 2)}  # fmt: skip
         log.info("node.filled", engine=sup.spec.engine_id, slot=slot, tenant=ref.tenant, session=ref.session,
@@ -447,7 +459,8 @@ async def slot_operation(request: Request) -> Response:
         route = body.get_str("route", "") or ""
         if route and not _ROUTE.fullmatch(route):
             raise BadRequest("'route' must be a lowercase hex digest of 16..128 characters", param="route")
-        return JSONResponse(await a.operation(op, p["engine"], p["slot"], ref, route))
+        share = body.get_bool("share", True)
+        return JSONResponse(await a.operation(op, p["engine"], p["slot"], ref, route, share))
     return JSONResponse(await a.operation(op, p["engine"], p["slot"], ref))
 
 

@@ -67,6 +67,7 @@ class SpillResult:
     tokens: int
     uploaded: bool
     ms: float
+    written: int = 0  # bytes the upload added to the store (0 while it is pending)
 
 
 @dataclass(frozen=True)
@@ -118,15 +119,19 @@ class NodeClient:
         return [NodeEngine(**{f: e.get(f) for f in NodeEngine.__dataclass_fields__}) for e in body["engines"]]
 
     async def spill(
-        self, engine: str, slot: int, *, tenant: str, session: str, generation: int, route: str = ""
-    ) -> SpillResult:
+        self, engine: str, slot: int, *, tenant: str, session: str, generation: int, route: str = "",
+        share: bool = True,
+    ) -> SpillResult:  # fmt: skip
         """Save the slot as (tenant, session, generation) and upload it; see `SpillResult.uploaded`.
-        `route` is the session's newest routing digest, kept with the object for reindexing."""
+        `route` is the session's newest routing digest, kept with the object for reindexing;
+        `share` lets its stored chunks be shared with the tenant's other sessions."""
         body: dict[str, Any] = {"tenant": tenant, "session": session, "generation": generation}
         if route:
             body["route"] = route
+        if not share:
+            body["share"] = False
         out = await self._call("POST", f"/v1/engines/{engine}/slots/{slot}/spill", body, retry_on=_NOT_SENT)
-        return SpillResult(**{f: out[f] for f in SpillResult.__dataclass_fields__})
+        return SpillResult(**{f: out[f] for f in SpillResult.__dataclass_fields__ if f in out})
 
     async def fill(self, engine: str, slot: int, *, tenant: str, session: str, generation: int) -> FillResult:
         """Restore (tenant, session, generation) into the slot, from the node's cache or the store."""

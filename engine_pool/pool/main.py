@@ -31,8 +31,10 @@ import uvicorn
 from starlette.applications import Starlette
 
 from storage.blobstore import BlobStore
+from storage.chunkstore import ChunkedStore
 from storage.engines import EngineRegistry
 from storage.index import SessionIndex, in_process_redis
+from storage.ledger import ChunkLedger
 from storage.localstore import LocalStore
 from storage.probe import check_backends
 from storage.retry import RetryPolicy
@@ -77,6 +79,7 @@ async def open_parts(s: NodeSettings, stack: AsyncExitStack, redis: Any = None) 
         else:
             redis = in_process_redis()
         stack.push_async_callback(redis.aclose)
+    store = ChunkedStore(store, ChunkLedger(redis, prefix=s.redis_prefix))
     # Misconfiguration is found here, not at the first spill: a bucket S3 refuses, wrong keys, an
     # unreachable Redis stop the start with a precise message (see `check_backends`).
     await check_backends(store, redis, s.redis_prefix, "node")

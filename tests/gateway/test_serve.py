@@ -190,10 +190,10 @@ def test_tenants_are_isolated_and_delete_removes_everything(serve, tmp_path: Pat
     assert httpx.delete(f"{s.url}/v1/sessions/{sid}", headers=b_auth).status_code == 404
     assert httpx.get(f"{s.url}/v1/sessions/{sid}", headers=a_auth).status_code == 200
     blobs = data / "blobs"
-    assert any(p.name.endswith(".slot") for p in blobs.rglob(f"*{sid}*/*"))
+    assert any(p.name.endswith(".manifest") for p in blobs.rglob(f"*{sid}*/*"))
     assert httpx.delete(f"{s.url}/v1/sessions/{sid}", headers=a_auth).json()["deleted"] is True
     assert httpx.get(f"{s.url}/v1/sessions/{sid}", headers=a_auth).status_code == 404
-    assert not any(p.name.endswith(".slot") for p in blobs.rglob(f"*{sid}*/*"))
+    assert not any(blobs.rglob(f"*{sid}*/*"))  # manifests and tails
 
 
 def test_bad_requests_get_openai_errors(serve, tmp_path: Path):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import random
 from dataclasses import replace
 from typing import Any
 
@@ -14,7 +13,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from storage.errors import Conflict, GenerationUsed, InvalidId, LockLost, NotFound, StoreUnavailable
-from storage.index import SessionIndex, SessionRecord, SessionState, in_process_redis
+from storage.index import SessionIndex, SessionRecord, SessionState
 from storage.keyspace import text
 from storage.locks import SessionLocks
 
@@ -236,82 +235,30 @@ async def test_count_sessions_follows_creates_and_deletes(index: SessionIndex) -
     assert await index.count_sessions("acme") == 3 and await index.count_sessions("beta") == 1
 
 
-async def test_stored_bytes_track_the_newest_durable_generation(index: SessionIndex) -> None:
-    assert await index.stored_bytes("acme") == 0
+async def test_records_leave_the_stored_bytes_to_the_store(index: SessionIndex) -> None:
+    """The counter is what the store holds (the chunk ledger and reindex set it): no transition of
+    a record moves it, since shared chunks are not any one session's."""
     await index.mark_live("acme", "s1", engine="e1", slot=0, tokens=1)
-    assert await index.stored_bytes("acme") == 0  # nothing durable yet
     await index.set_durable("acme", "s1", generation=1, blob_key="k1", nbytes=100)
-    assert await index.stored_bytes("acme") == 100
-    await index.set_durable("acme", "s1", generation=2, blob_key="k2", nbytes=130)  # replaces gen 1
     await index.create("acme", "s2", model="fp")
     await index.mark_spilled("acme", "s2", generation=1, blob_key="k", nbytes=40)
-    assert await index.stored_bytes("acme") == 170
-    with pytest.raises(Conflict):  # a refused transition changes nothing
-        await index.set_durable("acme", "s1", generation=1, blob_key="k1", nbytes=999)
-    await index.drop_engine("e1")  # falls back to its durable generation: same bytes
-    assert await index.stored_bytes("acme") == 170
-    await index.mark_spilled("acme", "s1", generation=3, blob_key="k3", nbytes=10)
-    assert await index.stored_bytes("acme") == 50
+    assert await index.stored_bytes("acme") == 0
+    await index.set_stored_bytes("acme", 12345)
     await index.delete("acme", "s1")
-    assert await index.stored_bytes("acme") == 40 and await index.stored_bytes("beta") == 0
-    newer = SessionRecord("acme", "s2", SessionState.SPILLED, generation=5, blob_key="k5", bytes=7)
-    assert await index.restore_spilled(newer)
+    assert await index.stored_bytes("acme") == 12345 and await index.stored_bytes("beta") == 0
+    await index.set_stored_bytes("acme", 7)
     assert await index.stored_bytes("acme") == 7
 
 
-async def test_stored_bytes_stay_exact_under_concurrent_saves(index: SessionIndex) -> None:
-    sessions = [f"s{i}" for i in range(12)]
-    for s in sessions:
-        await index.mark_live("acme", s, engine="e1", slot=0, tokens=1)
-
-    async def saves(session: str, n: int) -> None:
-        for gen in range(1, 4):
-            await index.set_durable("acme", session, generation=gen, blob_key="k", nbytes=n * gen)
-
-    await asyncio.gather(*(saves(s, i + 1) for i, s in enumerate(sessions)))
-    assert await index.stored_bytes("acme") == sum(3 * (i + 1) for i in range(len(sessions)))
-    await asyncio.gather(*(index.delete("acme", s) for s in sessions[::2]))
-    assert await index.stored_bytes("acme") == sum(3 * (i + 1) for i in range(1, len(sessions), 2))
-
-
-async def test_recount_repairs_a_drifted_counter(index: SessionIndex, redis_client: Any) -> None:
-    await index.create("acme", "a", model="fp")
-    await index.mark_spilled("acme", "a", generation=2, blob_key="k", nbytes=64)
-    await index.create("acme", "b", model="fp")  # nothing durable: counts 0
-    await redis_client.set(index.keys.stored_bytes("acme"), 12345)  # e.g. records from before the counter
-    assert await index.recount_stored_bytes("acme") == 64
-    assert await index.stored_bytes("acme") == 64
-    assert await index.recount_stored_bytes("empty") == 0
-
-
-async def test_stored_bytes_match_the_records_after_random_transitions() -> None:
-    """Fast logic check on the in-process Redis: whatever the sequence, the counter is the sum."""
-    rng = random.Random(7)
-    index = SessionIndex(in_process_redis(), prefix="p")
-    gens: dict[str, int] = {}
-    for _ in range(300):
-        s, op = f"s{rng.randrange(5)}", rng.randrange(6)
-        try:
-            if op == 0:
-                await index.mark_live("t", s, engine=f"e{rng.randrange(2)}", slot=0, tokens=1)
-            elif op in (1, 2):
-                gen = gens.get(s, 0) + rng.randrange(0, 2)
-                mark = index.set_durable if op == 1 else index.mark_spilled
-                await mark("t", s, generation=gen, blob_key="k", nbytes=rng.randrange(1000))
-                gens[s] = gen
-            elif op == 3:
-                await index.delete("t", s)
-                gens.pop(s, None)
-            elif op == 4:
-                await index.drop_engine(f"e{rng.randrange(2)}")
-            else:
-                await index.create("t", s, model="fp")
-        except (Conflict, NotFound):
-            pass
-        records = [r for r in await index.find_many([("t", x) for x in await index.list_sessions("t")]) if r]
-        assert await index.stored_bytes("t") == sum(r.stored_bytes for r in records)
-        assert await index.count_sessions("t") == len(records)
-        gens = {r.session: max(r.generation, r.floor) for r in records}
+async def test_unused_since_lists_idle_sessions_oldest_first(index: SessionIndex) -> None:
+    for s in ("a", "b", "c"):
+        await index.create("acme", s, model="fp")
+    records = {s: await index.get("acme", s) for s in ("a", "b", "c")}
+    newest = max(r.last_used for r in records.values())
+    found = await index.unused_since("acme", newest + 1)
+    assert found == sorted(records, key=lambda s: records[s].last_used)
+    assert await index.unused_since("acme", min(r.last_used for r in records.values()) - 1) == []
+    assert await index.unused_since("beta", newest + 1) == []
 
 
 # ------------------------------------------------------------------------------- reused session ids

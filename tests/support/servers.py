@@ -1,10 +1,11 @@
-"""Real servers for tests, started on free loopback ports: redis-server, moto's S3 server.
+"""Real servers for tests, started on free loopback ports: redis-server, moto's and SeaweedFS's S3.
 
 Importable from every suite (pyproject sets pytest's pythonpath to tests/).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -157,3 +159,38 @@ def redis_server(data: Path) -> Iterator[int]:
         yield port
     finally:
         stop(proc)
+
+
+def http_answers(url: str) -> bool:
+    """The server answers HTTP below 500 (a 403 from a server that checks credentials counts)."""
+    try:
+        return http_ok(url)
+    except urllib.error.HTTPError as exc:
+        return exc.code < 500
+
+
+@contextmanager
+def weed_mini(data: Path, s3_config: dict[str, Any] | None = None) -> Iterator[str]:
+    """SeaweedFS ``weed mini`` on free loopback ports; yields its S3 endpoint. With ``s3_config``
+    (identities) its S3 gateway checks credentials and signatures; without, it accepts any."""
+    ports = {name: free_port(also_plus=10000) for name in ("master", "volume", "filer", "s3", "admin")}
+    cmd = ["weed", "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
+           f"-master.port={ports['master']}", f"-volume.port={ports['volume']}",
+           f"-filer.port={ports['filer']}", f"-s3.port={ports['s3']}",
+           f"-admin.port={ports['admin']}", "-admin.ui=false", "-webdav=false",
+           "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.localSocket={data}/s3.sock",
+           f"-filer.localSocket={data}/filer.sock"]  # fmt: skip
+    if s3_config is not None:
+        (data / "s3.json").write_text(json.dumps(s3_config))
+        cmd.append(f"-s3.config={data / 's3.json'}")
+    with open(data / "weed.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, cwd=data, start_new_session=True)
+    endpoint = f"http://127.0.0.1:{ports['s3']}"
+    try:
+        wait_until(lambda: http_answers(endpoint + "/"), proc, "weed mini", timeout=90)
+        yield endpoint
+    finally:
+        stop(proc)
+        # gRPC sockets weed puts in /tmp with no flag to move them
+        for name in (f"admin-grpc-{ports['admin'] + 10000}", f"s3-grpc-{ports['s3'] + 10000}"):
+            Path(f"/tmp/seaweedfs-{name}.sock").unlink(missing_ok=True)

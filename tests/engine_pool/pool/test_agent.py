@@ -143,11 +143,22 @@ async def redis(redis_url: str) -> AsyncIterator[Any]:
     await client.aclose()
 
 
-def stored(blob: Path) -> tuple[int, dict[str, str], str | None, int]:
-    """A LocalStore object: size, metadata, and the fingerprint and token count its slot file says."""
-    meta = json.loads(blob.with_name(blob.name + ".meta.json").read_text())
-    sf = read_slot_file(blob)
-    return blob.stat().st_size, meta, sf.fingerprint, sf.n_tokens
+async def stored(blobs: Path, prefix: str, key: str) -> tuple[int, str, str | None, int]:
+    """A stored generation (its manifest key): size and model as the store says, and the
+    fingerprint and token count of the slot file it assembles into."""
+    from storage.chunkstore import ChunkedStore
+    from storage.ids import parse_manifest_key
+    from storage.keyspace import in_process_redis
+    from storage.ledger import ChunkLedger
+
+    ref = parse_manifest_key(prefix, key)
+    assert ref is not None, key
+    async with ChunkedStore(LocalStore(blobs, prefix=prefix), ChunkLedger(in_process_redis())) as store:
+        meta = await store.head(ref)
+        await store.get_to_file(ref, blobs.parent / "assembled.slot")
+    sf = read_slot_file(blobs.parent / "assembled.slot")
+    assert sf.checksum_ok and sf.size == meta.size
+    return meta.size, meta.model, sf.fingerprint, sf.n_tokens
 
 
 async def chat(engine_url: str, slot: int) -> dict[str, Any]:
@@ -175,9 +186,9 @@ async def test_spill_erase_fill_through_the_local_store(
         assert await client.health() == {"status": "ok", "node": "n1"}
         spilled = await client.spill(eng, 0, tenant="t1", session="s1", generation=1)
         assert spilled.uploaded and spilled.tokens == await slot_tokens(url, 0) > 0
-        size, meta, fingerprint, tokens = stored(node.data / "blobs" / spilled.key)
+        size, model, fingerprint, tokens = await stored(node.data / "blobs", prefix, spilled.key)
         assert (size, tokens) == (spilled.bytes, spilled.tokens)
-        assert meta["model"] == fingerprint and meta["tokens"] == str(spilled.tokens)
+        assert model == fingerprint and spilled.written > 0
 
         assert await client.erase(eng, 0) == spilled.tokens
         filled = await client.fill(eng, 1, tenant="t1", session="s1", generation=1)
@@ -228,8 +239,8 @@ async def test_s3_store_down_during_spill_then_flushed(
     async with NodeClient(node.url, key=INTERNAL_KEY) as client:
         up = await client.spill(eng, 0, tenant="t1", session="s1", generation=1)
         assert up.uploaded
-        head = s3.head_object(Bucket="slots", Key=up.key)
-        assert head["ContentLength"] == up.bytes and head["Metadata"]["tokens"] == str(up.tokens)
+        plan = json.loads(s3.get_object(Bucket="slots", Key=up.key)["Body"].read())["plan"]
+        assert (plan["size"], plan["n_tokens"]) == (up.bytes, up.tokens)  # the manifest of the chunks
         filled = await client.fill(eng, 1, tenant="t1", session="s1", generation=1)
         assert filled.source == "store"  # a budget of 0 bytes keeps nothing that is safely uploaded
         assert (await chat(url, 1))["timings"]["cache_n"] > 0
@@ -243,7 +254,7 @@ async def test_s3_store_down_during_spill_then_flushed(
         ).st_size == down.bytes  # kept although over budget: not uploaded yet
         moto.start()
         wait_for(lambda: moto.exists(down.key), "flush after the store is back", timeout=20)
-        assert s3.head_object(Bucket="slots", Key=down.key)["ContentLength"] == down.bytes
+        assert json.loads(s3.get_object(Bucket="slots", Key=down.key)["Body"].read())["plan"]["size"] == down.bytes
     s3.close()
 
 
@@ -268,7 +279,7 @@ async def test_sigterm_drains_live_sessions(
     for session, generation in (("old", 5), ("new", 1)):
         record = await index.get("t1", session)
         assert (record.state, record.generation, record.engine) == (SessionState.SPILLED, generation, None)
-        size, _, _, tokens = stored(node.data / "blobs" / record.blob_key)
+        size, _, _, tokens = await stored(node.data / "blobs", prefix, record.blob_key)
         assert size == record.bytes and tokens == record.tokens > 0
     assert await index.engine_sessions(eng) == [] and await registry.list() == []
     assert not alive(engine_pid)

@@ -1,0 +1,396 @@
+"""Session state in content-addressed chunks, behind the blob-store interface.
+
+:class:`ChunkedStore` wraps a :class:`~storage.blobstore.BlobStore` (local or S3) and keeps its
+contract — ``put_file`` a v1 slot file as a generation, ``get_to_file`` it back verified, ``head``,
+``list``, ``delete`` — while storing each generation as pieces (:mod:`storage.chunking`):
+
+* ``{tenant}/.chunks/{ns}/{digest}-{crc}.kv`` — attention KV of 256-token ranges;
+* ``{tenant}/.chunks/{ns}/{digest}-{crc}.ck`` — checkpoints (recurrent / sliding-window state, logits);
+* ``{tenant}/{session}/{generation}.tail`` — what is this generation's own;
+* ``{tenant}/{session}/{generation}.manifest`` — the plan naming them, written last: a manifest is
+  visible only once every piece it names is durable, so a save interrupted anywhere leaves the
+  previous generation restorable and, at worst, pieces nothing names (collected later).
+
+A save uploads only the pieces the store lacks (one existence check each, skipped for pieces this
+process saw in the current collection epoch), so a turn writes its new tokens' KV, its new
+checkpoints and its tail. A restore fetches the pieces in parallel, checks each one's CRC (in its
+name), assembles the v1 file beside the destination and checks the whole file's CRC before the
+rename. Pieces are shared by every session of one tenant whose tokens and bytes agree (forks,
+a common system prompt); ``share=False`` on a save keeps them to its session. Tenants never share.
+
+Retention: :meth:`ChunkedStore.delete` removes a generation's manifest and tail;
+:meth:`ChunkedStore.collect` removes every piece no manifest names, holding the tenant against saves
+through the :class:`~storage.ledger.ChunkLedger` (a piece written but not yet named is never taken),
+and sets the tenant's stored bytes to what remains. v1 slot files stored before chunking (and by
+stores without a ledger) are still listed, restored and deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+import zlib
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from storage.blobstore import BlobInfo, BlobMeta, BlobStore, ObjectInfo, new_writer_id, temp_beside
+from storage.chunking import CHUNK_TOKENS, Split, describe, objects_needed, split, write_v1
+from storage.errors import ChecksumError, Conflict, NotFound, SlotFileError, StorageError
+from storage.ids import (
+    SlotRef,
+    chunks_prefix,
+    manifest_key,
+    parse_manifest_key,
+    piece_key,
+    tenant_prefix,
+)
+from storage.ledger import ChunkLedger
+from storage.slotfile import read_slot_file
+
+log = structlog.get_logger("slotkeeper.storage")
+MANIFEST_FORMAT = "slotkeeper-manifest/1"
+_KNOWN_MAX = 200_000  # names remembered per tenant before the cache starts over
+
+
+@dataclass
+class CollectReport:
+    tenant: str
+    manifests: int = 0
+    pieces: int = 0
+    deleted: int = 0
+    deleted_bytes: int = 0
+    stored_bytes: int = 0
+    ms: float = 0.0
+
+
+@dataclass
+class _Known:
+    epoch: int
+    names: set[str] = field(default_factory=set)
+
+
+class ChunkedStore(BlobStore):
+    """See the module doc. ``ledger`` is required for saves and collection (pieces are shared)."""
+
+    def __init__(
+        self, inner: BlobStore, ledger: ChunkLedger, *, chunk_tokens: int = CHUNK_TOKENS, concurrency: int = 8
+    ) -> None:  # fmt: skip
+        super().__init__(inner.prefix)
+        self.inner, self.ledger, self.chunk_tokens = inner, ledger, chunk_tokens
+        self._gate = asyncio.Semaphore(concurrency)
+        self._known: dict[str, _Known] = {}
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    def key_for(self, ref: SlotRef) -> str:
+        """A generation's key is its manifest's."""
+        return manifest_key(self.prefix, ref)
+
+    def _manifest(self, ref: SlotRef) -> str:
+        return manifest_key(self.prefix, ref)
+
+    def _tail(self, ref: SlotRef) -> str:
+        return manifest_key(self.prefix, ref, "tail")
+
+    def _piece(self, tenant: str, ns: str, kind: str, name: str) -> str:
+        return piece_key(self.prefix, tenant, ns, name, kind)
+
+    # -- save -------------------------------------------------------------------------------------
+    async def put_file(
+        self, ref: SlotRef, path: str | Path, *, model: str, n_tokens: int, crc32: int | None = None,
+        route: str = "", share: bool = True,
+    ) -> BlobMeta:  # fmt: skip
+        t0 = time.monotonic()
+        s = await asyncio.to_thread(self._split, Path(path), ref, share)
+        if crc32 is not None and s.crc32 != crc32:
+            raise ChecksumError(f"{path}: crc32 {s.crc32:08x}, expected {crc32:08x}")
+        key = self._manifest(ref)
+        if await self.inner.object_exists(key) or await self.inner.object_exists(self.inner.key_for(ref)):
+            raise Conflict(f"generation {ref.generation} of session {ref.session} is already stored")
+        written = 0
+        async with self.ledger.saving(ref.tenant) as lease:
+            known = self._known_names(ref.tenant, lease.epoch)
+            pieces = [("kv", p) for p in s.chunks] + [("ck", p) for _, p in s.checkpoints]
+            uploads = (self._ensure(ref.tenant, s.ns, kind, p, known) for kind, p in pieces)
+            uploaded = await asyncio.gather(*uploads)
+            written += sum(uploaded)
+            await self.inner.put_object(self._tail(ref), s.tail.data)
+            doc = self._manifest_doc(ref, s, model, route)
+            manifest = json.dumps(doc, separators=(",", ":")).encode()
+            written += len(s.tail.data) + len(manifest)
+            named = self._named(doc)
+            await lease.check()
+            await self.ledger.name(ref.tenant, named)  # counted before it is visible: never too low
+            try:
+                await self.inner.put_object(key, manifest)
+            except BaseException:
+                with contextlib.suppress(StorageError):  # else a leak a full collection repairs
+                    await self.ledger.unname(ref.tenant, named)
+                raise
+        await self.ledger.add_bytes(ref.tenant, written)
+        ms = round((time.monotonic() - t0) * 1000, 2)
+        log.info("storage.chunked_put", key=key, bytes=s.size, written=written, chunks=len(s.chunks),
+                 checkpoints=len(s.checkpoints), ms=ms)  # fmt: skip
+        return BlobMeta(ref, key, s.size, s.crc32, model, s.n_tokens, time.time(), writer="", route=route,
+                        written=written)  # fmt: skip
+
+    def _split(self, path: Path, ref: SlotRef, share: bool) -> Split:
+        data = path.read_bytes()
+        sf = read_slot_file(path, checksum=False)
+        scope = ref.tenant if share else f"{ref.tenant}/{ref.session}"
+        return split(data, sf, scope=scope, chunk_tokens=self.chunk_tokens)
+
+    def _known_names(self, tenant: str, epoch: int) -> set[str]:
+        known = self._known.get(tenant)
+        if known is None or known.epoch != epoch or len(known.names) > _KNOWN_MAX:
+            known = self._known[tenant] = _Known(epoch)
+        return known.names
+
+    async def _ensure(self, tenant: str, ns: str, kind: str, piece: Any, known: set[str]) -> int:
+        """Upload one piece unless the store has it; returns the bytes written."""
+        key = self._piece(tenant, ns, kind, piece.name)
+        if key in known:
+            return 0
+        async with self._gate:
+            if await self.inner.object_exists(key):
+                known.add(key)
+                return 0
+            await self.inner.put_object(key, piece.data)
+        known.add(key)
+        return len(piece.data)
+
+    def _named(self, doc: Mapping[str, Any]) -> dict[str, int]:
+        """The pieces a manifest names, as the ledger counts them: key below the chunks folder ->
+        bytes."""
+        ns, cut = str(doc["ns"]), len(chunks_prefix(self.prefix, str(doc["tenant"])))
+        return {self._piece(str(doc["tenant"]), ns, kind, name)[cut:]: size
+                for kind, name, size in objects_needed(doc["plan"]) if kind != "tl"}  # fmt: skip
+
+    def _manifest_doc(self, ref: SlotRef, s: Split, model: str, route: str) -> dict[str, Any]:
+        return {
+            "format": MANIFEST_FORMAT, "tenant": ref.tenant, "session": ref.session,
+            "generation": ref.generation, "created": time.time(), "model": model, "route": route,
+            "ns": s.ns, "plan": describe(s),
+        }  # fmt: skip
+
+    # -- restore ----------------------------------------------------------------------------------
+    async def _read_manifest(self, ref: SlotRef) -> dict[str, Any]:
+        raw = await self.inner.get_object(self._manifest(ref))
+        try:
+            doc = json.loads(raw)
+            if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
+                raise ValueError("not a slotkeeper manifest")
+            if [doc["tenant"], doc["session"], doc["generation"]] != [
+                ref.tenant,
+                ref.session,
+                ref.generation,
+            ]:
+                raise ValueError("manifest names another generation")
+            list(objects_needed(doc["plan"]))
+        except (ValueError, KeyError, TypeError, StorageError) as exc:
+            raise SlotFileError("bad_layout", f"{self._manifest(ref)}: {exc}") from exc
+        return doc
+
+    async def get_to_file(self, ref: SlotRef, dest: str | Path) -> BlobMeta:
+        try:
+            doc = await self._read_manifest(ref)
+        except NotFound:
+            return await self.inner.get_to_file(ref, dest)  # a v1 slot file stored before chunking
+        t0, dest = time.monotonic(), Path(dest)
+        objects = await self._fetch(ref, doc)
+        plan = doc["plan"]
+        tmp = temp_beside(dest, new_writer_id())
+        try:
+            size, crc = await asyncio.to_thread(_write_file, tmp, plan, objects)
+            if (size, crc) != (int(plan["size"]), int(plan["crc32"])):
+                raise ChecksumError(f"{self._manifest(ref)}: assembled {size} bytes crc32 {crc:08x}, "
+                                    f"expected {plan['size']} crc32 {int(plan['crc32']):08x}")  # fmt: skip
+            await asyncio.to_thread(os.replace, tmp, dest)
+        finally:
+            await asyncio.to_thread(tmp.unlink, missing_ok=True)
+        log.info("storage.chunked_get", key=self._manifest(ref), bytes=size, pieces=len(objects),
+                 ms=round((time.monotonic() - t0) * 1000, 2))  # fmt: skip
+        return self._meta(ref, doc)
+
+    async def _fetch(self, ref: SlotRef, doc: Mapping[str, Any]) -> dict[str, bytes]:
+        ns = str(doc["ns"])
+
+        async def one(kind: str, name: str, size: int) -> tuple[str, bytes]:
+            key = self._tail(ref) if kind == "tl" else self._piece(ref.tenant, ns, kind, name)
+            async with self._gate:
+                data = await self.inner.get_object(key)
+            crc = name.rsplit("-", 1)[-1] if kind != "tl" else None
+            if len(data) != size or (crc is not None and f"{zlib.crc32(data):08x}" != crc):
+                raise ChecksumError(f"{key}: {len(data)} bytes that do not match their name")
+            return name, data
+
+        needed = {(k, n): s for k, n, s in objects_needed(doc["plan"])}
+        return dict(await asyncio.gather(*(one(k, n, s) for (k, n), s in needed.items())))
+
+    def _meta(self, ref: SlotRef, doc: Mapping[str, Any]) -> BlobMeta:
+        plan = doc["plan"]
+        return BlobMeta(
+            ref, self._manifest(ref), int(plan["size"]), int(plan["crc32"]), str(doc.get("model", "")),
+            int(plan["n_tokens"]), float(doc.get("created", 0.0)), route=str(doc.get("route", "")),
+        )  # fmt: skip
+
+    async def head(self, ref: SlotRef) -> BlobMeta:
+        try:
+            return self._meta(ref, await self._read_manifest(ref))
+        except NotFound:
+            return await self.inner.head(ref)
+
+    async def list(self, tenant: str, session: str | None = None) -> AsyncIterator[BlobInfo]:
+        found: dict[SlotRef, BlobInfo] = {}
+        async for o in self.inner.list_objects(tenant_prefix(self.prefix, tenant, session)):
+            ref = parse_manifest_key(self.prefix, o.key)
+            if ref is not None and ref.tenant == tenant and session in (None, ref.session):
+                found[ref] = BlobInfo(ref, o.key, o.size, o.last_modified)
+        async for info in self.inner.list(tenant, session):
+            found.setdefault(info.ref, info)
+        for ref in sorted(found):
+            yield found[ref]
+
+    async def delete(self, ref: SlotRef) -> None:
+        """Remove the generation: manifest first (the tail and pieces are then unnamed), tail, and
+        the pieces' counts; pieces no other manifest names go at the next collection."""
+        named: dict[str, int] = {}
+        with contextlib.suppress(NotFound, SlotFileError):  # unreadable: a full collection decides
+            named = self._named(await self._read_manifest(ref))
+        freed = 0
+        for key in (self._manifest(ref), self._tail(ref)):
+            size = await self._size(key)
+            await self.inner.delete_object(key)
+            freed += size
+        await self.inner.delete(ref)
+        await self.ledger.add_bytes(ref.tenant, -freed)
+        await self.ledger.unname(ref.tenant, named)
+
+    async def _size(self, key: str) -> int:
+        async for o in self.inner.list_objects(key):
+            if o.key == key:
+                return o.size
+        return 0
+
+    # -- collection -------------------------------------------------------------------------------
+    async def collect(self, tenant: str) -> CollectReport:
+        """Delete every piece of ``tenant`` that no manifest names (and tails without a manifest),
+        then set the tenant's stored bytes to what remains. Holds the tenant against saves."""
+        t0, report = time.monotonic(), CollectReport(tenant)
+        async with self.ledger.collecting(tenant) as claim:
+            objects = [o async for o in self.inner.list_objects(tenant_prefix(self.prefix, tenant))]
+            named: set[str] = set()
+            counts: dict[str, int] = {}
+            manifests = [o for o in objects if parse_manifest_key(self.prefix, o.key)]
+            for o in manifests:
+                ref = parse_manifest_key(self.prefix, o.key)
+                assert ref is not None
+                try:
+                    doc = await self._read_manifest(ref)
+                except NotFound:
+                    continue
+                except SlotFileError as exc:  # unreadable: keep what it may name, say so
+                    log.warning("storage.collect_bad_manifest", key=o.key, error=str(exc))
+                    named.add("*")
+                    continue
+                named.add(self._tail(ref))
+                head = chunks_prefix(self.prefix, tenant)
+                for piece in self._named(doc):
+                    named.add(head + piece)
+                    counts[piece] = counts.get(piece, 0) + 1
+            report.manifests = len(manifests)
+            garbage = [o for o in objects if self._collectable(o, named)]
+            report.pieces = sum(1 for o in objects if o.key.startswith(chunks_prefix(self.prefix, tenant)))
+            await claim.hold()
+            for o in garbage:
+                await self.inner.delete_object(o.key)
+                report.deleted += 1
+                report.deleted_bytes += o.size
+            report.stored_bytes = sum(o.size for o in objects) - report.deleted_bytes
+            await self.ledger.set_bytes(tenant, report.stored_bytes)
+            await self.ledger.reset_refs(tenant, counts, exact="*" not in named)
+            self._known.pop(tenant, None)
+        report.ms = round((time.monotonic() - t0) * 1000, 2)
+        log.info("storage.collected", **report.__dict__)
+        return report
+
+    async def collect_unnamed(self, tenant: str) -> CollectReport:
+        """Delete the pieces whose count fell to 0 since the last collection (no listing: what a
+        turn's superseded generation left). Holds the tenant against saves, like :meth:`collect`.
+        Until a full collection has made the counts exact (a new Redis), it is that collection."""
+        if not await self.ledger.trusted(tenant):
+            return await self.collect(tenant)
+        t0, report = time.monotonic(), CollectReport(tenant)
+        async with self.ledger.collecting(tenant) as claim:
+            unnamed = await self.ledger.unnamed(tenant)
+            await claim.hold()
+            head = chunks_prefix(self.prefix, tenant)
+            for piece, size in unnamed.items():
+                await self.inner.delete_object(head + piece)
+                report.deleted += 1
+                report.deleted_bytes += size
+            await self.ledger.forget(tenant, list(unnamed))
+            await self.ledger.add_bytes(tenant, -report.deleted_bytes)
+            self._known.pop(tenant, None)
+        report.ms = round((time.monotonic() - t0) * 1000, 2)
+        if report.deleted:
+            log.info("storage.collected_unnamed", **report.__dict__)
+        return report
+
+    def _collectable(self, o: ObjectInfo, named: set[str]) -> bool:
+        if "*" in named or o.key in named:
+            return False
+        if o.key.startswith(chunks_prefix(self.prefix, self.tenant_of(o.key))):
+            return o.key.endswith((".kv", ".ck"))
+        return o.key.endswith(".tail")
+
+    def tenant_of(self, key: str) -> str:
+        head = f"{self.prefix}/" if self.prefix else ""
+        return key[len(head) :].split("/", 1)[0]
+
+    # -- everything else is the inner store's ------------------------------------------------------
+    def list_tenants(self) -> AsyncIterator[str]:
+        return self.inner.list_tenants()
+
+    async def probe(self) -> None:
+        await self.inner.probe()
+
+    async def put_document(self, tenant: str, kind: str, name: str, data: bytes) -> None:
+        await self.inner.put_document(tenant, kind, name, data)
+
+    async def get_document(self, tenant: str, kind: str, name: str) -> bytes:
+        return await self.inner.get_document(tenant, kind, name)
+
+    async def delete_document(self, tenant: str, kind: str, name: str) -> None:
+        await self.inner.delete_document(tenant, kind, name)
+
+    async def put_object(self, key: str, data: bytes) -> None:
+        await self.inner.put_object(key, data)
+
+    async def get_object(self, key: str) -> bytes:
+        return await self.inner.get_object(key)
+
+    async def object_exists(self, key: str) -> bool:
+        return await self.inner.object_exists(key)
+
+    def list_objects(self, key_prefix: str) -> AsyncIterator[ObjectInfo]:
+        return self.inner.list_objects(key_prefix)
+
+    async def delete_object(self, key: str) -> None:
+        await self.inner.delete_object(key)
+
+
+def _write_file(path: Path, plan: Mapping[str, Any], objects: Mapping[str, bytes]) -> tuple[int, int]:
+    with open(path, "xb") as f:
+        out = write_v1(f, plan, objects)
+        f.flush()
+        os.fsync(f.fileno())
+    return out
