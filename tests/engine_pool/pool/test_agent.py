@@ -254,7 +254,8 @@ async def test_s3_store_down_during_spill_then_flushed(
         ).st_size == down.bytes  # kept although over budget: not uploaded yet
         moto.start()
         wait_for(lambda: moto.exists(down.key), "flush after the store is back", timeout=20)
-        assert json.loads(s3.get_object(Bucket="slots", Key=down.key)["Body"].read())["plan"]["size"] == down.bytes
+        manifest = json.loads(s3.get_object(Bucket="slots", Key=down.key)["Body"].read())
+        assert manifest["plan"]["size"] == down.bytes
     s3.close()
 
 
