@@ -5,6 +5,9 @@ and clients as constructor arguments; nothing reads the environment. The usual e
 
 * :func:`storage.slotfile.read_slot_file` / :func:`storage.slotfile.verify_slot_file`
 * :class:`storage.localstore.LocalStore`, :class:`storage.s3store.S3Store` (+ ``make_s3_client``)
+* :class:`storage.chunkstore.ChunkedStore` over either: generations as content-addressed pieces
+  (:mod:`storage.chunking`), shared within a tenant, counted and collected through
+  :class:`storage.ledger.ChunkLedger`
 * :func:`storage.blobstore.delete_generations` (all, or superseded, generations of a session)
 * :class:`storage.spillcache.SpillCache`
 * :class:`storage.index.SessionIndex` (records, stored bytes, generation floors, implicit routes,

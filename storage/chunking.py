@@ -55,6 +55,7 @@ _U32, _U64, _I32 = struct.Struct("<I"), struct.Struct("<Q"), struct.Struct("<i")
 _TYPE_ROW = struct.Struct("<iQ")  # type, row size
 _TYPE_EL = struct.Struct("<iII")  # type, element size, n_embd (transposed V)
 _PARTS_MAGIC = b"SKPT"
+_SEQ_MAGIC = struct.pack("<I", 0xAF143CD8)  # llama_state_seq_get_data's prefix: magic, then seq id
 _CELL_SIZES = (12, 24)  # pos, n_seq_id, [2D position + token: 12], seq_id
 # The shape fields of META's context that decide whether KV bytes mean the same thing.
 _SHAPE_KEYS = ("n_ctx", "kv_unified", "type_k", "type_v", "swa_full", "flash_attn")
@@ -81,7 +82,7 @@ class KvLayout:
             return cls(0, 0, int(raw["cell_bytes"]), int(raw["v_trans"]),
                        tuple((int(a), int(b)) for a, b in raw["k"]),
                        tuple((int(a), int(b), int(c)) for a, b, c in raw["v"]))  # fmt: skip
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise SlotFileError("bad_layout", f"manifest KV layout is malformed: {exc}") from exc
 
     def bytes_per_token(self) -> int:
@@ -118,6 +119,8 @@ class Split:
     records: tuple[str, ...]  # SKMD record order: "t<i>" (i-th tail record), "c<j>" (checkpoint j)
     size: int  # of the whole v1 file
     crc32: int  # of the whole v1 file
+    seq_id: int = 0  # of the cells (the saving slot's sequence), written back on assembly
+    ckpt_seq_ids: tuple[int, ...] = ()  # in each checkpoint's state prefix (its capturing slot's)
 
     @property
     def tail_start(self) -> int:
@@ -272,7 +275,9 @@ def _cell_slice(layout: KvLayout, i: int, block: np.ndarray, a: int, b: int) -> 
 
 def _range_payload(tokens: np.ndarray, recs: np.ndarray, blocks: list[np.ndarray], layout: KvLayout,
                    a: int, b: int) -> bytes:  # fmt: skip
-    parts = [tokens[a:b].astype("<i4").tobytes(), recs[a:b].tobytes()]
+    cells = recs[a:b].copy()
+    cells[:, -4:] = 0  # the sequence id is the saving slot's, not content: the plan carries it
+    parts = [tokens[a:b].astype("<i4").tobytes(), cells.tobytes()]
     for i, block in enumerate(blocks):
         parts.append(np.ascontiguousarray(_cell_slice(layout, i, block, a, b)).tobytes())
     return pack_parts(parts)
@@ -312,15 +317,22 @@ def _split(view: memoryview, sf: SlotFile, tokens: np.ndarray, state: memoryview
             payload = _range_payload(tokens, recs, blocks, layout, k * chunk_tokens, (k + 1) * chunk_tokens)
             chunks.append(_piece(heads[k + 1].hex(), payload))
         tail_parts = [_range_payload(tokens, recs, blocks, layout, m, n), bytes(state[layout.end :])]
+        seq_id = int.from_bytes(bytes(recs[0, -4:]), "little", signed=True)
     else:
-        tail_parts = [tokens.astype("<i4").tobytes(), bytes(state)]
+        tail_parts, seq_id = [tokens.astype("<i4").tobytes(), bytes(state)], 0
     checkpoints: list[tuple[int, Piece]] = []
+    ckpt_seqs: list[int] = []
     logits = {r.ckpt_index: r for r in sf.records if r.tag == TAG_CKPT_LOGITS}
     for j, ck in enumerate(sf.checkpoints):
         start = ck.target_offset - 16 - 8  # the entry's head: i64 n_tokens, i32, i32, then u64 length
         end = ck.target_offset + ck.target_bytes_len + 16 + ck.draft_bytes_len + ck.spec_bytes_len
         rec = logits.get(j)
-        parts = [bytes(view[start:end])]
+        entry = bytearray(view[start:end])
+        ckpt_seqs.append(0)
+        if ck.target_bytes_len >= 8 and entry[24:28] == _SEQ_MAGIC:  # the state's own seq-id prefix
+            ckpt_seqs[-1] = int.from_bytes(entry[28:32], "little", signed=True)
+            entry[28:32] = bytes(4)
+        parts = [bytes(entry)]
         if rec is not None:
             parts.append(bytes(view[rec.offset + 4 : rec.offset + rec.length]))
         digest = checkpoint_digest(heads, tokens, ck.n_tokens, chunk_tokens)
@@ -335,7 +347,7 @@ def _split(view: memoryview, sf: SlotFile, tokens: np.ndarray, state: memoryview
             tail_parts.append(_U32.pack(rec.tag) + _U32.pack(rec.flags) + payload)
     tail = _piece(hashlib.sha256(b"tail" + heads[-1]).hexdigest(), pack_parts(tail_parts))
     return Split(ns, n, sf.state_version, layout, chunk_tokens, tuple(chunks), tuple(checkpoints), tail,
-                 tuple(order), len(view), whole)  # fmt: skip
+                 tuple(order), len(view), whole, seq_id, tuple(ckpt_seqs))  # fmt: skip
 
 
 def _load(s: Split) -> dict[str, bytes]:
@@ -369,9 +381,10 @@ def describe(s: Split) -> dict[str, Any]:
         "n_tokens": s.n_tokens, "state_version": s.state_version, "chunk_tokens": s.chunk_tokens,
         "layout": s.layout.to_json() if s.layout else None,
         "chunks": [[p.name, len(p.data)] for p in s.chunks],
-        "checkpoints": [[n, p.name, len(p.data)] for n, p in s.checkpoints],
+        "checkpoints": [[n, p.name, len(p.data), seq]
+                        for (n, p), seq in zip(s.checkpoints, s.ckpt_seq_ids, strict=True)],
         "tail": [s.tail.name, len(s.tail.data)], "records": list(s.records),
-        "size": s.size, "crc32": s.crc32,
+        "size": s.size, "crc32": s.crc32, "seq_id": s.seq_id,
     }  # fmt: skip
 
 
@@ -380,7 +393,7 @@ def write_v1(out: BinaryIO | None, plan: Mapping[str, Any], objects: Mapping[str
     crc32 of the whole file). Raises :class:`SlotFileError` when the pieces do not fit the plan."""
     try:
         return _write_v1(out, plan, objects)
-    except (KeyError, IndexError, TypeError, ValueError, struct.error) as exc:
+    except (KeyError, IndexError, TypeError, ValueError, OverflowError, struct.error) as exc:
         why = f"{type(exc).__name__}: {exc}"
         raise SlotFileError("bad_layout", f"pieces do not fit the manifest: {why}") from exc
 
@@ -406,8 +419,14 @@ def _write_v1(out: BinaryIO | None, plan: Mapping[str, Any], objects: Mapping[st
         for r in ranges:
             w.write(r[0])
         w.write(_U32.pack(1) + _U32.pack(n))
+        seq = _I32.pack(int(plan["seq_id"])) if "seq_id" in plan else None  # absent: pieces kept theirs
         for r in ranges:
-            w.write(r[1])
+            if seq is None:
+                w.write(r[1])
+                continue
+            cells = np.frombuffer(r[1], dtype=np.uint8).reshape(-1, layout.cell_bytes).copy()
+            cells[:, -4:] = np.frombuffer(seq, dtype=np.uint8)
+            w.write(cells)
         w.write(_U32.pack(layout.v_trans) + _U32.pack(len(layout.k)))
         for i, (t, row) in enumerate(layout.k):
             w.write(_TYPE_ROW.pack(t, row))
@@ -425,13 +444,17 @@ def _write_v1(out: BinaryIO | None, plan: Mapping[str, Any], objects: Mapping[st
                     w.write(r[part])
         w.write(tail[1])
         base_len = w.n
-    ckpts = [unpack_parts(objects[name], "checkpoint") for _, name, _ in plan["checkpoints"]]
+    ckpts = [unpack_parts(objects[entry[1]], "checkpoint") for entry in plan["checkpoints"]]
+    seqs = [_I32.pack(int(entry[3])) if len(entry) > 3 else None for entry in plan["checkpoints"]]
     ckpt_off = ckpt_len = 0
     if ckpts:
         ckpt_off = w.n
         w.write(struct.pack("<III", CKPT_MAGIC, SECTION_VERSION, len(ckpts)))
-        for c in ckpts:
-            w.write(c[0])
+        for c, seq in zip(ckpts, seqs, strict=True):
+            if seq is not None and len(c[0]) >= 32 and bytes(c[0][24:28]) == _SEQ_MAGIC:
+                w.write(bytes(c[0][:28]) + seq + bytes(c[0][32:]))
+            else:
+                w.write(c[0])
         ckpt_len = w.n - ckpt_off
     meta_off = w.n
     order = list(plan["records"])
@@ -461,8 +484,8 @@ def objects_needed(plan: Mapping[str, Any]) -> Iterator[tuple[str, str, int]]:
     """(kind, name, size) of every object a manifest's plan reads: chunk, checkpoint, tail."""
     for name, size in plan["chunks"]:
         yield "kv", str(name), int(size)
-    for _, name, size in plan["checkpoints"]:
-        yield "ck", str(name), int(size)
+    for entry in plan["checkpoints"]:
+        yield "ck", str(entry[1]), int(entry[2])
     yield "tl", str(plan["tail"][0]), int(plan["tail"][1])
 
 

@@ -13,10 +13,11 @@ contract — ``put_file`` a v1 slot file as a generation, ``get_to_file`` it bac
 
 A save uploads only the pieces the store lacks (one existence check each, skipped for pieces this
 process saw in the current collection epoch), so a turn writes its new tokens' KV, its new
-checkpoints and its tail. A restore fetches the pieces in parallel, checks each one's CRC (in its
-name), assembles the v1 file beside the destination and checks the whole file's CRC before the
-rename. Pieces are shared by every session of one tenant whose tokens and bytes agree (forks,
-a common system prompt); ``share=False`` on a save keeps them to its session. Tenants never share.
+checkpoints and its tail. A restore fetches the pieces in parallel, assembles the v1 file beside
+the destination and checks the whole file's CRC (the original's, from the manifest) before the
+rename; when that fails, the piece whose bytes do not match the CRC in its name is named. Pieces
+are shared by every session of one tenant whose tokens and bytes agree (forks, a common system
+prompt); ``share=False`` on a save keeps them to its session. Tenants never share.
 
 Retention: :meth:`ChunkedStore.delete` removes a generation's manifest and tail;
 :meth:`ChunkedStore.collect` removes every piece no manifest names, holding the tenant against saves
@@ -46,6 +47,7 @@ from storage.errors import ChecksumError, Conflict, NotFound, SlotFileError, Sto
 from storage.ids import (
     SlotRef,
     chunks_prefix,
+    document_key,
     manifest_key,
     parse_manifest_key,
     piece_key,
@@ -57,6 +59,7 @@ from storage.slotfile import read_slot_file
 log = structlog.get_logger("slotkeeper.storage")
 MANIFEST_FORMAT = "slotkeeper-manifest/1"
 _KNOWN_MAX = 200_000  # names remembered per tenant before the cache starts over
+_HOLD_EVERY = 64  # deletes between renewals of the collector's claim
 
 
 @dataclass
@@ -113,6 +116,15 @@ class ChunkedStore(BlobStore):
         if crc32 is not None and s.crc32 != crc32:
             raise ChecksumError(f"{path}: crc32 {s.crc32:08x}, expected {crc32:08x}")
         key = self._manifest(ref)
+        token = await self.ledger.claim_write(ref.tenant, key)
+        if token is None:
+            raise Conflict(f"generation {ref.generation} of session {ref.session} is being stored")
+        try:
+            return await self._put(ref, s, key, model, route, t0)
+        finally:
+            await self.ledger.release_write(ref.tenant, key, token)
+
+    async def _put(self, ref: SlotRef, s: Split, key: str, model: str, route: str, t0: float) -> BlobMeta:
         if await self.inner.object_exists(key) or await self.inner.object_exists(self.inner.key_for(ref)):
             raise Conflict(f"generation {ref.generation} of session {ref.session} is already stored")
         written = 0
@@ -128,13 +140,11 @@ class ChunkedStore(BlobStore):
             written += len(s.tail.data) + len(manifest)
             named = self._named(doc)
             await lease.check()
-            await self.ledger.name(ref.tenant, named)  # counted before it is visible: never too low
-            try:
-                await self.inner.put_object(key, manifest)
-            except BaseException:
-                with contextlib.suppress(StorageError):  # else a leak a full collection repairs
-                    await self.ledger.unname(ref.tenant, named)
-                raise
+            # Counted before it is visible, and never taken back if the write fails: the write may
+            # have landed all the same (a lost answer). Counts too high leak until a full
+            # collection; counts too low would lose pieces a manifest names.
+            await self.ledger.name(ref.tenant, key, named)
+            await self.inner.put_object(key, manifest)
         await self.ledger.add_bytes(ref.tenant, written)
         ms = round((time.monotonic() - t0) * 1000, 2)
         log.info("storage.chunked_put", key=key, bytes=s.size, written=written, chunks=len(s.chunks),
@@ -209,10 +219,15 @@ class ChunkedStore(BlobStore):
         plan = doc["plan"]
         tmp = temp_beside(dest, new_writer_id())
         try:
-            size, crc = await asyncio.to_thread(_write_file, tmp, plan, objects)
-            if (size, crc) != (int(plan["size"]), int(plan["crc32"])):
-                raise ChecksumError(f"{self._manifest(ref)}: assembled {size} bytes crc32 {crc:08x}, "
-                                    f"expected {plan['size']} crc32 {int(plan['crc32']):08x}")  # fmt: skip
+            try:
+                size, crc = await asyncio.to_thread(_write_file, tmp, plan, objects)
+                expected = (int(plan["size"]), int(plan["crc32"]))
+                if (size, crc) != expected:
+                    raise ChecksumError(f"{self._manifest(ref)}: assembled {size} bytes crc32 {crc:08x}, "
+                                        f"expected {expected[0]} crc32 {expected[1]:08x}")  # fmt: skip
+            except (SlotFileError, ChecksumError):
+                await asyncio.to_thread(self._blame, ref, doc, objects)  # names the damaged piece
+                raise
             await asyncio.to_thread(os.replace, tmp, dest)
         finally:
             await asyncio.to_thread(tmp.unlink, missing_ok=True)
@@ -227,13 +242,20 @@ class ChunkedStore(BlobStore):
             key = self._tail(ref) if kind == "tl" else self._piece(ref.tenant, ns, kind, name)
             async with self._gate:
                 data = await self.inner.get_object(key)
-            crc = name.rsplit("-", 1)[-1] if kind != "tl" else None
-            if len(data) != size or (crc is not None and f"{zlib.crc32(data):08x}" != crc):
-                raise ChecksumError(f"{key}: {len(data)} bytes that do not match their name")
+            if len(data) != size:
+                raise ChecksumError(f"{key}: {len(data)} bytes, its manifest says {size}")
             return name, data
 
         needed = {(k, n): s for k, n, s in objects_needed(doc["plan"])}
         return dict(await asyncio.gather(*(one(k, n, s) for (k, n), s in needed.items())))
+
+    def _blame(self, ref: SlotRef, doc: Mapping[str, Any], objects: Mapping[str, bytes]) -> None:
+        """After a failed assembly: :class:`ChecksumError` naming a piece whose bytes do not match
+        the CRC in its name (the whole file's CRC is what a normal restore checks: one pass)."""
+        for kind, name, _ in objects_needed(doc["plan"]):
+            if f"{zlib.crc32(objects[name]):08x}" != name.rsplit("-", 1)[-1]:
+                key = self._tail(ref) if kind == "tl" else self._piece(ref.tenant, str(doc["ns"]), kind, name)
+                raise ChecksumError(f"{key}: its bytes do not match the CRC in its name")
 
     def _meta(self, ref: SlotRef, doc: Mapping[str, Any]) -> BlobMeta:
         plan = doc["plan"]
@@ -266,13 +288,13 @@ class ChunkedStore(BlobStore):
         with contextlib.suppress(NotFound, SlotFileError):  # unreadable: a full collection decides
             named = self._named(await self._read_manifest(ref))
         freed = 0
+        for key in (self._manifest(ref), self._tail(ref), self.inner.key_for(ref)):
+            freed += await self._size(key)
         for key in (self._manifest(ref), self._tail(ref)):
-            size = await self._size(key)
             await self.inner.delete_object(key)
-            freed += size
-        await self.inner.delete(ref)
+        await self.inner.delete(ref)  # a v1 slot file stored before chunking
         await self.ledger.add_bytes(ref.tenant, -freed)
-        await self.ledger.unname(ref.tenant, named)
+        await self.ledger.unname(ref.tenant, self._manifest(ref), named)
 
     async def _size(self, key: str) -> int:
         async for o in self.inner.list_objects(key):
@@ -289,6 +311,7 @@ class ChunkedStore(BlobStore):
             objects = [o async for o in self.inner.list_objects(tenant_prefix(self.prefix, tenant))]
             named: set[str] = set()
             counts: dict[str, int] = {}
+            counted: list[str] = []
             manifests = [o for o in objects if parse_manifest_key(self.prefix, o.key)]
             for o in manifests:
                 ref = parse_manifest_key(self.prefix, o.key)
@@ -302,6 +325,7 @@ class ChunkedStore(BlobStore):
                     named.add("*")
                     continue
                 named.add(self._tail(ref))
+                counted.append(o.key)
                 head = chunks_prefix(self.prefix, tenant)
                 for piece in self._named(doc):
                     named.add(head + piece)
@@ -309,14 +333,15 @@ class ChunkedStore(BlobStore):
             report.manifests = len(manifests)
             garbage = [o for o in objects if self._collectable(o, named)]
             report.pieces = sum(1 for o in objects if o.key.startswith(chunks_prefix(self.prefix, tenant)))
-            await claim.hold()
-            for o in garbage:
+            for i, o in enumerate(garbage):
+                if i % _HOLD_EVERY == 0:
+                    await claim.hold()  # a claim that lapsed (a stalled collector) stops the deletes
                 await self.inner.delete_object(o.key)
                 report.deleted += 1
                 report.deleted_bytes += o.size
             report.stored_bytes = sum(o.size for o in objects) - report.deleted_bytes
             await self.ledger.set_bytes(tenant, report.stored_bytes)
-            await self.ledger.reset_refs(tenant, counts, exact="*" not in named)
+            await self.ledger.reset_refs(tenant, counts, counted, exact="*" not in named)
             self._known.pop(tenant, None)
         report.ms = round((time.monotonic() - t0) * 1000, 2)
         log.info("storage.collected", **report.__dict__)
@@ -331,9 +356,10 @@ class ChunkedStore(BlobStore):
         t0, report = time.monotonic(), CollectReport(tenant)
         async with self.ledger.collecting(tenant) as claim:
             unnamed = await self.ledger.unnamed(tenant)
-            await claim.hold()
             head = chunks_prefix(self.prefix, tenant)
-            for piece, size in unnamed.items():
+            for i, (piece, size) in enumerate(unnamed.items()):
+                if i % _HOLD_EVERY == 0:
+                    await claim.hold()
                 await self.inner.delete_object(head + piece)
                 report.deleted += 1
                 report.deleted_bytes += size
@@ -364,13 +390,17 @@ class ChunkedStore(BlobStore):
         await self.inner.probe()
 
     async def put_document(self, tenant: str, kind: str, name: str, data: bytes) -> None:
+        old = await self._size(document_key(self.prefix, tenant, kind, name))
         await self.inner.put_document(tenant, kind, name, data)
+        await self.ledger.add_bytes(tenant, len(data) - old)
 
     async def get_document(self, tenant: str, kind: str, name: str) -> bytes:
         return await self.inner.get_document(tenant, kind, name)
 
     async def delete_document(self, tenant: str, kind: str, name: str) -> None:
+        old = await self._size(document_key(self.prefix, tenant, kind, name))
         await self.inner.delete_document(tenant, kind, name)
+        await self.ledger.add_bytes(tenant, -old)
 
     async def put_object(self, key: str, data: bytes) -> None:
         await self.inner.put_object(key, data)
@@ -389,8 +419,7 @@ class ChunkedStore(BlobStore):
 
 
 def _write_file(path: Path, plan: Mapping[str, Any], objects: Mapping[str, bytes]) -> tuple[int, int]:
+    """The assembled file; not fsynced: it is a cache the engine loads at once, and a file a crash
+    damaged fails its CRC there and is fetched again."""
     with open(path, "xb") as f:
-        out = write_v1(f, plan, objects)
-        f.flush()
-        os.fsync(f.fileno())
-    return out
+        return write_v1(f, plan, objects)

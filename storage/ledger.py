@@ -64,6 +64,14 @@ class LedgerKeys:
         """HASH piece -> bytes: pieces whose count reached 0 (candidates for the next collection)."""
         return f"{self.keys.tenant(tenant)}:chunks:unnamed"
 
+    def manifests(self, tenant: str) -> str:
+        """SET of the manifests whose pieces ``refs`` counts (a manifest is counted at most once)."""
+        return f"{self.keys.tenant(tenant)}:chunks:manifests"
+
+    def writing(self, tenant: str) -> str:
+        """Prefix of the per-generation write claims (``SET NX PX``): one writer per generation."""
+        return f"{self.keys.tenant(tenant)}:chunks:writing:"
+
     def refs_ok(self, tenant: str) -> str:
         """Set by a full collection once ``refs`` is exact; absent (Redis lost it): counts unusable."""
         return f"{self.keys.tenant(tenant)}:chunks:refs_ok"
@@ -79,9 +87,11 @@ class SaveLease:
     epoch: int
     expires_ms: int
 
-    async def check(self, margin_s: float = 30.0) -> None:
-        """Raise :class:`LockLost` unless the lease holds for ``margin_s`` more (before a commit)."""
-        await self.ledger._check(self, margin_s)
+    async def check(self, margin_s: float | None = None) -> None:
+        """Raise :class:`LockLost` unless the lease holds for ``margin_s`` more (before a commit;
+        default: a quarter of the lease, at most 30 s)."""
+        margin = min(30.0, self.ledger.lease_s / 4) if margin_s is None else margin_s
+        await self.ledger._check(self, margin)
 
 
 class ChunkLedger:
@@ -198,24 +208,61 @@ class ChunkLedger:
             raise LockLost(f"tenant {claim.tenant}: the collector's claim lapsed")
 
     # -- reference counts ---------------------------------------------------------------------------
-    async def name(self, tenant: str, pieces: Mapping[str, int]) -> None:
-        """A manifest naming ``pieces`` (piece -> bytes) is about to be written."""
-        if pieces:
-            async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
+    async def claim_write(self, tenant: str, manifest: str) -> str | None:
+        """One writer per generation: a token while this caller writes ``manifest``, else None."""
+        token = uuid.uuid4().hex
+        async with redis_errors():
+            # as long as the save may still commit: its wait for a collector, then its lease
+            ttl_ms = int((self.wait_s + self.lease_s) * 1000)
+            ok = await self._redis.set(self._k.writing(tenant) + manifest, token, nx=True, px=ttl_ms)
+        return token if ok else None
+
+    async def release_write(self, tenant: str, manifest: str, token: str) -> None:
+        key = self._k.writing(tenant) + manifest
+
+        async def body(pipe: Any) -> None:
+            mine = text(await pipe.get(key) or "") == token
+            pipe.multi()
+            if mine:
+                pipe.delete(key)
+
+        await transact(self._redis, [key], body)
+
+    async def name(self, tenant: str, manifest: str, pieces: Mapping[str, int]) -> None:
+        """``manifest``, naming ``pieces`` (piece -> bytes), is about to be written: count them once."""
+        listed = self._k.manifests(tenant)
+
+        async def body(pipe: Any) -> None:
+            counted = await pipe.sismember(listed, manifest)
+            pipe.multi()
+            if not counted:
+                pipe.sadd(listed, manifest)
                 for piece in pieces:
                     pipe.hincrby(self._k.refs(tenant), piece, 1)
-                await pipe.execute()
 
-    async def unname(self, tenant: str, pieces: Mapping[str, int]) -> None:
-        """A manifest naming ``pieces`` was deleted: those now named by none become candidates."""
-        if not pieces:
-            return
-        async with redis_errors():
-            async with self._redis.pipeline(transaction=True) as pipe:
+        await transact(self._redis, [listed], body)
+
+    async def unname(self, tenant: str, manifest: str, pieces: Mapping[str, int]) -> None:
+        """``manifest`` was deleted: take its counts back once (a second delete of it, or one after a
+        collection rebuilt the counts without it, changes nothing); pieces no manifest names any
+        more become candidates."""
+        listed = self._k.manifests(tenant)
+
+        async def body(pipe: Any) -> bool:
+            counted = await pipe.sismember(listed, manifest)
+            pipe.multi()
+            if counted:
+                pipe.srem(listed, manifest)
                 for piece in pieces:
                     pipe.hincrby(self._k.refs(tenant), piece, -1)
-                counts = await pipe.execute()
-            zero = {p: n for (p, n), c in zip(pieces.items(), counts, strict=True) if int(c) <= 0}
+            return bool(counted)
+
+        if not await transact(self._redis, [listed], body) or not pieces:
+            return
+        async with redis_errors():
+            counts = await self._redis.hmget(self._k.refs(tenant), list(pieces))
+            rows = zip(pieces.items(), counts, strict=True)
+            zero = {p: n for (p, n), c in rows if c is None or int(c) <= 0}
             if zero:
                 await self._redis.hset(self._k.unnamed(tenant), mapping=zero)
 
@@ -253,13 +300,18 @@ class ChunkLedger:
                 pipe.hdel(self._k.unnamed(tenant), *pieces)
                 await pipe.execute()
 
-    async def reset_refs(self, tenant: str, counts: Mapping[str, int], *, exact: bool = True) -> None:
-        """Counts from a full collection (under the claim); trusted only when ``exact`` (every
-        manifest was readable)."""
+    async def reset_refs(
+        self, tenant: str, counts: Mapping[str, int], manifests: list[str], *, exact: bool = True
+    ) -> None:
+        """Counts of the listed ``manifests`` from a full collection (under the claim); trusted only
+        when ``exact`` (every manifest was readable)."""
+        k = self._k
         async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
-            pipe.delete(self._k.refs(tenant), self._k.unnamed(tenant), self._k.refs_ok(tenant))
+            pipe.delete(k.refs(tenant), k.unnamed(tenant), k.refs_ok(tenant), k.manifests(tenant))
             if counts:
-                pipe.hset(self._k.refs(tenant), mapping=dict(counts))
+                pipe.hset(k.refs(tenant), mapping=dict(counts))
+            if manifests:
+                pipe.sadd(k.manifests(tenant), *manifests)
             if exact:
                 pipe.set(self._k.refs_ok(tenant), 1)
             await pipe.execute()

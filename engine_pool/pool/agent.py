@@ -169,12 +169,9 @@ class NodeAgent:
                 record = await index.find(tenant, session)
                 if record is None or record.state is not SessionState.LIVE or record.slot is None:
                     continue
-                ref = SlotRef(tenant, session, record.generation + 1)
-                # A gateway's write-behind save may have taken that generation a moment ago without
-                # recording it yet: the slot is unchanged since, so the next generation is as good.
-                while ref in self.parts.cache and ref.generation < record.generation + 8:
-                    ref = SlotRef(tenant, session, ref.generation + 1)
-                out = await self._spill(sup, record.slot, ref, record.route)
+                ref, out = await self._spill_next(
+                    sup, record.slot, tenant, session, record.generation, record.route
+                )
                 await index.mark_spilled(tenant, session, generation=ref.generation, blob_key=out["key"],
                                          nbytes=out["bytes"], tokens=out["tokens"])  # fmt: skip
                 ok = ok and bool(out["uploaded"])
@@ -182,6 +179,22 @@ class NodeAgent:
                 log.error("node.drain_spill_failed", tenant=tenant, session=session, error=str(exc))
                 ok = False
         return ok
+
+    async def _spill_next(
+        self, sup: EngineSupervisor, slot: int, tenant: str, session: str, durable: int, route: str
+    ) -> tuple[SlotRef, dict[str, Any]]:
+        """Spill as the first free generation after ``durable``: a gateway's write-behind save may
+        have taken the next one a moment ago without recording it yet (here or in the store); the
+        slot is unchanged since, so a later generation is as good."""
+        for generation in range(durable + 1, durable + 9):
+            ref = SlotRef(tenant, session, generation)
+            if ref in self.parts.cache:
+                continue
+            try:
+                return ref, await self._spill(sup, slot, ref, route)
+            except Conflict:
+                continue
+        raise Conflict(f"session {session}: generations {durable + 1}..{durable + 8} are all taken")
 
     # -- operations ------------------------------------------------------------------------------
     def _engine(self, engine_id: str, slot: str) -> tuple[EngineSupervisor, int]:

@@ -1,4 +1,16 @@
-"""``slotkeeper bench storage``: slot-file transfer throughput of storage/ against a raw copy.
+"""``slotkeeper bench storage``: storage/ against raw transfers and against a full save per turn.
+
+Suites (``--suite``, default ``all``):
+
+* ``transfer`` — one v1 slot file through the blob store against a raw copy (below);
+* ``session`` — an agent session of ``--turns`` turns through ``slotkeeper serve`` (chunked store):
+  bytes each turn writes and what the store holds after it, against a full save per turn;
+* ``restore`` — the session's newest generation fetched from its chunks (parallel, verified,
+  assembled) against a raw read of the same number of bytes (one object / one file copy);
+* ``ttft`` — time to first token of a turn restored from the store after a restart (spill cache
+  off, so the chunks come from the store) against the next, live, turn.
+
+Transfer:
 
 Uploads and downloads one slot file (512 MiB by default) through the S3 store (multipart,
 parallel parts, CRC-32 per part and of the whole object, conditional write, verifying head,
@@ -14,12 +26,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
+import importlib.util
 import json
+import logging
 import os
 import random
 import shutil
 import socket
+import statistics
 import struct
 import subprocess
 import sys
@@ -29,8 +45,11 @@ import urllib.request
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 MiB = 1 << 20
 TARGET = 0.7
@@ -219,9 +238,263 @@ async def _bench_local(args: argparse.Namespace, src: Path, work: Path) -> dict[
     return {k: min(v) for k, v in results.items()}
 
 
+def _sibling(name: str) -> Any:
+    """Another bench module (they are loaded by path, not as a package)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class Store:
+    """Where `serve` keeps sessions in a run: its data directory or an S3 bucket."""
+
+    endpoint: str | None
+    bucket: str
+    prefix: str
+    data: Path
+
+    def flags(self) -> list[str]:
+        out = ["--data-dir", str(self.data), "--s3-prefix", self.prefix]
+        return out + (["--s3-endpoint", self.endpoint, "--s3-bucket", self.bucket] if self.endpoint else [])
+
+    def objects(self) -> dict[str, int]:
+        head = f"{self.prefix}/default/"
+        if self.endpoint is None:
+            root, out = self.data / "blobs", {}
+            for p in (root / head).rglob("*"):
+                with contextlib.suppress(FileNotFoundError):  # collected while we list
+                    if p.is_file():
+                        out[p.relative_to(root).as_posix()] = p.stat().st_size
+            return out
+
+        client = _s3(self.endpoint)
+        try:
+            pages = client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=head)
+            return {o["Key"]: int(o["Size"]) for page in pages for o in page.get("Contents", [])}
+        finally:
+            client.close()
+
+    def read(self, key: str) -> bytes:
+        if self.endpoint is None:
+            return (self.data / "blobs" / key).read_bytes()
+        client = _s3(self.endpoint)
+        try:
+            return bytes(client.get_object(Bucket=self.bucket, Key=key)["Body"].read())
+        finally:
+            client.close()
+
+    def newest(self, session: str) -> tuple[str, dict[str, Any]]:
+        keys = sorted(k for k in self.objects() if k.endswith(".manifest") and f"/{session}/" in k)
+        return keys[-1], json.loads(self.read(keys[-1]))
+
+
+def _s3(endpoint: str) -> Any:
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
+                        region_name="us-east-1")  # fmt: skip
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def _wait(what: str, check: Callable[[], Any], timeout: float = 300.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise RuntimeError(f"{what}: not within {timeout} s")
+
+
+SESSION = "bench-agent"
+SYSTEM = ("You are a coding agent with tools: read_file(path), write_file(path, text), run(cmd). "
+          "Plan, act, check the result, and report briefly. ")  # fmt: skip
+
+
+def _model(args: argparse.Namespace, work: Path) -> str:
+    from native.model_gen import cached_model
+
+    return str(args.model or cached_model(Path.home() / ".cache" / "slotkeeper", "qwen35", size=args.size))
+
+
+def _serve(
+    gw: Any, work: Path, store: Store, model: str, args: argparse.Namespace, env: dict[str, str]
+) -> Any:
+    flags = [*store.flags(), "--model", model, "--slots", "1", "--ctx", str(args.ctx)]
+    flags += ["--log-level", "warning"]
+    try:
+        return gw.start_serve(work, "serve", flags, env)
+    except RuntimeError:  # a port taken between the probe and the bind: once more, on new ports
+        return gw.start_serve(work, "serve", flags, env)
+
+
+def _messages(n_system: int) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM * n_system}]
+
+
+def session_suite(args: argparse.Namespace, work: Path, store: Store, env: dict[str, str]) -> dict[str, Any]:
+    """``--turns`` turns of one session; after each: bytes written, bytes stored, a full save."""
+    gw, model = _sibling("bench_gateway"), _model(args, work)
+    serve = _serve(gw, work, store, model, args, env)
+    rows: list[dict[str, Any]] = []
+    msgs = _messages(args.system_repeat)
+    written_metric = 'slotkeeper_gateway_store_written_bytes_total{why="after-turn"}'
+    try:
+        for turn in range(args.turns):
+            msgs.append({"role": "user", "content": f"Step {turn}: run the tests and fix what fails."})
+            before = _metric(serve.url, written_metric)
+            body = {"model": "any", "messages": msgs, "max_tokens": 8, "temperature": 0}
+            r = httpx.post(serve.url + "/v1/chat/completions", headers={"X-Session-Id": SESSION}, json=body,
+                           timeout=900)  # fmt: skip
+            r.raise_for_status()
+            done = r.json()
+            msgs.append({"role": "assistant", "content": done["choices"][0]["message"]["content"] or ""})
+
+            def durable(t: int = turn) -> bool:
+                rec = httpx.get(f"{serve.url}/v1/sessions/{SESSION}", timeout=10).json()
+                return int(rec.get("generation", 0)) >= t + 1
+
+            _wait(f"turn {turn} durable", durable)
+            _, manifest = store.newest(SESSION)
+            full = int(manifest["plan"]["size"])
+            stored = _wait("collection settled", lambda: _settled(store))
+            written = _metric(serve.url, written_metric) - before
+            rows.append({"turn": turn, "tokens": done["usage"]["prompt_tokens"], "full": full,
+                         "written": written, "stored": stored})  # fmt: skip
+            r = rows[-1]
+            print(
+                f"  turn {turn}: {r['tokens']} tokens, full save {full}, wrote {int(written)} "
+                f"({written / full:.3f}x), stores {stored} ({stored / full:.3f}x)",
+                flush=True,
+            )
+    finally:
+        serve.close()
+    later = rows[1:] or rows
+    return {
+        "turns": rows,
+        "written_total": sum(r["written"] for r in rows),
+        "full_save_per_turn_total": sum(r["full"] for r in rows),
+        "median_written_over_full": statistics.median(r["written"] / r["full"] for r in later),
+        "max_written_over_full": max(r["written"] / r["full"] for r in later),
+        "max_stored_over_full": max(r["stored"] / r["full"] for r in rows),
+    }
+
+
+def _settled(store: Store) -> int | None:
+    """Stored bytes once two listings agree (the collection after a save has run)."""
+    first = sum(store.objects().values())
+    time.sleep(0.2)  # two listings apart: a collection in flight shows as a difference
+    second = sum(store.objects().values())
+    return second if first == second else None
+
+
+async def _restore_times(store: Store, work: Path, repeat: int) -> dict[str, float]:
+    """Seconds: the newest generation assembled from its chunks, and a raw read of as many bytes."""
+    from storage.chunkstore import ChunkedStore
+    from storage.ids import parse_manifest_key
+    from storage.keyspace import in_process_redis
+    from storage.ledger import ChunkLedger
+    from storage.localstore import LocalStore
+    from storage.s3store import S3Store
+
+    key, _ = store.newest(SESSION)
+    ref = parse_manifest_key(store.prefix, key)
+    assert ref is not None
+    client = _s3(store.endpoint) if store.endpoint else None
+    inner = (
+        S3Store(client, store.bucket, prefix=store.prefix)
+        if client
+        else LocalStore(store.data / "blobs", prefix=store.prefix)
+    )
+    ours, raw = float("inf"), float("inf")
+    async with ChunkedStore(inner, ChunkLedger(in_process_redis())) as chunked:
+        dest = work / "restored.slot"
+        for _ in range(repeat):
+            dest.unlink(missing_ok=True)
+            os.sync()
+            t0 = time.perf_counter()
+            await chunked.get_to_file(ref, dest)
+            ours = min(ours, time.perf_counter() - t0)
+        size = dest.stat().st_size
+        if client is not None:  # the same bytes as one object, read raw with boto3's transfer manager
+            from boto3.s3.transfer import TransferConfig
+
+            client.upload_file(str(dest), store.bucket, f"{store.prefix}-raw/whole.slot")
+            cfg = TransferConfig(multipart_chunksize=8 * MiB, max_concurrency=8)
+            for _ in range(repeat):
+                out = work / "raw.slot"
+                out.unlink(missing_ok=True)
+                whole = f"{store.prefix}-raw/whole.slot"
+                fetch = functools.partial(client.download_file, store.bucket, whole, str(out), Config=cfg)
+                raw = min(raw, _timed(fetch))
+        else:
+            for _ in range(repeat):
+                out = work / "raw.slot"
+                out.unlink(missing_ok=True)
+                raw = min(raw, _timed(lambda o=out: shutil.copyfile(dest, o)))  # no fsync: ours has none
+    return {"bytes": size, "ours_s": ours, "raw_s": raw}
+
+
+def ttft_suite(args: argparse.Namespace, work: Path, store: Store, env: dict[str, str]) -> dict[str, Any]:
+    """A session of the same length as ``session``'s; restart (spill cache off); the restored turn's
+    TTFT, then the next (live) turn's, same number of new tokens."""
+    gw, model = _sibling("bench_gateway"), _model(args, work)
+    env = {**env, "SLOTKEEPER_SPILL_BYTES": "0"}  # a restore reads the store, never a local copy
+    session = "ttft-agent"
+    msgs = _messages(args.system_repeat)
+    serve = _serve(gw, work, store, model, args, env)
+    try:
+        for turn in range(3):
+            msgs.append({"role": "user", "content": f"Step {turn}: run the tests and fix what fails."})
+            res = gw.stream_turn(serve.url, "any", msgs, session, 8)
+            msgs.append({"role": "assistant", "content": res.content})
+        serve.terminate(300)  # drains: the session is in the store
+        serve = _serve(gw, work, store, model, args, env)
+        out: dict[str, Any] = {}
+        for name, turn in (("restored", 3), ("live", 4)):
+            msgs.append({"role": "user", "content": f"Step {turn}: run the tests and fix what fails."})
+            res = gw.stream_turn(serve.url, "any", msgs, session, 8)
+            msgs.append({"role": "assistant", "content": res.content})
+            out[name] = {"ttft_ms": res.ttft_ms, "cache": res.cache, "prompt_n": res.timings.get("prompt_n")}
+    finally:
+        serve.close()
+    out["ratio"] = out["restored"]["ttft_ms"] / out["live"]["ttft_ms"]
+    return out
+
+
+def _print_session(rep: dict[str, Any]) -> None:
+    print("session: turn  tokens  full save  written  stored   written/full  stored/full")
+    for r in rep["turns"]:
+        print(f"  {r['turn']:>11} {r['tokens']:>7} {r['full']:>10} {int(r['written']):>8} {r['stored']:>8} "
+              f"{r['written'] / r['full']:>13.3f} {r['stored'] / r['full']:>12.3f}")  # fmt: skip
+    total, full = rep["written_total"], rep["full_save_per_turn_total"]
+    median, most = rep["median_written_over_full"], rep["max_written_over_full"]
+    print(f"  written over {len(rep['turns'])} turns: {total / MiB:.1f} MiB chunked vs {full / MiB:.1f} MiB "
+          f"with a full save per turn ({total / full:.3f}x); median turn {median:.3f}x of a full save, "
+          f"max {most:.3f}x; stored at most {rep['max_stored_over_full']:.3f}x a full save")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``slotkeeper bench storage``; ``argv`` excludes the program name."""
     p = argparse.ArgumentParser(prog="slotkeeper bench storage", description=__doc__.split("\n")[0])
+    p.add_argument("--suite", choices=["all", "transfer", "session", "restore", "ttft"], default="all")
+    p.add_argument("--model", help="GGUF for session/restore/ttft (default: the generated qwen35 of --size)")
+    p.add_argument("--size", choices=["tiny", "bench"], default="tiny", help="generated model size")
+    p.add_argument("--turns", type=int, default=50, help="session: turns")
+    p.add_argument("--system-repeat", type=int, default=60, help="system prompt: sentence repeats")
+    p.add_argument("--ctx", type=int, default=16384)
     p.add_argument("--backend", choices=["moto", "seaweedfs", "endpoint", "local"], default="seaweedfs")
     p.add_argument("--endpoint", help="S3 endpoint for --backend endpoint")
     p.add_argument("--bucket", default="bench")
@@ -238,36 +511,86 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.backend == "endpoint" and not args.endpoint:
         p.error("--endpoint is required with --backend endpoint")
+    from engine_pool import logs
+
+    logs.configure("json", "warning")  # the tables, not every request
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    suites = {"transfer", "session", "restore", "ttft"} if args.suite == "all" else {args.suite}
+    if "restore" in suites:
+        suites.add("session")  # restores the session's newest generation
+    report: dict[str, Any] = {"backend": args.backend}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         work = Path(tmp)
-        src = work / "bench.slot"
-        write_slot_file(src, args.size_mib * MiB)
-        size = src.stat().st_size
-        if args.backend == "local":
-            times = asyncio.run(_bench_local(args, src, work))
-        elif args.backend == "endpoint":
-            times = asyncio.run(_bench_s3(args, args.endpoint, src, work))
+        if args.backend in ("moto", "seaweedfs"):
+            where: Any = server(args.backend, work)
         else:
-            with server(args.backend, work) as endpoint:
-                times = asyncio.run(_bench_s3(args, endpoint, src, work))
+            where = contextlib.nullcontext(args.endpoint)
+        with where as endpoint:
+            if "transfer" in suites:
+                report["transfer"] = _transfer(args, work, endpoint)
+            env = {
+                **os.environ,
+                "AWS_ACCESS_KEY_ID": args.access_key,
+                "AWS_SECRET_ACCESS_KEY": args.secret_key,
+            }
+            if endpoint:
+                client = _s3(endpoint)
+                with contextlib.suppress(Exception):  # exists already
+                    client.create_bucket(Bucket=args.bucket)
+                client.close()
+            if "session" in suites:
+                store = Store(endpoint, args.bucket, f"session{os.getpid()}", work / "session")
+                report["session"] = session_suite(args, work, store, env)
+                _print_session(report["session"])
+                if "restore" in suites:
+                    report["restore"] = asyncio.run(_restore_times(store, work, max(args.repeat, 3)))
+                    _print_restore(report["restore"])
+            if "ttft" in suites:
+                store = Store(endpoint, args.bucket, f"ttft{os.getpid()}", work / "ttft")
+                report["ttft"] = ttft_suite(args, work, store, env)
+                t = report["ttft"]
+                back, live = t["restored"], t["live"]
+                print(f"ttft: restored turn {back['ttft_ms']:.0f} ms ({back['cache']}, prompt_n "
+                      f"{back['prompt_n']}) vs live turn {live['ttft_ms']:.0f} ms ({live['cache']}, "
+                      f"prompt_n {live['prompt_n']}): {t['ratio']:.2f}x")  # fmt: skip
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def _print_restore(r: dict[str, Any]) -> None:
+    ratio = r["raw_s"] / r["ours_s"]
+    verdict = "ok" if ratio >= TARGET else "BELOW TARGET"
+    n, ours, raw = r["bytes"], r["ours_s"], r["raw_s"]
+    print(f"restore: {n / MiB:.1f} MiB from chunks in {ours * 1000:.1f} ms ({n / ours / 1e6:.0f} MB/s) "
+          f"vs a raw read {raw * 1000:.1f} ms ({n / raw / 1e6:.0f} MB/s): ratio {ratio:.2f} "
+          f"({verdict}, target {TARGET})")  # fmt: skip
+
+
+def _transfer(args: argparse.Namespace, work: Path, endpoint: str | None) -> dict[str, Any]:
+    src = work / "bench.slot"
+    write_slot_file(src, args.size_mib * MiB)
+    size = src.stat().st_size
+    if args.backend == "local":
+        times = asyncio.run(_bench_local(args, src, work))
+    else:
+        assert endpoint is not None
+        times = asyncio.run(_bench_s3(args, endpoint, src, work))
+    src.unlink()
     rates = {k: size / v / 1e6 for k, v in times.items()}
     ratios = {
         "upload": rates["ours_up"] / rates["raw_up"],
         "download": rates["ours_down"] / rates["raw_down"],
     }
-    report = {"backend": args.backend, "bytes": size, "part_size_mib": args.part_size_mib,
-              "concurrency": args.concurrency, "fsync": not args.no_fsync, "mb_per_s": rates,
-              "ratio": ratios, "target": TARGET}  # fmt: skip
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print(f"{args.backend}: {size / MiB:.0f} MiB, parts {args.part_size_mib} MiB x {args.concurrency}, "
-              f"fsync {'on (raw copies fsync too)' if not args.no_fsync else 'off'}")  # fmt: skip
-        for op, ours, raw in (("upload", "ours_up", "raw_up"), ("download", "ours_down", "raw_down")):
-            verdict = "ok" if ratios[op] >= TARGET else "BELOW TARGET"
-            print(f"  {op:<8} storage {rates[ours]:8.1f} MB/s   raw {rates[raw]:8.1f} MB/s   "
-                  f"ratio {ratios[op]:.2f} ({verdict}, target {TARGET})")  # fmt: skip
-    return 0
+    parts = f"parts {args.part_size_mib} MiB x {args.concurrency}"
+    print(f"transfer {args.backend}: {size / MiB:.0f} MiB, {parts}, "
+          f"fsync {'on (raw copies fsync too)' if not args.no_fsync else 'off'}")  # fmt: skip
+    for op, ours, raw in (("upload", "ours_up", "raw_up"), ("download", "ours_down", "raw_down")):
+        verdict = "ok" if ratios[op] >= TARGET else "BELOW TARGET"
+        print(f"  {op:<8} storage {rates[ours]:8.1f} MB/s   raw {rates[raw]:8.1f} MB/s   "
+              f"ratio {ratios[op]:.2f} ({verdict}, target {TARGET})")  # fmt: skip
+    return {"bytes": size, "part_size_mib": args.part_size_mib, "concurrency": args.concurrency,
+            "fsync": not args.no_fsync, "mb_per_s": rates, "ratio": ratios, "target": TARGET}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,0 +1,116 @@
+"""Retention through `slotkeeper serve`: a DELETE frees the chunks only its session named, an idle
+session past its tenant's TTL goes by itself, the stored-bytes quota counts unique bytes, and the
+one-machine spill cache keeps no second copy of what the local store holds."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+MODEL = "qwen35-seed0"
+SYSTEM = "You are a coding agent. Read files, run tests, fix bugs, and report briefly. " * 30
+
+
+def _chat(url: str, key: str, session: str, text: str) -> httpx.Response:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
+    body = {"model": MODEL, "max_tokens": 4, "temperature": 0, "messages": messages}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {key}", "X-Session-Id": session})  # fmt: skip
+
+
+def _files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file()] if root.exists() else []
+
+
+def _wait(what: str, check: Any, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{what}: not within {timeout_s} s")
+
+
+def _durable(url: str, key: str, session: str) -> bool:
+    r = httpx.get(f"{url}/v1/sessions/{session}", headers={"Authorization": f"Bearer {key}"}, timeout=5)
+    return r.status_code == 200 and r.json().get("generation", 0) >= 1
+
+
+def test_delete_frees_its_own_chunks_and_idle_sessions_expire(serve: Any, tmp_path: Path) -> None:
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(
+        '[tenants.keep]\nkeys = ["key-keep"]\n'
+        '[tenants.brief]\nkeys = ["key-brief"]\n[tenants.brief.storage]\nidle_ttl_s = 2\n'
+    )
+    data = tmp_path / "data"
+    s = serve(data, tenants=tenants, args=("--collect-interval-s", "1"))
+    blobs = data / "blobs" / "slotkeeper"
+    for session in ("a", "b"):
+        assert _chat(s.url, "key-keep", session, f"Task {session}: list the files.").status_code == 200
+        _wait(f"{session} durable", lambda x=session: _durable(s.url, "key-keep", x))
+    # the one machine's spill cache holds no copy of what the local store has
+    _wait("spill cache emptied", lambda: not [p for p in _files(data / "spill") if p.suffix == ".slot"])
+    chunks = blobs / "keep" / ".chunks"
+    before = {p.name for p in _files(chunks)}
+    assert before
+
+    r = httpx.delete(f"{s.url}/v1/sessions/a", headers={"Authorization": "Bearer key-keep"}, timeout=30)
+    assert r.status_code == 200
+    # what only "a" named goes; the pieces "b" names (the shared system prompt) stay
+    b_manifest = next((blobs / "keep" / "b").glob("*.manifest"))
+    _wait("a's own chunks collected", lambda: not (blobs / "keep" / "a").exists()
+          and {p.name for p in _files(chunks)} < before)  # fmt: skip
+    after = {p.name for p in _files(chunks)}
+    assert all(name in b_manifest.read_text() for name in (n.rsplit(".", 1)[0] for n in after))
+    assert _chat(s.url, "key-keep", "b", "Task b: list the files.").status_code == 200  # b still whole
+
+    # a tenant with an idle TTL: its session goes by itself, every stored byte with it
+    assert _chat(s.url, "key-brief", "short", "Quick question.").status_code == 200
+    _wait("short durable", lambda: _durable(s.url, "key-brief", "short"))
+    _wait(
+        "idle session expired",
+        lambda: (
+            httpx.get(
+                f"{s.url}/v1/sessions/short", headers={"Authorization": "Bearer key-brief"}, timeout=5
+            ).status_code
+            == 404
+            and not _files(blobs / "brief" / "short")
+        ),  # fmt: skip
+        timeout_s=60,
+    )
+    _wait(
+        "its chunks collected", lambda: not [p for p in _files(blobs / "brief") if p.suffix in (".kv", ".ck")]
+    )
+    assert _durable(s.url, "key-keep", "b")  # the other tenant's session is untouched
+
+
+def test_the_stored_bytes_quota_counts_unique_bytes(serve: Any, tmp_path: Path) -> None:
+    """Six sessions sharing a system prompt fit a quota of three full saves: the shared chunks
+    count once. (Counting each session's full state, the fourth would be refused.)"""
+    probe = tmp_path / "probe"
+    s = serve(probe)
+    assert _chat(s.url, "none", "s0", "Task 0.").status_code == 200
+    _wait("s0 durable", lambda: _durable(s.url, "none", "s0"))
+    manifest = next((probe / "blobs" / "slotkeeper" / "default" / "s0").glob("*.manifest"))
+    full = int(json.loads(manifest.read_text())["plan"]["size"])
+
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[tenants.t]\nkeys = ["key-t"]\n[tenants.t.quotas]\nstored_bytes = {3 * full}\n')
+    data = tmp_path / "data"
+    s = serve(data, tenants=tenants)
+    for i in range(6):
+        assert _chat(s.url, "key-t", f"s{i}", f"Task {i}.").status_code == 200, i
+        _wait(f"s{i} durable", lambda x=i: _durable(s.url, "key-t", f"s{x}"))
+    stored = sum(p.stat().st_size for p in _files(data / "blobs" / "slotkeeper" / "t"))
+    assert stored < 3 * full
+    # and the quota is enforced on those bytes: a tenant over it gets no new session
+    tenants.write_text('[tenants.t]\nkeys = ["key-t"]\n[tenants.t.quotas]\nstored_bytes = 1\n')
+    s.stop()
+    s = serve(data, tenants=tenants)
+    r = _chat(s.url, "key-t", "s9", "Task 9.")
+    assert r.status_code == 429 and "stores" in r.json()["error"]["message"]
+    assert _chat(s.url, "key-t", "s1", "Task 1, again.").status_code == 200  # its sessions still work
