@@ -7,8 +7,7 @@ rebuilds their reference counts. In between, a tenant whose generations were sup
 (:meth:`Retention.collect_soon`) gets :meth:`ChunkedStore.collect_unnamed`: the pieces whose count
 fell to 0 go at once, without listing the tenant, so storage follows the sessions turn by turn.
 Several gateway replicas may run it at once: the chunk ledger lets one collector per tenant in and
-the others skip (``LockBusy``).
-A failure costs one tenant's turn of the loop, never the loop.
+the others skip (``LockBusy``). A failure costs one tenant's turn of the loop, never the loop.
 """
 
 from __future__ import annotations
@@ -40,12 +39,9 @@ class Retention:
         self.interval_s, self._clock = interval_s, clock
         self._soon: set[str] = set()
         self._wake = asyncio.Event()
-        self.idle = asyncio.Event()  # set while nothing is asked for (tests and benchmarks wait on it)
-        self.idle.set()
 
     def collect_soon(self, tenant: str) -> None:
         self._soon.add(tenant)
-        self.idle.clear()
         self._wake.set()
 
     async def run(self, delete: Callable[[Tenant, str], Awaitable[object]]) -> None:
@@ -56,12 +52,10 @@ class Retention:
                 next_full = self._clock() + self.interval_s
                 for name in sorted({t async for t in self.store.list_tenants()}):
                     await self.tend(name, delete)
+            self._wake.clear()  # before draining: a request meanwhile wakes the next round
             while self._soon:
                 name = self._soon.pop()
                 await self._quietly(name, self.store.collect_unnamed(name))
-            if not self._soon:
-                self.idle.set()
-            self._wake.clear()
             wait = max(0.0, next_full - self._clock()) if self.interval_s > 0 else None
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait):

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import struct
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
@@ -121,10 +122,12 @@ class Split:
     crc32: int  # of the whole v1 file
     seq_id: int = 0  # of the cells (the saving slot's sequence), written back on assembly
     ckpt_seq_ids: tuple[int, ...] = ()  # in each checkpoint's state prefix (its capturing slot's)
+    bounds: tuple[int, ...] = (0,)  # chunk i covers [bounds[i], bounds[i+1]); the tail the rest
+    body_crc32: int = 0  # the trailer's: of every byte before it
 
     @property
     def tail_start(self) -> int:
-        return len(self.chunks) * self.chunk_tokens
+        return self.bounds[-1]
 
 
 def _table(meta: Mapping[str, Any], name: str) -> Mapping[str, Any]:
@@ -150,6 +153,29 @@ def chain(ns: str, tokens: np.ndarray, chunk_tokens: int, n_chunks: int) -> list
         part = tokens[k * chunk_tokens : (k + 1) * chunk_tokens].astype("<i4").tobytes()
         h.append(hashlib.sha256(h[-1] + part).digest())
     return h
+
+
+def kv_bounds(n: int, checkpoints: Sequence[int], chunk_tokens: int) -> list[int]:
+    """Where KV pieces begin and end: the grid of whole chunks below ``n``, then every checkpoint
+    inside the last, partial cell — a fork or the next turn diverges at a checkpoint, so the pieces
+    up to it are shared instead of stored again in each tail."""
+    m = n // chunk_tokens * chunk_tokens
+    return [*range(0, m + 1, chunk_tokens), *sorted({c for c in checkpoints if m < c < n})]
+
+
+def prefix_digest(heads: Sequence[bytes], tokens: np.ndarray, p: int, chunk_tokens: int) -> bytes:
+    """The running digest of the first ``p`` tokens (``heads`` from :func:`chain`)."""
+    k = p // chunk_tokens
+    if p == k * chunk_tokens:
+        return heads[k]
+    return hashlib.sha256(heads[k] + tokens[k * chunk_tokens : p].astype("<i4").tobytes()).digest()
+
+
+def range_digest(heads: Sequence[bytes], tokens: np.ndarray, a: int, b: int, chunk_tokens: int) -> str:
+    """A KV piece's name: the tokens up to its end, and where it begins."""
+    return hashlib.sha256(
+        b"kv" + prefix_digest(heads, tokens, b, chunk_tokens) + a.to_bytes(8, "little")
+    ).hexdigest()
 
 
 def checkpoint_digest(heads: Sequence[bytes], tokens: np.ndarray, n: int, chunk_tokens: int) -> str:
@@ -306,17 +332,17 @@ def _split(view: memoryview, sf: SlotFile, tokens: np.ndarray, state: memoryview
            scope: str, chunk_tokens: int, whole: int) -> Split:  # fmt: skip
     n = sf.n_tokens
     ns = namespace(sf.fingerprint or "", sf.meta, layout, sf.state_version, scope, chunk_tokens)
-    n_chunks = n // chunk_tokens if layout is not None else 0
-    heads = chain(ns, tokens, chunk_tokens, n_chunks if layout is not None else n // chunk_tokens)
+    heads = chain(ns, tokens, chunk_tokens, n // chunk_tokens)
     chunks: list[Piece] = []
     tail_parts: list[bytes]
-    m = n_chunks * chunk_tokens
+    bounds = [0]
     if layout is not None:
         recs, blocks = _kv_blocks(state, layout, n)
-        for k in range(n_chunks):
-            payload = _range_payload(tokens, recs, blocks, layout, k * chunk_tokens, (k + 1) * chunk_tokens)
-            chunks.append(_piece(heads[k + 1].hex(), payload))
-        tail_parts = [_range_payload(tokens, recs, blocks, layout, m, n), bytes(state[layout.end :])]
+        bounds = kv_bounds(n, [ck.n_tokens for ck in sf.checkpoints], chunk_tokens)
+        for a, b in itertools.pairwise(bounds):
+            payload = _range_payload(tokens, recs, blocks, layout, a, b)
+            chunks.append(_piece(range_digest(heads, tokens, a, b, chunk_tokens), payload))
+        tail_parts = [_range_payload(tokens, recs, blocks, layout, bounds[-1], n), bytes(state[layout.end :])]
         seq_id = int.from_bytes(bytes(recs[0, -4:]), "little", signed=True)
     else:
         tail_parts, seq_id = [tokens.astype("<i4").tobytes(), bytes(state)], 0
@@ -347,7 +373,8 @@ def _split(view: memoryview, sf: SlotFile, tokens: np.ndarray, state: memoryview
             tail_parts.append(_U32.pack(rec.tag) + _U32.pack(rec.flags) + payload)
     tail = _piece(hashlib.sha256(b"tail" + heads[-1]).hexdigest(), pack_parts(tail_parts))
     return Split(ns, n, sf.state_version, layout, chunk_tokens, tuple(chunks), tuple(checkpoints), tail,
-                 tuple(order), len(view), whole, seq_id, tuple(ckpt_seqs))  # fmt: skip
+                 tuple(order), len(view), whole, seq_id, tuple(ckpt_seqs), tuple(bounds),
+                 sf.body_crc32)  # fmt: skip
 
 
 def _load(s: Split) -> dict[str, bytes]:
@@ -359,12 +386,13 @@ def _load(s: Split) -> dict[str, bytes]:
 
 # -- assemble ---------------------------------------------------------------------------------------
 class _CrcWriter:
-    def __init__(self, out: BinaryIO | None) -> None:
-        self.out, self.crc, self.n = out, 0, 0
+    def __init__(self, out: Any, checksum: bool = True) -> None:
+        self.out, self.crc, self.n, self.checksum = out, 0, 0, checksum
 
     def write(self, data: bytes | memoryview | np.ndarray) -> None:
         mv = data if isinstance(data, bytes) else memoryview(data).cast("B")  # type: ignore[arg-type]
-        self.crc = zlib.crc32(mv, self.crc)
+        if self.checksum:
+            self.crc = zlib.crc32(mv, self.crc)
         self.n += len(mv)
         if self.out is not None:
             self.out.write(mv)
@@ -380,26 +408,33 @@ def describe(s: Split) -> dict[str, Any]:
     return {
         "n_tokens": s.n_tokens, "state_version": s.state_version, "chunk_tokens": s.chunk_tokens,
         "layout": s.layout.to_json() if s.layout else None,
-        "chunks": [[p.name, len(p.data)] for p in s.chunks],
+        "chunks": [[p.name, len(p.data)] for p in s.chunks], "bounds": list(s.bounds),
         "checkpoints": [[n, p.name, len(p.data), seq]
                         for (n, p), seq in zip(s.checkpoints, s.ckpt_seq_ids, strict=True)],
         "tail": [s.tail.name, len(s.tail.data)], "records": list(s.records),
-        "size": s.size, "crc32": s.crc32, "seq_id": s.seq_id,
+        "size": s.size, "crc32": s.crc32, "body_crc32": s.body_crc32, "seq_id": s.seq_id,
     }  # fmt: skip
 
 
-def write_v1(out: BinaryIO | None, plan: Mapping[str, Any], objects: Mapping[str, bytes]) -> tuple[int, int]:
-    """Write the v1 slot file a manifest's plan describes from its objects' bytes; returns (size,
-    crc32 of the whole file). Raises :class:`SlotFileError` when the pieces do not fit the plan."""
+def write_v1(
+    out: Any, plan: Mapping[str, Any], objects: Mapping[str, bytes], *, checksum: bool = True
+) -> tuple[int, int]:
+    """Write the v1 slot file a manifest's plan describes from its objects' bytes to ``out`` (any
+    object with ``write``; None: nothing); returns (size, crc32 of the whole file). With
+    ``checksum=False`` no CRC is computed (0 is returned): the trailer takes the plan's
+    ``body_crc32`` and the caller checks the bytes itself. Raises :class:`SlotFileError` when the
+    pieces do not fit the plan."""
     try:
-        return _write_v1(out, plan, objects)
+        return _write_v1(out, plan, objects, checksum)
     except (KeyError, IndexError, TypeError, ValueError, OverflowError, struct.error) as exc:
         why = f"{type(exc).__name__}: {exc}"
         raise SlotFileError("bad_layout", f"pieces do not fit the manifest: {why}") from exc
 
 
-def _write_v1(out: BinaryIO | None, plan: Mapping[str, Any], objects: Mapping[str, bytes]) -> tuple[int, int]:
-    w = _CrcWriter(out)
+def _write_v1(
+    out: Any, plan: Mapping[str, Any], objects: Mapping[str, bytes], checksum: bool
+) -> tuple[int, int]:
+    w = _CrcWriter(out, checksum)
     n = int(plan["n_tokens"])
     layout = KvLayout.from_json(plan["layout"]) if plan["layout"] is not None else None
     tail = unpack_parts(objects[plan["tail"][0]], "tail")
@@ -474,7 +509,8 @@ def _write_v1(out: BinaryIO | None, plan: Mapping[str, Any], objects: Mapping[st
         for p in payload:
             w.write(p)
     meta_len = w.n - meta_off
-    head = TRAILER.pack(TRAILER_MAGIC, 1, 0, 0, base_len, ckpt_off, ckpt_len, meta_off, meta_len, w.crc, 0)
+    body_crc = w.crc if checksum else int(plan["body_crc32"])
+    head = TRAILER.pack(TRAILER_MAGIC, 1, 0, 0, base_len, ckpt_off, ckpt_len, meta_off, meta_len, body_crc, 0)
     trailer = head[:-4] + _U32.pack(zlib.crc32(head[:-4]))
     w.write(trailer)
     return w.n, w.crc

@@ -445,7 +445,8 @@ class S3Store(BlobStore):
 
 def _read_body(body: Any) -> bytes:
     try:
-        return bytes(body.read())
+        data = body.read()
+        return data if isinstance(data, bytes) else bytes(data)  # bytes already: no second copy
     finally:
         body.close()
 

@@ -114,3 +114,24 @@ def test_the_stored_bytes_quota_counts_unique_bytes(serve: Any, tmp_path: Path) 
     r = _chat(s.url, "key-t", "s9", "Task 9.")
     assert r.status_code == 429 and "stores" in r.json()["error"]["message"]
     assert _chat(s.url, "key-t", "s1", "Task 1, again.").status_code == 200  # its sessions still work
+
+
+def test_a_tenant_that_does_not_share_keeps_each_sessions_chunks(serve: Any, tmp_path: Path) -> None:
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(
+        '[tenants.open]\nkeys = ["key-open"]\n'
+        '[tenants.apart]\nkeys = ["key-apart"]\n[tenants.apart.storage]\nshare_chunks = false\n'
+    )
+    data = tmp_path / "data"
+    s = serve(data, tenants=tenants)
+    for key in ("key-open", "key-apart"):
+        for session in ("x", "y"):  # the same system prompt in both sessions
+            assert _chat(s.url, key, session, f"Task {session}.").status_code == 200
+            _wait(f"{session} durable", lambda k=key, x=session: _durable(s.url, k, x))
+    blobs = data / "blobs" / "slotkeeper"
+
+    def namespaces(tenant: str) -> set[str]:
+        return {p.parent.name for p in _files(blobs / tenant / ".chunks") if p.suffix == ".kv"}
+
+    assert len(namespaces("open")) == 1  # one copy of the shared prefix for both sessions
+    assert len(namespaces("apart")) == 2  # each session its own

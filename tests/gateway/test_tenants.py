@@ -36,11 +36,26 @@ def test_keys_are_hashed_and_authenticate_their_tenant(tmp_path):
         ({"tenants": {"a": {"keys": ["k"]}, "b": {"keys": ["k"]}}}, "shares a key"),
         ({"tenants": {"a": {"keys": ["k"], "durability": "sometimes"}}}, "durability"),
         ({"tenants": {"a": {"keys": ["k"], "quotas": {"sessions": -1}}}}, "quotas.sessions"),
+        ({"tenants": {"a": {"keys": ["k"], "storage": 3}}}, "storage must be a table"),
+        ({"tenants": {"a": {"keys": ["k"], "storage": {"share": True}}}}, "unknown keys: share"),
+        ({"tenants": {"a": {"keys": ["k"], "storage": {"share_chunks": "no"}}}}, "share_chunks"),
+        ({"tenants": {"a": {"keys": ["k"], "storage": {"idle_ttl_s": 0}}}}, "idle_ttl_s"),
+        ({"tenants": {"a": {"keys": ["k"], "storage": {"idle_ttl_s": True}}}}, "idle_ttl_s"),
     ],
 )
 def test_bad_tenant_files_name_the_problem(doc, message):
     with pytest.raises(TenantConfigError, match=message):
         parse_tenants(doc)
+
+
+def test_storage_settings_per_tenant():
+    tenants = parse_tenants({"tenants": {
+        "a": {"keys": ["ka"], "storage": {"share_chunks": False, "idle_ttl_s": 86400}},
+        "b": {"keys": ["kb"]},
+    }})  # fmt: skip
+    a, b = tenants.by_name["a"], tenants.by_name["b"]
+    assert (a.share_chunks, a.idle_ttl_s) == (False, 86400.0)
+    assert (b.share_chunks, b.idle_ttl_s) == (True, None)  # shared, kept until deleted
 
 
 def test_tenant_names_are_ids():

@@ -91,8 +91,8 @@ async def test_one_system_prompt_is_stored_once_per_tenant(engine: native.Engine
                 await st.put_file(SlotRef(tenant, f"s{i}", 1), path, model="m", n_tokens=0)
         shared = PREFIX_TOKENS // CHUNK_TOKENS  # whole chunks inside the common prefix
         acme, beta = _kv_pieces(root, "acme"), _kv_pieces(root, "beta")
-        # every session ends inside the prefix's last partial chunk: its chunks are the prefix's,
-        # stored once for 16 sessions (not 16 times)
-        assert len(acme) == shared
+        # the prefix's whole chunks and its piece up to the checkpoint at its end are stored once
+        # for 16 sessions (not 16 times); each session adds one piece of its own after that
+        assert len(acme) == shared + 1 + 16
         # the second tenant stored its own copy, under its own names and folder
-        assert len(beta) == shared and acme.isdisjoint(beta)
+        assert len(beta) == shared + 1 + 2 and acme.isdisjoint(beta)

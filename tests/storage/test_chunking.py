@@ -1,10 +1,15 @@
 """storage.chunking against slot files written by the real native engine: pieces assemble back
-byte for byte, growing and forked sessions share their leading pieces, and pieces that do not fit
-their plan are refused with SlotFileError (never another exception)."""
+byte for byte, KV pieces are the whole 256-token cells plus pieces cut at the checkpoints inside the
+last partial cell, growing and forked sessions share their leading pieces (a fork that diverges at
+such a checkpoint shares the piece ending there), and pieces that do not fit their plan are refused
+with SlotFileError (never another exception)."""
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import io
+import itertools
 import json
 import random
 import struct
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import native
@@ -22,12 +28,17 @@ from storage.chunking import (
     CHUNK_TOKENS,
     Split,
     assemble_bytes,
+    chain,
     describe,
+    kv_bounds,
     pack_parts,
+    prefix_digest,
+    range_digest,
     split,
     unpack_parts,
     write_v1,
 )
+from storage.chunkstore import _Segments
 from storage.errors import SlotFileError
 from storage.slotfile import SlotFile, read_slot_file, read_tokens, verify_slot_file
 
@@ -37,13 +48,16 @@ ARCHS = ["qwen35", "llama", "gemma2", "mamba2", "lfm2"]
 @dataclass(frozen=True)
 class Files:
     """One engine's slot files: ``g1`` (> 2 chunks) saved from slot 0, ``g2`` (``g1`` plus a few
-    tokens, same slot), ``moved`` (``g1`` restored into slot 1, then the same few tokens) and
-    ``fork`` (slot 0 again: the first 300 prompt tokens of ``g1``, then other text)."""
+    tokens, same slot), ``moved`` (``g1`` restored into slot 1, then the same few tokens), ``fork``
+    (slot 0 again: the first 300 prompt tokens of ``g1``, then other text) and ``branch`` (``g1``
+    restored into slot 1, then its tokens up to its last checkpoint, which lies in its last partial
+    cell, followed by other text — a regenerated answer)."""
 
     g1: Path
     g2: Path
     moved: Path
     fork: Path
+    branch: Path
 
 
 def _generate(eng: Any, slot: int, prompt: list[int], n_predict: int, hints: list[int] | None = None) -> None:
@@ -72,7 +86,25 @@ def make_files(model: str, folder: Path, **config: Any) -> Files:
         eng.save_slot(0, str(folder / "fork.slot"))
     finally:
         eng.close()
-    return Files(*(folder / f"{name}.slot" for name in ("g1", "g2", "moved", "fork")))
+    # in a fresh engine (same model and context: the same namespace), so that the restored cells and
+    # the new ones lie in the cache in position order (else llama.cpp writes them out of order and
+    # the file is not chunked)
+    g1 = read_slot_file(folder / "g1.slot")
+    cut = last_cell_checkpoints(g1)[-1]
+    eng = native.Engine(native.EngineConfig(model, n_ctx=4096, n_slots=2, checkpoint_interval=64, **config))
+    try:
+        eng.restore_slot(1, str(folder / "g1.slot"))
+        _generate(eng, 1, read_tokens(g1)[:cut] + eng.tokenize(" other words" * 10), 2)
+        eng.save_slot(1, str(folder / "branch.slot"))
+    finally:
+        eng.close()
+    return Files(*(folder / f"{name}.slot" for name in ("g1", "g2", "moved", "fork", "branch")))
+
+
+def last_cell_checkpoints(sf: SlotFile, chunk_tokens: int = CHUNK_TOKENS) -> list[int]:
+    """The checkpoint positions inside the file's last partial cell, sorted (where extra pieces end)."""
+    m = sf.n_tokens // chunk_tokens * chunk_tokens
+    return sorted({c.n_tokens for c in sf.checkpoints if m < c.n_tokens < sf.n_tokens})
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +138,7 @@ def through_json(plan: dict[str, Any]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------- round trip
 @pytest.mark.parametrize("arch", [*ARCHS, "llama-fa"])
-@pytest.mark.parametrize("which", ["g1", "g2", "moved", "fork"])
+@pytest.mark.parametrize("which", ["g1", "g2", "moved", "fork", "branch"])
 def test_round_trip_is_byte_identical(files: dict[str, Files], arch: str, which: str, tmp_path: Path) -> None:
     path = getattr(files[arch], which)
     data, sf, s = load(path)
@@ -122,6 +154,64 @@ def test_round_trip_is_byte_identical(files: dict[str, Files], arch: str, which:
     assert [n for n, _ in s.checkpoints] == [c.n_tokens for c in sf.checkpoints]
 
 
+class _Collector:
+    """A ``write`` target keeping copies of what it is given (write_v1 takes any such object)."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def write(self, data: Any) -> None:
+        self.parts.append(bytes(data))
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "llama", "llama-fa", "mamba2"])
+@pytest.mark.parametrize("which", ["g1", "moved", "branch"])
+def test_unchecksummed_writes_take_the_body_crc_from_the_plan(
+    files: dict[str, Files], arch: str, which: str, tmp_path: Path
+) -> None:
+    """``checksum=False`` computes no CRC (0 is returned) and writes the plan's ``body_crc32`` into
+    the trailer: into a segment collector (the restore's, or any object with ``write``) the bytes
+    are the checksummed path's, which are the original file's."""
+    data, sf, s = load(getattr(files[arch], which))
+    plan, objects = through_json(describe(s)), objects_of(s)
+    assert plan["body_crc32"] == s.body_crc32 == sf.body_crc32
+    collector = _Collector()
+    assert write_v1(collector, plan, objects, checksum=False) == (len(data), 0)
+    assert b"".join(collector.parts) == assemble_bytes(plan, objects) == data
+    segments = _Segments()
+    assert write_v1(segments, plan, objects, checksum=False) == (len(data), 0)
+    assert segments.n == len(data)
+    out = bytearray(segments.n)
+    for offset, view in segments.parts:
+        out[offset : offset + len(view)] = view
+    assert bytes(out) == data
+    # the trailer is what the plan says (write_v1 does not check it): another body CRC is another
+    # file, differing in the trailer's body CRC and its own CRC only, which a reader refuses
+    buf = io.BytesIO()
+    write_v1(buf, {**plan, "body_crc32": plan["body_crc32"] ^ 1}, objects, checksum=False)
+    other = buf.getvalue()
+    assert len(other) == len(data) and other != data
+    assert {i for i, (x, y) in enumerate(zip(other, data, strict=True)) if x != y} <= set(
+        range(len(data) - 8, len(data))
+    )
+    (tmp_path / "other.slot").write_bytes(other)
+    assert read_slot_file(tmp_path / "other.slot").checksum_ok is False
+
+
+def test_unchecksummed_writes_need_a_valid_body_crc(files: dict[str, Files]) -> None:
+    """A plan without ``body_crc32`` (written before it was recorded), or with a bad one, is refused
+    with SlotFileError when no CRC is computed; the checksummed path does not read it."""
+    data, _, s = load(files["qwen35"].g1)
+    plan, objects = through_json(describe(s)), objects_of(s)
+    old = {k: v for k, v in plan.items() if k not in ("body_crc32", "bounds")}
+    assert write_v1(None, old, objects) == (len(data), zlib.crc32(data))
+    _raises_slot_file_error(old, objects, checksum=False)
+    bad_values: list[Any] = [None, -1, 2**32, 2**70, "x", [], {}, float("nan"), json.loads("Infinity")]
+    for bad in bad_values:
+        _raises_slot_file_error({**plan, "body_crc32": bad}, objects, checksum=False)
+        assert write_v1(None, {**plan, "body_crc32": bad}, objects) == (len(data), zlib.crc32(data))
+
+
 @pytest.mark.parametrize(
     ("arch", "cell_bytes", "v_trans"),
     [("qwen35", 24, 1), ("llama", 12, 1), ("gemma2", 12, 1), ("lfm2", 12, 1), ("llama-fa", 12, 0)],
@@ -130,21 +220,78 @@ def test_attention_kv_is_chunked(files: dict[str, Files], arch: str, cell_bytes:
     data, sf, s = load(files[arch].g1)
     assert s.layout is not None
     assert (s.layout.cell_bytes, s.layout.v_trans) == (cell_bytes, v_trans)
-    assert len(s.chunks) == sf.n_tokens // CHUNK_TOKENS == 2
-    assert s.tail_start == 2 * CHUNK_TOKENS
-    # every chunk holds exactly its 256 tokens' ids and KV; the chunks are most of the file
-    for k, piece in enumerate(s.chunks):
+    # the pieces: the two whole cells, then one per checkpoint inside the last partial cell (g1's
+    # prompt ends there: the engine keeps a checkpoint at it), and the tail after the last one
+    assert sf.n_tokens // CHUNK_TOKENS == 2
+    extra = last_cell_checkpoints(sf)
+    assert extra and all(2 * CHUNK_TOKENS < c < sf.n_tokens for c in extra)
+    assert s.bounds == (0, CHUNK_TOKENS, 2 * CHUNK_TOKENS, *extra)
+    assert len(s.chunks) == len(s.bounds) - 1 == 2 + len(extra)
+    assert s.tail_start == s.bounds[-1] == extra[-1]
+    assert through_json(describe(s))["bounds"] == list(s.bounds)
+    # every piece holds exactly its range's token ids and KV; the pieces are most of the file
+    tokens = read_tokens(sf)
+    for (a, b), piece in zip(itertools.pairwise(s.bounds), s.chunks, strict=True):
         parts = unpack_parts(piece.data, "chunk")
-        ids = struct.unpack(f"<{CHUNK_TOKENS}i", parts[0])
-        assert list(ids) == read_tokens(sf)[k * CHUNK_TOKENS : (k + 1) * CHUNK_TOKENS]
-        assert len(piece.data) - 8 - 8 * len(parts) == CHUNK_TOKENS * s.layout.bytes_per_token()
+        assert list(struct.unpack(f"<{b - a}i", parts[0])) == tokens[a:b]
+        assert len(piece.data) - 8 - 8 * len(parts) == (b - a) * s.layout.bytes_per_token()
         assert piece.crc32 == zlib.crc32(piece.data)
+    assert all(b - a == CHUNK_TOKENS for a, b in itertools.pairwise(s.bounds[:3]))  # grid: whole cells
+    # the tail's KV is that of the tokens after the last piece
+    tail_kv = unpack_parts(bytes(unpack_parts(s.tail.data, "tail")[0]), "tail cells")
+    n_tail = sf.n_tokens - s.tail_start
+    assert list(struct.unpack(f"<{n_tail}i", tail_kv[0])) == tokens[s.tail_start :]
     assert len(s.tail.data) < len(data) // 2
+
+
+def test_kv_bounds() -> None:
+    """The grid of whole cells, then every checkpoint strictly inside the last partial cell, sorted
+    and once each; checkpoints in earlier cells, on the grid, at or past the end are not bounds."""
+    assert kv_bounds(605, [], 256) == [0, 256, 512]
+    assert kv_bounds(605, [30, 256, 300, 602, 512, 540, 602, 605, 700, -1], 256) == [0, 256, 512, 540, 602]
+    assert kv_bounds(512, [300, 500, 512, 513], 256) == [0, 256, 512]  # no partial cell
+    assert kv_bounds(100, [50, 20, 50, 0, 100], 256) == [0, 20, 50]  # no whole cell
+    assert kv_bounds(0, [0, 1], 256) == [0]
+    assert kv_bounds(1, [0, 1], 256) == [0]
+    assert kv_bounds(10, [9, 1, 5], 4) == [0, 4, 8, 9]
+
+
+def _running_digest(ns: str, tokens: list[int], p: int, c: int) -> bytes:
+    """The running digest of the first ``p`` tokens, computed from its definition: SHA-256 chained
+    over whole cells from the namespace, then over the rest of the cell up to ``p``."""
+    h = hashlib.sha256(ns.encode()).digest()
+    for k in range(p // c):
+        h = hashlib.sha256(h + struct.pack(f"<{c}i", *tokens[k * c : (k + 1) * c])).digest()
+    if p % c:
+        h = hashlib.sha256(h + struct.pack(f"<{p % c}i", *tokens[p - p % c : p])).digest()
+    return h
+
+
+@pytest.mark.parametrize("chunk_tokens", [CHUNK_TOKENS, 100])
+def test_piece_names_are_range_digests(files: dict[str, Files], chunk_tokens: int) -> None:
+    """Every KV piece, grid or not, is named sha256("kv" + running digest of the tokens up to its
+    end + its start as 8 little-endian bytes), and its CRC."""
+    _, sf, s = load(files["qwen35"].g2, chunk_tokens=chunk_tokens)
+    tokens = read_tokens(sf)
+    arr = np.array(tokens, dtype="<i4")
+    heads = chain(s.ns, arr, chunk_tokens, sf.n_tokens // chunk_tokens)
+    assert len(s.bounds) - 1 > sf.n_tokens // chunk_tokens  # some pieces end at checkpoints
+    for (a, b), piece in zip(itertools.pairwise(s.bounds), s.chunks, strict=True):
+        running = _running_digest(s.ns, tokens, b, chunk_tokens)
+        assert prefix_digest(heads, arr, b, chunk_tokens) == running
+        expected = hashlib.sha256(b"kv" + running + a.to_bytes(8, "little")).hexdigest()
+        assert piece.digest == range_digest(heads, arr, a, b, chunk_tokens) == expected
+        assert piece.name == f"{expected}-{zlib.crc32(piece.data):08x}"
+    # where a piece begins is part of its name: the same end from another start is another piece
+    a, b = s.bounds[-2], s.bounds[-1]
+    assert range_digest(heads, arr, a, b, chunk_tokens) != range_digest(heads, arr, a + 1, b, chunk_tokens)
 
 
 def test_recurrent_model_keeps_its_state_in_the_tail(files: dict[str, Files]) -> None:
     data, sf, s = load(files["mamba2"].g1)
     assert s.layout is None and s.chunks == ()
+    assert s.bounds == (0,) and s.tail_start == 0  # checkpoints in the last cell cut nothing here
+    assert last_cell_checkpoints(sf)
     assert describe(s)["layout"] is None
     assert len(s.checkpoints) == len(sf.checkpoints) > 0
     assert len(s.tail.data) >= sf.state_len
@@ -153,7 +300,10 @@ def test_recurrent_model_keeps_its_state_in_the_tail(files: dict[str, Files]) ->
 @pytest.mark.parametrize("chunk_tokens", [64, 100, 1000])
 def test_other_chunk_sizes_round_trip(files: dict[str, Files], chunk_tokens: int) -> None:
     data, sf, s = load(files["qwen35"].g2, chunk_tokens=chunk_tokens)
-    assert len(s.chunks) == sf.n_tokens // chunk_tokens
+    whole = sf.n_tokens // chunk_tokens
+    extra = last_cell_checkpoints(sf, chunk_tokens)
+    assert s.bounds == (*range(0, whole * chunk_tokens + 1, chunk_tokens), *extra)
+    assert len(s.chunks) == whole + len(extra) and extra  # qwen35 checkpoints every 64 tokens
     assert assemble_bytes(through_json(describe(s)), objects_of(s)) == data
 
 
@@ -203,8 +353,14 @@ def test_a_growing_session_shares_its_leading_chunks(files: dict[str, Files], ar
     _, sf1, s1 = load(files[arch].g1)
     _, sf2, s2 = load(files[arch].g2)
     assert sf2.n_tokens > sf1.n_tokens
-    assert [p.name for p in s1.chunks] == [p.name for p in s2.chunks]  # same 512 tokens, same pieces
     assert s1.ns == s2.ns
+    # same 512 tokens, same whole-cell pieces
+    assert s1.bounds[:3] == s2.bounds[:3] == (0, CHUNK_TOKENS, 2 * CHUNK_TOKENS)
+    assert [p.name for p in s1.chunks[:2]] == [p.name for p in s2.chunks[:2]]
+    # g2 grew inside g1's last partial cell and kept g1's checkpoints there: g1's pieces cut at
+    # them are g2's leading pieces too; only what follows g1's last checkpoint is new
+    assert s2.bounds[: len(s1.bounds)] == s1.bounds and len(s2.bounds) > len(s1.bounds)
+    assert [p.name for p in s2.chunks[: len(s1.chunks)]] == [p.name for p in s1.chunks]
     # checkpoints of the same prefix are the same piece; the new one is new
     ck1 = {n: p.name for n, p in s1.checkpoints}
     ck2 = {n: p.name for n, p in s2.checkpoints}
@@ -221,7 +377,8 @@ def test_a_session_restored_into_another_slot_shares_its_chunks(files: dict[str,
     _, sfm, sm = load(files[arch].moved)
     assert read_tokens(sfm)[: sf1.n_tokens] == read_tokens(sf1)
     assert (s1.seq_id, sm.seq_id) == (0, 1)  # really saved from another slot
-    assert [p.name for p in sm.chunks] == [p.name for p in s1.chunks]
+    assert sm.bounds[: len(s1.bounds)] == s1.bounds  # g1's pieces, then the new turn's
+    assert [p.name for p in sm.chunks[: len(s1.chunks)]] == [p.name for p in s1.chunks]
 
 
 @pytest.mark.parametrize("arch", ["qwen35", "llama", "mamba2"])
@@ -232,8 +389,12 @@ def test_the_same_tokens_from_another_slot_are_the_same_pieces(files: dict[str, 
     data2, sf2, s2 = load(files[arch].g2)
     datam, sfm, sm = load(files[arch].moved)
     assert read_tokens(sf2) == read_tokens(sfm)
-    assert [p.name for p in sm.chunks] == [p.name for p in s2.chunks]
-    assert len(sm.chunks) == (0 if arch == "mamba2" else 2)
+    assert sm.bounds == s2.bounds and [p.name for p in sm.chunks] == [p.name for p in s2.chunks]
+    if arch == "mamba2":
+        assert sm.chunks == () and sm.bounds == (0,)
+    else:  # two whole cells, then the pieces cut at the checkpoints inside the last one
+        assert sm.bounds == (0, CHUNK_TOKENS, 2 * CHUNK_TOKENS, *last_cell_checkpoints(sfm))
+        assert len(sm.chunks) > 2
     assert [(n, p.name) for n, p in sm.checkpoints] == [(n, p.name) for n, p in s2.checkpoints]
     assert 1 in (sm.seq_id, *sm.ckpt_seq_ids) and 1 not in (s2.seq_id, *s2.ckpt_seq_ids)
     shared = objects_of(s2) | {sm.tail.name: sm.tail.data}
@@ -321,8 +482,12 @@ def test_a_fork_shares_the_common_prefix_and_differs_after(files: dict[str, File
     _, sf1, s1 = load(files[arch].g1)
     _, sfk, sk = load(files[arch].fork)
     assert read_tokens(sf1)[:300] == read_tokens(sfk)[:300] and read_tokens(sf1)[300] != read_tokens(sfk)[300]
-    assert len(sk.chunks) == 1 and len(s1.chunks) == 2
+    assert sk.bounds[:2] == (0, CHUNK_TOKENS) and sfk.n_tokens < 2 * CHUNK_TOKENS
+    assert sk.bounds == (0, CHUNK_TOKENS, *last_cell_checkpoints(sfk))
     assert sk.chunks[0].name == s1.chunks[0].name  # tokens [0, 256) agree
+    # the fork diverges at 300, not at a checkpoint: none of its pieces past [0, 256) is g1's
+    # (g1's second cell is one whole piece, the fork's cuts it at its own checkpoints)
+    assert {p.name for p in sk.chunks[1:]}.isdisjoint({p.name for p in s1.chunks})
     assert s1.chunks[1].name not in {p.name for p in sk.chunks}
     shared = {n for n, _ in s1.checkpoints} & {n for n, _ in sk.checkpoints}
     for n in shared:
@@ -330,11 +495,42 @@ def test_a_fork_shares_the_common_prefix_and_differs_after(files: dict[str, File
         assert same == (n <= 300), n  # a checkpoint inside the common prefix is shared, none after
 
 
+@pytest.mark.parametrize("arch", ["qwen35", "llama", "gemma2", "lfm2", "llama-fa"])
+def test_a_fork_at_a_checkpoint_shares_the_piece_ending_there(files: dict[str, Files], arch: str) -> None:
+    """``branch`` keeps g1's tokens up to g1's last checkpoint — inside g1's last partial cell — and
+    goes on with other text (a regenerated answer, the next turn after an edit): every piece up to
+    that checkpoint is g1's, the one ending at it included (the same name, so a store keeps one
+    copy); only the KV after it is the branch's own."""
+    _, sf1, s1 = load(files[arch].g1)
+    datab, sfb, sb = load(files[arch].branch)
+    cut = last_cell_checkpoints(sf1)[-1]
+    t1, tb = read_tokens(sf1), read_tokens(sfb)
+    assert tb[:cut] == t1[:cut] and tb[: sf1.n_tokens] != t1[: sfb.n_tokens]
+    assert cut in {c.n_tokens for c in sfb.checkpoints}  # the engine kept it: the fork's bound too
+    assert sfb.n_tokens // CHUNK_TOKENS == sf1.n_tokens // CHUNK_TOKENS == 2  # inside g1's last cell
+    i = s1.bounds.index(cut)
+    assert s1.bounds[i - 1] >= 2 * CHUNK_TOKENS  # the piece ending at cut lies in the last cell
+    assert sb.bounds[: i + 1] == s1.bounds[: i + 1]
+    assert [p.name for p in sb.chunks[:i]] == [p.name for p in s1.chunks[:i]]
+    assert sb.chunks[i - 1].name == s1.chunks[i - 1].name and sb.chunks[i - 1].data == s1.chunks[i - 1].data
+    # after the divergence: the branch's own pieces (cut at its own checkpoints) and tail
+    assert sb.bounds[i + 1 :] == tuple(c for c in last_cell_checkpoints(sfb) if c > cut)
+    assert {p.name for p in sb.chunks[i:]}.isdisjoint({p.name for p in s1.chunks})
+    # the checkpoint at the divergence is shared too, and the branch assembles from g1's pieces
+    # up to it plus its own
+    assert dict(sb.checkpoints)[cut].name == dict(s1.checkpoints)[cut].name
+    own = {p.name: p.data for p in sb.chunks[i:]} | {sb.tail.name: sb.tail.data}
+    own |= {p.name: p.data for n, p in sb.checkpoints if n != cut}
+    assert assemble_bytes(through_json(describe(sb)), objects_of(s1) | own) == datab
+
+
 def test_pieces_depend_on_the_scope(files: dict[str, Files]) -> None:
     data, sf, a = load(files["qwen35"].g1, scope="acme")
     _, _, b = load(files["qwen35"].g1, scope="globex")
     _, _, a2 = load(files["qwen35"].g1, scope="acme")
     assert a.ns != b.ns and a.ns == a2.ns
+    assert a.bounds == b.bounds and len(a.chunks) > 2  # the same cuts, extra pieces included
+    assert [p.name for p in a.chunks] == [p.name for p in a2.chunks]
     names_a = {p.name for p in a.chunks} | {p.name for _, p in a.checkpoints} | {a.tail.name}
     names_b = {p.name for p in b.chunks} | {p.name for _, p in b.checkpoints} | {b.tail.name}
     assert names_a.isdisjoint(names_b)
@@ -364,9 +560,9 @@ def test_pieces_depend_on_the_model_and_context_shape(files: dict[str, Files]) -
 
 
 # --------------------------------------------------------------------------- pieces that do not fit
-def _raises_slot_file_error(plan: Any, objects: Any) -> SlotFileError:
+def _raises_slot_file_error(plan: Any, objects: Any, *, checksum: bool = True) -> SlotFileError:
     with pytest.raises(SlotFileError) as info:
-        write_v1(None, plan, objects)
+        write_v1(None, plan, objects, checksum=checksum)
     return info.value
 
 
@@ -414,9 +610,11 @@ def test_pieces_of_another_file_are_refused(files: dict[str, Files]) -> None:
 
 
 def test_pieces_reordered_within_a_plan_are_caught_by_the_crc(files: dict[str, Files]) -> None:
-    """Chunks of the same shape swapped: write_v1 cannot tell, the whole-file CRC does."""
+    """Chunks of the same shape (two whole cells) swapped: write_v1 cannot tell, the whole-file CRC
+    does."""
     data, _, s = load(files["qwen35"].g1)
-    a, b = s.chunks
+    a, b = s.chunks[:2]
+    assert s.bounds[:3] == (0, CHUNK_TOKENS, 2 * CHUNK_TOKENS)
     swapped = {**objects_of(s), a.name: b.data, b.name: a.data}
     size, crc = write_v1(None, describe(s), swapped)
     assert size == len(data) and crc != zlib.crc32(data)
@@ -492,12 +690,45 @@ def _mutations(data: bytes, rng: random.Random) -> list[bytes]:
     return out
 
 
+def _part_offsets(data: bytes) -> list[int]:
+    """Where each part of a :func:`pack_parts` blob begins inside it."""
+    parts = unpack_parts(data, "x")
+    out, pos = [], 8 + 8 * len(parts)
+    for part in parts:
+        out.append(pos)
+        pos += len(part)
+    return out
+
+
+def _unread_bytes(s: Split) -> dict[str, set[int]]:
+    """Per object, the offsets assembly overwrites with the plan's values: the zeroed sequence id
+    of every cell record (in KV pieces and in the tail's cells) and of each checkpoint's state."""
+    out: dict[str, set[int]] = {}
+
+    def cell_seq_ids(blob: bytes, base: int) -> set[int]:
+        assert s.layout is not None
+        cb, start = s.layout.cell_bytes, _part_offsets(blob)[1]
+        n_cells = len(unpack_parts(blob, "range")[1]) // cb
+        return {base + start + i * cb + j for i in range(n_cells) for j in range(cb - 4, cb)}
+
+    for _, piece in s.checkpoints:
+        head = _part_offsets(piece.data)[0]
+        out[piece.name] = set(range(head + 28, head + 32))
+    if s.layout is not None:
+        for piece in s.chunks:
+            out[piece.name] = cell_seq_ids(piece.data, 0)
+        tail_cells = _part_offsets(s.tail.data)[0]
+        end = tail_cells + len(unpack_parts(s.tail.data, "tail")[0])
+        out[s.tail.name] = cell_seq_ids(s.tail.data[tail_cells:end], tail_cells)
+    return out
+
+
 @pytest.mark.parametrize("arch", ["qwen35", "llama-fa", "mamba2"])
 def test_damaged_pieces_never_raise_anything_but_slot_file_error(files: dict[str, Files], arch: str) -> None:
     data, _, s = load(files[arch].g1)
     plan, objects = describe(s), objects_of(s)
     rng = random.Random(arch)
-    checkpoints = {p.name for _, p in s.checkpoints}
+    unread = _unread_bytes(s)
     for name in objects:
         for bad in _mutations(objects[name], rng):
             try:
@@ -506,13 +737,27 @@ def test_damaged_pieces_never_raise_anything_but_slot_file_error(files: dict[str
                 continue
             if (size, crc) != (len(data), zlib.crc32(data)):
                 continue  # a damage that fits shows in the CRC
-            # ... unless it only touched bytes assembly does not read: a checkpoint's zeroed
-            # sequence id (the plan's is written there), and then the file is the original
-            assert name in checkpoints, name
-            head = 8 + 8 * len(unpack_parts(objects[name], "checkpoint"))
-            changed = [i for i, (x, y) in enumerate(zip(objects[name], bad, strict=True)) if x != y]
-            assert changed and all(head + 28 <= i < head + 32 for i in changed), changed
+            # ... unless it only touched bytes assembly does not read: a zeroed sequence id (of a
+            # cell record or a checkpoint's state: the plan's is written there; small pieces cut
+            # at checkpoints put cell records within reach of the damage), and then the file is
+            # the original
+            changed = {i for i, (x, y) in enumerate(zip(objects[name], bad, strict=True)) if x != y}
+            assert changed and changed <= unread.get(name, set()), (name, sorted(changed))
             assert assemble_bytes(plan, {**objects, name: bad}) == data
+
+
+def test_sequence_ids_in_pieces_are_not_read(files: dict[str, Files]) -> None:
+    """What the test above allows, shown on every object: any value in the zeroed sequence-id
+    bytes assembles the original file (the plan's ids are written there)."""
+    data, _, s = load(files["qwen35"].moved)
+    plan, objects = describe(s), objects_of(s)
+    unread = _unread_bytes(s)
+    assert set(unread) == set(objects)
+    for name, offsets in unread.items():
+        bad = bytearray(objects[name])
+        for i in offsets:
+            bad[i] ^= 0x5A
+        assert assemble_bytes(plan, {**objects, name: bytes(bad)}) == data, name
 
 
 # ------------------------------------------------------------------------------------ parts framing

@@ -3,7 +3,9 @@ redis-server and on the in-process default, fed slot files written by the real n
 
 What is asserted is what a caller sees: the bytes a restore gives back, what a save wrote, which
 objects the store holds, the tenant's stored-bytes counter, and that a collection never takes a
-piece a committed manifest names — also with writers, deleters and a collector running at once."""
+piece a committed manifest names — also with writers, deleters and a collector running at once.
+Which KV pieces a file has (the whole 256-token cells, then pieces cut at the checkpoints inside its
+last partial cell) is computed with storage.chunking.split, whose own tests pin that down."""
 
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ from typing import Any, TypeVar
 import pytest
 
 import native
+from storage import chunkstore
 from storage.blobstore import BlobStore
-from storage.chunking import CHUNK_TOKENS
+from storage.chunking import CHUNK_TOKENS, Split, split
 from storage.chunkstore import _HOLD_EVERY, ChunkedStore
 from storage.errors import (
     ChecksumError,
@@ -49,21 +52,24 @@ REDIS_PREFIX = "sk"
 @dataclass(frozen=True)
 class Slots:
     """Slot files of one qwen35 engine (slot 0 throughout, so KV bytes of one prefix agree):
-    ``grow`` is one session saved after each turn (about 300, 450, ... 900 tokens), ``grow_more``
+    ``grow`` is one session saved after each turn (about 300, 520, ... 1180 tokens), ``grow_more``
     its last file plus a few tokens, ``fork`` the first 400 tokens of ``grow`` then another text,
-    growing for two turns; ``recurrent`` are two turns of a mamba2 session (no chunkable KV)."""
+    growing for two turns; ``branch`` is the last ``grow`` file restored into a fresh engine and
+    continued with other text from its last checkpoint (inside its last partial cell);
+    ``recurrent`` are two turns of a mamba2 session (no chunkable KV)."""
 
     grow: tuple[Path, ...]
     grow_more: Path
     fork: tuple[Path, ...]
+    branch: Path
     recurrent: tuple[Path, ...]
 
 
-def _turn(eng: Any, prompt: list[int], path: Path) -> Path:
+def _turn(eng: Any, prompt: list[int], path: Path, slot: int = 0) -> Path:
     p = native.RequestParams(prompt)
     p.n_predict, p.temperature = 2, 0.0
-    eng.generate(0, p)
-    eng.save_slot(0, str(path))
+    eng.generate(slot, p)
+    eng.save_slot(slot, str(path))
     return path
 
 
@@ -89,6 +95,17 @@ def slots(tiny_model: Callable[..., str], tmp_path_factory: pytest.TempPathFacto
         fork.append(_turn(eng, eng.slot_tokens(0) + eng.tokenize(" and more" * 40), root / "fork1.slot"))
     finally:
         eng.close()
+    # a fresh engine: the restored cells and the new ones lie in position order (chunkable)
+    cut = split_of(grow[-1]).tail_start
+    eng = native.Engine(
+        native.EngineConfig(tiny_model("qwen35"), n_ctx=4096, n_slots=2, checkpoint_interval=64)
+    )
+    try:
+        eng.restore_slot(1, str(grow[-1]))
+        prompt = read_tokens_of(grow[-1])[:cut] + eng.tokenize(" other words" * 10)
+        branch = _turn(eng, prompt, root / "branch.slot", slot=1)
+    finally:
+        eng.close()
     eng = native.Engine(
         native.EngineConfig(tiny_model("mamba2"), n_ctx=4096, n_slots=2, checkpoint_interval=64)
     )
@@ -97,11 +114,31 @@ def slots(tiny_model: Callable[..., str], tmp_path_factory: pytest.TempPathFacto
         recurrent.append(_turn(eng, eng.slot_tokens(0) + eng.tokenize(" more" * 50), root / "rec1.slot"))
     finally:
         eng.close()
-    out = Slots(tuple(grow), grow_more, tuple(fork), tuple(recurrent))
+    out = Slots(tuple(grow), grow_more, tuple(fork), branch, tuple(recurrent))
     sizes = [n_tokens(p) for p in out.grow]
     assert sizes == sorted(sizes) and sizes[0] < CHUNK_TOKENS + 100 and sizes[-1] > 3 * CHUNK_TOKENS
     assert n_tokens(out.grow_more) // CHUNK_TOKENS == sizes[-1] // CHUNK_TOKENS  # no new whole chunk
+    # the last turn ends with a piece cut at a checkpoint in its last partial cell; the branch
+    # diverges there, inside that cell, and keeps the checkpoint (a bound of its own pieces)
+    last = split_of(grow[-1])
+    assert cut > sizes[-1] // CHUNK_TOKENS * CHUNK_TOKENS and len(last.chunks) > sizes[-1] // CHUNK_TOKENS
+    assert cut in split_of(branch).bounds and n_tokens(branch) // CHUNK_TOKENS == sizes[-1] // CHUNK_TOKENS
     return out
+
+
+def split_of(path: Path, scope: str = "acme") -> Split:
+    """The pieces a save of ``path`` stores (``scope``: the tenant's when shared)."""
+    return split(path.read_bytes(), read_slot_file(path, checksum=False), scope=scope)
+
+
+def kv_names(*paths: Path) -> set[str]:
+    """Names of the KV pieces of the files, shared in tenant acme."""
+    return {p.name for path in paths for p in split_of(path).chunks}
+
+
+def kv_on_disk(root: Path) -> set[str]:
+    """Names of the KV pieces in the store."""
+    return {Path(k).name.removesuffix(".kv") for k in files_under(root, ".kv")}
 
 
 def read_tokens_of(path: Path) -> list[int]:
@@ -247,8 +284,12 @@ async def test_put_get_round_trip(
     assert meta.key == f"{PREFIX}/acme/s1/{1:020d}.manifest"
     keys = files_under(inner.root, ".kv", ".ck", ".tail", ".manifest")
     assert f"{PREFIX}/acme/s1/{1:020d}.tail" in keys
-    chunks = {k for k in keys if k.endswith(".kv")}
-    assert len(chunks) == (0 if which == "rec1" else n_tokens(src) // CHUNK_TOKENS)
+    s = split_of(src)
+    assert kv_on_disk(inner.root) == {p.name for p in s.chunks}  # every KV piece, once
+    if which == "rec1":
+        assert s.chunks == ()
+    else:  # the whole cells, and at least one piece cut at a checkpoint in the last partial cell
+        assert len(s.chunks) == len(s.bounds) - 1 > n_tokens(src) // CHUNK_TOKENS
     assert all(k.startswith(f"{PREFIX}/acme/.chunks/") for k in keys if k.endswith((".kv", ".ck")))
     with pytest.raises(Conflict):
         await put(store, ref, src)
@@ -360,7 +401,15 @@ async def test_a_grown_session_writes_only_what_is_new(
     meta = await put(store, SlotRef("acme", "s1", 2), slots.grow_more)
     assert meta.size == slots.grow_more.stat().st_size
     assert meta.written < 0.5 * meta.size, (meta.written, meta.size)
-    assert files_under(inner.root, ".kv") == chunks_before  # a few more tokens: no new KV chunk
+    # a few more tokens, in the same cell: every piece of the last turn is kept (its checkpoints
+    # too), and the only new KV is cut after its last one
+    before, after = split_of(slots.grow[-1]), split_of(slots.grow_more)
+    new = kv_on_disk(inner.root) - {Path(k).name.removesuffix(".kv") for k in chunks_before}
+    assert new == kv_names(slots.grow_more) - kv_names(slots.grow[-1]) and new
+    assert kv_names(slots.grow[-1]) <= kv_names(slots.grow_more)
+    starts = {p.name: a for a, p in zip(after.bounds[:-1], after.chunks, strict=True)}
+    assert all(starts[name] >= before.tail_start for name in new)
+    assert sum(len(p.data) for p in after.chunks if p.name in new) < 0.05 * meta.size
     assert first.written + meta.written == await store.stored_bytes("acme")
     await restores(store, SlotRef("acme", "s1", 1), slots.grow[-1], tmp_path / "a.slot")
     await restores(store, SlotRef("acme", "s1", 2), slots.grow_more, tmp_path / "b.slot")
@@ -376,7 +425,9 @@ async def test_every_turn_writes_less_than_its_file(
         total += meta.written
         if gen > 1:
             assert meta.written < meta.size
-        assert len(files_under(inner.root, ".kv")) == n_tokens(src) // CHUNK_TOKENS  # each chunk stored once
+        # each piece stored once: the union of the turns' pieces (the whole cells they share, and
+        # those cut at checkpoints in each turn's last partial cell)
+        assert kv_on_disk(inner.root) == kv_names(*slots.grow[:gen])
     assert total == await store.stored_bytes("acme") < sum(p.stat().st_size for p in slots.grow) // 2
     for gen, src in enumerate(slots.grow, start=1):
         await restores(store, SlotRef("acme", "s1", gen), src, tmp_path / f"{gen}.slot")
@@ -406,11 +457,36 @@ async def test_a_fork_with_another_ending_shares_the_common_chunks(
     store: ChunkedStore, inner: Faulty, slots: Slots
 ) -> None:
     await put(store, SlotRef("acme", "s1", 1), slots.grow[-1])
-    pieces = files_under(inner.root, ".kv")
+    pieces = kv_on_disk(inner.root)
     meta = await put(store, SlotRef("acme", "f1", 1), slots.fork[0])
-    new = files_under(inner.root, ".kv") - pieces
-    assert len(new) < n_tokens(slots.fork[0]) // CHUNK_TOKENS  # the first 256 tokens' chunk was there
+    new = kv_on_disk(inner.root) - pieces
+    fork = split_of(slots.fork[0])
+    assert fork.chunks[0].name in pieces  # the first 256 tokens' piece was there
+    assert new == kv_names(slots.fork[0]) - pieces and len(new) < len(fork.chunks)
     assert meta.written < meta.size
+
+
+async def test_a_fork_at_a_checkpoint_writes_no_kv_up_to_it(
+    store: ChunkedStore, inner: Faulty, slots: Slots, tmp_path: Path
+) -> None:
+    """The branch diverges at the parent's last checkpoint, inside the parent's last partial cell:
+    the piece ending there is the parent's (one object, by name), so the branch's save writes KV
+    only for the tokens after it."""
+    parent = await put(store, SlotRef("acme", "s1", 1), slots.grow[-1])
+    pieces = kv_on_disk(inner.root)
+    meta = await put(store, SlotRef("acme", "b1", 1), slots.branch)
+    ps, bs = split_of(slots.grow[-1]), split_of(slots.branch)
+    cut = ps.tail_start
+    i = bs.bounds.index(cut)
+    assert bs.chunks[i - 1].name == ps.chunks[-1].name and bs.bounds[i - 1] == ps.bounds[-2]
+    assert {p.name for p in bs.chunks[:i]} <= pieces
+    new = kv_on_disk(inner.root) - pieces
+    assert new == {p.name for p in bs.chunks[i:]}  # begins at cut or later
+    own_kv = sum(len(p.data) for p in bs.chunks[i:])
+    assert 0 < meta.written < own_kv + 0.2 * meta.size < parent.written
+    await restores(store, SlotRef("acme", "s1", 1), slots.grow[-1], tmp_path / "s1.slot")
+    await restores(store, SlotRef("acme", "b1", 1), slots.branch, tmp_path / "b1.slot")
+    await assert_counter_exact(store)
 
 
 async def test_tenants_never_share_pieces(
@@ -440,10 +516,17 @@ async def test_stored_bytes_follow_puts_deletes_and_collections(
     for ref, src in refs:
         await put(store, ref, src)
         await assert_counter_exact(store)
-    await store.delete(refs[0][0])  # an older turn: all its pieces are named by the newer ones
+    await store.delete(refs[0][0])  # an older turn: its pieces are named by the newer ones ...
     await assert_counter_exact(store)
+    # ... but for those cut at checkpoints in its last partial cell, which the next turn filled
+    # (that cell is a whole piece there): only they are left unnamed
+    garbage = pieces_and_tails(inner.root, "acme") - named_by_manifests(inner.root, "acme")
+    first = split_of(refs[0][1])
+    last_cell = {p.name for a, p in zip(first.bounds[:-1], first.chunks, strict=True) if a >= CHUNK_TOKENS}
+    assert {Path(k).name.removesuffix(".kv") for k in garbage} == last_cell - kv_names(*slots.grow[1:3])
+    assert last_cell and all(k.endswith(".kv") for k in garbage)
     report = await store.collect("acme")
-    assert report.deleted == 0 and report.stored_bytes == await store.stored_bytes("acme")
+    assert report.deleted == len(garbage) and report.stored_bytes == await store.stored_bytes("acme")
     assert report.manifests == len(refs) - 1
     await assert_counter_exact(store)
     for ref, _ in refs[3:]:  # the whole fork: its own pieces are named by nothing now
@@ -602,6 +685,88 @@ async def test_a_lapsed_lease_refuses_to_commit(redis_client: Any, inner: Faulty
         await put(store, SlotRef("acme", "s1", 1), slots.grow[2])
     assert [i async for i in store.list("acme")] == []
     assert files_under(inner.root, ".manifest") == set()
+
+
+# ------------------------------------------------------------------------------------- restore paths
+class _CountedSegments(chunkstore._Segments):
+    made = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        type(self).made += 1
+
+
+class _NoSegments:
+    def __init__(self) -> None:
+        raise AssertionError("the parallel writer was used for a plan without body_crc32")
+
+
+def _rewrite_plan(inner: Faulty, ref: SlotRef, **changes: Any) -> dict[str, Any]:
+    """Change the stored manifest's plan: a value of None drops the field."""
+    path = inner.root / PREFIX / ref.tenant / ref.session / f"{ref.generation:020d}.manifest"
+    doc = json.loads(path.read_bytes())
+    for key, value in changes.items():
+        if value is None:
+            doc["plan"].pop(key, None)
+        else:
+            doc["plan"][key] = value
+    path.write_bytes(json.dumps(doc).encode())
+    plan: dict[str, Any] = doc["plan"]
+    return plan
+
+
+@pytest.mark.parametrize("which", ["grow3", "branch", "rec1"])
+async def test_restores_write_in_parallel_and_exactly(
+    store: ChunkedStore, slots: Slots, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, which: str
+) -> None:
+    """A manifest records the trailer's body CRC: the restore gathers the file's segments and writes
+    them with several threads while another computes the CRC; the bytes are the original's."""
+    src = {"grow3": slots.grow[3], "branch": slots.branch, "rec1": slots.recurrent[1]}[which]
+    monkeypatch.setattr(chunkstore, "_Segments", _CountedSegments)
+    monkeypatch.setattr(_CountedSegments, "made", 0)
+    ref = SlotRef("acme", "s1", 1)
+    await put(store, ref, src)
+    await restores(store, ref, src, tmp_path / "back.slot")
+    assert _CountedSegments.made == 1
+
+
+async def test_a_manifest_without_body_crc_restores_in_one_pass(
+    store: ChunkedStore, inner: Faulty, slots: Slots, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Manifests written before the body CRC (and the bounds) were recorded: the restore writes
+    the file in one pass, computing the trailer, and gives back exactly the original bytes."""
+    refs = [(SlotRef("acme", "s1", 1), slots.grow[3]), (SlotRef("acme", "r1", 1), slots.recurrent[1])]
+    for ref, src in refs:
+        await put(store, ref, src)
+        plan = _rewrite_plan(inner, ref, body_crc32=None, bounds=None)
+        assert "body_crc32" not in plan and "bounds" not in plan
+    monkeypatch.setattr(chunkstore, "_Segments", _NoSegments)
+    for ref, src in refs:
+        await restores(store, ref, src, tmp_path / f"{ref.session}.slot")
+        assert (await store.head(ref)).crc32 == whole_file_crc32(src)
+    # and a damaged piece is still named on that path
+    victim = sorted(inner.root.rglob("*.kv"))[0]
+    _flip(victim, victim.stat().st_size // 2)
+    with pytest.raises(ChecksumError, match=victim.name):
+        await store.get_to_file(refs[0][0], tmp_path / "bad.slot")
+    assert not (tmp_path / "bad.slot").exists()
+
+
+async def test_a_wrong_body_crc_in_a_manifest_is_not_restored(
+    store: ChunkedStore, inner: Faulty, slots: Slots, tmp_path: Path
+) -> None:
+    src, ref = slots.grow[3], SlotRef("acme", "s1", 1)
+    await put(store, ref, src)
+    good = read_slot_file(src).body_crc32
+    _rewrite_plan(inner, ref, body_crc32=good ^ 1)
+    dest = tmp_path / "dest.slot"
+    try:
+        await store.get_to_file(ref, dest)
+    except (ChecksumError, SlotFileError):
+        assert not dest.exists()  # refused: what the restore promises
+        return
+    assert read_slot_file(dest).checksum_ok, "restored a file whose body CRC is wrong"
+    assert same_bytes(dest, src)
 
 
 # ------------------------------------------------------------------------------------ damaged objects
@@ -952,7 +1117,8 @@ async def test_over_s3(
             == sum(k.endswith(".tail") for k in keys)
             == len(refs) - 2
         )
-        assert sum(k.endswith(".kv") for k in keys) == n_tokens(slots.grow[-1]) // CHUNK_TOKENS
+        # the KV pieces of the two turns left: shared whole cells, and each one's own pieces
+        assert sum(k.endswith(".kv") for k in keys) == len(kv_names(slots.grow[3], slots.grow[4]))
     finally:
         await store.aclose()
         client.close()
