@@ -129,22 +129,17 @@ _MANIFEST_TAIL = re.compile(r"(?P<tenant>[^/]+)/(?P<session>[^/]+)/(?P<generatio
 
 def parse_manifest_key(prefix: str, key: str) -> SlotRef | None:
     """The ref a manifest key names, or None."""
-    head = f"{prefix}/" if prefix else ""
-    match = _MANIFEST_TAIL.fullmatch(key[len(head) :]) if key.startswith(head) else None
-    if match is None:
-        return None
-    try:
-        return SlotRef(match["tenant"], match["session"], int(match["generation"]))
-    except InvalidId:
-        return None
+    return _parse(prefix, key, _MANIFEST_TAIL)
 
 
 def parse_blob_key(prefix: str, key: str) -> SlotRef | None:
     """The ref a key names, or None when the key is not a slot key under ``prefix``."""
+    return _parse(prefix, key, _KEY_TAIL)
+
+
+def _parse(prefix: str, key: str, tail: re.Pattern[str]) -> SlotRef | None:
     head = f"{prefix}/" if prefix else ""
-    if not key.startswith(head):
-        return None
-    match = _KEY_TAIL.fullmatch(key[len(head) :])
+    match = tail.fullmatch(key[len(head) :]) if key.startswith(head) else None
     if match is None:
         return None
     try:

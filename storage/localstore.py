@@ -245,8 +245,7 @@ class LocalStore(BlobStore):
             pass  # not empty, or gone
 
     async def put_document(self, tenant: str, kind: str, name: str, data: bytes) -> None:
-        dest = self.root / document_key(self.prefix, tenant, kind, name)
-        await asyncio.to_thread(self._put_document, dest, data)
+        await self.put_object(document_key(self.prefix, tenant, kind, name), data)
 
     def _put_document(self, dest: Path, data: bytes) -> None:
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -262,15 +261,13 @@ class LocalStore(BlobStore):
             tmp.unlink(missing_ok=True)
 
     async def get_document(self, tenant: str, kind: str, name: str) -> bytes:
-        path = self.root / document_key(self.prefix, tenant, kind, name)
         try:
-            return await asyncio.to_thread(path.read_bytes)
-        except FileNotFoundError:
+            return await self.get_object(document_key(self.prefix, tenant, kind, name))
+        except NotFound:
             raise NotFound(f"{kind} document {name} not found") from None
 
     async def delete_document(self, tenant: str, kind: str, name: str) -> None:
-        path = self.root / document_key(self.prefix, tenant, kind, name)
-        await asyncio.to_thread(path.unlink, missing_ok=True)
+        await self.delete_object(document_key(self.prefix, tenant, kind, name))
 
     async def put_object(self, key: str, data: bytes) -> None:
         await asyncio.to_thread(self._put_document, self.root / key, data)

@@ -351,29 +351,18 @@ class S3Store(BlobStore):
         log.info("storage.delete", store="s3", key=key)
 
     # ----------------------------------------------------------------------------------- documents
-    @_boundary
     async def put_document(self, tenant: str, kind: str, name: str, data: bytes) -> None:
         # One PUT is atomic in S3: readers see the old object or the new one.
-        await self._s3("put_object", Key=document_key(self.prefix, tenant, kind, name), Body=data)
+        await self.put_object(document_key(self.prefix, tenant, kind, name), data)
 
-    @_boundary
     async def get_document(self, tenant: str, kind: str, name: str) -> bytes:
-        key = document_key(self.prefix, tenant, kind, name)
         try:
-            resp = await self._s3("get_object", Key=key)
-        except ClientError as exc:
-            if is_missing(exc):
-                raise NotFound(f"{kind} document {name} not found") from None
-            raise
-        return await self.thread(_read_body, resp["Body"])
+            return await self.get_object(document_key(self.prefix, tenant, kind, name))
+        except NotFound:
+            raise NotFound(f"{kind} document {name} not found") from None
 
-    @_boundary
     async def delete_document(self, tenant: str, kind: str, name: str) -> None:
-        try:
-            await self._s3("delete_object", Key=document_key(self.prefix, tenant, kind, name))
-        except ClientError as exc:
-            if not is_missing(exc):
-                raise
+        await self.delete_object(document_key(self.prefix, tenant, kind, name))
 
     # --------------------------------------------------------------------------------- raw objects
     @_boundary

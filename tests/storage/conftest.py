@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import chunks
 from support.servers import MotoProcess, free_port, http_ok, make_bucket, stop, wait_until, weed_mini
 
 
@@ -303,3 +304,21 @@ async def redis_client(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
         client = in_process_redis()
     yield client
     await client.aclose()
+
+
+# -- the chunked-store tests' engine files and stores (helpers: tests/support/chunks.py) -------------
+@pytest.fixture(scope="module")
+def slots(tiny_model: Callable[..., str], tmp_path_factory: pytest.TempPathFactory) -> chunks.Slots:
+    return chunks.make_slots(tiny_model, tmp_path_factory)
+
+
+@pytest.fixture
+def inner(tmp_path: Path) -> chunks.Faulty:
+    return chunks.Faulty(tmp_path / "store")
+
+
+@pytest.fixture
+async def store(inner: chunks.Faulty, redis_client: Any) -> AsyncIterator[Any]:
+    s = chunks.ChunkedStore(inner, chunks.make_ledger(redis_client))
+    yield s
+    await s.aclose()
