@@ -43,7 +43,7 @@ from typing import Any
 import structlog
 
 from storage.blobstore import BlobInfo, BlobMeta, BlobStore, ObjectInfo, new_writer_id, temp_beside
-from storage.chunking import CHUNK_TOKENS, Split, describe, objects_needed, split, write_v1
+from storage.chunking import CHUNK_TOKENS, Piece, Split, describe, objects_needed, split, write_v1
 from storage.errors import ChecksumError, Conflict, NotFound, SlotFileError, StorageError
 from storage.ids import (
     SlotRef,
@@ -165,7 +165,7 @@ class ChunkedStore(BlobStore):
             known = self._known[tenant] = _Known(epoch)
         return known.names
 
-    async def _ensure(self, tenant: str, ns: str, kind: str, piece: Any, known: set[str]) -> int:
+    async def _ensure(self, tenant: str, ns: str, kind: str, piece: Piece, known: set[str]) -> int:
         """Upload one piece unless the store has it; returns the bytes written."""
         key = self._piece(tenant, ns, kind, piece.name)
         if key in known:
