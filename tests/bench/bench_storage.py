@@ -45,11 +45,15 @@ import urllib.request
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+_TESTS = Path(__file__).resolve().parents[1]
+if str(_TESTS) not in sys.path:  # the helpers the test suites use (tests/support)
+    sys.path.insert(0, str(_TESTS))
+from support.served import ServedStore  # noqa: E402
 
 MiB = 1 << 20
 TARGET = 0.7
@@ -250,57 +254,6 @@ def _sibling(name: str) -> Any:
     return module
 
 
-@dataclass
-class Store:
-    """Where `serve` keeps sessions in a run: its data directory or an S3 bucket."""
-
-    endpoint: str | None
-    bucket: str
-    prefix: str
-    data: Path
-
-    def flags(self) -> list[str]:
-        out = ["--data-dir", str(self.data), "--s3-prefix", self.prefix]
-        return out + (["--s3-endpoint", self.endpoint, "--s3-bucket", self.bucket] if self.endpoint else [])
-
-    def objects(self) -> dict[str, int]:
-        head = f"{self.prefix}/default/"
-        if self.endpoint is None:
-            root, out = self.data / "blobs", {}
-            for p in (root / head).rglob("*"):
-                with contextlib.suppress(FileNotFoundError):  # collected while we list
-                    if p.is_file():
-                        out[p.relative_to(root).as_posix()] = p.stat().st_size
-            return out
-
-        client = _s3(self.endpoint)
-        try:
-            pages = client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=head)
-            return {o["Key"]: int(o["Size"]) for page in pages for o in page.get("Contents", [])}
-        finally:
-            client.close()
-
-    def read(self, key: str) -> bytes:
-        if self.endpoint is None:
-            return (self.data / "blobs" / key).read_bytes()
-        client = _s3(self.endpoint)
-        try:
-            return bytes(client.get_object(Bucket=self.bucket, Key=key)["Body"].read())
-        finally:
-            client.close()
-
-    def newest(self, session: str) -> tuple[str, dict[str, Any]]:
-        keys = sorted(k for k in self.objects() if k.endswith(".manifest") and f"/{session}/" in k)
-        return keys[-1], json.loads(self.read(keys[-1]))
-
-
-def _s3(endpoint: str) -> Any:
-    import boto3
-
-    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
-                        region_name="us-east-1")  # fmt: skip
-
-
 def _metric(url: str, name: str) -> float:
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         if line.startswith(name):
@@ -330,9 +283,19 @@ def _model(args: argparse.Namespace, work: Path) -> str:
 
 
 def _serve(
-    gw: Any, work: Path, store: Store, model: str, args: argparse.Namespace, env: dict[str, str]
+    gw: Any, work: Path, store: ServedStore, model: str, args: argparse.Namespace, env: dict[str, str]
 ) -> Any:
-    flags = [*store.flags(), "--model", model, "--slots", "1", "--ctx", str(args.ctx)]
+    flags = [
+        "--data-dir",
+        str(store.data),
+        *store.flags(),
+        "--model",
+        model,
+        "--slots",
+        "1",
+        "--ctx",
+        str(args.ctx),
+    ]
     flags += ["--log-level", "warning"]
     try:
         return gw.start_serve(work, "serve", flags, env)
@@ -344,7 +307,9 @@ def _messages(n_system: int) -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM * n_system}]
 
 
-def session_suite(args: argparse.Namespace, work: Path, store: Store, env: dict[str, str]) -> dict[str, Any]:
+def session_suite(
+    args: argparse.Namespace, work: Path, store: ServedStore, env: dict[str, str]
+) -> dict[str, Any]:
     """``--turns`` turns of one session; after each: bytes written, bytes stored, a full save."""
     gw, model = _sibling("bench_gateway"), _model(args, work)
     serve = _serve(gw, work, store, model, args, env)
@@ -392,7 +357,7 @@ def session_suite(args: argparse.Namespace, work: Path, store: Store, env: dict[
     }
 
 
-def _settled(store: Store) -> int | None:
+def _settled(store: ServedStore) -> int | None:
     """Stored bytes once two listings agree (the collection after a save has run)."""
     first = sum(store.objects().values())
     time.sleep(0.2)  # two listings apart: a collection in flight shows as a difference
@@ -400,7 +365,7 @@ def _settled(store: Store) -> int | None:
     return second if first == second else None
 
 
-async def _restore_times(store: Store, work: Path, repeat: int) -> dict[str, float]:
+async def _restore_times(store: ServedStore, work: Path, repeat: int) -> dict[str, float]:
     """Seconds: the newest generation assembled from its chunks, and a raw read of as many bytes."""
     from storage.chunkstore import ChunkedStore
     from storage.ids import parse_manifest_key
@@ -412,7 +377,7 @@ async def _restore_times(store: Store, work: Path, repeat: int) -> dict[str, flo
     key, _ = store.newest(SESSION)
     ref = parse_manifest_key(store.prefix, key)
     assert ref is not None
-    client = _s3(store.endpoint) if store.endpoint else None
+    client = store.client() if store.endpoint else None
     inner = (
         S3Store(client, store.bucket, prefix=store.prefix)
         if client
@@ -447,7 +412,9 @@ async def _restore_times(store: Store, work: Path, repeat: int) -> dict[str, flo
     return {"bytes": size, "ours_s": ours, "raw_s": raw}
 
 
-def ttft_suite(args: argparse.Namespace, work: Path, store: Store, env: dict[str, str]) -> dict[str, Any]:
+def ttft_suite(
+    args: argparse.Namespace, work: Path, store: ServedStore, env: dict[str, str]
+) -> dict[str, Any]:
     """A session of the same length as ``session``'s; restart (spill cache off); the restored turn's
     TTFT, then the next (live) turn's, same number of new tokens."""
     gw, model = _sibling("bench_gateway"), _model(args, work)
@@ -528,25 +495,26 @@ def main(argv: list[str] | None = None) -> int:
         with where as endpoint:
             if "transfer" in suites:
                 report["transfer"] = _transfer(args, work, endpoint)
-            env = {
-                **os.environ,
-                "AWS_ACCESS_KEY_ID": args.access_key,
-                "AWS_SECRET_ACCESS_KEY": args.secret_key,
-            }
+
+            def served(name: str) -> ServedStore:
+                return ServedStore(work / name, f"{name}{os.getpid()}", endpoint, args.bucket,
+                                   access_key=args.access_key, secret_key=args.secret_key)  # fmt: skip
+
+            env = {**os.environ, **served("any").env()}
             if endpoint:
-                client = _s3(endpoint)
+                client = served("any").client()
                 with contextlib.suppress(Exception):  # exists already
                     client.create_bucket(Bucket=args.bucket)
                 client.close()
             if "session" in suites:
-                store = Store(endpoint, args.bucket, f"session{os.getpid()}", work / "session")
+                store = served("session")
                 report["session"] = session_suite(args, work, store, env)
                 _print_session(report["session"])
                 if "restore" in suites:
                     report["restore"] = asyncio.run(_restore_times(store, work, max(args.repeat, 3)))
                     _print_restore(report["restore"])
             if "ttft" in suites:
-                store = Store(endpoint, args.bucket, f"ttft{os.getpid()}", work / "ttft")
+                store = served("ttft")
                 report["ttft"] = ttft_suite(args, work, store, env)
                 t = report["ttft"]
                 back, live = t["restored"], t["live"]

@@ -4,20 +4,17 @@ after the whole process is SIGKILLed."""
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import boto3
 import httpx
 import openai
 import pytest
-from support.servers import CREDS
+from support.served import ServedStore
 
 MODEL = "qwen35-seed0"
 SESSION = "agent-20"
@@ -26,10 +23,6 @@ SESSION = "agent-20"
 SYSTEM = ("You are a coding agent with tools: read_file(path), write_file(path, text), run(cmd). "
           "Plan, act, check the result, and report briefly. ") * 60  # fmt: skip
 TURNS = 20
-S3_ENV = {
-    "AWS_ACCESS_KEY_ID": CREDS["aws_access_key_id"],
-    "AWS_SECRET_ACCESS_KEY": CREDS["aws_secret_access_key"],
-}
 
 _CLIENTS: list[openai.OpenAI] = []
 
@@ -45,48 +38,6 @@ def _client(url: str) -> openai.OpenAI:
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
     _CLIENTS.append(client)
     return client
-
-
-@dataclass
-class Where:
-    """The store `serve` uses: its data directory, or an S3 bucket (prefix per run)."""
-
-    endpoint: str | None
-    prefix: str
-
-    def args(self) -> tuple[str, ...]:
-        base = ("--ctx", "8192", "--s3-prefix", self.prefix)
-        return base + (("--s3-endpoint", self.endpoint, "--s3-bucket", "slots") if self.endpoint else ())
-
-    def objects(self, data: Path) -> dict[str, int]:
-        """Key -> size of everything stored for the tenant (chunks, checkpoints, tails, manifests)."""
-        head = f"{self.prefix}/default/"
-        if self.endpoint is None:
-            root = data / "blobs"
-            files = (p for p in (root / head).rglob("*") if p.is_file())
-            return {p.relative_to(root).as_posix(): p.stat().st_size for p in files}
-        client = boto3.client("s3", endpoint_url=self.endpoint, **CREDS)
-        try:
-            pages = client.get_paginator("list_objects_v2").paginate(Bucket="slots", Prefix=head)
-            return {o["Key"]: o["Size"] for page in pages for o in page.get("Contents", [])}
-        finally:
-            client.close()
-
-    def read(self, data: Path, key: str) -> bytes:
-        if self.endpoint is None:
-            return (data / "blobs" / key).read_bytes()
-        client = boto3.client("s3", endpoint_url=self.endpoint, **CREDS)
-        try:
-            return bytes(client.get_object(Bucket="slots", Key=key)["Body"].read())
-        finally:
-            client.close()
-
-    def stored_bytes(self, data: Path) -> int:
-        return sum(self.objects(data).values())
-
-    def newest_manifest(self, data: Path) -> dict[str, Any]:
-        keys = sorted(k for k in self.objects(data) if k.endswith(".manifest") and f"/{SESSION}/" in k)
-        return dict(json.loads(self.read(data, keys[-1])))
 
 
 def _written(url: str) -> float:
@@ -111,11 +62,11 @@ def _generation(url: str) -> int:
 
 
 def _conversation(
-    serve: Any, data: Path, where: Where, kill_every: int = 0
+    serve: Any, where: ServedStore, kill_every: int = 0
 ) -> tuple[list[tuple[str, int]], list[dict]]:
     """TURNS turns of one session; with ``kill_every`` the whole serve process is SIGKILLed after
     every that many turns (once the turn is durable) and started again on the same data."""
-    s = serve(data, slots=1, args=where.args(), env=S3_ENV)
+    s = serve(where.data, slots=1, args=("--ctx", "8192", *where.flags()), env=where.env())
     msgs: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
     answers, measured = [], []
     for turn in range(TURNS):
@@ -130,15 +81,15 @@ def _conversation(
         msgs.append({"role": "assistant", "content": answer})
         _wait(f"turn {turn} durable", lambda t=turn, u=s.url: _generation(u) >= t + 1)
         if kill_every == 0:
-            full = int(where.newest_manifest(data)["plan"]["size"])
+            full = int(where.newest(SESSION)[1]["plan"]["size"])
             written = _written(s.url) - before
             # the superseded generation's garbage goes right after the save (no listing needed)
-            _wait("storage follows the session", lambda f=full: where.stored_bytes(data) <= 1.5 * f)
+            _wait("storage follows the session", lambda f=full: where.stored_bytes() <= 1.5 * f)
             measured.append({"turn": turn, "tokens": done.usage.prompt_tokens, "full": full,
-                             "written": written, "stored": where.stored_bytes(data)})  # fmt: skip
+                             "written": written, "stored": where.stored_bytes()})  # fmt: skip
         elif (turn + 1) % kill_every == 0 and turn + 1 < TURNS:
             s.stop(signal.SIGKILL)
-            s = serve(data, slots=1, args=where.args(), env=S3_ENV)
+            s = serve(where.data, slots=1, args=("--ctx", "8192", *where.flags()), env=where.env())
     return answers, measured
 
 
@@ -148,7 +99,7 @@ def test_twenty_turns_write_what_is_new_and_restore_exactly_after_sigkill(
 ) -> None:
     endpoint = request.getfixturevalue("seaweed_server") if store == "seaweedfs" else None
     run = uuid.uuid4().hex[:8]
-    steady, measured = _conversation(serve, tmp_path / "steady", Where(endpoint, f"steady{run}"))
+    steady, measured = _conversation(serve, ServedStore(tmp_path / "steady", f"steady{run}", endpoint))
     for m in measured:
         assert m["stored"] <= 1.5 * m["full"], m
     # Every turn after the first adds under 10 % of the session's tokens: it writes at most 0.35x.
@@ -165,5 +116,6 @@ def test_twenty_turns_write_what_is_new_and_restore_exactly_after_sigkill(
         print(m["turn"], m["tokens"], m["full"], int(m["written"]), m["stored"],
               f"{m['written'] / m['full']:.3f} {m['stored'] / m['full']:.3f}")  # fmt: skip
 
-    restarted, _ = _conversation(serve, tmp_path / "killed", Where(endpoint, f"killed{run}"), kill_every=4)
+    killed = ServedStore(tmp_path / "killed", f"killed{run}", endpoint)
+    restarted, _ = _conversation(serve, killed, kill_every=4)
     assert restarted == steady  # same answers and the same prompt_n, turn by turn
