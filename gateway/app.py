@@ -31,6 +31,7 @@ from gateway.metrics import Metrics, RequestCounter
 from gateway.services import Services
 from gateway.serving import (
     check_messages,
+    counted_if_refused,
     forward_stateless,
     json_body,
     rate_limit,
@@ -47,10 +48,10 @@ log = structlog.get_logger("slotkeeper.gateway")
 async def _turn(request: Request, path: str) -> Response:
     svc: Services = request.app.state.services
     tenant = tenant_of(request)
-    body = await json_body(request)
-    await rate_limit(svc, tenant)
-    model = await served_model(svc, tenant, body.get("model"))
-    messages = check_messages(body, svc.settings.max_messages) if path == "/v1/chat/completions" else []
+    async with counted_if_refused(svc, tenant):
+        body = await json_body(request)
+        model = await served_model(svc, tenant, body.get("model"))
+        messages = check_messages(body, svc.settings.max_messages) if path == "/v1/chat/completions" else []
     return await serve_turn(request, tenant, body, model, messages, path)
 
 
@@ -77,7 +78,7 @@ async def completions(request: Request) -> Response:
 async def models(request: Request) -> Response:
     svc: Services = request.app.state.services
     tenant = tenant_of(request)
-    served = sorted(await svc.cluster.models())
+    served = sorted(await svc.cluster.models(fresh=True))
     names = served + sorted(a for a, m in tenant.models.items() if m in served and not is_pattern(a))
     data = [{"id": n, "object": "model", "created": 0, "owned_by": "slotkeeper"} for n in names]
     return JSONResponse({"object": "list", "data": data})
@@ -109,6 +110,7 @@ async def session_detail(request: Request) -> Response:
     if request.method == "DELETE":
         deleted = await svc.runner.delete(tenant, sid)
         return JSONResponse({"id": deleted.session, "object": "session", "deleted": True})
+    await svc.runner.settled(tenant.name, sid)  # a read right after an answer sees its bookkeeping
     found = await svc.index.find(tenant.name, sid)
     if found is None:
         raise NotFound(f"session {sid} not found")
@@ -121,7 +123,7 @@ async def health(request: Request) -> Response:
 
 async def ready(request: Request) -> Response:
     svc: Services = request.app.state.services
-    engines = await svc.cluster.engines()
+    engines = await svc.cluster.engines(fresh=True)
     status = 200 if engines else 503
     return JSONResponse(
         {"status": "ready" if engines else "no engines", "engines": len(engines)}, status_code=status

@@ -1,8 +1,12 @@
 """The gateway's view of the pool: which engines serve which model, and who sits in their slots.
 
-Engines come from the registry (alive within their heartbeat TTL); slot occupancy from the session
-index (live records carry engine and slot); busy = the session's lock is held. The node that owns
-an engine is found among the configured node agents by the node id they report.
+Engines come from the registry (alive within their heartbeat TTL), cached here: the listing is read
+again when the registry's epoch moves (every registration, unregistration and noticed expiry bumps
+it; each turn's opening read returns it, `saw_epoch`) or when a cached engine's TTL runs out (a
+heartbeat extended it, or its node died silently). So a warm turn reads no registry. Slot occupancy
+comes from the session index (live records carry engine and slot); busy = the session's lock is
+held. The node that owns an engine is found among the configured node agents by the node id they
+report.
 """
 
 from __future__ import annotations
@@ -47,13 +51,49 @@ class Cluster:
         self._nodes: dict[str, str] = {}  # node id -> agent URL
         self._configured: set[str] = set()
         self._configured_at = -_CONFIGURED_TTL_S
+        self._listing: list[EngineInfo] | None = None  # the cached registry (None: read it)
+        self._epoch = -1
+        self._refreshing: asyncio.Future[None] | None = None
 
-    async def engines(self, model: str | None = None) -> list[EngineRef]:
-        infos: list[EngineInfo] = await self.registry.list(model)
-        return [EngineRef(i.engine_id, i.node, i.url, i.model, i.n_slots) for i in infos]
+    def saw_epoch(self, epoch: int) -> None:
+        """The registry's epoch as a turn's opening read found it: a new one drops the cache."""
+        if epoch != self._epoch:
+            self._listing = None
 
-    async def models(self) -> set[str]:
-        return {e.model for e in await self.engines()}
+    async def _registry(self, fresh: bool) -> list[EngineInfo]:
+        now = self.registry.now()
+        listing = self._listing
+        if fresh or listing is None or any(i.expires <= now for i in listing):
+            listing = await self._read_registry()
+        return [i for i in listing if i.expires > now]
+
+    async def _read_registry(self) -> list[EngineInfo]:
+        """One read at a time: concurrent turns that find the cache stale share it."""
+        if self._refreshing is None:
+            self._refreshing = asyncio.ensure_future(self._fetch_registry())
+        refreshing = self._refreshing
+        try:
+            await asyncio.shield(refreshing)
+        finally:
+            if self._refreshing is refreshing and refreshing.done():
+                self._refreshing = None
+        assert self._listing is not None
+        return self._listing
+
+    async def _fetch_registry(self) -> None:
+        self._epoch, self._listing = await self.registry.listing()
+
+    async def engines(self, model: str | None = None, *, fresh: bool = False) -> list[EngineRef]:
+        """Engines alive (serving `model`), from the cache unless `fresh`."""
+        infos = await self._registry(fresh)
+        return [
+            EngineRef(i.engine_id, i.node, i.url, i.model, i.n_slots)
+            for i in infos
+            if model is None or i.model == model
+        ]
+
+    async def models(self, *, fresh: bool = False) -> set[str]:
+        return {e.model for e in await self.engines(fresh=fresh)}
 
     async def configured_models(self) -> set[str] | None:
         """The models the node agents run engines for, ready or not: tells a model that is restarting

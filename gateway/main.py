@@ -19,6 +19,7 @@ import structlog
 import uvicorn
 
 from engine_pool import logs
+from engine_pool import loop as event_loop
 from engine_pool.credentials import auth_headers
 from engine_pool.http_deadlines import header_deadline
 from gateway.app import build_app
@@ -108,10 +109,12 @@ async def services(
         keep_generations=settings.keep_generations,
         tenants=tenants,
         superseded=retention.collect_soon if retention is not None else None,
+        max_inflight=settings.max_inflight,
+        inflight_ttl_s=settings.request_timeout_s + 60,
     )
     task = None
     if retention is not None:
-        task = asyncio.create_task(retention.run(runner.delete))
+        task = asyncio.create_task(retention.run(runner.delete), name="retention")
     try:
         yield Services(
             settings, tenants, index, locks, registry, store, http, cluster, runner, metrics,
@@ -158,5 +161,5 @@ def main(argv: list[str]) -> int:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             lifespan="on", http=header_deadline(settings.header_timeout_s),
                             timeout_keep_alive=round(settings.keep_alive_s))  # fmt: skip
-    asyncio.run(uvicorn.Server(config).serve())
+    event_loop.run(uvicorn.Server(config).serve())
     return 0

@@ -26,6 +26,7 @@ from gateway.responses import stream_failure
 from gateway.services import Services
 from gateway.serving import (
     check_messages,
+    counted_if_refused,
     forward_stateless,
     json_body,
     rate_limit,
@@ -60,12 +61,12 @@ class MessagesDialect:
 async def create(request: Request) -> Response:
     svc: Services = request.app.state.services
     tenant = tenant_of(request)
-    data = await json_body(request)
-    await rate_limit(svc, tenant)
-    req = api.parse_request(data, max_messages=svc.settings.max_messages)
-    model = await served_model(svc, tenant, req.model)
-    chat = api.chat_body(req)
-    messages = check_messages(chat, svc.settings.max_messages)
+    async with counted_if_refused(svc, tenant):
+        data = await json_body(request)
+        req = api.parse_request(data, max_messages=svc.settings.max_messages)
+        model = await served_model(svc, tenant, req.model)
+        chat = api.chat_body(req)
+        messages = check_messages(chat, svc.settings.max_messages)
     try:
         return await serve_turn(
             request, tenant, chat, model, messages, "/v1/chat/completions", dialect=MessagesDialect(req)

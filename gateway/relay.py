@@ -31,6 +31,7 @@ class TurnOutcome:
     usage: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, Any] = field(default_factory=dict)  # numbers only (prompt_n, cache_n, ...)
     error: str = ""
+    body: bytes = b""  # a non-streamed answer's bytes as the engine sent them
 
     def assistant_message(self) -> dict[str, Any]:
         msg: dict[str, Any] = {"role": "assistant", "content": self.content}
@@ -74,7 +75,8 @@ async def _send(client: httpx.AsyncClient, request: httpx.Request, *, stream: bo
 async def forward_json(
     client: httpx.AsyncClient, url: str, body: dict[str, Any]
 ) -> tuple[dict[str, Any], TurnOutcome]:
-    """Non-streaming request: the engine's JSON and what it means for the session."""
+    """Non-streaming request: the engine's JSON and what it means for the session (its bytes
+    are `TurnOutcome.body`, to pass on without encoding them again)."""
     resp = await _send(client, client.build_request("POST", url, json=body), stream=False)
     try:
         payload = resp.json()
@@ -82,7 +84,8 @@ async def forward_json(
         raise Upstream(f"the engine answered {resp.status_code} without JSON") from None
     if resp.status_code != 200:
         raise _upstream_error(resp.status_code, payload)
-    out = TurnOutcome(ok=True, usage=payload.get("usage") or {}, timings=payload.get("timings") or {})
+    out = TurnOutcome(ok=True, usage=payload.get("usage") or {}, timings=payload.get("timings") or {},
+                      body=resp.content)  # fmt: skip
     choices = payload.get("choices") or [{}]
     message = choices[0].get("message") or {}
     out.content = message.get("content") or choices[0].get("text") or ""

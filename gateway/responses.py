@@ -25,7 +25,7 @@ from engine_pool.server.apis import responses as api
 from engine_pool.server.apis.routes import RESPONSES_FIELDS, renamed
 from engine_pool.server.sse import named_event
 from gateway.services import Services
-from gateway.serving import check_messages, json_body, rate_limit, serve_turn, served_model, tenant_of
+from gateway.serving import check_messages, counted_if_refused, json_body, serve_turn, served_model, tenant_of
 from gateway.tenants import Tenant
 from gateway.turns import Turn
 from storage.responses import StoredResponse, new_response_id
@@ -116,21 +116,21 @@ class ResponsesDialect:
 async def create(request: Request) -> Response:
     svc: Services = request.app.state.services
     tenant = tenant_of(request)
-    data = await json_body(request)
-    await rate_limit(svc, tenant)
-    req = api.parse_request(data, max_items=svc.settings.max_messages)
-    model = await served_model(svc, tenant, req.model)
-    history: list[dict[str, Any]] = []
-    session: tuple[str, str] | None = None
-    if req.previous_response_id:
-        previous = await svc.responses.load(tenant.name, req.previous_response_id)
-        history = previous.history
-        if previous.model == model:  # a session holds one model's state
-            session = (previous.session, "previous_response")
-    chat = api.chat_body(req, history)
-    if isinstance(data.get("prompt_cache_key"), str):
-        chat["prompt_cache_key"] = data["prompt_cache_key"]
-    messages = check_messages(chat, svc.settings.max_messages)
+    async with counted_if_refused(svc, tenant):
+        data = await json_body(request)
+        req = api.parse_request(data, max_items=svc.settings.max_messages)
+        model = await served_model(svc, tenant, req.model)
+        history: list[dict[str, Any]] = []
+        session: tuple[str, str] | None = None
+        if req.previous_response_id:
+            previous = await svc.responses.load(tenant.name, req.previous_response_id)
+            history = previous.history
+            if previous.model == model:  # a session holds one model's state
+                session = (previous.session, "previous_response")
+        chat = api.chat_body(req, history)
+        if isinstance(data.get("prompt_cache_key"), str):
+            chat["prompt_cache_key"] = data["prompt_cache_key"]
+        messages = check_messages(chat, svc.settings.max_messages)
     dialect = ResponsesDialect(svc, tenant, req, model, history)
     try:
         return await serve_turn(

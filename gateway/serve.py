@@ -22,6 +22,7 @@ import structlog
 import uvicorn
 
 from engine_pool import logs
+from engine_pool import loop as event_loop
 from engine_pool.credentials import new_key
 from engine_pool.flags import add_flags
 from engine_pool.http_deadlines import header_deadline
@@ -135,5 +136,5 @@ def main(argv: list[str]) -> int:
     log.info(
         "serve.start", gateway=f"http://{settings.host}:{settings.port}", node_port=node_port, models=models
     )
-    asyncio.run(_run(node_server, gateway_server))
+    event_loop.run(_run(node_server, gateway_server))
     return 0 if getattr(node_server, "drained_ok", True) else 1

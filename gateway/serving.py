@@ -10,11 +10,10 @@ session without re-prefill exactly like a chat client.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from starlette.requests import Request
@@ -27,7 +26,6 @@ from engine_pool.errors import (
     BadRequest,
     NotFound,
     QuotaExceeded,
-    RateLimited,
     Unauthorized,
     Unavailable,
 )
@@ -36,8 +34,6 @@ from gateway.services import Services
 from gateway.tenants import Tenant
 from gateway.turns import Turn
 from storage.errors import StorageError
-
-Release = Callable[[], Awaitable[None]]
 
 
 class Dialect(Protocol):
@@ -69,7 +65,8 @@ async def json_body(request: Request) -> dict[str, Any]:
 
 
 async def rate_limit(svc: Services, tenant: Tenant) -> None:
-    """Requests per minute: one counter per tenant and minute, expiring with its window."""
+    """Requests per minute: one counter per tenant and minute, expiring with its window. A turn
+    counts itself in its opening read (`TurnRunner.begin`); this is for everything else."""
     limit = tenant.quotas.requests_per_minute
     if limit is None:
         return
@@ -80,23 +77,16 @@ async def rate_limit(svc: Services, tenant: Tenant) -> None:
         )
 
 
-async def admit(svc: Services, tenant: Tenant) -> Release:
-    """Take one of the tenant's in-flight places (429 + Retry-After when none is free) and return
-    its release (idempotent). Places of a gateway that died lapse by themselves."""
-    limit = tenant.quotas.inflight or svc.settings.max_inflight
-    token = await svc.index.acquire_inflight(tenant.name, limit, ttl_s=svc.settings.request_timeout_s + 60)
-    if token is None:
-        raise RateLimited(f"tenant {tenant.name} already has {limit} requests running", retry_after=1)
-    released = False
-
-    async def release() -> None:
-        nonlocal released
-        if not released:
-            released = True
-            with contextlib.suppress(StorageError):  # Redis away: the place lapses with its TTL
-                await svc.index.release_inflight(tenant.name, token)
-
-    return release
+@contextlib.asynccontextmanager
+async def counted_if_refused(svc: Services, tenant: Tenant) -> AsyncIterator[None]:
+    """Around a turn's validation: a request refused before its opening read (which counts it in
+    the tenant's rate window) is counted here, so that every request counts once, malformed ones
+    too (and a tenant over its rate gets 429 whatever else is wrong, as before validation)."""
+    try:
+        yield
+    except ApiError:
+        await rate_limit(svc, tenant)
+        raise
 
 
 def check_messages(body: dict[str, Any], limit: int) -> list[dict[str, Any]]:
@@ -118,6 +108,8 @@ async def served_model(svc: Services, tenant: Tenant, requested: Any) -> str:
     if not isinstance(requested, str) or not requested:
         raise BadRequest("'model' is required", param="model")
     model = tenant.model_id(requested, await svc.cluster.models())
+    if model is None:  # an engine that registered since the cached listing was read?
+        model = tenant.model_id(requested, await svc.cluster.models(fresh=True))
     if model is not None:
         return model
     configured = await svc.cluster.configured_models()
@@ -155,32 +147,11 @@ async def serve_turn(
 ) -> Response:
     """Admit, run and answer one turn. `body` is the engine's request body (chat completions, or
     completions when `path` says so); `session` is (id, how it was found) when the caller already
-    knows it (a `previous_response_id`), else the usual resolution runs."""
+    knows it (a `previous_response_id`), else the usual resolution runs. The bookkeeping after the
+    answer runs beside sending it (`TurnRunner.finish_soon`)."""
     svc: Services = request.app.state.services
-    release = await admit(svc, tenant)
-    try:
-        return await _run_turn(svc, request, tenant, body, model, messages, path, release, dialect, session)
-    except BaseException:
-        await release()
-        raise
-
-
-async def _run_turn(
-    svc: Services,
-    request: Request,
-    tenant: Tenant,
-    body: dict[str, Any],
-    model: str,
-    messages: list[dict[str, Any]],
-    path: str,
-    release: Release,
-    dialect: Dialect | None,
-    known: tuple[str, str] | None,
-) -> Response:
-    """Resolve, place and forward one turn. A plain response releases the tenant's in-flight place
-    before returning; a stream hands it (with the session bookkeeping) to its body's end."""
-    session, source = known or await svc.runner.resolve(tenant, request.headers, body, model)
-    turn = await svc.runner.begin(tenant, session, model, source)
+    session_id, source = session or await svc.runner.resolve(tenant, request.headers, body, model)
+    turn = await svc.runner.begin(tenant, session_id, model, source)
     upstream = {k: v for k, v in body.items() if k not in ("prompt_cache_key", "id_slot")}
     upstream.update(model=model, id_slot=turn.placement.slot, cache_prompt=True)
     svc.metrics.served.labels(turn.placement.serve.value).inc()
@@ -190,21 +161,25 @@ async def _run_turn(
         outcome = TurnOutcome()
         try:
             payload, outcome = await forward_json(svc.http, url, upstream)
-            answer = await dialect.answer(payload, turn) if dialect else payload
+            answer = await dialect.answer(payload, turn) if dialect else None
         except (ApiError, StorageError) as exc:
             outcome.ok = False
             outcome.error = str(exc)
-            await svc.runner.finish(turn, messages, outcome)
+            svc.runner.finish_soon(turn, messages, outcome)
+            raise
+        except BaseException:  # cancelled (the client went away): the session must not stay locked
+            svc.runner.finish_soon(turn, messages, TurnOutcome(error="cancelled"))
             raise
         svc.metrics.ttft.observe(time.perf_counter() - t0)
         svc.metrics.turn_served(turn.placement.serve.value, outcome.timings)
-        await svc.runner.finish(turn, messages, outcome)
-        await release()
+        svc.runner.finish_soon(turn, messages, outcome)
+        if answer is None:  # passed through: the engine's bytes, not encoded again
+            return Response(outcome.body, media_type="application/json", headers=session_headers(turn))
         return JSONResponse(answer, headers=session_headers(turn))
     try:
         relay = await StreamRelay.open(svc.http, url, upstream)
-    except ApiError as exc:
-        await svc.runner.finish(turn, messages, TurnOutcome(error=exc.message))
+    except BaseException as exc:
+        svc.runner.finish_soon(turn, messages, TurnOutcome(error=getattr(exc, "message", "cancelled")))
         raise
     svc.metrics.ttft.observe(time.perf_counter() - t0)
 
@@ -217,20 +192,8 @@ async def _run_turn(
                 async for data in dialect.stream(relay.events(), turn):
                     yield data
         finally:
-            # Also when the client went away mid-stream: the session must not stay locked. A task,
-            # so that the cancellation of this generator cannot cut the bookkeeping short.
+            # Also when the client went away mid-stream: the session must not stay locked.
             svc.metrics.turn_served(turn.placement.serve.value, relay.outcome.timings)
-            done = asyncio.create_task(_settle(svc, turn, messages, relay.outcome, release))
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(done)
+            svc.runner.finish_soon(turn, messages, relay.outcome)
 
     return StreamingResponse(relayed(), media_type="text/event-stream", headers=session_headers(turn))
-
-
-async def _settle(
-    svc: Services, turn: Turn, messages: list[dict[str, Any]], outcome: TurnOutcome, release: Release
-) -> None:
-    try:
-        await svc.runner.finish(turn, messages, outcome)
-    finally:
-        await release()

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
-from engine_pool.errors import BadRequest, Conflict, NotFound, QuotaExceeded, Unavailable
+from engine_pool.errors import BadRequest, Conflict, NotFound, QuotaExceeded, RateLimited, Unavailable
 from engine_pool.pool.client import NodeClient, NodeError, SpillResult
 from gateway.cluster import Cluster
+from gateway.holds import Holds, Phase, SessionHold
 from gateway.metrics import Metrics
 from gateway.placement import (
     LiveSlotsExhausted,
@@ -39,8 +42,9 @@ from storage.errors import Conflict as RecordConflict
 from storage.errors import InvalidId, LockBusy, LockLost, StorageError
 from storage.errors import NotFound as RecordNotFound
 from storage.ids import validate_id
-from storage.index import SessionIndex, SessionRecord, SessionState
+from storage.index import Decide, SessionIndex, SessionRecord, SessionState
 from storage.locks import SessionLock, SessionLocks
+from storage.turnops import Ops, TurnStart
 
 log = structlog.get_logger("slotkeeper.gateway")
 _GENERATION_TRIES = 8
@@ -51,13 +55,17 @@ class Turn:
     tenant: Tenant
     session: str
     model: str
-    lock: SessionLock
+    hold: SessionHold  # the session's lock, shared with this turn's write-behind save
     placement: Placement
     engine_url: str
     node: NodeClient
     source: str  # how the session was found: header | prompt_cache_key | implicit | new | fork
     forked_from: str | None = None
-    keeper: asyncio.Task[None] | None = None  # renews the lock until the turn is settled
+    inflight: str = ""  # the tenant's in-flight place this turn holds (given back by `finish`)
+
+    @property
+    def lock(self) -> SessionLock:
+        return self.hold.lock
 
 
 def fork_id(session: str) -> str:
@@ -99,6 +107,8 @@ class TurnRunner:
         keep_generations: int = 2,
         tenants: Tenants | None = None,
         superseded: Callable[[str], None] | None = None,
+        max_inflight: int = 64,
+        inflight_ttl_s: float = 660.0,
     ) -> None:
         self.cluster = cluster
         self.store = store
@@ -112,10 +122,10 @@ class TurnRunner:
         self.keep_generations = keep_generations
         self.tenants = tenants
         self._superseded = superseded  # told the tenant whose stored generations were deleted
-        # Sessions whose turn ended here and whose lock is still held for the bookkeeping and the
-        # write-behind save: a request for one of them waits for this instead of forking it.
-        self._settling: dict[tuple[str, str], asyncio.Future[None]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()  # write-behind saves in flight
+        self.max_inflight = max_inflight  # a tenant's in-flight places unless its quota says
+        self.inflight_ttl_s = inflight_ttl_s  # a place lapses after this (its gateway died)
+        self.holds = Holds(locks, lock_ttl_s)  # the session locks this process holds
+        self._tasks: set[asyncio.Task[None]] = set()  # bookkeeping in flight (finish_soon)
         self._reserved = SlotReservations()  # slots chosen here, not yet recorded as taken
 
     # ---------------------------------------------------------------------------------- resolve
@@ -134,32 +144,53 @@ class TurnRunner:
 
     # ------------------------------------------------------------------------------------ begin
     async def begin(self, tenant: Tenant, session: str, model: str, source: str) -> Turn:
-        lock = await self._lock(tenant.name, session)
+        """Admit the turn (rate window, in-flight place), lock and place its session, and mark it
+        live in its slot. A warm turn (the session live in its slot) makes two Redis round trips
+        here: the opening read (storage.turnops) and the transition to busy."""
+        q = tenant.quotas
+        limit = q.inflight or self.max_inflight
+        start = await self.index.start_turn(
+            tenant.name, session, lock_ttl_s=self.lock_ttl_s, inflight_limit=limit,
+            inflight_ttl_s=self.inflight_ttl_s, rpm_limit=q.requests_per_minute,
+        )  # fmt: skip
+        if start.refused == "rate":
+            raise QuotaExceeded(f"tenant {tenant.name} exceeded {q.requests_per_minute} requests per minute",
+                                retry_after=60 - time.time() % 60)  # fmt: skip
+        if start.refused == "inflight":
+            raise RateLimited(f"tenant {tenant.name} already has {limit} requests running", retry_after=1)
+        self.cluster.saw_epoch(start.registry_epoch)
+        try:
+            return await self._begin(tenant, session, model, source, start)
+        except BaseException:
+            with contextlib.suppress(StorageError):  # Redis away: the place lapses with its TTL
+                await self.index.release_inflight(tenant.name, start.inflight_token)
+            raise
+
+    async def _begin(self, tenant: Tenant, session: str, model: str, source: str, start: TurnStart) -> Turn:
+        hold = await self._hold(tenant.name, session, start)
         forked_from = None
-        if lock is None:  # busy with another request: fork it
+        if hold is None:  # busy with another request: fork it
             forked_from, session = session, fork_id(session)
             lock = await self.locks.try_acquire(tenant.name, session, ttl_s=self.lock_ttl_s)
             assert lock is not None
+            hold = self.holds.start(lock, None)
             source = "fork"
-        keeper = asyncio.create_task(self._keep(lock))
         created = False
         try:
-            record = await self.index.find(tenant.name, session)
+            record = hold.record
+            if record is None and hold.lock is not start.lock:  # the opening read's record is current
+                record = await self.index.find(tenant.name, session)
             if record is None:
-                await self._check_new_session_quota(tenant)
+                self._check_new_session_quota(tenant, start)
                 record = await self.index.create(tenant.name, session, model=model)
-                created = True
-            placement, engine_url, node = await self._place(tenant, record, model, forked_from)
+                hold.record, created = record, True
+            placement, engine_url, node = await self._place(tenant, record, model, forked_from, hold)
             try:
-                await self.index.mark_live(
-                    tenant.name,
-                    session,
-                    engine=placement.engine,
-                    slot=placement.slot,
-                    tokens=record.tokens,
+                decide = self.index.decide_live(
+                    tenant.name, session, engine=placement.engine, slot=placement.slot, tokens=record.tokens,
                     model=model,
-                    lock=lock,
-                )
+                )  # fmt: skip
+                await self._write(hold, decide, idle=False)
             finally:  # recorded there now (or failed): the index says who holds the slot
                 self._reserved.release((placement.engine, placement.slot))
             log.info(
@@ -171,17 +202,26 @@ class TurnRunner:
                 serve=placement.serve.value,
                 source=source,
             )
-            return Turn(
-                tenant, session, model, lock, placement, engine_url, node, source, forked_from, keeper
-            )
+            return Turn(tenant, session, model, hold, placement, engine_url, node, source, forked_from,
+                        start.inflight_token)  # fmt: skip
         except BaseException:
-            keeper.cancel()
             if created:  # a failed placement leaves no record behind (it would count toward quotas)
                 with contextlib.suppress(StorageError):
-                    await self.index.delete(tenant.name, session, lock=lock)
-            with contextlib.suppress(StorageError):
-                await self.locks.release(lock)
+                    await self.index.delete(tenant.name, session, lock=hold.lock)
+            await self.holds.let_go(hold)
             raise
+
+    async def _hold(self, tenant: str, session: str, start: TurnStart) -> SessionHold | None:
+        """The session's lock for this turn: taken by the opening read, taken over from this
+        process's own previous turn of the session (settling: saving its state), or waited for;
+        None when a request runs on it (the caller forks)."""
+        if start.lock is not None:
+            return self.holds.start(start.lock, start.record)
+        own = self.holds.get(tenant, session)
+        if own is not None and await self.holds.take_over(own):
+            return own
+        lock = await self._lock(tenant, session)
+        return None if lock is None else self.holds.start(lock, None)
 
     async def _lock(self, tenant: str, session: str) -> SessionLock | None:
         """The session's lock, waiting where its holder is only settling or dead; None when a live
@@ -189,12 +229,12 @@ class TurnRunner:
         lock = await self.locks.try_acquire(tenant, session, ttl_s=self.lock_ttl_s)
         if lock is not None:
             return lock
-        settling = self._settling.get((tenant, session))
-        if settling is not None:  # our own previous turn is still saving: wait, then take over
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(settling), self.spill_wait_s)
-            return await self.locks.try_acquire(tenant, session, ttl_s=self.lock_ttl_s)
-        if await self.index.find(tenant, session) is None or await self.index.is_idle(tenant, session):
+        own = self.holds.get(tenant, session)
+        if own is not None:  # our own: a turn runs on it (fork), or it is being released (wait)
+            if own.phase is Phase.RUNNING:
+                return None
+            wait = self.spill_wait_s
+        elif await self.index.find(tenant, session) is None or await self.index.is_idle(tenant, session):
             # No request runs on it: a delete, an eviction or another replica's save of its last turn
             # holds the lock a moment. There is nothing to fork from anyway: wait.
             wait = self.spill_wait_s
@@ -209,33 +249,70 @@ class TurnRunner:
             return await self.locks.acquire(tenant, session, ttl_s=self.lock_ttl_s, wait_s=wait)
         return None
 
-    async def _keep(self, lock: SessionLock) -> None:
-        """Renew the lock every third of its TTL until cancelled (the turn settled)."""
-        while True:
-            await asyncio.sleep(self.lock_ttl_s / 3)
-            try:
-                await self.locks.extend(lock)
-            except LockLost:
-                log.error("session.lock_lost", tenant=lock.tenant, session=lock.session)
-                return
-            except StorageError as exc:  # Redis down a moment: try again at the next tick
-                log.warning("session.lock_renew_failed", tenant=lock.tenant, session=lock.session,
-                            error=str(exc))  # fmt: skip
-
-    async def _check_new_session_quota(self, tenant: Tenant) -> None:
+    def _check_new_session_quota(self, tenant: Tenant, start: TurnStart) -> None:
+        """From the counts the opening read returned (O(1) each)."""
         q = tenant.quotas
-        if q.sessions is not None and await self.index.count_sessions(tenant.name) >= q.sessions:
+        if q.sessions is not None and start.sessions >= q.sessions:
             raise QuotaExceeded(
                 f"tenant {tenant.name} has reached its limit of {q.sessions} sessions", retry_after=60
             )
-        if q.stored_bytes is not None and await self.index.stored_bytes(tenant.name) >= q.stored_bytes:
+        if q.stored_bytes is not None and start.stored_bytes >= q.stored_bytes:
             raise QuotaExceeded(
                 f"tenant {tenant.name} stores {q.stored_bytes} bytes of sessions, its limit: delete sessions "
                 "to start new ones",
                 retry_after=60,
             )
 
+    async def _write(
+        self,
+        hold: SessionHold,
+        decide: Decide,
+        *,
+        idle: bool | None = None,
+        also: Callable[[Ops], None] | None = None,
+    ) -> tuple[SessionRecord, bool]:
+        """One transition of the held session's record: a one-round-trip compare-and-set against
+        the record this process last saw (with `also`'s writes), else the transaction. Returns the
+        new record and whether `also`'s writes were made (the caller makes them otherwise)."""
+        lock = hold.lock
+        async with hold.writing():
+            new = None
+            if hold.record is not None:
+                new = await self.index.apply(hold.record, decide, lock=lock, idle=idle, also=also)
+            done = new is not None
+            if new is None:
+                new = await self.index.transition(lock.tenant, lock.session, decide, lock=lock, idle=idle)
+            hold.record = new
+            return new, done
+
     async def _place(
+        self, tenant: Tenant, record: SessionRecord, model: str, forked_from: str | None, hold: SessionHold
+    ) -> tuple[Placement, str, NodeClient]:
+        if (
+            forked_from is None
+            and record.state is SessionState.LIVE
+            and record.engine
+            and record.slot is not None
+        ):
+            # Live in its slot (the common warm turn): the lock makes the slot ours, no snapshot.
+            engine = await self.cluster.engine(record.engine)
+            if engine is not None and engine.model == model and record.slot < engine.n_slots:
+                self._reserved.hold((engine.engine, record.slot))
+                try:
+                    node = await self._node(engine.node)
+                except BaseException:
+                    self._reserved.release((engine.engine, record.slot))
+                    raise
+                return Placement(engine.engine, record.slot, Serve.LIVE), engine.url, node
+        if hold.saved is not None and not hold.saved.done():
+            # Served elsewhere: it needs the state its previous turn is saving right now.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(hold.saved), self.spill_wait_s)
+            record = await self.index.get(record.tenant, record.session)
+            hold.record = record
+        return await self._place_by_snapshot(tenant, record, model, forked_from)
+
+    async def _place_by_snapshot(
         self, tenant: Tenant, record: SessionRecord, model: str, forked_from: str | None
     ) -> tuple[Placement, str, NodeClient]:
         source = forked_from or record.session
@@ -315,7 +392,10 @@ class TurnRunner:
                 log.info("session.evicted", tenant=victim.tenant, session=victim.session, engine=engine,
                          slot=victim.slot, generation=rec.generation, saved=False)  # fmt: skip
                 return
-            out = await self._save(node, engine, victim.slot, victim.tenant, victim.session, rec, lock)
+            reserve = functools.partial(
+                self.index.reserve_generation, victim.tenant, victim.session, lock=lock
+            )
+            out = await self._save(node, engine, victim.slot, victim.tenant, victim.session, rec, reserve)
             await self.index.mark_spilled(
                 victim.tenant,
                 victim.session,
@@ -344,13 +424,13 @@ class TurnRunner:
 
     async def _save(
         self, node: NodeClient, engine: str, slot: int, tenant: str, session: str, rec: SessionRecord,
-        lock: SessionLock,
+        reserve: Callable[[], Awaitable[int]],
     ) -> SpillResult:  # fmt: skip
         """Save the slot as the session's next generation, a number the index hands out once per
-        session id (also across a delete and a reuse of the id). A generation the node or the store
-        holds already (a copy a crash left) is skipped for the next one, never overwritten."""
+        session id (`reserve`; also across a delete and a reuse of the id). A generation the node or
+        the store holds already (a copy a crash left) is skipped for the next one, never overwritten."""
         for _ in range(_GENERATION_TRIES):
-            generation = await self.index.reserve_generation(tenant, session, lock=lock)
+            generation = await reserve()
             try:
                 return await node.spill(
                     engine, slot, tenant=tenant, session=session, generation=generation, route=rec.route,
@@ -372,39 +452,63 @@ class TurnRunner:
         return self.nodes[node_id]
 
     # ----------------------------------------------------------------------------------- finish
+    def answered(self, turn: Turn) -> None:
+        """The turn's answer is going out (call before it does): from now on a request for the
+        session waits for this turn's bookkeeping (`finish`) instead of forking it."""
+        self.holds.answered(turn.hold)
+
+    def finish_soon(self, turn: Turn, messages: Sequence[Mapping[str, Any]], outcome: TurnOutcome) -> None:
+        """`finish` as a task beside the answer going out (marked answered first, synchronously)."""
+        self.answered(turn)
+        task = asyncio.create_task(self.finish(turn, messages, outcome), name=f"finish:{turn.session}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def finish(self, turn: Turn, messages: Sequence[Mapping[str, Any]], outcome: TurnOutcome) -> None:
-        """Bookkeeping after the engine answered (or failed); the lock is released when it and the
-        write-behind save (after-turn tenants) are done. Never raises: a fault here costs durability
-        or routing of this one session, never the answer already given."""
-        t, s = turn.tenant.name, turn.session
-        settled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._settling[(t, s)] = settled  # before any await: the client may already send its next turn
-        handed_off = False
+        """Bookkeeping after the engine answered (or failed): the record back to idle, the prefix
+        routes, the usage counters, the in-flight place and — unless a write-behind save follows —
+        the lock, all in one round trip (storage.turnops). Never raises: a fault here costs
+        durability or routing of this one session, never the answer already given."""
+        t, s, hold = turn.tenant.name, turn.session, turn.hold
+        self.holds.answered(hold)
+        save = outcome.ok and turn.tenant.durability is Durability.AFTER_TURN
+        release = not save and self.holds.last_user(hold)
+        digests: list[str] = []
+        usage: dict[str, int] = {}
+        if outcome.ok:
+            digests = turn_digests([*messages, outcome.assistant_message()], turn.model)
+            usage = {
+                "requests": 1,
+                "prompt_tokens": int(outcome.usage.get("prompt_tokens", 0)),
+                "completion_tokens": int(outcome.usage.get("completion_tokens", 0)),
+            }
+
+        def also(ops: Ops) -> None:
+            if digests:
+                self.index.queue_prefixes(ops, t, s, digests)
+            if usage:
+                self.index.queue_usage(ops, t, usage)
+            if turn.inflight:
+                self.index.queue_release_inflight(ops, t, turn.inflight)
+            if release:
+                ops.delete(self.index.keys.lock(t, s))
+
+        decide = self.index.decide_idle(s, outcome.tokens or None, digests[-1] if digests else None)
+        written = released = False
         try:
+            _, written = await self._write(hold, decide, idle=True, also=also)
+            released = written and release
             if not outcome.ok:
                 # A failed or timed-out request fails alone. Whether the engine died is the node's to
                 # say (process exit, failed health, re-registration drop its sessions), not ours.
-                await self.index.mark_idle(t, s, lock=turn.lock)
                 log.warning("session.turn_failed", tenant=t, session=s, error=outcome.error)
-                return
-            history = [*messages, outcome.assistant_message()]
-            digests = turn_digests(history, turn.model)
-            await self.index.add_prefixes(t, s, digests)
-            route = digests[-1] if digests else None
-            await self.index.mark_idle(t, s, tokens=outcome.tokens or None, route=route, lock=turn.lock)
-            await self.index.incr_usage(
-                t,
-                {
-                    "requests": 1,
-                    "prompt_tokens": int(outcome.usage.get("prompt_tokens", 0)),
-                    "completion_tokens": int(outcome.usage.get("completion_tokens", 0)),
-                },
-            )
-            if turn.tenant.durability is Durability.AFTER_TURN:
-                task = asyncio.create_task(self._write_behind(turn, settled))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-                handed_off = True
+            if not written:  # the record changed under us: the transaction wrote it; now the rest
+                if digests:
+                    await self.index.add_prefixes(t, s, digests)
+                if usage:
+                    await self.index.incr_usage(t, usage)
+            if save:
+                self.holds.saving(hold, functools.partial(self._write_behind, turn))
         except LockLost:
             log.warning("session.lock_lost", tenant=t, session=s)
         except (RecordConflict, RecordNotFound):
@@ -413,27 +517,16 @@ class TurnRunner:
         except StorageError as exc:
             log.warning("session.finish_failed", tenant=t, session=s, error=str(exc))
         finally:
-            if not handed_off:
-                await self._release(turn, settled)
+            if turn.inflight and not written:
+                with contextlib.suppress(StorageError):
+                    await self.index.release_inflight(t, turn.inflight)
+            self.holds.booked(hold)
+            await self.holds.let_go(hold, released=released)
 
-    async def _release(self, turn: Turn, settled: asyncio.Future[None]) -> None:
-        key = (turn.tenant.name, turn.session)
-        if turn.keeper is not None:
-            turn.keeper.cancel()
+    async def _write_behind(self, turn: Turn) -> None:
+        t, s, hold = turn.tenant.name, turn.session, turn.hold
         try:
-            await self.locks.release(turn.lock)
-        except StorageError as exc:  # lost (expired and taken over) or Redis down: it lapses by itself
-            log.warning("session.release_failed", tenant=key[0], session=key[1], error=str(exc))
-        finally:
-            if self._settling.get(key) is settled:
-                del self._settling[key]
-            if not settled.done():
-                settled.set_result(None)
-
-    async def _write_behind(self, turn: Turn, settled: asyncio.Future[None]) -> None:
-        t, s = turn.tenant.name, turn.session
-        try:
-            rec = await self.index.get(t, s)
+            rec = hold.record or await self.index.get(t, s)
             if rec.engine != turn.placement.engine or rec.slot != turn.placement.slot:
                 return
             limit = turn.tenant.quotas.stored_bytes
@@ -443,12 +536,16 @@ class TurnRunner:
                     "session.save_skipped", tenant=t, session=s, reason="stored_bytes quota", limit=limit
                 )
                 return
-            out = await self._save(
-                turn.node, turn.placement.engine, turn.placement.slot, t, s, rec, turn.lock
-            )
-            await self.index.set_durable(
-                t, s, generation=out.generation, blob_key=out.key, nbytes=out.bytes, lock=turn.lock
-            )
+            since = rec.last_used  # a turn that runs meanwhile changes it: the record stays dirty
+
+            async def reserve() -> int:
+                record, _ = await self._write(hold, self.index.decide_reserve(s))
+                return record.reserved
+
+            out = await self._save(turn.node, turn.placement.engine, turn.placement.slot, t, s, rec, reserve)
+            durable = self.index.decide_durable(s, generation=out.generation, blob_key=out.key,
+                                                nbytes=out.bytes, since=since)  # fmt: skip
+            await self._write(hold, durable)
             self.metrics.spilled("after-turn", out.bytes, out.ms, out.written)
             log.info("session.durable", tenant=t, session=s, generation=out.generation, bytes=out.bytes,
                      written=out.written, uploaded=out.uploaded)  # fmt: skip
@@ -457,17 +554,24 @@ class TurnRunner:
                 self._told_superseded(t)
         except Exception as exc:  # the turn was answered; a failed save only costs durability
             log.warning("session.write_behind_failed", tenant=t, session=s, error=str(exc))
-        finally:
-            await self._release(turn, settled)
 
     def _told_superseded(self, tenant: str) -> None:
         if self._superseded is not None:
             self._superseded(tenant)
 
+    async def settled(self, tenant: str, session: str) -> None:
+        """Wait until this process's last turn of the session has written its bookkeeping (what
+        a read of the session right after an answer must see)."""
+        hold = self.holds.get(tenant, session)
+        if hold is not None and hold.phase is Phase.ANSWERED:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(hold.booked.wait(), self.spill_wait_s)
+
     async def drain(self) -> None:
-        """Wait for write-behind saves in flight (shutdown)."""
-        if self._settling:
-            await asyncio.gather(*self._settling.values(), return_exceptions=True)
+        """Wait for the bookkeeping and write-behind saves in flight (shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.holds.drain()
 
     # ----------------------------------------------------------------------------------- delete
     async def delete(self, tenant: Tenant, session: str) -> SessionRecord:

@@ -8,9 +8,10 @@ placement should treat its slots as lost — see :meth:`storage.index.SessionInd
 
 from __future__ import annotations
 
+import builtins
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
@@ -30,6 +31,7 @@ class EngineInfo:
     n_slots: int
     registered: float
     last_heartbeat: float
+    expires: float = 0.0  # when it leaves the listing unless it heartbeats again (seconds)
 
 
 def _ms(seconds: float) -> int:
@@ -63,6 +65,7 @@ class EngineRegistry:
             pipe.hset(key, mapping=fields)
             pipe.pexpire(key, _ms(ttl_s))
             pipe.zadd(self.keys.engines(), {engine_id: (now + ttl_s) * 1000})
+            pipe.incr(self.keys.registry_epoch())
             await pipe.execute()
         log.info("engine.registered", engine=engine_id, node=node, model=model, n_slots=n_slots)
         return info
@@ -81,12 +84,17 @@ class EngineRegistry:
                 pipe.zadd(self.keys.engines(), {engine_id: (now + ttl_s) * 1000})
             else:
                 pipe.zrem(self.keys.engines(), engine_id)
+                pipe.incr(self.keys.registry_epoch())
             return alive
 
         alive = await transact(self._redis, [key], body)
         if not alive:
             log.warning("engine.expired", engine=engine_id)
         return alive
+
+    def now(self) -> float:
+        """The registry's clock (engine expiries are on it)."""
+        return self._clock()
 
     async def get(self, engine_id: str) -> EngineInfo | None:
         async with redis_errors():
@@ -95,21 +103,41 @@ class EngineRegistry:
 
     async def list(self, model: str | None = None) -> list[EngineInfo]:
         """Engines whose TTL has not run out (optionally serving ``model``), by id."""
+        _, infos = await self.listing()
+        return [i for i in infos if model is None or i.model == model]
+
+    async def listing(self) -> tuple[int, builtins.list[EngineInfo]]:
+        """Every engine whose TTL has not run out, by id, with the registry's epoch read in the
+        same round trip (:meth:`epoch` changing tells a cached listing is out of date)."""
         now_ms = self._clock() * 1000
         async with redis_errors():
-            await self._redis.zremrangebyscore(self.keys.engines(), "-inf", now_ms)
-            ids = [text(i) for i in await self._redis.zrangebyscore(self.keys.engines(), now_ms, "+inf")]
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.zremrangebyscore(self.keys.engines(), "-inf", now_ms)
+                pipe.zrangebyscore(self.keys.engines(), now_ms, "+inf", withscores=True)
+                pipe.get(self.keys.registry_epoch())
+                _, listed, epoch = await pipe.execute()
+            expiry = {text(i): float(score) / 1000 for i, score in listed}
             async with self._redis.pipeline(transaction=False) as pipe:
-                for engine_id in ids:
+                for engine_id in expiry:
                     pipe.hgetall(self.keys.engine(engine_id))
                 replies = await pipe.execute()
-        infos = [self._info(i, raw) for i, raw in zip(ids, replies, strict=True) if raw]
-        return sorted((i for i in infos if model is None or i.model == model), key=lambda i: i.engine_id)
+        infos = [
+            replace(self._info(i, raw), expires=expiry[i])
+            for i, raw in zip(expiry, replies, strict=True)
+            if raw
+        ]
+        return int(epoch or 0), sorted(infos, key=lambda i: i.engine_id)
+
+    async def epoch(self) -> int:
+        """Bumped by every registration, unregistration and expiry noticed by a heartbeat."""
+        async with redis_errors():
+            return int(await self._redis.get(self.keys.registry_epoch()) or 0)
 
     async def unregister(self, engine_id: str) -> None:
         async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(self.keys.engine(engine_id))
             pipe.zrem(self.keys.engines(), engine_id)
+            pipe.incr(self.keys.registry_epoch())
             await pipe.execute()
         log.info("engine.unregistered", engine=engine_id)
 

@@ -43,21 +43,24 @@ from storage.locks import SessionLock, check_owner
 from storage.occupancy import EngineOccupancy
 from storage.records import SessionRecord, SessionState
 from storage.routes import DEFAULT_ROUTE_TTL_S, PrefixRouting, route_ttl_ms, validate_digest
+from storage.turnops import TurnOps
 from storage.usage import TenantCounters
 
 __all__ = ["SessionIndex", "SessionRecord", "SessionState", "in_process_redis"]
 log = structlog.get_logger("slotkeeper.storage")
 DEFAULT_FLOOR_TTL_S = 30 * 24 * 3600.0
+Decide = Callable[[SessionRecord | None], SessionRecord]
 
 
-class SessionIndex(EngineOccupancy, PrefixRouting, TenantCounters):
+class SessionIndex(EngineOccupancy, PrefixRouting, TenantCounters, TurnOps):
     """Async session index; share one instance per process (it holds no per-call state).
 
     Besides records it offers the engines' LRUs (``idle_sessions``, ``engine_sessions``,
     ``engines_occupancy``: :mod:`storage.occupancy`), implicit routing (``add_prefixes``,
     ``match_prefix``: :mod:`storage.routes`) and per-tenant counters (``incr_usage``, ``usage``,
     ``incr_window``, ``window_count``, ``acquire_inflight``, ``release_inflight``,
-    ``inflight_count``: :mod:`storage.usage`).
+    ``inflight_count``: :mod:`storage.usage`) and the request path's one-round-trip steps
+    (``start_turn``, ``apply``: :mod:`storage.turnops`).
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class SessionIndex(EngineOccupancy, PrefixRouting, TenantCounters):
         self._clock = clock
         self._floor_px = None if floor_ttl_s is None else max(1, round(floor_ttl_s * 1000))
         self.route_ttl_ms = route_ttl_ms(route_ttl_s)
+        self._scripts: dict[str, Any] = {}  # registered Lua scripts by name (storage.turnops)
 
     # -------------------------------------------------------------------------------------- reads
     async def find(self, tenant: str, session: str) -> SessionRecord | None:
@@ -180,15 +184,9 @@ class SessionIndex(EngineOccupancy, PrefixRouting, TenantCounters):
             # deleted: the prefix routes that still point at it go with it
             owned = await self._owned_routes(pipe, tenant, session) if new is None else []
             pipe.multi()
-            self._write(pipe, old, new, tenant, session)
+            self._queue(pipe, old, new, tenant, session, idle)
             if new is None:
                 pipe.delete(routes, *owned)
-            elif new.engine and idle is not None:
-                m = member(tenant, session)
-                if idle:
-                    pipe.zadd(self.keys.engine_idle(new.engine), {m: new.last_used})
-                else:
-                    pipe.zrem(self.keys.engine_idle(new.engine), m)
             return new
 
         new = await transact(self._redis, watch, body)
@@ -197,10 +195,13 @@ class SessionIndex(EngineOccupancy, PrefixRouting, TenantCounters):
                      slot=new.slot, generation=new.generation, tokens=new.tokens)  # fmt: skip
         return new
 
-    def _write(
-        self, pipe: Any, old: SessionRecord | None, new: SessionRecord | None, tenant: str, session: str
-    ) -> None:
-        """Queue the writes that take the record and every index from ``old`` to ``new``."""
+    def _queue(
+        self, pipe: Any, old: SessionRecord | None, new: SessionRecord | None, tenant: str, session: str,
+        idle: bool | None,
+    ) -> None:  # fmt: skip
+        """Queue (on a pipeline in MULTI, or on :class:`storage.turnops.Ops`) the writes that take
+        the record and every index from ``old`` to ``new``; ``idle`` True/False also puts the
+        session into / takes it out of its engine's idle LRU."""
         m = member(tenant, session)
         if old is not None and old.engine and (new is None or new.engine != old.engine):
             pipe.zrem(self.keys.engine_idle(old.engine), m)
@@ -218,6 +219,11 @@ class SessionIndex(EngineOccupancy, PrefixRouting, TenantCounters):
         pipe.zadd(self.keys.sessions(tenant), {session: new.last_used})
         if new.engine:
             pipe.sadd(self.keys.engine_live(new.engine), m)
+            if idle is not None:
+                if idle:
+                    pipe.zadd(self.keys.engine_idle(new.engine), {m: new.last_used})
+                else:
+                    pipe.zrem(self.keys.engine_idle(new.engine), m)
 
     async def create(
         self, tenant: str, session: str, *, model: str, tokens: int = 0, floor: int = 0
@@ -240,6 +246,13 @@ class SessionIndex(EngineOccupancy, PrefixRouting, TenantCounters):
         lock: SessionLock | None = None,
     ) -> SessionRecord:  # fmt: skip
         """The session now occupies ``slot`` of ``engine`` and is busy (not in the idle LRU)."""
+        decide = self.decide_live(tenant, session, engine=engine, slot=slot, tokens=tokens, model=model)
+        return await self._required(tenant, session, decide, lock, idle=False)
+
+    def decide_live(
+        self, tenant: str, session: str, *, engine: str, slot: int, tokens: int, model: str | None = None
+    ) -> Decide:
+        """:meth:`mark_live`'s transition (for :meth:`apply` with ``idle=False``)."""
         validate_id(engine, "engine id")
 
         def decide(old: SessionRecord | None) -> SessionRecord:
@@ -247,7 +260,7 @@ class SessionIndex(EngineOccupancy, PrefixRouting, TenantCounters):
             return replace(base, state=SessionState.LIVE, engine=engine, slot=slot, tokens=tokens,
                            model=model or base.model, last_used=self._clock(), dirty=True)  # fmt: skip
 
-        return await self._required(tenant, session, decide, lock, idle=False)
+        return decide
 
     async def mark_busy(self, tenant: str, session: str, *, lock: SessionLock | None = None) -> SessionRecord:
         """A request started on the live session: it leaves its engine's idle LRU."""
@@ -256,9 +269,7 @@ class SessionIndex(EngineOccupancy, PrefixRouting, TenantCounters):
             tenant, session, lambda old: replace(busy(old), dirty=True), lock, idle=False
         )
 
-    def _touch_live(
-        self, session: str, tokens: int | None = None, route: str | None = None
-    ) -> Callable[[SessionRecord | None], SessionRecord]:
+    def _touch_live(self, session: str, tokens: int | None = None, route: str | None = None) -> Decide:
         now = self._clock()
 
         def decide(old: SessionRecord | None) -> SessionRecord:
@@ -276,8 +287,12 @@ class SessionIndex(EngineOccupancy, PrefixRouting, TenantCounters):
         """The request finished: the live session joins its engine's idle LRU as most recent.
         ``route`` is its newest routing digest (see :meth:`add_prefixes`)."""
         return await self._required(
-            tenant, session, self._touch_live(session, tokens, route), lock, idle=True
+            tenant, session, self.decide_idle(session, tokens, route), lock, idle=True
         )
+
+    def decide_idle(self, session: str, tokens: int | None = None, route: str | None = None) -> Decide:
+        """:meth:`mark_idle`'s transition (for :meth:`apply` with ``idle=True``)."""
+        return self._touch_live(session, tokens, route)
 
     async def mark_spilled(
         self, tenant: str, session: str, *, generation: int, blob_key: str, nbytes: int,
@@ -301,27 +316,49 @@ class SessionIndex(EngineOccupancy, PrefixRouting, TenantCounters):
         lock: SessionLock | None = None,
     ) -> SessionRecord:  # fmt: skip
         """A write-behind save of a live session completed: record the newer durable generation."""
+        return await self._required(tenant, session, self.decide_durable(session, generation=generation,
+                                    blob_key=blob_key, nbytes=nbytes), lock)  # fmt: skip
+
+    def decide_durable(
+        self, session: str, *, generation: int, blob_key: str, nbytes: int, since: float | None = None
+    ) -> Decide:
+        """:meth:`set_durable`'s transition. ``since``: the record's ``last_used`` when the saved
+        state was taken; a record used after it (a later turn ran meanwhile) stays ``dirty``."""
         validate_generation(generation)
 
         def decide(old: SessionRecord | None) -> SessionRecord:
             if old is None:
                 raise NotFound(f"session {session} not found")
             self._forward(old, generation)
-            return replace(old, generation=generation, blob_key=blob_key, bytes=nbytes, dirty=False)
+            dirty = since is not None and old.last_used != since
+            return replace(old, generation=generation, blob_key=blob_key, bytes=nbytes, dirty=dirty)
 
-        return await self._required(tenant, session, decide, lock)
+        return decide
 
     async def reserve_generation(self, tenant: str, session: str, *, lock: SessionLock | None = None) -> int:
         """Hand out the generation for the next save (``record.next_generation``), and remember
         it: a save whose answer is lost still counts, so no later save nor a namesake after a
         delete gets the same number. :class:`NotFound` without a record."""
 
+        return (await self._required(tenant, session, self.decide_reserve(session), lock)).reserved
+
+    def decide_reserve(self, session: str) -> Decide:
+        """:meth:`reserve_generation`'s transition (the number is the new record's ``reserved``)."""
+
         def decide(old: SessionRecord | None) -> SessionRecord:
             if old is None:
                 raise NotFound(f"session {session} not found")
             return replace(old, reserved=old.next_generation)
 
-        return (await self._required(tenant, session, decide, lock)).reserved
+        return decide
+
+    async def transition(
+        self, tenant: str, session: str, decide: Decide, *, lock: SessionLock | None = None,
+        idle: bool | None = None,
+    ) -> SessionRecord:  # fmt: skip
+        """Apply a ``decide_*`` transition in the WATCH/MULTI transaction (reading the record
+        first): what :meth:`apply` falls back to."""
+        return await self._required(tenant, session, decide, lock, idle)
 
     @staticmethod
     def _forward(old: SessionRecord, generation: int) -> None:

@@ -82,6 +82,10 @@ class Keyspace:
         """ZSET of engine ids scored by heartbeat expiry (ms)."""
         return f"{self.prefix}:engines"
 
+    def registry_epoch(self) -> str:
+        """Integer bumped whenever an engine joins or leaves the registry (gateways cache it)."""
+        return f"{self.prefix}:engines:epoch"
+
     def engine(self, engine_id: str) -> str:
         return f"{self.prefix}:e:{validate_id(engine_id, 'engine id')}"
 

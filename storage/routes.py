@@ -44,16 +44,21 @@ class PrefixRouting:
     async def add_prefixes(self, tenant: str, session: str, digests: Iterable[str]) -> None:
         """Route these message-prefix digests (lowercase hex) to ``session`` for the route TTL,
         and refresh the TTL of the session's set of routes."""
+        async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
+            self.queue_prefixes(pipe, tenant, session, digests)
+            await pipe.execute()
+
+    def queue_prefixes(self, pipe: Any, tenant: str, session: str, digests: Iterable[str]) -> None:
+        """:meth:`add_prefixes`'s writes, queued on a pipeline in MULTI or on
+        :class:`storage.turnops.Ops` (to ride along with a guarded transition)."""
         digests = [validate_digest(d) for d in digests]
         session = validate_id(session, "session id")
         routes = self.keys.session_prefixes(tenant, session)
-        async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
-            for digest in digests:
-                pipe.set(self.keys.prefix_hash(tenant, digest), session, px=self.route_ttl_ms)
-            if digests:
-                pipe.sadd(routes, *digests)
-            pipe.pexpire(routes, self.route_ttl_ms)
-            await pipe.execute()
+        for digest in digests:
+            pipe.set(self.keys.prefix_hash(tenant, digest), session, px=self.route_ttl_ms)
+        if digests:
+            pipe.sadd(routes, *digests)
+        pipe.pexpire(routes, self.route_ttl_ms)
 
     async def match_prefix(self, tenant: str, digests: Sequence[str]) -> tuple[str, str] | None:
         """The first of ``digests`` (pass the longest prefix first) routed to a session that still

@@ -56,10 +56,21 @@ class TenantCounters:
         """Add to the tenant's lifetime counters atomically; returns their new values."""
         names = [validate_counter(n) for n in counters]
         async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
-            for name in names:
-                pipe.hincrby(self.keys.usage(tenant), name, int(counters[name]))
+            self.queue_usage(pipe, tenant, counters)
             values = await pipe.execute()
         return dict(zip(names, (int(v) for v in values), strict=True))
+
+    def queue_usage(self, pipe: Any, tenant: str, counters: Mapping[str, int]) -> None:
+        """:meth:`incr_usage`'s writes, queued on a pipeline in MULTI or on
+        :class:`storage.turnops.Ops`."""
+        for name in counters:
+            pipe.hincrby(self.keys.usage(tenant), validate_counter(name), int(counters[name]))
+
+    def queue_release_inflight(self, pipe: Any, tenant: str, token: str) -> None:
+        """:meth:`release_inflight`'s write, queued (see :meth:`queue_usage`)."""
+        if not isinstance(token, str) or not _TOKEN.fullmatch(token):
+            raise InvalidId("in-flight token", "must be what acquire_inflight returned")
+        pipe.zrem(self.keys.inflight(tenant), token)
 
     async def usage(self, tenant: str) -> dict[str, int]:
         """The tenant's lifetime counters."""
@@ -119,10 +130,9 @@ class TenantCounters:
 
     async def release_inflight(self, tenant: str, token: str) -> None:
         """Give a place back (idempotent: releasing a lapsed or released token is not an error)."""
-        if not isinstance(token, str) or not _TOKEN.fullmatch(token):
-            raise InvalidId("in-flight token", "must be what acquire_inflight returned")
-        async with redis_errors():
-            await self._redis.zrem(self.keys.inflight(tenant), token)
+        async with redis_errors(), self._redis.pipeline(transaction=False) as pipe:
+            self.queue_release_inflight(pipe, tenant, token)
+            await pipe.execute()
 
     async def inflight_count(self, tenant: str) -> int:
         """Places held and not lapsed (for metrics)."""

@@ -51,6 +51,8 @@ from support.servers import MotoProcess, free_port, redis_server, wait_until  # 
 
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 BUCKET = "slots"  # created by MotoProcess before it listens
+INTERNAL_KEY = "bench-internal-key-0123456789"  # serve's credential for its node and engines
+INTERNAL_AUTH = {"Authorization": f"Bearer {INTERNAL_KEY}"}
 TENANTS_TOML = """
 [tenants.lazy]
 keys = ["key-lazy"]
@@ -82,7 +84,8 @@ class Serve:
     engine_pids: set[int] = field(default_factory=set)
 
     def engines(self) -> list[dict[str, Any]]:
-        return list(httpx.get(self.node_url + "/v1/engines", timeout=5).json()["engines"])
+        resp = httpx.get(self.node_url + "/v1/engines", headers=INTERNAL_AUTH, timeout=5)
+        return list(resp.json()["engines"])
 
     def events(self, name: str) -> list[dict[str, Any]]:
         """The serve log's JSON events called `name`."""
@@ -158,6 +161,7 @@ def start_serve(workdir: Path, name: str, flags: list[str], env: dict[str, str] 
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--node-port", str(node_port),
            *flags]  # fmt: skip
     log = workdir / f"{name}.log"
+    env = {**(os.environ if env is None else env), "SLOTKEEPER_INTERNAL_KEY": INTERNAL_KEY}
     with log.open("ab") as out:
         proc = subprocess.Popen(
             cmd, cwd=_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
@@ -228,8 +232,8 @@ def overhead(args: argparse.Namespace, workdir: Path) -> None:
                 t.send(client, body, record=False)
             used = {_session_slot(serve.url, t.headers) for t in targets}
             free = min(set(range(int(engine["n_slots"]))) - used)
-            direct = Target(f"direct engine (slot {free})", engine["url"] + "/v1/chat/completions", {},
-                            {"id_slot": free, "cache_prompt": True})  # fmt: skip
+            direct = Target(f"direct engine (slot {free})", engine["url"] + "/v1/chat/completions",
+                            INTERNAL_AUTH, {"id_slot": free, "cache_prompt": True})  # fmt: skip
             targets.insert(0, direct)
             done = _rounds(client, targets, body, args)
     _print_overhead(targets, done, args)
@@ -642,7 +646,11 @@ def stream_turn(
 def long_prompt(serve: Serve, tokens: int) -> list[dict[str, str]]:
     """System + a user message of about `tokens` tokens (counted with the engine's tokenizer)."""
     engine = serve.engines()[0]["url"]
-    per_chunk = len(httpx.post(engine + "/tokenize", json={"content": CHUNK}, timeout=30).json()["tokens"])
+    per_chunk = len(
+        httpx.post(engine + "/tokenize", json={"content": CHUNK}, headers=INTERNAL_AUTH, timeout=30).json()[
+            "tokens"
+        ]
+    )
     user = "Review this code:\n" + CHUNK * max(1, (tokens - 60) // per_chunk)
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 

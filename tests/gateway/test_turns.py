@@ -42,10 +42,10 @@ async def test_the_lock_is_renewed_while_a_turn_runs_and_lapses_after(parts) -> 
     _, locks, _, _ = parts
     lock = await locks.try_acquire("t", "s", ttl_s=0.3)
     assert lock is not None
-    keeper = asyncio.create_task(runner._keep(lock))
+    hold = runner.holds.start(lock, None)
     await asyncio.sleep(1.0)  # over three TTLs: without renewal the lock would be gone
     assert await locks.owner("t", "s") == lock.token
-    keeper.cancel()
+    hold.keeper.cancel()
     deadline = asyncio.get_running_loop().time() + 5
     while await locks.owner("t", "s") is not None:  # nobody renews it now: it lapses by itself
         assert asyncio.get_running_loop().time() < deadline
@@ -60,7 +60,8 @@ async def test_a_failed_request_fails_alone_and_drops_no_session(parts) -> None:
         await index.mark_live("t", session, engine="e1", slot=slot, tokens=10)
     lock = await locks.try_acquire("t", "mine", ttl_s=5)
     assert lock is not None
-    turn = Turn(Tenant("t"), "mine", "m", lock, Placement("e1", 0, Serve.LIVE), "http://e1", None, "header")  # type: ignore[arg-type]
+    hold = runner.holds.start(lock, await index.find("t", "mine"))
+    turn = Turn(Tenant("t"), "mine", "m", hold, Placement("e1", 0, Serve.LIVE), "http://e1", None, "header")  # type: ignore[arg-type]
     await runner.finish(turn, [], TurnOutcome(error="the engine did not answer in time"))
     for session in ("mine", "other"):
         rec = await index.get("t", session)

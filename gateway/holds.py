@@ -1,0 +1,172 @@
+"""This gateway's hold on a session's lock, shared by the turn that runs on it and that turn's
+write-behind save.
+
+The session lock (storage.locks) keeps every other request, eviction and delete off a session
+while a turn runs and while its state is being saved. The save, though, is this process's own
+work: the client's next turn on the same slot does not need it (the slot holds the state), so it
+must not wait for it. A `SessionHold` lets the next turn of this process take the lock over from
+its own save instead of waiting for the release: the lock stays held (renewed by one keeper) until
+the last of its users — the running turn, the pending save — lets go.
+
+A hold is in one of three phases:
+- RUNNING: a turn is running on the engine. Another request for the session forks it.
+- ANSWERED: the turn answered; its bookkeeping (the record back to idle, routes, usage) is being
+  written. A next turn waits for that (one round trip), then takes the hold over.
+- SETTLING: only the write-behind save holds it. A next turn takes it over at once; it waits for
+  the save only when it needs the saved state (it is not served live in its slot).
+
+The hold also keeps the session record as this process last wrote it, so that the next write is a
+one-round-trip compare-and-set against it (storage.turnops); `write` serialises this process's
+writes to the record, so the turn and the save never race each other's compare-and-set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from enum import StrEnum
+
+import structlog
+
+from storage.errors import LockLost, StorageError
+from storage.locks import SessionLock, SessionLocks
+from storage.records import SessionRecord
+
+log = structlog.get_logger("slotkeeper.gateway")
+
+
+class Phase(StrEnum):
+    RUNNING = "running"
+    ANSWERED = "answered"
+    SETTLING = "settling"
+
+
+class SessionHold:
+    """One session's lock as held by this process (see the module doc). Owned by `Holds`."""
+
+    def __init__(self, lock: SessionLock, record: SessionRecord | None, keeper: asyncio.Task[None]) -> None:
+        self.lock = lock
+        self.record = record  # as this process last wrote or read it (None: unknown, re-read)
+        self.phase = Phase.RUNNING
+        self.users = 1  # the running turn; a pending save adds one
+        self.booked = asyncio.Event()  # set while no turn's bookkeeping is pending
+        self.booked.set()
+        self.saved: asyncio.Task[None] | None = None  # the write-behind saves running, if any
+        self.next_save: Callable[[], Awaitable[None]] | None = None  # the newest save waiting
+        self.released = asyncio.get_running_loop().create_future()
+        self.keeper = keeper
+        self._writing = asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def writing(self) -> AsyncIterator[None]:
+        """One write to the record at a time from this process (see the module doc)."""
+        async with self._writing:
+            yield
+
+
+class Holds:
+    """The sessions whose lock this process holds, by (tenant, session): the one owner of that map.
+    Every method runs on the event loop; the transitions are synchronous where they must not
+    interleave with another request's check."""
+
+    def __init__(self, locks: SessionLocks, lock_ttl_s: float) -> None:
+        self._locks = locks
+        self._ttl_s = lock_ttl_s
+        self._holds: dict[tuple[str, str], SessionHold] = {}
+
+    def get(self, tenant: str, session: str) -> SessionHold | None:
+        return self._holds.get((tenant, session))
+
+    def start(self, lock: SessionLock, record: SessionRecord | None) -> SessionHold:
+        """A turn took the lock from Redis: hold it (RUNNING), renewing it until released."""
+        key = (lock.tenant, lock.session)
+        assert key not in self._holds, "a lock taken from Redis cannot be held here already"
+        hold = SessionHold(lock, record, asyncio.create_task(self._keep(lock), name=f"lock-keeper:{key}"))
+        self._holds[key] = hold
+        return hold
+
+    async def take_over(self, hold: SessionHold) -> bool:
+        """A new turn of the session shares the hold of its previous turn, once that turn's
+        bookkeeping is written. False when a turn is running on it (the caller forks) or the
+        hold was released meanwhile (the caller takes the lock from Redis)."""
+        if hold.phase is Phase.RUNNING:
+            return False
+        await hold.booked.wait()
+        if hold.released.done() or hold.phase is Phase.RUNNING:  # released, or another request won
+            return False
+        hold.phase = Phase.RUNNING
+        hold.users += 1
+        return True
+
+    def answered(self, hold: SessionHold) -> None:
+        """The turn's answer is going out; its bookkeeping starts (synchronous: a request arriving
+        from now on waits for the bookkeeping instead of forking)."""
+        hold.phase = Phase.ANSWERED
+        hold.booked.clear()
+
+    def booked(self, hold: SessionHold) -> None:
+        """The turn's bookkeeping is written; the hold now only waits for a pending save."""
+        if hold.phase is Phase.ANSWERED:
+            hold.phase = Phase.SETTLING
+        hold.booked.set()
+
+    def saving(self, hold: SessionHold, save: Callable[[], Awaitable[None]]) -> None:
+        """Save the session's state behind the answer, as one more user of the hold. Saves
+        coalesce: while one runs, a newer turn's save waits and only the newest waiting one runs
+        next (it saves the newest state), so back-to-back turns never pile saves up."""
+        hold.next_save = save
+        if hold.saved is None or hold.saved.done():
+            hold.users += 1
+            name = f"write-behind:{hold.lock.tenant}/{hold.lock.session}"
+            hold.saved = asyncio.create_task(self._saves(hold), name=name)
+
+    async def _saves(self, hold: SessionHold) -> None:
+        try:
+            while hold.next_save is not None:
+                save, hold.next_save = hold.next_save, None
+                await save()
+        finally:
+            await self.let_go(hold)
+
+    async def let_go(self, hold: SessionHold, *, released: bool = False) -> None:
+        """One user is done; the last one releases the lock (``released``: the user's own guarded
+        write already deleted it)."""
+        hold.users -= 1
+        if hold.users > 0:
+            return
+        key = (hold.lock.tenant, hold.lock.session)
+        if self._holds.get(key) is hold:
+            del self._holds[key]
+        hold.keeper.cancel()
+        try:
+            if not released:
+                await self._locks.release(hold.lock)
+        except StorageError as exc:  # lost (expired and taken over) or Redis down: it lapses by itself
+            log.warning("session.release_failed", tenant=key[0], session=key[1], error=str(exc))
+        finally:
+            hold.booked.set()
+            if not hold.released.done():
+                hold.released.set_result(None)
+
+    def last_user(self, hold: SessionHold) -> bool:
+        """Whether letting go now would release the lock (no save pending)."""
+        return hold.users == 1
+
+    async def drain(self) -> None:
+        """Wait until every hold is released (shutdown)."""
+        while self._holds:
+            await asyncio.gather(*(h.released for h in list(self._holds.values())), return_exceptions=True)
+
+    async def _keep(self, lock: SessionLock) -> None:
+        """Renew the lock every third of its TTL until cancelled (released)."""
+        while True:
+            await asyncio.sleep(self._ttl_s / 3)
+            try:
+                await self._locks.extend(lock)
+            except LockLost:
+                log.error("session.lock_lost", tenant=lock.tenant, session=lock.session)
+                return
+            except StorageError as exc:  # Redis down a moment: try again at the next tick
+                log.warning("session.lock_renew_failed", tenant=lock.tenant, session=lock.session,
+                            error=str(exc))  # fmt: skip
