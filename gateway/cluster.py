@@ -12,6 +12,7 @@ report.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from dataclasses import dataclass
 
@@ -42,11 +43,16 @@ class Cluster:
         locks: SessionLocks,
         node_urls: tuple[str, ...],
         http: httpx.AsyncClient,
+        *,
+        sample: int = 16,
+        rng: random.Random | None = None,
     ) -> None:
         self.registry = registry
         self.index = index
         self.locks = locks
         self._node_urls = node_urls
+        self.sample = sample  # engines a placement snapshot looks at, at most (plus the tenant's own)
+        self._random = rng or random.Random()
         self._http = http
         self._nodes: dict[str, str] = {}  # node id -> agent URL
         self._configured: set[str] = set()
@@ -125,18 +131,24 @@ class Cluster:
         return None
 
     async def snapshot(
-        self, model: str, holder: tuple[str, str] | None = None
+        self, model: str, holder: tuple[str, str] | None = None, *, with_tenant_engines: bool = False
     ) -> tuple[list[EngineView], dict[str, EngineRef]]:
-        """Engines serving `model` and who sits in their slots, in four round trips whatever the
-        pool's size. `holder` is the session whose lock the caller holds: its own slot is not busy
-        for it. Also returns the engines by id (their URLs and nodes) from the same listing."""
+        """Engines serving `model` and who sits in their slots, in two round trips whatever the
+        pool's and the index's size: above `sample` engines, a random sample of them (the best
+        free slot or LRU victim among those: power-of-d choices), plus, `with_tenant_engines`, every
+        engine holding one of the holder tenant's live sessions (its live-slot quota counts them).
+        `holder` is the session whose lock the caller holds: its own slot is not busy for it. Also
+        returns those engines by id (their URLs and nodes)."""
         refs = {e.engine: e for e in await self.engines(model)}
+        if len(refs) > self.sample:
+            picked = set(self._random.sample(sorted(refs), self.sample))
+            if with_tenant_engines and holder is not None:
+                picked |= await self.index.tenant_live_engines(holder[0]) & refs.keys()
+            refs = {e: refs[e] for e in sorted(picked)}
         live, idle = await self.index.engines_occupancy(list(refs))
         pairs = [pair for sessions in live.values() for pair in sessions]
-        records = await self.index.find_many(pairs)
-        owners = await self.locks.owners(pairs)
         occupants: dict[str, dict[int, SlotView]] = {e: {} for e in refs}
-        for (tenant, session), rec, owner in zip(pairs, records, owners, strict=True):
+        for (tenant, session), (rec, owner) in zip(pairs, await self.index.occupants(pairs), strict=True):
             if (
                 rec is None
                 or rec.state is not SessionState.LIVE

@@ -59,6 +59,9 @@ class GatewaySettings:
     # the server, ends an idle connection: never one the client is sending a request on at that moment.
     keep_alive_s: float = 30.0
     max_inflight: int = 64  # per tenant, unless its quotas say otherwise
+    # Engines a placement looks at (a random sample, plus the tenant's own): routing costs the same
+    # whatever the pool's size. Pools this size or smaller are looked at whole.
+    placement_sample: int = 16
     log_level: str = "info"
     # Origins whose pages may call the API (CORS), comma-separated: * any, localhost only this machine's.
     cors_origins: str = "*"
@@ -118,6 +121,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "max_inflight", ("--max-inflight",), "SLOTKEEPER_MAX_INFLIGHT", parse_int, "running requests/tenant"
     ),
+    Flag(
+        "placement_sample",
+        ("--placement-sample",),
+        "SLOTKEEPER_PLACEMENT_SAMPLE",
+        parse_int,
+        "engines one placement looks at, sampled (16)",
+    ),
     Flag("log_level", ("--log-level",), "SLOTKEEPER_LOG_LEVEL", str, "debug|info|warning|error"),
     Flag(
         "cors_origins",
@@ -142,6 +152,7 @@ _CHECKS: tuple[Check, ...] = (
     ("header_timeout_s", lambda v: v > 0, "> 0"),
     ("keep_alive_s", lambda v: v > 0, "> 0"),
     ("max_inflight", lambda v: v >= 1, ">= 1"),
+    ("placement_sample", lambda v: v >= 1, ">= 1"),
     ("log_level", lambda v: v in ("debug", "info", "warning", "error"), "debug, info, warning or error"),
     ("cors_origins", lambda v: bool(parse_list(v)), "*, localhost or one or more origins"),
 )

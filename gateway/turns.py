@@ -323,7 +323,11 @@ class TurnRunner:
         view = SessionView(tenant.name, record.session, record.engine, record.slot, generation)
         started = self._reserved.start_snapshot()
         try:
-            snapshot, refs = await self.cluster.snapshot(model, holder=(tenant.name, record.session))
+            snapshot, refs = await self.cluster.snapshot(
+                model,
+                holder=(tenant.name, record.session),
+                with_tenant_engines=tenant.quotas.live_slots is not None,
+            )
             # No await from here to the reservation: what this choice sees and the slot it holds
             # are one step for every other placement of this process (gateway.reservations).
             views = reserved(snapshot, self._reserved.taken(started))

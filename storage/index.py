@@ -209,6 +209,7 @@ class SessionIndex(EngineOccupancy, PrefixRouting, TenantCounters, TurnOps):
         if new is None:
             pipe.delete(self.keys.session(tenant, session))
             pipe.zrem(self.keys.sessions(tenant), session)
+            pipe.hdel(self.keys.tenant_live(tenant), session)
             floor = old.used_generations if old is not None else 0
             if floor:  # the tombstone: a later namesake saves above it
                 pipe.set(self.keys.floor(tenant, session), floor, px=self._floor_px)
@@ -217,7 +218,11 @@ class SessionIndex(EngineOccupancy, PrefixRouting, TenantCounters, TurnOps):
             pipe.delete(self.keys.floor(tenant, session))
         pipe.hset(self.keys.session(tenant, session), mapping=new.to_hash())
         pipe.zadd(self.keys.sessions(tenant), {session: new.last_used})
+        if old is not None and old.engine and not new.engine:
+            pipe.hdel(self.keys.tenant_live(tenant), session)
         if new.engine:
+            if old is None or old.engine != new.engine:
+                pipe.hset(self.keys.tenant_live(tenant), mapping={session: new.engine})
             pipe.sadd(self.keys.engine_live(new.engine), m)
             if idle is not None:
                 if idle:

@@ -63,6 +63,11 @@ class Keyspace:
         """SET (with a TTL) of the prefix digests pointing at a session (to delete them with it)."""
         return f"{self.tenant(tenant)}:sx:{validate_id(session, 'session id')}"
 
+    def tenant_live(self, tenant: str) -> str:
+        """HASH session -> engine of the tenant's live sessions (its live-slot quota, sampled
+        placement snapshots)."""
+        return f"{self.tenant(tenant)}:live"
+
     def lock(self, tenant: str, session: str) -> str:
         return f"{self.tenant(tenant)}:lock:{validate_id(session, 'session id')}"
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from storage.keyspace import Keyspace, parse_member, redis_errors, text
+from storage.records import SessionRecord
 
 
 class EngineOccupancy:
@@ -55,3 +56,26 @@ class EngineOccupancy:
         live = {e: sorted(parse_member(text(m)) for m in raws[2 * i]) for i, e in enumerate(engines)}
         idle = {parse_member(text(m)) for i in range(len(engines)) for m in raws[2 * i + 1]}
         return live, idle
+
+    async def occupants(
+        self, pairs: Sequence[tuple[str, str]]
+    ) -> list[tuple[SessionRecord | None, str | None]]:
+        """For many ``(tenant, session)`` in one round trip: the record and the lock's owner token
+        (None: unlocked)."""
+        if not pairs:
+            return []
+        async with redis_errors(), self._redis.pipeline(transaction=False) as pipe:
+            for tenant, session in pairs:
+                pipe.hgetall(self.keys.session(tenant, session))
+                pipe.get(self.keys.lock(tenant, session))
+            raws = await pipe.execute()
+        return [
+            (SessionRecord.from_hash(t, s, raws[2 * i]) if raws[2 * i] else None,
+             None if raws[2 * i + 1] is None else text(raws[2 * i + 1]))
+            for i, (t, s) in enumerate(pairs)
+        ]  # fmt: skip
+
+    async def tenant_live_engines(self, tenant: str) -> set[str]:
+        """The engines holding the tenant's live sessions (O(its live sessions))."""
+        async with redis_errors():
+            return {text(e) for e in await self._redis.hvals(self.keys.tenant_live(tenant))}

@@ -109,6 +109,9 @@ class Ops:
     def hset(self, key: str, mapping: Mapping[str, Any]) -> None:
         self._op("HSET", key, *(x for kv in mapping.items() for x in kv))
 
+    def hdel(self, key: str, *fields: str) -> None:
+        self._op("HDEL", key, *fields)
+
     def hincrby(self, key: str, field: str, amount: int) -> None:
         self._op("HINCRBY", key, field, int(amount))
 
