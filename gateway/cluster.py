@@ -20,7 +20,7 @@ import httpx
 
 from gateway.placement import EngineView, SlotView
 from storage.engines import EngineInfo, EngineRegistry
-from storage.index import SessionIndex, SessionState
+from storage.index import SessionIndex
 from storage.locks import SessionLocks
 
 _CONFIGURED_TTL_S = 5.0
@@ -35,6 +35,24 @@ class EngineRef:
     n_slots: int
 
 
+@dataclass(frozen=True)
+class _Listing:
+    """The registry as read once: engines by id and by model, good until the first one's TTL ends
+    (a heartbeat has extended it by then: read again)."""
+
+    refs: dict[str, EngineRef]
+    by_model: dict[str, list[EngineRef]]
+    valid_until: float
+
+    @classmethod
+    def of(cls, infos: list[EngineInfo]) -> _Listing:
+        refs = {i.engine_id: EngineRef(i.engine_id, i.node, i.url, i.model, i.n_slots) for i in infos}
+        by_model: dict[str, list[EngineRef]] = {}
+        for ref in refs.values():
+            by_model.setdefault(ref.model, []).append(ref)
+        return cls(refs, by_model, min((i.expires for i in infos), default=float("inf")))
+
+
 class Cluster:
     def __init__(
         self,
@@ -44,7 +62,7 @@ class Cluster:
         node_urls: tuple[str, ...],
         http: httpx.AsyncClient,
         *,
-        sample: int = 16,
+        sample: int = 8,
         rng: random.Random | None = None,
     ) -> None:
         self.registry = registry
@@ -57,23 +75,22 @@ class Cluster:
         self._nodes: dict[str, str] = {}  # node id -> agent URL
         self._configured: set[str] = set()
         self._configured_at = -_CONFIGURED_TTL_S
-        self._listing: list[EngineInfo] | None = None  # the cached registry (None: read it)
+        self._cache: _Listing | None = None  # the cached registry (None: read it)
         self._epoch = -1
         self._refreshing: asyncio.Future[None] | None = None
 
     def saw_epoch(self, epoch: int) -> None:
         """The registry's epoch as a turn's opening read found it: a new one drops the cache."""
         if epoch != self._epoch:
-            self._listing = None
+            self._cache = None
 
-    async def _registry(self, fresh: bool) -> list[EngineInfo]:
-        now = self.registry.now()
-        listing = self._listing
-        if fresh or listing is None or any(i.expires <= now for i in listing):
-            listing = await self._read_registry()
-        return [i for i in listing if i.expires > now]
+    async def _listing(self, fresh: bool) -> _Listing:
+        cache = self._cache
+        if fresh or cache is None or self.registry.now() >= cache.valid_until:
+            cache = await self._read_registry()
+        return cache
 
-    async def _read_registry(self) -> list[EngineInfo]:
+    async def _read_registry(self) -> _Listing:
         """One read at a time: concurrent turns that find the cache stale share it."""
         if self._refreshing is None:
             self._refreshing = asyncio.ensure_future(self._fetch_registry())
@@ -83,20 +100,17 @@ class Cluster:
         finally:
             if self._refreshing is refreshing and refreshing.done():
                 self._refreshing = None
-        assert self._listing is not None
-        return self._listing
+        assert self._cache is not None
+        return self._cache
 
     async def _fetch_registry(self) -> None:
-        self._epoch, self._listing = await self.registry.listing()
+        epoch, infos = await self.registry.listing()
+        self._epoch, self._cache = epoch, _Listing.of(infos)
 
     async def engines(self, model: str | None = None, *, fresh: bool = False) -> list[EngineRef]:
-        """Engines alive (serving `model`), from the cache unless `fresh`."""
-        infos = await self._registry(fresh)
-        return [
-            EngineRef(i.engine_id, i.node, i.url, i.model, i.n_slots)
-            for i in infos
-            if model is None or i.model == model
-        ]
+        """Engines alive (serving `model`), from the cache unless `fresh`, by id."""
+        cache = await self._listing(fresh)
+        return list(cache.refs.values()) if model is None else cache.by_model.get(model, [])
 
     async def models(self, *, fresh: bool = False) -> set[str]:
         return {e.model for e in await self.engines(fresh=fresh)}
@@ -125,41 +139,33 @@ class Cluster:
         return self._configured
 
     async def engine(self, engine_id: str) -> EngineRef | None:
-        for e in await self.engines():
-            if e.engine == engine_id:
-                return e
-        return None
+        return (await self._listing(False)).refs.get(engine_id)
 
     async def snapshot(
         self, model: str, holder: tuple[str, str] | None = None, *, with_tenant_engines: bool = False
     ) -> tuple[list[EngineView], dict[str, EngineRef]]:
-        """Engines serving `model` and who sits in their slots, in two round trips whatever the
+        """Engines serving `model` and who sits in their slots, in one round trip whatever the
         pool's and the index's size: above `sample` engines, a random sample of them (the best
         free slot or LRU victim among those: power-of-d choices), plus, `with_tenant_engines`, every
         engine holding one of the holder tenant's live sessions (its live-slot quota counts them).
         `holder` is the session whose lock the caller holds: its own slot is not busy for it. Also
         returns those engines by id (their URLs and nodes)."""
-        refs = {e.engine: e for e in await self.engines(model)}
-        if len(refs) > self.sample:
-            picked = set(self._random.sample(sorted(refs), self.sample))
+        serving = await self.engines(model)
+        if len(serving) > self.sample:
+            picked = set(self._random.sample(range(len(serving)), self.sample))
             if with_tenant_engines and holder is not None:
-                picked |= await self.index.tenant_live_engines(holder[0]) & refs.keys()
-            refs = {e: refs[e] for e in sorted(picked)}
-        live, idle = await self.index.engines_occupancy(list(refs))
-        pairs = [pair for sessions in live.values() for pair in sessions]
+                own = await self.index.tenant_live_engines(holder[0])
+                picked |= {i for i, e in enumerate(serving) if e.engine in own}
+            serving = [serving[i] for i in sorted(picked)]
+        refs = {e.engine: e for e in serving}
         occupants: dict[str, dict[int, SlotView]] = {e: {} for e in refs}
-        for (tenant, session), (rec, owner) in zip(pairs, await self.index.occupants(pairs), strict=True):
-            if (
-                rec is None
-                or rec.state is not SessionState.LIVE
-                or rec.slot is None
-                or rec.engine not in refs
-            ):
+        for engine, (tenant, session), rec, idle in await self.index.slot_occupants(list(refs)):
+            if rec is None or not rec.live or rec.slot is None or rec.engine != engine:
                 continue
             # Locked but idle: its last turn is being saved (write-behind), which ends shortly; it
             # can be evicted once the save releases the lock. Busy means a request runs on it.
-            busy = owner is not None and (tenant, session) not in idle and (tenant, session) != holder
-            occupants[rec.engine][rec.slot] = SlotView(rec.slot, busy, tenant, session, rec.last_used)
+            busy = rec.owner is not None and not idle and (tenant, session) != holder
+            occupants[engine][rec.slot] = SlotView(rec.slot, busy, tenant, session, rec.last_used)
         views = [
             EngineView(
                 e.engine,

@@ -61,7 +61,7 @@ class GatewaySettings:
     max_inflight: int = 64  # per tenant, unless its quotas say otherwise
     # Engines a placement looks at (a random sample, plus the tenant's own): routing costs the same
     # whatever the pool's size. Pools this size or smaller are looked at whole.
-    placement_sample: int = 16
+    placement_sample: int = 8
     log_level: str = "info"
     # Origins whose pages may call the API (CORS), comma-separated: * any, localhost only this machine's.
     cors_origins: str = "*"
@@ -126,7 +126,7 @@ FLAGS: tuple[Flag, ...] = (
         ("--placement-sample",),
         "SLOTKEEPER_PLACEMENT_SAMPLE",
         parse_int,
-        "engines one placement looks at, sampled (16)",
+        "engines one placement looks at, sampled (8)",
     ),
     Flag("log_level", ("--log-level",), "SLOTKEEPER_LOG_LEVEL", str, "debug|info|warning|error"),
     Flag(

@@ -40,8 +40,16 @@ class Keyspace:
     def tenant(self, tenant: str) -> str:
         return f"{self.prefix}:t:{validate_id(tenant, 'tenant id')}"
 
+    def tenant_prefix(self) -> str:
+        """What every tenant's keys start with, before the tenant id (Lua builds keys from it)."""
+        return f"{self.prefix}:t:"
+
     def session(self, tenant: str, session: str) -> str:
-        return f"{self.tenant(tenant)}:s:{validate_id(session, 'session id')}"
+        return f"{self.session_prefix(tenant)}{validate_id(session, 'session id')}"
+
+    def session_prefix(self, tenant: str) -> str:
+        """What the tenant's session records' keys start with (Lua builds keys from it)."""
+        return f"{self.tenant(tenant)}:s:"
 
     def sessions(self, tenant: str) -> str:
         """ZSET of the tenant's session ids scored by last use."""

@@ -21,6 +21,18 @@ _DIGEST = re.compile(r"[0-9a-f]{16,128}")
 DEFAULT_ROUTE_TTL_S = 7 * 24 * 3600.0
 
 
+# KEYS: the digests' route keys, longest prefix first. ARGV[1]: the tenant's session-key prefix
+# (`Keyspace.session_prefix`). Returns {index, session} of the first route whose session still
+# has a record, or nil.
+_MATCH = """
+for i, key in ipairs(KEYS) do
+  local session = redis.call('GET', key)
+  if session and redis.call('EXISTS', ARGV[1] .. session) == 1 then return {i, session} end
+end
+return nil
+"""
+
+
 def validate_digest(digest: str) -> str:
     if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
         raise InvalidId("prefix digest", "must be 16-128 lowercase hex characters")
@@ -40,6 +52,7 @@ class PrefixRouting:
     _redis: Any
     keys: Keyspace
     route_ttl_ms: int
+    _scripts: dict[str, Any]
 
     async def add_prefixes(self, tenant: str, session: str, digests: Iterable[str]) -> None:
         """Route these message-prefix digests (lowercase hex) to ``session`` for the route TTL,
@@ -62,23 +75,18 @@ class PrefixRouting:
 
     async def match_prefix(self, tenant: str, digests: Sequence[str]) -> tuple[str, str] | None:
         """The first of ``digests`` (pass the longest prefix first) routed to a session that still
-        has a record; two round trips whatever the number of digests."""
+        has a record; one round trip (a script) whatever the number of digests."""
         if not digests:
             return None
         keys = [self.keys.prefix_hash(tenant, validate_digest(d)) for d in digests]
+        script = self._scripts.get("match") or self._scripts.setdefault(
+            "match", self._redis.register_script(_MATCH)
+        )
         async with redis_errors():
-            targets = [None if t is None else text(t) for t in await self._redis.mget(keys)]
-            candidates = sorted({t for t in targets if t is not None})
-            if not candidates:
-                return None
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for candidate in candidates:
-                    pipe.exists(self.keys.session(tenant, candidate))
-                alive = {s for s, n in zip(candidates, await pipe.execute(), strict=True) if n}
-        for digest, target in zip(digests, targets, strict=True):
-            if target is not None and target in alive:
-                return digest, target
-        return None
+            found = await script(keys=keys, args=[self.keys.session_prefix(tenant)])
+        if not found:
+            return None
+        return digests[int(found[0]) - 1], text(found[1])
 
     async def _owned_routes(self, pipe: Any, tenant: str, session: str) -> list[str]:
         """Inside a transaction (immediate mode): WATCH and return the digest keys that still

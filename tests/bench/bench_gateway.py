@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -211,32 +212,64 @@ class Target:
             self.caches[cache] = self.caches.get(cache, 0) + 1
 
 
-def overhead(args: argparse.Namespace, workdir: Path) -> None:
+def overhead(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    """Once per index backend: serve's in-process Redis, and a redis-server (`--redis-url`)."""
     model = os.path.abspath(args.tiny_model or cached_model(args.models_dir, "qwen35", size="tiny"))
     tenants = workdir / "tenants.toml"
     tenants.write_text(TENANTS_TOML)
-    flags = ["--data-dir", str(workdir / "overhead"), "--model", model, "--slots", "3", "--ctx", "2048",
-             "--tenants", str(tenants), "--log-level", args.log_level]  # fmt: skip
-    with serving(workdir, "overhead", flags) as serve:
-        engine = serve.engines()[0]
-        body = {"model": engine["model"], "messages": [{"role": "user", "content": "Say hi."}],
-                "max_tokens": 1, "temperature": 0}  # fmt: skip
-        gw = serve.url + "/v1/chat/completions"
-        targets = [
-            Target("gateway, on-evict", gw, {"Authorization": "Bearer key-lazy", "X-Session-Id": "gw-1"}, {}),
-            Target("gateway, after-turn", gw, {"Authorization": "Bearer key-durable", "X-Session-Id": "gw-2"},
-                   {}),
-        ]  # fmt: skip
-        with httpx.Client(timeout=60) as client:  # one keep-alive pool per host:port
-            for t in targets:  # places both sessions first: the direct target takes the slot left over
-                t.send(client, body, record=False)
-            used = {_session_slot(serve.url, t.headers) for t in targets}
-            free = min(set(range(int(engine["n_slots"]))) - used)
-            direct = Target(f"direct engine (slot {free})", engine["url"] + "/v1/chat/completions",
-                            INTERNAL_AUTH, {"id_slot": free, "cache_prompt": True})  # fmt: skip
-            targets.insert(0, direct)
-            done = _rounds(client, targets, body, args)
-    _print_overhead(targets, done, args)
+    reports = []
+    for backend in (
+        ("in-process", "redis-server") if args.overhead_index == "both" else (args.overhead_index,)
+    ):
+        data = workdir / f"overhead-{backend}"
+        flags = ["--data-dir", str(data), "--model", model, "--slots", "3", "--ctx", "2048",
+                 "--tenants", str(tenants), "--log-level", args.log_level]  # fmt: skip
+        with contextlib.ExitStack() as stack:
+            if backend == "redis-server":
+                (data / "redis").mkdir(parents=True, exist_ok=True)
+                port = stack.enter_context(redis_server(data / "redis"))
+                flags += ["--redis-url", f"redis://127.0.0.1:{port}/0"]
+            serve = stack.enter_context(serving(workdir, f"overhead-{backend}", flags))
+            targets, done = _overhead_rounds(serve, args)
+        _print_overhead(targets, done, args, backend)
+        reports.append(_overhead_report(targets, done, backend))
+    return reports
+
+
+def _overhead_rounds(serve: Serve, args: argparse.Namespace) -> tuple[list[Target], int]:
+    engine = serve.engines()[0]
+    body = {"model": engine["model"], "messages": [{"role": "user", "content": "Say hi."}],
+            "max_tokens": 1, "temperature": 0}  # fmt: skip
+    gw = serve.url + "/v1/chat/completions"
+    targets = [
+        Target("gateway, on-evict", gw, {"Authorization": "Bearer key-lazy", "X-Session-Id": "gw-1"}, {}),
+        Target(
+            "gateway, after-turn", gw, {"Authorization": "Bearer key-durable", "X-Session-Id": "gw-2"}, {}
+        ),
+    ]
+    with httpx.Client(timeout=60) as client:  # one keep-alive pool per host:port
+        for t in targets:  # places both sessions first: the direct target takes the slot left over
+            t.send(client, body, record=False)
+        used = {_session_slot(serve.url, t.headers) for t in targets}
+        free = min(set(range(int(engine["n_slots"]))) - used)
+        direct = Target(f"direct engine (slot {free})", engine["url"] + "/v1/chat/completions",
+                        INTERNAL_AUTH, {"id_slot": free, "cache_prompt": True})  # fmt: skip
+        targets.insert(0, direct)
+        return targets, _rounds(client, targets, body, args)
+
+
+def _overhead_report(targets: list[Target], rounds: int, backend: str) -> dict[str, Any]:
+    direct = targets[0]
+    d50, d99 = pct(direct.latencies_ms, 50), pct(direct.latencies_ms, 99)
+    return {
+        "index": backend, "rounds": rounds,
+        "targets": [
+            {"target": t.name, "p50_ms": pct(t.latencies_ms, 50), "p99_ms": pct(t.latencies_ms, 99),
+             "added_p50_ms": pct(t.latencies_ms, 50) - d50, "added_p99_ms": pct(t.latencies_ms, 99) - d99,
+             "caches": t.caches}
+            for t in targets
+        ],
+    }  # fmt: skip
 
 
 def _session_slot(url: str, headers: dict[str, str]) -> int:
@@ -261,7 +294,7 @@ def _rounds(
     return done
 
 
-def _print_overhead(targets: list[Target], rounds: int, args: argparse.Namespace) -> None:
+def _print_overhead(targets: list[Target], rounds: int, args: argparse.Namespace, backend: str) -> None:
     direct = targets[0]
     d50, d99 = pct(direct.latencies_ms, 50), pct(direct.latencies_ms, 99)
     rows = []
@@ -273,8 +306,8 @@ def _print_overhead(targets: list[Target], rounds: int, args: argparse.Namespace
         ratio = "" if t is direct else f"{p50 / d50:.2f}"
         rows.append([t.name, f"{p50:.2f}", f"{p99:.2f}", over, over99, ratio,
                      f"{statistics.median(t.prompt_n):.0f}", caches])  # fmt: skip
-    print(f"\n== 1. gateway overhead: {rounds} interleaved rounds (+{args.warmup} warm-up), "
-          "identical chat request, max_tokens=1, tiny qwen35, keep-alive ==")  # fmt: skip
+    print(f"\n== 1. gateway overhead ({backend} index): {rounds} interleaved rounds (+{args.warmup} warm-up),"
+          " identical chat request, max_tokens=1, tiny qwen35, keep-alive ==")  # fmt: skip
     print(table(["target", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "p50 x", "prompt_n", "cache"], rows))
     forked = sum(n for t in targets for k, n in t.caches.items() if "forked" in k)
     if forked:
@@ -306,12 +339,12 @@ def _history(tenant: str, i: int, turns: int) -> list[dict[str, str]]:
     return msgs
 
 
-def build_fleet(args: argparse.Namespace) -> Fleet:
+def build_fleet(args: argparse.Namespace, n_sessions: int) -> Fleet:
     from gateway.prefixes import turn_digests
 
     model = "qwen35-bench-seed0"
     tenants = [f"tenant{t}" for t in range(args.tenants)]
-    sessions = [(tenants[i % len(tenants)], f"s-{i:07d}") for i in range(args.sessions)]
+    sessions = [(tenants[i % len(tenants)], f"s-{i:07d}") for i in range(n_sessions)]
     digests = [turn_digests(_history(t, i, args.turns), model) for i, (t, _) in enumerate(sessions)]
     rng = random.Random(7)
     owners = [rng.randrange(len(sessions)) for _ in range(args.request_pool)]
@@ -348,6 +381,7 @@ async def load_fleet(redis: Any, fleet: Fleet, batch: int = 500) -> float:
                 if engine is not None:
                     pipe.sadd(keys.engine_live(engine), member(tenant, session))
                     pipe.zadd(keys.engine_idle(engine), {member(tenant, session): rec.last_used})
+                    pipe.hset(keys.tenant_live(tenant), mapping={session: engine})
                 for d in fleet.digests[i]:
                     pipe.set(keys.prefix_hash(tenant, d), session)
                 pipe.sadd(keys.session_prefixes(tenant, session), *fleet.digests[i])
@@ -366,7 +400,11 @@ class Decider:
     model: str
 
     async def stages(self, messages: list[dict[str, str]]) -> tuple[Any, list[float]]:
-        from gateway.placement import SessionView, choose_placement
+        """The decision as TurnRunner makes it: resolve by prefix digests, the record, then the
+        session's own slot if it is live there (no snapshot), else a sampled snapshot and
+        `choose_placement`."""
+        from gateway.placement import Placement, Serve, SessionView, choose_placement
+        from storage.index import SessionState
 
         t = [time.perf_counter()]
         tenant = self.tenants[_tenant_of(messages)]
@@ -374,10 +412,18 @@ class Decider:
         t.append(time.perf_counter())
         rec = await self.index.find(tenant.name, session)
         t.append(time.perf_counter())
-        snapshot, _ = await self.cluster.snapshot(self.model, holder=(tenant.name, session))
+        placement = None
+        if rec.state is SessionState.LIVE and rec.engine is not None and rec.slot is not None:
+            engine = await self.cluster.engine(rec.engine)
+            if engine is not None:
+                placement = Placement(engine.engine, rec.slot, Serve.LIVE)
+        snapshot: list[Any] = []
+        if placement is None:
+            snapshot, _ = await self.cluster.snapshot(self.model, holder=(tenant.name, session))
         t.append(time.perf_counter())
-        view = SessionView(tenant.name, session, rec.engine, rec.slot, rec.generation)
-        placement = choose_placement(snapshot, self.model, view)
+        if placement is None:
+            view = SessionView(tenant.name, session, rec.engine, rec.slot, rec.generation)
+            placement = choose_placement(snapshot, self.model, view)
         t.append(time.perf_counter())
         if source != "implicit":
             raise RuntimeError(f"request for {session} was not routed by its prefixes ({source})")
@@ -389,7 +435,7 @@ def _tenant_of(messages: list[dict[str, str]]) -> str:
 
 
 async def make_decider(
-    redis: Any, fleet: Fleet, workdir: Path
+    redis: Any, fleet: Fleet, workdir: Path, args: argparse.Namespace
 ) -> tuple[Decider, Callable[[], Awaitable[None]]]:
     from gateway.cluster import Cluster
     from gateway.metrics import Metrics
@@ -406,7 +452,7 @@ async def make_decider(
                                 n_slots=fleet.slots, ttl_s=3600)  # fmt: skip
     http = httpx.AsyncClient()
     store = LocalStore(workdir / "routing-blobs")
-    cluster = Cluster(registry, index, locks, (), http)
+    cluster = Cluster(registry, index, locks, (), http, sample=args.placement_sample)
     runner = TurnRunner(cluster, index, locks, store, {}, Metrics(), lock_ttl_s=60, spill_wait_s=5)
 
     async def close() -> None:
@@ -477,7 +523,7 @@ async def _commands_per_stage(redis: Any, decider: Decider, fleet: Fleet, n: int
         c1 = await counter()
         await decider.index.find(tenant.name, session)
         c2 = await counter()
-        await decider.cluster.snapshot(decider.model, holder=(tenant.name, session))
+        await decider.cluster.snapshot(decider.model, holder=(tenant.name, session))  # a placement's
         c3 = await counter()
         for k, (a, b) in enumerate([(c0, c1), (c1, c2), (c2, c3)]):
             totals[k] += b - a - 1
@@ -487,7 +533,7 @@ async def _commands_per_stage(redis: Any, decider: Decider, fleet: Fleet, n: int
 async def measure_backend(name: str, redis: Any, fleet: Fleet, args: argparse.Namespace,
                           workdir: Path, count_commands: bool) -> RoutingResult:  # fmt: skip
     load_s = await load_fleet(redis, fleet)
-    decider, close = await make_decider(redis, fleet, workdir)
+    decider, close = await make_decider(redis, fleet, workdir, args)
     try:
         snapshot = await _sanity(decider, fleet)
         stage_us, seq, serves = await _sequential(decider, fleet, args)
@@ -501,7 +547,11 @@ async def measure_backend(name: str, redis: Any, fleet: Fleet, args: argparse.Na
 async def _sanity(decider: Decider, fleet: Fleet) -> list[Any]:
     """The loaded keys read back through the index as the gateway would see them."""
     n_live = len(fleet.engines) * fleet.slots
-    snapshot, _ = await decider.cluster.snapshot(fleet.model)
+    sample, decider.cluster.sample = decider.cluster.sample, len(fleet.engines)  # the whole pool, once
+    try:
+        snapshot, _ = await decider.cluster.snapshot(fleet.model)
+    finally:
+        decider.cluster.sample = sample
     occupied = sum(1 for e in snapshot for s in e.slots if s.session is not None)
     if len(snapshot) != len(fleet.engines) or occupied != n_live:
         raise RuntimeError(f"snapshot sees {len(snapshot)} engines and {occupied} live sessions")
@@ -515,6 +565,7 @@ def pure_choose(fleet: Fleet, snapshot: list[Any], args: argparse.Namespace) -> 
     from gateway.placement import SessionView, choose_placement
 
     views = [SessionView(t, s, None, None, 1) for t, s in fleet.sessions[: args.request_pool]]
+    snapshot = snapshot[: args.placement_sample]  # what one placement looks at
     n, deadline = 0, time.monotonic() + min(5.0, args.routing_time_limit)
     t0 = time.perf_counter()
     while n < 200_000 and time.monotonic() < deadline:
@@ -523,39 +574,60 @@ def pure_choose(fleet: Fleet, snapshot: list[Any], args: argparse.Namespace) -> 
     return n / (time.perf_counter() - t0)
 
 
-async def _routing_async(args: argparse.Namespace, workdir: Path) -> None:
+async def _routing_async(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
     import redis.asyncio as aioredis
 
     from storage.index import in_process_redis
 
-    t0 = time.perf_counter()
-    fleet = build_fleet(args)
-    digests_s = time.perf_counter() - t0
-    results = []
-    fake = in_process_redis()
-    try:
-        results.append(await measure_backend("in-process", fake, fleet, args, workdir, False))
-    finally:
-        await fake.aclose()
-        del fake  # frees the in-process keyspace before the next backend
-    (workdir / "redis").mkdir(exist_ok=True)
-    with redis_server(workdir / "redis") as port:
-        real = aioredis.from_url(f"redis://127.0.0.1:{port}", decode_responses=True)
-        try:
-            results.append(await measure_backend("redis-server", real, fleet, args, workdir, True))
-        finally:
-            await real.aclose()
-    _print_routing(fleet, results, pure_choose(fleet, results[0].snapshot, args), digests_s, args)
+    reports = []
+    for n_sessions in (int(n) for n in str(args.sessions).split(",")):
+        t0 = time.perf_counter()
+        fleet = build_fleet(args, n_sessions)
+        digests_s = time.perf_counter() - t0
+        results = []
+        if n_sessions <= 200_000:
+            fake = in_process_redis()
+            try:
+                results.append(await measure_backend("in-process", fake, fleet, args, workdir, False))
+            finally:
+                await fake.aclose()
+                del fake  # frees the in-process keyspace before the next backend
+        data = workdir / f"redis-{n_sessions}"
+        data.mkdir(exist_ok=True)
+        with redis_server(data) as port:
+            real = aioredis.from_url(f"redis://127.0.0.1:{port}", decode_responses=True)
+            try:
+                results.append(await measure_backend("redis-server", real, fleet, args, workdir, True))
+            finally:
+                await real.aclose()
+        pure = pure_choose(fleet, results[0].snapshot, args)
+        _print_routing(fleet, results, pure, digests_s, args)
+        reports.append(_routing_report(fleet, results, pure))
+        del fleet
+    return reports
 
 
-def routing(args: argparse.Namespace, workdir: Path) -> None:
+def _routing_report(fleet: Fleet, results: list[RoutingResult], pure: float) -> dict[str, Any]:
+    return {
+        "sessions": len(fleet.sessions), "engines": len(fleet.engines), "slots": fleet.slots,
+        "choose_placement_per_s": pure,
+        "backends": [
+            {"backend": r.backend, "load_s": r.load_s, "decisions_per_s": r.sequential_per_s,
+             "decisions_per_s_concurrent": r.concurrent_per_s, "redis_commands_per_stage": r.commands,
+             "stage_p50_us": [pct(us, 50) for us in r.stage_us], "placements": r.serves}
+            for r in results
+        ],
+    }  # fmt: skip
+
+
+def routing(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
     from engine_pool import logs
 
     logs.configure("json", "warning")  # the index logs every registration; keep the table readable
-    asyncio.run(_routing_async(args, workdir))
+    return asyncio.run(_routing_async(args, workdir))
 
 
-STAGES = ["resolve (match_prefix)", "index.find", "cluster.snapshot", "choose_placement"]
+STAGES = ["resolve (match_prefix)", "index.find", "own slot or sampled snapshot", "choose_placement"]
 
 
 def _bottleneck(r: RoutingResult, n_engines: int) -> str:
@@ -813,16 +885,21 @@ def _parser() -> argparse.ArgumentParser:
                     help="run only this part (repeatable; default: all three)")  # fmt: skip
     ap.add_argument("--models-dir", default=os.path.join(".bench", "models"))
     ap.add_argument("--workdir", help="keep logs and data here (default: a temporary directory)")
+    ap.add_argument("--json", help="also write the results here as JSON")
     g = ap.add_argument_group("1. overhead")
     g.add_argument("--tiny-model", help="GGUF (default: the generated tiny qwen35)")
     g.add_argument("--requests", type=int, default=200, help="measured requests per target")
     g.add_argument("--warmup", type=int, default=10, help="unmeasured rounds first")
     g.add_argument("--overhead-time-limit", type=float, default=120.0, help="seconds, at most")
     g.add_argument("--log-level", default="info", help="serve's log level (its default: info)")
+    g.add_argument("--overhead-index", choices=["in-process", "redis-server", "both"], default="both",
+                   help="serve's index: its in-process Redis, a redis-server, or each")  # fmt: skip
     g = ap.add_argument_group("2. routing")
-    g.add_argument("--sessions", type=int, default=100_000)
+    g.add_argument("--sessions", default="100000,1000000",
+                   help="indexed sessions, comma-separated (in-process index: up to 200,000)")  # fmt: skip
     g.add_argument("--tenants", type=int, default=10)
-    g.add_argument("--engines", type=int, default=8)
+    g.add_argument("--engines", type=int, default=1000, help="simulated engines in the registry")
+    g.add_argument("--placement-sample", type=int, default=8, help="engines one placement looks at")
     g.add_argument("--slots-per-engine", type=int, default=4)
     g.add_argument("--turns", type=int, default=3, help="complete turns (prefix digests) per session")
     g.add_argument("--decisions", type=int, default=2000, help="decisions per measurement, at most")
@@ -847,12 +924,16 @@ def main(argv: list[str]) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         rc = 0
         t0 = time.perf_counter()
+        report: dict[str, Any] = {"bench": "gateway"}
         if "overhead" in parts:
-            overhead(args, workdir)
+            report["overhead"] = overhead(args, workdir)
         if "routing" in parts:
-            routing(args, workdir)
+            report["routing"] = routing(args, workdir)
         if "restore" in parts:
             rc = restore(args, workdir)
+            report["restore_ok"] = rc == 0
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2))
         print(
             f"\n(wall {time.perf_counter() - t0:.0f} s; logs in {workdir if args.workdir else 'a temp dir'})"
         )

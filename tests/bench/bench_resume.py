@@ -5,19 +5,39 @@ the ratios, not absolute times).
 Rows: cold first turn; live next turn; restored next turn; restored divergent retry (inside the
 saved prompt); restored identical prompt; and, as the upstream baseline, the restored next turn
 with checkpoints off (what llama-server's /slots restore gives a hybrid model).
+
+With `--upstream`, the same cases run over HTTP on our engine process and on upstream llama-server
+(the `bench` extra installs it), same model, flags and token prompts, side by side with ratios; with
+`--curve 1000,2000,...` the restored next turn's time to first token against the session's length,
+for both, drawn to `--plot FILE.svg`. `--json FILE` writes every number.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
 import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
 import jinja2.sandbox
 
 import native
 from native.model_gen import cached_model
+
+_TESTS = Path(__file__).resolve().parents[1]
+if str(_TESTS) not in sys.path:  # the benchmark helpers beside the tests (tests/support)
+    sys.path.insert(0, str(_TESTS))
+from support import sidebyside  # noqa: E402
+from support.upstream import Flags  # noqa: E402
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 SYSTEM = (
     "You are a coding agent. You can read files, run tests and edit code. Think step by step, keep "
@@ -65,11 +85,28 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--n-predict", type=int, default=16)
+    ap.add_argument("--upstream", action="store_true", help="also run llama-server side by side (over HTTP)")
+    ap.add_argument("--curve", help="session lengths for the restored-TTFT curve, comma-separated")
+    ap.add_argument("--plot", help="draw the curve to this SVG file")
+    ap.add_argument("--workdir", help="logs and slot files (default: a temporary directory)")
+    ap.add_argument("--json", help="also write the results here as JSON")
     args = ap.parse_args(argv)
     model = args.model or cached_model(args.models_dir, "qwen35", size="bench")
+    report: dict[str, Any] = {"bench": "resume", "model": os.path.basename(model), "tokens": args.tokens}
+    rc = _in_process(model, args, report)
+    if args.upstream or args.curve:
+        with tempfile.TemporaryDirectory(prefix="bench-resume-") as tmp:
+            workdir = Path(args.workdir or tmp)
+            workdir.mkdir(parents=True, exist_ok=True)
+            _over_http(model, args, workdir, report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return rc
 
+
+def _in_process(model: str, args: argparse.Namespace, report: dict[str, Any]) -> int:
     eng = _engine(model, args)
-    tmpl = eng.model.chat_template
+    tmpl = eng.model.chat_template or CHATML
     user = ""
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
     while len(eng.tokenize(_render(tmpl, msgs))) < args.tokens:
@@ -135,4 +172,58 @@ def main(argv: list[str]) -> int:
         f"prompt ms ratio {rows[2][2] / max(rows[1][2], 1e-9):.2f}, wall incl. restore ratio "
         f"{rows[2][3] / max(rows[1][3], 1e-9):.2f}; tokens identical: {same}"
     )
+    report["in_process"] = {
+        "prompt_tokens": len(prompt1), "slot_file_bytes": saved.n_bytes, "restored_tokens_equal_live": same,
+        "rows": [{"case": r[0], "prompt_n": r[1], "prompt_ms": r[2], "wall_ms": r[3]} for r in rows],
+    }  # fmt: skip
     return 0 if same else 1
+
+
+def _prompt_of(eng: native.Engine, tmpl: str, tokens: int) -> list[int]:
+    """The bench conversation (system + code to review) grown to about `tokens` tokens."""
+    user = ""
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+    prompt = eng.tokenize(_render(tmpl, msgs))
+    while len(prompt) < tokens:
+        user += CHUNK * max(1, (tokens - len(prompt)) // 40)
+        msgs[1]["content"] = "Review this code:\n" + user
+        prompt = eng.tokenize(_render(tmpl, msgs))
+    return prompt
+
+
+def _over_http(model: str, args: argparse.Namespace, workdir: Path, report: dict[str, Any]) -> None:
+    """Our engine process and llama-server on the same model, flags and token prompts."""
+    tokenizer = native.Engine(native.EngineConfig(model, n_slots=1, n_ctx=512))  # vocab + template only
+    tmpl = tokenizer.model.chat_template or CHATML
+    follow_up = tokenizer.tokenize(
+        "<|im_end|>\n<|im_start|>user\nFix the bug.<|im_end|>\n<|im_start|>assistant\n", False
+    )
+    first = _prompt_of(tokenizer, tmpl, args.tokens)
+    divergent = first[: len(first) * 7 // 10] + tokenizer.tokenize("Actually, review only the tests.", False)
+    lengths = [int(n) for n in args.curve.split(",")] if args.curve else []
+    builds = {n: _prompt_of(tokenizer, tmpl, n) for n in lengths}
+    tokenizer.close()
+    flags = Flags(model, slots=1, ctx=args.ctx, threads=args.threads)
+    if args.upstream:
+        print(
+            f"\n== over HTTP, side by side: {len(first)}-token prompt, {args.n_predict} tokens per answer =="
+        )
+        rows = {k: sidebyside.resume_rows(k, flags, first, follow_up, divergent, args.n_predict, workdir)
+                for k in sidebyside.KINDS}  # fmt: skip
+        summary = sidebyside.print_side_by_side(rows)
+        report["side_by_side"] = {
+            "prompt_tokens": len(first), "summary": summary,
+            "rows": {k: [{**vars(r), "tokens": len(r.tokens)} for r in v] for k, v in rows.items()},
+        }  # fmt: skip
+    if lengths:
+        print("\n== restored next turn: time to first token against the session's length ==")
+        kinds = sidebyside.KINDS if args.upstream else ("slotkeeper",)
+        curve = sidebyside.ttft_curve(
+            kinds, flags, lengths, lambda n: (builds[n], builds[n] + follow_up), workdir
+        )
+        report["ttft_curve"] = curve
+        if args.plot:
+            sidebyside.plot(
+                curve, Path(args.plot), f"{os.path.basename(model)}: restored turn after a restart"
+            )
+            print(f"plot: {args.plot}")

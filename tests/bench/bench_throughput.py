@@ -1,13 +1,16 @@
-"""`slotkeeper bench throughput`: aggregate generated tokens/s of one engine with 1, 2 and 4 busy slots.
+"""`slotkeeper bench throughput`: prefill and decode tokens/s of one engine with 1, 2 and 4 busy slots,
+ours and (`--upstream`) llama-server's side by side.
 
-Against a running engine (`--url`), or one this script starts (`slotkeeper engine`, one process,
-`-np` = the largest concurrency) on `--model` — by default the generated qwen35 bench model, written
-to `--models-dir` first if absent (~400 MB f16, deterministic). Each round sends N concurrent
-/completion requests, one per slot, with distinct prompts of about `--prompt-tokens` tokens, no
-prompt cache and `ignore_eos`, so every request prefills its prompt and generates exactly
-`--n-predict` tokens. Reported per round: wall time, aggregate generated tokens/s over the round's
-wall time (prefill included), and the decode-only rate (sum of generated tokens over the longest
-request's generation time). Machines here are shared and noisy: compare rows of one run.
+Against a running engine (`--url`), or servers this script starts on `--model` — by default the
+generated qwen35 bench model (~400 MB f16, deterministic) — with the same flags (support.upstream:
+`-np` = the largest concurrency, same context, threads, batch sizes, flash attention off). Each round
+sends N concurrent /completion requests, one per slot, with distinct prompts of about
+`--prompt-tokens` tokens, no prompt cache and `ignore_eos`, so every request prefills its prompt
+and generates exactly `--n-predict` tokens. Reported per round: prefill tokens/s (prompt tokens
+over the longest prompt time), aggregate generated tokens/s over the round's wall time, and the
+decode-only rate (generated tokens over the longest generation time). With `--upstream` the servers
+take turns (`--repeat` times each, one at a time: never both on the CPU) and the best round of each
+is compared. Machines here are shared and noisy: compare rows of one run.
 """
 
 from __future__ import annotations
@@ -16,9 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,16 +29,15 @@ import httpx
 
 from native.model_gen import cached_model
 
+_TESTS = Path(__file__).resolve().parents[1]
+if str(_TESTS) not in sys.path:  # the benchmark helpers beside the tests (tests/support)
+    sys.path.insert(0, str(_TESTS))
+from support.upstream import Flags, start  # noqa: E402
+
 WORDS = (
     "the model state is saved in a slot cache then restored for the user every session keeps its "
     "state so that the next turn only has to process what is new agents call tools and read files"
 ).split()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _prompt(i: int, n_words: int) -> str:
@@ -46,46 +45,10 @@ def _prompt(i: int, n_words: int) -> str:
     return f"Request {i}: " + " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(n_words))
 
 
-def _start_engine(args: argparse.Namespace, n_slots: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def _flags(args: argparse.Namespace, n_slots: int) -> Flags:
     model = args.model or cached_model(args.models_dir, "qwen35", size="bench")
-    port = _free_port()
-    ctx = n_slots * (args.prompt_tokens * 2 + args.n_predict + 64)
-    cmd = [
-        sys.executable,
-        "-m",
-        "gateway.cli",
-        "engine",
-        "-m",
-        model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "-np",
-        str(n_slots),
-        "-c",
-        str(ctx),
-        "-t",
-        str(args.threads),
-        "--log-level",
-        "warning",
-    ]
-    print(f"starting: {' '.join(cmd)}", flush=True)
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.load_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"engine exited with {proc.returncode}; see {log}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    proc.kill()
-    raise SystemExit(f"engine not healthy after {args.load_timeout} s; see {log}")
+    return Flags(model, slots=n_slots, ctx=n_slots * (args.prompt_tokens * 2 + args.n_predict + 64),
+                 threads=args.threads)  # fmt: skip
 
 
 async def _round(client: httpx.AsyncClient, n: int, args: argparse.Namespace, words: int) -> dict[str, Any]:
@@ -108,10 +71,13 @@ async def _round(client: httpx.AsyncClient, n: int, args: argparse.Namespace, wo
     wall = time.perf_counter() - t0
     generated = sum(r["timings"]["predicted_n"] for r in results)
     decode_s = max(r["timings"]["predicted_ms"] for r in results) / 1000.0
+    prompt_tokens = sum(r["timings"]["prompt_n"] for r in results)
+    prefill_s = max(r["timings"]["prompt_ms"] for r in results) / 1000.0
     return {
         "slots": n,
         "wall_s": wall,
-        "prompt_tokens": sum(r["timings"]["prompt_n"] for r in results),
+        "prompt_tokens": prompt_tokens,
+        "prefill_tokens_per_s": prompt_tokens / prefill_s if prefill_s > 0 else 0.0,
         "generated": generated,
         "tokens_per_s": generated / wall,
         "decode_tokens_per_s": generated / decode_s if decode_s > 0 else 0.0,
@@ -122,13 +88,14 @@ async def _round(client: httpx.AsyncClient, n: int, args: argparse.Namespace, wo
 async def _bench(url: str, args: argparse.Namespace, concurrency: list[int]) -> list[dict[str, Any]]:
     async with httpx.AsyncClient(base_url=url, timeout=args.request_timeout) as client:
         props = (await client.get("/props")).json()
+        arch = (props.get("slotkeeper") or {}).get("arch", "llama-server")
         if props["total_slots"] < max(concurrency):
             raise SystemExit(f"the engine has {props['total_slots']} slots; need {max(concurrency)}")
         words = max(1, args.prompt_tokens // 2)
         tokens = (await client.post("/tokenize", json={"content": _prompt(0, words)})).json()["tokens"]
         words = max(1, int(words * args.prompt_tokens / max(len(tokens), 1)))
         print(
-            f"model {props['model_path']} ({props['slotkeeper']['arch']}); prompts of ~{args.prompt_tokens} "
+            f"model {props['model_path']} ({arch}); prompts of ~{args.prompt_tokens} "
             f"tokens; {args.n_predict} generated per request",
             flush=True,
         )
@@ -138,7 +105,8 @@ async def _bench(url: str, args: argparse.Namespace, concurrency: list[int]) -> 
             row = await _round(client, n, args, words)
             rows.append(row)
             print(
-                f"  {n} busy slot(s): {row['generated']:5d} tokens in {row['wall_s']:7.2f} s -> "
+                f"  {n} busy slot(s): prefill {row['prefill_tokens_per_s']:8.1f} tok/s; "
+                f"{row['generated']:5d} tokens in {row['wall_s']:7.2f} s -> "
                 f"{row['tokens_per_s']:8.2f} tok/s aggregate, "
                 f"{row['decode_tokens_per_s']:8.2f} tok/s decode-only "
                 f"(per request: {row['per_request_tokens_per_s']})",
@@ -154,31 +122,65 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--models-dir", default=os.path.join(".bench", "models"))
     ap.add_argument("--slots", default="1,2,4", help="concurrency levels, comma-separated (1,2,4)")
     ap.add_argument("--n-predict", type=int, default=32)
-    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=0, help="engine threads (0: all)")
-    ap.add_argument("--load-timeout", type=float, default=600.0)
+    ap.add_argument("--upstream", action="store_true", help="also run llama-server, taking turns")
+    ap.add_argument("--repeat", type=int, default=2, help="runs per server with --upstream (best kept)")
     ap.add_argument("--request-timeout", type=float, default=1800.0)
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args(argv)
     concurrency = [int(x) for x in args.slots.split(",") if x.strip()]
 
-    proc = None
-    url = args.url
-    log = Path(tempfile.gettempdir()) / f"bench_throughput_engine_{os.getpid()}.log"
-    if url is None:
-        proc, url = _start_engine(args, max(concurrency), log)
-    try:
-        rows = asyncio.run(_bench(url, args, concurrency))
-    finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+    if args.url is not None:
+        report: dict[str, Any] = {"url": args.url, "rows": asyncio.run(_bench(args.url, args, concurrency))}
+    else:
+        kinds = ("slotkeeper", "llama-server") if args.upstream else ("slotkeeper",)
+        runs: dict[str, list[list[dict[str, Any]]]] = {k: [] for k in kinds}
+        with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
+            for _ in range(args.repeat if args.upstream else 1):
+                for kind in kinds:  # one server at a time: never both on the CPU
+                    print(f"\n-- {kind}", flush=True)
+                    srv = start(kind, _flags(args, max(concurrency)), Path(tmp) / f"{kind}.log")
+                    try:
+                        runs[kind].append(asyncio.run(_bench(srv.url, args, concurrency)))
+                    finally:
+                        srv.stop()
+        best = {k: [_best(rounds, i) for i in range(len(concurrency))] for k, rounds in runs.items()}
+        report = {"runs": runs, "best": best}
+        if args.upstream:
+            report["ratios"] = _print_ratios(best, concurrency)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
+
+
+def _best(runs: list[list[dict[str, Any]]], i: int) -> dict[str, Any]:
+    """The i-th concurrency level's best round over the runs (noise only ever slows a run down)."""
+    rows = [run[i] for run in runs]
+    return {
+        "slots": rows[0]["slots"],
+        "prefill_tokens_per_s": max(r["prefill_tokens_per_s"] for r in rows),
+        "decode_tokens_per_s": max(r["decode_tokens_per_s"] for r in rows),
+        "tokens_per_s": max(r["tokens_per_s"] for r in rows),
+    }
+
+
+def _print_ratios(best: dict[str, list[dict[str, Any]]], concurrency: list[int]) -> list[dict[str, Any]]:
+    print(f"\n{'busy slots':>10} {'prefill ours':>13} {'llama-srv':>10} {'ratio':>6} {'decode ours':>12} "
+          f"{'llama-srv':>10} {'ratio':>6}")  # fmt: skip
+    out = []
+    for ours, up in zip(best["slotkeeper"], best["llama-server"], strict=True):
+        p = ours["prefill_tokens_per_s"] / max(up["prefill_tokens_per_s"], 1e-9)
+        d = ours["decode_tokens_per_s"] / max(up["decode_tokens_per_s"], 1e-9)
+        cells = [ours["prefill_tokens_per_s"], up["prefill_tokens_per_s"], p, ours["decode_tokens_per_s"],
+                 up["decode_tokens_per_s"], d]  # fmt: skip
+        widths = ((13, 1), (10, 1), (6, 2), (12, 1), (10, 1), (6, 2))
+        print(
+            f"{ours['slots']:>10} "
+            + " ".join(f"{c:{w}.{k}f}" for c, (w, k) in zip(cells, widths, strict=True))
+        )
+        out.append({"slots": ours["slots"], "prefill_ratio": p, "decode_ratio": d})
+    return out
 
 
 if __name__ == "__main__":
