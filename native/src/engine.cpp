@@ -114,12 +114,36 @@ Engine::Engine(const EngineConfig & cfg)
     n_vocab_ = model().n_vocab;
     slots_.resize(size_t(cfg_.n_slots));
     for (int i = 0; i < cfg_.n_slots; i++) slots_[size_t(i)].id = i;
-    if (cfg_.warmup) warm_up();
-    batch_ = llama_batch_init(std::max(cfg_.n_batch, cfg_.n_slots), 0, 1);
-
     event_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (event_fd_ < 0) throw NativeError("eventfd failed");
-    thread_ = std::thread([this] { loop(); });
+    batch_ = llama_batch_init(std::max(cfg_.n_batch, cfg_.n_slots), 0, 1);
+
+    // Every llama_decode runs on the loop thread, the warmup too. ggml's CPU backend parallelises
+    // with OpenMP, and libgomp keeps a team of workers per thread that ever ran a parallel region:
+    // a warmup on the caller's thread left a second idle team behind, so with more OpenMP threads
+    // than cores libgomp stopped spinning at its barriers and slept on futexes instead — every
+    // single-token decode then ran at half speed (measured: 47 vs 91 tokens/s on the bench model,
+    // 2 cores, the same libllama called from one thread).
+    std::promise<void> warmed;
+    std::future<void> ready = warmed.get_future();
+    thread_ = std::thread([this, warmup = cfg_.warmup, warmed = std::move(warmed)]() mutable {
+        try {
+            if (warmup) warm_up();
+            warmed.set_value();
+        } catch (...) {
+            warmed.set_exception(std::current_exception());
+            return;
+        }
+        loop();
+    });
+    try {
+        ready.get();
+    } catch (...) {
+        thread_.join();
+        llama_batch_free(batch_);
+        ::close(event_fd_);
+        throw;
+    }
 }
 
 // llama-server's warmup (common_init_from_params): decode BOS+EOS once, then forget it, so that the

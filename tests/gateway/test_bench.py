@@ -1,0 +1,116 @@
+"""Every `slotkeeper bench` suite, run end to end on a tiny model with the smallest sizes: the
+harness works (servers start, requests succeed, reports and JSON come out), not how fast anything is.
+
+The side-by-side suites run upstream llama-server too (the `bench` extra, which `.ci/run` installs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.upstream import binary
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+needs_upstream = pytest.mark.skipif(
+    binary() is None and not os.environ.get("CI"),
+    reason="upstream llama-server (the bench extra) not installed",
+)
+
+
+def bench(name: str, *args: str, timeout: float = 600) -> str:
+    """`slotkeeper bench NAME ARGS` from the checkout; its output (it must exit 0)."""
+    proc = subprocess.run([sys.executable, "-m", "gateway.cli", "bench", name, *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    assert proc.returncode == 0, (
+        f"bench {name} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    )
+    return proc.stdout
+
+
+def _json(path: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def test_bench_lists_every_suite() -> None:
+    out = bench("--help")
+    for name in ("gateway", "resume", "soak", "storage", "throughput"):
+        assert name in out
+
+
+def test_gateway_suites(tiny_model, tmp_path: Path) -> None:
+    out_json = tmp_path / "gateway.json"
+    out = bench(
+        "gateway", "--tiny-model", tiny_model("qwen35"), "--bench-model", tiny_model("qwen35"),
+        "--requests", "5", "--warmup", "1", "--sessions", "3000", "--engines", "20", "--decisions", "40",
+        "--request-pool", "50", "--routing-time-limit", "2", "--tokens", "300", "--ctx", "1024",
+        "--n-predict", "2", "--repeat", "1", "--models-dir", str(tmp_path / "models"),
+        "--json", str(out_json),
+    )  # fmt: skip
+    report = _json(out_json)
+    assert [o["index"] for o in report["overhead"]] == ["in-process", "redis-server"]
+    for o in report["overhead"]:
+        assert all(t["p50_ms"] > 0 for t in o["targets"]) and "forked" not in json.dumps(o["targets"])
+    (routing,) = report["routing"]
+    assert routing["sessions"] == 3000 and {b["backend"] for b in routing["backends"]} == {
+        "in-process",
+        "redis-server",
+    }
+    assert all(b["decisions_per_s"] > 0 for b in routing["backends"])
+    assert report["restore_ok"] is True
+    assert "== 3." in out
+
+
+@needs_upstream
+def test_resume_side_by_side_and_curve(tiny_model, tmp_path: Path) -> None:
+    out_json, svg = tmp_path / "resume.json", tmp_path / "ttft.svg"
+    bench("resume", "--model", tiny_model("qwen35"), "--tokens", "400", "--ctx", "2048", "--n-predict", "4",
+          "--upstream", "--curve", "200,500", "--plot", str(svg), "--workdir", str(tmp_path / "work"),
+          "--json", str(out_json))  # fmt: skip
+    report = _json(out_json)
+    assert report["in_process"]["restored_tokens_equal_live"] is True
+    rows = report["side_by_side"]["rows"]
+    assert [r["case"] for r in rows["llama-server"]] == [r["case"] for r in rows["slotkeeper"]]
+    ours = {r["case"]: r for r in rows["slotkeeper"]}
+    # The harness measures what it claims: our restored next turn evaluates only the new tokens.
+    assert ours["restored next turn"]["prompt_n"] == ours["live next turn"]["prompt_n"]
+    assert ours["restored identical prompt"]["prompt_n"] <= 1
+    assert {k: len(v) for k, v in report["ttft_curve"].items()} == {"slotkeeper": 2, "llama-server": 2}
+    assert svg.read_text().lstrip().startswith("<?xml") and "<svg" in svg.read_text()
+
+
+@needs_upstream
+def test_throughput_side_by_side(tiny_model, tmp_path: Path) -> None:
+    out_json = tmp_path / "throughput.json"
+    bench("throughput", "--model", tiny_model("qwen35"), "--slots", "1,2", "--prompt-tokens", "32",
+          "--n-predict", "4", "--upstream", "--repeat", "1", "--json", str(out_json))  # fmt: skip
+    report = _json(out_json)
+    assert set(report["best"]) == {"slotkeeper", "llama-server"}
+    for rows in report["best"].values():
+        assert [r["slots"] for r in rows] == [1, 2]
+        assert all(r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
+    assert len(report["ratios"]) == 2
+
+
+def test_storage_suites(tiny_model, tmp_path: Path) -> None:
+    out = bench("storage", "--model", tiny_model("qwen35"), "--size", "tiny", "--turns", "3",
+                "--system-repeat", "4", "--ctx", "2048", "--backend", "local", "--size-mib", "4",
+                "--dir", str(tmp_path), "--json")  # fmt: skip
+    report = json.loads(out.strip().splitlines()[-1])
+    assert set(report) >= {"transfer", "session", "restore", "ttft"}
+    assert report["restore"]["bytes"] > 0 and report["ttft"]["restored"]["prompt_n"] >= 0
+
+
+def test_soak(tiny_model, tmp_path: Path) -> None:
+    out_json = tmp_path / "soak.json"
+    bench("soak", "--model", tiny_model("qwen35"), "--duration-s", "20", "--workers", "2",
+          "--kill-min-s", "8", "--kill-max-s", "12", "--save-grace-s", "10", "--json", str(out_json),
+          timeout=900)  # fmt: skip
+    assert _json(out_json)["ok"] is True
