@@ -81,7 +81,8 @@ class Holds:
     def start(self, lock: SessionLock, record: SessionRecord | None) -> SessionHold:
         """A turn took the lock from Redis: hold it (RUNNING), renewing it until released."""
         key = (lock.tenant, lock.session)
-        assert key not in self._holds, "a lock taken from Redis cannot be held here already"
+        if key in self._holds:  # Redis gave the lock out again: the hold here lost it (it expired)
+            log.warning("session.hold_lost", tenant=key[0], session=key[1])
         hold = SessionHold(lock, record, asyncio.create_task(self._keep(lock), name=f"lock-keeper:{key}"))
         self._holds[key] = hold
         return hold
@@ -129,10 +130,13 @@ class Holds:
         finally:
             await self.let_go(hold)
 
-    async def let_go(self, hold: SessionHold, *, released: bool = False) -> None:
+    async def let_go(self, hold: SessionHold, *, released: bool = False, turn: bool = False) -> None:
         """One user is done; the last one releases the lock (``released``: the user's own guarded
-        write already deleted it)."""
+        write already deleted it). ``turn``: the user is a turn that ended before answering (its
+        placement failed): a save still holding the hold may be taken over again."""
         hold.users -= 1
+        if turn and hold.phase is Phase.RUNNING:
+            hold.phase = Phase.SETTLING
         if hold.users > 0:
             return
         key = (hold.lock.tenant, hold.lock.session)

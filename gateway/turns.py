@@ -208,7 +208,7 @@ class TurnRunner:
             if created:  # a failed placement leaves no record behind (it would count toward quotas)
                 with contextlib.suppress(StorageError):
                     await self.index.delete(tenant.name, session, lock=hold.lock)
-            await self.holds.let_go(hold)
+            await self.holds.let_go(hold, turn=True)
             raise
 
     async def _hold(self, tenant: str, session: str, start: TurnStart) -> SessionHold | None:

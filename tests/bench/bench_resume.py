@@ -179,51 +179,45 @@ def _in_process(model: str, args: argparse.Namespace, report: dict[str, Any]) ->
     return 0 if same else 1
 
 
-def _prompt_of(eng: native.Engine, tmpl: str, tokens: int) -> list[int]:
+def _conversation(eng: native.Engine, tmpl: str, tokens: int) -> list[dict[str, str]]:
     """The bench conversation (system + code to review) grown to about `tokens` tokens."""
-    user = ""
-    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
-    prompt = eng.tokenize(_render(tmpl, msgs))
-    while len(prompt) < tokens:
-        user += CHUNK * max(1, (tokens - len(prompt)) // 40)
-        msgs[1]["content"] = "Review this code:\n" + user
-        prompt = eng.tokenize(_render(tmpl, msgs))
-    return prompt
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Review this code:\n"}]
+    per_chunk = len(eng.tokenize(CHUNK, False))
+    while (n := len(eng.tokenize(_render(tmpl, msgs)))) < tokens:
+        msgs[1]["content"] += CHUNK * max(1, (tokens - n) // per_chunk)
+    return msgs
 
 
 def _over_http(model: str, args: argparse.Namespace, workdir: Path, report: dict[str, Any]) -> None:
-    """Our engine process and llama-server on the same model, flags and token prompts."""
+    """Our engine process and llama-server on the same model, flags and conversations."""
     tokenizer = native.Engine(native.EngineConfig(model, n_slots=1, n_ctx=512))  # vocab + template only
     tmpl = tokenizer.model.chat_template or CHATML
-    follow_up = tokenizer.tokenize(
-        "<|im_end|>\n<|im_start|>user\nFix the bug.<|im_end|>\n<|im_start|>assistant\n", False
-    )
-    first = _prompt_of(tokenizer, tmpl, args.tokens)
-    divergent = first[: len(first) * 7 // 10] + tokenizer.tokenize("Actually, review only the tests.", False)
+    first = _conversation(tokenizer, tmpl, args.tokens)
+    content = first[1]["content"]
+    divergent = [
+        first[0],
+        {"role": "user", "content": content[: len(content) * 7 // 10] + "\nReview only the tests."},
+    ]
     lengths = [int(n) for n in args.curve.split(",")] if args.curve else []
-    builds = {n: _prompt_of(tokenizer, tmpl, n) for n in lengths}
+    builds = {n: _conversation(tokenizer, tmpl, n) for n in lengths}
     tokenizer.close()
     flags = Flags(model, slots=1, ctx=args.ctx, threads=args.threads)
+    follow_up = "Fix the bug."
     if args.upstream:
-        print(
-            f"\n== over HTTP, side by side: {len(first)}-token prompt, {args.n_predict} tokens per answer =="
-        )
+        print(f"\n== over HTTP (chat completions), side by side: ~{args.tokens}-token conversation, "
+              f"{args.n_predict} tokens per answer ==")  # fmt: skip
         rows = {k: sidebyside.resume_rows(k, flags, first, follow_up, divergent, args.n_predict, workdir)
                 for k in sidebyside.KINDS}  # fmt: skip
         summary = sidebyside.print_side_by_side(rows)
         report["side_by_side"] = {
-            "prompt_tokens": len(first), "summary": summary,
-            "rows": {k: [{**vars(r), "tokens": len(r.tokens)} for r in v] for k, v in rows.items()},
-        }  # fmt: skip
+            "summary": summary,
+            "rows": {k: [vars(r) for r in v] for k, v in rows.items()},
+        }
     if lengths:
         print("\n== restored next turn: time to first token against the session's length ==")
         kinds = sidebyside.KINDS if args.upstream else ("slotkeeper",)
-        curve = sidebyside.ttft_curve(
-            kinds, flags, lengths, lambda n: (builds[n], builds[n] + follow_up), workdir
-        )
+        curve = sidebyside.ttft_curve(kinds, flags, lengths, builds.__getitem__, follow_up, workdir)
         report["ttft_curve"] = curve
         if args.plot:
-            sidebyside.plot(
-                curve, Path(args.plot), f"{os.path.basename(model)}: restored turn after a restart"
-            )
+            sidebyside.plot(curve, Path(args.plot), f"{os.path.basename(model)}: next turn after a restart")
             print(f"plot: {args.plot}")

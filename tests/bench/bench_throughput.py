@@ -4,11 +4,11 @@ ours and (`--upstream`) llama-server's side by side.
 Against a running engine (`--url`), or servers this script starts on `--model` — by default the
 generated qwen35 bench model (~400 MB f16, deterministic) — with the same flags (support.upstream:
 `-np` = the largest concurrency, same context, threads, batch sizes, flash attention off). Each round
-sends N concurrent /completion requests, one per slot, with distinct prompts of about
-`--prompt-tokens` tokens, no prompt cache and `ignore_eos`, so every request prefills its prompt
-and generates exactly `--n-predict` tokens. Reported per round: prefill tokens/s (prompt tokens
-over the longest prompt time), aggregate generated tokens/s over the round's wall time, and the
-decode-only rate (generated tokens over the longest generation time). With `--upstream` the servers
+sends N concurrent /completion requests, one per slot, with distinct prompts, no prompt cache and
+`ignore_eos`, twice: prefill (prompts of about `--prompt-tokens` tokens, one token generated) and
+decode (two-word prompts, `--n-predict` tokens generated). Reported per level: prompt tokens per
+second and generated tokens per second of the round's wall time, on the client's clock — the same
+measure for both servers, whatever each one reports in its own timings. With `--upstream` the servers
 take turns (`--repeat` times each, one at a time: never both on the CPU) and the best round of each
 is compared. Machines here are shared and noisy: compare rows of one run.
 """
@@ -51,16 +51,12 @@ def _flags(args: argparse.Namespace, n_slots: int) -> Flags:
                  threads=args.threads)  # fmt: skip
 
 
-async def _round(client: httpx.AsyncClient, n: int, args: argparse.Namespace, words: int) -> dict[str, Any]:
+async def _round(client: httpx.AsyncClient, n: int, words: int, n_predict: int, tag: int) -> dict[str, Any]:
+    """N concurrent requests, one per slot, distinct prompts of `words` words, no prompt cache."""
+
     async def one(i: int) -> dict[str, Any]:
-        body = {
-            "prompt": _prompt(i + 100 * n, words),
-            "id_slot": i,
-            "n_predict": args.n_predict,
-            "ignore_eos": True,
-            "temperature": 0,
-            "cache_prompt": False,
-        }
+        body = {"prompt": _prompt(i + 100 * tag, words), "id_slot": i, "n_predict": n_predict,
+                "ignore_eos": True, "temperature": 0, "cache_prompt": False}  # fmt: skip
         r = await client.post("/completion", json=body)
         r.raise_for_status()
         out: dict[str, Any] = r.json()
@@ -69,19 +65,24 @@ async def _round(client: httpx.AsyncClient, n: int, args: argparse.Namespace, wo
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one(i) for i in range(n)))
     wall = time.perf_counter() - t0
-    generated = sum(r["timings"]["predicted_n"] for r in results)
-    decode_s = max(r["timings"]["predicted_ms"] for r in results) / 1000.0
-    prompt_tokens = sum(r["timings"]["prompt_n"] for r in results)
-    prefill_s = max(r["timings"]["prompt_ms"] for r in results) / 1000.0
+    return {
+        "wall_s": wall,
+        "prompt_tokens": sum(r["timings"]["prompt_n"] for r in results),
+        "generated": sum(r["timings"]["predicted_n"] for r in results),
+    }
+
+
+async def _level(client: httpx.AsyncClient, n: int, args: argparse.Namespace, words: int) -> dict[str, Any]:
+    """One concurrency level, measured by the client's clock (both servers alike): prefill = long
+    prompts, one token each; decode = a few-word prompt, `--n-predict` tokens each."""
+    pre = await _round(client, n, words, 1, 1 + n)
+    dec = await _round(client, n, 2, args.n_predict, 50 + n)
     return {
         "slots": n,
-        "wall_s": wall,
-        "prompt_tokens": prompt_tokens,
-        "prefill_tokens_per_s": prompt_tokens / prefill_s if prefill_s > 0 else 0.0,
-        "generated": generated,
-        "tokens_per_s": generated / wall,
-        "decode_tokens_per_s": generated / decode_s if decode_s > 0 else 0.0,
-        "per_request_tokens_per_s": [round(r["timings"]["predicted_per_second"], 2) for r in results],
+        "prefill_tokens_per_s": pre["prompt_tokens"] / pre["wall_s"],
+        "decode_tokens_per_s": dec["generated"] / dec["wall_s"],
+        "prefill": pre,
+        "decode": dec,
     }
 
 
@@ -94,24 +95,15 @@ async def _bench(url: str, args: argparse.Namespace, concurrency: list[int]) -> 
         words = max(1, args.prompt_tokens // 2)
         tokens = (await client.post("/tokenize", json={"content": _prompt(0, words)})).json()["tokens"]
         words = max(1, int(words * args.prompt_tokens / max(len(tokens), 1)))
-        print(
-            f"model {props['model_path']} ({arch}); prompts of ~{args.prompt_tokens} "
-            f"tokens; {args.n_predict} generated per request",
-            flush=True,
-        )
-        await _round(client, 1, argparse.Namespace(**{**vars(args), "n_predict": 4}), words)  # warm-up
+        print(f"model {props['model_path']} ({arch}); prefill: prompts of ~{args.prompt_tokens} tokens; "
+              f"decode: {args.n_predict} tokens per request", flush=True)  # fmt: skip
+        await _round(client, 1, words, 4, 0)  # warm-up
         rows = []
         for n in concurrency:
-            row = await _round(client, n, args, words)
+            row = await _level(client, n, args, words)
             rows.append(row)
-            print(
-                f"  {n} busy slot(s): prefill {row['prefill_tokens_per_s']:8.1f} tok/s; "
-                f"{row['generated']:5d} tokens in {row['wall_s']:7.2f} s -> "
-                f"{row['tokens_per_s']:8.2f} tok/s aggregate, "
-                f"{row['decode_tokens_per_s']:8.2f} tok/s decode-only "
-                f"(per request: {row['per_request_tokens_per_s']})",
-                flush=True,
-            )
+            print(f"  {n} busy slot(s): prefill {row['prefill_tokens_per_s']:8.1f} tok/s, "
+                  f"decode {row['decode_tokens_per_s']:7.1f} tok/s", flush=True)  # fmt: skip
         return rows
 
 
@@ -121,7 +113,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--model", help="GGUF model (default: the generated qwen35 bench model)")
     ap.add_argument("--models-dir", default=os.path.join(".bench", "models"))
     ap.add_argument("--slots", default="1,2,4", help="concurrency levels, comma-separated (1,2,4)")
-    ap.add_argument("--n-predict", type=int, default=32)
+    ap.add_argument("--n-predict", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=0, help="engine threads (0: all)")
     ap.add_argument("--upstream", action="store_true", help="also run llama-server, taking turns")
@@ -161,7 +153,6 @@ def _best(runs: list[list[dict[str, Any]]], i: int) -> dict[str, Any]:
         "slots": rows[0]["slots"],
         "prefill_tokens_per_s": max(r["prefill_tokens_per_s"] for r in rows),
         "decode_tokens_per_s": max(r["decode_tokens_per_s"] for r in rows),
-        "tokens_per_s": max(r["tokens_per_s"] for r in rows),
     }
 
 

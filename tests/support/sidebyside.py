@@ -1,11 +1,14 @@
 """Resume costs of our engine and upstream llama-server, side by side, over the same HTTP API.
 
-Both servers get the same model, flags and token prompts (`/completion`, greedy, prompt cache on,
-one slot). Cases: cold first turn; live next turn; and after a save → restart (a new process) →
-restore: the next turn, a divergent retry inside the saved prompt, the identical prompt. Each row
-has the prompt tokens evaluated (`prompt_n`), the engine's prompt ms, and the wall ms of restore +
-completion as a client sees them. `ttft_curve` measures the restored next turn's time to first
-token against the session's length, for the README's plot.
+Both servers get the same model, flags and conversations through `/v1/chat/completions` (greedy,
+prompt cache on, one slot) — as agents call them: each renders the GGUF's chat template, so the next
+turn's prompt re-renders the history the way the template does (Qwen3.5 drops the reasoning block of
+past turns, so the next prompt leaves the saved one a few tokens before its end). Cases: cold first
+turn; live next turn; and after a save → restart (a new process) → restore: the next turn, a
+divergent retry inside the saved prompt, the identical conversation. Each row has the prompt tokens
+evaluated (`prompt_n`), the engine's prompt ms, and the wall ms of restore + completion as a client
+sees them. `ttft_curve` measures the restored next turn's time to first token against the
+session's length, for the README's plot.
 """
 
 from __future__ import annotations
@@ -21,24 +24,28 @@ from support.upstream import Flags, Server, start
 KINDS = ("slotkeeper", "llama-server")
 
 
+Messages = list[dict[str, str]]
+
+
 @dataclass
 class Row:
     case: str
     prompt_n: int
     prompt_ms: float
     wall_ms: float  # restore (when restored) + the completion, as the client saw them
-    tokens: list[int]
+    content: str
 
 
-def _row(case: str, srv: Server, prompt: list[int], n_predict: int, restore_ms: float = 0.0) -> Row:
+def _row(case: str, srv: Server, messages: Messages, n_predict: int, restore_ms: float = 0.0) -> Row:
     t0 = time.perf_counter()
-    out = srv.complete(prompt, n_predict, return_tokens=True)
+    out = srv.chat(messages, n_predict)
     wall = (time.perf_counter() - t0) * 1000 + restore_ms
     t = out["timings"]
-    return Row(case, int(t["prompt_n"]), float(t["prompt_ms"]), wall, list(out.get("tokens") or []))
+    content = str(out["choices"][0]["message"].get("content") or "")
+    return Row(case, int(t["prompt_n"]), float(t["prompt_ms"]), wall, content)
 
 
-def _restored(kind: str, flags: Flags, log: Path, case: str, prompt: list[int], n_predict: int) -> Row:
+def _restored(kind: str, flags: Flags, log: Path, case: str, prompt: Messages, n_predict: int) -> Row:
     srv = start(kind, flags, log)  # a restart: a new process with nothing in its slot
     try:
         t0 = time.perf_counter()
@@ -49,11 +56,16 @@ def _restored(kind: str, flags: Flags, log: Path, case: str, prompt: list[int], 
 
 
 def resume_rows(
-    kind: str, flags: Flags, first: list[int], follow_up: list[int], divergent: list[int], n_predict: int,
+    kind: str,
+    flags: Flags,
+    first: Messages,
+    follow_up: str,
+    divergent: Messages,
+    n_predict: int,
     workdir: Path,
-) -> list[Row]:  # fmt: skip
-    """The five cases on one kind of server. The next turn's prompt is the first prompt, the
-    server's own answer and `follow_up` (the end of the answer's turn and a new user message)."""
+) -> list[Row]:
+    """The five cases on one kind of server. The next turn is the first conversation, the
+    server's own answer, and `follow_up` as a new user message."""
     slot_dir = workdir / f"slots-{kind}"
     slot_dir.mkdir(parents=True, exist_ok=True)
     flags = Flags(**{**asdict(flags), "slot_dir": str(slot_dir)})
@@ -61,7 +73,7 @@ def resume_rows(
     srv = start(kind, flags, log)
     try:
         cold = _row("cold first turn", srv, first, n_predict)
-        nxt = first + cold.tokens + follow_up
+        nxt = [*first, {"role": "assistant", "content": cold.content}, {"role": "user", "content": follow_up}]
         srv.slot("save", 0, "session.slot")
         live = _row("live next turn", srv, nxt, n_predict)
     finally:
@@ -86,42 +98,46 @@ def print_side_by_side(rows: dict[str, list[Row]]) -> dict[str, Any]:
     summary = {
         "restored_over_live_ours": back.wall_ms / max(live.wall_ms, 1e-9),
         "upstream_restored_over_ours": up[2].wall_ms / max(back.wall_ms, 1e-9),
-        "restored_tokens_equal_live": back.tokens == live.tokens,
+        "restored_answer_equal_live": back.content == live.content,
     }
     print(f"ours: restored next turn {back.wall_ms:.0f} ms (restore included) vs live {live.wall_ms:.0f} ms "
           "= "
           f"{summary['restored_over_live_ours']:.2f}x; llama-server's restored next turn is "
-          f"{summary['upstream_restored_over_ours']:.1f}x ours; restored tokens == live tokens: "
-          f"{summary['restored_tokens_equal_live']}")  # fmt: skip
+          f"{summary['upstream_restored_over_ours']:.1f}x ours; restored answer == live answer: "
+          f"{summary['restored_answer_equal_live']}")  # fmt: skip
     return summary
 
 
 def ttft_curve(
-    kinds: tuple[str, ...], flags: Flags, lengths: list[int], build: Any, workdir: Path
+    kinds: tuple[str, ...], flags: Flags, lengths: list[int], build: Any, follow_up: str, workdir: Path
 ) -> dict[str, list[dict[str, float]]]:
     """Per kind and session length: the restored next turn's time to first token (restore + a
-    one-token completion), after a cold turn of that length was saved and the server restarted.
-    `build(length)` returns (first prompt, next prompt) token lists."""
+    one-token answer), after a cold turn of that length was saved and the server restarted.
+    `build(length)` returns the first conversation."""
     curve: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
     for length in lengths:
-        first, nxt = build(length)
+        first = build(length)
         for kind in kinds:
             with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-                slot_dir = Path(tmp)
-                f = Flags(
-                    **{**asdict(flags), "slot_dir": str(slot_dir), "ctx": max(flags.ctx, len(nxt) + 64)}
-                )
+                f = Flags(**{**asdict(flags), "slot_dir": tmp, "ctx": max(flags.ctx, 2 * length + 512)})
                 log = workdir / f"curve-{kind}.log"
                 srv = start(kind, f, log)
                 try:
-                    srv.complete(first, 1)
+                    cold = _row("cold", srv, first, 4)
                     srv.slot("save", 0, "session.slot")
                 finally:
                     srv.stop()
+                nxt = [
+                    *first,
+                    {"role": "assistant", "content": cold.content},
+                    {"role": "user", "content": follow_up},
+                ]
                 row = _restored(kind, f, log, "restored next turn", nxt, 1)
-            curve[kind].append({"tokens": len(nxt), "ttft_ms": row.wall_ms, "prompt_n": row.prompt_n})
-            print(f"  {kind:12} {len(nxt):6d} tokens: restored TTFT {row.wall_ms:8.0f} ms "
-                  f"(prompt_n {row.prompt_n})", flush=True)  # fmt: skip
+            curve[kind].append(
+                {"tokens": float(cold.prompt_n), "ttft_ms": row.wall_ms, "prompt_n": row.prompt_n}
+            )
+            print(f"  {kind:12} {cold.prompt_n:6d}-token session: restored next turn's TTFT "
+                  f"{row.wall_ms:8.0f} ms (prompt_n {row.prompt_n})", flush=True)  # fmt: skip
     return curve
 
 

@@ -88,6 +88,12 @@ class Server:
                 "cache_prompt": True, **extra}  # fmt: skip
         return self.post("/completion", body)
 
+    def chat(self, messages: list[dict[str, str]], max_tokens: int, slot: int = 0) -> dict[str, Any]:
+        """/v1/chat/completions in slot `slot`, greedy, the prompt cache on (how agents call)."""
+        body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "top_k": 1, "id_slot": slot,
+                "cache_prompt": True}  # fmt: skip
+        return self.post("/v1/chat/completions", body)
+
     def slot(self, action: str, slot: int, filename: str) -> dict[str, Any]:
         return self.post(f"/slots/{slot}?action={action}", {"filename": filename})
 
