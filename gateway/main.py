@@ -25,6 +25,7 @@ from engine_pool.http_deadlines import header_deadline
 from gateway.app import build_app
 from gateway.cluster import Cluster
 from gateway.metrics import Metrics
+from gateway.relay import engine_session
 from gateway.retention import Retention
 from gateway.services import Services
 from gateway.settings import GatewaySettings, SettingsError, parse_settings
@@ -83,6 +84,7 @@ async def services(
         timeout=httpx.Timeout(settings.request_timeout_s, connect=5.0),
         headers=auth_headers(settings.internal_key),
     )
+    engines = engine_session(auth_headers(settings.internal_key), settings.request_timeout_s)
     if settings.redis_url is None:
         # The in-process index starts empty: storage is the source of truth for spilled sessions.
         report = await reindex(store, index)
@@ -117,7 +119,7 @@ async def services(
         task = asyncio.create_task(retention.run(runner.delete), name="retention")
     try:
         yield Services(
-            settings, tenants, index, locks, registry, store, http, cluster, runner, metrics,
+            settings, tenants, index, locks, registry, store, http, engines, cluster, runner, metrics,
             ResponseStore(store), retention,
         )  # fmt: skip
     finally:
@@ -125,6 +127,7 @@ async def services(
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         await http.aclose()
+        await engines.close()
         for node in runner.nodes.values():
             await node.aclose()
         if own_store:

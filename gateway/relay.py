@@ -5,16 +5,19 @@ assistant said (content and tool calls of the first choice, for implicit routing
 usage and timings (llama-server's numbers; the engine's `slotkeeper` reuse facts pass through). An
 engine failure before the first byte becomes a 503 with Retry-After (the caller may retry); after
 the first byte it becomes an error event in the stream, never a hang.
+
+The client is aiohttp's (`engine_session`, one per gateway, keep-alive): on the request path it
+costs a fraction of httpx's CPU per request, which the gateway's added latency is mostly made of.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 
 from engine_pool.errors import ApiError, Unavailable, Upstream, error_payload, for_status
 
@@ -61,31 +64,59 @@ def _upstream_error(resp_status: int, payload: Any) -> ApiError:
     )  # fmt: skip
 
 
-async def _send(client: httpx.AsyncClient, request: httpx.Request, *, stream: bool) -> httpx.Response:
+def engine_session(headers: Mapping[str, str], request_timeout_s: float) -> aiohttp.ClientSession:
+    """The gateway's one client for engines: keep-alive, no pool limit (the tenants' in-flight
+    limits bound it), connect within 5 s, every read within the request timeout."""
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=request_timeout_s)
+    return aiohttp.ClientSession(
+        headers=dict(headers), timeout=timeout, connector=aiohttp.TCPConnector(limit=0), auto_decompress=False
+    )
+
+
+_JSON = {"content-type": "application/json"}
+
+
+async def _send(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
     """Send to the engine. A failure fails this request only: whether the engine died is for its node
     to say (process exit, failed health checks, a new registration), never inferred from one request."""
     try:
-        return await client.send(request, stream=stream)
-    except httpx.TimeoutException as exc:
+        return await session.post(url, data=json.dumps(body).encode(), headers=_JSON)
+    except TimeoutError as exc:
         raise EngineTimeout(f"the engine did not answer in time ({type(exc).__name__})") from exc
-    except httpx.HTTPError as exc:
+    except aiohttp.ClientError as exc:
         raise Unavailable(f"the engine is unreachable ({type(exc).__name__}); retry", retry_after=1) from exc
 
 
+async def _read(resp: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await resp.read()
+    except TimeoutError as exc:
+        raise EngineTimeout(f"the engine did not answer in time ({type(exc).__name__})") from exc
+    except aiohttp.ClientError as exc:
+        raise Unavailable(
+            f"the engine answer broke off ({type(exc).__name__}); retry", retry_after=1
+        ) from exc
+    finally:
+        resp.release()
+
+
 async def forward_json(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any]
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any]
 ) -> tuple[dict[str, Any], TurnOutcome]:
     """Non-streaming request: the engine's JSON and what it means for the session (its bytes
     are `TurnOutcome.body`, to pass on without encoding them again)."""
-    resp = await _send(client, client.build_request("POST", url, json=body), stream=False)
+    resp = await _send(session, url, body)
+    raw = await _read(resp)
     try:
-        payload = resp.json()
+        payload = json.loads(raw)
     except ValueError:
-        raise Upstream(f"the engine answered {resp.status_code} without JSON") from None
-    if resp.status_code != 200:
-        raise _upstream_error(resp.status_code, payload)
+        raise Upstream(f"the engine answered {resp.status} without JSON") from None
+    if not isinstance(payload, dict):
+        raise Upstream(f"the engine answered {resp.status} without a JSON object")
+    if resp.status != 200:
+        raise _upstream_error(resp.status, payload)
     out = TurnOutcome(ok=True, usage=payload.get("usage") or {}, timings=payload.get("timings") or {},
-                      body=resp.content)  # fmt: skip
+                      body=raw)  # fmt: skip
     choices = payload.get("choices") or [{}]
     message = choices[0].get("message") or {}
     out.content = message.get("content") or choices[0].get("text") or ""
@@ -96,24 +127,35 @@ async def forward_json(
 class StreamRelay:
     """An open engine stream: iterate `chunks()` to relay it; `outcome` fills in as it goes."""
 
-    def __init__(self, response: httpx.Response) -> None:
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
         self._response = response
         self.outcome = TurnOutcome()
         self._buffer = b""
         self._calls: dict[int, dict[str, Any]] = {}
 
     @classmethod
-    async def open(cls, client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> StreamRelay:
-        resp = await _send(client, client.build_request("POST", url, json=body), stream=True)
-        if resp.status_code != 200:
-            raw = await resp.aread()
-            await resp.aclose()
+    async def open(cls, session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> StreamRelay:
+        resp = await _send(session, url, body)
+        if resp.status != 200:
+            raw = await _read(resp)
             try:
                 payload = json.loads(raw)
             except ValueError:
                 payload = {}
-            raise _upstream_error(resp.status_code, payload)
+            raise _upstream_error(resp.status, payload if isinstance(payload, dict) else {})
         return cls(resp)
+
+    async def _raw(self) -> AsyncGenerator[bytes, None]:
+        """The body as it arrives; the connection goes back to the pool only after a complete one
+        (left early — the client went away — it is closed, which cancels the engine's request)."""
+        try:
+            async for data in self._response.content.iter_any():
+                yield data
+        finally:
+            if self._response.content.at_eof():
+                self._response.release()
+            else:
+                self._response.close()
 
     def _observe(self, data: bytes) -> list[dict[str, Any]]:
         """Read the complete events in `data` (with what was buffered): the chunks they carry."""
@@ -166,25 +208,27 @@ class StreamRelay:
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         """The stream's chunks as objects (for a caller that re-renders them in another API's
         shape); a broken stream ends with an `{"error": ...}` object."""
+        raw = self._raw()
         try:
-            async for data in self._response.aiter_raw():
+            async for data in raw:
                 for chunk in self._observe(data):
                     yield chunk
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, TimeoutError) as exc:
             self.outcome.ok = False
             self.outcome.error = f"the engine stream broke ({type(exc).__name__})"
             yield error_payload(Unavailable(_BROKE))
         finally:
-            await self._response.aclose()
+            await raw.aclose()
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        raw = self._raw()
         try:
-            async for data in self._response.aiter_raw():
+            async for data in raw:
                 self._observe(data)
                 yield data
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, TimeoutError) as exc:
             self.outcome.ok = False
             self.outcome.error = f"the engine stream broke ({type(exc).__name__})"
             yield b"data: " + json.dumps(error_payload(Unavailable(_BROKE))).encode() + b"\n\n"
         finally:
-            await self._response.aclose()
+            await raw.aclose()

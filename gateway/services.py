@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import aiohttp
 import httpx
 
 from gateway.cluster import Cluster
@@ -27,7 +28,8 @@ class Services:
     locks: SessionLocks
     registry: EngineRegistry
     store: BlobStore
-    http: httpx.AsyncClient
+    http: httpx.AsyncClient  # node agents (probes, slot operations)
+    engines: aiohttp.ClientSession  # engine requests (gateway.relay)
     cluster: Cluster
     runner: TurnRunner
     metrics: Metrics

@@ -126,7 +126,7 @@ async def forward_stateless(svc: Services, model: str, path: str, data: dict[str
     if not engines:
         raise Unavailable(f"no engine of {model!r} is ready; retry", retry_after=2)
     engine = engines[secrets.randbelow(len(engines))]
-    payload, _ = await forward_json(svc.http, engine.url.rstrip("/") + path, {**data, "model": model})
+    payload, _ = await forward_json(svc.engines, engine.url.rstrip("/") + path, {**data, "model": model})
     return payload
 
 
@@ -160,7 +160,7 @@ async def serve_turn(
     if not body.get("stream"):
         outcome = TurnOutcome()
         try:
-            payload, outcome = await forward_json(svc.http, url, upstream)
+            payload, outcome = await forward_json(svc.engines, url, upstream)
             answer = await dialect.answer(payload, turn) if dialect else None
         except (ApiError, StorageError) as exc:
             outcome.ok = False
@@ -177,7 +177,7 @@ async def serve_turn(
             return Response(outcome.body, media_type="application/json", headers=session_headers(turn))
         return JSONResponse(answer, headers=session_headers(turn))
     try:
-        relay = await StreamRelay.open(svc.http, url, upstream)
+        relay = await StreamRelay.open(svc.engines, url, upstream)
     except BaseException as exc:
         svc.runner.finish_soon(turn, messages, TurnOutcome(error=getattr(exc, "message", "cancelled")))
         raise

@@ -12,7 +12,7 @@ import pytest
 from gateway.cluster import Cluster
 from gateway.metrics import Metrics
 from gateway.placement import Placement, Serve
-from gateway.relay import EngineTimeout, TurnOutcome, forward_json
+from gateway.relay import EngineTimeout, TurnOutcome, engine_session, forward_json
 from gateway.tenants import Tenant
 from gateway.turns import Turn, TurnRunner, fork_id
 from storage.engines import EngineRegistry
@@ -84,7 +84,7 @@ async def test_an_engine_that_does_not_answer_in_time_gets_504_for_that_request(
     server = await asyncio.start_server(silent, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     async with server:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(0.3, connect=1)) as client:
+        async with engine_session({}, request_timeout_s=0.3) as client:
             with pytest.raises(EngineTimeout) as err:
                 await forward_json(client, f"http://127.0.0.1:{port}/v1/chat/completions", {"x": 1})
         await asyncio.wait_for(gone.wait(), 5)
