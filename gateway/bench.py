@@ -32,6 +32,8 @@ def main(argv: list[str]) -> int:
     if name not in names:
         print(f"slotkeeper bench: no benchmark {name!r} (have: {', '.join(names)})", file=sys.stderr)
         return 2
+    if str(root.parent) not in sys.path:  # the benchmarks use the test suites' helpers (tests/support)
+        sys.path.insert(0, str(root.parent))
     spec = importlib.util.spec_from_file_location(f"bench_{name}", root / f"bench_{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

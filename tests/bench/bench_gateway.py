@@ -40,15 +40,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from support.report import pct, table
+from support.servers import MotoProcess, free_port, redis_server, wait_until
 
 from native.model_gen import cached_model
 
-_TESTS = Path(__file__).resolve().parents[1]
-_ROOT = _TESTS.parent
-if str(_TESTS) not in sys.path:  # the real-server helpers the test suites use (tests/support)
-    sys.path.insert(0, str(_TESTS))
-from support.report import pct, table  # noqa: E402
-from support.servers import MotoProcess, free_port, redis_server, wait_until  # noqa: E402
+_ROOT = Path(__file__).resolve().parents[2]
 
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 BUCKET = "slots"  # created by MotoProcess before it listens

@@ -17,22 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import jinja2.sandbox
+from support import sidebyside
+from support.upstream import Flags
 
 import native
 from native.model_gen import cached_model
-
-_TESTS = Path(__file__).resolve().parents[1]
-if str(_TESTS) not in sys.path:  # the benchmark helpers beside the tests (tests/support)
-    sys.path.insert(0, str(_TESTS))
-from support import sidebyside  # noqa: E402
-from support.upstream import Flags  # noqa: E402
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

@@ -49,11 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-_TESTS = Path(__file__).resolve().parents[1]
-if str(_TESTS) not in sys.path:  # the helpers the test suites use (tests/support)
-    sys.path.insert(0, str(_TESTS))
-from support.served import ServedStore  # noqa: E402
+from support.served import ServedStore
 
 MiB = 1 << 20
 TARGET = 0.7

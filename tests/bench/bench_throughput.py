@@ -19,20 +19,15 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+from support.upstream import Flags, start
 
 from native.model_gen import cached_model
-
-_TESTS = Path(__file__).resolve().parents[1]
-if str(_TESTS) not in sys.path:  # the benchmark helpers beside the tests (tests/support)
-    sys.path.insert(0, str(_TESTS))
-from support.upstream import Flags, start  # noqa: E402
 
 WORDS = (
     "the model state is saved in a slot cache then restored for the user every session keeps its "
@@ -172,7 +167,3 @@ def _print_ratios(best: dict[str, list[dict[str, Any]]], concurrency: list[int])
         )
         out.append({"slots": ours["slots"], "prefill_ratio": p, "decode_ratio": d})
     return out
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
