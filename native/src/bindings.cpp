@@ -262,4 +262,8 @@ PYBIND11_MODULE(_native, m) {
         std::string_view v = data;
         return crc32_update(value, v.data(), v.size());
     }, py::arg("data"), py::arg("value") = 0);
+    m.def("crc32_portable", [](py::bytes data, uint32_t value) {
+        std::string_view v = data;
+        return crc32_portable(value, v.data(), v.size());
+    }, py::arg("data"), py::arg("value") = 0);
 }

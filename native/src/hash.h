@@ -9,6 +9,8 @@
 namespace sk {
 
 uint32_t crc32_update(uint32_t crc, const void * data, size_t n);
+// The portable slicing-by-8 implementation crc32_update uses where zlib is not linked.
+uint32_t crc32_portable(uint32_t crc, const void * data, size_t n);
 
 class Sha256 {
 public:
