@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -196,4 +197,10 @@ async def serve_turn(
             svc.metrics.turn_served(turn.placement.serve.value, relay.outcome.timings)
             svc.runner.finish_soon(turn, messages, relay.outcome)
 
-    return StreamingResponse(relayed(), media_type="text/event-stream", headers=session_headers(turn))
+    async def settle() -> None:
+        # A client that leaves before the body is first iterated never runs `relayed`'s `finally`
+        # (an unstarted generator is not finalized); the response's background still runs.
+        svc.runner.finish_soon(turn, messages, relay.outcome)
+
+    return StreamingResponse(relayed(), media_type="text/event-stream", headers=session_headers(turn),
+                             background=BackgroundTask(settle))  # fmt: skip

@@ -62,6 +62,7 @@ class Turn:
     source: str  # how the session was found: header | prompt_cache_key | implicit | new | fork
     forked_from: str | None = None
     inflight: str = ""  # the tenant's in-flight place this turn holds (given back by `finish`)
+    settled: bool = False  # `finish_soon` ran
 
     @property
     def lock(self) -> SessionLock:
@@ -462,7 +463,12 @@ class TurnRunner:
         self.holds.answered(turn.hold)
 
     def finish_soon(self, turn: Turn, messages: Sequence[Mapping[str, Any]], outcome: TurnOutcome) -> None:
-        """`finish` as a task beside the answer going out (marked answered first, synchronously)."""
+        """`finish` as a task beside the answer going out (marked answered first, synchronously).
+        Once per turn: a second call (a stream's end and its response's background both settle it)
+        does nothing."""
+        if turn.settled:
+            return
+        turn.settled = True
         self.answered(turn)
         task = asyncio.create_task(self.finish(turn, messages, outcome), name=f"finish:{turn.session}")
         self._tasks.add(task)

@@ -115,3 +115,28 @@ async def test_models_that_nodes_run_but_no_engine_serves_yet_are_told_from_unkn
         assert await up.configured_models() == {"qwen35"}  # but a node runs one: 503, not 404
         half = Cluster(EngineRegistry(index._redis), index, locks, ("http://n1", "http://n2"), http)
         assert await half.configured_models() is None  # a node did not answer: nobody can say 404
+
+
+async def test_a_turn_is_settled_once_whoever_asks(parts) -> None:
+    """A stream's end and its response's background both settle the turn: the bookkeeping runs once."""
+    index, locks, _, _ = parts
+    runner = _runner(parts)
+    await index.create("t", "once", model="m")
+    await index.mark_live("t", "once", engine="e1", slot=0, tokens=10)
+    lock = await locks.try_acquire("t", "once", ttl_s=5)
+    assert lock is not None
+    hold = runner.holds.start(lock, await index.find("t", "once"))
+    turn = Turn(Tenant("t"), "once", "m", hold, Placement("e1", 0, Serve.LIVE), "http://e1", None, "header")  # type: ignore[arg-type]
+    calls = []
+    real = runner.finish
+
+    async def counting(*args, **kwargs):
+        calls.append(1)
+        await real(*args, **kwargs)
+
+    runner.finish = counting  # type: ignore[method-assign]
+    runner.finish_soon(turn, [], TurnOutcome(error="client left"))
+    runner.finish_soon(turn, [], TurnOutcome(error="client left"))
+    await runner.drain()
+    assert calls == [1]
+    assert await locks.owner("t", "once") is None and await index.is_idle("t", "once")
