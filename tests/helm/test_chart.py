@@ -1,9 +1,10 @@
 """helm/slotkeeper: the chart sets exactly the SLOTKEEPER_* variables the processes read.
 
-The text checks need only PyYAML. With a `helm` binary on PATH the chart is also linted and rendered,
-the rendered environments are handed to the real settings parsers (`gateway.settings`,
-`engine_pool.pool.settings`), so a value the code would refuse fails here, not in a cluster, and
-one test starts `slotkeeper node` and `slotkeeper gateway` with exactly that environment.
+The chart is linted and rendered by Helm's own engine through `helm-python-sdk` (Helm's Go SDK
+behind a C ABI: no `helm` binary, no cluster), the rendered environments are handed to the real
+settings parsers (`gateway.settings`, `engine_pool.pool.settings`), so a value the code would refuse
+fails here, not in a cluster, and one test starts `slotkeeper node` and `slotkeeper gateway` with
+exactly that environment.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import base64
 import os
 import re
-import shutil
 import signal
 import subprocess
 from collections.abc import Callable, Iterable
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import helm_python
 import httpx
 import pytest
 from support.servers import free_port, wait_until
@@ -47,8 +48,6 @@ NAME = re.compile(r"SLOTKEEPER_[A-Z0-9_]+")
 NOT_SET: dict[str, str] = {}
 # Variables the gateway gets that are not its own settings: boto3's credential chain.
 BOTO_ENV = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
-HELM = shutil.which("helm")
-needs_helm = pytest.mark.skipif(HELM is None, reason="no helm binary on PATH")
 
 
 # -- without helm: the template text against the FLAGS tables --------------------------------------
@@ -86,36 +85,60 @@ def test_only_the_env_template_names_variables() -> None:
     assert not {k: v for k, v in others.items() if v}
 
 
-# -- with helm: lint, render, parse with the real settings ------------------------------------------
-def helm(*args: str) -> subprocess.CompletedProcess[str]:
-    assert HELM is not None
-    return subprocess.run([HELM, *args], capture_output=True, text=True, timeout=60, check=False)
+# -- rendered by Helm's engine: lint, render, parse with the real settings ---------------------------
+def _merge(into: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """`-f`/`--set` layering: maps merge key by key, anything else is replaced."""
+    for key, value in more.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+    return into
+
+
+def user_values(
+    values: tuple[str, ...], sets: tuple[str, ...] = (), set_json: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """What `-f ci/VALUES --set S --set-json J` give, in that order."""
+    merged: dict[str, Any] = {}
+    for v in values:
+        _merge(merged, helm_python.values_from_yaml((CHART / "ci" / v).read_text()))
+    for s in sets:
+        _merge(merged, helm_python.parse_set_string(s))
+    for s in set_json:
+        _merge(merged, helm_python.parse_set_json(s))
+    return merged
+
+
+def template(values: dict[str, Any], ns: str = "default") -> dict[str, str]:
+    """`helm template sk CHART --namespace NS`: the values checked against the chart's schema, then
+    every template rendered (template path → manifest text)."""
+    chart = helm_python.Chart.load(CHART)
+    try:
+        chart.validate_schema(values)
+        return chart.render(values, name="sk", namespace=ns)
+    finally:
+        chart.close()
 
 
 def render(
     *values: str, sets: tuple[str, ...] = (), set_json: tuple[str, ...] = (), ns: str = "ai"
 ) -> dict[tuple[str, str], Any]:
     """`helm template` → {(kind, name): manifest}."""
-    args = ["template", "sk", str(CHART), "--namespace", ns]
-    for v in values:
-        args += ["-f", str(CHART / "ci" / v)]
-    for s in sets:
-        args += ["--set", s]
-    for s in set_json:
-        args += ["--set-json", s]
-    out = helm(*args)
-    assert out.returncode == 0, out.stderr
-    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    out = template(user_values(values, sets, set_json), ns)
+    docs = [
+        d for path, text in out.items() if not path.endswith(".txt") for d in yaml.safe_load_all(text) if d
+    ]
     return {(d["kind"], d["metadata"]["name"]): d for d in docs}
 
 
+KEY = "internalKey.value=test-internal-key-0123456789"  # so that the check under test is the one that fails
+
+
 def render_error(*sets: str) -> str:
-    args = ["template", "sk", str(CHART)]
-    for s in sets:
-        args += ["--set", s]
-    out = helm(*args)
-    assert out.returncode != 0, "expected helm template to refuse these values"
-    return out.stderr
+    with pytest.raises(helm_python.HelmError) as err:
+        template(user_values((), sets))
+    return str(err.value)
 
 
 def pod_spec(docs: dict[tuple[str, str], Any], kind: str, name: str) -> dict[str, Any]:
@@ -146,14 +169,14 @@ FAKE = {
 VALUE_SETS = [("demo-values.yaml",), ("external-values.yaml",)]
 
 
-@needs_helm
 @pytest.mark.parametrize("values", ["demo-values.yaml", "external-values.yaml"])
 def test_helm_lint_strict(values: str) -> None:
-    out = helm("lint", "--strict", str(CHART), "-f", str(CHART / "ci" / values))
-    assert out.returncode == 0, out.stdout + out.stderr
+    report = helm_python.lint(CHART, user_values((values,)), strict=True)
+    # `helm lint --strict` fails on warnings (severity 2) and errors (3); info (1) passes.
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not problems and not report["errors"], report
 
 
-@needs_helm
 @pytest.mark.parametrize("values", VALUE_SETS)
 def test_rendered_environment_parses_with_the_real_settings(values: tuple[str, ...]) -> None:
     docs = render(*values)
@@ -180,7 +203,6 @@ def test_rendered_environment_parses_with_the_real_settings(values: tuple[str, .
     assert all(m.startswith("/") for m in node.models)
 
 
-@needs_helm
 @pytest.mark.parametrize("values", VALUE_SETS)
 def test_gateway_addresses_every_node_pod(values: tuple[str, ...]) -> None:
     docs = render(*values)
@@ -197,7 +219,6 @@ def test_gateway_addresses_every_node_pod(values: tuple[str, ...]) -> None:
         assert (parts.hostname or "").startswith(f"sk-slotkeeper-node-{i}.{svc['metadata']['name']}.ai.svc.")
 
 
-@needs_helm
 @pytest.mark.parametrize("values", VALUE_SETS)
 def test_node_is_given_time_to_drain(values: tuple[str, ...]) -> None:
     docs = render(*values)
@@ -211,15 +232,17 @@ def test_node_is_given_time_to_drain(values: tuple[str, ...]) -> None:
     assert probes["readinessProbe"]["httpGet"]["path"] == "/health"
 
 
-@needs_helm
 def test_a_grace_period_shorter_than_the_drain_is_refused() -> None:
     err = render_error(
-        "redis.enabled=true", "s3.bucket=b", "node.drainGraceS=100", "node.terminationGracePeriodSeconds=60"
+        KEY,
+        "redis.enabled=true",
+        "s3.bucket=b",
+        "node.drainGraceS=100",
+        "node.terminationGracePeriodSeconds=60",
     )
     assert "terminationGracePeriodSeconds" in err
 
 
-@needs_helm
 def test_pods_probe_and_drop_service_links() -> None:
     docs = render("demo-values.yaml")
     gw = pod_spec(docs, "Deployment", "sk-slotkeeper-gateway")["containers"][0]
@@ -234,21 +257,20 @@ def test_pods_probe_and_drop_service_links() -> None:
     assert ("PodDisruptionBudget", "sk-slotkeeper-node") in docs
 
 
-@needs_helm
 @pytest.mark.parametrize(
     ("sets", "message"),
     [
-        (("s3.bucket=b",), "shared Redis"),
-        (("redis.enabled=true",), "s3.bucket"),
-        (("redis.enabled=true", "s3.bucket=b", "s3.accessKey=a"), "go together"),
-        (("redis.enabled=true", "s3.bucket=b", "node.engineArgs={--override-kv,a=1\\,b=2}"), "comma"),
+        (("s3.bucket=b",), "internalKey.value or internalKey.existingSecret is required"),
+        ((KEY, "s3.bucket=b"), "shared Redis"),
+        ((KEY, "redis.enabled=true"), "s3.bucket"),
+        ((KEY, "redis.enabled=true", "s3.bucket=b", "s3.accessKey=a"), "go together"),
+        ((KEY, "redis.enabled=true", "s3.bucket=b", "node.engineArgs={--override-kv,a=1\\,b=2}"), "comma"),
     ],
 )
 def test_incomplete_values_are_refused(sets: tuple[str, ...], message: str) -> None:
     assert message in render_error(*sets)
 
 
-@needs_helm
 def test_a_setting_rolls_only_the_pods_that_read_it() -> None:
     """Rolling the nodes drains every live session: a gateway-only change must not do it."""
 
@@ -267,7 +289,6 @@ def test_a_setting_rolls_only_the_pods_that_read_it() -> None:
     assert more_nodes[0] != base[0] and more_nodes[1] == base[1]
 
 
-@needs_helm
 @pytest.mark.slow
 def test_the_rendered_environment_runs_a_node_and_a_gateway(
     tiny_model: Callable[..., str], redis_port: int, moto_server: Any, tmp_path: Path
@@ -350,3 +371,27 @@ def test_the_rendered_environment_runs_a_node_and_a_gateway(
                 p.wait()
         for log in ("node.log", "gateway.log"):  # shown by pytest when the test failed
             print(f"--- {log}\n{(tmp_path / log).read_text(errors='replace')[-4000:]}")
+
+
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_every_rendered_manifest_validates_strictly_against_the_kubernetes_schemas(
+    values: tuple[str, ...],
+) -> None:
+    """`kubernetes-validate --strict` offline (unknown fields are errors), Kubernetes 1.30; custom
+    resources (the ServiceMonitor) have no schema there and are checked for their kind only."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    docs = render(
+        *values, sets=("gateway.serviceMonitor.enabled=true", "gateway.podDisruptionBudget.enabled=true")
+    )
+    assert ("ServiceMonitor", "sk-slotkeeper-gateway") in docs
+    checked = 0
+    for (kind, name), doc in docs.items():
+        if kind == "ServiceMonitor":
+            assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+            continue
+        try:
+            kubernetes_validate.validate(doc, "1.30.0", strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            raise AssertionError(f"{kind}/{name}: {exc.message} at {list(exc.path)}") from None
+        checked += 1
+    assert checked >= 6
