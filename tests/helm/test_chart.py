@@ -112,10 +112,11 @@ def user_values(
 
 def template(values: dict[str, Any], ns: str = "default") -> dict[str, str]:
     """`helm template sk CHART --namespace NS`: the values checked against the chart's schema, then
-    every template rendered (template path → manifest text)."""
+    every template rendered (template path → manifest text). The schema sees the defaults merged
+    with `values`, as an install would."""
     chart = helm_python.Chart.load(CHART)
     try:
-        chart.validate_schema(values)
+        chart.validate_schema(chart.merge_values(values))
         return chart.render(values, name="sk", namespace=ns)
     finally:
         chart.close()
@@ -395,3 +396,22 @@ def test_every_rendered_manifest_validates_strictly_against_the_kubernetes_schem
             raise AssertionError(f"{kind}/{name}: {exc.message} at {list(exc.path)}") from None
         checked += 1
     assert checked >= 6
+
+
+@pytest.mark.parametrize(
+    ("sets", "where"),
+    [
+        (("gatway.replicas=2",), "additional properties 'gatway' not allowed"),
+        (("gateway.replicas=-1",), "/gateway/replicas"),
+        (("node.slots=0",), "/node/slots"),
+        (("gateway.logLevel=verbose",), "/gateway/logLevel"),
+        (("node.port=70000",), "/node/port"),
+        (("gateway.maxBodyBytes=lots",), "/gateway/maxBodyBytes"),
+        (("node.models[0].alias=x",), "/node/models/0"),
+        (("image.pullPolicy=Sometimes",), "/image/pullPolicy"),
+    ],
+)
+def test_the_values_schema_refuses_bad_values(sets: tuple[str, ...], where: str) -> None:
+    """values.schema.json: a typo, a negative count, an unknown level or a malformed size is refused
+    before anything renders, naming the value."""
+    assert where in render_error(KEY, "redis.enabled=true", "s3.bucket=b", *sets)
