@@ -415,3 +415,55 @@ def test_the_values_schema_refuses_bad_values(sets: tuple[str, ...], where: str)
     """values.schema.json: a typo, a negative count, an unknown level or a malformed size is refused
     before anything renders, naming the value."""
     assert where in render_error(KEY, "redis.enabled=true", "s3.bucket=b", *sets)
+
+
+def _matches(selector: dict[str, str], pod_labels: dict[str, str]) -> bool:
+    return all(pod_labels.get(k) == v for k, v in selector.items())
+
+
+def _selects(policy: dict[str, Any], pod_labels: dict[str, str]) -> bool:
+    return _matches(policy["spec"]["podSelector"]["matchLabels"], pod_labels)
+
+
+def _peer_labels(rule: dict[str, Any]) -> list[dict[str, str]]:
+    return [
+        p["podSelector"]["matchLabels"] for p in rule.get("from", rule.get("to", [])) if "podSelector" in p
+    ]
+
+
+@pytest.mark.parametrize("egress", [False, True])
+def test_network_policies_let_only_gateway_pods_reach_nodes_and_engines(egress: bool) -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    sets = ("networkPolicy.enabled=true", f"networkPolicy.restrictEgress={str(egress).lower()}")
+    s3 = 'networkPolicy.egressTo=[{"to":[{"ipBlock":{"cidr":"10.0.0.0/16"}}],"ports":[{"port":443}]}]'
+    docs = render("demo-values.yaml", sets=sets, set_json=(s3,))
+    policies = {name: d for (kind, name), d in docs.items() if kind == "NetworkPolicy"}
+    assert set(policies) == {"sk-slotkeeper-node", "sk-slotkeeper-gateway", "sk-slotkeeper-redis"}
+    for doc in policies.values():
+        kubernetes_validate.validate(doc, "1.30.0", strict=True)
+    labels = {
+        kind_name[1]: d["spec"]["template"]["metadata"]["labels"]
+        for kind_name, d in docs.items()
+        if kind_name[0] in ("Deployment", "StatefulSet")
+    }
+    gateway, node, redis = (
+        labels["sk-slotkeeper-gateway"],
+        labels["sk-slotkeeper-node"],
+        labels["sk-slotkeeper-redis"],
+    )
+    node_policy, redis_policy = policies["sk-slotkeeper-node"], policies["sk-slotkeeper-redis"]
+    # Each policy selects its own pods, and no one else's.
+    assert _selects(node_policy, node) and not _selects(node_policy, gateway)
+    assert _selects(policies["sk-slotkeeper-gateway"], gateway) and _selects(redis_policy, redis)
+    # Nodes (agent and engines, every TCP port): from gateway pods only. Redis: gateway and nodes.
+    (rule,) = node_policy["spec"]["ingress"]
+    (peer,) = _peer_labels(rule)
+    assert _matches(peer, gateway) and not _matches(peer, node)
+    assert rule["ports"] == [{"protocol": "TCP", "port": 1, "endPort": 65535}]
+    froms = _peer_labels(redis_policy["spec"]["ingress"][0])
+    assert any(_matches(f, gateway) for f in froms) and any(_matches(f, node) for f in froms)
+    assert ("Egress" in node_policy["spec"]["policyTypes"]) is egress
+    if egress:
+        rules = node_policy["spec"]["egress"]
+        assert {"ipBlock": {"cidr": "10.0.0.0/16"}} in [p for r in rules for p in r.get("to", [])]
+        assert any({"protocol": "UDP", "port": 53} in r.get("ports", []) for r in rules)  # DNS

@@ -163,3 +163,22 @@ pick itself: the file name without .gguf), since the node matches them to models
 {{- end }}
 {{- join "," .Values.node.engineArgs }}
 {{- end }}
+
+{{/* Egress both components need once it is restricted: DNS, the in-chart Redis, and the peers the
+operator names for an external Redis and S3 (`networkPolicy.egressTo`: NetworkPolicyEgressRule items). */}}
+{{- define "slotkeeper.networkPolicy.egress" -}}
+- ports:
+    - {protocol: UDP, port: 53}
+    - {protocol: TCP, port: 53}
+{{- if .Values.redis.enabled }}
+- to:
+    - podSelector:
+        matchLabels:
+          {{- include "slotkeeper.selectorLabels" (list . "redis") | nindent 10 }}
+  ports:
+    - {protocol: TCP, port: 6379}
+{{- end }}
+{{- with .Values.networkPolicy.egressTo }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
