@@ -467,3 +467,29 @@ def test_network_policies_let_only_gateway_pods_reach_nodes_and_engines(egress: 
         rules = node_policy["spec"]["egress"]
         assert {"ipBlock": {"cidr": "10.0.0.0/16"}} in [p for r in rules for p in r.get("to", [])]
         assert any({"protocol": "UDP", "port": 53} in r.get("ports", []) for r in rules)  # DNS
+
+
+def test_gateway_replicas_spread_and_autoscale() -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    fixed = render("demo-values.yaml")
+    spec = fixed[("Deployment", "sk-slotkeeper-gateway")]["spec"]
+    labels = spec["template"]["metadata"]["labels"]
+    spread = spec["template"]["spec"]["topologySpreadConstraints"]
+    assert {c["topologyKey"] for c in spread} == {"kubernetes.io/hostname", "topology.kubernetes.io/zone"}
+    assert all(_matches(c["labelSelector"]["matchLabels"], labels) for c in spread)
+    assert spec["replicas"] >= 1 and ("HorizontalPodAutoscaler", "sk-slotkeeper-gateway") not in fixed
+    scaled = render(
+        "demo-values.yaml", sets=("gateway.autoscaling.enabled=true", "gateway.autoscaling.maxReplicas=6")
+    )
+    hpa = scaled[("HorizontalPodAutoscaler", "sk-slotkeeper-gateway")]
+    kubernetes_validate.validate(hpa, "1.30.0", strict=True)
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "sk-slotkeeper-gateway",
+    }
+    assert hpa["spec"]["maxReplicas"] == 6
+    assert "replicas" not in scaled[("Deployment", "sk-slotkeeper-gateway")]["spec"]  # the HPA owns it
+    assert "/gateway/autoscaling/targetCPUUtilizationPercentage" in render_error(
+        KEY, "redis.enabled=true", "s3.bucket=b", "gateway.autoscaling.targetCPUUtilizationPercentage=0"
+    )
