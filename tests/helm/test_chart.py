@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -313,6 +314,8 @@ def test_the_rendered_environment_runs_a_node_and_a_gateway(
         f"node.modelVolume.mountPath={model.parent}",
         "node.drainGraceS=30",
         "node.engineStopGraceS=5",
+        "helmTest.apiKey=sk-demo-1",
+        "helmTest.model=gpt-4o-mini",
     )
     models = f'node.models=[{{"path": "{model.name}", "alias": "qwen35"}}]'
     docs = render("demo-values.yaml", sets=sets, set_json=(models,))
@@ -359,6 +362,21 @@ def test_the_rendered_environment_runs_a_node_and_a_gateway(
         assert r.json()["model"] == "qwen35"  # the tenant's alias from the chart's tenants file
         sid = r.headers["x-session-id"]
         assert httpx.get(f"{base}/v1/sessions/{sid}", headers=auth).json()["state"] == "live"
+
+        # `helm test`: the hook pod's command and environment, the Service's DNS name replaced.
+        hook = docs[("Pod", "sk-slotkeeper-test-chat")]
+        assert hook["metadata"]["annotations"]["helm.sh/hook"] == "test"
+        (c,) = hook["spec"]["containers"]
+        test_env = {e["name"]: e["value"] for e in c["env"]}
+        service_port = docs[("Service", "sk-slotkeeper-gateway")]["spec"]["ports"][0]["port"]
+        assert (
+            test_env["SLOTKEEPER_TEST_URL"]
+            == f"http://sk-slotkeeper-gateway.ai.svc.cluster.local:{service_port}"
+        )
+        test_env["SLOTKEEPER_TEST_URL"] = base
+        ran = subprocess.run([sys.executable, *c["command"][1:]], env={**os.environ, **test_env},
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert ran.returncode == 0 and "answered" in ran.stdout, ran.stdout + ran.stderr
 
         os.killpg(node.pid, signal.SIGTERM)  # what the kubelet sends
         assert node.wait(60) == 0  # every live session saved and uploaded
