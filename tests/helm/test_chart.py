@@ -22,15 +22,15 @@ from urllib.parse import urlsplit
 
 import helm_python
 import httpx
+import kubernetes_validate
 import pytest
+import yaml
 from support.servers import free_port, wait_until
 
 from engine_pool.pool.settings import FLAGS as NODE_FLAGS
 from engine_pool.pool.settings import parse_node_settings
 from gateway.settings import FLAGS as GATEWAY_FLAGS
 from gateway.settings import parse_settings
-
-yaml = pytest.importorskip("yaml")
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "slotkeeper"
 ENV_TEMPLATE = CHART / "templates" / "env.yaml"
@@ -398,7 +398,6 @@ def test_every_rendered_manifest_validates_strictly_against_the_kubernetes_schem
 ) -> None:
     """`kubernetes-validate --strict` offline (unknown fields are errors), Kubernetes 1.30; custom
     resources (the ServiceMonitor) have no schema there and are checked for their kind only."""
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
     docs = render(
         *values, sets=("gateway.serviceMonitor.enabled=true", "gateway.podDisruptionBudget.enabled=true")
     )
@@ -451,7 +450,6 @@ def _peer_labels(rule: dict[str, Any]) -> list[dict[str, str]]:
 
 @pytest.mark.parametrize("egress", [False, True])
 def test_network_policies_let_only_gateway_pods_reach_nodes_and_engines(egress: bool) -> None:
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
     sets = ("networkPolicy.enabled=true", f"networkPolicy.restrictEgress={str(egress).lower()}")
     s3 = 'networkPolicy.egressTo=[{"to":[{"ipBlock":{"cidr":"10.0.0.0/16"}}],"ports":[{"port":443}]}]'
     docs = render("demo-values.yaml", sets=sets, set_json=(s3,))
@@ -488,7 +486,6 @@ def test_network_policies_let_only_gateway_pods_reach_nodes_and_engines(egress: 
 
 
 def test_gateway_replicas_spread_and_autoscale() -> None:
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
     fixed = render("demo-values.yaml")
     spec = fixed[("Deployment", "sk-slotkeeper-gateway")]["spec"]
     labels = spec["template"]["metadata"]["labels"]

@@ -7,9 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
+import yaml
 
-yaml = pytest.importorskip("yaml")
 ROOT = Path(__file__).resolve().parents[2]
 VALUES = yaml.safe_load((ROOT / "helm" / "slotkeeper" / "values.yaml").read_text())
 
