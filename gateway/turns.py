@@ -536,8 +536,14 @@ class TurnRunner:
     async def _write_behind(self, turn: Turn) -> None:
         t, s, hold = turn.tenant.name, turn.session, turn.hold
         try:
-            rec = hold.record or await self.index.get(t, s)
-            if rec.engine != turn.placement.engine or rec.slot != turn.placement.slot:
+            # The index, not this process's copy: the node may have dropped the session meanwhile
+            # (its engine died), and a slot of a restarted engine holds someone else's state.
+            rec = await self.index.get(t, s)
+            hold.record = rec
+            if rec.state is not SessionState.LIVE or (rec.engine, rec.slot) != (
+                turn.placement.engine,
+                turn.placement.slot,
+            ):
                 return
             limit = turn.tenant.quotas.stored_bytes
             if limit is not None and await self.index.stored_bytes(t) >= limit:
@@ -553,8 +559,10 @@ class TurnRunner:
                 return record.reserved
 
             out = await self._save(turn.node, turn.placement.engine, turn.placement.slot, t, s, rec, reserve)
-            durable = self.index.decide_durable(s, generation=out.generation, blob_key=out.key,
-                                                nbytes=out.bytes, since=since)  # fmt: skip
+            where = (turn.placement.engine, turn.placement.slot)
+            durable = self.index.decide_durable(
+                s, generation=out.generation, blob_key=out.key, nbytes=out.bytes, since=since, slot=where
+            )
             await self._write(hold, durable)
             self.metrics.spilled("after-turn", out.bytes, out.ms, out.written)
             log.info("session.durable", tenant=t, session=s, generation=out.generation, bytes=out.bytes,

@@ -325,15 +325,21 @@ class SessionIndex(EngineOccupancy, PrefixRouting, TenantCounters, TurnOps):
                                     blob_key=blob_key, nbytes=nbytes), lock)  # fmt: skip
 
     def decide_durable(
-        self, session: str, *, generation: int, blob_key: str, nbytes: int, since: float | None = None
-    ) -> Decide:
+        self, session: str, *, generation: int, blob_key: str, nbytes: int, since: float | None = None,
+        slot: tuple[str, int] | None = None,
+    ) -> Decide:  # fmt: skip
         """:meth:`set_durable`'s transition. ``since``: the record's ``last_used`` when the saved
-        state was taken; a record used after it (a later turn ran meanwhile) stays ``dirty``."""
+        state was taken; a record used after it (a later turn ran meanwhile) stays ``dirty``.
+        ``slot``: the (engine, slot) the state was saved from; a record no longer live there (its
+        engine died meanwhile and the node dropped it) refuses it with :class:`Conflict` — that slot
+        may hold another session's state by now."""
         validate_generation(generation)
 
         def decide(old: SessionRecord | None) -> SessionRecord:
             if old is None:
                 raise NotFound(f"session {session} not found")
+            if slot is not None and (old.state is not SessionState.LIVE or (old.engine, old.slot) != slot):
+                raise Conflict(f"session {session} left the slot it was saved from")
             self._forward(old, generation)
             dirty = since is not None and old.last_used != since
             return replace(old, generation=generation, blob_key=blob_key, bytes=nbytes, dirty=dirty)
