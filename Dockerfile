@@ -42,7 +42,8 @@ RUN apt-get update \
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir --no-index --find-links /wheels slotkeeper && rm -rf /wheels
 # Read-only root filesystem friendly: everything written goes to the data volume (slot files, spill
-# cache, engine logs) or to /tmp (mount an emptyDir there when the root filesystem is read-only).
+# cache, engine logs; HOME and the working directory too) or to /tmp — the chart mounts volumes at
+# both and runs with readOnlyRootFilesystem; `docker run --read-only` needs `--tmpfs /tmp`.
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/var/lib/slotkeeper \
     SLOTKEEPER_DATA_DIR=/var/lib/slotkeeper SLOTKEEPER_HOST=0.0.0.0
 VOLUME ["/var/lib/slotkeeper", "/models"]

@@ -5,10 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine_pool.server.metrics import route_label
+
+# Routes that are not load: probes and scrapes stay out of `requests_in_flight`, which the chart's
+# HPA can scale on (a scrape counting itself would never read 0). They are still counted by status.
+NOT_LOAD = frozenset({"/health", "/ready", "/metrics"})
 
 
 class Metrics:
@@ -52,6 +56,12 @@ class Metrics:
         self.ttft = Histogram(
             "slotkeeper_gateway_ttft_seconds", "Time to the engine's first byte", registry=r
         )
+        self.in_flight = Gauge(
+            "slotkeeper_gateway_requests_in_flight",
+            "Requests being answered now, streams until their last byte or the client's disconnect"
+            " (probes and scrapes excluded)",
+            registry=r,
+        )
 
     def turn_served(self, cache: str, timings: dict[str, Any]) -> None:
         """One turn's prompt tokens, from the engine's `timings` (llama-server's numbers: how the
@@ -70,8 +80,11 @@ class Metrics:
 
 
 class RequestCounter:
-    """ASGI middleware: one count per response, by route template and status (streams included).
-    Paths no route matches share one label, `other`: a client cannot mint series."""
+    """ASGI middleware: one count per response, by route template and status (streams included),
+    and the requests in flight: from the request's arrival until the app returns — for a stream,
+    after its last chunk or the client's disconnect; for a request that raised, when the exception
+    passes here on its way to the server's error handler. Paths no route matches share one label,
+    `other`: a client cannot mint series."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics, routes: Sequence[Any]) -> None:
         self.app = app
@@ -89,4 +102,8 @@ class RequestCounter:
                 self.metrics.requests.labels(path, str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, counted)
+        if path in NOT_LOAD:
+            await self.app(scope, receive, counted)
+            return
+        with self.metrics.in_flight.track_inprogress():  # decrements in a `finally`
+            await self.app(scope, receive, counted)

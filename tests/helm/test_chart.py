@@ -29,6 +29,7 @@ from support.servers import free_port, wait_until
 
 from engine_pool.pool.settings import FLAGS as NODE_FLAGS
 from engine_pool.pool.settings import parse_node_settings
+from gateway.metrics import Metrics
 from gateway.settings import FLAGS as GATEWAY_FLAGS
 from gateway.settings import parse_settings
 
@@ -508,3 +509,167 @@ def test_gateway_replicas_spread_and_autoscale() -> None:
     assert "/gateway/autoscaling/targetCPUUtilizationPercentage" in render_error(
         KEY, "redis.enabled=true", "s3.bucket=b", "gateway.autoscaling.targetCPUUtilizationPercentage=0"
     )
+
+
+@pytest.mark.parametrize(
+    ("sets", "kinds"),
+    [
+        ((), ["Resource"]),
+        (("gateway.autoscaling.inFlightTarget=16",), ["Resource", "Pods"]),
+        (("gateway.autoscaling.targetCPUUtilizationPercentage=null", "gateway.autoscaling.inFlightTarget=8"),
+         ["Pods"]),
+    ],
+)  # fmt: skip
+def test_the_gateway_autoscales_on_cpu_on_requests_in_flight_or_both(
+    sets: tuple[str, ...], kinds: list[str]
+) -> None:
+    docs = render("demo-values.yaml", sets=("gateway.autoscaling.enabled=true", *sets))
+    hpa = docs[("HorizontalPodAutoscaler", "sk-slotkeeper-gateway")]
+    kubernetes_validate.validate(hpa, "1.30.0", strict=True)
+    metrics = hpa["spec"]["metrics"]
+    assert [m["type"] for m in metrics] == kinds
+    for m in metrics:
+        if m["type"] == "Pods":
+            name = m["pods"]["metric"]["name"]
+            # the series the gateway exports (what the adapter rule in the chart's README serves)
+            assert Metrics().registry.get_sample_value(name) == 0
+            assert m["pods"]["target"] == {"type": "AverageValue", "averageValue": sets[-1].split("=")[1]}
+        else:
+            assert m["resource"]["target"] == {"type": "Utilization", "averageUtilization": 70}
+
+
+def test_an_autoscaler_without_a_metric_is_refused() -> None:
+    err = render_error(
+        KEY,
+        "redis.enabled=true",
+        "s3.bucket=b",
+        "gateway.autoscaling.enabled=true",
+        "gateway.autoscaling.targetCPUUtilizationPercentage=null",
+    )
+    assert "gateway.autoscaling needs a metric" in err
+    assert "/gateway/autoscaling/inFlightTarget" in render_error(
+        KEY, "redis.enabled=true", "s3.bucket=b", "gateway.autoscaling.inFlightTarget=0"
+    )
+
+
+# -- security contexts: non-root, read-only root filesystem, every write on a volume ----------------
+DOCKERFILE = (CHART.parents[1] / "Dockerfile").read_text()
+IMAGE_USER = tuple(int(i) for i in re.findall(r"^USER (\d+):(\d+)$", DOCKERFILE, re.M)[-1])
+IMAGE_ENV = dict(re.findall(r"\b(HOME|SLOTKEEPER_DATA_DIR)=(\S+)", DOCKERFILE))
+IMAGE_WORKDIR = re.findall(r"^WORKDIR (\S+)$", DOCKERFILE, re.M)[-1]
+REDIS_WORKDIR = "/data"  # the official redis image's WORKDIR, where a dump would be written
+
+
+def workloads(docs: dict[tuple[str, str], Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Every pod spec the chart renders: Deployments, the StatefulSet, the `helm test` pod."""
+    return {
+        (kind, name): (d["spec"] if kind == "Pod" else d["spec"]["template"]["spec"])
+        for (kind, name), d in docs.items()
+        if kind in ("Deployment", "StatefulSet", "Pod")
+    }
+
+
+def effective(pod: dict[str, Any], container: dict[str, Any]) -> dict[str, Any]:
+    """What a container runs with: the pod's securityContext, overridden field by field by its own."""
+    return {**pod.get("securityContext", {}), **container.get("securityContext", {})}
+
+
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_every_container_runs_non_root_with_a_read_only_root_and_no_capabilities(
+    values: tuple[str, ...],
+) -> None:
+    docs = render(*values, sets=("gateway.autoscaling.enabled=true",))
+    pods = workloads(docs)
+    chart_pods = {"sk-slotkeeper-gateway", "sk-slotkeeper-node", "sk-slotkeeper-test-chat"}
+    assert chart_pods <= {name for _, name in pods}
+    for (kind, name), pod in pods.items():
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            ctx = effective(pod, c)
+            where = f"{kind}/{name}/{c['name']}"
+            assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] > 0, where  # numeric: checkable
+            assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}, where
+            assert ctx["allowPrivilegeEscalation"] is False, where
+            assert ctx["readOnlyRootFilesystem"] is True, where
+            assert ctx["capabilities"] == {"drop": ["ALL"]}, where
+        if pod["containers"][0]["image"].startswith("slotkeeper:"):
+            # the chart's image: its user, and that user's group owns the volumes
+            sc = pod["securityContext"]
+            assert (sc["runAsUser"], sc["runAsGroup"]) == IMAGE_USER, name
+            assert sc.get("fsGroup", IMAGE_USER[1]) == IMAGE_USER[1], name
+    if ("Deployment", "sk-slotkeeper-redis") in pods:
+        redis = pods[("Deployment", "sk-slotkeeper-redis")]["securityContext"]
+        assert (redis["runAsUser"], redis["runAsGroup"]) == (999, 1000)  # redis:*-alpine's user
+
+
+def writable(pod: dict[str, Any], container: dict[str, Any], claims: set[str], path: str) -> bool:
+    """`path` lies on a volume the container mounts read-write (a pod volume or a claim template)."""
+    volumes = {v["name"] for v in pod.get("volumes", [])} | claims
+    return any(
+        m["name"] in volumes
+        and not m.get("readOnly", False)
+        and (path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/"))
+        for m in container.get("volumeMounts", [])
+    )
+
+
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_everything_the_processes_write_lands_on_a_mounted_volume(values: tuple[str, ...]) -> None:
+    """With the root filesystem read-only, every path a process writes must be a volume: the data
+    dir as the real settings parse it from the rendered environment, the engines' slot dirs and logs
+    as the node derives them, /tmp (no TMPDIR is set), and the image's HOME and working directory."""
+    docs = render(*values)
+    pods = workloads(docs)
+    tmp = "/tmp"
+    image_paths = [tmp, IMAGE_ENV["HOME"], IMAGE_WORKDIR]
+
+    gw_env, _ = container_env(docs, "Deployment", "sk-slotkeeper-gateway", FAKE)
+    assert not {"TMPDIR", "TEMP", "TMP", "HOME"} & gw_env.keys()
+    gw_pod = pods[("Deployment", "sk-slotkeeper-gateway")]
+    for path in [parse_settings([], gw_env).data_dir, *image_paths]:
+        assert writable(gw_pod, gw_pod["containers"][0], set(), path), f"gateway writes {path}"
+
+    node_env, _ = container_env(docs, "StatefulSet", "sk-slotkeeper-node", FAKE)
+    assert not {"TMPDIR", "TEMP", "TMP", "HOME"} & node_env.keys()
+    node = parse_node_settings([], node_env)
+    sts = docs[("StatefulSet", "sk-slotkeeper-node")]["spec"]
+    claims = {t["metadata"]["name"] for t in sts.get("volumeClaimTemplates", [])}
+    engine_paths = [str(p) for e in node.engine_specs() for p in (e.slot_dir, e.log_path)]
+    node_pod = pods[("StatefulSet", "sk-slotkeeper-node")]
+    for path in [str(node.data_path), str(node.data_path / "spill"), *engine_paths, *image_paths]:
+        assert writable(node_pod, node_pod["containers"][0], claims, path), f"node writes {path}"
+
+    test_pod = pods[("Pod", "sk-slotkeeper-test-chat")]
+    assert writable(test_pod, test_pod["containers"][0], set(), tmp)
+    if ("Deployment", "sk-slotkeeper-redis") in pods:
+        redis = pods[("Deployment", "sk-slotkeeper-redis")]
+        assert writable(redis, redis["containers"][0], set(), REDIS_WORKDIR)
+
+
+def test_security_contexts_are_the_operators_to_change() -> None:
+    """Single keys override (a platform that assigns uids, a Debian redis tag, a writable root); null
+    drops a whole context; `{}` keeps the defaults, as Helm merges maps (what values.yaml says)."""
+    docs = render(
+        "demo-values.yaml",
+        sets=(
+            "gateway.securityContext.readOnlyRootFilesystem=false",
+            "redis.podSecurityContext.runAsGroup=999",
+            "node.podSecurityContext=null",
+        ),
+        set_json=(
+            'gateway.podSecurityContext={"runAsUser": null, "runAsGroup": null, "fsGroup": null}',
+            "node.securityContext=null",
+            "redis.securityContext={}",
+        ),
+    )  # fmt: skip
+    gw = pod_spec(docs, "Deployment", "sk-slotkeeper-gateway")
+    assert gw["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    assert gw["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is False
+    assert gw["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    node = pod_spec(docs, "StatefulSet", "sk-slotkeeper-node")
+    assert "securityContext" not in node and "securityContext" not in node["containers"][0]
+    redis = pod_spec(docs, "Deployment", "sk-slotkeeper-redis")
+    assert redis["securityContext"]["runAsGroup"] == 999
+    assert redis["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+    for doc in docs.values():
+        if doc["kind"] != "ServiceMonitor":
+            kubernetes_validate.validate(doc, "1.30.0", strict=True)
