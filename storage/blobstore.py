@@ -160,11 +160,14 @@ class BlobStore(ABC):
         """
 
     @abstractmethod
-    async def get_to_file(self, ref: SlotRef, dest: str | Path) -> BlobMeta:
+    async def get_to_file(self, ref: SlotRef, dest: str | Path, *, verify: bool = True) -> BlobMeta:
         """Download to ``dest`` (replaced atomically) after verifying the recorded CRC-32.
 
         :class:`NotFound` if absent, :class:`ChecksumError` if the bytes do not match (``dest``
-        is then left as it was).
+        is then left as it was). ``verify=False`` is for a caller that checks the whole file's CRC
+        itself as it reads it (the engine loading a slot file): a store may then skip its own pass
+        over the bytes (:class:`storage.chunkstore.ChunkedStore` does; whole-file stores check as
+        they copy, at no extra pass).
         """
 
     @abstractmethod

@@ -397,6 +397,16 @@ class _CrcWriter:
         if self.out is not None:
             self.out.write(mv)
 
+    def write_columns(self, cols: list[np.ndarray]) -> None:
+        """The column blocks side by side, row after row (a transposed V cache from its chunks).
+        A target whose ``columns`` is true (:class:`storage.chunkstore`'s file writer) takes them
+        as they are, in its ``write_columns``, and interleaves them while writing; anything else
+        gets one joined copy."""
+        if self.checksum or not getattr(self.out, "columns", False):
+            self.write(np.ascontiguousarray(np.concatenate(cols, axis=1)))
+            return
+        self.n += self.out.write_columns(cols)
+
 
 def crc_of(s: Split, objects: Mapping[str, bytes]) -> int:
     """The CRC-32 of the file :func:`assemble` would write (nothing written)."""
@@ -471,8 +481,7 @@ def _write_v1(
             part = 2 + len(layout.k) + i
             if layout.v_trans:
                 w.write(_TYPE_EL.pack(t, size, n_embd))
-                cols = [np.frombuffer(r[part], dtype=np.uint8).reshape(n_embd, -1) for r in ranges]
-                w.write(np.ascontiguousarray(np.concatenate(cols, axis=1)))
+                w.write_columns([np.frombuffer(r[part], dtype=np.uint8).reshape(n_embd, -1) for r in ranges])
             else:
                 w.write(_TYPE_ROW.pack(t, size))
                 for r in ranges:
@@ -487,7 +496,9 @@ def _write_v1(
         w.write(struct.pack("<III", CKPT_MAGIC, SECTION_VERSION, len(ckpts)))
         for c, seq in zip(ckpts, seqs, strict=True):
             if seq is not None and len(c[0]) >= 32 and bytes(c[0][24:28]) == _SEQ_MAGIC:
-                w.write(bytes(c[0][:28]) + seq + bytes(c[0][32:]))
+                w.write(c[0][:28])  # the entry as it was, its capturing slot's sequence id put back
+                w.write(seq)
+                w.write(c[0][32:])
             else:
                 w.write(c[0])
         ckpt_len = w.n - ckpt_off

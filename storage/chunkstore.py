@@ -15,7 +15,9 @@ A save uploads only the pieces the store lacks (one existence check each, skippe
 process saw in the current collection epoch), so a turn writes its new tokens' KV, its new
 checkpoints and its tail. A restore fetches the pieces in parallel, assembles the v1 file beside
 the destination and checks the whole file's CRC (the original's, from the manifest) before the
-rename; when that fails, the piece whose bytes do not match the CRC in its name is named. Pieces
+rename; when that fails, the piece whose bytes do not match the CRC in its name is named. A node
+restoring into an engine skips that pass (``verify=False``): the engine checks every byte against
+the trailer's CRC as it loads the file, and the node fetches again, checked, when it refuses. Pieces
 are shared by every session of one tenant whose tokens and bytes agree (forks, a common system
 prompt); ``share=False`` on a save keeps them to its session. Tenants never share.
 
@@ -32,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import os
+import threading
 import time
 import zlib
 from collections.abc import AsyncIterator, Mapping
@@ -40,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import structlog
 
 from storage.blobstore import BlobInfo, BlobMeta, BlobStore, ObjectInfo, new_writer_id, temp_beside
@@ -210,19 +214,19 @@ class ChunkedStore(BlobStore):
             raise SlotFileError("bad_layout", f"{self._manifest(ref)}: {exc}") from exc
         return doc
 
-    async def get_to_file(self, ref: SlotRef, dest: str | Path) -> BlobMeta:
+    async def get_to_file(self, ref: SlotRef, dest: str | Path, *, verify: bool = True) -> BlobMeta:
         try:
             doc = await self._read_manifest(ref)
-        except NotFound:
-            return await self.inner.get_to_file(ref, dest)  # a v1 slot file stored before chunking
+        except NotFound:  # a v1 slot file stored before chunking
+            return await self.inner.get_to_file(ref, dest, verify=verify)
         t0, dest = time.monotonic(), Path(dest)
         objects = await self._fetch(ref, doc)
         plan = doc["plan"]
         tmp = temp_beside(dest, new_writer_id())
         try:
             try:
-                size, crc = await asyncio.to_thread(_write_file, tmp, plan, objects)
-                expected = (int(plan["size"]), int(plan["crc32"]))
+                size, crc = await asyncio.to_thread(_write_file, tmp, plan, objects, verify)
+                expected = (int(plan["size"]), int(plan["crc32"]) if verify else 0)
                 if (size, crc) != expected:
                     raise ChecksumError(f"{self._manifest(ref)}: assembled {size} bytes crc32 {crc:08x}, "
                                         f"expected {expected[0]} crc32 {expected[1]:08x}")  # fmt: skip
@@ -419,64 +423,142 @@ class ChunkedStore(BlobStore):
         await self.inner.delete_object(key)
 
 
-def _write_file(path: Path, plan: Mapping[str, Any], objects: Mapping[str, bytes]) -> tuple[int, int]:
+def _write_file(
+    path: Path, plan: Mapping[str, Any], objects: Mapping[str, bytes], verify: bool = True
+) -> tuple[int, int]:
     """The assembled file and its (size, crc32). The bytes are gathered as views of the pieces,
-    then written by a few threads at their offsets while another computes the CRC (both release
-    the GIL), so a restore costs about the slower of the two, not their sum. Not fsynced: it is a
-    cache the engine loads at once, and a file a crash damaged fails its CRC there and is fetched
-    again. Plans without ``body_crc32`` (the trailer must then wait for the CRC) go in one pass."""
+    then written by a few threads at their offsets; with ``verify`` another thread computes the CRC
+    meanwhile (both release the GIL), so a restore costs about the slower of the two, not their
+    sum. Without ``verify`` no CRC is computed (0 is returned for it): the trailer carries the
+    original's body CRC and the reader checks the bytes (the engine does, as it loads them), and a
+    transposed V cache is interleaved from its chunks while being written instead of joined into a
+    copy first. Not fsynced: it is a cache the engine loads at once, and a file a crash damaged
+    fails its CRC there and is fetched again. Plans without ``body_crc32`` (the trailer must then
+    wait for the CRC) go in one pass."""
     if "body_crc32" not in plan:
         with open(path, "xb") as f:
             return write_v1(f, plan, objects)
-    segments = _Segments()
+    segments = _Segments(columns=not verify)  # the CRC reads joined parts in file order
     size, _ = write_v1(segments, plan, objects, checksum=False)
     groups = segments.groups(_WRITERS)
-    with open(path, "xb") as f, ThreadPoolExecutor(max_workers=_WRITERS + 1) as pool:
+    pool = _pool()
+    with open(path, "xb") as f:
         os.ftruncate(f.fileno(), size)
-        crc = pool.submit(_crc, segments.parts[:-1])  # the body; the last part is the trailer
+        crc = pool.submit(_crc, segments.parts[:-1]) if verify else None  # the trailer is the last part
         for done in [pool.submit(_pwrite, f.fileno(), group) for group in groups]:
             done.result()
+        if crc is None:
+            return size, 0
         body = crc.result()
     if body != int(plan["body_crc32"]):  # the trailer took the plan's word for it: check the word
         raise ChecksumError(
             f"{path.name}: body crc32 {body:08x}, the manifest says {int(plan['body_crc32']):08x}"
         )
-    return size, zlib.crc32(segments.parts[-1][1], body)
+    last = segments.parts[-1][1]
+    assert isinstance(last, memoryview)
+    return size, zlib.crc32(last, body)
 
 
 _WRITERS = 4
+_ROWS_BYTES = 1 << 20  # a transposed V is written through a buffer of about this many bytes of rows
+_writers: ThreadPoolExecutor | None = None
+_scratch = threading.local()
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The assembly threads, started once (their row buffers stay warm between restores)."""
+    global _writers
+    if _writers is None:
+        _writers = ThreadPoolExecutor(max_workers=_WRITERS + 1, thread_name_prefix="slotkeeper-assemble")
+    return _writers
+
+
+@dataclass(frozen=True)
+class _Columns:
+    """Column blocks (rows × their width each) written side by side, row after row."""
+
+    cols: tuple[np.ndarray, ...]
+    rows: int
+    width: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.width
 
 
 class _Segments:
     """A ``write`` target that keeps what it is given, with offsets (no copy)."""
 
-    def __init__(self) -> None:
-        self.parts: list[tuple[int, memoryview]] = []
+    def __init__(self, columns: bool) -> None:
+        self.parts: list[tuple[int, memoryview | _Columns]] = []
         self.n = 0
+        self.columns = columns  # False: write_v1 joins column blocks into one part first
 
     def write(self, data: Any) -> None:
         view = memoryview(data).cast("B")
         self.parts.append((self.n, view))
         self.n += len(view)
 
-    def groups(self, k: int) -> list[list[tuple[int, memoryview]]]:
-        """The parts in ``k`` runs of about equal bytes."""
-        out: list[list[tuple[int, memoryview]]] = [[] for _ in range(k)]
+    def write_columns(self, cols: list[np.ndarray]) -> int:
+        rows = cols[0].shape[0] if cols else 0
+        part = _Columns(tuple(cols), rows, sum(c.shape[1] for c in cols))
+        self.parts.append((self.n, part))
+        self.n += part.nbytes
+        return part.nbytes
+
+    def groups(self, k: int) -> list[list[tuple[int, memoryview | _Columns]]]:
+        """The parts in ``k`` runs of about equal bytes (a column part split by rows)."""
+        out: list[list[tuple[int, memoryview | _Columns]]] = [[] for _ in range(k)]
         share = max(1, self.n // k + 1)
-        for offset, view in self.parts:
-            out[min(offset // share, k - 1)].append((offset, view))
+        for offset, part in self.parts:
+            if isinstance(part, _Columns) and part.rows > 1:
+                step = max(1, -(-part.rows // k))
+                for r in range(0, part.rows, step):
+                    rows = min(step, part.rows - r)
+                    piece = _Columns(tuple(c[r : r + rows] for c in part.cols), rows, part.width)
+                    at = offset + r * part.width
+                    out[min(at // share, k - 1)].append((at, piece))
+                continue
+            out[min(offset // share, k - 1)].append((offset, part))
         return out
 
 
-def _crc(parts: list[tuple[int, memoryview]]) -> int:
+def _crc(parts: list[tuple[int, memoryview | _Columns]]) -> int:
     crc = 0
     for _, view in parts:
+        assert isinstance(view, memoryview)
         crc = zlib.crc32(view, crc)
     return crc
 
 
-def _pwrite(fd: int, parts: list[tuple[int, memoryview]]) -> None:
-    for offset, view in parts:
-        while view:
-            written = os.pwrite(fd, view, offset)
-            view, offset = view[written:], offset + written
+def _pwrite(fd: int, parts: list[tuple[int, memoryview | _Columns]]) -> None:
+    for offset, part in parts:
+        if isinstance(part, _Columns):
+            _pwrite_columns(fd, part, offset)
+        else:
+            _pwrite_all(fd, part, offset)
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def _pwrite_columns(fd: int, part: _Columns, offset: int) -> None:
+    """Rows of the joined columns, built a batch at a time in this thread's buffer and written."""
+    if not part.nbytes:
+        return
+    batch = max(1, min(part.rows, _ROWS_BYTES // part.width))
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < batch * part.width:
+        buf = _scratch.buf = np.empty(max(batch * part.width, _ROWS_BYTES), dtype=np.uint8)
+    for r in range(0, part.rows, batch):
+        rows = min(batch, part.rows - r)
+        out = buf[: rows * part.width].reshape(rows, part.width)
+        at = 0
+        for c in part.cols:
+            w = c.shape[1]
+            out[:, at : at + w] = c[r : r + rows]
+            at += w
+        _pwrite_all(fd, memoryview(out.data).cast("B"), offset + r * part.width)

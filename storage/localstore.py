@@ -148,7 +148,7 @@ class LocalStore(BlobStore):
             finally:
                 os.close(fd)
 
-    async def get_to_file(self, ref: SlotRef, dest: str | Path) -> BlobMeta:
+    async def get_to_file(self, ref: SlotRef, dest: str | Path, *, verify: bool = True) -> BlobMeta:
         meta = await asyncio.to_thread(self._get, ref, Path(dest))
         log.info("storage.download", store="local", key=meta.key, bytes=meta.size, dest=str(dest))
         return meta

@@ -223,7 +223,7 @@ class S3Store(BlobStore):
 
     # ------------------------------------------------------------------------------------ download
     @_boundary
-    async def get_to_file(self, ref: SlotRef, dest: str | Path) -> BlobMeta:
+    async def get_to_file(self, ref: SlotRef, dest: str | Path, *, verify: bool = True) -> BlobMeta:
         started, dest = time.monotonic(), Path(dest)
         meta, _ = await self._head(ref)
         if meta.crc32 is None:

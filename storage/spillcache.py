@@ -150,8 +150,9 @@ class SpillCache:
             log.info("spill.uploaded", tenant=ref.tenant, session=ref.session, generation=ref.generation)
             await self._evict_locked()
 
-    async def fill(self, store: BlobStore, ref: SlotRef) -> Path:
-        """The file of ``ref``, downloaded (and verified) when not already here, returned pinned.
+    async def fill(self, store: BlobStore, ref: SlotRef, *, verify: bool = True) -> Path:
+        """The file of ``ref``, downloaded when not already here, returned pinned; ``verify=False``
+        when the caller checks the bytes as it reads them (:meth:`BlobStore.get_to_file`).
 
         The caller restores from the path, then calls :meth:`unpin`.
         """
@@ -159,7 +160,7 @@ class SpillCache:
             return self.pin(ref)
         dest = self.path_for(ref)
         await asyncio.to_thread(dest.parent.mkdir, parents=True, exist_ok=True)
-        await store.get_to_file(ref, dest)
+        await store.get_to_file(ref, dest, verify=verify)
         return await self.add(ref, uploaded=True, pin=True)
 
     async def flush(self, store: BlobStore) -> list[SlotRef]:

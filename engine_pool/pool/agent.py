@@ -295,28 +295,44 @@ class NodeAgent:
         return written
 
     async def _fill(self, sup: EngineSupervisor, slot: int, ref: SlotRef) -> dict[str, Any]:
+        """Restore ``ref`` into the slot. A file fetched for it is not checked by the store: the
+        engine checks every byte's CRC as it loads it, one pass instead of two. When the engine
+        finds the bytes damaged and the store holds the generation (a copy on this disk, or one
+        just assembled from the store), that copy goes, the store's copy is fetched again with the
+        store's own check (naming a damaged piece, if that is where the damage is) and restored."""
         cache, t0 = self.parts.cache, time.monotonic()
         source = "local" if ref in cache else "store"
-        path = await cache.fill(self.parts.store, ref)  # pinned
-        name = f"fill-{uuid.uuid4().hex}.slot"
-        link = sup.spec.slot_dir / name
         try:
-            await asyncio.to_thread(_link_or_copy, path, link)
-            try:
-                out = await self._slot_call(sup, slot, "restore", name)
-            except ApiError as err:
-                if err.extra.get("kind") in DAMAGED and source == "local" and cache.is_uploaded(ref):
-                    await cache.discard(ref)  # damaged on this disk; the next fill downloads it again
-                raise
-        finally:
-            await asyncio.to_thread(link.unlink, missing_ok=True)
-            cache.unpin(ref)
+            out = await self._restore(sup, slot, ref, verify=False)
+        except ApiError as err:
+            if err.extra.get("kind") not in DAMAGED or (ref in cache and not cache.is_uploaded(ref)):
+                raise  # not damage, or the only copy there is (not uploaded yet)
+            log.warning("node.fill_damaged", engine=sup.spec.engine_id, slot=slot, tenant=ref.tenant,
+                        session=ref.session, generation=ref.generation, source=source,
+                        error=err.message)  # fmt: skip
+            if ref in cache:
+                await cache.discard(ref)
+            out, source = await self._restore(sup, slot, ref, verify=True), "store"
         await cache.evict()  # with a budget of 0 (one machine, local store) the copy goes now
         result = {"tokens": out["n_restored"], "bytes": out["n_read"], "source": source,
                   "ms": round((time.monotonic() - t0) * 1000, 2)}  # fmt: skip
         log.info("node.filled", engine=sup.spec.engine_id, slot=slot, tenant=ref.tenant, session=ref.session,
                  generation=ref.generation, **result)  # fmt: skip
         return result
+
+    async def _restore(
+        self, sup: EngineSupervisor, slot: int, ref: SlotRef, *, verify: bool
+    ) -> dict[str, Any]:
+        cache = self.parts.cache
+        path = await cache.fill(self.parts.store, ref, verify=verify)  # pinned
+        name = f"fill-{uuid.uuid4().hex}.slot"
+        link = sup.spec.slot_dir / name
+        try:
+            await asyncio.to_thread(_link_or_copy, path, link)
+            return await self._slot_call(sup, slot, "restore", name)
+        finally:
+            await asyncio.to_thread(link.unlink, missing_ok=True)
+            cache.unpin(ref)
 
     async def _slot_call(
         self, sup: EngineSupervisor, slot: int, action: str, filename: str | None = None

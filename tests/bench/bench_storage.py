@@ -386,7 +386,7 @@ async def _restore_times(store: ServedStore, work: Path, repeat: int) -> dict[st
             dest.unlink(missing_ok=True)
             os.sync()
             t0 = time.perf_counter()
-            await chunked.get_to_file(ref, dest)
+            await chunked.get_to_file(ref, dest, verify=False)  # as a node restores (the engine checks)
             ours = min(ours, time.perf_counter() - t0)
         size = dest.stat().st_size
         if client is not None:  # the same bytes as one object, read raw with boto3's transfer manager

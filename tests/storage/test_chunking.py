@@ -38,7 +38,7 @@ from storage.chunking import (
     unpack_parts,
     write_v1,
 )
-from storage.chunkstore import _Segments
+from storage.chunkstore import _Segments, _write_file
 from storage.errors import SlotFileError
 from storage.slotfile import SlotFile, read_slot_file, read_tokens, verify_slot_file
 
@@ -178,13 +178,19 @@ def test_unchecksummed_writes_take_the_body_crc_from_the_plan(
     collector = _Collector()
     assert write_v1(collector, plan, objects, checksum=False) == (len(data), 0)
     assert b"".join(collector.parts) == assemble_bytes(plan, objects) == data
-    segments = _Segments()
+    segments = _Segments(columns=False)  # a transposed V joined into one part
     assert write_v1(segments, plan, objects, checksum=False) == (len(data), 0)
     assert segments.n == len(data)
     out = bytearray(segments.n)
     for offset, view in segments.parts:
+        assert isinstance(view, memoryview)
         out[offset : offset + len(view)] = view
     assert bytes(out) == data
+    # unverified, as a node restores: a transposed V interleaved from its chunks while written
+    # (split by rows among the writing threads), no CRC computed, the same bytes
+    assert _write_file(tmp_path / "unverified.slot", plan, objects, verify=False) == (len(data), 0)
+    assert (tmp_path / "unverified.slot").read_bytes() == data
+    assert _write_file(tmp_path / "verified.slot", plan, objects) == (len(data), zlib.crc32(data))
     # the trailer is what the plan says (write_v1 does not check it): another body CRC is another
     # file, differing in the trailer's body CRC and its own CRC only, which a reader refuses
     buf = io.BytesIO()

@@ -491,13 +491,13 @@ async def test_a_lapsed_lease_refuses_to_commit(redis_client: Any, inner: Faulty
 class _CountedSegments(chunkstore._Segments):
     made = 0
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, columns: bool) -> None:
+        super().__init__(columns)
         type(self).made += 1
 
 
 class _NoSegments:
-    def __init__(self) -> None:
+    def __init__(self, columns: bool) -> None:
         raise AssertionError("the parallel writer was used for a plan without body_crc32")
 
 
@@ -520,7 +520,8 @@ async def test_restores_write_in_parallel_and_exactly(
     store: ChunkedStore, slots: Slots, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, which: str
 ) -> None:
     """A manifest records the trailer's body CRC: the restore gathers the file's segments and writes
-    them with several threads while another computes the CRC; the bytes are the original's."""
+    them with several threads while another computes the CRC; the bytes are the original's. So
+    they are unverified (as a node restores: the engine checks them), without the CRC."""
     src = {"grow3": slots.grow[3], "branch": slots.branch, "rec1": slots.recurrent[1]}[which]
     monkeypatch.setattr(chunkstore, "_Segments", _CountedSegments)
     monkeypatch.setattr(_CountedSegments, "made", 0)
@@ -528,6 +529,9 @@ async def test_restores_write_in_parallel_and_exactly(
     await put(store, ref, src)
     await restores(store, ref, src, tmp_path / "back.slot")
     assert _CountedSegments.made == 1
+    meta = await store.get_to_file(ref, tmp_path / "unverified.slot", verify=False)
+    assert same_bytes(tmp_path / "unverified.slot", src) and _CountedSegments.made == 2
+    assert (meta.size, meta.crc32) == ((await store.head(ref)).size, whole_file_crc32(src))
 
 
 async def test_a_manifest_without_body_crc_restores_in_one_pass(
@@ -601,6 +605,14 @@ async def test_a_damaged_piece_fails_the_restore_and_leaves_dest_alone(
         await store.get_to_file(ref, dest)
     assert dest.read_bytes() == b"the previous file"
     assert sorted(p.name for p in dest.parent.iterdir()) == ["dest.slot"]  # no temporary left
+    # unverified (the engine checks as it loads): refused now, or written with the original's
+    # CRC in its trailer, which the bytes then fail (the engine refuses them: never a wrong state)
+    try:
+        await store.get_to_file(ref, dest, verify=False)
+    except (ChecksumError, SlotFileError):
+        assert dest.read_bytes() == b"the previous file"
+    else:
+        assert not read_slot_file(dest).checksum_ok
 
 
 @pytest.mark.parametrize("offset", [0, 4])

@@ -228,6 +228,46 @@ async def test_spill_erase_fill_through_the_local_store(
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+def _flip(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+async def test_damaged_bytes_are_fetched_again_checked_or_refused_with_the_piece_named(
+    start_node: Callable[..., NodeProcess], redis_url: str, prefix: str
+) -> None:
+    """A fill hands the engine bytes the store did not check (the engine checks them as it
+    loads). Damaged ones: the copy on this disk goes, the store's is fetched again with the
+    store's check and restored; when the store's own piece is damaged, the fill is refused naming
+    it and the slot stays empty."""
+    node = start_node("--redis-url", redis_url, "--redis-prefix", prefix, "--s3-prefix", prefix)
+    eng, url = node.engine["id"], node.engine["url"]
+    first = await chat(url, 0)
+    cached = node.data / "spill" / "t1" / "s1" / f"{1:020d}.slot"
+    async with NodeClient(node.url, key=INTERNAL_KEY) as client:
+        spilled = await client.spill(eng, 0, tenant="t1", session="s1", generation=1)
+        assert spilled.uploaded and cached.is_file()
+        await client.erase(eng, 0)
+
+        await asyncio.to_thread(_flip, cached, spilled.bytes // 2)  # this disk's copy, damaged
+        filled = await client.fill(eng, 1, tenant="t1", session="s1", generation=1)
+        assert (filled.tokens, filled.bytes, filled.source) == (spilled.tokens, spilled.bytes, "store")
+        again = await chat(url, 1)
+        assert again["timings"]["prompt_n"] <= 1
+        assert again["choices"][0]["message"] == first["choices"][0]["message"]
+        assert "node.fill_damaged" in node.log()
+
+        await client.erase(eng, 1)
+        assert await client.forget("t1", "s1") == 1  # no copy on this disk: from the store
+        pieces = sorted((node.data / "blobs").rglob("*.kv"), key=lambda p: p.stat().st_size)
+        await asyncio.to_thread(_flip, pieces[-1], pieces[-1].stat().st_size - 1)
+        with pytest.raises(NodeError) as err:
+            await client.fill(eng, 1, tenant="t1", session="s1", generation=1)
+        assert pieces[-1].name in err.value.message, err.value.message
+        assert await slot_tokens(url, 1) == 0
+
+
 async def test_s3_store_down_during_spill_then_flushed(
     start_node: Callable[..., NodeProcess], moto: MotoProcess, prefix: str
 ) -> None:
