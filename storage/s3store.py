@@ -372,12 +372,20 @@ class S3Store(BlobStore):
     @_boundary
     async def get_object(self, key: str) -> bytes:
         try:
-            resp = await self._s3("get_object", Key=key)
+            return await self._get_bytes(key)
         except ClientError as exc:
             if is_missing(exc):
                 raise NotFound(f"object {key} not found") from None
             raise
-        return await self.thread(_read_body, resp["Body"])
+
+    async def _get_bytes(self, key: str) -> bytes:
+        """One object's bytes: the request and its body read in one pool call (one thread hop, not
+        two, for each of a restore's pieces), retried whole when either fails transiently."""
+
+        def get() -> bytes:
+            return _read_body(self.client.get_object(Bucket=self.bucket, Key=key)["Body"])
+
+        return await retrying("get_object", lambda: self.thread(get), self.retry, is_transient_s3, key=key)
 
     @_boundary
     async def object_exists(self, key: str) -> bool:
@@ -413,7 +421,7 @@ class S3Store(BlobStore):
         await self._s3("put_object", Key=key, Body=data)
         try:
             listed = await self._s3("list_objects_v2", Prefix=key, MaxKeys=1)
-            got = await self.thread(_read_body, (await self._s3("get_object", Key=key))["Body"])
+            got = await self._get_bytes(key)
         finally:
             await self._s3("delete_object", Key=key)
         if zlib.crc32(got) != zlib.crc32(data) or len(got) != len(data):

@@ -163,3 +163,41 @@ async def test_many_small_parts_cancel_cleanly(
             await store.put_file(SlotRef("acme", "s", 1), src, model="m", n_tokens=1)
         assert [i async for i in store.list("acme")] == []
         await asyncio.sleep(0)
+
+
+class _BodyBreaksOnce:
+    """A client whose first get_object answer breaks off while its body is read."""
+
+    def __init__(self, client: Any) -> None:
+        self._client, self.broken = client, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def get_object(self, **kw: Any) -> Any:
+        from botocore.exceptions import IncompleteReadError
+
+        resp = self._client.get_object(**kw)
+        if not self.broken:
+            self.broken += 1
+            resp["Body"].close()
+
+            class Broken:
+                def read(self) -> bytes:
+                    raise IncompleteReadError(actual_bytes=1, expected_bytes=2)
+
+                def close(self) -> None:
+                    pass
+
+            resp["Body"] = Broken()
+        return resp
+
+
+async def test_a_body_that_breaks_off_is_fetched_again(client: Any, key_prefix: str) -> None:
+    """A raw object's request and body are one retried step: a read that breaks off mid-body is
+    retried like a failed request, and the bytes come back whole."""
+    flaky = _BodyBreaksOnce(client)
+    async with S3Store(flaky, "slots", prefix=key_prefix, retry=RetryPolicy(attempts=3, base_s=0.01)) as st:
+        await st.put_object(f"{key_prefix}/x", b"abc" * 1000)
+        assert await st.get_object(f"{key_prefix}/x") == b"abc" * 1000
+    assert flaky.broken == 1
