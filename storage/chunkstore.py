@@ -462,15 +462,18 @@ def _write_file(
 _WRITERS = 4
 _ROWS_BYTES = 1 << 20  # a transposed V is written through a buffer of about this many bytes of rows
 _writers: ThreadPoolExecutor | None = None
+_writers_made = threading.Lock()
 _scratch = threading.local()
 
 
 def _pool() -> ThreadPoolExecutor:
-    """The assembly threads, started once (their row buffers stay warm between restores)."""
+    """The assembly threads, started once per process (their row buffers stay warm between
+    restores; concurrent restores share them)."""
     global _writers
-    if _writers is None:
-        _writers = ThreadPoolExecutor(max_workers=_WRITERS + 1, thread_name_prefix="slotkeeper-assemble")
-    return _writers
+    with _writers_made:
+        if _writers is None:
+            _writers = ThreadPoolExecutor(max_workers=_WRITERS + 1, thread_name_prefix="slotkeeper-assemble")
+        return _writers
 
 
 @dataclass(frozen=True)

