@@ -390,6 +390,8 @@ class _CrcWriter:
         self.out, self.crc, self.n, self.checksum = out, 0, 0, checksum
 
     def write(self, data: bytes | memoryview | np.ndarray) -> None:
+        if not isinstance(data, bytes) and memoryview(data).nbytes == 0:  # type: ignore[arg-type]
+            return  # (no cast of an empty 2-D view: the cells of an empty range)
         mv = data if isinstance(data, bytes) else memoryview(data).cast("B")  # type: ignore[arg-type]
         if self.checksum:
             self.crc = zlib.crc32(mv, self.crc)

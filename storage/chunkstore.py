@@ -37,9 +37,9 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,7 @@ from storage.ids import (
     tenant_prefix,
 )
 from storage.ledger import ChunkLedger
+from storage.prefixcut import cut, cut_point, pieces_up_to
 from storage.slotfile import read_slot_file
 
 log = structlog.get_logger("slotkeeper.storage")
@@ -240,7 +241,53 @@ class ChunkedStore(BlobStore):
                  ms=round((time.monotonic() - t0) * 1000, 2))  # fmt: skip
         return self._meta(ref, doc)
 
+    async def get_prefix_to_file(
+        self, ref: SlotRef, dest: str | Path, tokens: Sequence[int]
+    ) -> BlobMeta | None:
+        """For a prompt of ``tokens`` that leaves the generation before its end: the v1 file of its
+        first P tokens (P: the checkpoint the engine would continue from), assembled from the pieces
+        up to P and the tail only (:mod:`storage.prefixcut`), each checked against the CRC in its
+        name. None when the whole generation is what to restore (the prompt repeats it, no
+        checkpoint fits, not a hybrid model's chunks, a v1 file stored whole)."""
+        try:
+            doc = await self._read_manifest(ref)
+        except NotFound:
+            return None
+        plan = doc["plan"]
+        at = cut_point(plan, str(doc["ns"]), tokens)
+        if at is None:
+            return None
+        t0, dest = time.monotonic(), Path(dest)
+        chunk_ids, ckpt_ids = pieces_up_to(plan, at)
+        wanted = [("kv", *plan["chunks"][i]) for i in chunk_ids]
+        wanted += [("ck", plan["checkpoints"][j][1], plan["checkpoints"][j][2]) for j in ckpt_ids]
+        wanted.append(("tl", *plan["tail"]))
+        objects = await self._fetch_named(ref, doc, [(str(k), str(n), int(z)) for k, n, z in wanted])
+        self._blame(ref, doc, objects, wanted)  # no whole-file CRC to check against: each piece by its own
+        try:
+            cut_plan, cut_objects = cut(plan, objects, at)
+        except SlotFileError as exc:
+            log.warning("storage.prefix_cut_refused", key=self._manifest(ref), at=at, error=str(exc))
+            return None
+        tmp = temp_beside(dest, new_writer_id())
+        try:
+            size, crc = await asyncio.to_thread(_write_file, tmp, cut_plan, cut_objects)
+            await asyncio.to_thread(os.replace, tmp, dest)
+        finally:
+            await asyncio.to_thread(tmp.unlink, missing_ok=True)
+        ms = round((time.monotonic() - t0) * 1000, 2)
+        log.info("storage.prefix_get", key=self._manifest(ref), tokens=at, of=int(plan["n_tokens"]),
+                 bytes=size, whole=int(plan["size"]), pieces=len(objects), ms=ms)  # fmt: skip
+        meta = self._meta(ref, doc)
+        return replace(meta, size=size, crc32=crc, n_tokens=at)
+
     async def _fetch(self, ref: SlotRef, doc: Mapping[str, Any]) -> dict[str, bytes]:
+        return await self._fetch_named(ref, doc, list(objects_needed(doc["plan"])))
+
+    async def _fetch_named(
+        self, ref: SlotRef, doc: Mapping[str, Any], wanted: list[tuple[str, str, int]]
+    ) -> dict[str, bytes]:
+        """The named objects of a generation (kind, name, size), fetched in parallel."""
         ns = str(doc["ns"])
 
         async def one(kind: str, name: str, size: int) -> tuple[str, bytes]:
@@ -251,13 +298,17 @@ class ChunkedStore(BlobStore):
                 raise ChecksumError(f"{key}: {len(data)} bytes, its manifest says {size}")
             return name, data
 
-        needed = {(k, n): s for k, n, s in objects_needed(doc["plan"])}
+        needed = {(k, n): s for k, n, s in wanted}
         return dict(await asyncio.gather(*(one(k, n, s) for (k, n), s in needed.items())))
 
-    def _blame(self, ref: SlotRef, doc: Mapping[str, Any], objects: Mapping[str, bytes]) -> None:
-        """After a failed assembly: :class:`ChecksumError` naming a piece whose bytes do not match
-        the CRC in its name (the whole file's CRC is what a normal restore checks: one pass)."""
-        for kind, name, _ in objects_needed(doc["plan"]):
+    def _blame(
+        self, ref: SlotRef, doc: Mapping[str, Any], objects: Mapping[str, bytes],
+        named: list[tuple[str, str, int]] | None = None,
+    ) -> None:  # fmt: skip
+        """:class:`ChecksumError` naming a piece whose bytes do not match the CRC in its name: after a
+        failed assembly (the whole file's CRC is what a normal restore checks: one pass), or for
+        each of ``named`` when there is no such CRC (a cut)."""
+        for kind, name, _ in named if named is not None else objects_needed(doc["plan"]):
             if f"{zlib.crc32(objects[name]):08x}" != name.rsplit("-", 1)[-1]:
                 key = self._tail(ref) if kind == "tl" else self._piece(ref.tenant, str(doc["ns"]), kind, name)
                 raise ChecksumError(f"{key}: its bytes do not match the CRC in its name")
