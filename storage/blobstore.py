@@ -22,7 +22,7 @@ import builtins
 import re
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -169,6 +169,14 @@ class BlobStore(ABC):
         over the bytes (:class:`storage.chunkstore.ChunkedStore` does; whole-file stores check as
         they copy, at no extra pass).
         """
+
+    async def get_prefix_to_file(
+        self, ref: SlotRef, dest: str | Path, tokens: Sequence[int]
+    ) -> BlobMeta | None:
+        """The generation cut back to the checkpoint a prompt of ``tokens`` continues from, written
+        to ``dest``; None when the whole generation is what to restore. A store of whole files
+        cannot cut (None); :class:`storage.chunkstore.ChunkedStore` can."""
+        return None
 
     @abstractmethod
     async def head(self, ref: SlotRef) -> BlobMeta:

@@ -68,6 +68,7 @@ log = structlog.get_logger("engine.node")
 PUBLIC_PATHS = frozenset({"/health"})  # probes; nothing a tenant sent
 SLOT_TIMEOUT = httpx.Timeout(600.0, connect=5.0)  # a save waits for the slot's running request
 DAMAGED = frozenset({"truncated", "bad_magic", "checksum_mismatch", "bad_layout"})
+MAX_FILL_TOKENS = 1 << 21  # a fill's prompt tokens (a context of 2M tokens)
 
 
 @dataclass
@@ -211,8 +212,9 @@ class NodeAgent:
         return sup, int(slot)
 
     async def operation(
-        self, op: str, engine_id: str, slot: str, ref: SlotRef | None, route: str = "", share: bool = True
-    ) -> dict[str, Any]:
+        self, op: str, engine_id: str, slot: str, ref: SlotRef | None, route: str = "", share: bool = True,
+        tokens: list[int] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         sup, n = self._engine(engine_id, slot)
         self._inflight += 1
         self._idle.clear()
@@ -223,7 +225,9 @@ class NodeAgent:
             else:
                 assert ref is not None
                 spill = op == "spill"
-                result = await (self._spill(sup, n, ref, route, share) if spill else self._fill(sup, n, ref))
+                result = await (
+                    self._spill(sup, n, ref, route, share) if spill else self._fill(sup, n, ref, tokens)
+                )
             return result
         finally:
             self.metrics.observe(op, time.monotonic() - t0, result)
@@ -294,16 +298,57 @@ class NodeAgent:
         await cache.mark_uploaded(ref)
         return written
 
-    async def _fill(self, sup: EngineSupervisor, slot: int, ref: SlotRef) -> dict[str, Any]:
+    async def _fill(
+        self, sup: EngineSupervisor, slot: int, ref: SlotRef, tokens: list[int] | None = None
+    ) -> dict[str, Any]:
         """Restore ``ref`` into the slot. A file fetched for it is not checked by the store: the
         engine checks every byte's CRC as it loads it, one pass instead of two. When the engine
         finds the bytes damaged and the store holds the generation (a copy on this disk, or one
         just assembled from the store), that copy goes, the store's copy is fetched again with the
-        store's own check (naming a damaged piece, if that is where the damage is) and restored."""
+        store's own check (naming a damaged piece, if that is where the damage is) and restored.
+        With the prompt's ``tokens`` and no copy here, a prompt that leaves the generation early
+        gets only the part up to the checkpoint it continues from (:mod:`storage.prefixcut`)."""
         cache, t0 = self.parts.cache, time.monotonic()
         source = "local" if ref in cache else "store"
+        out = await self._restore_cut(sup, slot, ref, tokens) if tokens and source == "store" else None
+        if out is not None:
+            source = "cut"
+        else:
+            out, source = await self._restore_whole(sup, slot, ref, source)
+        await cache.evict()  # with a budget of 0 (one machine, local store) the copy goes now
+        result = {"tokens": out["n_restored"], "bytes": out["n_read"], "source": source,
+                  "ms": round((time.monotonic() - t0) * 1000, 2)}  # fmt: skip
+        log.info("node.filled", engine=sup.spec.engine_id, slot=slot, tenant=ref.tenant, session=ref.session,
+                 generation=ref.generation, **result)  # fmt: skip
+        return result
+
+    async def _restore_cut(
+        self, sup: EngineSupervisor, slot: int, ref: SlotRef, tokens: list[int]
+    ) -> dict[str, Any] | None:
+        """The generation up to the prompt's checkpoint, restored; None when there is no such cut
+        (or the engine refused it: the whole generation is restored then)."""
+        name = f"fill-{uuid.uuid4().hex}.slot"
+        dest = sup.spec.slot_dir / name
         try:
-            out = await self._restore(sup, slot, ref, verify=False)
+            if await self.parts.store.get_prefix_to_file(ref, dest, tokens) is None:
+                return None
+            return await self._slot_call(sup, slot, "restore", name)
+        except ApiError as err:
+            if err.extra.get("kind") not in DAMAGED:
+                raise
+            log.warning("node.cut_refused", engine=sup.spec.engine_id, slot=slot, tenant=ref.tenant,
+                        session=ref.session, generation=ref.generation, error=err.message)  # fmt: skip
+            return None
+        finally:
+            await asyncio.to_thread(dest.unlink, missing_ok=True)
+
+    async def _restore_whole(
+        self, sup: EngineSupervisor, slot: int, ref: SlotRef, source: str
+    ) -> tuple[dict[str, Any], str]:
+        """The whole generation restored, and where it came from in the end (see :meth:`_fill`)."""
+        cache = self.parts.cache
+        try:
+            return await self._restore(sup, slot, ref, verify=False), source
         except ApiError as err:
             if err.extra.get("kind") not in DAMAGED or (ref in cache and not cache.is_uploaded(ref)):
                 raise  # not damage, or the only copy there is (not uploaded yet)
@@ -312,13 +357,7 @@ class NodeAgent:
                         error=err.message)  # fmt: skip
             if ref in cache:
                 await cache.discard(ref)
-            out, source = await self._restore(sup, slot, ref, verify=True), "store"
-        await cache.evict()  # with a budget of 0 (one machine, local store) the copy goes now
-        result = {"tokens": out["n_restored"], "bytes": out["n_read"], "source": source,
-                  "ms": round((time.monotonic() - t0) * 1000, 2)}  # fmt: skip
-        log.info("node.filled", engine=sup.spec.engine_id, slot=slot, tenant=ref.tenant, session=ref.session,
-                 generation=ref.generation, **result)  # fmt: skip
-        return result
+            return await self._restore(sup, slot, ref, verify=True), "store"
 
     async def _restore(
         self, sup: EngineSupervisor, slot: int, ref: SlotRef, *, verify: bool
@@ -489,8 +528,21 @@ async def slot_operation(request: Request) -> Response:
         if route and not _ROUTE.fullmatch(route):
             raise BadRequest("'route' must be a lowercase hex digest of 16..128 characters", param="route")
         share = body.get_bool("share", True)
-        return JSONResponse(await a.operation(op, p["engine"], p["slot"], ref, route, share))
+        tokens = _prompt_tokens(body.get_list("tokens")) if op == "fill" else None
+        return JSONResponse(await a.operation(op, p["engine"], p["slot"], ref, route, share, tokens))
     return JSONResponse(await a.operation(op, p["engine"], p["slot"], ref))
+
+
+def _prompt_tokens(value: list[Any] | None) -> list[int] | None:
+    """A fill's ``tokens``: at most ``MAX_FILL_TOKENS`` ids, each a non-negative 32-bit integer."""
+    if value is None:
+        return None
+    if len(value) > MAX_FILL_TOKENS:
+        raise BadRequest(f"'tokens' holds {len(value)} ids, more than {MAX_FILL_TOKENS}", param="tokens")
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 1 << 31:
+            raise BadRequest(f"'tokens[{i}]' must be a token id (0 .. 2^31-1)", param="tokens")
+    return value
 
 
 async def handle_error(request: Request, exc: Exception) -> Response:

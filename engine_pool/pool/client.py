@@ -74,7 +74,7 @@ class SpillResult:
 class FillResult:
     tokens: int
     bytes: int
-    source: str  # "local" (spill cache) or "store"
+    source: str  # "local" (spill cache), "store", or "cut" (the store's pieces up to a checkpoint)
     ms: float
 
 
@@ -133,9 +133,16 @@ class NodeClient:
         out = await self._call("POST", f"/v1/engines/{engine}/slots/{slot}/spill", body, retry_on=_NOT_SENT)
         return SpillResult(**{f: out[f] for f in SpillResult.__dataclass_fields__ if f in out})
 
-    async def fill(self, engine: str, slot: int, *, tenant: str, session: str, generation: int) -> FillResult:
-        """Restore (tenant, session, generation) into the slot, from the node's cache or the store."""
-        body = {"tenant": tenant, "session": session, "generation": generation}
+    async def fill(
+        self, engine: str, slot: int, *, tenant: str, session: str, generation: int,
+        tokens: list[int] | None = None,
+    ) -> FillResult:  # fmt: skip
+        """Restore (tenant, session, generation) into the slot, from the node's cache or the store.
+        ``tokens``: the prompt the slot is restored for; when it leaves the generation early, only
+        the part up to the checkpoint it continues from is restored (`FillResult.source` "cut")."""
+        body: dict[str, Any] = {"tenant": tenant, "session": session, "generation": generation}
+        if tokens:
+            body["tokens"] = tokens
         out = await self._call("POST", f"/v1/engines/{engine}/slots/{slot}/fill", body, retry_on=_NO_RESPONSE)
         return FillResult(**{f: out[f] for f in FillResult.__dataclass_fields__})
 

@@ -268,6 +268,60 @@ async def test_damaged_bytes_are_fetched_again_checked_or_refused_with_the_piece
         assert await slot_tokens(url, 1) == 0
 
 
+async def complete(engine_url: str, slot: int, prompt: list[int]) -> dict[str, Any]:
+    body = {"prompt": prompt, "id_slot": slot, "n_predict": 4, "temperature": 0, "cache_prompt": True}
+    async with httpx.AsyncClient(timeout=60, headers=INTERNAL_AUTH) as c:
+        r = await c.post(f"{engine_url}/completion", json=body)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+async def test_a_prompt_that_leaves_the_session_early_is_restored_only_up_to_its_checkpoint(
+    start_node: Callable[..., NodeProcess], redis_url: str, prefix: str
+) -> None:
+    """A fill with the prompt's tokens restores the stored pieces up to the checkpoint the prompt
+    continues from ("cut"), and the engine answers as after the whole restore; without tokens the
+    whole generation is restored. Bad tokens: 400."""
+    node = start_node(
+        "--redis-url", redis_url, "--redis-prefix", prefix, "--s3-prefix", prefix,
+        "--spill-bytes", "0", "--engine-arg=--checkpoint-interval", "--engine-arg=64",
+    )  # fmt: skip
+    eng, url = node.engine["id"], node.engine["url"]
+    async with httpx.AsyncClient(timeout=10, headers=INTERNAL_AUTH) as c:
+        text = "The agent reads the failing test, edits the parser and runs the suite again. " * 30
+        tokens = (await c.post(f"{url}/tokenize", json={"content": text})).json()["tokens"][:300]
+    await complete(url, 0, tokens)  # checkpoints at 64, 128, 192, 256 and 300
+    async with NodeClient(node.url, key=INTERNAL_KEY) as client:
+        spilled = await client.spill(eng, 0, tenant="t1", session="s1", generation=1)
+        await client.erase(eng, 0)
+        prompt = tokens[:200] + tokens[50:90]  # leaves the session after 200 tokens
+
+        whole = await client.fill(eng, 1, tenant="t1", session="s1", generation=1)
+        assert (whole.source, whole.tokens) == ("store", spilled.tokens)
+        after_whole = await complete(url, 1, prompt)
+        await client.erase(eng, 1)
+
+        cut = await client.fill(eng, 1, tenant="t1", session="s1", generation=1, tokens=prompt)
+        assert (cut.source, cut.tokens) == ("cut", 192) and cut.bytes < whole.bytes
+        after_cut = await complete(url, 1, prompt)
+        assert after_cut["content"] == after_whole["content"]
+        assert after_cut["timings"]["prompt_n"] == after_whole["timings"]["prompt_n"] == len(prompt) - 192
+        await client.erase(eng, 1)
+
+        # the first prompt again, something else after it instead of the answer: its end's checkpoint
+        retry = await client.fill(eng, 1, tenant="t1", session="s1", generation=1, tokens=tokens + [5, 6])
+        assert (retry.source, retry.tokens) == ("cut", 300) and spilled.tokens > 300
+        # without tokens (or with a prompt the store cannot cut for): the whole generation
+        await client.erase(eng, 1)
+        again = await client.fill(eng, 1, tenant="t1", session="s1", generation=1)
+        assert (again.source, again.tokens) == ("store", spilled.tokens)
+        async with httpx.AsyncClient(headers=INTERNAL_AUTH) as c:
+            r = await c.post(f"{node.url}/v1/engines/{eng}/slots/1/fill",
+                             json={"tenant": "t1", "session": "s1", "generation": 1, "tokens": [1, -2]})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+
+
 async def test_s3_store_down_during_spill_then_flushed(
     start_node: Callable[..., NodeProcess], moto: MotoProcess, prefix: str
 ) -> None:
