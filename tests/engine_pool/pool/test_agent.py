@@ -317,8 +317,8 @@ async def test_a_prompt_that_leaves_the_session_early_is_restored_only_up_to_its
         again = await client.fill(eng, 1, tenant="t1", session="s1", generation=1)
         assert (again.source, again.tokens) == ("store", spilled.tokens)
         async with httpx.AsyncClient(headers=INTERNAL_AUTH) as c:
-            r = await c.post(f"{node.url}/v1/engines/{eng}/slots/1/fill",
-                             json={"tenant": "t1", "session": "s1", "generation": 1, "tokens": [1, -2]})  # fmt: skip
+            bad = {"tenant": "t1", "session": "s1", "generation": 1, "tokens": [1, -2]}
+            r = await c.post(f"{node.url}/v1/engines/{eng}/slots/1/fill", json=bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
 
 
