@@ -124,6 +124,21 @@ async def forward_json(
     return payload, out
 
 
+async def input_tokens(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> list[int] | None:
+    """The token ids the engine at `url` (its chat completions URL) would evaluate for `body`, from
+    its `input_tokens` endpoint; None when it cannot say (any failure: this is an optimisation)."""
+    try:
+        data = json.dumps({**body, "with_tokens": True}).encode()
+        resp = await session.post(url + "/input_tokens", data=data, headers=_JSON)
+        raw = await _read(resp)
+        tokens = json.loads(raw).get("tokens") if resp.status == 200 else None
+    except (ApiError, ValueError, AttributeError, aiohttp.ClientError, TimeoutError):
+        return None
+    if not isinstance(tokens, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
+        return None
+    return tokens
+
+
 class StreamRelay:
     """An open engine stream: iterate `chunks()` to relay it; `outcome` fills in as it goes."""
 

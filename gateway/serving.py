@@ -30,11 +30,13 @@ from engine_pool.errors import (
     Unauthorized,
     Unavailable,
 )
-from gateway.relay import StreamRelay, TurnOutcome, forward_json
+from gateway.relay import StreamRelay, TurnOutcome, forward_json, input_tokens
 from gateway.services import Services
 from gateway.tenants import Tenant
-from gateway.turns import Turn
+from gateway.turns import RestorePrompt, Turn
 from storage.errors import StorageError
+
+CHAT_PATH = "/v1/chat/completions"
 
 
 class Dialect(Protocol):
@@ -152,9 +154,17 @@ async def serve_turn(
     answer runs beside sending it (`TurnRunner.finish_soon`)."""
     svc: Services = request.app.state.services
     session_id, source = session or await svc.runner.resolve(tenant, request.headers, body, model)
-    turn = await svc.runner.begin(tenant, session_id, model, source)
     upstream = {k: v for k, v in body.items() if k not in ("prompt_cache_key", "id_slot")}
-    upstream.update(model=model, id_slot=turn.placement.slot, cache_prompt=True)
+    upstream.update(model=model, cache_prompt=True)
+    prompt = None
+    if path == CHAT_PATH:  # a restore for a conversation that left the stored one early: cut it
+
+        async def tokens(engine_url: str) -> list[int] | None:
+            return await input_tokens(svc.engines, engine_url.rstrip("/") + CHAT_PATH, upstream)
+
+        prompt = RestorePrompt(messages, tokens)
+    turn = await svc.runner.begin(tenant, session_id, model, source, prompt)
+    upstream["id_slot"] = turn.placement.slot
     svc.metrics.served.labels(turn.placement.serve.value).inc()
     url = turn.engine_url.rstrip("/") + path
     t0 = time.perf_counter()

@@ -92,6 +92,24 @@ def session_from_request(headers: Mapping[str, str], body: Mapping[str, Any]) ->
     return None, "implicit"
 
 
+@dataclass(frozen=True)
+class RestorePrompt:
+    """The prompt a turn is placed for, as far as a restore can use it: a conversation that leaves
+    the stored one before its end (an edited earlier message, a retry from far back) needs only
+    the stored part up to the checkpoint the engine continues from, and the node can cut the
+    generation there given the prompt's tokens. ``tokens(engine_url)`` asks that engine for them
+    (None when it cannot say)."""
+
+    messages: Sequence[Mapping[str, Any]]
+    tokens: Callable[[str], Awaitable[list[int] | None]]
+
+    def leaves(self, record: SessionRecord, model: str) -> bool:
+        """Whether the prompt leaves the stored conversation before its end: its complete turns do
+        not include the conversation the session was saved at (its routing digest). A prompt that
+        goes on from there gets the whole generation, without asking for tokens."""
+        return bool(record.route) and record.route not in lookup_digests(self.messages, model)
+
+
 class TurnRunner:
     def __init__(
         self,
@@ -144,7 +162,9 @@ class TurnRunner:
         return "s-" + secrets.token_hex(12), "new"
 
     # ------------------------------------------------------------------------------------ begin
-    async def begin(self, tenant: Tenant, session: str, model: str, source: str) -> Turn:
+    async def begin(
+        self, tenant: Tenant, session: str, model: str, source: str, prompt: RestorePrompt | None = None
+    ) -> Turn:
         """Admit the turn (rate window, in-flight place), lock and place its session, and mark it
         live in its slot. A warm turn (the session live in its slot) makes two Redis round trips
         here: the opening read (storage.turnops) and the transition to busy."""
@@ -161,13 +181,16 @@ class TurnRunner:
             raise RateLimited(f"tenant {tenant.name} already has {limit} requests running", retry_after=1)
         self.cluster.saw_epoch(start.registry_epoch)
         try:
-            return await self._begin(tenant, session, model, source, start)
+            return await self._begin(tenant, session, model, source, start, prompt)
         except BaseException:
             with contextlib.suppress(StorageError):  # Redis away: the place lapses with its TTL
                 await self.index.release_inflight(tenant.name, start.inflight_token)
             raise
 
-    async def _begin(self, tenant: Tenant, session: str, model: str, source: str, start: TurnStart) -> Turn:
+    async def _begin(
+        self, tenant: Tenant, session: str, model: str, source: str, start: TurnStart,
+        prompt: RestorePrompt | None,
+    ) -> Turn:  # fmt: skip
         hold = await self._hold(tenant.name, session, start)
         forked_from = None
         if hold is None:  # busy with another request: fork it
@@ -185,7 +208,7 @@ class TurnRunner:
                 self._check_new_session_quota(tenant, start)
                 record = await self.index.create(tenant.name, session, model=model)
                 hold.record, created = record, True
-            placement, engine_url, node = await self._place(tenant, record, model, forked_from, hold)
+            placement, engine_url, node = await self._place(tenant, record, model, forked_from, hold, prompt)
             try:
                 decide = self.index.decide_live(
                     tenant.name, session, engine=placement.engine, slot=placement.slot, tokens=record.tokens,
@@ -287,8 +310,9 @@ class TurnRunner:
             return new, done
 
     async def _place(
-        self, tenant: Tenant, record: SessionRecord, model: str, forked_from: str | None, hold: SessionHold
-    ) -> tuple[Placement, str, NodeClient]:
+        self, tenant: Tenant, record: SessionRecord, model: str, forked_from: str | None, hold: SessionHold,
+        prompt: RestorePrompt | None = None,
+    ) -> tuple[Placement, str, NodeClient]:  # fmt: skip
         if (
             forked_from is None
             and record.state is SessionState.LIVE
@@ -311,11 +335,12 @@ class TurnRunner:
                 await asyncio.wait_for(asyncio.shield(hold.saved), self.spill_wait_s)
             record = await self.index.get(record.tenant, record.session)
             hold.record = record
-        return await self._place_by_snapshot(tenant, record, model, forked_from)
+        return await self._place_by_snapshot(tenant, record, model, forked_from, prompt)
 
     async def _place_by_snapshot(
-        self, tenant: Tenant, record: SessionRecord, model: str, forked_from: str | None
-    ) -> tuple[Placement, str, NodeClient]:
+        self, tenant: Tenant, record: SessionRecord, model: str, forked_from: str | None,
+        prompt: RestorePrompt | None = None,
+    ) -> tuple[Placement, str, NodeClient]:  # fmt: skip
         source = forked_from or record.session
         generation = record.generation
         if forked_from:
@@ -347,12 +372,16 @@ class TurnRunner:
                 await self._evict(engine.engine, node, placement)
             try:
                 if placement.serve is Serve.RESTORE:
+                    tokens = None
+                    if prompt is not None and not forked_from and prompt.leaves(record, model):
+                        tokens = await prompt.tokens(engine.url)  # only what the prompt continues from
                     await node.fill(
                         engine.engine,
                         placement.slot,
                         tenant=tenant.name,
                         session=source,
                         generation=generation,
+                        tokens=tokens,
                     )
                 elif placement.serve is Serve.COLD:
                     # A slot is never shared across sessions: clear what a dropped session left behind.

@@ -110,13 +110,17 @@ async def chat_completions(request: Request) -> Response:
 
 async def chat_input_tokens(request: Request) -> Response:
     """llama-server's `POST /chat/completions/input_tokens`: `{"input_tokens": n}`, the prompt a chat
-    request would evaluate (template, tools, prefill), counted without generating."""
+    request would evaluate (template, tools, prefill), counted without generating; with
+    `"with_tokens": true` also `"tokens"`, the ids themselves (the gateway restores a session for
+    them: a prompt that leaves it early needs only the part up to its checkpoint)."""
     rt = runtime(request)
     engine = rt.require()
     lim = limits(request)
     body = await read_json(request, lim.body)
     req = parse_chat(body, rt.defaults, lim, n_vocab=engine.model.n_vocab, n_ctx=engine.n_ctx_slot)
     prompt, _ = await asyncio.to_thread(chat_prompt, rt, req)
+    if body.get_bool("with_tokens", False):
+        return JSONResponse({"input_tokens": len(prompt.tokens), "tokens": prompt.tokens})
     return JSONResponse({"input_tokens": len(prompt.tokens)})
 
 

@@ -333,3 +333,44 @@ def test_input_tokens_counts_a_chat_without_running_it(serve, tmp_path: Path):
     assert counted.json()["input_tokens"] == done.usage.prompt_tokens
     assert httpx.get(f"{s.url}/v1/sessions").json()["data"][0]["tokens"] > 0  # only the real turn made one
     assert len(httpx.get(f"{s.url}/v1/sessions").json()["data"]) == 1
+
+
+def _node_metric(s, name: str) -> float:
+    for line in httpx.get(s.node_url + "/metrics", headers=INTERNAL_AUTH).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_an_edited_earlier_message_restores_only_up_to_where_it_diverges(serve, tmp_path: Path):
+    """After a restart, a conversation whose second user message was edited restores the stored
+    session only up to the checkpoint at that message's start (the node's "cut"): the turn reuses
+    that much and evaluates the rest. (The engine-level equality with a whole restore, and the
+    whole restore for a conversation that goes on from the end: tests/storage/test_prefixcut.py,
+    tests/engine_pool/pool/test_agent.py.)"""
+    s = serve(tmp_path / "data")
+    client = _client(s.url)
+    msgs = [{"role": "system", "content": SYSTEM}]
+    for turn in range(3):
+        msgs.append({"role": "user", "content": f"Step {turn}: open the failing test and explain it."})
+        done, _, _ = _turn(client, msgs, session="agent-1")
+        msgs.append({"role": "assistant", "content": done.choices[0].message.content})
+        _wait_durable(s.url, "agent-1", turn + 1)  # (saves of turns sent back to back coalesce)
+    edited = [*msgs[:3], {"role": "user", "content": "Step 1, instead: revert the last change."}]
+    assert s.stop(signal.SIGTERM) == 0  # drained: the session is in the store only
+    s = serve(tmp_path / "data")
+    client = _client(s.url)
+    cut_metric = 'slotkeeper_node_slot_bytes_total{op="fill",source="cut"}'
+    done, headers, timings = _turn(client, edited, session="agent-1")
+    assert headers["x-slotkeeper-cache"] == "restored"
+    assert _node_metric(s, cut_metric) > 0  # restored up to the edited message only
+
+    # what the engine kept: the conversation before the edited message (the checkpoint at its start)
+    def counted(messages: list[dict]) -> int:
+        r = httpx.post(
+            f"{s.url}/v1/chat/completions/input_tokens", json={"model": MODEL, "messages": messages}
+        )
+        return int(r.json()["input_tokens"])
+
+    assert counted(msgs[:1]) < timings["cache_n"] < counted(msgs[:4])  # past the system, before the edit
+    assert timings["prompt_n"] == done.usage.prompt_tokens - timings["cache_n"]
