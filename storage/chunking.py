@@ -529,6 +529,14 @@ def _write_v1(
     return w.n, w.crc
 
 
+def with_body_crc(trailer: bytes | memoryview, body_crc: int) -> bytes:
+    """A v1 trailer with its body CRC set (and its own CRC over it recomputed)."""
+    fields = list(TRAILER.unpack(bytes(trailer)))
+    fields[-2] = body_crc
+    head = TRAILER.pack(*fields)
+    return head[:-4] + _U32.pack(zlib.crc32(head[:-4]))
+
+
 def objects_needed(plan: Mapping[str, Any]) -> Iterator[tuple[str, str, int]]:
     """(kind, name, size) of every object a manifest's plan reads: chunk, checkpoint, tail."""
     for name, size in plan["chunks"]:

@@ -47,7 +47,16 @@ import numpy as np
 import structlog
 
 from storage.blobstore import BlobInfo, BlobMeta, BlobStore, ObjectInfo, new_writer_id, temp_beside
-from storage.chunking import CHUNK_TOKENS, Piece, Split, describe, objects_needed, split, write_v1
+from storage.chunking import (
+    CHUNK_TOKENS,
+    Piece,
+    Split,
+    describe,
+    objects_needed,
+    split,
+    with_body_crc,
+    write_v1,
+)
 from storage.errors import ChecksumError, Conflict, NotFound, SlotFileError, StorageError
 from storage.ids import (
     SlotRef,
@@ -227,7 +236,8 @@ class ChunkedStore(BlobStore):
         try:
             try:
                 size, crc = await asyncio.to_thread(_write_file, tmp, plan, objects, verify)
-                expected = (int(plan["size"]), int(plan["crc32"]) if verify else 0)
+                checked = verify or "body_crc32" not in plan  # (an old plan's trailer needs the CRC)
+                expected = (int(plan["size"]), int(plan["crc32"]) if checked else 0)
                 if (size, crc) != expected:
                     raise ChecksumError(f"{self._manifest(ref)}: assembled {size} bytes crc32 {crc:08x}, "
                                         f"expected {expected[0]} crc32 {expected[1]:08x}")  # fmt: skip
@@ -263,7 +273,7 @@ class ChunkedStore(BlobStore):
         wanted += [("ck", plan["checkpoints"][j][1], plan["checkpoints"][j][2]) for j in ckpt_ids]
         wanted.append(("tl", *plan["tail"]))
         objects = await self._fetch_named(ref, doc, [(str(k), str(n), int(z)) for k, n, z in wanted])
-        self._blame(ref, doc, objects, wanted)  # no whole-file CRC to check against: each piece by its own
+        await asyncio.to_thread(self._blame, ref, doc, objects, wanted)  # no whole-file CRC: each piece
         try:
             cut_plan, cut_objects = cut(plan, objects, at)
         except SlotFileError as exc:
@@ -308,8 +318,10 @@ class ChunkedStore(BlobStore):
         """:class:`ChecksumError` naming a piece whose bytes do not match the CRC in its name: after a
         failed assembly (the whole file's CRC is what a normal restore checks: one pass), or for
         each of ``named`` when there is no such CRC (a cut)."""
-        for kind, name, _ in named if named is not None else objects_needed(doc["plan"]):
-            if f"{zlib.crc32(objects[name]):08x}" != name.rsplit("-", 1)[-1]:
+        items = list(named if named is not None else objects_needed(doc["plan"]))
+        crcs = _pool().map(lambda item: zlib.crc32(objects[item[1]]), items)  # in parallel: they free the GIL
+        for (kind, name, _), crc in zip(items, crcs, strict=True):
+            if f"{crc:08x}" != name.rsplit("-", 1)[-1]:
                 key = self._tail(ref) if kind == "tl" else self._piece(ref.tenant, str(doc["ns"]), kind, name)
                 raise ChecksumError(f"{key}: its bytes do not match the CRC in its name")
 
@@ -483,30 +495,30 @@ def _write_file(
     sum. Without ``verify`` no CRC is computed (0 is returned for it): the trailer carries the
     original's body CRC and the reader checks the bytes (the engine does, as it loads them), and a
     transposed V cache is interleaved from its chunks while being written instead of joined into a
-    copy first. Not fsynced: it is a cache the engine loads at once, and a file a crash damaged
-    fails its CRC there and is fetched again. Plans without ``body_crc32`` (the trailer must then
-    wait for the CRC) go in one pass."""
-    if "body_crc32" not in plan:
-        with open(path, "xb") as f:
-            return write_v1(f, plan, objects)
-    segments = _Segments(columns=not verify)  # the CRC reads joined parts in file order
-    size, _ = write_v1(segments, plan, objects, checksum=False)
-    groups = segments.groups(_WRITERS)
+    copy first. A plan without ``body_crc32`` (a cut, an old manifest) always gets the CRC: its
+    trailer is written last, once the CRC is known. Not fsynced: it is a cache the engine loads at
+    once, and a file a crash damaged fails its CRC there and is fetched again."""
+    known = "body_crc32" in plan
+    segments = _Segments(columns=known and not verify)  # the CRC reads joined parts in file order
+    size, _ = write_v1(segments, plan if known else {**plan, "body_crc32": 0}, objects, checksum=False)
     pool = _pool()
     with open(path, "xb") as f:
         os.ftruncate(f.fileno(), size)
-        crc = pool.submit(_crc, segments.parts[:-1]) if verify else None  # the trailer is the last part
-        for done in [pool.submit(_pwrite, f.fileno(), group) for group in groups]:
+        crc = pool.submit(_crc, segments.parts[:-1]) if verify or not known else None  # the trailer: last
+        for done in [pool.submit(_pwrite, f.fileno(), group) for group in segments.groups(_WRITERS)]:
             done.result()
         if crc is None:
             return size, 0
         body = crc.result()
-    if body != int(plan["body_crc32"]):  # the trailer took the plan's word for it: check the word
+        offset, last = segments.parts[-1]
+        assert isinstance(last, memoryview)
+        if not known:
+            last = memoryview(with_body_crc(last, body))
+            _pwrite_all(f.fileno(), last, offset)
+    if known and body != int(plan["body_crc32"]):  # the trailer took the plan's word for it: check it
         raise ChecksumError(
             f"{path.name}: body crc32 {body:08x}, the manifest says {int(plan['body_crc32']):08x}"
         )
-    last = segments.parts[-1][1]
-    assert isinstance(last, memoryview)
     return size, zlib.crc32(last, body)
 
 

@@ -496,11 +496,6 @@ class _CountedSegments(chunkstore._Segments):
         type(self).made += 1
 
 
-class _NoSegments:
-    def __init__(self, columns: bool) -> None:
-        raise AssertionError("the parallel writer was used for a plan without body_crc32")
-
-
 def _rewrite_plan(inner: Faulty, ref: SlotRef, **changes: Any) -> dict[str, Any]:
     """Change the stored manifest's plan: a value of None drops the field."""
     path = inner.root / PREFIX / ref.tenant / ref.session / f"{ref.generation:020d}.manifest"
@@ -534,19 +529,21 @@ async def test_restores_write_in_parallel_and_exactly(
     assert (meta.size, meta.crc32) == ((await store.head(ref)).size, whole_file_crc32(src))
 
 
-async def test_a_manifest_without_body_crc_restores_in_one_pass(
-    store: ChunkedStore, inner: Faulty, slots: Slots, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+async def test_a_manifest_without_body_crc_restores_with_the_trailer_written_last(
+    store: ChunkedStore, inner: Faulty, slots: Slots, tmp_path: Path
 ) -> None:
     """Manifests written before the body CRC (and the bounds) were recorded: the restore writes
-    the file in one pass, computing the trailer, and gives back exactly the original bytes."""
+    the body, computes its CRC meanwhile and writes the trailer last, whether asked to verify or
+    not, and gives back exactly the original bytes."""
     refs = [(SlotRef("acme", "s1", 1), slots.grow[3]), (SlotRef("acme", "r1", 1), slots.recurrent[1])]
     for ref, src in refs:
         await put(store, ref, src)
         plan = _rewrite_plan(inner, ref, body_crc32=None, bounds=None)
         assert "body_crc32" not in plan and "bounds" not in plan
-    monkeypatch.setattr(chunkstore, "_Segments", _NoSegments)
     for ref, src in refs:
         await restores(store, ref, src, tmp_path / f"{ref.session}.slot")
+        await store.get_to_file(ref, tmp_path / f"{ref.session}.unverified", verify=False)
+        assert same_bytes(tmp_path / f"{ref.session}.unverified", src)
         assert (await store.head(ref)).crc32 == whole_file_crc32(src)
     # and a damaged piece is still named on that path
     victim = sorted(inner.root.rglob("*.kv"))[0]
