@@ -74,6 +74,7 @@ def engine_session(headers: Mapping[str, str], request_timeout_s: float) -> aioh
 
 
 _JSON = {"content-type": "application/json"}
+_TOKENS_TIMEOUT = aiohttp.ClientTimeout(total=10.0)  # a tokenization: milliseconds; else go without
 
 
 async def _send(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
@@ -129,7 +130,7 @@ async def input_tokens(session: aiohttp.ClientSession, url: str, body: dict[str,
     its `input_tokens` endpoint; None when it cannot say (any failure: this is an optimisation)."""
     try:
         data = json.dumps({**body, "with_tokens": True}).encode()
-        resp = await session.post(url + "/input_tokens", data=data, headers=_JSON)
+        resp = await session.post(url + "/input_tokens", data=data, headers=_JSON, timeout=_TOKENS_TIMEOUT)
         raw = await _read(resp)
         tokens = json.loads(raw).get("tokens") if resp.status == 200 else None
     except (ApiError, ValueError, AttributeError, aiohttp.ClientError, TimeoutError):
