@@ -21,7 +21,6 @@ import httpx
 from gateway.placement import EngineView, SlotView
 from storage.engines import EngineInfo, EngineRegistry
 from storage.index import SessionIndex
-from storage.locks import SessionLocks
 
 _CONFIGURED_TTL_S = 5.0
 
@@ -58,7 +57,6 @@ class Cluster:
         self,
         registry: EngineRegistry,
         index: SessionIndex,
-        locks: SessionLocks,
         node_urls: tuple[str, ...],
         http: httpx.AsyncClient,
         *,
@@ -67,7 +65,6 @@ class Cluster:
     ) -> None:
         self.registry = registry
         self.index = index
-        self.locks = locks
         self._node_urls = node_urls
         self.sample = sample  # engines a placement snapshot looks at, at most (plus the tenant's own)
         self._random = rng or random.Random()

@@ -94,7 +94,7 @@ async def services(
             restored=report.restored,
             skipped=len(report.skipped),
         )
-    cluster = Cluster(registry, index, locks, settings.nodes, http, sample=settings.placement_sample)
+    cluster = Cluster(registry, index, settings.nodes, http, sample=settings.placement_sample)
     retention = None
     if isinstance(store, ChunkedStore):
         retention = Retention(store, index, tenants, interval_s=settings.collect_interval_s)

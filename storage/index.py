@@ -30,7 +30,7 @@ callers hold one object.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -56,7 +56,7 @@ class SessionIndex(EngineOccupancy, PrefixRouting, TenantCounters, TurnOps):
     """Async session index; share one instance per process (it holds no per-call state).
 
     Besides records it offers the engines' LRUs (``idle_sessions``, ``engine_sessions``,
-    ``engines_occupancy``: :mod:`storage.occupancy`), implicit routing (``add_prefixes``,
+    ``slot_occupants``: :mod:`storage.occupancy`), implicit routing (``add_prefixes``,
     ``match_prefix``: :mod:`storage.routes`) and per-tenant counters (``incr_usage``, ``usage``,
     ``incr_window``, ``window_count``, ``acquire_inflight``, ``release_inflight``,
     ``inflight_count``: :mod:`storage.usage`) and the request path's one-round-trip steps
@@ -84,19 +84,6 @@ class SessionIndex(EngineOccupancy, PrefixRouting, TenantCounters, TurnOps):
         async with redis_errors():
             raw = await self._redis.hgetall(self.keys.session(tenant, session))
         return SessionRecord.from_hash(tenant, session, raw) if raw else None
-
-    async def find_many(self, pairs: Sequence[tuple[str, str]]) -> list[SessionRecord | None]:
-        """`find` for many ``(tenant, session)`` in one round trip (placement snapshots)."""
-        if not pairs:
-            return []
-        async with redis_errors(), self._redis.pipeline(transaction=False) as pipe:
-            for tenant, session in pairs:
-                pipe.hgetall(self.keys.session(tenant, session))
-            raws = await pipe.execute()
-        return [
-            SessionRecord.from_hash(t, s, raw) if raw else None
-            for (t, s), raw in zip(pairs, raws, strict=True)
-        ]
 
     async def get(self, tenant: str, session: str) -> SessionRecord:
         record = await self.find(tenant, session)

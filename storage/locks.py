@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -126,14 +126,6 @@ class SessionLocks:
 
         await transact(self._redis, [key], body)
         return replace(lock, ttl_s=ttl)
-
-    async def owners(self, pairs: Sequence[tuple[str, str]]) -> list[str | None]:
-        """`owner` for many ``(tenant, session)`` in one round trip."""
-        if not pairs:
-            return []
-        async with redis_errors():
-            values = await self._redis.mget([self.keys.lock(t, s) for t, s in pairs])
-        return [None if v is None else text(v) for v in values]
 
     async def remaining_s(self, tenant: str, session: str) -> float | None:
         """Seconds until the current holder's lock lapses unless renewed; None when unlocked."""

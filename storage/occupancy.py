@@ -73,27 +73,6 @@ class EngineOccupancy:
             raw = await self._redis.smembers(self.keys.engine_live(engine))
         return sorted(parse_member(text(m)) for m in raw)
 
-    async def engines_sessions(self, engines: Sequence[str]) -> dict[str, list[tuple[str, str]]]:
-        """`engine_sessions` for many engines in one round trip."""
-        live, _ = await self.engines_occupancy(engines)
-        return live
-
-    async def engines_occupancy(
-        self, engines: Sequence[str]
-    ) -> tuple[dict[str, list[tuple[str, str]]], set[tuple[str, str]]]:
-        """For many engines in one round trip: the sessions live on each, and which of all those
-        are idle (in their engine's LRU: no request runs on them)."""
-        if not engines:
-            return {}, set()
-        async with redis_errors(), self._redis.pipeline(transaction=False) as pipe:
-            for engine in engines:
-                pipe.smembers(self.keys.engine_live(engine))
-                pipe.zrange(self.keys.engine_idle(engine), 0, -1)
-            raws = await pipe.execute()
-        live = {e: sorted(parse_member(text(m)) for m in raws[2 * i]) for i, e in enumerate(engines)}
-        idle = {parse_member(text(m)) for i in range(len(engines)) for m in raws[2 * i + 1]}
-        return live, idle
-
     async def slot_occupants(
         self, engines: Sequence[str]
     ) -> list[tuple[str, tuple[str, str], Occupant | None, bool]]:

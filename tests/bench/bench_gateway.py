@@ -449,7 +449,7 @@ async def make_decider(
                                 n_slots=fleet.slots, ttl_s=3600)  # fmt: skip
     http = httpx.AsyncClient()
     store = LocalStore(workdir / "routing-blobs")
-    cluster = Cluster(registry, index, locks, (), http, sample=args.placement_sample)
+    cluster = Cluster(registry, index, (), http, sample=args.placement_sample)
     runner = TurnRunner(cluster, index, locks, store, {}, Metrics(), lock_ttl_s=60, spill_wait_s=5)
 
     async def close() -> None:

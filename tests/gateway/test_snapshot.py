@@ -14,7 +14,6 @@ from gateway.cluster import Cluster
 from gateway.placement import SessionView, choose_placement
 from storage.engines import EngineRegistry
 from storage.index import SessionIndex
-from storage.locks import SessionLocks
 
 MODEL = "m"
 
@@ -22,11 +21,11 @@ MODEL = "m"
 @pytest.fixture
 async def pool():
     redis = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
-    index, locks, registry = SessionIndex(redis), SessionLocks(redis), EngineRegistry(redis)
+    index, registry = SessionIndex(redis), EngineRegistry(redis)
     for e in range(40):
         await registry.register(f"e{e:02d}", node="n", url=f"http://e{e}", model=MODEL, n_slots=2, ttl_s=600)
     async with httpx.AsyncClient() as http:
-        yield index, registry, lambda sample: Cluster(registry, index, locks, (), http, sample=sample,
+        yield index, registry, lambda sample: Cluster(registry, index, (), http, sample=sample,
                                                       rng=random.Random(3))  # fmt: skip
     await redis.aclose()
 

@@ -27,7 +27,7 @@ async def parts(tmp_path):
     redis = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
     index, locks = SessionIndex(redis), SessionLocks(redis)
     async with httpx.AsyncClient() as http:
-        cluster = Cluster(EngineRegistry(redis), index, locks, (), http)
+        cluster = Cluster(EngineRegistry(redis), index, (), http)
         yield index, locks, cluster, LocalStore(tmp_path / "blobs")
     await redis.aclose()
 
@@ -110,10 +110,10 @@ async def test_models_that_nodes_run_but_no_engine_serves_yet_are_told_from_unkn
         return httpx.Response(200, json=answers[url])
 
     async with httpx.AsyncClient(transport=httpx.MockTransport(node)) as http:
-        up = Cluster(EngineRegistry(index._redis), index, locks, ("http://n1",), http)
+        up = Cluster(EngineRegistry(index._redis), index, ("http://n1",), http)
         assert await up.models() == set()  # nothing registered: no engine is ready
         assert await up.configured_models() == {"qwen35"}  # but a node runs one: 503, not 404
-        half = Cluster(EngineRegistry(index._redis), index, locks, ("http://n1", "http://n2"), http)
+        half = Cluster(EngineRegistry(index._redis), index, ("http://n1", "http://n2"), http)
         assert await half.configured_models() is None  # a node did not answer: nobody can say 404
 
 

@@ -181,23 +181,19 @@ async def test_redis_down_is_store_unavailable() -> None:
     await client.aclose()
 
 
-async def test_batched_reads_for_placement_snapshots(index: SessionIndex, redis_client: Any) -> None:
-    from storage.locks import SessionLocks
-
+async def test_one_script_reads_every_occupant_of_a_placement_snapshot(index: SessionIndex) -> None:
     await index.mark_live("acme", "a", engine="e1", slot=0, tokens=1)
     await index.mark_live("acme", "b", engine="e2", slot=1, tokens=2)
     await index.mark_live("beta", "a", engine="e2", slot=0, tokens=3)
-    live = await index.engines_sessions(["e1", "e2", "e3"])
-    assert live == {"e1": [("acme", "a")], "e2": [("acme", "b"), ("beta", "a")], "e3": []}
-    pairs = [("acme", "a"), ("beta", "a"), ("acme", "nope")]
-    found = await index.find_many(pairs)
-    assert [r.slot if r else None for r in found] == [0, 0, None]
-    assert found[1] is not None and found[1].tenant == "beta" and found[1].tokens == 3
-    locks = SessionLocks(redis_client, prefix=index.keys.prefix)
-    held = await locks.try_acquire("beta", "a", ttl_s=30)
-    assert held is not None
-    assert await locks.owners(pairs) == [None, held.token, None]
-    assert await index.find_many([]) == [] and await locks.owners([]) == []
+    await index.mark_idle("beta", "a")
+    rows = await index.slot_occupants(["e1", "e2", "e3"])
+    seen = {(engine, pair): (occ.slot if occ else None, idle) for engine, pair, occ, idle in rows}
+    assert seen == {
+        ("e1", ("acme", "a")): (0, False),
+        ("e2", ("acme", "b")): (1, False),
+        ("e2", ("beta", "a")): (0, True),
+    }
+    assert await index.slot_occupants([]) == []
 
 
 async def test_is_idle_tells_a_running_turn_from_bookkeeping(index: SessionIndex) -> None:
