@@ -68,7 +68,7 @@ from storage.ids import (
     tenant_prefix,
 )
 from storage.ledger import ChunkLedger
-from storage.prefixcut import cut, cut_point, pieces_up_to
+from storage.prefixcut import cut, cut_point, hybrid, pieces_up_to
 from storage.slotfile import read_slot_file
 
 log = structlog.get_logger("slotkeeper.storage")
@@ -271,9 +271,14 @@ class ChunkedStore(BlobStore):
         chunk_ids, ckpt_ids = pieces_up_to(plan, at)
         wanted = [("kv", *plan["chunks"][i]) for i in chunk_ids]
         wanted += [("ck", plan["checkpoints"][j][1], plan["checkpoints"][j][2]) for j in ckpt_ids]
-        wanted.append(("tl", *plan["tail"]))
-        objects = await self._fetch_named(ref, doc, [(str(k), str(n), int(z)) for k, n, z in wanted])
-        await asyncio.to_thread(self._blame, ref, doc, objects, wanted)  # no whole-file CRC: each piece
+        tail = [("tl", str(plan["tail"][0]), int(plan["tail"][1]))]
+        objects = await self._fetch_named(ref, doc, tail)  # first: it says what model this is
+        await asyncio.to_thread(self._blame, ref, doc, objects, tail)  # no whole-file CRC: each piece
+        if not hybrid(objects[tail[0][1]]):
+            return None  # the engine may continue such a model from further on than a checkpoint
+        wanted = [(str(k), str(n), int(z)) for k, n, z in wanted]
+        objects.update(await self._fetch_named(ref, doc, wanted))
+        await asyncio.to_thread(self._blame, ref, doc, objects, wanted)
         try:
             cut_plan, cut_objects = cut(plan, objects, at)
         except SlotFileError as exc:

@@ -81,6 +81,20 @@ def cut_point(plan: Mapping[str, Any], ns: str, tokens: Sequence[int]) -> int | 
     return best if best is not None and best < n else None
 
 
+def hybrid(tail: bytes) -> bool:
+    """Whether a stored tail's metadata names a hybrid model (attention KV and recurrent state):
+    the only kind the engine continues from a checkpoint and nowhere else. A sliding-window model
+    may keep more (it trims its KV while the window is still cached), so it is never cut."""
+    try:
+        for record in unpack_parts(tail, "tail")[2:]:
+            if _U32.unpack_from(record, 0)[0] == TAG_META:
+                model = json.loads(bytes(record[8:])).get("model")
+                return isinstance(model, dict) and model.get("hybrid") is True
+    except (SlotFileError, ValueError, AttributeError, struct.error):
+        pass
+    return False
+
+
 def pieces_up_to(plan: Mapping[str, Any], at: int) -> tuple[list[int], list[int]]:
     """Indices of the chunks (whole or the one ``at`` falls inside) and checkpoints a cut at ``at``
     reads."""
@@ -147,6 +161,8 @@ def _cut(
     if meta_record is None or "t1" not in order:
         raise ValueError("the tail has no metadata or no last logits")
     meta = json.loads(bytes(meta_record[8:]))
+    if not isinstance(meta.get("model"), dict) or meta["model"].get("hybrid") is not True:
+        raise ValueError("not a hybrid model")
     meta["n_tokens"] = at
     if isinstance(meta.get("checkpoints"), list):
         meta["checkpoints"] = [c for c in meta["checkpoints"] if int(c.get("n_tokens", 0)) <= at]

@@ -157,3 +157,26 @@ async def test_a_session_ending_on_a_chunk_boundary_restores_byte_for_byte(
         for verify in (True, False):
             await st.get_to_file(ref, tmp_path / "back.slot", verify=verify)
             assert (tmp_path / "back.slot").read_bytes() == src.read_bytes()
+
+
+async def test_only_hybrid_models_are_cut(tiny_model: Callable[..., str], tmp_path: Path) -> None:
+    """A sliding-window model (gemma2) keeps its checkpoints' window state too, but its engine may
+    continue from further on than a checkpoint (it trims while the window is still cached): a cut
+    could keep less than a whole restore, so none is made."""
+    eng = native.Engine(
+        native.EngineConfig(tiny_model("gemma2"), n_ctx=4096, n_slots=1, checkpoint_interval=256)
+    )
+    try:
+        tokens = eng.tokenize("The agent reads the file, runs the tests and writes a fix. " * 60)[:900]
+        _run(eng, 0, tokens, (600,))
+        eng.save_slot(0, str(tmp_path / "swa.slot"))
+    finally:
+        eng.close()
+    sf = read_slot_file(tmp_path / "swa.slot")
+    assert any(c.target_bytes_len for c in sf.checkpoints)  # window state a cut could otherwise use
+    inner = LocalStore(tmp_path / "blobs", prefix="sk")
+    async with ChunkedStore(inner, ChunkLedger(in_process_redis())) as st:
+        ref = SlotRef("acme", "w", 1)
+        await st.put_file(ref, tmp_path / "swa.slot", model="m", n_tokens=sf.n_tokens)
+        assert await st.get_prefix_to_file(ref, tmp_path / "cut.slot", tokens[:700] + [1, 2, 3]) is None
+    assert not (tmp_path / "cut.slot").exists()
