@@ -775,38 +775,4 @@ void Engine::fail_slot(Slot & s, const std::string & message) {
     push_event(std::move(e));
 }
 
-void Engine::capture_checkpoint(Slot & s, CheckpointKind kind, const float * logits) {
-    if (fault_at_checkpoint_.exchange(false)) throw std::bad_alloc();  // inject_fault_for_tests
-    Checkpoint c;
-    c.n_tokens = int64_t(s.tokens.size());
-    c.kind = kind;
-    llama_memory_t mem = llama_get_memory(ctx_.get());
-    c.pos_min = llama_memory_seq_pos_min(mem, s.id);
-    c.pos_max = llama_memory_seq_pos_max(mem, s.id);
-    if (model().has_partial_state()) {
-        const size_t size = llama_state_seq_get_size_ext(ctx_.get(), s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
-        c.state.resize(size);
-        if (size == 0 || llama_state_seq_get_data_ext(ctx_.get(), c.state.data(), size, s.id,
-                                                      LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) != size) {
-            bump("checkpoint_capture_failures");
-            return;
-        }
-    }
-    c.logits.assign(logits, logits + n_vocab_);
-    s.checkpoints.push_back(std::move(c));
-    std::sort(s.checkpoints.begin(), s.checkpoints.end(),
-              [](const Checkpoint & x, const Checkpoint & y) { return x.n_tokens < y.n_tokens; });
-    if (s.active) s.active->timings.checkpoints_created++;
-    bump("checkpoints_created");
-    enforce_checkpoint_budget(s);
-}
-
-void Engine::enforce_checkpoint_budget(Slot & s) {
-    std::vector<CheckpointBudgetItem> items;
-    for (const auto & c : s.checkpoints) items.push_back({c.n_tokens, c.kind, c.bytes()});
-    const auto drop = checkpoints_to_evict(items, size_t(cfg_.max_checkpoints), size_t(cfg_.max_checkpoint_bytes));
-    for (auto it = drop.rbegin(); it != drop.rend(); ++it) s.checkpoints.erase(s.checkpoints.begin() + long(*it));
-    if (!drop.empty()) bump("checkpoints_evicted", int64_t(drop.size()));
-}
-
 }  // namespace sk
