@@ -269,14 +269,13 @@ class ChunkedStore(BlobStore):
             return None
         t0, dest = time.monotonic(), Path(dest)
         chunk_ids, ckpt_ids = pieces_up_to(plan, at)
-        wanted = [("kv", *plan["chunks"][i]) for i in chunk_ids]
-        wanted += [("ck", plan["checkpoints"][j][1], plan["checkpoints"][j][2]) for j in ckpt_ids]
+        wanted = [("kv", str(plan["chunks"][i][0]), int(plan["chunks"][i][1])) for i in chunk_ids]
+        wanted += [("ck", str(plan["checkpoints"][j][1]), int(plan["checkpoints"][j][2])) for j in ckpt_ids]
         tail = [("tl", str(plan["tail"][0]), int(plan["tail"][1]))]
         objects = await self._fetch_named(ref, doc, tail)  # first: it says what model this is
         await asyncio.to_thread(self._blame, ref, doc, objects, tail)  # no whole-file CRC: each piece
         if not hybrid(objects[tail[0][1]]):
             return None  # the engine may continue such a model from further on than a checkpoint
-        wanted = [(str(k), str(n), int(z)) for k, n, z in wanted]
         objects.update(await self._fetch_named(ref, doc, wanted))
         await asyncio.to_thread(self._blame, ref, doc, objects, wanted)
         try:

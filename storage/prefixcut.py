@@ -88,11 +88,15 @@ def hybrid(tail: bytes) -> bool:
     try:
         for record in unpack_parts(tail, "tail")[2:]:
             if _U32.unpack_from(record, 0)[0] == TAG_META:
-                model = json.loads(bytes(record[8:])).get("model")
-                return isinstance(model, dict) and model.get("hybrid") is True
-    except (SlotFileError, ValueError, AttributeError, struct.error):
+                return _hybrid_meta(json.loads(bytes(record[8:])))
+    except (SlotFileError, ValueError, struct.error):
         pass
     return False
+
+
+def _hybrid_meta(meta: Any) -> bool:
+    model = meta.get("model") if isinstance(meta, dict) else None
+    return isinstance(model, dict) and model.get("hybrid") is True
 
 
 def pieces_up_to(plan: Mapping[str, Any], at: int) -> tuple[list[int], list[int]]:
@@ -161,7 +165,7 @@ def _cut(
     if meta_record is None or "t1" not in order:
         raise ValueError("the tail has no metadata or no last logits")
     meta = json.loads(bytes(meta_record[8:]))
-    if not isinstance(meta.get("model"), dict) or meta["model"].get("hybrid") is not True:
+    if not _hybrid_meta(meta):
         raise ValueError("not a hybrid model")
     meta["n_tokens"] = at
     if isinstance(meta.get("checkpoints"), list):

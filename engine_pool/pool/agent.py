@@ -47,7 +47,7 @@ from storage.index import SessionIndex, SessionState
 from storage.slotfile import read_slot_file, whole_file_crc32
 from storage.spillcache import SpillCache
 
-from ..body import read_json
+from ..body import check_tokens, read_json
 from ..credentials import RequireKey
 from ..errors import (
     ApiError,
@@ -539,10 +539,7 @@ def _prompt_tokens(value: list[Any] | None) -> list[int] | None:
         return None
     if len(value) > MAX_FILL_TOKENS:
         raise BadRequest(f"'tokens' holds {len(value)} ids, more than {MAX_FILL_TOKENS}", param="tokens")
-    for i, t in enumerate(value):
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 1 << 31:
-            raise BadRequest(f"'tokens[{i}]' must be a token id (0 .. 2^31-1)", param="tokens")
-    return value
+    return check_tokens(value, 1 << 31, "tokens")  # the node does not know the vocabulary: any i32 id
 
 
 async def handle_error(request: Request, exc: Exception) -> Response:
