@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--slots", default="2", help="slots per engine [SLOTKEEPER_SLOTS]")
     ap.add_argument("--ctx", default="8192", help="context per slot in tokens")
     ap.add_argument("--node-port", type=int, default=0, help="node agent port (default: --port + 1)")
+    ap.add_argument("--store-compression", choices=("on", "off", "auto"), default="auto",
+                    help="store recurrent states compressed (auto: in S3 only)")  # fmt: skip
     return ap
 
 
@@ -90,6 +92,7 @@ def main(argv: list[str]) -> int:
         "--slots", ns.slots, "--ctx", ns.ctx, "--host", "127.0.0.1", "--port", str(node_port),
         "--data-dir", str(data), "--node-id", "local", "--redis-prefix", settings.redis_prefix,
         "--s3-prefix", settings.s3_prefix, "--log-level", settings.log_level,
+        "--store-compression", ns.store_compression,
     ]  # fmt: skip
     if settings.s3_bucket:
         node_argv += ["--s3-bucket", settings.s3_bucket]

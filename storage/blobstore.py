@@ -223,8 +223,11 @@ class BlobStore(ABC):
         """One object's bytes; :class:`NotFound` if absent."""
 
     @abstractmethod
+    async def object_size(self, key: str) -> int | None:
+        """The object's size in bytes, None when it is not there (one head)."""
+
     async def object_exists(self, key: str) -> bool:
-        """Whether the object is there (one head)."""
+        return await self.object_size(key) is not None
 
     @abstractmethod
     def list_objects(self, key_prefix: str) -> AsyncIterator[ObjectInfo]:

@@ -5,7 +5,8 @@ contract — ``put_file`` a v1 slot file as a generation, ``get_to_file`` it bac
 ``list``, ``delete`` — while storing each generation as pieces (:mod:`storage.chunking`):
 
 * ``{tenant}/.chunks/{ns}/{digest}-{crc}.kv`` — attention KV of 256-token ranges;
-* ``{tenant}/.chunks/{ns}/{digest}-{crc}.ck`` — checkpoints (recurrent / sliding-window state, logits);
+* ``{tenant}/.chunks/{ns}/{digest}-{crc}.ck`` — checkpoints (recurrent / sliding-window state, logits),
+  compressed when the store is built with ``compress`` (:mod:`storage.codec`; tails too);
 * ``{tenant}/{session}/{generation}.tail`` — what is this generation's own;
 * ``{tenant}/{session}/{generation}.manifest`` — the plan naming them, written last: a manifest is
   visible only once every piece it names is durable, so a save interrupted anywhere leaves the
@@ -57,6 +58,7 @@ from storage.chunking import (
     with_body_crc,
     write_v1,
 )
+from storage.codec import decode, encode
 from storage.errors import ChecksumError, Conflict, NotFound, SlotFileError, StorageError
 from storage.ids import (
     SlotRef,
@@ -91,17 +93,19 @@ class CollectReport:
 @dataclass
 class _Known:
     epoch: int
-    names: set[str] = field(default_factory=set)
+    names: dict[str, int] = field(default_factory=dict)  # key -> bytes the store holds
 
 
 class ChunkedStore(BlobStore):
-    """See the module doc. ``ledger`` is required for saves and collection (pieces are shared)."""
+    """See the module doc. ``ledger`` is required for saves and collection (pieces are shared);
+    ``compress``: saves store checkpoints and tails compressed (restores read either)."""
 
     def __init__(
-        self, inner: BlobStore, ledger: ChunkLedger, *, chunk_tokens: int = CHUNK_TOKENS, concurrency: int = 8
+        self, inner: BlobStore, ledger: ChunkLedger, *, chunk_tokens: int = CHUNK_TOKENS,
+        concurrency: int = 8, compress: bool = False,
     ) -> None:  # fmt: skip
         super().__init__(inner.prefix)
-        self.inner, self.ledger, self.chunk_tokens = inner, ledger, chunk_tokens
+        self.inner, self.ledger, self.chunk_tokens, self.compress = inner, ledger, chunk_tokens, compress
         self._gate = asyncio.Semaphore(concurrency)
         self._known: dict[str, _Known] = {}
 
@@ -148,11 +152,14 @@ class ChunkedStore(BlobStore):
             pieces = [("kv", p) for p in s.chunks] + [("ck", p) for _, p in s.checkpoints]
             uploads = (self._ensure(ref.tenant, s.ns, kind, p, known) for kind, p in pieces)
             uploaded = await asyncio.gather(*uploads)
-            written += sum(uploaded)
-            await self.inner.put_object(self._tail(ref), s.tail.data)
-            doc = self._manifest_doc(ref, s, model, route)
+            written += sum(w for w, _ in uploaded)
+            tail = await asyncio.to_thread(encode, s.tail.data) if self.compress else s.tail.data
+            await self.inner.put_object(self._tail(ref), tail)
+            stored = {p.name: size for (_, p), (_, size) in zip(pieces, uploaded, strict=True)
+                      if size != len(p.data)}  # fmt: skip
+            doc = self._manifest_doc(ref, s, model, route, stored)
             manifest = json.dumps(doc, separators=(",", ":")).encode()
-            written += len(s.tail.data) + len(manifest)
+            written += len(tail) + len(manifest)
             named = self._named(doc)
             await lease.check()
             # Counted before it is visible, and never taken back if the write fails: the write may
@@ -173,37 +180,48 @@ class ChunkedStore(BlobStore):
         scope = ref.tenant if share else f"{ref.tenant}/{ref.session}"
         return split(data, sf, scope=scope, chunk_tokens=self.chunk_tokens)
 
-    def _known_names(self, tenant: str, epoch: int) -> set[str]:
+    def _known_names(self, tenant: str, epoch: int) -> dict[str, int]:
         known = self._known.get(tenant)
         if known is None or known.epoch != epoch or len(known.names) > _KNOWN_MAX:
             known = self._known[tenant] = _Known(epoch)
         return known.names
 
-    async def _ensure(self, tenant: str, ns: str, kind: str, piece: Piece, known: set[str]) -> int:
-        """Upload one piece unless the store has it; returns the bytes written."""
+    async def _ensure(
+        self, tenant: str, ns: str, kind: str, piece: Piece, known: dict[str, int]
+    ) -> tuple[int, int]:
+        """Upload one piece unless the store has it: (bytes written, bytes the store holds for it).
+        Checkpoints of a compressing store are stored encoded (:mod:`storage.codec`)."""
         key = self._piece(tenant, ns, kind, piece.name)
         if key in known:
-            return 0
+            return 0, known[key]
         async with self._gate:
-            if await self.inner.object_exists(key):
-                known.add(key)
-                return 0
-            await self.inner.put_object(key, piece.data)
-        known.add(key)
-        return len(piece.data)
+            size = await self.inner.object_size(key)
+            if size is not None:
+                known[key] = size
+                return 0, size
+            data = piece.data
+            if self.compress and kind == "ck":
+                data = await asyncio.to_thread(encode, data)
+            await self.inner.put_object(key, data)
+        known[key] = len(data)
+        return len(data), len(data)
 
     def _named(self, doc: Mapping[str, Any]) -> dict[str, int]:
         """The pieces a manifest names, as the ledger counts them: key below the chunks folder ->
-        bytes."""
+        bytes the store holds for it (a checkpoint's encoded size where the manifest says it)."""
         ns, cut = str(doc["ns"]), len(chunks_prefix(self.prefix, str(doc["tenant"])))
-        return {self._piece(str(doc["tenant"]), ns, kind, name)[cut:]: size
+        stored = doc.get("stored")
+        stored = stored if isinstance(stored, dict) else {}
+        return {self._piece(str(doc["tenant"]), ns, kind, name)[cut:]: int(stored.get(name, size))
                 for kind, name, size in objects_needed(doc["plan"]) if kind != "tl"}  # fmt: skip
 
-    def _manifest_doc(self, ref: SlotRef, s: Split, model: str, route: str) -> dict[str, Any]:
+    def _manifest_doc(
+        self, ref: SlotRef, s: Split, model: str, route: str, stored: Mapping[str, int]
+    ) -> dict[str, Any]:
         return {
             "format": MANIFEST_FORMAT, "tenant": ref.tenant, "session": ref.session,
             "generation": ref.generation, "created": time.time(), "model": model, "route": route,
-            "ns": s.ns, "plan": describe(s),
+            "ns": s.ns, "plan": describe(s), "stored": dict(stored),
         }  # fmt: skip
 
     # -- restore ----------------------------------------------------------------------------------
@@ -308,6 +326,8 @@ class ChunkedStore(BlobStore):
             key = self._tail(ref) if kind == "tl" else self._piece(ref.tenant, ns, kind, name)
             async with self._gate:
                 data = await self.inner.get_object(key)
+            if kind != "kv":
+                data = await asyncio.to_thread(decode, data, size, key)
             if len(data) != size:
                 raise ChecksumError(f"{key}: {len(data)} bytes, its manifest says {size}")
             return name, data
@@ -480,8 +500,8 @@ class ChunkedStore(BlobStore):
     async def get_object(self, key: str) -> bytes:
         return await self.inner.get_object(key)
 
-    async def object_exists(self, key: str) -> bool:
-        return await self.inner.object_exists(key)
+    async def object_size(self, key: str) -> int | None:
+        return await self.inner.object_size(key)
 
     def list_objects(self, key_prefix: str) -> AsyncIterator[ObjectInfo]:
         return self.inner.list_objects(key_prefix)

@@ -16,6 +16,7 @@ import builtins
 import errno
 import json
 import os
+import stat
 import uuid
 import zlib
 from collections.abc import AsyncIterator
@@ -278,8 +279,15 @@ class LocalStore(BlobStore):
         except FileNotFoundError:
             raise NotFound(f"object {key} not found") from None
 
-    async def object_exists(self, key: str) -> bool:
-        return await asyncio.to_thread((self.root / key).is_file)
+    async def object_size(self, key: str) -> int | None:
+        return await asyncio.to_thread(self._object_size, key)
+
+    def _object_size(self, key: str) -> int | None:
+        try:
+            st = (self.root / key).stat()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
 
     async def list_objects(self, key_prefix: str) -> AsyncIterator[ObjectInfo]:
         for info in await asyncio.to_thread(self._list_objects, key_prefix):

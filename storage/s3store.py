@@ -388,14 +388,14 @@ class S3Store(BlobStore):
         return await retrying("get_object", lambda: self.thread(get), self.retry, is_transient_s3, key=key)
 
     @_boundary
-    async def object_exists(self, key: str) -> bool:
+    async def object_size(self, key: str) -> int | None:
         try:
-            await self._s3("head_object", Key=key)
+            head = await self._s3("head_object", Key=key)
         except ClientError as exc:
             if is_missing(exc):
-                return False
+                return None
             raise
-        return True
+        return int(head["ContentLength"])
 
     async def list_objects(self, key_prefix: str) -> AsyncIterator[ObjectInfo]:
         with s3_errors("list", self.bucket, self.endpoint):

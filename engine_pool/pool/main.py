@@ -79,7 +79,7 @@ async def open_parts(s: NodeSettings, stack: AsyncExitStack, redis: Any = None) 
         else:
             redis = in_process_redis()
         stack.push_async_callback(redis.aclose)
-    store = ChunkedStore(store, ChunkLedger(redis, prefix=s.redis_prefix))
+    store = ChunkedStore(store, ChunkLedger(redis, prefix=s.redis_prefix), compress=s.compresses_states)
     # Misconfiguration is found here, not at the first spill: a bucket S3 refuses, wrong keys, an
     # unreachable Redis stop the start with a precise message (see `check_backends`).
     await check_backends(store, redis, s.redis_prefix, "node")

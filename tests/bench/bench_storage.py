@@ -292,7 +292,7 @@ def _serve(
         "--ctx",
         str(args.ctx),
     ]
-    flags += ["--log-level", "warning"]
+    flags += ["--log-level", "warning", "--store-compression", args.store_compression]
     try:
         return gw.start_serve(work, "serve", flags, env)
     except RuntimeError:  # a port taken between the probe and the bind: once more, on new ports
@@ -380,7 +380,7 @@ async def _restore_times(store: ServedStore, work: Path, repeat: int) -> dict[st
         else LocalStore(store.data / "blobs", prefix=store.prefix)
     )
     ours, raw = float("inf"), float("inf")
-    async with ChunkedStore(inner, ChunkLedger(in_process_redis())) as chunked:
+    async with ChunkedStore(inner, ChunkLedger(in_process_redis())) as chunked:  # reads either
         dest = work / "restored.slot"
         for _ in range(repeat):
             dest.unlink(missing_ok=True)
@@ -453,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``slotkeeper bench storage``; ``argv`` excludes the program name."""
     p = argparse.ArgumentParser(prog="slotkeeper bench storage", description=__doc__.split("\n")[0])
     p.add_argument("--suite", choices=["all", "transfer", "session", "restore", "ttft"], default="all")
+    p.add_argument("--store-compression", choices=["on", "off", "auto"], default="auto",
+                   help="serve's: recurrent states stored compressed (auto: in S3 only)")  # fmt: skip
     p.add_argument("--model", help="GGUF for session/restore/ttft (default: the generated qwen35 of --size)")
     p.add_argument("--size", choices=["tiny", "bench"], default="tiny", help="generated model size")
     p.add_argument("--turns", type=int, default=50, help="session: turns")

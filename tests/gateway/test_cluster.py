@@ -79,7 +79,8 @@ def cluster(tiny_model, redis_port, moto_server, tmp_path: Path) -> Iterator[dic
         deadline = time.monotonic() + 60
         while httpx.get(gw.url + "/ready").json()["engines"] < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
-        yield {"gateway": gw, "nodes": nodes, "redis_url": redis_url, "prefix": prefix, "s3": s3}
+        yield {"gateway": gw, "nodes": nodes, "redis_url": redis_url, "prefix": prefix, "s3": s3,
+               "bucket": moto_server.client()}  # fmt: skip
     finally:
         for p in procs:
             stop(p.proc, signal.SIGKILL)
@@ -125,6 +126,11 @@ def test_node_sigterm_moves_sessions_and_redis_flush_is_reindexed(cluster):
     assert node.proc.wait(60) == 0, node.log.read_text()[-2000:]
     rec = httpx.get(f"{gw.url}/v1/sessions/agent-7").json()
     assert rec["state"] == "spilled" and rec["generation"] >= 2
+    s3 = cluster["bucket"]
+    listed = s3.list_objects_v2(Bucket="slots", Prefix=cluster["prefix"] + "/")["Contents"]
+    states = [o["Key"] for o in listed if o["Key"].endswith((".ck", ".tail"))]
+    # in S3 the nodes store recurrent states compressed (storage.codec), and restore from them below
+    assert states and all(s3.get_object(Bucket="slots", Key=k)["Body"].read(4) == b"SKZ1" for k in states)
 
     msgs.append({"role": "user", "content": "Step 2: and now?"})
     done, headers, timings = _turn(gw.url, msgs, "agent-7")

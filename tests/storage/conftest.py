@@ -317,8 +317,11 @@ def inner(tmp_path: Path) -> chunks.Faulty:
     return chunks.Faulty(tmp_path / "store")
 
 
-@pytest.fixture
-async def store(inner: chunks.Faulty, redis_client: Any) -> AsyncIterator[Any]:
-    s = chunks.ChunkedStore(inner, chunks.make_ledger(redis_client))
+@pytest.fixture(params=["raw", "compressed"])
+async def store(
+    inner: chunks.Faulty, redis_client: Any, request: pytest.FixtureRequest
+) -> AsyncIterator[Any]:
+    """A chunked store over ``inner``; every test runs with states stored as they are and compressed."""
+    s = chunks.ChunkedStore(inner, chunks.make_ledger(redis_client), compress=request.param == "compressed")
     yield s
     await s.aclose()

@@ -40,6 +40,7 @@ from support.chunks import (
 from storage import chunkstore
 from storage.chunking import CHUNK_TOKENS
 from storage.chunkstore import ChunkedStore
+from storage.codec import MAGIC
 from storage.errors import (
     ChecksumError,
     Conflict,
@@ -96,6 +97,63 @@ async def test_put_get_round_trip(
     await assert_counter_exact(store)
 
 
+async def test_checkpoints_and_tails_are_stored_compressed(
+    redis_client: Any, inner: Faulty, slots: Slots, tmp_path: Path
+) -> None:
+    """The recurrent states (f32) are stored as compressed byte planes, the KV as it is; what a
+    save wrote, the stored-bytes counter and the restore all follow the stored bytes."""
+    store = ChunkedStore(inner, make_ledger(redis_client), compress=True)
+    src, ref = slots.grow[4], SlotRef("acme", "s1", 1)
+    meta = await put(store, ref, src)
+    s = split_of(src)
+    raw = {p.name: p.data for _, p in s.checkpoints} | {p.name: p.data for p in s.chunks}
+    on_disk = {p.name.rsplit(".", 1)[0]: p.read_bytes() for p in (inner.root / PREFIX).rglob("*.c[k]")}
+    assert set(on_disk) == {p.name for _, p in s.checkpoints} and on_disk
+    for name, stored in on_disk.items():
+        assert stored[:4] == MAGIC and len(stored) < 0.95 * len(raw[name]), name
+    for p in (inner.root / PREFIX).rglob("*.kv"):
+        assert p.read_bytes() == raw[p.name.removesuffix(".kv")]
+    tail = (inner.root / PREFIX / "acme" / "s1" / f"{1:020d}.tail").read_bytes()
+    assert tail[:4] == MAGIC and len(tail) < len(s.tail.data)
+    assert meta.written == await store.stored_bytes("acme") < len(src.read_bytes())
+    await restores(store, ref, src, tmp_path / "back.slot")
+    await store.delete(ref)
+    await store.collect_unnamed("acme")  # the counts' sizes are the stored ones: back to zero exactly
+    await assert_counter_exact(store)
+    assert await store.stored_bytes("acme") == 0
+
+
+async def test_writers_that_store_states_raw_and_compressed_share_pieces(
+    redis_client: Any, inner: Faulty, slots: Slots, tmp_path: Path
+) -> None:
+    """A node that compresses and one that does not (a setting changed, nodes of two versions):
+    each reads what the other wrote, a piece stored one way is not stored again the other, and the
+    counter follows what is on disk through saves, deletes and count-based collection."""
+    raw = ChunkedStore(inner, make_ledger(redis_client))
+    packed = ChunkedStore(inner, make_ledger(redis_client), compress=True)
+    saves = [
+        (raw, SlotRef("acme", "s1", 1), slots.grow[2]),
+        (packed, SlotRef("acme", "s1", 2), slots.grow[3]),
+        (raw, SlotRef("acme", "s1", 3), slots.grow[4]),
+        (packed, SlotRef("acme", "s2", 1), slots.grow[3]),
+    ]
+    written = []
+    for writer, ref, src in saves:
+        written.append((await put(writer, ref, src)).written)
+        await assert_counter_exact(writer)
+    own = sum(p.stat().st_size for p in (inner.root / PREFIX / "acme" / "s2").iterdir())
+    assert written[3] == own  # the same file again: only its tail and manifest
+    for reader in (raw, packed):
+        for _, ref, src in saves:
+            await restores(reader, ref, src, tmp_path / "back.slot")
+    for writer, ref, _ in saves[:3]:
+        await (packed if writer is raw else raw).delete(ref)
+        await packed.collect_unnamed("acme")
+        await assert_counter_exact(packed)
+    await restores(raw, saves[3][1], saves[3][2], tmp_path / "back.slot")
+    assert (await raw.collect("acme")).deleted == 0  # the counts took exactly the unnamed
+
+
 async def test_a_wrong_crc_writes_nothing(store: ChunkedStore, inner: Faulty, slots: Slots) -> None:
     src = slots.grow[2]
     with pytest.raises(ChecksumError):
@@ -134,13 +192,13 @@ async def test_two_saves_of_one_generation_at_once_one_conflicts(
                 go_on.set()
             await within(go_on.wait(), "the other save")
 
-    inner.hooks["object_exists"] = check_together
+    inner.hooks["object_size"] = check_together
     sources = (slots.grow[1], slots.grow[2])
     tasks = [asyncio.create_task(put(store, ref, src)) for src in sources]
     for task in tasks:
         task.add_done_callback(lambda _: go_on.set())
     results = await asyncio.gather(*tasks, return_exceptions=True)
-    del inner.hooks["object_exists"]
+    del inner.hooks["object_size"]
     won = [src for src, r in zip(sources, results, strict=True) if not isinstance(r, BaseException)]
     assert [type(r) for r in results if isinstance(r, BaseException)] == [Conflict]
     await restores(store, ref, won[0], tmp_path / "won.slot")
@@ -170,7 +228,7 @@ async def test_a_save_waiting_for_a_collector_keeps_its_generation(
     async def a_waits() -> bool:
         return checked[0] == 1
 
-    inner.hooks["object_exists"] = count
+    inner.hooks["object_size"] = count
     tasks: list[asyncio.Task[Any]] = []
     try:
         async with store.ledger.collecting("acme"):  # saves wait for it (up to wait_s, 20 s)

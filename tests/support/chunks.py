@@ -97,9 +97,9 @@ class Faulty(LocalStore):
         await self._hook("get_object", key)
         return await super().get_object(key)
 
-    async def object_exists(self, key: str) -> bool:
-        await self._hook("object_exists", key)
-        return await super().object_exists(key)
+    async def object_size(self, key: str) -> int | None:
+        await self._hook("object_size", key)
+        return await super().object_size(key)
 
     async def delete_object(self, key: str) -> None:
         await self._hook("delete_object", key)

@@ -468,11 +468,26 @@ def test_node_settings_from_flags_and_environment() -> None:
         (["-m", "x", "--spill-bytes", "lots"], "--spill-bytes: invalid value"),
         (["-m", "x", "--s3-endpoint", "http://s3"], "--s3-endpoint needs --s3-bucket"),
         (["-m", "x", "--alias", "a", "--alias", "b"], "2 --alias for 1 --model"),
+        (["-m", "x", "--store-compression", "zstd"], "--store-compression must be on, off or auto"),
     ):
         with pytest.raises(SettingsError, match=message):
             parse_node_settings(argv, {"SLOTKEEPER_INTERNAL_KEY": "k"})
     with pytest.raises(SettingsError, match="SLOTKEEPER_INTERNAL_KEY is required"):
         parse_node_settings(["-m", "x"], {})
+
+
+@pytest.mark.parametrize(
+    ("argv", "compresses"),
+    [
+        ([], False),  # a local disk: restores read at disk speed
+        (["--s3-bucket", "b"], True),  # S3: fewer bytes cross the network
+        (["--store-compression", "on"], True),
+        (["--s3-bucket", "b", "--store-compression", "off"], False),
+    ],
+)
+def test_recurrent_states_are_stored_compressed_in_s3_unless_told(argv: list[str], compresses: bool) -> None:
+    s = parse_node_settings(["-m", "x.gguf", *argv], {"SLOTKEEPER_INTERNAL_KEY": "k"})
+    assert s.compresses_states is compresses
 
 
 def test_engines_get_the_key_but_not_the_node_settings_or_store_secrets() -> None:
