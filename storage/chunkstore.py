@@ -210,8 +210,7 @@ class ChunkedStore(BlobStore):
         """The pieces a manifest names, as the ledger counts them: key below the chunks folder ->
         bytes the store holds for it (a checkpoint's encoded size where the manifest says it)."""
         ns, cut = str(doc["ns"]), len(chunks_prefix(self.prefix, str(doc["tenant"])))
-        stored = doc.get("stored")
-        stored = stored if isinstance(stored, dict) else {}
+        stored = doc.get("stored", {})
         return {self._piece(str(doc["tenant"]), ns, kind, name)[cut:]: int(stored.get(name, size))
                 for kind, name, size in objects_needed(doc["plan"]) if kind != "tl"}  # fmt: skip
 
@@ -238,6 +237,9 @@ class ChunkedStore(BlobStore):
             ]:
                 raise ValueError("manifest names another generation")
             list(objects_needed(doc["plan"]))
+            stored = doc.setdefault("stored", {})  # (manifests written before compression: none)
+            if not isinstance(stored, dict) or not all(type(v) is int and v >= 0 for v in stored.values()):
+                raise ValueError("its stored sizes are not sizes")
         except (ValueError, KeyError, TypeError, StorageError) as exc:
             raise SlotFileError("bad_layout", f"{self._manifest(ref)}: {exc}") from exc
         return doc

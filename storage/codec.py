@@ -9,8 +9,9 @@ of what the turn saves. KV chunks are stored as they are: a restore reads them a
 
 Lossless: :func:`decode` gives back exactly the bytes whose CRC-32 the piece's name carries (the
 restore's checks are on those). A stored piece says how it is stored by its first four bytes:
-``SKZ1`` here, the raw piece's own ``SKPT`` otherwise — pieces stored before this codec, and pieces
-it would not have shrunk, read as before.
+``SKZ1`` here, the raw piece's own ``SKPT`` otherwise — pieces stored before this codec, by a store
+that does not compress (``ChunkedStore(compress=False)``, the node's ``--store-compression``) and
+pieces it would not have shrunk read as before.
 """
 
 from __future__ import annotations
@@ -30,8 +31,11 @@ _CPARAMS = {
     "clevel": 1,  # the exponent plane is easy and the mantissa planes are noise at any level
     "typesize": 4,  # f32
     "filters": [blosc2.Filter.SHUFFLE],
-    "nthreads": 1,  # pieces are coded in parallel already, one per thread
+    "nthreads": 1,  # saves run beside the request path: one core
 }
+# Blosc2 holds the GIL while it decodes: two threads of its own halve the time the restore's
+# other piece reads and writes wait for it.
+_DECODE_THREADS = 2
 
 
 def encode(raw: bytes) -> bytes:
@@ -58,7 +62,7 @@ def decode(stored: bytes, size: int, what: str) -> bytes:
         nbytes, cbytes, _ = blosc2.get_cbuffer_sizes(view[_HEAD.size :])
         if nbytes != size or cbytes != len(view) - _HEAD.size:
             raise ValueError(f"a frame of {nbytes} bytes in {cbytes}, {len(view) - _HEAD.size} stored")
-        raw = blosc2.decompress2(view[_HEAD.size :], nthreads=2)
+        raw = blosc2.decompress2(view[_HEAD.size :], nthreads=_DECODE_THREADS)
     except (ValueError, RuntimeError, struct.error) as exc:
         raise ChecksumError(f"{what}: its stored bytes do not decode ({exc})") from None
     if len(raw) != size:

@@ -711,13 +711,22 @@ async def test_a_missing_piece_or_damaged_manifest_fails_the_restore(
     assert dest.read_bytes() == b"old"
 
 
+@pytest.mark.parametrize("damage", ["not json", "stored sizes"])
 async def test_a_damaged_manifest_keeps_every_piece_at_collection(
-    store: ChunkedStore, inner: Faulty, slots: Slots
+    store: ChunkedStore, inner: Faulty, slots: Slots, tmp_path: Path, damage: str
 ) -> None:
     await put(store, SlotRef("acme", "s1", 1), slots.grow[3])
     await put(store, SlotRef("acme", "s2", 1), slots.grow[1])
     await store.delete(SlotRef("acme", "s2", 1))
-    (inner.root / PREFIX / "acme" / "s1" / f"{1:020d}.manifest").write_bytes(b"{ damaged")
+    manifest = inner.root / PREFIX / "acme" / "s1" / f"{1:020d}.manifest"
+    if damage == "not json":
+        manifest.write_bytes(b"{ damaged")
+    else:
+        doc = json.loads(manifest.read_bytes())
+        doc["stored"] = {"x": "many"}
+        manifest.write_text(json.dumps(doc))
+    with pytest.raises(SlotFileError):
+        await store.get_to_file(SlotRef("acme", "s1", 1), tmp_path / "back.slot")
     before = pieces_and_tails(inner.root, "acme")
     report = await store.collect("acme")
     assert report.deleted == 0 and pieces_and_tails(inner.root, "acme") == before
