@@ -7,7 +7,7 @@ over it and writes it back in one transaction.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import Any
 
@@ -52,11 +52,10 @@ class SessionRecord:
         return max(self.generation, self.floor, self.reserved)
 
     def to_hash(self) -> dict[str, str]:
-        fields = asdict(self)
-        del fields["tenant"], fields["session"]
-        fields["engine"] = self.engine or ""
-        fields["slot"] = "" if self.slot is None else str(self.slot)
-        return {k: str(v) for k, v in fields.items()}
+        out = {name: str(getattr(self, name)) for name in _HASH_FIELDS}  # (asdict deep-copies: slower)
+        out["engine"] = self.engine or ""
+        out["slot"] = "" if self.slot is None else str(self.slot)
+        return out
 
     @classmethod
     def from_hash(cls, tenant: str, session: str, raw: Mapping[Any, Any]) -> SessionRecord:
@@ -69,3 +68,6 @@ class SessionRecord:
             last_used=float(h.get("last_used", 0)), route=h.get("route", ""), dirty=h.get("dirty") == "True",
             floor=int(h.get("floor", 0)), reserved=int(h.get("reserved", 0)),
         )  # fmt: skip
+
+
+_HASH_FIELDS = tuple(f.name for f in fields(SessionRecord) if f.name not in ("tenant", "session"))
