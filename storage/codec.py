@@ -3,7 +3,7 @@
 Checkpoints and tails are mostly f32 (recurrent states, logits). Within a float the sign-and-
 exponent byte varies little while the mantissa bytes are noise, so the bytes are shuffled into
 planes (Blosc2's SIMD shuffle) and compressed with zstd at its fastest level: about 0.85× on the
-bench model's 6.9 MB recurrent state, in ~8 ms to write and ~2 ms to read back, one thread. A short
+bench model's 6.9 MB recurrent state, ~8 ms to write on one thread, ~2 ms to read back. A short
 turn of a hybrid model writes two or three such states beside its new tokens' KV, so this is most
 of what the turn saves. KV chunks are stored as they are: a restore reads them at memory speed.
 
