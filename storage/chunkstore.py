@@ -42,7 +42,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import structlog
@@ -329,7 +329,8 @@ class ChunkedStore(BlobStore):
             async with self._gate:
                 data = await self.inner.get_object(key)
             if kind != "kv":
-                data = await asyncio.to_thread(decode, data, size, key)
+                # a bytearray where decoded (no second copy of the piece): it reads like bytes here
+                data = cast(bytes, await asyncio.to_thread(decode, data, size, key))
             if len(data) != size:
                 raise ChecksumError(f"{key}: {len(data)} bytes, its manifest says {size}")
             return name, data

@@ -4,10 +4,12 @@ comes back is exactly what went in — or a ChecksumError, never a crash or othe
 from __future__ import annotations
 
 import random
+import struct
 import zlib
 
 import numpy as np
 import pytest
+import zstandard
 
 from storage.codec import MAGIC, decode, encode
 from storage.errors import ChecksumError
@@ -73,3 +75,18 @@ def test_damage_is_refused_or_changes_the_bytes_the_crc_then_catches() -> None:
         assert len(out) == len(raw)
         assert out == raw or zlib.crc32(out) != crc
     assert refused >= 200  # every cut end at least
+
+
+def test_a_plane_that_says_it_is_larger_is_refused_before_it_is_decoded() -> None:
+    """A frame sizes its own output: one that claims more than its plane's share of the piece's
+    size (a forged or damaged header) is refused before anything is allocated for it."""
+    raw = _state(10_000)
+    stored = bytearray(encode(raw))
+    head = struct.Struct("<4sBQB4Q")
+    _, codec, size, mask, *lengths = head.unpack_from(stored)
+    huge = zstandard.ZstdCompressor().compress(bytes(1 << 24))
+    frames_at = head.size + sum(lengths[:3])
+    forged = bytes(stored[:frames_at]) + huge + bytes(stored[frames_at + lengths[3] :])
+    forged = head.pack(MAGIC, codec, size, mask, *lengths[:3], len(huge)) + forged[head.size :]
+    with pytest.raises(ChecksumError, match="says it holds"):
+        decode(forged, len(raw), "k")

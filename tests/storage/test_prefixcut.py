@@ -50,9 +50,15 @@ def saved(engine: native.Engine, tmp_path_factory: pytest.TempPathFactory) -> tu
     return tokens, path
 
 
-@pytest.fixture
-async def store(tmp_path: Path, saved: tuple[list[int], Path]) -> ChunkedStore:
-    st = ChunkedStore(LocalStore(tmp_path / "blobs", prefix="sk"), ChunkLedger(in_process_redis()))
+@pytest.fixture(params=["raw", "compressed"])
+async def store(
+    tmp_path: Path, saved: tuple[list[int], Path], request: pytest.FixtureRequest
+) -> ChunkedStore:
+    """The saved session in a store, its states stored as they are and compressed."""
+    st = ChunkedStore(
+        LocalStore(tmp_path / "blobs", prefix="sk"), ChunkLedger(in_process_redis()),
+        compress=request.param == "compressed",
+    )  # fmt: skip
     sf = read_slot_file(saved[1])
     await st.put_file(SlotRef("acme", "s1", 1), saved[1], model="m", n_tokens=sf.n_tokens)
     return st
