@@ -353,6 +353,10 @@ def session_suite(
     }
 
 
+def _generation(url: str, session: str) -> int:
+    return int(httpx.get(f"{url}/v1/sessions/{session}", timeout=10).json().get("generation", 0))
+
+
 def _settled(store: ServedStore) -> int | None:
     """Stored bytes once two listings agree (the collection after a save has run)."""
     first = sum(store.objects().values())
@@ -412,7 +416,9 @@ def ttft_suite(
     args: argparse.Namespace, work: Path, store: ServedStore, env: dict[str, str]
 ) -> dict[str, Any]:
     """A session of the same length as ``session``'s; restart (spill cache off); the restored turn's
-    TTFT, then the next (live) turn's, same number of new tokens."""
+    TTFT, then the next (live) turn's, same number of new tokens. The live turn starts once the
+    restored one is durable, as an agent's next turn comes after its tools ran: sent at once it
+    would share the cores with the restored turn's write-behind save."""
     gw, model = _sibling("bench_gateway"), _model(args, work)
     env = {**env, "SLOTKEEPER_SPILL_BYTES": "0"}  # a restore reads the store, never a local copy
     session = "ttft-agent"
@@ -426,7 +432,11 @@ def ttft_suite(
         serve.terminate(300)  # drains: the session is in the store
         serve = _serve(gw, work, store, model, args, env)
         out: dict[str, Any] = {}
+        before = 0
         for name, turn in (("restored", 3), ("live", 4)):
+            if name == "live":
+                _wait("the restored turn durable", lambda g=before: _generation(serve.url, session) > g)
+            before = _generation(serve.url, session)
             msgs.append({"role": "user", "content": f"Step {turn}: run the tests and fix what fails."})
             res = gw.stream_turn(serve.url, "any", msgs, session, 8)
             msgs.append({"role": "assistant", "content": res.content})
