@@ -219,6 +219,12 @@ class SlotFileInfo:
     n_checkpoints: int
     ms: float
 
+class SlotSnapshot:
+    """A slot's state copied on the loop thread (Engine.snapshot_slot), for Engine.write_snapshot."""
+
+    slot: int
+    n_tokens: int
+
 class SlotInfo:
     id: int
     busy: bool
@@ -271,6 +277,10 @@ class Engine:
     def event_fd(self) -> int:
         """An eventfd that becomes readable when events are ready; poll() drains it."""
     def save_slot(self, slot: int, path: str) -> SlotFileInfo: ...
+    def snapshot_slot(self, slot: int) -> SlotSnapshot:
+        """The slot's state now, copied on the loop thread (SlotBusyError while it serves)."""
+    def write_snapshot(self, snapshot: SlotSnapshot, path: str) -> SlotFileInfo:
+        """The snapshot's slot file, written on the calling thread (the slot may serve meanwhile)."""
     def restore_slot(self, slot: int, path: str) -> SlotFileInfo: ...
     def erase_slot(self, slot: int) -> int: ...
     def slots(self) -> list[SlotInfo]: ...

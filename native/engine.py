@@ -118,6 +118,12 @@ class Engine:
     def save_slot(self, slot: int, path: str) -> _native.SlotFileInfo:
         return self._raw.save_slot(slot, path)
 
+    def snapshot_slot(self, slot: int) -> _native.SlotSnapshot:
+        return self._raw.snapshot_slot(slot)
+
+    def write_snapshot(self, snapshot: _native.SlotSnapshot, path: str) -> _native.SlotFileInfo:
+        return self._raw.write_snapshot(snapshot, path)
+
     def restore_slot(self, slot: int, path: str) -> _native.SlotFileInfo:
         return self._raw.restore_slot(slot, path)
 

@@ -87,9 +87,13 @@ def _report(action: str, slot: int, filename: Any, info: native.SlotFileInfo) ->
 
 
 async def save(rt: Runtime, slot: int, filename: Any) -> dict[str, Any]:
+    """The slot's state is copied under the slot's lease (memory speed) and written to its file
+    after the lease: the session's next turn starts on the slot while the file is written (a
+    write-behind save of a long session writes hundreds of MB and syncs them)."""
     engine = rt.require()
     path = slot_file_path(rt.slot_dir, filename)
-    info = await _on_slot(rt, slot, "save", lambda: engine.save_slot(slot, str(path)))
+    snapshot = await _on_slot(rt, slot, "save", lambda: engine.snapshot_slot(slot))
+    info = await asyncio.to_thread(engine.write_snapshot, snapshot, str(path))
     return _report("save", slot, filename, info)
 
 

@@ -212,6 +212,10 @@ PYBIND11_MODULE(_native, m) {
         .def_readonly("n_checkpoints", &SlotFileInfo::n_checkpoints)
         .def_readonly("ms", &SlotFileInfo::ms);
 
+    py::class_<SlotSnapshot, std::shared_ptr<SlotSnapshot>>(m, "SlotSnapshot")
+        .def_readonly("slot", &SlotSnapshot::slot)
+        .def_property_readonly("n_tokens", [](const SlotSnapshot & s) { return int(s.tokens.size()); });
+
     py::class_<SlotInfo>(m, "SlotInfo")
         .def_readonly("id", &SlotInfo::id)
         .def_readonly("busy", &SlotInfo::busy)
@@ -246,6 +250,8 @@ PYBIND11_MODULE(_native, m) {
         .def("wait", &Engine::wait, py::arg("timeout_s"), rel())
         .def("event_fd", &Engine::event_fd)
         .def("save_slot", &Engine::save_slot, py::arg("slot"), py::arg("path"), rel())
+        .def("snapshot_slot", &Engine::snapshot_slot, py::arg("slot"), rel())
+        .def("write_snapshot", &Engine::write_snapshot, py::arg("snapshot"), py::arg("path"), rel())
         .def("restore_slot", &Engine::restore_slot, py::arg("slot"), py::arg("path"), rel())
         .def("erase_slot", &Engine::erase_slot, py::arg("slot"), rel())
         .def("slots", &Engine::slots, rel())

@@ -76,6 +76,17 @@ struct SlotFileInfo {
     double ms = 0.0;
 };
 
+// A slot's state copied on the loop thread (memory speed), to be written to a slot file on any
+// other thread while the slot goes on serving.
+struct SlotSnapshot {
+    int slot = 0;
+    std::vector<llama_token> tokens;
+    std::vector<uint8_t> state;
+    std::vector<float> logits;
+    std::vector<Checkpoint> checkpoints;
+    double t0 = 0.0;  // when the save began
+};
+
 struct SlotInfo {
     int id = 0;
     bool busy = false;
@@ -115,7 +126,11 @@ public:
     std::vector<Event> wait(double timeout_s);
     int event_fd() const { return event_fd_; }
 
-    SlotFileInfo save_slot(int slot, const std::string & path);
+    SlotFileInfo save_slot(int slot, const std::string & path);  // snapshot_slot + write_snapshot
+    // The slot's state now (SlotBusyError while it processes a request); its file is written by
+    // write_snapshot, which touches nothing of the engine's but its metrics.
+    std::shared_ptr<SlotSnapshot> snapshot_slot(int slot);
+    SlotFileInfo write_snapshot(const SlotSnapshot & snap, const std::string & path);
     SlotFileInfo restore_slot(int slot, const std::string & path);
     int erase_slot(int slot);
     std::vector<SlotInfo> slots();

@@ -11,19 +11,20 @@
 namespace sk {
 
 SlotFileInfo Engine::save_slot(int slot, const std::string & path) {
+    return write_snapshot(*snapshot_slot(slot), path);
+}
+
+std::shared_ptr<SlotSnapshot> Engine::snapshot_slot(int slot) {
     check_slot_id(slot);
     const double t0 = now_s();
-    // Copy the state on the loop thread (memory speed), write the file on this thread.
-    struct Snapshot {
-        std::vector<llama_token> tokens;
-        std::vector<uint8_t> state;
-        std::vector<float> logits;
-        std::vector<Checkpoint> checkpoints;
-    };
-    Snapshot snap = call<Snapshot>([this, slot] {
+    // Copy the state on the loop thread (memory speed); the file is written on another.
+    return call<std::shared_ptr<SlotSnapshot>>([this, slot, t0] {
         Slot & s = slots_[size_t(slot)];
         if (slot_busy(s)) throw SlotBusyError("slot " + std::to_string(slot) + " is processing a request");
-        Snapshot out;
+        auto snap = std::make_shared<SlotSnapshot>();
+        SlotSnapshot & out = *snap;
+        out.slot = slot;
+        out.t0 = t0;
         const size_t size = llama_state_seq_get_size(ctx_.get(), slot);
         try {
             out.tokens = s.tokens;
@@ -39,8 +40,13 @@ SlotFileInfo Engine::save_slot(int slot, const std::string & path) {
         if (size < 8 || llama_state_seq_get_data(ctx_.get(), out.state.data(), size, slot) != size) {
             throw NativeError("llama.cpp could not copy the state of slot " + std::to_string(slot));
         }
-        return out;
+        return snap;
     });
+}
+
+SlotFileInfo Engine::write_snapshot(const SlotSnapshot & snap, const std::string & path) {
+    const int slot = snap.slot;
+    check_slot_id(slot);
     SlotFileMeta meta;
     const ModelInfo & mi = model();
     meta.fingerprint = mi.fingerprint;
@@ -64,7 +70,7 @@ SlotFileInfo Engine::save_slot(int slot, const std::string & path) {
     info.n_tokens = int(snap.tokens.size());
     info.n_checkpoints = int(snap.checkpoints.size());
     info.n_bytes = write_slot_file(path, meta, snap.tokens, snap.state, snap.logits, snap.checkpoints);
-    info.ms = ms_since(t0);
+    info.ms = ms_since(snap.t0);
     bump("slot_saves");
     bump("slot_save_bytes", int64_t(info.n_bytes));
     return info;

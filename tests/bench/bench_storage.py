@@ -434,7 +434,7 @@ def ttft_suite(
         out: dict[str, Any] = {}
         before = 0
         for name, turn in (("restored", 3), ("live", 4)):
-            if name == "live":
+            if name == "live" and not args.next_turn_at_once:
                 _wait("the restored turn durable", lambda g=before: _generation(serve.url, session) > g)
             before = _generation(serve.url, session)
             msgs.append({"role": "user", "content": f"Step {turn}: run the tests and fix what fails."})
@@ -463,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``slotkeeper bench storage``; ``argv`` excludes the program name."""
     p = argparse.ArgumentParser(prog="slotkeeper bench storage", description=__doc__.split("\n")[0])
     p.add_argument("--suite", choices=["all", "transfer", "session", "restore", "ttft"], default="all")
+    p.add_argument("--next-turn-at-once", action="store_true",
+                   help="ttft: send the live turn right after the restored one, beside its save")  # fmt: skip
     p.add_argument("--store-compression", choices=["on", "off", "auto"], default="auto",
                    help="serve's: recurrent states stored compressed (auto: in S3 only)")  # fmt: skip
     p.add_argument("--model", help="GGUF for session/restore/ttft (default: the generated qwen35 of --size)")

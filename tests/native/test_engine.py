@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import native
+from storage.slotfile import read_slot_file
 
 TEXT = "It was a bright cold day in April, and the clocks were striking thirteen. " * 6
 
@@ -44,6 +45,32 @@ def test_restore_into_one_slot_does_not_disturb_another(make_engine, greedy, tmp
     assert eng.collect(running).tokens == want_a
     got_b = eng.generate(1, greedy(b + [5, 6, 7], 8))
     assert got_b.tokens == want_b and got_b.timings.restored and got_b.timings.prompt_n == 3
+
+
+def test_a_snapshot_is_written_as_it_was_taken_while_the_slot_goes_on(make_engine, greedy, tmp_path: Path):
+    """A save copies the slot's state (snapshot_slot) and writes it afterwards (write_snapshot):
+    the slot serves the session's next turn meanwhile, and the file is the state at the copy —
+    the bytes a save at that moment writes, which restore to the live turn's answer."""
+    eng = make_engine("qwen35")
+    eng.generate(0, greedy(eng.tokenize(TEXT), 4))
+    snapshot = eng.snapshot_slot(0)
+    at_copy = eng.slot_tokens(0)
+    eng.save_slot(0, str(tmp_path / "whole.slot"))
+    nxt = at_copy + [5, 6, 7]
+    running = eng.submit(0, greedy(nxt, 8))  # the next turn, while the snapshot is written
+    info = eng.write_snapshot(snapshot, str(tmp_path / "snap.slot"))
+    live = eng.collect(running)
+    assert (snapshot.slot, snapshot.n_tokens, info.n_tokens) == (0, len(at_copy), len(at_copy))
+    snap, whole = (read_slot_file(tmp_path / f"{n}.slot") for n in ("snap", "whole"))
+    assert snap.base_len == whole.base_len and snap.checkpoints == whole.checkpoints
+    # tokens and state as a save at the copy wrote them (the metadata differs: its time)
+    assert (tmp_path / "snap.slot").read_bytes()[: snap.base_len] == (tmp_path / "whole.slot").read_bytes()[
+        : whole.base_len
+    ]
+    eng.restore_slot(0, str(tmp_path / "snap.slot"))
+    got = eng.generate(0, greedy(nxt, 8))
+    assert got.tokens == live.tokens and got.timings.restored
+    assert got.timings.prompt_n == live.timings.prompt_n == 3
 
 
 def test_slot_choice_prefers_longest_prefix_then_lru(make_engine, greedy):
