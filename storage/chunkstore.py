@@ -47,6 +47,7 @@ from typing import Any, cast
 import numpy as np
 import structlog
 
+from storage.background import in_background
 from storage.blobstore import BlobInfo, BlobMeta, BlobStore, ObjectInfo, new_writer_id, temp_beside
 from storage.chunking import (
     CHUNK_TOKENS,
@@ -131,7 +132,7 @@ class ChunkedStore(BlobStore):
         route: str = "", share: bool = True,
     ) -> BlobMeta:  # fmt: skip
         t0 = time.monotonic()
-        s = await asyncio.to_thread(self._split, Path(path), ref, share)
+        s = await in_background(self._split, Path(path), ref, share)  # a save: below the engine
         if crc32 is not None and s.crc32 != crc32:
             raise ChecksumError(f"{path}: crc32 {s.crc32:08x}, expected {crc32:08x}")
         key = self._manifest(ref)
@@ -153,7 +154,7 @@ class ChunkedStore(BlobStore):
             uploads = (self._ensure(ref.tenant, s.ns, kind, p, known) for kind, p in pieces)
             uploaded = await asyncio.gather(*uploads)
             written += sum(w for w, _ in uploaded)
-            tail = await asyncio.to_thread(encode, s.tail.data) if self.compress else s.tail.data
+            tail = await in_background(encode, s.tail.data) if self.compress else s.tail.data
             await self.inner.put_object(self._tail(ref), tail)
             stored = {p.name: size for (_, p), (_, size) in zip(pieces, uploaded, strict=True)
                       if size != len(p.data)}  # fmt: skip
@@ -201,7 +202,7 @@ class ChunkedStore(BlobStore):
                 return 0, size
             data = piece.data
             if self.compress and kind == "ck":
-                data = await asyncio.to_thread(encode, data)
+                data = await in_background(encode, data)
             await self.inner.put_object(key, data)
         known[key] = len(data)
         return len(data), len(data)

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import structlog
 
 import native
+from storage.background import in_background
 
 from ..errors import BadRequest, NotFound, NotSupported
 from .runtime import Runtime
@@ -93,7 +94,7 @@ async def save(rt: Runtime, slot: int, filename: Any) -> dict[str, Any]:
     engine = rt.require()
     path = slot_file_path(rt.slot_dir, filename)
     snapshot = await _on_slot(rt, slot, "save", lambda: engine.snapshot_slot(slot))
-    info = await asyncio.to_thread(engine.write_snapshot, snapshot, str(path))
+    info = await in_background(engine.write_snapshot, snapshot, str(path))
     return _report("save", slot, filename, info)
 
 
