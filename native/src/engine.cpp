@@ -543,7 +543,10 @@ void Engine::start_request(Slot & s, Queued && q) {
         if (ok) {
             std::vector<float> logits;
             if (plan.logits_from_slot) logits = s.last_logits;
-            if (plan.logits_from_checkpoint) logits = s.checkpoints[size_t(plan.checkpoint)].logits;
+            if (plan.logits_from_checkpoint) {
+                const auto & lg = s.checkpoints[size_t(plan.checkpoint)].logits;
+                logits.assign(lg.data(), lg.data() + lg.size());
+            }
             s.tokens.resize(size_t(plan.n_keep));
             auto & ck = s.checkpoints;
             ck.erase(std::remove_if(ck.begin(), ck.end(),

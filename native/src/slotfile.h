@@ -5,6 +5,7 @@
 #include <llama.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -14,14 +15,38 @@ enum class CheckpointKind : uint8_t { PromptEnd = 0, Hint = 1, Interval = 2 };
 const char * checkpoint_kind_name(CheckpointKind k);
 CheckpointKind checkpoint_kind_from_name(const std::string & s);
 
+// A checkpoint's bytes: filled when it is made, never changed after, and shared by every copy of
+// the checkpoint — a save's snapshot holds a slot's checkpoints (hundreds of MB) without copying
+// them. Resizing or assigning gives this copy a buffer of its own; the others keep theirs.
+template <class T>
+class SharedBuffer {
+public:
+    const T * data() const { return v_ ? v_->data() : nullptr; }
+    T * data() { return v_ ? v_->data() : nullptr; }  // to fill it right after resize, not shared yet
+    size_t size() const { return v_ ? v_->size() : 0; }
+    bool empty() const { return size() == 0; }
+    void resize(size_t n) { v_ = std::make_shared<std::vector<T>>(n); }
+    template <class It>
+    void assign(It first, It last) {
+        v_ = std::make_shared<std::vector<T>>(first, last);
+    }
+    SharedBuffer & operator=(std::vector<T> && v) {
+        v_ = std::make_shared<std::vector<T>>(std::move(v));
+        return *this;
+    }
+
+private:
+    std::shared_ptr<std::vector<T>> v_;
+};
+
 // A copy of a sequence's partial state after its first n_tokens tokens, with the logits of the
 // last of them. Attention-only models keep an empty state (their KV is trimmed instead).
 struct Checkpoint {
     int64_t n_tokens = 0;
     int32_t pos_min = -1;
     int32_t pos_max = -1;
-    std::vector<uint8_t> state;  // llama_state_seq_get_data_ext(PARTIAL_ONLY), with its 8-byte prefix
-    std::vector<float> logits;   // n_vocab floats, or empty
+    SharedBuffer<uint8_t> state;  // llama_state_seq_get_data_ext(PARTIAL_ONLY), with its 8-byte prefix
+    SharedBuffer<float> logits;   // n_vocab floats, or empty
     CheckpointKind kind = CheckpointKind::Interval;
 
     size_t bytes() const { return state.size() + logits.size() * sizeof(float); }

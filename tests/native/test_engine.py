@@ -61,16 +61,34 @@ def test_a_snapshot_is_written_as_it_was_taken_while_the_slot_goes_on(make_engin
     info = eng.write_snapshot(snapshot, str(tmp_path / "snap.slot"))
     live = eng.collect(running)
     assert (snapshot.slot, snapshot.n_tokens, info.n_tokens) == (0, len(at_copy), len(at_copy))
-    snap, whole = (read_slot_file(tmp_path / f"{n}.slot") for n in ("snap", "whole"))
-    assert snap.base_len == whole.base_len and snap.checkpoints == whole.checkpoints
-    # tokens and state as a save at the copy wrote them (the metadata differs: its time)
-    assert (tmp_path / "snap.slot").read_bytes()[: snap.base_len] == (tmp_path / "whole.slot").read_bytes()[
-        : whole.base_len
-    ]
+    assert _state_bytes(tmp_path / "snap.slot") == _state_bytes(tmp_path / "whole.slot")
     eng.restore_slot(0, str(tmp_path / "snap.slot"))
     got = eng.generate(0, greedy(nxt, 8))
     assert got.tokens == live.tokens and got.timings.restored
     assert got.timings.prompt_n == live.timings.prompt_n == 3
+
+
+def test_a_snapshot_keeps_the_checkpoints_the_slot_drops(make_engine, greedy, tmp_path: Path):
+    """A snapshot shares the slot's checkpoints instead of copying them: a turn that leaves the
+    session early drops the checkpoints past where it leaves, and the snapshot written after it
+    still holds them all, byte for byte."""
+    eng = make_engine("qwen35")
+    eng.generate(0, greedy(eng.tokenize(TEXT), 4))
+    before = eng.slots()[0].n_checkpoints
+    snapshot = eng.snapshot_slot(0)
+    at_copy = eng.slot_tokens(0)
+    eng.save_slot(0, str(tmp_path / "whole.slot"))
+    eng.generate(0, greedy(at_copy[:20] + [5, 6, 7], 2))  # drops the checkpoints past token 20
+    assert eng.slots()[0].n_checkpoints < before
+    eng.write_snapshot(snapshot, str(tmp_path / "snap.slot"))
+    assert len(read_slot_file(tmp_path / "snap.slot").checkpoints) == before >= 2
+    assert _state_bytes(tmp_path / "snap.slot") == _state_bytes(tmp_path / "whole.slot")
+
+
+def _state_bytes(path: Path) -> tuple[bytes, bytes]:
+    """Tokens and state, and the checkpoints, of a slot file (its metadata says when it was made)."""
+    sf, data = read_slot_file(path), path.read_bytes()
+    return data[: sf.base_len], data[sf.ckpt_offset : sf.ckpt_offset + sf.ckpt_len]
 
 
 def test_slot_choice_prefers_longest_prefix_then_lru(make_engine, greedy):
