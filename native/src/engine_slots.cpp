@@ -32,8 +32,9 @@ std::shared_ptr<SlotSnapshot> Engine::snapshot_slot(int slot) {
             out.logits = s.last_logits;
             out.checkpoints = s.checkpoints;
         } catch (const std::bad_alloc &) {
-            // The one big allocation a command makes (the state and every checkpoint, possibly
-            // GBs). Only copies were being made, so the engine is intact: the save fails, not it.
+            // The one big allocation a command makes (the state, possibly GBs; checkpoints are
+            // shared, not copied). Only copies were being made, so the engine is intact: the save
+            // fails, not it.
             throw NativeError("not enough memory to copy the state of slot " + std::to_string(slot) + " (" +
                               std::to_string(size) + " bytes)");
         }
