@@ -70,9 +70,10 @@ class Holds:
     Every method runs on the event loop; the transitions are synchronous where they must not
     interleave with another request's check."""
 
-    def __init__(self, locks: SessionLocks, lock_ttl_s: float) -> None:
+    def __init__(self, locks: SessionLocks, lock_ttl_s: float, save_grace_s: float = 0.0) -> None:
         self._locks = locks
         self._ttl_s = lock_ttl_s
+        self._grace_s = save_grace_s
         self._holds: dict[tuple[str, str], SessionHold] = {}
 
     def get(self, tenant: str, session: str) -> SessionHold | None:
@@ -115,7 +116,9 @@ class Holds:
     def saving(self, hold: SessionHold, save: Callable[[], Awaitable[None]]) -> None:
         """Save the session's state behind the answer, as one more user of the hold. Saves
         coalesce: while one runs, a newer turn's save waits and only the newest waiting one runs
-        next (it saves the newest state), so back-to-back turns never pile saves up."""
+        next (it saves the newest state), so back-to-back turns never pile saves up. Each starts
+        ``save_grace_s`` after it is asked for: a next turn sent at once takes the slot first (the
+        save then finds the session busy and leaves it to that turn's own save)."""
         hold.next_save = save
         if hold.saved is None or hold.saved.done():
             hold.users += 1
@@ -125,6 +128,8 @@ class Holds:
     async def _saves(self, hold: SessionHold) -> None:
         try:
             while hold.next_save is not None:
+                if self._grace_s:
+                    await asyncio.sleep(self._grace_s)  # a debounce, not a wait for a condition
                 save, hold.next_save = hold.next_save, None
                 await save()
         finally:

@@ -107,6 +107,7 @@ async def services(
         metrics,
         lock_ttl_s=settings.lock_ttl_s,
         spill_wait_s=settings.spill_wait_s,
+        save_grace_s=settings.save_grace_s,
         internal_key=settings.internal_key,
         keep_generations=settings.keep_generations,
         tenants=tenants,

@@ -45,6 +45,9 @@ class GatewaySettings:
     # Short, and renewed every third of it while a turn runs: a dead gateway frees its sessions fast.
     lock_ttl_s: float = 15.0
     spill_wait_s: float = 30.0  # a request waits this long for its session's write-behind save
+    # A write-behind save starts this long after its turn's answer: an agent's next turn sent at
+    # once (a fast tool) runs first, not beside the save, and the save that follows it is the newer.
+    save_grace_s: float = 0.1
     keep_generations: int = 2  # stored generations kept per session (the newest K)
     collect_interval_s: float = 300.0  # chunk collection and idle-session expiry, per tenant
     request_timeout_s: float = 600.0  # an engine silent this long fails that request (only)
@@ -89,6 +92,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("data_dir", ("--data-dir",), "SLOTKEEPER_DATA_DIR", str, "local state directory (.slotkeeper)"),
     Flag("lock_ttl_s", ("--lock-ttl-s",), "SLOTKEEPER_LOCK_TTL_S", float, "session lock TTL, seconds"),
     Flag("spill_wait_s", ("--spill-wait-s",), "SLOTKEEPER_SPILL_WAIT_S", float, "wait for a session's save"),
+    Flag(
+        "save_grace_s",
+        ("--save-grace-s",),
+        "SLOTKEEPER_SAVE_GRACE_S",
+        float,
+        "seconds between a turn's answer and its write-behind save (0.1)",
+    ),  # fmt: skip
     Flag(
         "keep_generations",
         ("--keep-generations",),
@@ -142,6 +152,7 @@ _CHECKS: tuple[Check, ...] = (
     ("port", lambda v: 0 < v < 65536, "a TCP port"),
     ("lock_ttl_s", lambda v: v > 0, "> 0"),
     ("spill_wait_s", lambda v: v >= 0, ">= 0"),
+    ("save_grace_s", lambda v: 0 <= v <= 10, "within 0..10"),
     ("keep_generations", lambda v: v >= 1, ">= 1"),
     ("collect_interval_s", lambda v: v >= 0, ">= 0"),
     ("request_timeout_s", lambda v: v > 0, "> 0"),

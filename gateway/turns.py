@@ -122,6 +122,7 @@ class TurnRunner:
         *,
         lock_ttl_s: float,
         spill_wait_s: float,
+        save_grace_s: float = 0.0,
         internal_key: str | None = None,
         keep_generations: int = 2,
         tenants: Tenants | None = None,
@@ -143,7 +144,7 @@ class TurnRunner:
         self._superseded = superseded  # told the tenant whose stored generations were deleted
         self.max_inflight = max_inflight  # a tenant's in-flight places unless its quota says
         self.inflight_ttl_s = inflight_ttl_s  # a place lapses after this (its gateway died)
-        self.holds = Holds(locks, lock_ttl_s)  # the session locks this process holds
+        self.holds = Holds(locks, lock_ttl_s, save_grace_s)  # the session locks this process holds
         self._tasks: set[asyncio.Task[None]] = set()  # bookkeeping in flight (finish_soon)
         self._reserved = SlotReservations()  # slots chosen here, not yet recorded as taken
 
