@@ -54,6 +54,7 @@ class SessionHold:
         self.booked.set()
         self.saved: asyncio.Task[None] | None = None  # the write-behind saves running, if any
         self.next_save: Callable[[], Awaitable[None]] | None = None  # the newest save waiting
+        self.gave_way = False  # the last save's grace ended with a next turn running: no grace now
         self.released = asyncio.get_running_loop().create_future()
         self.keeper = keeper
         self._writing = asyncio.Lock()
@@ -70,10 +71,14 @@ class Holds:
     Every method runs on the event loop; the transitions are synchronous where they must not
     interleave with another request's check."""
 
-    def __init__(self, locks: SessionLocks, lock_ttl_s: float, save_grace_s: float = 0.0) -> None:
+    def __init__(
+        self, locks: SessionLocks, lock_ttl_s: float, save_grace_s: float = 0.0,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:  # fmt: skip
         self._locks = locks
         self._ttl_s = lock_ttl_s
         self._grace_s = save_grace_s
+        self._sleep = sleep  # the grace's (tests may inject it)
         self._holds: dict[tuple[str, str], SessionHold] = {}
 
     def get(self, tenant: str, session: str) -> SessionHold | None:
@@ -116,9 +121,10 @@ class Holds:
     def saving(self, hold: SessionHold, save: Callable[[], Awaitable[None]]) -> None:
         """Save the session's state behind the answer, as one more user of the hold. Saves
         coalesce: while one runs, a newer turn's save waits and only the newest waiting one runs
-        next (it saves the newest state), so back-to-back turns never pile saves up. Each starts
+        next (it saves the newest state), so back-to-back turns never pile saves up. A save starts
         ``save_grace_s`` after it is asked for: a next turn sent at once takes the slot first (the
-        save then finds the session busy and leaves it to that turn's own save)."""
+        save then finds the session busy and leaves it to that turn's own save). Only one save in
+        a row gives way: the next starts at once, so a burst of turns still saves every other one."""
         hold.next_save = save
         if hold.saved is None or hold.saved.done():
             hold.users += 1
@@ -128,8 +134,11 @@ class Holds:
     async def _saves(self, hold: SessionHold) -> None:
         try:
             while hold.next_save is not None:
-                if self._grace_s:
-                    await asyncio.sleep(self._grace_s)  # a debounce, not a wait for a condition
+                if self._grace_s and not hold.gave_way:
+                    await self._sleep(self._grace_s)  # a debounce, not a wait for a condition
+                    hold.gave_way = hold.phase is Phase.RUNNING
+                else:
+                    hold.gave_way = False
                 save, hold.next_save = hold.next_save, None
                 await save()
         finally:

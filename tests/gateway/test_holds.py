@@ -40,3 +40,53 @@ async def test_a_save_asked_for_again_within_its_grace_runs_once_the_newest() ->
 
 async def test_without_a_grace_every_save_runs_in_order() -> None:
     assert await _saves_run(0.0) == ["first turn's", "next turn's"]
+
+
+async def test_in_a_burst_of_turns_only_one_save_in_a_row_gives_way() -> None:
+    """A next turn that takes the slot during a save's grace makes that save give way (in the
+    product it finds the session busy); the save after it starts without a grace, so a burst of
+    back-to-back turns still saves every other turn's state; then the grace is back."""
+    redis = in_process_redis()
+    locks = SessionLocks(redis)
+    graces: list[float] = []
+    hooks: list[asyncio.Future[None]] = []
+
+    async def sleep(s: float) -> None:
+        graces.append(s)
+        if hooks:
+            await hooks.pop(0)
+
+    holds = Holds(locks, lock_ttl_s=15.0, save_grace_s=0.5, sleep=sleep)
+    lock = await locks.try_acquire("acme", "s1", ttl_s=15.0)
+    assert lock is not None
+    hold = holds.start(lock, None)  # turn 0 runs
+    ran: list[str] = []
+
+    async def save(name: str) -> None:
+        ran.append(name)
+
+    async def answered(turn: int) -> None:  # as TurnRunner.finish: the save, the books, let go
+        holds.answered(hold)
+        holds.saving(hold, functools.partial(save, f"turn {turn}"))
+        holds.booked(hold)
+        await holds.let_go(hold)
+
+    in_grace = asyncio.get_running_loop().create_future()
+    hooks.append(in_grace)
+    await answered(0)
+    for _ in range(3):
+        await asyncio.sleep(0)  # turn 0's save is in its grace
+    assert await holds.take_over(hold)  # turn 1, sent at once, takes the slot
+    in_grace.set_result(None)
+    for _ in range(3):
+        await asyncio.sleep(0)  # turn 0's save ends its grace with turn 1 running: it gave way
+    await answered(1)
+    assert await holds.take_over(hold)  # turn 2 starts at once too
+    assert hold.saved is not None
+    await hold.saved
+    assert ran == ["turn 0", "turn 1"] and graces == [0.5]  # turn 1's save had no grace
+    await answered(2)
+    await hold.saved
+    assert ran == ["turn 0", "turn 1", "turn 2"] and graces == [0.5, 0.5]  # the grace is back
+    await asyncio.wait_for(hold.released, 10)
+    await redis.aclose()

@@ -120,15 +120,15 @@ def test_more_sessions_than_slots_evict_and_restore(serve, tmp_path: Path):
     assert 'slotkeeper_node_engines{state="ready"} 1.0' in node
 
 
-def _generation(url: str, session: str) -> int:
-    return int(httpx.get(f"{url}/v1/sessions/{session}").json().get("generation", 0))
+def _generation(url: str, session: str, headers: dict[str, str] | None = None) -> int:
+    return int(httpx.get(f"{url}/v1/sessions/{session}", headers=headers).json().get("generation", 0))
 
 
-def _wait_durable(url: str, session: str, above: int) -> None:
+def _wait_durable(url: str, session: str, above: int, headers: dict[str, str] | None = None) -> None:
     """Until the session's newest generation is above ``above`` (the one before the turn: a drain
     may have saved one more than there were turns)."""
     for _ in range(200):
-        if _generation(url, session) > above:
+        if _generation(url, session, headers) > above:
             return
         time.sleep(0.05)
     raise AssertionError(f"{session} never became durable past generation {above}")
@@ -198,6 +198,7 @@ def test_tenants_are_isolated_and_delete_removes_everything(serve, tmp_path: Pat
     assert httpx.delete(f"{s.url}/v1/sessions/{sid}", headers=b_auth).status_code == 404
     assert httpx.get(f"{s.url}/v1/sessions/{sid}", headers=a_auth).status_code == 200
     blobs = data / "blobs"
+    _wait_durable(s.url, sid, 0, a_auth)  # its write-behind save
     assert any(p.name.endswith(".manifest") for p in blobs.rglob(f"*{sid}*/*"))
     assert httpx.delete(f"{s.url}/v1/sessions/{sid}", headers=a_auth).json()["deleted"] is True
     assert httpx.get(f"{s.url}/v1/sessions/{sid}", headers=a_auth).status_code == 404
