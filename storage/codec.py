@@ -49,8 +49,8 @@ def encode(raw: bytes) -> bytes:
         else:
             frames.append(plane.tobytes())
     rest = raw[n * _STRIDE :]
-    if mask == 0:
-        return raw
+    if mask == 0 or _HEAD.size + sum(map(len, frames)) + len(rest) >= len(raw):
+        return raw  # (a small piece: what a plane saves may not pay for the header)
     return b"".join([_HEAD.pack(MAGIC, _PLANES_ZSTD, len(raw), mask, *map(len, frames)), *frames, rest])
 
 

@@ -39,6 +39,19 @@ def test_what_does_not_shrink_is_stored_as_it_is() -> None:
     assert decode(raw, len(raw), "k") == raw
 
 
+def test_a_piece_is_never_stored_larger_than_it_is() -> None:
+    """Small pieces whose exponent plane shrinks a little: the header would cost more than the
+    plane saves, so they are stored as they are."""
+    rng = np.random.default_rng(3)
+    for n in range(20, 400, 7):
+        grid = rng.integers(0, 256, (n, 4), dtype=np.uint8)
+        grid[:, 3] = rng.integers(0, 16, n)
+        raw = grid.tobytes()
+        stored = encode(raw)
+        assert stored is raw or len(stored) < len(raw), n
+        assert decode(stored, len(raw), "k") == raw
+
+
 def test_pieces_stored_before_the_codec_read_as_they_are() -> None:
     raw = _state(1000)
     assert decode(raw, len(raw), "k") is raw
