@@ -128,7 +128,7 @@ async def services(
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         await http.aclose()
-        await engines.close()
+        await engines.aclose()
         for node in runner.nodes.values():
             await node.aclose()
         if own_store:

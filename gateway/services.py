@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import aiohttp
 import httpx
 
 from gateway.cluster import Cluster
+from gateway.engine_http import EngineHttp
 from gateway.metrics import Metrics
 from gateway.retention import Retention
 from gateway.settings import GatewaySettings
@@ -29,7 +29,7 @@ class Services:
     registry: EngineRegistry
     store: BlobStore
     http: httpx.AsyncClient  # node agents (probes, slot operations)
-    engines: aiohttp.ClientSession  # engine requests (gateway.relay)
+    engines: EngineHttp  # engine requests (gateway.relay)
     cluster: Cluster
     runner: TurnRunner
     metrics: Metrics

@@ -92,6 +92,17 @@ def session_from_request(headers: Mapping[str, str], body: Mapping[str, Any]) ->
     return None, "implicit"
 
 
+def _marked_there(record: SessionRecord, placement: Placement, model: str) -> bool:
+    """Whether the busy mark the opening read wrote on ``record`` is what placing the turn wrote:
+    served live in the same slot of the same model (the mark changed only its last use and dirt)."""
+    return (
+        placement.serve is Serve.LIVE
+        and record.state is SessionState.LIVE
+        and (record.engine, record.slot) == (placement.engine, placement.slot)
+        and record.model == model
+    )
+
+
 @dataclass(frozen=True)
 class RestorePrompt:
     """The prompt a turn is placed for, as far as a restore can use it: a conversation that leaves
@@ -167,14 +178,31 @@ class TurnRunner:
         self, tenant: Tenant, session: str, model: str, source: str, prompt: RestorePrompt | None = None
     ) -> Turn:
         """Admit the turn (rate window, in-flight place), lock and place its session, and mark it
-        live in its slot. A warm turn (the session live in its slot) makes two Redis round trips
-        here: the opening read (storage.turnops) and the transition to busy."""
+        live in its slot. A warm turn (the session live in its slot) makes one Redis round trip
+        here: the opening read (storage.turnops), which also marks it busy there. A session whose
+        previous turn's save this process still holds is taken over from that save first, so the
+        opening read confirms the lock instead of taking it."""
         q = tenant.quotas
         limit = q.inflight or self.max_inflight
-        start = await self.index.start_turn(
-            tenant.name, session, lock_ttl_s=self.lock_ttl_s, inflight_limit=limit,
-            inflight_ttl_s=self.inflight_ttl_s, rpm_limit=q.requests_per_minute,
-        )  # fmt: skip
+        own = self.holds.get(tenant.name, session)
+        if own is not None and not await self.holds.take_over(own):
+            own = None  # a request runs on it (forked below) or it was released (locked below)
+        try:
+            async with own.writing() if own is not None else contextlib.nullcontext():
+                start = await self.index.start_turn(
+                    tenant.name, session, lock_ttl_s=self.lock_ttl_s, inflight_limit=limit,
+                    inflight_ttl_s=self.inflight_ttl_s, rpm_limit=q.requests_per_minute,
+                    own_lock=own.lock if own is not None else None,
+                )  # fmt: skip
+                if own is not None and start.kept:
+                    own.record = start.record
+        except BaseException:
+            if own is not None:
+                await self.holds.let_go(own, turn=True)
+            raise
+        if own is not None and not start.kept:  # refused, or its lock lapsed (the keeper says so)
+            await self.holds.let_go(own, turn=True)
+            own = None
         if start.refused == "rate":
             raise QuotaExceeded(f"tenant {tenant.name} exceeded {q.requests_per_minute} requests per minute",
                                 retry_after=60 - time.time() % 60)  # fmt: skip
@@ -182,7 +210,7 @@ class TurnRunner:
             raise RateLimited(f"tenant {tenant.name} already has {limit} requests running", retry_after=1)
         self.cluster.saw_epoch(start.registry_epoch)
         try:
-            return await self._begin(tenant, session, model, source, start, prompt)
+            return await self._begin(tenant, session, model, source, start, own, prompt)
         except BaseException:
             with contextlib.suppress(StorageError):  # Redis away: the place lapses with its TTL
                 await self.index.release_inflight(tenant.name, start.inflight_token)
@@ -190,9 +218,10 @@ class TurnRunner:
 
     async def _begin(
         self, tenant: Tenant, session: str, model: str, source: str, start: TurnStart,
-        prompt: RestorePrompt | None,
+        own: SessionHold | None, prompt: RestorePrompt | None,
     ) -> Turn:  # fmt: skip
-        hold = await self._hold(tenant.name, session, start)
+        hold = own or await self._hold(tenant.name, session, start)
+        busy = start.busy  # the opening read marked the session busy in its live slot
         forked_from = None
         if hold is None:  # busy with another request: fork it
             forked_from, session = session, fork_id(session)
@@ -200,6 +229,7 @@ class TurnRunner:
             assert lock is not None
             hold = self.holds.start(lock, None)
             source = "fork"
+            busy = False
         created = False
         try:
             record = hold.record
@@ -211,14 +241,17 @@ class TurnRunner:
                 hold.record, created = record, True
             placement, engine_url, node = await self._place(tenant, record, model, forked_from, hold, prompt)
             try:
-                decide = self.index.decide_live(
-                    tenant.name, session, engine=placement.engine, slot=placement.slot, tokens=record.tokens,
-                    model=model,
-                )  # fmt: skip
-                await self._write(hold, decide, idle=False)
+                if not (busy and _marked_there(record, placement, model)):
+                    decide = self.index.decide_live(
+                        tenant.name, session, engine=placement.engine, slot=placement.slot,
+                        tokens=record.tokens, model=model,
+                    )  # fmt: skip
+                    await self._write(hold, decide, idle=False)
+                busy = False  # the record says where the turn runs
             finally:  # recorded there now (or failed): the index says who holds the slot
                 self._reserved.release((placement.engine, placement.slot))
-            log.info(
+            # A turn on its live slot (the common case) is counted (`served`), not logged at info.
+            (log.debug if placement.serve is Serve.LIVE else log.info)(
                 "session.placed",
                 tenant=tenant.name,
                 session=session,
@@ -233,13 +266,17 @@ class TurnRunner:
             if created:  # a failed placement leaves no record behind (it would count toward quotas)
                 with contextlib.suppress(StorageError):
                     await self.index.delete(tenant.name, session, lock=hold.lock)
+            elif busy:  # marked busy by the opening read, but no turn runs: idle in its slot again
+                with contextlib.suppress(StorageError):
+                    await self._write(hold, self.index.decide_idle(session), idle=True)
             await self.holds.let_go(hold, turn=True)
             raise
 
     async def _hold(self, tenant: str, session: str, start: TurnStart) -> SessionHold | None:
-        """The session's lock for this turn: taken by the opening read, taken over from this
-        process's own previous turn of the session (settling: saving its state), or waited for;
-        None when a request runs on it (the caller forks)."""
+        """The session's lock for this turn when this process did not hold it already: taken by
+        the opening read, taken over from this process's own previous turn of the session (one
+        that began settling meanwhile), or waited for; None when a request runs on it (the caller
+        forks)."""
         if start.lock is not None:
             return self.holds.start(start.lock, start.record)
         own = self.holds.get(tenant, session)

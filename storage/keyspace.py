@@ -24,6 +24,7 @@ from storage.errors import Conflict, StorageError, StoreMisconfigured, StoreUnav
 from storage.ids import validate_id
 
 T = TypeVar("T")
+IDLE, LIVE = ":idle", ":live"  # an engine's idle LRU and live set: the engine's key + suffix
 _PREFIX = re.compile(r"[A-Za-z0-9_.\-]{1,64}(:[A-Za-z0-9_.\-]{1,64})*")
 
 
@@ -100,15 +101,20 @@ class Keyspace:
         return f"{self.prefix}:engines:epoch"
 
     def engine(self, engine_id: str) -> str:
-        return f"{self.prefix}:e:{validate_id(engine_id, 'engine id')}"
+        return f"{self.engine_prefix()}{validate_id(engine_id, 'engine id')}"
+
+    def engine_prefix(self) -> str:
+        """What every engine's keys start with: a script that learns an engine id from a record it
+        read builds that engine's keys from it (``engine_prefix() + id + IDLE`` / ``LIVE``)."""
+        return f"{self.prefix}:e:"
 
     def engine_idle(self, engine_id: str) -> str:
         """ZSET of ``tenant:session`` idle on the engine, scored by last use (the LRU)."""
-        return f"{self.engine(engine_id)}:idle"
+        return f"{self.engine(engine_id)}{IDLE}"
 
     def engine_live(self, engine_id: str) -> str:
         """SET of ``tenant:session`` live (busy or idle) on the engine."""
-        return f"{self.engine(engine_id)}:live"
+        return f"{self.engine(engine_id)}{LIVE}"
 
 
 def member(tenant: str, session: str) -> str:

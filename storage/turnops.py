@@ -1,22 +1,28 @@
 """The request path's Redis work, one round trip per step: a warm turn makes three.
 
 1. :meth:`TurnOps.start_turn` — one script: count the request in the tenant's rate window, take
-   one of its in-flight places, try the session's lock, and read the session record, the tenant's
+   one of its in-flight places, try the session's lock (or confirm the caller's own, a lock this
+   process kept from the session's previous turn), and read the session record, the tenant's
    session count and stored bytes and the engine registry's epoch (what admission, quotas and
-   placement decide on).
+   placement decide on). A session live in its slot, whose lock the request now holds, is marked
+   busy in the same script (out of its engine's idle LRU, last used now, dirty): what
+   :meth:`storage.index.SessionIndex.decide_live` would write for the same engine and slot, so a
+   turn served on its live slot writes nothing more before it runs.
 2. :meth:`TurnOps.apply` — one script: a record transition decided in Python (the same pure
    ``decide`` functions as :meth:`storage.index.SessionIndex._change`) against the record the
    caller read, written with its index updates only if the record is still exactly that one and
    the caller's lock still holds (compare-and-set). Otherwise nothing is written and the caller
-   falls back to the WATCH/MULTI transaction, which re-reads.
+   falls back to the WATCH/MULTI transaction, which re-reads. A turn placed anywhere else than its
+   live slot makes its transition to live this way.
 3. The same script ends the turn: the transition to idle plus the turn's other writes (prefix
    routes, usage counters, giving back the in-flight place, releasing the lock) ride along in
    ``also``, so they happen all together or, when the guard fails, not at all.
 
 Scripts are Lua (redis-server; fakeredis with ``lupa`` in-process). Guarded writes replay a list
-of plain commands recorded by :class:`Ops`; every key they touch is passed in ``KEYS`` (the
-scripts touch a session's, its tenant's and its engine's keys: on Redis Cluster those must share a
-slot, see the README's scaling section).
+of plain commands recorded by :class:`Ops`; every key they touch is passed in ``KEYS``, except the
+opening script's busy mark, which learns the engine from the record it reads and builds that
+engine's two keys (one primary; on Redis Cluster a script's keys must share a slot: the README's
+scaling section replaces the per-engine LRU there).
 """
 
 from __future__ import annotations
@@ -28,13 +34,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from storage.errors import LockLost
-from storage.keyspace import Keyspace, redis_errors, text
+from storage.keyspace import IDLE, LIVE, Keyspace, member, redis_errors, text
 from storage.locks import SessionLock
 from storage.records import SessionRecord
 
 # KEYS: rate window ('' slot unused when no limit), in-flight zset, lock, record, sessions zset,
 # stored bytes, registry epoch. ARGV: rate limit (-1: none), window keep ms, now ms, in-flight
-# token, in-flight limit, in-flight ttl ms, lock token, lock ttl ms.
+# token, in-flight limit, in-flight ttl ms, lock token, lock ttl ms, the caller's own lock token
+# ('' none), then for the busy mark ('' as ARGV[10]: none): last used, the engine key prefix, the
+# idle and live suffixes, the engines' member, the session id.
 _START = """
 local rate = -1
 local limit = tonumber(ARGV[1])
@@ -52,11 +60,25 @@ if count > tonumber(ARGV[5]) then
   redis.call('ZREM', KEYS[2], ARGV[4])
   return {'inflight', count}
 end
-local locked = redis.call('SET', KEYS[3], ARGV[7], 'NX', 'PX', ARGV[8])
-local left = -2
-if not locked then left = redis.call('PTTL', KEYS[3]) end
-return {'ok', rate, locked and 1 or 0, left, redis.call('HGETALL', KEYS[4]),
-        redis.call('ZCARD', KEYS[5]), redis.call('GET', KEYS[6]) or '0', redis.call('GET', KEYS[7]) or '0'}
+local locked = redis.call('SET', KEYS[3], ARGV[7], 'NX', 'PX', ARGV[8]) and 1 or 0
+local kept, left = 0, -2
+if locked == 0 then
+  if ARGV[9] ~= '' and redis.call('GET', KEYS[3]) == ARGV[9] then kept = 1
+  else left = redis.call('PTTL', KEYS[3]) end
+end
+local busy = 0
+if (locked == 1 or kept == 1) and ARGV[10] ~= '' then
+  local f = redis.call('HMGET', KEYS[4], 'state', 'engine', 'slot')
+  if f[1] == 'live' and f[2] and f[2] ~= '' and f[3] and f[3] ~= '' then
+    redis.call('HSET', KEYS[4], 'last_used', ARGV[10], 'dirty', 'True')
+    redis.call('ZADD', KEYS[5], ARGV[10], ARGV[15])
+    redis.call('ZREM', ARGV[11] .. f[2] .. ARGV[12], ARGV[14])
+    redis.call('SADD', ARGV[11] .. f[2] .. ARGV[13], ARGV[14])
+    busy = 1
+  end
+end
+return {'ok', rate, locked, left, redis.call('HGETALL', KEYS[4]), redis.call('ZCARD', KEYS[5]),
+        redis.call('GET', KEYS[6]) or '0', redis.call('GET', KEYS[7]) or '0', kept, busy}
 """
 
 # KEYS[1] lock, KEYS[2] record, then every key the ops touch. ARGV: lock token ('' = no lock),
@@ -146,9 +168,11 @@ class TurnStart:
     refused: str = ""
     count: int = 0  # the rate window's or the in-flight set's count when refused
     inflight_token: str = ""
-    lock: SessionLock | None = None  # taken; None: another owner holds it
-    lock_left_s: float | None = None  # the holder's remaining TTL when not taken (None: unlocked)
-    record: SessionRecord | None = None
+    lock: SessionLock | None = None  # taken; None: another owner holds it (or it is the caller's own)
+    kept: bool = False  # the caller's own lock (``own_lock``) still holds
+    lock_left_s: float | None = None  # another holder's remaining TTL (None: unlocked, or kept)
+    record: SessionRecord | None = None  # as the script left it
+    busy: bool = False  # the record was live in its slot: the script marked it busy there
     sessions: int = 0  # the tenant's sessions
     stored_bytes: int = 0
     registry_epoch: int = 0
@@ -181,15 +205,20 @@ class TurnOps:
 
     async def start_turn(
         self, tenant: str, session: str, *, lock_ttl_s: float, inflight_limit: int, inflight_ttl_s: float,
-        rpm_limit: int | None = None,
+        rpm_limit: int | None = None, own_lock: SessionLock | None = None, mark_busy: bool = True,
     ) -> TurnStart:  # fmt: skip
         """Admission and the session's state in one round trip (see the module doc). A refused
         request takes nothing; otherwise the caller owns the in-flight token (give it back with
-        ``release_inflight`` or in ``apply(..., also=)``) and the lock when it was taken."""
+        ``release_inflight`` or in ``apply(..., also=)``) and the lock when it was taken.
+        ``own_lock``: the session's lock as the caller already holds it (``kept`` says whether it
+        still does). ``mark_busy``: with the lock held, a record live in its slot is marked busy
+        there (``busy``); a caller that then serves the turn elsewhere writes that placement over
+        it, and one that fails before the turn runs puts the session back into its idle LRU."""
         if isinstance(inflight_limit, bool) or not isinstance(inflight_limit, int) or inflight_limit < 1:
             raise ValueError("inflight_limit must be an int >= 1")
         window, keep_ms = self._window(tenant, "rpm", 60) if rpm_limit is not None else ("", 0)
-        now_ms = round(self._clock() * 1000)
+        now = float(self._clock())
+        now_ms = round(now * 1000)
         token, lock_token = secrets.token_hex(16), secrets.token_hex(16)
         keys = [
             window or self.keys.inflight(tenant),  # unused by the script without a limit
@@ -200,22 +229,31 @@ class TurnOps:
             self.keys.stored_bytes(tenant),
             self.keys.registry_epoch(),
         ]
+        if own_lock is not None and (own_lock.tenant, own_lock.session) != (tenant, session):
+            raise ValueError("the lock belongs to another session")
         args = [-1 if rpm_limit is None else int(rpm_limit), keep_ms, now_ms, token, inflight_limit,
-                _ms(inflight_ttl_s), lock_token, _ms(lock_ttl_s)]  # fmt: skip
+                _ms(inflight_ttl_s), lock_token, _ms(lock_ttl_s),
+                own_lock.token if own_lock else ""]  # fmt: skip
+        if mark_busy:
+            args += [str(now), self.keys.engine_prefix(), IDLE, LIVE, member(tenant, session), session]
+        else:
+            args += [""]
         async with redis_errors():
             reply = await self._script("start", _START)(keys=keys, args=args)
         status = text(reply[0])
         if status != "ok":
             return TurnStart(refused=status, count=int(reply[1]))
-        _, _, locked, left_ms, raw, sessions, stored, epoch = reply
+        _, _, locked, left_ms, raw, sessions, stored, epoch, kept, busy = reply
         flat = [text(x) for x in raw]
         fields = dict(zip(flat[::2], flat[1::2], strict=True))
         left = None if int(left_ms) == -2 else (math.inf if int(left_ms) == -1 else int(left_ms) / 1000)
         return TurnStart(
             inflight_token=token,
             lock=SessionLock(tenant, session, lock_token, lock_ttl_s) if int(locked) else None,
+            kept=bool(int(kept)),
             lock_left_s=left,
             record=SessionRecord.from_hash(tenant, session, fields) if fields else None,
+            busy=bool(int(busy)),
             sessions=int(sessions),
             stored_bytes=int(text(stored)),
             registry_epoch=int(text(epoch)),

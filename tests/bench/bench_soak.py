@@ -626,6 +626,11 @@ class Hostile:
                 self.soak.note(kind, "429", wait is not None and wait <= 61, r.text)
                 await asyncio.sleep(max(0.0, min(wait or 0.0, self.soak.left())))
                 return
+            wait = retry_after(r)
+            if r.status_code == 503 and wait is not None:  # the model's engine is restarting (a SIGKILL)
+                self.soak.kinds[kind].throttled += 1
+                await asyncio.sleep(max(0.0, min(wait, self.soak.left())))
+                continue
             self.soak.note(kind, str(r.status_code), r.status_code == 400, r.text)
         self.soak.note(kind, "never 429", False, f"{2 * HOSTILE_RPM + 50} requests, limit {HOSTILE_RPM}/min")
 
