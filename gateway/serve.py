@@ -132,6 +132,7 @@ def main(argv: list[str]) -> int:
             lifespan="on",
             log_config=None,
             access_log=False,
+            proxy_headers=False,  # nothing reads the client's address: one ASGI layer less per request
             http=header_deadline(settings.header_timeout_s),
             timeout_keep_alive=round(settings.keep_alive_s),
         )  # fmt: skip

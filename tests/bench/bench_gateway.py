@@ -244,6 +244,7 @@ def _overhead_rounds(serve: Serve, args: argparse.Namespace) -> tuple[list[Targe
             "gateway, after-turn", gw, {"Authorization": "Bearer key-durable", "X-Session-Id": "gw-2"}, {}
         ),
     ]
+    targets = [t for t in targets if args.overhead_tenants in ("both", t.name.split(", ")[1])]
     with httpx.Client(timeout=60) as client:  # one keep-alive pool per host:port
         for t in targets:  # places both sessions first: the direct target takes the slot left over
             t.send(client, body, record=False)
@@ -891,6 +892,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--log-level", default="info", help="serve's log level (its default: info)")
     g.add_argument("--overhead-index", choices=["in-process", "redis-server", "both"], default="both",
                    help="serve's index: its in-process Redis, a redis-server, or each")  # fmt: skip
+    g.add_argument("--overhead-tenants", choices=["on-evict", "after-turn", "both"], default="both",
+                   help="the tenants measured (after-turn saves share the cores with all)")  # fmt: skip
     g = ap.add_argument_group("2. routing")
     g.add_argument("--sessions", default="100000,1000000",
                    help="indexed sessions, comma-separated (in-process index: up to 200,000)")  # fmt: skip
