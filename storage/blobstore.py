@@ -19,6 +19,7 @@ configuration at start-up.
 from __future__ import annotations
 
 import builtins
+import mmap
 import re
 import uuid
 from abc import ABC, abstractmethod
@@ -221,6 +222,11 @@ class BlobStore(ABC):
     @abstractmethod
     async def get_object(self, key: str) -> bytes:
         """One object's bytes; :class:`NotFound` if absent."""
+
+    async def view_object(self, key: str) -> bytes | mmap.mmap:
+        """One object's bytes as cheaply as the store can hand them over, for a reader that only
+        slices them (the pieces a restore assembles): by default :meth:`get_object`'s."""
+        return await self.get_object(key)
 
     @abstractmethod
     async def object_size(self, key: str) -> int | None:

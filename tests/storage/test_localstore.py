@@ -56,3 +56,20 @@ async def test_unreadable_metadata(tmp_path: Path, slot_writer: Any) -> None:
         await store.head(ref)
     with pytest.raises(ValueError):
         LocalStore(tmp_path, concurrency=0)
+
+
+async def test_a_viewed_object_keeps_its_bytes_through_replace_and_delete(tmp_path: Path) -> None:
+    """What a restore reads as a map stays what it mapped: pieces are replaced by rename and
+    collected by unlink, never written in place."""
+    store = LocalStore(tmp_path, prefix="p", fsync=False)
+    key = "p/acme/.chunks/ns/abc-00000000.ck"
+    await store.put_object(key, b"first bytes " * 1000)
+    view = await store.view_object(key)
+    assert bytes(view) == await store.get_object(key) and view[:5] == b"first"
+    await store.put_object(key, b"other bytes " * 10)  # replaced meanwhile
+    await store.delete_object(key)  # and collected
+    assert bytes(view[:12]) == b"first bytes " and len(view) == 12_000
+    with pytest.raises(NotFound):
+        await store.view_object(key)
+    await store.put_object("p/acme/empty", b"")
+    assert await store.view_object("p/acme/empty") == b""

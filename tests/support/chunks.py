@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import mmap
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +97,10 @@ class Faulty(LocalStore):
     async def get_object(self, key: str) -> bytes:
         await self._hook("get_object", key)
         return await super().get_object(key)
+
+    async def view_object(self, key: str) -> bytes | mmap.mmap:
+        await self._hook("get_object", key)
+        return await super().view_object(key)
 
     async def object_size(self, key: str) -> int | None:
         await self._hook("object_size", key)
