@@ -9,6 +9,7 @@ import fakeredis
 import httpx
 import pytest
 
+from engine_pool.errors import Unavailable
 from gateway.cluster import Cluster
 from gateway.metrics import Metrics
 from gateway.placement import Placement, Serve
@@ -50,6 +51,22 @@ async def test_the_lock_is_renewed_while_a_turn_runs_and_lapses_after(parts) -> 
     while await locks.owner("t", "s") is not None:  # nobody renews it now: it lapses by itself
         assert asyncio.get_running_loop().time() < deadline
         await asyncio.sleep(0.05)
+
+
+async def test_a_turn_that_cannot_be_placed_leaves_its_live_session_idle_in_its_slot(parts) -> None:
+    """The opening read marks a live session busy; a turn that then fails before it runs (here: its
+    engine left the registry and no other has a slot) puts it back into its engine's idle LRU."""
+    index, locks, _, _ = parts
+    runner = _runner(parts)
+    await index.create("t", "s", model="m")
+    await index.mark_live("t", "s", engine="e1", slot=0, tokens=10, model="m")
+    await index.mark_idle("t", "s")
+    with pytest.raises(Unavailable):
+        await runner.begin(Tenant("t"), "s", "m", "header")
+    rec = await index.get("t", "s")
+    assert (rec.state, rec.engine, rec.slot) == (SessionState.LIVE, "e1", 0)
+    assert await index.is_idle("t", "s")  # evictable again
+    assert await locks.owner("t", "s") is None and runner.holds.get("t", "s") is None
 
 
 async def test_a_failed_request_fails_alone_and_drops_no_session(parts) -> None:
