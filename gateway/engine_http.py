@@ -83,7 +83,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self.head_done and not self.complete and self._delimited_by_close():
+        if self.error is None and self.head_done and not self.complete and self._delimited_by_close():
             self.complete = True
         elif not self.complete and self.error is None:
             self.error = EngineDown("the engine closed the connection" + (f" ({exc})" if exc else ""))
@@ -174,6 +174,8 @@ class EngineResponse:
             while True:
                 while conn.pieces:
                     yield conn.pieces.popleft()
+                if conn.error is not None:  # (what arrived before it was passed on first)
+                    raise conn.error
                 if conn.complete:
                     break
                 await conn.wait(self._timeout_s)

@@ -80,18 +80,19 @@ async def _send(client: EngineHttp, url: str, body: dict[str, Any]) -> EngineRes
     try:
         return await client.post(url, json.dumps(body).encode())
     except engine_http.EngineTimeout as exc:
-        raise EngineTimeout(f"the engine did not answer in time ({exc})") from exc
+        raise EngineTimeout(f"the engine did not answer in time ({type(exc).__name__})") from exc
     except EngineHttpError as exc:
-        raise Unavailable(f"the engine is unreachable ({exc}); retry", retry_after=1) from exc
+        raise Unavailable(f"the engine is unreachable ({type(exc).__name__}); retry", retry_after=1) from exc
 
 
 async def _read(resp: EngineResponse) -> bytes:
     try:
         return await resp.read()
     except engine_http.EngineTimeout as exc:
-        raise EngineTimeout(f"the engine did not answer in time ({exc})") from exc
+        raise EngineTimeout(f"the engine did not answer in time ({type(exc).__name__})") from exc
     except EngineHttpError as exc:
-        raise Unavailable(f"the engine answer broke off ({exc}); retry", retry_after=1) from exc
+        why = type(exc).__name__  # (never the engine's address: tenants read this)
+        raise Unavailable(f"the engine answer broke off ({why}); retry", retry_after=1) from exc
 
 
 async def forward_json(

@@ -263,13 +263,15 @@ class TurnRunner:
             return Turn(tenant, session, model, hold, placement, engine_url, node, source, forked_from,
                         start.inflight_token)  # fmt: skip
         except BaseException:
-            if created:  # a failed placement leaves no record behind (it would count toward quotas)
-                with contextlib.suppress(StorageError):
-                    await self.index.delete(tenant.name, session, lock=hold.lock)
-            elif busy:  # marked busy by the opening read, but no turn runs: idle in its slot again
-                with contextlib.suppress(StorageError):
-                    await self._write(hold, self.index.decide_idle(session), idle=True)
-            await self.holds.let_go(hold, turn=True)
+            try:
+                if created:  # a failed placement leaves no record behind (it would count toward quotas)
+                    with contextlib.suppress(StorageError):
+                        await self.index.delete(tenant.name, session, lock=hold.lock)
+                elif busy:  # marked busy by the opening read, but no turn runs: idle in its slot again
+                    with contextlib.suppress(StorageError):
+                        await self._write(hold, self.index.decide_idle(session), idle=True)
+            finally:  # (also when cancelled meanwhile: the lock is never left held)
+                await self.holds.let_go(hold, turn=True)
             raise
 
     async def _hold(self, tenant: str, session: str, start: TurnStart) -> SessionHold | None:
