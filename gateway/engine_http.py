@@ -3,7 +3,8 @@ answers parsed by httptools (llhttp, the C parser uvicorn serves with).
 
 The gateway's added latency is mostly its own CPU per request, and a general-purpose client spends
 much of it on what an engine call does not need (cookies, redirects, proxies, tracing hooks,
-stream readers): aiohttp's POST to a local server costs ~160 µs, this one about a third of that.
+stream readers): a POST to a local server and reading its small answer took 276–362 µs of the
+client's CPU with aiohttp and 100–112 µs with this client (3,000 in a row, uvloop, one host).
 It does only what the gateway asks of engines on the cluster network: a POST of a body it encoded,
 an answer with a Content-Length, chunked, or ending with the connection, read whole or piece by
 piece as it arrives (a stream is relayed without buffering).
