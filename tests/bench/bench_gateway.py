@@ -5,7 +5,9 @@ are shared and noisy: compare the ratios, not the absolute times).
    through the gateway on a live session and straight to the engine on another slot, interleaved
    so that noise hits both; p50/p99 of each and the gateway's overhead. Two gateway tenants run in
    the same rounds: `on-evict` (the request path alone) and `after-turn` (the default durability:
-   every turn is followed by a write-behind save of the slot).
+   every turn is followed by a write-behind save of the slot). A bare forwarding proxy
+   (`floor_proxy.py`: uvicorn + the gateway's engine client, nothing else) runs in the same rounds:
+   the second HTTP hop any Python gateway pays on this host, so the gateway's own work shows apart.
 2. routing — in process, no servers: 100,000 sessions (live in 8 engines x 4 slots, the rest
    spilled) with their message-prefix digests, indexed in the in-process index and in a real
    redis-server; the gateway's decision per request (implicit resolve by prefix digests, the
@@ -253,7 +255,40 @@ def _overhead_rounds(serve: Serve, args: argparse.Namespace) -> tuple[list[Targe
         direct = Target(f"direct engine (slot {free})", engine["url"] + "/v1/chat/completions",
                         INTERNAL_AUTH, {"id_slot": free, "cache_prompt": True})  # fmt: skip
         targets.insert(0, direct)
-        return targets, _rounds(client, targets, body, args)
+        with floor_proxy(engine["url"], serve.log.parent) as floor:
+            # the same slot as the direct calls (one request at a time: they never overlap)
+            targets.insert(1, Target("bare proxy (floor)", floor + "/v1/chat/completions", {}, direct.extra))
+            return targets, _rounds(client, targets, body, args)
+
+
+@contextmanager
+def floor_proxy(engine_url: str, logs: Path) -> Iterator[str]:
+    """tests/bench/floor_proxy.py in front of the engine: the second HTTP hop any Python gateway
+    pays, measured in the same rounds (what the gateway adds beyond it is its own work)."""
+    port = free_port()
+    cmd = [sys.executable, str(Path(__file__).with_name("floor_proxy.py")), "--port", str(port),
+           "--engine", engine_url]  # fmt: skip
+    env = {**os.environ, "SLOTKEEPER_INTERNAL_KEY": INTERNAL_KEY, "PYTHONPATH": str(_ROOT)}
+    with (logs / "floor-proxy.log").open("ab") as out:
+        proc = subprocess.Popen(cmd, cwd=_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _listening(port), proc, "floor proxy", timeout=60)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _overhead_report(targets: list[Target], rounds: int, backend: str) -> dict[str, Any]:
@@ -307,6 +342,12 @@ def _print_overhead(targets: list[Target], rounds: int, args: argparse.Namespace
     print(f"\n== 1. gateway overhead ({backend} index): {rounds} interleaved rounds (+{args.warmup} warm-up),"
           " identical chat request, max_tokens=1, tiny qwen35, keep-alive ==")  # fmt: skip
     print(table(["target", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "p50 x", "prompt_n", "cache"], rows))
+    floor = next((t for t in targets if t.name.startswith("bare proxy")), None)
+    if floor is not None:
+        f50 = pct(floor.latencies_ms, 50)
+        own = ", ".join(f"{t.name.split(', ')[1]} {pct(t.latencies_ms, 50) - f50:+.2f} ms"
+                        for t in targets if t.name.startswith("gateway"))  # fmt: skip
+        print(f"beyond the bare proxy's second hop (+{f50 - d50:.2f} ms at p50), the gateway's own: {own}")
     forked = sum(n for t in targets for k, n in t.caches.items() if "forked" in k)
     if forked:
         print(f"WARNING: {forked} requests of this one-at-a-time client were forked: their session was still "
