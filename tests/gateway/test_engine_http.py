@@ -242,3 +242,30 @@ def test_on_uvloop_the_gateways_loop() -> None:
         await test_refused_broken_and_garbled_answers_are_engine_down()
 
     uvloop.run(cases())
+
+
+async def test_concurrent_requests_each_get_a_connection_and_all_come_back() -> None:
+    release = asyncio.Event()
+    arrived = 0
+
+    async def slow_echo(_: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal arrived
+        while request := await read_request(reader):
+            arrived += 1
+            if arrived >= 8:
+                release.set()
+            await release.wait()  # every request is in flight at once
+            writer.write(answer(request.split(b"\r\n\r\n", 1)[1]))
+
+    async with serving(slow_echo) as srv, EngineHttp(read_timeout_s=5) as client:
+
+        async def one(i: int) -> bytes:
+            return await (await client.post(srv.url, b"%d" % i)).read()
+
+        assert await asyncio.gather(*(one(i) for i in range(8))) == [b"%d" % i for i in range(8)]
+        assert srv.connections == 8 and client.idle_connections() == 8
+        assert await one(99) == b"99" and srv.connections == 8  # reused
+        await client.aclose()
+        assert client.idle_connections() == 0
+        with pytest.raises(EngineDown):
+            await client.post(srv.url, b"{}")  # closed: refuses new requests
