@@ -1,4 +1,4 @@
-"""The request path's Redis work, one round trip per step: a warm turn makes three.
+"""The request path's Redis work, one round trip per step: a warm turn makes two (1 and 3).
 
 1. :meth:`TurnOps.start_turn` — one script: count the request in the tenant's rate window, take
    one of its in-flight places, try the session's lock (or confirm the caller's own, a lock this
