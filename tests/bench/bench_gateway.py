@@ -43,7 +43,7 @@ from typing import Any
 
 import httpx
 from support.report import pct, table
-from support.servers import MotoProcess, free_port, redis_server, wait_until
+from support.servers import MotoProcess, free_port, redis_server, stop, wait_until
 
 from native.model_gen import cached_model
 
@@ -270,18 +270,15 @@ def floor_proxy(engine_url: str, logs: Path) -> Iterator[str]:
            "--engine", engine_url]  # fmt: skip
     env = {**os.environ, "SLOTKEEPER_INTERNAL_KEY": INTERNAL_KEY, "PYTHONPATH": str(_ROOT)}
     with (logs / "floor-proxy.log").open("ab") as out:
-        proc = subprocess.Popen(cmd, cwd=_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            cmd, cwd=_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: _listening(port), proc, "floor proxy", timeout=60)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop(proc)
 
 
 def _listening(port: int) -> bool:
