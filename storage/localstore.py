@@ -374,8 +374,15 @@ def _copy_chunk(fin: int, fout: int, offset: int, length: int) -> int:
 
 
 def _map_file(path: Path) -> bytes | mmap.mmap:
+    """The file mapped, or read when the process is out of descriptors or maps (each map keeps a
+    descriptor of its own until dropped, and a restore holds every piece of its generation)."""
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             return b""  # (an empty file cannot be mapped)
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault every page in now
-        return mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
+        try:
+            return mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+                raise
+            return f.read()

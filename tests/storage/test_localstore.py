@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import mmap
+import os
 from pathlib import Path
 from typing import Any
 
@@ -73,3 +76,18 @@ async def test_a_viewed_object_keeps_its_bytes_through_replace_and_delete(tmp_pa
         await store.view_object(key)
     await store.put_object("p/acme/empty", b"")
     assert await store.view_object("p/acme/empty") == b""
+
+
+@pytest.mark.parametrize("errno_", [errno.EMFILE, errno.ENOMEM])
+async def test_a_piece_that_cannot_be_mapped_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, errno_: int
+) -> None:
+    """Each map keeps a descriptor: a process out of them (or of maps) reads the piece instead."""
+    store = LocalStore(tmp_path, prefix="p", fsync=False)
+    await store.put_object("p/acme/piece", b"bytes " * 100)
+
+    def refuse(*_: Any, **__: Any) -> None:
+        raise OSError(errno_, os.strerror(errno_))
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    assert await store.view_object("p/acme/piece") == b"bytes " * 100
