@@ -186,9 +186,6 @@ class EngineResponse:
             else:
                 self.close()
 
-    def at_eof(self) -> bool:
-        return self._conn.complete and not self._conn.pieces
-
     def release(self) -> None:
         """Back to the pool when the answer was read to its end, else closed."""
         if self._done:
