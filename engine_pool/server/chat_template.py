@@ -17,8 +17,9 @@ core should capture while prefilling:
   and drops the reasoning from history), so the next turn leaves this prompt before its end, and
   the checkpoint at the prompt's end is past the divergence. The hint is where this prompt and the
   conversation continued by a placeholder assistant reply and user message first differ. (It is
-  usually a few tokens before the prompt's end — two for Qwen3.5; the core spaces only its interval
-  checkpoints by `--checkpoint-min-step`, never hints, so it keeps both.)
+  usually a few tokens before the prompt's end — two for Qwen3.5; the core keeps it, closer than
+  `--checkpoint-min-step` as it is, and in place of a checkpoint at the prompt's end: an identical
+  retry evaluates those few tokens, and each turn holds and saves one recurrent state fewer.)
 A boundary is found by rendering (a prefix or a continuation of) the conversation on its own and
 taking its common token prefix with the whole prompt, so it is right even where a template or the
 tokenizer joins text across the boundary.

@@ -129,13 +129,36 @@ std::vector<PlannedCheckpoint> plan_checkpoints(int64_t start, int64_t n_prompt,
     // Strongest first, so weaker ones yield to them.
     bool have_end = false;
     for (int64_t e : existing) have_end |= e == n_prompt;
+    // A hint a few tokens before the prompt end (where the next turn, re-rendered without the
+    // reasoning its generation prompt opened, leaves this prompt) stands for the prompt end too:
+    // an identical retry evaluates those few tokens from it, and each turn keeps one recurrent
+    // state fewer — in the slot, in its files and in what a save writes.
+    for (int h : hints) {
+        bool kept = h > start;
+        for (int64_t e : existing) kept |= e == h;
+        have_end |= kept && h < n_prompt && n_prompt - h <= kPromptEndSlack;
+    }
     if (!have_end) out.push_back({n_prompt, CheckpointKind::PromptEnd});
     std::vector<int> hs(hints.begin(), hints.end());
     std::sort(hs.begin(), hs.end());
+    auto just_after = [&](int64_t q) {  // another checkpoint less than min_step before q
+        for (int64_t e : existing) {
+            if (e < q && q - e < min_step) return true;
+        }
+        for (const auto & c : out) {
+            if (c.n_tokens < q && q - c.n_tokens < min_step) return true;
+        }
+        return false;
+    };
     for (int h : hs) {
-        // Hints are few and placed where the next request diverges (a history rewrite lands two
-        // tokens before the prompt end): the spacing rule is for the interval fallback only.
-        if (h > start && h < n_prompt && !taken(h)) out.push_back({h, CheckpointKind::Hint});
+        if (h <= start || h >= n_prompt || taken(h)) continue;
+        // The hint where the next turn leaves this prompt is kept however close to the others (a
+        // history rewrite lands two tokens before the prompt end, right after the last turn's own).
+        // Any other hint (the start of the last user message) less than min_step after a checkpoint
+        // yields to it: a request diverging there evaluates those few tokens more, and a short
+        // reply between two turns costs no recurrent state of its own.
+        if (n_prompt - h > kPromptEndSlack && just_after(h)) continue;
+        out.push_back({h, CheckpointKind::Hint});
     }
     if (interval > 0) {
         for (int64_t q = (start / interval + 1) * interval; q < n_prompt; q += interval) {

@@ -52,9 +52,14 @@ struct PlannedCheckpoint {
     CheckpointKind kind;
 };
 
-// Checkpoints to capture while evaluating prompt tokens [start, n_prompt): the prompt end, the
-// hinted message boundaries, every `interval` tokens; hints and intervals closer than `min_step` to
-// a stronger planned or existing checkpoint are skipped. Ascending.
+// A hint at most this many tokens before the prompt end replaces the prompt end's checkpoint.
+constexpr int64_t kPromptEndSlack = 8;
+
+// Checkpoints to capture while evaluating prompt tokens [start, n_prompt): the prompt end (unless a
+// hint within kPromptEndSlack before it stands for it), the hinted message boundaries, every
+// `interval` tokens. Intervals closer than `min_step` to a stronger planned or existing checkpoint
+// are skipped, and so are hints less than `min_step` after one (but the hint standing for the prompt
+// end). Ascending.
 std::vector<PlannedCheckpoint> plan_checkpoints(int64_t start, int64_t n_prompt, const std::vector<int> & hints,
                                                 int interval, int min_step, const std::vector<int64_t> & existing);
 

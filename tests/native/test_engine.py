@@ -230,6 +230,42 @@ def test_checkpoints_are_bounded_per_slot(make_engine, greedy):
     assert small.slots()[0].n_checkpoints == 0
 
 
+def test_a_hint_just_before_the_prompt_end_stands_for_the_prompt_end(make_engine, greedy):
+    """A chat turn's next-turn hint lies a few tokens before its prompt end (two for a template that
+    opens reasoning in its generation prompt): the slot keeps that one state, not a second at the
+    prompt end; an identical retry evaluates the few tokens from it and answers the same. A hint
+    further back leaves the prompt end its own checkpoint (an identical retry costs nothing)."""
+    eng = make_engine("qwen35", checkpoint_interval=0)
+    a = eng.tokenize(TEXT)
+    first = eng.generate(0, greedy(a, 4, checkpoint_hints=[len(a) - 2]))
+    assert eng.slots()[0].n_checkpoints == 1
+    again = eng.generate(0, greedy(a, 4, checkpoint_hints=[len(a) - 2]))
+    assert (again.timings.prompt_n, again.tokens) == (2, first.tokens)
+    assert eng.slots()[0].n_checkpoints == 1
+
+    far = make_engine("qwen35", checkpoint_interval=0)
+    far.generate(0, greedy(a, 4, checkpoint_hints=[len(a) - 9]))
+    assert far.slots()[0].n_checkpoints == 2
+    assert far.generate(0, greedy(a, 4, checkpoint_hints=[len(a) - 9])).timings.prompt_n == 0
+
+
+def test_a_hint_just_after_another_checkpoint_yields_to_it(make_engine, greedy):
+    """The start of the last user message a few tokens after the previous turn's checkpoint (a short
+    reply between them) is not captured: an edit of that message evaluates the reply again. Hints
+    at least --checkpoint-min-step apart are all kept, and so is the one standing for the prompt end."""
+    a = make_engine("qwen35").tokenize(TEXT * 4)
+    assert len(a) > 380
+    hints = [100, 120, 300, len(a) - 2]
+    for min_step, kept in ((64, [100, 300, len(a) - 2]), (0, hints)):
+        eng = make_engine("qwen35", checkpoint_interval=0, checkpoint_min_step=min_step)
+        eng.generate(0, greedy(a, 2, checkpoint_hints=hints))
+        assert eng.slots()[0].n_checkpoints == len(kept), min_step
+        for at in kept:  # each is where a prompt diverging right after it restarts
+            b = a[: at + 1] + [a[at + 1] + 1]
+            assert eng.generate(0, greedy(b, 1, checkpoint_hints=hints)).timings.cache_n == at
+            eng.generate(0, greedy(a, 2, checkpoint_hints=hints))
+
+
 def test_one_libllama_per_process(make_engine):
     make_engine("qwen35")
     with open("/proc/self/maps") as f:
