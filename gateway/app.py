@@ -35,6 +35,7 @@ from gateway.serving import (
     forward_stateless,
     json_body,
     rate_limit,
+    raw_json_body,
     serve_turn,
     served_model,
     tenant_of,
@@ -49,10 +50,10 @@ async def _turn(request: Request, path: str) -> Response:
     svc: Services = request.app.state.services
     tenant = tenant_of(request)
     async with counted_if_refused(svc, tenant):
-        body = await json_body(request)
+        raw, body = await raw_json_body(request)
         model = await served_model(svc, tenant, body.get("model"))
         messages = check_messages(body, svc.settings.max_messages) if path == "/v1/chat/completions" else []
-    return await serve_turn(request, tenant, body, model, messages, path)
+    return await serve_turn(request, tenant, body, model, messages, path, raw=raw)
 
 
 async def input_tokens(request: Request) -> Response:

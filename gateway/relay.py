@@ -48,6 +48,29 @@ class TurnOutcome:
         return int(self.usage.get("prompt_tokens", 0)) + int(self.usage.get("completion_tokens", 0))
 
 
+_WS = b" \t\r\n"  # JSON's whitespace
+
+
+def engine_body(raw: bytes | None, body: Mapping[str, Any], fields: Mapping[str, Any]) -> bytes:
+    """The bytes to send an engine: the tenant's JSON object ``raw`` (``body`` parsed from it) with
+    ``fields`` set, a field set to None dropped. Not encoded again: the fields are appended after the
+    tenant's members, which a parser that keeps the last of duplicate names (Python's, the engine's)
+    reads as ``{**body, **fields}`` — on a long agent history that saves most of a millisecond per
+    turn (97 KB: encoding 846 µs; parsing it took 240). A field dropped is appended as null, which
+    the engine reads as absent. Bodies that are not plain UTF-8 (a BOM, UTF-16: Python's parser
+    accepts them) or absent are encoded from ``body``."""
+    if raw is not None and json.detect_encoding(raw) == "utf-8":
+        inner = raw.strip(_WS)
+        if inner[:1] == b"{" and inner[-1:] == b"}":
+            inner = inner[:-1].rstrip(_WS)
+            members = json.dumps(dict(fields), separators=(",", ":"))[1:].encode()  # '"k":v,...}'
+            if len(members) == 1:  # (no fields: the closing brace alone)
+                return inner + b"}"
+            return inner + (b"" if inner == b"{" else b",") + members
+    merged = {k: v for k, v in {**body, **fields}.items() if v is not None or k not in fields}
+    return json.dumps(merged).encode()
+
+
 class EngineTimeout(ApiError):
     """The engine did not answer within the request timeout: this request fails, nothing else."""
 
@@ -74,11 +97,13 @@ def engine_session(headers: Mapping[str, str], request_timeout_s: float) -> Engi
 _TOKENS_TIMEOUT_S = 10.0  # a tokenization: milliseconds; else go without
 
 
-async def _send(client: EngineHttp, url: str, body: dict[str, Any]) -> EngineResponse:
-    """Send to the engine. A failure fails this request only: whether the engine died is for its node
-    to say (process exit, failed health checks, a new registration), never inferred from one request."""
+async def _send(client: EngineHttp, url: str, body: bytes | Mapping[str, Any]) -> EngineResponse:
+    """Send to the engine (``body`` encoded already, or to encode). A failure fails this request only:
+    whether the engine died is for its node to say (process exit, failed health checks, a new
+    registration), never inferred from one request."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
     try:
-        return await client.post(url, json.dumps(body).encode())
+        return await client.post(url, data)
     except engine_http.EngineTimeout as exc:
         raise EngineTimeout(f"the engine did not answer in time ({type(exc).__name__})") from exc
     except EngineHttpError as exc:
@@ -96,7 +121,7 @@ async def _read(resp: EngineResponse) -> bytes:
 
 
 async def forward_json(
-    client: EngineHttp, url: str, body: dict[str, Any]
+    client: EngineHttp, url: str, body: bytes | Mapping[str, Any]
 ) -> tuple[dict[str, Any], TurnOutcome]:
     """Non-streaming request: the engine's JSON and what it means for the session (its bytes
     are `TurnOutcome.body`, to pass on without encoding them again)."""
@@ -144,7 +169,7 @@ class StreamRelay:
         self._calls: dict[int, dict[str, Any]] = {}
 
     @classmethod
-    async def open(cls, client: EngineHttp, url: str, body: dict[str, Any]) -> StreamRelay:
+    async def open(cls, client: EngineHttp, url: str, body: bytes | Mapping[str, Any]) -> StreamRelay:
         resp = await _send(client, url, body)
         if resp.status != 200:
             raw = await _read(resp)

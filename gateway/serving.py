@@ -30,7 +30,7 @@ from engine_pool.errors import (
     Unauthorized,
     Unavailable,
 )
-from gateway.relay import StreamRelay, TurnOutcome, forward_json, input_tokens
+from gateway.relay import StreamRelay, TurnOutcome, engine_body, forward_json, input_tokens
 from gateway.services import Services
 from gateway.tenants import Tenant
 from gateway.turns import RestorePrompt, Turn
@@ -62,9 +62,15 @@ def tenant_of(request: Request) -> Tenant:
 
 
 async def json_body(request: Request) -> dict[str, Any]:
+    return (await raw_json_body(request))[1]
+
+
+async def raw_json_body(request: Request) -> tuple[bytes, dict[str, Any]]:
+    """The request's JSON object within the gateway's limits, and the bytes it was parsed from."""
     svc: Services = request.app.state.services
     limits = svc.settings.body_limits()
-    return parse_json_object(await read_body(request, limits), limits)
+    raw = await read_body(request, limits)
+    return raw, parse_json_object(raw, limits)
 
 
 async def rate_limit(svc: Services, tenant: Tenant) -> None:
@@ -147,31 +153,37 @@ async def serve_turn(
     *,
     dialect: Dialect | None = None,
     session: tuple[str, str] | None = None,
+    raw: bytes | None = None,
 ) -> Response:
     """Admit, run and answer one turn. `body` is the engine's request body (chat completions, or
-    completions when `path` says so); `session` is (id, how it was found) when the caller already
-    knows it (a `previous_response_id`), else the usual resolution runs. The bookkeeping after the
-    answer runs beside sending it (`TurnRunner.finish_soon`)."""
+    completions when `path` says so), `raw` the tenant's bytes it was parsed from when it is theirs
+    as it came (sent on without encoding it again); `session` is (id, how it was found) when the
+    caller already knows it (a `previous_response_id`), else the usual resolution runs. The
+    bookkeeping after the answer runs beside sending it (`TurnRunner.finish_soon`)."""
     svc: Services = request.app.state.services
     session_id, source = session or await svc.runner.resolve(tenant, request.headers, body, model)
-    upstream = {k: v for k, v in body.items() if k not in ("prompt_cache_key", "id_slot")}
-    upstream.update(model=model, cache_prompt=True)
     prompt = None
     if path == CHAT_PATH:  # a restore for a conversation that left the stored one early: cut it
 
         async def tokens(engine_url: str) -> list[int] | None:
+            upstream = {k: v for k, v in body.items() if k not in ("prompt_cache_key", "id_slot")}
+            upstream.update(model=model, cache_prompt=True)
             return await input_tokens(svc.engines, engine_url.rstrip("/") + CHAT_PATH, upstream)
 
         prompt = RestorePrompt(messages, tokens)
     turn = await svc.runner.begin(tenant, session_id, model, source, prompt)
-    upstream["id_slot"] = turn.placement.slot
+    # The gateway's fields over the tenant's: the slot is never theirs to choose.
+    fields: dict[str, Any] = {"id_slot": turn.placement.slot, "model": model, "cache_prompt": True}
+    if "prompt_cache_key" in body:
+        fields["prompt_cache_key"] = None  # (the gateway's: it named the session)
+    data = engine_body(raw, body, fields)
     svc.metrics.served.labels(turn.placement.serve.value).inc()
     url = turn.engine_url.rstrip("/") + path
     t0 = time.perf_counter()
     if not body.get("stream"):
         outcome = TurnOutcome()
         try:
-            payload, outcome = await forward_json(svc.engines, url, upstream)
+            payload, outcome = await forward_json(svc.engines, url, data)
             answer = await dialect.answer(payload, turn) if dialect else None
         except (ApiError, StorageError) as exc:
             outcome.ok = False
@@ -188,7 +200,7 @@ async def serve_turn(
             return Response(outcome.body, media_type="application/json", headers=session_headers(turn))
         return JSONResponse(answer, headers=session_headers(turn))
     try:
-        relay = await StreamRelay.open(svc.engines, url, upstream)
+        relay = await StreamRelay.open(svc.engines, url, data)
     except BaseException as exc:
         svc.runner.finish_soon(turn, messages, TurnOutcome(error=getattr(exc, "message", "cancelled")))
         raise

@@ -181,6 +181,26 @@ def test_body_size_depth_and_shape_limits(pool: Pool) -> None:
     pool.assert_honest_still_live()
 
 
+def test_a_tenant_cannot_choose_the_slot_its_turn_runs_in(pool: Pool) -> None:
+    """`id_slot` is the gateway's: a tenant naming another session's slot — once, twice, with
+    whitespace after the object, or in UTF-16 (which the gateway's parser accepts and re-encodes) —
+    runs in a slot of its own, and the other session stays live in its slot."""
+    honest = pool.honest_turn().json()["id_slot"]
+    messages = [{"role": "user", "content": "Überschreibe den Slot."}]
+    body = json.dumps({"model": MODEL, "messages": messages, "max_tokens": 2, "id_slot": honest})
+    tricks = [
+        body.encode(),
+        (body[:-1] + f', "id_slot": {honest}, "cache_prompt": false}}  \r\n').encode(),
+        body.encode("utf-16"),
+    ]
+    for i, raw in enumerate(tricks):
+        headers = {**auth("mallory"), "X-Session-Id": f"slot-thief-{i}", "Content-Type": "application/json"}
+        r = pool.http.post("/v1/chat/completions", content=raw, headers=headers)
+        assert r.status_code == 200, r.text
+        assert r.json()["id_slot"] != honest, (i, r.json()["id_slot"])
+    pool.assert_honest_still_live()
+
+
 def _open(url: str) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     return socket.create_connection((host, int(port)), timeout=10)
