@@ -385,30 +385,26 @@ async def _restore_times(store: ServedStore, work: Path, repeat: int) -> dict[st
     )
     ours, raw = float("inf"), float("inf")
     async with ChunkedStore(inner, ChunkLedger(in_process_redis())) as chunked:  # reads either
-        dest = work / "restored.slot"
-        for _ in range(repeat):
+        dest, out = work / "restored.slot", work / "raw.slot"
+        await chunked.get_to_file(ref, dest, verify=False)
+        size = dest.stat().st_size
+        if client is not None:  # the same bytes as one object, read raw with boto3's transfer manager
+            from boto3.s3.transfer import TransferConfig
+
+            whole = f"{store.prefix}-raw/whole.slot"
+            client.upload_file(str(dest), store.bucket, whole)
+            cfg = TransferConfig(multipart_chunksize=8 * MiB, max_concurrency=8)
+            read_raw = functools.partial(client.download_file, store.bucket, whole, str(out), Config=cfg)
+        else:
+            read_raw = functools.partial(shutil.copyfile, dest, out)  # no fsync: ours has none
+        for _ in range(repeat):  # interleaved: this host's noise hits both alike
             dest.unlink(missing_ok=True)
             os.sync()
             t0 = time.perf_counter()
             await chunked.get_to_file(ref, dest, verify=False)  # as a node restores (the engine checks)
             ours = min(ours, time.perf_counter() - t0)
-        size = dest.stat().st_size
-        if client is not None:  # the same bytes as one object, read raw with boto3's transfer manager
-            from boto3.s3.transfer import TransferConfig
-
-            client.upload_file(str(dest), store.bucket, f"{store.prefix}-raw/whole.slot")
-            cfg = TransferConfig(multipart_chunksize=8 * MiB, max_concurrency=8)
-            for _ in range(repeat):
-                out = work / "raw.slot"
-                out.unlink(missing_ok=True)
-                whole = f"{store.prefix}-raw/whole.slot"
-                fetch = functools.partial(client.download_file, store.bucket, whole, str(out), Config=cfg)
-                raw = min(raw, _timed(fetch))
-        else:
-            for _ in range(repeat):
-                out = work / "raw.slot"
-                out.unlink(missing_ok=True)
-                raw = min(raw, _timed(lambda o=out: shutil.copyfile(dest, o)))  # no fsync: ours has none
+            out.unlink(missing_ok=True)
+            raw = min(raw, _timed(read_raw))
     return {"bytes": size, "ours_s": ours, "raw_s": raw}
 
 
