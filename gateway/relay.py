@@ -56,9 +56,9 @@ def engine_body(raw: bytes | None, body: Mapping[str, Any], fields: Mapping[str,
     ``fields`` set, a field set to None dropped. Not encoded again: the fields are appended after the
     tenant's members, which a parser that keeps the last of duplicate names (Python's, the engine's)
     reads as ``{**body, **fields}`` — on a long agent history that saves most of a millisecond per
-    turn (97 KB: encoding 846 µs; parsing it took 240). A field dropped is appended as null, which
-    the engine reads as absent. Bodies that are not plain UTF-8 (a BOM, UTF-16: Python's parser
-    accepts them) or absent are encoded from ``body``."""
+    turn (a 97 KB body: encoded again 532–846 µs, this 19 µs; parsing it took 240). A field dropped
+    is appended as null, which the engine reads as absent. Bodies that are not plain UTF-8 (a BOM,
+    UTF-16: Python's parser accepts them) or absent are encoded from ``body``."""
     if raw is not None and json.detect_encoding(raw) == "utf-8":
         inner = raw.strip(_WS)
         if inner[:1] == b"{" and inner[-1:] == b"}":
