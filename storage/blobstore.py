@@ -18,6 +18,7 @@ configuration at start-up.
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import mmap
 import re
@@ -227,6 +228,18 @@ class BlobStore(ABC):
         """One object's bytes as cheaply as the store can hand them over, for a reader that only
         slices them (the pieces a restore assembles): by default :meth:`get_object`'s."""
         return await self.get_object(key)
+
+    async def view_objects(
+        self, keys: Sequence[str], gate: asyncio.Semaphore
+    ) -> builtins.list[bytes | mmap.mmap]:
+        """:meth:`view_object` of each key, in order: by default in parallel, at most as many at
+        once as ``gate`` lets through. :class:`NotFound` if one is absent."""
+
+        async def one(key: str) -> bytes | mmap.mmap:
+            async with gate:
+                return await self.view_object(key)
+
+        return builtins.list(await asyncio.gather(*(one(k) for k in keys)))
 
     @abstractmethod
     async def object_size(self, key: str) -> int | None:

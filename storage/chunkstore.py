@@ -59,6 +59,7 @@ from storage.chunking import (
     with_body_crc,
     write_v1,
 )
+from storage.codec import MAGIC as CODEC_MAGIC
 from storage.codec import decode, encode
 from storage.errors import ChecksumError, Conflict, NotFound, SlotFileError, StorageError
 from storage.ids import (
@@ -322,22 +323,26 @@ class ChunkedStore(BlobStore):
     async def _fetch_named(
         self, ref: SlotRef, doc: Mapping[str, Any], wanted: list[tuple[str, str, int]]
     ) -> dict[str, bytes]:
-        """The named objects of a generation (kind, name, size), fetched in parallel."""
+        """The named objects of a generation (kind, name, size), fetched in parallel (as the
+        store hands them over: a local store maps them all at once); compressed states decoded."""
         ns = str(doc["ns"])
+        needed = {(k, n): s for k, n, s in wanted}
+        keys = [self._tail(ref) if k == "tl" else self._piece(ref.tenant, ns, k, n) for k, n in needed]
+        views = cast(list[bytes], await self.inner.view_objects(keys, self._gate))  # (a map reads like bytes)
 
-        async def one(kind: str, name: str, size: int) -> tuple[str, bytes]:
-            key = self._tail(ref) if kind == "tl" else self._piece(ref.tenant, ns, kind, name)
-            async with self._gate:
-                data = cast(bytes, await self.inner.view_object(key))  # (a map reads like bytes here)
-            if kind != "kv":
-                # a bytearray where decoded (no second copy of the piece): it reads like bytes here
+        async def one(kind: str, size: int, key: str, data: bytes) -> bytes:
+            if kind != "kv" and data[:4] == CODEC_MAGIC:
+                # a bytearray (no second copy of the piece): it reads like bytes here
                 data = cast(bytes, await asyncio.to_thread(decode, data, size, key))
             if len(data) != size:
                 raise ChecksumError(f"{key}: {len(data)} bytes, its manifest says {size}")
-            return name, data
+            return data
 
-        needed = {(k, n): s for k, n, s in wanted}
-        return dict(await asyncio.gather(*(one(k, n, s) for (k, n), s in needed.items())))
+        items = [
+            (k, s, key, data) for ((k, _), s), key, data in zip(needed.items(), keys, views, strict=True)
+        ]
+        done = await asyncio.gather(*(one(*item) for item in items))
+        return {n: data for (_, n), data in zip(needed, done, strict=True)}
 
     def _blame(
         self, ref: SlotRef, doc: Mapping[str, Any], objects: Mapping[str, bytes],

@@ -20,7 +20,7 @@ import os
 import stat
 import uuid
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -289,6 +289,23 @@ class LocalStore(BlobStore):
             return await asyncio.to_thread(_map_file, self.root / key)
         except FileNotFoundError:
             raise NotFound(f"object {key} not found") from None
+
+    async def view_objects(
+        self, keys: Sequence[str], gate: asyncio.Semaphore
+    ) -> builtins.list[bytes | mmap.mmap]:
+        """Every key mapped in one worker thread (no disk to wait on but the page cache's): a
+        thread hop per piece cost more than mapping it — a bench-model restore's 21 pieces map in
+        1.5 ms, and took 6.6–9.4 ms one hop each."""
+        return await asyncio.to_thread(self._map_files, keys)
+
+    def _map_files(self, keys: Sequence[str]) -> builtins.list[bytes | mmap.mmap]:
+        views: builtins.list[bytes | mmap.mmap] = []
+        for key in keys:
+            try:
+                views.append(_map_file(self.root / key))
+            except FileNotFoundError:
+                raise NotFound(f"object {key} not found") from None
+        return views
 
     async def object_size(self, key: str) -> int | None:
         return await asyncio.to_thread(self._object_size, key)

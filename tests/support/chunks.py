@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import mmap
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -101,6 +101,11 @@ class Faulty(LocalStore):
     async def view_object(self, key: str) -> bytes | mmap.mmap:
         await self._hook("get_object", key)
         return await super().view_object(key)
+
+    async def view_objects(self, keys: Sequence[str], gate: asyncio.Semaphore) -> list[bytes | mmap.mmap]:
+        for key in keys:
+            await self._hook("get_object", key)
+        return await super().view_objects(keys, gate)
 
     async def object_size(self, key: str) -> int | None:
         await self._hook("object_size", key)
