@@ -295,7 +295,7 @@ class LocalStore(BlobStore):
     ) -> builtins.list[bytes | mmap.mmap]:
         """Every key mapped in one worker thread (no disk to wait on but the page cache's): a
         thread hop per piece cost more than mapping it — a bench-model restore's 21 pieces map in
-        1.5 ms, and took 6.6–9.4 ms one hop each."""
+        1.5–3.9 ms, and took 4.8–9.4 ms one hop each."""
         return await asyncio.to_thread(self._map_files, keys)
 
     def _map_files(self, keys: Sequence[str]) -> builtins.list[bytes | mmap.mmap]:

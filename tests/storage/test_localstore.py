@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import mmap
@@ -76,6 +77,18 @@ async def test_a_viewed_object_keeps_its_bytes_through_replace_and_delete(tmp_pa
         await store.view_object(key)
     await store.put_object("p/acme/empty", b"")
     assert await store.view_object("p/acme/empty") == b""
+
+
+async def test_a_restores_pieces_are_viewed_together_in_order(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, prefix="p", fsync=False)
+    keys = [f"p/acme/.chunks/ns/{i}.kv" for i in range(5)]
+    for i, key in enumerate(keys):
+        await store.put_object(key, bytes([i]) * (i + 1) * 100)
+    await store.put_object("p/acme/empty", b"")
+    views = await store.view_objects([*reversed(keys), "p/acme/empty"], asyncio.Semaphore(1))
+    assert [bytes(v) for v in views] == [await store.get_object(k) for k in reversed(keys)] + [b""]
+    with pytest.raises(NotFound, match="missing"):
+        await store.view_objects([keys[0], "p/acme/missing"], asyncio.Semaphore(1))
 
 
 @pytest.mark.parametrize("errno_", [errno.EMFILE, errno.ENOMEM])
