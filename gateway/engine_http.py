@@ -123,9 +123,16 @@ class _Connection(asyncio.Protocol):
             self._waiter.set_result(None)
 
     def send(self, data: bytes) -> None:
-        assert self.transport is not None
+        """Write a request; :class:`EngineDown` when the connection is closing — the engine closed it
+        and the loop has not said so yet (uvloop raises on a write then; asyncio would write into
+        a socket about to go)."""
         self._reset()
-        self.transport.write(data)
+        if self.transport is None or self.transport.is_closing():
+            raise EngineDown("the connection is closing")
+        try:
+            self.transport.write(data)
+        except RuntimeError as exc:  # (uvloop: its handle was closed meanwhile)
+            raise EngineDown(f"the connection closed ({exc})") from None
 
     async def wait(self, timeout_s: float) -> None:
         """Until more of the answer arrived, it ended, or it failed (raised)."""
@@ -255,8 +262,8 @@ class EngineHttp:
             conn, reused = self._take(key), True
             if conn is None:
                 conn, reused = await self._open(key), False
-            conn.send(request)
             try:
+                conn.send(request)
                 while not conn.head_done:
                     await conn.wait(timeout)
             except EngineDown:
@@ -273,8 +280,9 @@ class EngineHttp:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
-            if not conn.closed:
+            if not conn.closed and conn.transport is not None and not conn.transport.is_closing():
                 return conn
+            conn.close()
         return None
 
     async def _open(self, key: tuple[str, int]) -> _Connection:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import uvloop
@@ -210,6 +211,45 @@ async def test_a_pooled_connection_the_engine_dropped_is_replaced_before_any_ans
         assert srv.connections == 2
 
 
+class _ClosedHandle:
+    """A transport as uvloop leaves it when the engine's reset closed its handle and the protocol
+    has not been told yet: not closing on paper, and a write raises RuntimeError."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def is_closing(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> None:
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")
+
+    def close(self) -> None:
+        self.real.close()
+
+
+async def test_a_connection_closed_before_the_loop_said_so_is_replaced() -> None:
+    """An engine killed (SIGKILL) resets its connections: the loop closes them at once and tells
+    their protocols a turn later. A request in that window takes another connection — one that was
+    written to used to raise RuntimeError, which answered the tenant 500."""
+
+    async def answers(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await read_request(reader):
+            writer.write(answer(b"ok %d" % n))
+
+    async with serving(answers) as srv, EngineHttp(read_timeout_s=5) as client:
+        for n, breaks in enumerate(("abort", "handle"), start=1):
+            assert await (await client.post(srv.url, b"{}")).read() == b"ok %d" % n
+            (pooled,) = [c for conns in client._idle.values() for c in conns]
+            assert pooled.transport is not None
+            if breaks == "abort":
+                pooled.transport.abort()  # closing: connection_lost comes later
+            else:
+                pooled.transport = _ClosedHandle(pooled.transport)  # type: ignore[assignment]
+            assert await (await client.post(srv.url, b"{}")).read() == b"ok %d" % (n + 1)
+        assert srv.connections == 3
+
+
 async def test_an_answer_that_already_began_is_never_sent_again() -> None:
     async def breaks_mid_answer(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
@@ -239,6 +279,7 @@ def test_on_uvloop_the_gateways_loop() -> None:
         await test_leaving_a_stream_early_closes_its_connection()
         await test_a_silent_engine_times_out_and_its_connection_is_closed()
         await test_a_pooled_connection_the_engine_dropped_is_replaced_before_any_answer()
+        await test_a_connection_closed_before_the_loop_said_so_is_replaced()
         await test_refused_broken_and_garbled_answers_are_engine_down()
 
     uvloop.run(cases())
