@@ -108,24 +108,22 @@ std::vector<PlannedCheckpoint> plan_checkpoints(int64_t start, int64_t n_prompt,
                                                 int interval, int min_step, const std::vector<int64_t> & existing) {
     std::vector<PlannedCheckpoint> out;
     if (n_prompt <= start) return out;
-    auto taken = [&](int64_t q) {
+    // Whether an existing or already planned checkpoint at position p satisfies `at(p)`.
+    auto any_checkpoint = [&](auto at) {
         for (int64_t e : existing) {
-            if (e == q) return true;
+            if (at(e)) return true;
         }
         for (const auto & c : out) {
-            if (c.n_tokens == q) return true;
+            if (at(c.n_tokens)) return true;
         }
         return false;
     };
+    auto taken = [&](int64_t q) { return any_checkpoint([&](int64_t p) { return p == q; }); };
     auto near = [&](int64_t q) {
-        for (int64_t e : existing) {
-            if (std::llabs(e - q) < min_step || e == q) return true;
-        }
-        for (const auto & c : out) {
-            if (std::llabs(c.n_tokens - q) < min_step || c.n_tokens == q) return true;
-        }
-        return false;
+        return any_checkpoint([&](int64_t p) { return std::llabs(p - q) < min_step || p == q; });
     };
+    // Another checkpoint less than min_step before q.
+    auto just_after = [&](int64_t q) { return any_checkpoint([&](int64_t p) { return p < q && q - p < min_step; }); };
     // Strongest first, so weaker ones yield to them.
     bool have_end = false;
     for (int64_t e : existing) have_end |= e == n_prompt;
@@ -134,22 +132,12 @@ std::vector<PlannedCheckpoint> plan_checkpoints(int64_t start, int64_t n_prompt,
     // an identical retry evaluates those few tokens from it, and each turn keeps one recurrent
     // state fewer — in the slot, in its files and in what a save writes.
     for (int h : hints) {
-        bool kept = h > start;
-        for (int64_t e : existing) kept |= e == h;
+        bool kept = h > start || std::find(existing.begin(), existing.end(), int64_t(h)) != existing.end();
         have_end |= kept && h < n_prompt && n_prompt - h <= kPromptEndSlack;
     }
     if (!have_end) out.push_back({n_prompt, CheckpointKind::PromptEnd});
     std::vector<int> hs(hints.begin(), hints.end());
     std::sort(hs.begin(), hs.end());
-    auto just_after = [&](int64_t q) {  // another checkpoint less than min_step before q
-        for (int64_t e : existing) {
-            if (e < q && q - e < min_step) return true;
-        }
-        for (const auto & c : out) {
-            if (c.n_tokens < q && q - c.n_tokens < min_step) return true;
-        }
-        return false;
-    };
     for (int h : hs) {
         if (h <= start || h >= n_prompt || taken(h)) continue;
         // The hint where the next turn leaves this prompt is kept however close to the others (a
