@@ -285,10 +285,7 @@ class LocalStore(BlobStore):
         reading it: a restore writes the pieces straight from the page cache). Safe against
         writers and collectors: objects are replaced by rename and deleted by unlink, which leave a
         mapped file as it was until the map is dropped."""
-        try:
-            return await asyncio.to_thread(_map_file, self.root / key)
-        except FileNotFoundError:
-            raise NotFound(f"object {key} not found") from None
+        return (await asyncio.to_thread(self._map_files, [key]))[0]
 
     async def view_objects(
         self, keys: Sequence[str], gate: asyncio.Semaphore
