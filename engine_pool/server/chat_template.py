@@ -11,7 +11,9 @@ one-message conversation — raises `TemplateConfigError`, and the engine refuse
 `ChatTemplate.prompt` renders a conversation, tokenizes it, and computes the checkpoint hints the
 core should capture while prefilling:
 - the end of the system/tools prefix (shared by every session of an agent);
-- the start of the last user message (where another request of the same session may diverge);
+- the start of the last user message (where another request of the same session may diverge; the
+  core skips it when it lies less than `--checkpoint-min-step` after another checkpoint — a short
+  reply after the previous turn's);
 - the end of the history as the NEXT turn will re-render it. Templates render the generation
   prompt and a past assistant turn differently (Qwen3.5 opens `<think>` in the generation prompt
   and drops the reasoning from history), so the next turn leaves this prompt before its end, and
