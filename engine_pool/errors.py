@@ -98,6 +98,13 @@ class Conflict(ApiError):
     status, type, code = 409, "conflict_error", "conflict"
 
 
+class InstanceChanged(Conflict):
+    """A request named another engine process (X-Slotkeeper-Instance) than the one answering: the
+    engine restarted since its caller looked, and its slots no longer hold what the caller thinks."""
+
+    code = "engine_instance_changed"
+
+
 class SlotBusy(Conflict):
     """A slot operation waited its bounded time and the slot was still serving requests."""
 

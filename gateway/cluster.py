@@ -32,6 +32,7 @@ class EngineRef:
     url: str
     model: str
     n_slots: int
+    instance: str = ""  # its process's instance id as registered ('' unknown)
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ class _Listing:
 
     @classmethod
     def of(cls, infos: list[EngineInfo]) -> _Listing:
-        refs = {i.engine_id: EngineRef(i.engine_id, i.node, i.url, i.model, i.n_slots) for i in infos}
+        refs = {i.engine_id: EngineRef(i.engine_id, i.node, i.url, i.model, i.n_slots, i.instance)
+                for i in infos}  # fmt: skip
         by_model: dict[str, list[EngineRef]] = {}
         for ref in refs.values():
             by_model.setdefault(ref.model, []).append(ref)
@@ -137,6 +139,14 @@ class Cluster:
 
     async def engine(self, engine_id: str) -> EngineRef | None:
         return (await self._listing(False)).refs.get(engine_id)
+
+    def cached_engine(self, engine_id: str) -> EngineRef | None:
+        """The engine as the cached listing has it, without reading anything (None: not cached, or
+        the cache is stale)."""
+        cache = self._cache
+        if cache is None or self.registry.now() >= cache.valid_until:
+            return None
+        return cache.refs.get(engine_id)
 
     async def snapshot(
         self, model: str, holder: tuple[str, str] | None = None, *, with_tenant_engines: bool = False

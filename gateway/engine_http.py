@@ -46,6 +46,11 @@ class EngineTimeout(EngineHttpError, TimeoutError):
 _MAX_HEAD = 64 * 1024  # an engine's answer head is a few hundred bytes
 
 
+def _header_lines(headers: Mapping[str, str]) -> bytes:
+    """Header lines of the gateway's own making (no tenant text: names and values are ours)."""
+    return "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1")
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection: one request at a time, its answer parsed as it arrives."""
 
@@ -217,7 +222,7 @@ class EngineHttp:
         self, headers: Mapping[str, str] | None = None, *, read_timeout_s: float,
         connect_timeout_s: float = 5.0, max_idle_per_host: int = 64,
     ) -> None:  # fmt: skip
-        self._headers = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()).encode("latin-1")
+        self._headers = _header_lines(headers or {})
         self.read_timeout_s = read_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._max_idle = max_idle_per_host
@@ -247,15 +252,18 @@ class EngineHttp:
         return known
 
     async def post(
-        self, url: str, body: bytes, *, content_type: str = "application/json", timeout_s: float | None = None
-    ) -> EngineResponse:
-        """Send ``body`` and wait for the answer's head (its body is read from the response)."""
+        self, url: str, body: bytes, *, content_type: str = "application/json",
+        timeout_s: float | None = None, headers: Mapping[str, str] | None = None,
+    ) -> EngineResponse:  # fmt: skip
+        """Send ``body`` and wait for the answer's head (its body is read from the response);
+        ``headers`` go with this request only."""
         if self._closed:
             raise EngineDown("the gateway is shutting down")
         key, head = self._target(url)
         timeout = self.read_timeout_s if timeout_s is None else timeout_s
+        extra = _header_lines(headers) if headers else b""
         request = b"".join(
-            [head, b"content-type: ", content_type.encode("latin-1"), b"\r\ncontent-length: ",
+            [head, extra, b"content-type: ", content_type.encode("latin-1"), b"\r\ncontent-length: ",
              str(len(body)).encode(), b"\r\n\r\n", body]
         )  # fmt: skip
         while True:

@@ -45,9 +45,12 @@ class Phase(StrEnum):
 class SessionHold:
     """One session's lock as held by this process (see the module doc). Owned by `Holds`."""
 
-    def __init__(self, lock: SessionLock, record: SessionRecord | None, keeper: asyncio.Task[None]) -> None:
+    def __init__(self, lock: SessionLock, record: SessionRecord | None) -> None:
         self.lock = lock
         self.record = record  # as this process last wrote or read it (None: unknown, re-read)
+        # Certainly held until then (time.monotonic(); 0: not known): the lock's `since` + TTL,
+        # pushed on by every renewal. A turn may run before Redis confirms the lock only inside it.
+        self.valid_until = lock.since + lock.ttl_s if lock.since else 0.0
         self.phase = Phase.RUNNING
         self.users = 1  # the running turn; a pending save adds one
         self.booked = asyncio.Event()  # set while no turn's bookkeeping is pending
@@ -56,7 +59,7 @@ class SessionHold:
         self.next_save: Callable[[], Awaitable[None]] | None = None  # the newest save waiting
         self.gave_way = False  # the last save's grace ended with a next turn running: no grace now
         self.released = asyncio.get_running_loop().create_future()
-        self.keeper = keeper
+        self.keeper: asyncio.Task[None] | None = None  # renews the lock (set by `Holds.start`)
         self._writing = asyncio.Lock()
 
     @contextlib.asynccontextmanager
@@ -89,7 +92,8 @@ class Holds:
         key = (lock.tenant, lock.session)
         if key in self._holds:  # Redis gave the lock out again: the hold here lost it (it expired)
             log.warning("session.hold_lost", tenant=key[0], session=key[1])
-        hold = SessionHold(lock, record, asyncio.create_task(self._keep(lock), name=f"lock-keeper:{key}"))
+        hold = SessionHold(lock, record)
+        hold.keeper = asyncio.create_task(self._keep(hold), name=f"lock-keeper:{key}")
         self._holds[key] = hold
         return hold
 
@@ -156,7 +160,9 @@ class Holds:
         key = (hold.lock.tenant, hold.lock.session)
         if self._holds.get(key) is hold:
             del self._holds[key]
-        hold.keeper.cancel()
+        hold.valid_until = 0.0  # (being released: never run a turn on it before Redis says so)
+        if hold.keeper is not None:
+            hold.keeper.cancel()
         try:
             if not released:
                 await self._locks.release(hold.lock)
@@ -176,13 +182,18 @@ class Holds:
         while self._holds:
             await asyncio.gather(*(h.released for h in list(self._holds.values())), return_exceptions=True)
 
-    async def _keep(self, lock: SessionLock) -> None:
+    async def _keep(self, hold: SessionHold) -> None:
         """Renew the lock every third of its TTL until cancelled (released)."""
+        lock = hold.lock
         while True:
             await asyncio.sleep(self._ttl_s / 3)
+            if hold.released.done():  # (its cancellation was lost: see engine_pool.loop.cancel_and_wait)
+                return
             try:
-                await self._locks.extend(lock)
+                renewed = await self._locks.extend(lock)
+                hold.valid_until = renewed.since + renewed.ttl_s
             except LockLost:
+                hold.valid_until = 0.0
                 log.error("session.lock_lost", tenant=lock.tenant, session=lock.session)
                 return
             except StorageError as exc:  # Redis down a moment: try again at the next tick

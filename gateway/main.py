@@ -108,6 +108,7 @@ async def services(
         lock_ttl_s=settings.lock_ttl_s,
         spill_wait_s=settings.spill_wait_s,
         save_grace_s=settings.save_grace_s,
+        early_start=settings.early_start,
         internal_key=settings.internal_key,
         keep_generations=settings.keep_generations,
         tenants=tenants,
@@ -125,8 +126,7 @@ async def services(
         )  # fmt: skip
     finally:
         if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await event_loop.cancel_and_wait(task)
         await http.aclose()
         await engines.aclose()
         for node in runner.nodes.values():

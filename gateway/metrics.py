@@ -53,6 +53,14 @@ class Metrics:
         self.saves_skipped = Counter(
             "slotkeeper_gateway_saves_skipped", "After-turn saves not made, by reason", ["reason"], registry=r
         )
+        self.early_starts = Counter(
+            "slotkeeper_gateway_early_starts",
+            "Warm turns sent to their slot before the opening read, by outcome: answered (the read "
+            "confirmed it), abandoned (not confirmed: sent again as usual, or refused), refused (the "
+            "engine had restarted: sent again as usual)",
+            ["outcome"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "slotkeeper_gateway_ttft_seconds", "Time to the engine's first byte", registry=r
         )

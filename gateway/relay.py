@@ -97,13 +97,15 @@ def engine_session(headers: Mapping[str, str], request_timeout_s: float) -> Engi
 _TOKENS_TIMEOUT_S = 10.0  # a tokenization: milliseconds; else go without
 
 
-async def _send(client: EngineHttp, url: str, body: bytes | Mapping[str, Any]) -> EngineResponse:
+async def _send(
+    client: EngineHttp, url: str, body: bytes | Mapping[str, Any], headers: Mapping[str, str] | None = None
+) -> EngineResponse:
     """Send to the engine (``body`` encoded already, or to encode). A failure fails this request only:
     whether the engine died is for its node to say (process exit, failed health checks, a new
     registration), never inferred from one request."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     try:
-        return await client.post(url, data)
+        return await client.post(url, data, headers=headers)
     except engine_http.EngineTimeout as exc:
         raise EngineTimeout(f"the engine did not answer in time ({type(exc).__name__})") from exc
     except EngineHttpError as exc:
@@ -121,11 +123,11 @@ async def _read(resp: EngineResponse) -> bytes:
 
 
 async def forward_json(
-    client: EngineHttp, url: str, body: bytes | Mapping[str, Any]
+    client: EngineHttp, url: str, body: bytes | Mapping[str, Any], headers: Mapping[str, str] | None = None
 ) -> tuple[dict[str, Any], TurnOutcome]:
     """Non-streaming request: the engine's JSON and what it means for the session (its bytes
     are `TurnOutcome.body`, to pass on without encoding them again)."""
-    resp = await _send(client, url, body)
+    resp = await _send(client, url, body, headers)
     raw = await _read(resp)
     try:
         payload = json.loads(raw)
@@ -169,8 +171,14 @@ class StreamRelay:
         self._calls: dict[int, dict[str, Any]] = {}
 
     @classmethod
-    async def open(cls, client: EngineHttp, url: str, body: bytes | Mapping[str, Any]) -> StreamRelay:
-        resp = await _send(client, url, body)
+    async def open(
+        cls,
+        client: EngineHttp,
+        url: str,
+        body: bytes | Mapping[str, Any],
+        headers: Mapping[str, str] | None = None,
+    ) -> StreamRelay:
+        resp = await _send(client, url, body, headers)
         if resp.status != 200:
             raw = await _read(resp)
             try:
@@ -179,6 +187,10 @@ class StreamRelay:
                 payload = {}
             raise _upstream_error(resp.status, payload if isinstance(payload, dict) else {})
         return cls(resp)
+
+    def close(self) -> None:
+        """Leave the stream unread: its connection is closed (the engine stops generating)."""
+        self._response.close()
 
     def _raw(self) -> AsyncGenerator[bytes, None]:
         """The body as it arrives; the connection goes back to the pool only after a complete one

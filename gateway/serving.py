@@ -30,6 +30,7 @@ from engine_pool.errors import (
     Unauthorized,
     Unavailable,
 )
+from gateway.early import EarlyCall, EarlyStart
 from gateway.relay import StreamRelay, TurnOutcome, engine_body, forward_json, input_tokens
 from gateway.services import Services
 from gateway.tenants import Tenant
@@ -139,6 +140,14 @@ async def forward_stateless(svc: Services, model: str, path: str, data: dict[str
     return payload
 
 
+def _engine_fields(body: dict[str, Any], model: str, slot: int) -> dict[str, Any]:
+    """The gateway's fields over the tenant's: the slot is never theirs to choose."""
+    fields: dict[str, Any] = {"id_slot": slot, "model": model, "cache_prompt": True}
+    if "prompt_cache_key" in body:
+        fields["prompt_cache_key"] = None  # (the gateway's: it named the session)
+    return fields
+
+
 def session_headers(turn: Turn) -> dict[str, str]:
     return {"X-Session-Id": turn.session, "X-Slotkeeper-Cache": turn.placement.serve.value}
 
@@ -171,19 +180,45 @@ async def serve_turn(
             return await input_tokens(svc.engines, engine_url.rstrip("/") + CHAT_PATH, upstream)
 
         prompt = RestorePrompt(messages, tokens)
-    turn = await svc.runner.begin(tenant, session_id, model, source, prompt)
-    # The gateway's fields over the tenant's: the slot is never theirs to choose.
-    fields: dict[str, Any] = {"id_slot": turn.placement.slot, "model": model, "cache_prompt": True}
-    if "prompt_cache_key" in body:
-        fields["prompt_cache_key"] = None  # (the gateway's: it named the session)
-    data = engine_body(raw, body, fields)
+    streamed = bool(body.get("stream"))
+    early: EarlyCall[Any] | None = None
+
+    def launch(where: EarlyStart) -> None:
+        nonlocal early
+        url = where.url.rstrip("/") + path
+        data = engine_body(raw, body, _engine_fields(body, model, where.slot))
+        if streamed:
+            early = EarlyCall(StreamRelay.open(svc.engines, url, data, where.headers()), StreamRelay.close)
+        else:
+            early = EarlyCall(forward_json(svc.engines, url, data, where.headers()))
+
+    try:
+        turn = await svc.runner.begin(tenant, session_id, model, source, prompt, launch=launch)
+    except BaseException:
+        if early is not None:
+            early.discard()
+            svc.metrics.early_starts.labels("abandoned").inc()
+        raise
+    if early is not None and not turn.early:  # the opening read did not confirm it: as if never made
+        early.discard()
+        svc.metrics.early_starts.labels("abandoned").inc()
+        early = None
+    data = engine_body(raw, body, _engine_fields(body, model, turn.placement.slot))
     svc.metrics.served.labels(turn.placement.serve.value).inc()
     url = turn.engine_url.rstrip("/") + path
-    t0 = time.perf_counter()
-    if not body.get("stream"):
+    t0 = early.started if early is not None else time.perf_counter()
+
+    def counted(refused: bool) -> None:
+        svc.metrics.early_starts.labels("refused" if refused else "answered").inc()
+
+    if not streamed:
         outcome = TurnOutcome()
         try:
-            payload, outcome = await forward_json(svc.engines, url, data)
+            if early is not None:
+                (payload, outcome), refused = await early.result(lambda: forward_json(svc.engines, url, data))
+                counted(refused)
+            else:
+                payload, outcome = await forward_json(svc.engines, url, data)
             answer = await dialect.answer(payload, turn) if dialect else None
         except (ApiError, StorageError) as exc:
             outcome.ok = False
@@ -200,7 +235,11 @@ async def serve_turn(
             return Response(outcome.body, media_type="application/json", headers=session_headers(turn))
         return JSONResponse(answer, headers=session_headers(turn))
     try:
-        relay = await StreamRelay.open(svc.engines, url, data)
+        if early is not None:
+            relay, refused = await early.result(lambda: StreamRelay.open(svc.engines, url, data))
+            counted(refused)
+        else:
+            relay = await StreamRelay.open(svc.engines, url, data)
     except BaseException as exc:
         svc.runner.finish_soon(turn, messages, TurnOutcome(error=getattr(exc, "message", "cancelled")))
         raise

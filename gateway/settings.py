@@ -16,6 +16,7 @@ from engine_pool.flags import (
     Flag,
     SettingsError,
     check,
+    parse_bool,
     parse_bytes,
     parse_int,
     parse_list,
@@ -48,6 +49,9 @@ class GatewaySettings:
     # A write-behind save starts this long after its turn's answer: an agent's next turn sent at
     # once (a fast tool) runs first, not beside the save, and the save that follows it is the newer.
     save_grace_s: float = 0.1
+    # A turn whose session this gateway holds locked is sent to its slot beside its opening read,
+    # not after it (gateway.early): the read's round trip leaves the turn's latency.
+    early_start: bool = True
     keep_generations: int = 2  # stored generations kept per session (the newest K)
     collect_interval_s: float = 300.0  # chunk collection and idle-session expiry, per tenant
     request_timeout_s: float = 600.0  # an engine silent this long fails that request (only)
@@ -99,6 +103,13 @@ FLAGS: tuple[Flag, ...] = (
         float,
         "seconds between a turn's answer and its write-behind save (0.1)",
     ),  # fmt: skip
+    Flag(
+        "early_start",
+        ("--early-start",),
+        "SLOTKEEPER_EARLY_START",
+        parse_bool,
+        "on|off: send a warm turn whose session this gateway holds locked beside its opening read (on)",
+    ),
     Flag(
         "keep_generations",
         ("--keep-generations",),

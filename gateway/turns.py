@@ -22,6 +22,7 @@ import structlog
 from engine_pool.errors import BadRequest, Conflict, NotFound, QuotaExceeded, RateLimited, Unavailable
 from engine_pool.pool.client import NodeClient, NodeError, SpillResult
 from gateway.cluster import Cluster
+from gateway.early import Admission, EarlyStart, early_start
 from gateway.holds import Holds, Phase, SessionHold
 from gateway.metrics import Metrics
 from gateway.placement import (
@@ -63,6 +64,7 @@ class Turn:
     forked_from: str | None = None
     inflight: str = ""  # the tenant's in-flight place this turn holds (given back by `finish`)
     settled: bool = False  # `finish_soon` ran
+    early: bool = False  # the call `begin` launched before its opening read is this turn's (confirmed)
 
     @property
     def lock(self) -> SessionLock:
@@ -134,6 +136,7 @@ class TurnRunner:
         lock_ttl_s: float,
         spill_wait_s: float,
         save_grace_s: float = 0.0,
+        early_start: bool = True,
         internal_key: str | None = None,
         keep_generations: int = 2,
         tenants: Tenants | None = None,
@@ -148,6 +151,7 @@ class TurnRunner:
         self.locks = locks
         self.nodes = nodes  # node id -> client
         self.lock_ttl_s = lock_ttl_s
+        self.early_start = early_start  # launch a held session's turn beside its opening read
         self.spill_wait_s = spill_wait_s
         self.internal_key = internal_key
         self.keep_generations = keep_generations
@@ -158,6 +162,7 @@ class TurnRunner:
         self.holds = Holds(locks, lock_ttl_s, save_grace_s)  # the session locks this process holds
         self._tasks: set[asyncio.Task[None]] = set()  # bookkeeping in flight (finish_soon)
         self._reserved = SlotReservations()  # slots chosen here, not yet recorded as taken
+        self._admission: dict[str, Admission] = {}  # by tenant (names from the tenants file: bounded)
 
     # ---------------------------------------------------------------------------------- resolve
     async def resolve(
@@ -175,19 +180,29 @@ class TurnRunner:
 
     # ------------------------------------------------------------------------------------ begin
     async def begin(
-        self, tenant: Tenant, session: str, model: str, source: str, prompt: RestorePrompt | None = None
-    ) -> Turn:
+        self, tenant: Tenant, session: str, model: str, source: str, prompt: RestorePrompt | None = None,
+        launch: Callable[[EarlyStart], None] | None = None,
+    ) -> Turn:  # fmt: skip
         """Admit the turn (rate window, in-flight place), lock and place its session, and mark it
         live in its slot. A warm turn (the session live in its slot) makes one Redis round trip
         here: the opening read (storage.turnops), which also marks it busy there. A session whose
         previous turn's save this process still holds is taken over from that save first, so the
-        opening read confirms the lock instead of taking it."""
+        opening read confirms the lock instead of taking it — and, given ``launch``, the turn is
+        sent to its slot before that read (``launch(where)``, gateway.early): ``Turn.early`` then
+        says whether the read confirmed it (else the caller abandons that call)."""
         q = tenant.quotas
         limit = q.inflight or self.max_inflight
         own = self.holds.get(tenant.name, session)
         if own is not None and not await self.holds.take_over(own):
             own = None  # a request runs on it (forked below) or it was released (locked below)
+        admission = self._admission.setdefault(tenant.name, Admission())
+        early = None
         try:
+            if own is not None and launch is not None and self.early_start:
+                if admission.room(q.requests_per_minute, limit, time.time()):
+                    early = self._early_start(own, model)
+                    if early is not None:
+                        launch(early)
             async with own.writing() if own is not None else contextlib.nullcontext():
                 start = await self.index.start_turn(
                     tenant.name, session, lock_ttl_s=self.lock_ttl_s, inflight_limit=limit,
@@ -196,6 +211,7 @@ class TurnRunner:
                 )  # fmt: skip
                 if own is not None and start.kept:
                     own.record = start.record
+            admission.seen(start, time.time())
         except BaseException:
             if own is not None:
                 await self.holds.let_go(own, turn=True)
@@ -210,15 +226,20 @@ class TurnRunner:
             raise RateLimited(f"tenant {tenant.name} already has {limit} requests running", retry_after=1)
         self.cluster.saw_epoch(start.registry_epoch)
         try:
-            return await self._begin(tenant, session, model, source, start, own, prompt)
+            return await self._begin(tenant, session, model, source, start, own, prompt, early)
         except BaseException:
             with contextlib.suppress(StorageError):  # Redis away: the place lapses with its TTL
                 await self.index.release_inflight(tenant.name, start.inflight_token)
             raise
 
+    def _early_start(self, own: SessionHold, model: str) -> EarlyStart | None:
+        rec = own.record
+        engine = self.cluster.cached_engine(rec.engine) if rec is not None and rec.engine else None
+        return early_start(own, engine, model, time.monotonic(), margin_s=self.lock_ttl_s / 3)
+
     async def _begin(
         self, tenant: Tenant, session: str, model: str, source: str, start: TurnStart,
-        own: SessionHold | None, prompt: RestorePrompt | None,
+        own: SessionHold | None, prompt: RestorePrompt | None, early: EarlyStart | None = None,
     ) -> Turn:  # fmt: skip
         hold = own or await self._hold(tenant.name, session, start)
         busy = start.busy  # the opening read marked the session busy in its live slot
@@ -240,8 +261,14 @@ class TurnRunner:
                 record = await self.index.create(tenant.name, session, model=model)
                 hold.record, created = record, True
             placement, engine_url, node = await self._place(tenant, record, model, forked_from, hold, prompt)
+            marked = busy and _marked_there(record, placement, model)
+            confirmed = (
+                early is not None and marked and hold is own and start.kept
+                and (placement.engine, placement.slot, engine_url) == (early.engine, early.slot, early.url)
+                and getattr(self.cluster.cached_engine(early.engine), "instance", None) == early.instance
+            )  # fmt: skip
             try:
-                if not (busy and _marked_there(record, placement, model)):
+                if not marked:
                     decide = self.index.decide_live(
                         tenant.name, session, engine=placement.engine, slot=placement.slot,
                         tokens=record.tokens, model=model,
@@ -261,7 +288,7 @@ class TurnRunner:
                 source=source,
             )
             return Turn(tenant, session, model, hold, placement, engine_url, node, source, forked_from,
-                        start.inflight_token)  # fmt: skip
+                        start.inflight_token, early=confirmed)  # fmt: skip
         except BaseException:
             try:
                 if created:  # a failed placement leaves no record behind (it would count toward quotas)

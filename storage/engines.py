@@ -32,6 +32,9 @@ class EngineInfo:
     registered: float
     last_heartbeat: float
     expires: float = 0.0  # when it leaves the listing unless it heartbeats again (seconds)
+    # The engine process's instance id ('' unknown): new at every start, so a request that names
+    # it (X-Slotkeeper-Instance) never runs on a restarted engine whose slots hold other sessions.
+    instance: str = ""
 
 
 def _ms(seconds: float) -> int:
@@ -51,15 +54,18 @@ class EngineRegistry:
         self._clock = clock
 
     async def register(
-        self, engine_id: str, *, node: str, url: str, model: str, n_slots: int, ttl_s: float
-    ) -> EngineInfo:
-        """Announce (or re-announce) an engine; it stays listed for ``ttl_s`` without heartbeats."""
+        self, engine_id: str, *, node: str, url: str, model: str, n_slots: int, ttl_s: float,
+        instance: str = "",
+    ) -> EngineInfo:  # fmt: skip
+        """Announce (or re-announce) an engine; it stays listed for ``ttl_s`` without heartbeats.
+        ``instance``: its process's instance id (see :class:`EngineInfo`)."""
         validate_id(node, "node id")
         now = self._clock()
-        info = EngineInfo(validate_id(engine_id, "engine id"), node, url, model, n_slots, now, now)
+        info = EngineInfo(validate_id(engine_id, "engine id"), node, url, model, n_slots, now, now,
+                          instance=instance)  # fmt: skip
         key = self.keys.engine(engine_id)
         fields = {"node": node, "url": url, "model": model, "n_slots": str(n_slots), "registered": str(now),
-                  "last_heartbeat": str(now)}  # fmt: skip
+                  "last_heartbeat": str(now), "instance": instance}  # fmt: skip
         async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(key)
             pipe.hset(key, mapping=fields)
@@ -146,4 +152,4 @@ class EngineRegistry:
         h = text_map(raw)
         return EngineInfo(engine_id, h.get("node", ""), h.get("url", ""), h.get("model", ""),
                           int(h.get("n_slots", 0)), float(h.get("registered", 0)),
-                          float(h.get("last_heartbeat", 0)))  # fmt: skip
+                          float(h.get("last_heartbeat", 0)), instance=h.get("instance", ""))  # fmt: skip

@@ -33,12 +33,18 @@ log = structlog.get_logger("slotkeeper.storage")
 
 @dataclass(frozen=True)
 class SessionLock:
-    """Proof of ownership of one session's lock until ``ttl_s`` after the last acquire/extend."""
+    """Proof of ownership of one session's lock until ``ttl_s`` after the last acquire/extend.
+
+    ``since`` is this process's ``time.monotonic()`` just before the acquire was sent (0: not
+    known): Redis set the TTL after that, so the lock is certainly held until ``since + ttl_s``
+    unless it is released (what :class:`gateway.holds.SessionHold` counts on to start a turn
+    before its opening read confirms the lock)."""
 
     tenant: str
     session: str
     token: str
     ttl_s: float
+    since: float = 0.0
 
 
 async def check_owner(pipe: Any, keys: Keyspace, lock: SessionLock | None) -> None:
@@ -76,12 +82,13 @@ class SessionLocks:
         """The lock, or None when another owner holds it."""
         key = self.keys.lock(tenant, session)
         token = secrets.token_hex(16)
+        since = time.monotonic()
         async with redis_errors():
             ok = await self._redis.set(key, token, nx=True, px=_ms(ttl_s))
         if not ok:
             return None
         log.debug("lock.acquired", tenant=tenant, session=session, ttl_s=ttl_s)
-        return SessionLock(tenant, session, token, ttl_s)
+        return SessionLock(tenant, session, token, ttl_s, since)
 
     async def acquire(
         self, tenant: str, session: str, *, ttl_s: float, wait_s: float = 0.0, poll_s: float = 0.05
@@ -115,9 +122,11 @@ class SessionLocks:
     async def extend(self, lock: SessionLock, ttl_s: float | None = None) -> SessionLock:
         """Push the expiry ``ttl_s`` (default: the lock's TTL) from now; :class:`LockLost` if the
         lock lapsed or has another owner (stop working then: writes fenced by it fail too). A
-        :class:`StoreUnavailable` is worth retrying at the next renewal tick."""
+        :class:`StoreUnavailable` is worth retrying at the next renewal tick. Returns the lock with
+        its new TTL and ``since``."""
         key = self.keys.lock(lock.tenant, lock.session)
         ttl = lock.ttl_s if ttl_s is None else ttl_s
+        since = time.monotonic()
 
         async def body(pipe: Any) -> None:
             await check_owner(pipe, self.keys, lock)
@@ -125,7 +134,7 @@ class SessionLocks:
             pipe.pexpire(key, _ms(ttl))
 
         await transact(self._redis, [key], body)
-        return replace(lock, ttl_s=ttl)
+        return replace(lock, ttl_s=ttl, since=since)
 
     async def remaining_s(self, tenant: str, session: str) -> float | None:
         """Seconds until the current holder's lock lapses unless renewed; None when unlocked."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import secrets
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -78,7 +79,7 @@ if (locked == 1 or kept == 1) and ARGV[10] ~= '' then
   end
 end
 return {'ok', rate, locked, left, redis.call('HGETALL', KEYS[4]), redis.call('ZCARD', KEYS[5]),
-        redis.call('GET', KEYS[6]) or '0', redis.call('GET', KEYS[7]) or '0', kept, busy}
+        redis.call('GET', KEYS[6]) or '0', redis.call('GET', KEYS[7]) or '0', kept, busy, count}
 """
 
 # KEYS[1] lock, KEYS[2] record, then every key the ops touch. ARGV: lock token ('' = no lock),
@@ -167,6 +168,8 @@ class TurnStart:
 
     refused: str = ""
     count: int = 0  # the rate window's or the in-flight set's count when refused
+    rate: int = -1  # admitted: the rate window's count with this request (-1: no limit, not counted)
+    inflight: int = 0  # admitted: the tenant's in-flight places with this request's
     inflight_token: str = ""
     lock: SessionLock | None = None  # taken; None: another owner holds it (or it is the caller's own)
     kept: bool = False  # the caller's own lock (``own_lock``) still holds
@@ -220,6 +223,7 @@ class TurnOps:
         now = float(self._clock())
         now_ms = round(now * 1000)
         token, lock_token = secrets.token_hex(16), secrets.token_hex(16)
+        since = time.monotonic()  # before the lock is asked for: held at least until since + TTL
         keys = [
             window or self.keys.inflight(tenant),  # unused by the script without a limit
             self.keys.inflight(tenant),
@@ -243,13 +247,15 @@ class TurnOps:
         status = text(reply[0])
         if status != "ok":
             return TurnStart(refused=status, count=int(reply[1]))
-        _, _, locked, left_ms, raw, sessions, stored, epoch, kept, busy = reply
+        _, rate, locked, left_ms, raw, sessions, stored, epoch, kept, busy, inflight = reply
         flat = [text(x) for x in raw]
         fields = dict(zip(flat[::2], flat[1::2], strict=True))
         left = None if int(left_ms) == -2 else (math.inf if int(left_ms) == -1 else int(left_ms) / 1000)
         return TurnStart(
+            rate=int(rate),
+            inflight=int(inflight),
             inflight_token=token,
-            lock=SessionLock(tenant, session, lock_token, lock_ttl_s) if int(locked) else None,
+            lock=SessionLock(tenant, session, lock_token, lock_ttl_s, since) if int(locked) else None,
             kept=bool(int(kept)),
             lock_left_s=left,
             record=SessionRecord.from_hash(tenant, session, fields) if fields else None,

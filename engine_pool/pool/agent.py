@@ -59,6 +59,7 @@ from ..errors import (
     is_expected,
     render_error,
 )
+from ..loop import cancel_and_wait
 from .metrics import NodeMetrics
 from .settings import NodeSettings
 from .supervisor import EngineSpec, EngineSupervisor, State
@@ -118,9 +119,7 @@ class NodeAgent:
     async def close(self) -> None:
         """Stop everything (engines not stopped by a drain are stopped now) and unregister."""
         await self._stop_engines("node closing")
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)
 
     async def drain(self) -> bool:
         """SIGTERM: spill every live session, stop the engines. True when every spill is uploaded."""
@@ -436,7 +435,8 @@ class NodeAgent:
             elif await registry.heartbeat(engine_id, ttl_s=ttl):
                 return
             await registry.register(engine_id, node=self.settings.node_id, url=snap.url or "",
-                                    model=snap.model_id, n_slots=snap.n_slots, ttl_s=ttl)  # fmt: skip
+                                    model=snap.model_id, n_slots=snap.n_slots, ttl_s=ttl,
+                                    instance=snap.instance)  # fmt: skip
             registered[engine_id] = snap.pid
         elif engine_id in registered:
             await registry.unregister(engine_id)
@@ -491,7 +491,8 @@ async def health(request: Request) -> Response:
 
 
 _VIEW = {"id": "engine_id", "model": "model_id", "url": "url", "state": "state", "n_slots": "n_slots",
-         "restarts": "restarts", "pid": "pid", "last_error": "last_error"}  # fmt: skip
+         "restarts": "restarts", "pid": "pid", "instance": "instance",
+         "last_error": "last_error"}  # fmt: skip
 
 
 async def engines(request: Request) -> Response:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -104,6 +105,7 @@ class EngineSnapshot:
     restarts: int
     last_error: str
     last_exit: int | None
+    instance: str = ""  # the current process's instance id (new at every start)
 
 
 # -- messages to the owner ---------------------------------------------------------------------
@@ -141,15 +143,17 @@ class Exited:
 Message = Start | Stop | Notice | Probe | Exited
 
 
-def engine_argv(spec: EngineSpec, port: int) -> list[str]:
+def engine_argv(spec: EngineSpec, port: int, instance: str) -> list[str]:
     """The `slotkeeper engine` command line of a spec (llama-server's flags). `--metrics`: an engine
     serves /metrics only when asked (llama-server's default); a node's engines keep theirs (reuse
-    counters per source, checkpoints, process start time) for whoever reads them."""
+    counters per source, checkpoints, process start time) for whoever reads them. `--instance-id`:
+    new for every process, registered with it, so that a request naming it never runs on a later
+    process of the same engine (whose slots hold other sessions)."""
     return [
         sys.executable, "-m", "gateway.cli", "engine", "-m", spec.model, "--host", spec.host,
         "--port", str(port), "-np", str(spec.n_slots), "-c", str(spec.n_ctx),
         "--slot-save-path", str(spec.slot_dir), "-a", spec.model_id, "--metrics", "--exit-with-parent",
-        *spec.extra_args,
+        *spec.extra_args, "--instance-id", instance,
     ]  # fmt: skip
 
 
@@ -178,13 +182,13 @@ class EngineSupervisor:
         spec: EngineSpec,
         policy: SupervisorPolicy | None = None,
         *,
-        argv: Callable[[int], Sequence[str]] | None = None,
+        argv: Callable[[int, str], Sequence[str]] | None = None,
         http: httpx.AsyncClient | None = None,
         on_transition: Callable[[EngineSnapshot], None] | None = None,
     ) -> None:
         self.spec = spec
         self.policy = policy or SupervisorPolicy()
-        self._argv = argv or (lambda port: engine_argv(spec, port))
+        self._argv = argv or (lambda port, instance: engine_argv(spec, port, instance))
         self._http = http
         self._on_transition = on_transition  # called by the owner; must not block
         self._inbox: asyncio.Queue[Message] = asyncio.Queue()
@@ -195,6 +199,7 @@ class EngineSupervisor:
         self._run = 0  # number of the current process; helpers tag their messages with it
         self._proc: asyncio.subprocess.Process | None = None
         self._port = 0
+        self._instance = ""  # the current process's (engine_argv)
         self._restarts = 0
         self._crashes = 0  # consecutive crashes: the backoff exponent
         self._ready_at = 0.0
@@ -232,7 +237,7 @@ class EngineSupervisor:
         return EngineSnapshot(
             self.spec.engine_id, self.spec.model_id, self.spec.n_slots, self._state,
             self._proc.pid if self._proc is not None else None, self.url, self._restarts,
-            self._last_error, self._last_exit,
+            self._last_error, self._last_exit, self._instance if self._proc is not None else "",
         )  # fmt: skip
 
     # -- the owner ---------------------------------------------------------------------------------
@@ -298,7 +303,8 @@ class EngineSupervisor:
         self._run += 1
         self._kill_reason, self._probe_failures = "", 0
         self._port = self.spec.port or free_port(self.spec.host)
-        argv = [str(a) for a in self._argv(self._port)]
+        self._instance = secrets.token_hex(8)
+        argv = [str(a) for a in self._argv(self._port, self._instance)]
         self._transition(State.STARTING, reason, port=self._port)
         try:
             log_file = await asyncio.to_thread(self._open_log, argv)

@@ -27,7 +27,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from native.errors import NativeError
 
 from ..credentials import cors_options, matches, presented
-from ..errors import ApiError, Unauthorized, api_error, error_style, is_expected, render_error
+from ..errors import (
+    ApiError,
+    InstanceChanged,
+    Unauthorized,
+    api_error,
+    error_style,
+    is_expected,
+    render_error,
+)
 from . import routes_llama, routes_openai
 from .apis import routes as routes_apis
 from .limits import RequestLimits
@@ -40,6 +48,7 @@ log = structlog.get_logger("engine.http")
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models"})
 QUIET_PATHS = frozenset({"/health", "/v1/health", "/metrics"})
 VERBOSE_BODY_BYTES = 64 << 10  # what -v logs of each request and response body
+INSTANCE_HEADER = "x-slotkeeper-instance"
 
 
 async def handle_error(request: Request, exc: Exception) -> Response:
@@ -50,7 +59,13 @@ async def handle_error(request: Request, exc: Exception) -> Response:
 
 
 class EdgeMiddleware:
-    """Per request: a request id bound to the logs, the API key check, HTTP metrics and one log line.
+    """Per request: a request id bound to the logs, the API key check, the instance fence, HTTP
+    metrics and one log line.
+
+    The fence: a request that names an engine process (`X-Slotkeeper-Instance`, the `--instance-id`
+    its node gave it) is refused with 409 unless it names this one, before anything reaches a slot.
+    The gateway names it when it sends a turn before its opening read confirmed the placement
+    (`gateway.early`): a restarted engine's slots may hold other sessions by then.
 
     The key is read as `Authorization: Bearer KEY` or `X-Api-Key: KEY` (what the Anthropic SDK
     sends), `credentials.presented`. With `-v` the request and response bodies are logged too
@@ -91,7 +106,12 @@ class EdgeMiddleware:
         try:
             key = self.runtime.settings.api_key
             if key and path not in PUBLIC_PATHS and not matches(presented(headers), key):
-                err = Unauthorized("Invalid API Key")
+                err: ApiError = Unauthorized("Invalid API Key")
+                await render_error(err, error_style(path))(scope, receive, send_wrapper)
+                return
+            named = headers.get(INSTANCE_HEADER)
+            if named is not None and named != (self.runtime.settings.instance_id or ""):
+                err = InstanceChanged("this request names another engine process; ask the registry again")
                 await render_error(err, error_style(path))(scope, receive, send_wrapper)
                 return
             await self.app(scope, receive_wrapper if verbose else receive, send_wrapper)

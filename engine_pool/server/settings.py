@@ -77,6 +77,7 @@ class EngineSettings:
     retry_after_s: int = 1
     shutdown_grace_s: float = 10.0
     exit_with_parent: bool = False
+    instance_id: str | None = None
     log_format: str = "json"
     log_level: str = "info"
     # What one request may ask (each refused with a precise 4xx naming the field and the limit; see
@@ -316,6 +317,14 @@ FLAGS: tuple[Flag, ...] = (
         parse_bool,
         "stop (as on SIGTERM) when the process that started this one dies (Linux; set by the node agent)",
         switch=True,
+    ),
+    Flag(
+        "instance_id",
+        ("--instance-id",),
+        "SLOTKEEPER_INSTANCE_ID",
+        str,
+        "this process's name, new at every start (set by the node agent): a request naming another "
+        "one in X-Slotkeeper-Instance is refused with 409 before it reaches a slot",
     ),
     Flag(
         "log_format", ("--log-format",), "SLOTKEEPER_LOG_FORMAT", parse_log_format, "json or console (json)"

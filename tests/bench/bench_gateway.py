@@ -220,22 +220,38 @@ def overhead(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
     for backend in (
         ("in-process", "redis-server") if args.overhead_index == "both" else (args.overhead_index,)
     ):
-        data = workdir / f"overhead-{backend}"
-        flags = ["--data-dir", str(data), "--model", model, "--slots", "3", "--ctx", "2048",
-                 "--tenants", str(tenants), "--log-level", args.log_level]  # fmt: skip
         with contextlib.ExitStack() as stack:
-            if backend == "redis-server":
-                (data / "redis").mkdir(parents=True, exist_ok=True)
-                port = stack.enter_context(redis_server(data / "redis"))
-                flags += ["--redis-url", f"redis://127.0.0.1:{port}/0"]
-            serve = stack.enter_context(serving(workdir, f"overhead-{backend}", flags))
-            targets, done = _overhead_rounds(serve, args)
-        _print_overhead(targets, done, args, backend)
-        reports.append(_overhead_report(targets, done, backend))
+            flags = ["--model", model, "--slots", "3", "--ctx", "2048", "--tenants", str(tenants),
+                     "--log-level", args.log_level]  # fmt: skip
+            early_start = "on" if args.early_start == "both" else args.early_start
+            serve = _overhead_serve(stack, workdir, backend, "", [*flags, "--early-start", early_start])
+            # --early-start both: a second serve without it, its after-turn tenant in the same rounds
+            other = None
+            if args.early_start == "both":
+                off = [*flags, "--early-start", "off"]
+                other = _overhead_serve(stack, workdir, backend, "-no-early", off)
+            targets, done = _overhead_rounds(serve, args, other)
+            early = _early_starts(serve.url)
+        _print_overhead(targets, done, args, backend, early)
+        reports.append({**_overhead_report(targets, done, backend), "early_starts": early})
     return reports
 
 
-def _overhead_rounds(serve: Serve, args: argparse.Namespace) -> tuple[list[Target], int]:
+def _overhead_serve(
+    stack: contextlib.ExitStack, workdir: Path, backend: str, name: str, flags: list[str]
+) -> Serve:
+    data = workdir / f"overhead-{backend}{name}"
+    flags = [*flags, "--data-dir", str(data)]
+    if backend == "redis-server":
+        (data / "redis").mkdir(parents=True, exist_ok=True)
+        port = stack.enter_context(redis_server(data / "redis"))
+        flags += ["--redis-url", f"redis://127.0.0.1:{port}/0"]
+    return stack.enter_context(serving(workdir, f"overhead-{backend}{name}", flags))
+
+
+def _overhead_rounds(
+    serve: Serve, args: argparse.Namespace, other: Serve | None = None
+) -> tuple[list[Target], int]:
     engine = serve.engines()[0]
     body = {"model": engine["model"], "messages": [{"role": "user", "content": "Say hi."}],
             "max_tokens": 1, "temperature": 0}  # fmt: skip
@@ -247,7 +263,18 @@ def _overhead_rounds(serve: Serve, args: argparse.Namespace) -> tuple[list[Targe
         ),
     ]
     targets = [t for t in targets if args.overhead_tenants in ("both", t.name.split(", ")[1])]
+    extra = []
     with httpx.Client(timeout=60) as client:  # one keep-alive pool per host:port
+        if other is not None:  # its own engine (the same model and flags), and its own direct calls
+            off = Target("no early start: gateway, after-turn", other.url + "/v1/chat/completions",
+                         {"Authorization": "Bearer key-durable", "X-Session-Id": "gw-3"}, {})  # fmt: skip
+            off.send(client, body, record=False)
+            own = other.engines()[0]
+            slot = min(set(range(int(own["n_slots"]))) - {_session_slot(other.url, off.headers)})
+            url = own["url"] + "/v1/chat/completions"
+            direct = Target(f"no early start: direct engine (slot {slot})", url, INTERNAL_AUTH,
+                            {"id_slot": slot, "cache_prompt": True})  # fmt: skip
+            extra = [direct, off]
         for t in targets:  # places both sessions first: the direct target takes the slot left over
             t.send(client, body, record=False)
         used = {_session_slot(serve.url, t.headers) for t in targets}
@@ -258,6 +285,7 @@ def _overhead_rounds(serve: Serve, args: argparse.Namespace) -> tuple[list[Targe
         with floor_proxy(engine["url"], serve.log.parent) as floor:
             # the same slot as the direct calls (one request at a time: they never overlap)
             targets.insert(1, Target("bare proxy (floor)", floor + "/v1/chat/completions", {}, direct.extra))
+            targets += extra
             return targets, _rounds(client, targets, body, args)
 
 
@@ -279,6 +307,17 @@ def floor_proxy(engine_url: str, logs: Path) -> Iterator[str]:
         yield url
     finally:
         stop(proc)
+
+
+def _early_starts(url: str) -> dict[str, int]:
+    """The gateway's early starts by outcome (gateway.early), from its /metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.startswith("slotkeeper_gateway_early_starts_total{"):
+            labels, value = line.rsplit(" ", 1)
+            out[labels.split('outcome="', 1)[1].split('"', 1)[0]] = int(float(value))
+    return out
 
 
 def _listening(port: int) -> bool:
@@ -324,7 +363,9 @@ def _rounds(
     return done
 
 
-def _print_overhead(targets: list[Target], rounds: int, args: argparse.Namespace, backend: str) -> None:
+def _print_overhead(
+    targets: list[Target], rounds: int, args: argparse.Namespace, backend: str, early: dict[str, int]
+) -> None:
     direct = targets[0]
     d50, d99 = pct(direct.latencies_ms, 50), pct(direct.latencies_ms, 99)
     rows = []
@@ -342,9 +383,17 @@ def _print_overhead(targets: list[Target], rounds: int, args: argparse.Namespace
     floor = next((t for t in targets if t.name.startswith("bare proxy")), None)
     if floor is not None:
         f50 = pct(floor.latencies_ms, 50)
-        own = ", ".join(f"{t.name.split(', ')[1]} {pct(t.latencies_ms, 50) - f50:+.2f} ms"
-                        for t in targets if t.name.startswith("gateway"))  # fmt: skip
+        own = ", ".join(f"{t.name.split(', ', 1)[1]} {pct(t.latencies_ms, 50) - f50:+.2f} ms"
+                        for t in targets if t.name.startswith("gateway,"))  # fmt: skip
         print(f"beyond the bare proxy's second hop (+{f50 - d50:.2f} ms at p50), the gateway's own: {own}")
+    off = [t for t in targets if t.name.startswith("no early start")]
+    if len(off) == 2:
+        o50 = pct(off[0].latencies_ms, 50)
+        print(f"no early start (a second serve, the same rounds): its gateway, after-turn, "
+              f"{pct(off[1].latencies_ms, 50) - o50:+.2f} ms at p50 over its own engine's direct call "
+              f"({o50:.2f} ms)")  # fmt: skip
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(early.items())) or "none"
+    print(f"early starts (--early-start {args.early_start}; turns sent beside their opening read): {counts}")
     forked = sum(n for t in targets for k, n in t.caches.items() if "forked" in k)
     if forked:
         print(f"WARNING: {forked} requests of this one-at-a-time client were forked: their session was still "
@@ -930,6 +979,13 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--log-level", default="info", help="serve's log level (its default: info)")
     g.add_argument("--overhead-index", choices=["in-process", "redis-server", "both"], default="both",
                    help="serve's index: its in-process Redis, a redis-server, or each")  # fmt: skip
+    g.add_argument(
+        "--early-start",
+        choices=["on", "off", "both"],
+        default="on",
+        help="serve's --early-start (a held session's turn sent beside its opening read); "
+        "both: a second serve without it in the same rounds",
+    )
     g.add_argument("--overhead-tenants", choices=["on-evict", "after-turn", "both"], default="both",
                    help="the tenants measured (after-turn saves share the cores with all)")  # fmt: skip
     g = ap.add_argument_group("2. routing")

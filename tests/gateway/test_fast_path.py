@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -33,6 +34,7 @@ from gateway.main import services
 from gateway.metrics import Metrics
 from gateway.services import Services
 from gateway.settings import GatewaySettings
+from storage.records import SessionState
 
 TENANTS = """
 [tenants.lazy]
@@ -92,6 +94,7 @@ class Gateway:
     url: str
     svc: Services
     engine_model: str
+    node_url: str
 
 
 @pytest.fixture
@@ -132,7 +135,7 @@ async def gateway(tiny_model, redis_port: int, tmp_path: Path) -> AsyncIterator[
             engines = (await c.get(f"http://127.0.0.1:{node_port}/v1/engines", headers=auth)).json()[
                 "engines"
             ]
-        yield Gateway(url, held["svc"], engines[0]["model"])
+        yield Gateway(url, held["svc"], engines[0]["model"], f"http://127.0.0.1:{node_port}")
     finally:
         server.should_exit = True
         await task
@@ -235,3 +238,176 @@ async def test_the_next_turn_does_not_wait_for_the_previous_turns_save(gateway: 
     rec = await svc.index.get("durable", "busy-saver")
     # Saves coalesced: the stuck one, then one more with the newest state, which is durable now.
     assert rec.generation >= 2 and not rec.dirty
+
+
+# -- early starts (gateway.early) ----------------------------------------------------------------
+def _early(svc: Services, outcome: str) -> int:
+    value = svc.metrics.registry.get_sample_value(
+        "slotkeeper_gateway_early_starts_total", {"outcome": outcome}
+    )
+    return int(value or 0)
+
+
+@contextlib.asynccontextmanager
+async def _saves_stuck(svc: Services) -> AsyncIterator[asyncio.Event]:
+    """Every write-behind save hangs (holding the session's lock) until the block ends; yields an
+    event set once a save is hanging."""
+    gate, saving = asyncio.Event(), asyncio.Event()
+    node = next(iter(svc.runner.nodes.values()))
+    real_spill = node.spill
+
+    async def slow_spill(*args: Any, **kwargs: Any) -> Any:
+        saving.set()
+        await gate.wait()
+        return await real_spill(*args, **kwargs)
+
+    node.spill = slow_spill  # type: ignore[method-assign]
+    try:
+        yield saving
+    finally:
+        gate.set()
+        node.spill = real_spill  # type: ignore[method-assign]
+    await _settled(svc)
+
+
+async def _held(svc: Services, tenant: str, session: str) -> None:
+    """This gateway holds the session (its save hangs) and the last turn's bookkeeping is written."""
+    hold = svc.runner.holds.get(tenant, session)
+    assert hold is not None
+    await asyncio.wait_for(hold.booked.wait(), 10)
+
+
+class Conversation:
+    """An agent's conversation: every turn sends the whole history so far (it continues the slot)."""
+
+    def __init__(self, gw: Gateway, key: str, session: str) -> None:
+        self.gw, self.key, self.session = gw, key, session
+        self.messages: list[dict[str, Any]] = []
+
+    async def turn(self, c: httpx.AsyncClient, text: str) -> httpx.Response:
+        self.messages.append({"role": "user", "content": text})
+        body = {**_body(self.gw.engine_model, text), "messages": self.messages, "max_tokens": 3}
+        headers = {"Authorization": f"Bearer {self.key}", "X-Session-Id": self.session}
+        resp = await c.post(self.gw.url + "/v1/chat/completions", json=body, headers=headers)
+        assert resp.status_code == 200, resp.text
+        self.messages.append(resp.json()["choices"][0]["message"])
+        return resp
+
+
+async def test_a_turn_on_a_held_session_goes_to_its_slot_beside_its_opening_read(gateway: Gateway) -> None:
+    svc = gateway.svc
+    chat = Conversation(gateway, "key-durable", "early")
+    async with httpx.AsyncClient(timeout=60) as c:
+        await chat.turn(c, "Say hi.")
+        await _settled(svc)  # the save released the lock: the next turn waits for its opening read
+        await chat.turn(c, "Turn two.")
+        assert _early(svc, "answered") == 0
+        async with _saves_stuck(svc) as saving:
+            await chat.turn(c, "Turn three.")
+            await asyncio.wait_for(saving.wait(), 10)
+            for i in range(3):
+                await _held(svc, "durable", "early")
+                since, answered = len(SENDS.log), _early(svc, "answered")
+                resp = await chat.turn(c, f"Turn {i + 4}.")
+                assert resp.headers["x-slotkeeper-cache"] == "live"
+                assert resp.headers["x-session-id"] == "early"
+                timings = resp.json()["timings"]
+                # The live slot's state, as without an early start: only the new tokens evaluated.
+                assert timings["cache_n"] > timings["prompt_n"] > 0
+                assert _early(svc, "answered") == answered + 1
+                await _held(svc, "durable", "early")
+                assert len(SENDS.request_path(since)) <= 2  # the same two round trips
+        assert (_early(svc, "abandoned"), _early(svc, "refused")) == (0, 0)
+    rec = await svc.index.get("durable", "early")
+    assert rec.state is SessionState.LIVE and not rec.dirty  # the newest state is durable
+
+
+async def test_an_early_start_the_opening_read_refuses_is_abandoned(
+    gateway: Gateway, redis_port: int
+) -> None:
+    svc = gateway.svc
+    limited = svc.tenants.by_name["limited"]
+    async with httpx.AsyncClient(timeout=60) as c:
+        await _turn(c, gateway, "key-limited", "capped", "Say hi.")
+        await _settled(svc)
+        async with _saves_stuck(svc) as saving:
+            await _turn(c, gateway, "key-limited", "capped", "Turn two.")
+            await asyncio.wait_for(saving.wait(), 10)
+            await _held(svc, "limited", "capped")
+            # Other replicas used up the tenant's minute meanwhile: this process's last read said 2.
+            window, _ = svc.index._window("limited", "rpm", 60)
+            await svc.index._redis.set(window, limited.quotas.requests_per_minute)
+            body = _body(gateway.engine_model, "Turn three.")
+            headers = {"Authorization": "Bearer key-limited", "X-Session-Id": "capped"}
+            for _ in range(2):
+                resp = await c.post(gateway.url + "/v1/chat/completions", json=body, headers=headers)
+                assert resp.status_code == 429, resp.text
+            # The first was sent early and abandoned; after the refusal, no more early starts.
+            assert (_early(svc, "abandoned"), _early(svc, "answered")) == (1, 0)
+            await svc.index._redis.delete(window)  # (a new minute)
+            resp = await _turn(c, gateway, "key-limited", "capped", "Turn four.")
+            assert resp.headers["x-slotkeeper-cache"] == "live"
+            assert _early(svc, "answered") == 0  # the tenant waits for its window to turn
+    rec = await svc.index.get("limited", "capped")
+    assert rec.state is SessionState.LIVE and rec.engine is not None
+
+
+async def test_an_early_start_to_a_restarted_engine_process_is_refused_there_and_sent_again(
+    gateway: Gateway,
+) -> None:
+    """The engine restarted at the same address and the gateway's registry cache has not seen it:
+    the early call names the process it was meant for, the engine refuses it before any slot, and
+    the turn is sent again as the ordinary call (what it would have done without an early start)."""
+    svc = gateway.svc
+    cluster = svc.runner.cluster
+    async with httpx.AsyncClient(timeout=60) as c:
+        await _turn(c, gateway, "key-durable", "fenced", "Say hi.")
+        await _settled(svc)
+        async with _saves_stuck(svc) as saving:
+            first = await _turn(c, gateway, "key-durable", "fenced", "Turn two.")
+            await asyncio.wait_for(saving.wait(), 10)
+            await _held(svc, "durable", "fenced")
+            cache = cluster._cache
+            assert cache is not None
+            refs = {e: dataclasses.replace(r, instance="an-earlier-process") for e, r in cache.refs.items()}
+            cluster._cache = dataclasses.replace(cache, refs=refs)
+            resp = await _turn(c, gateway, "key-durable", "fenced", "Turn two.")
+            assert (_early(svc, "refused"), _early(svc, "answered")) == (1, 0)
+            assert resp.headers["x-slotkeeper-cache"] == "live"
+            assert resp.json()["choices"] == first.json()["choices"]  # a retry of the same turn
+
+
+async def test_an_engine_that_restarted_under_a_held_session_is_never_sent_the_early_call(
+    gateway: Gateway,
+) -> None:
+    """SIGKILL of the engine while this gateway holds the session: the node restarts it (a new
+    process, a new address) and drops the session from the index. The next turn's early call, if
+    any, is abandoned: the opening read says the session is no longer live there, and the turn is
+    served from its saved state or cold — never on the new process's slot as if it were live."""
+    svc = gateway.svc
+    async with httpx.AsyncClient(timeout=60) as c:
+        await _turn(c, gateway, "key-durable", "crash", "Say hi.")
+        await _settled(svc)
+        before = (await svc.index.get("durable", "crash")).generation
+        async with _saves_stuck(svc) as saving:
+            await _turn(c, gateway, "key-durable", "crash", "Turn two.")
+            await asyncio.wait_for(saving.wait(), 10)
+            await _held(svc, "durable", "crash")
+            auth = {"Authorization": f"Bearer {INTERNAL_KEY}"}
+            (engine,) = (await c.get(gateway.node_url + "/v1/engines", headers=auth)).json()["engines"]
+            old = engine["instance"]
+            os.killpg(int(engine["pid"]), signal.SIGKILL)
+            for _ in range(300):  # the node restarts it and drops its sessions from the index
+                rec = await svc.index.get("durable", "crash")
+                listed = await svc.runner.cluster.registry.list()
+                if rec.state is not SessionState.LIVE and listed and listed[0].instance not in ("", old):
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the engine was not restarted and its session dropped in 30 s")
+            resp = await _turn(c, gateway, "key-durable", "crash", "Turn three.")
+            assert resp.headers["x-slotkeeper-cache"] in ("restored", "cold")
+            # Sent early to where the cache said (the old process's address): abandoned, not answered.
+            assert (_early(svc, "abandoned"), _early(svc, "answered")) == (1, 0)
+    rec = await svc.index.get("durable", "crash")
+    assert rec.state is SessionState.LIVE and rec.generation >= before

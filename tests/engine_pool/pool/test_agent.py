@@ -363,7 +363,10 @@ async def test_sigterm_drains_live_sessions(
         if [e.engine_id for e in await registry.list()] == [eng]:
             break
         await asyncio.sleep(0.1)
-    assert [(e.engine_id, e.url, e.model) for e in await registry.list()] == [(eng, url, "qwen35-seed0")]
+    assert [(e.engine_id, e.url, e.model, e.instance) for e in await registry.list()] == [
+        (eng, url, "qwen35-seed0", node.engine["instance"])
+    ]
+    assert node.engine["instance"]  # the process's own (the fence a gateway's early call names)
     for slot, session in ((0, "old"), (1, "new")):
         await chat(url, slot)
         await index.mark_live("t1", session, engine=eng, slot=slot, tokens=await slot_tokens(url, slot))

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from structlog.testing import capture_logs
 
@@ -54,10 +55,10 @@ def spec(tmp_path: Path, model: str, **kw: Any) -> EngineSpec:
     )  # fmt: skip
 
 
-def fake_argv(tmp_path: Path, mode: str) -> Callable[[int], list[str]]:
+def fake_argv(tmp_path: Path, mode: str) -> Callable[[int, str], list[str]]:
     script = tmp_path / "fake_engine.py"
     script.write_text(FAKE)
-    return lambda port: [sys.executable, str(script), str(port), str(tmp_path / "sick"), mode,
+    return lambda port, instance: [sys.executable, str(script), str(port), str(tmp_path / "sick"), mode,
                          str(tmp_path / "child.pid")]  # fmt: skip
 
 
@@ -98,7 +99,16 @@ async def test_engine_ready_killed_restarted_and_stopped(
         assert "exited with code -9" in crashed.last_error
         second = await sup.wait_for(State.READY, timeout_s=60)
         assert second.pid != first.pid and second.restarts == 1
+        # Every process has an instance id of its own, and answers only requests naming its own.
+        assert first.instance and second.instance and first.instance != second.instance
+        body = {"prompt": "hi", "n_predict": 1, "id_slot": 0}
+        async with httpx.AsyncClient(base_url=second.url or "", timeout=30) as c:
+            late = await c.post("/completion", json=body, headers={"X-Slotkeeper-Instance": first.instance})
+            assert late.status_code == 409 and late.json()["error"]["code"] == "engine_instance_changed"
+            now = await c.post("/completion", json=body, headers={"X-Slotkeeper-Instance": second.instance})
+            assert now.status_code == 200, now.text
         stopped = await sup.stop()
+        assert stopped.instance == ""  # no process, no instance
         assert stopped.last_exit == 0 and stopped.pid is None
     assert transitions(logs) == [
         ("stopped", "starting"), ("starting", "ready"), ("ready", "crashed"), ("crashed", "starting"),

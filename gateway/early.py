@@ -1,0 +1,165 @@
+"""A warm turn sent to its engine before its opening read returns.
+
+A warm turn makes one Redis round trip before the engine call: the opening read
+(storage.turnops), which admits the request, takes or confirms the session's lock, reads the
+record and marks the session busy in its slot. On a small host that round trip is most of what
+the gateway adds to a turn: redis-server and the gateway both sleep between turns, and waking each
+costs far more than the script (a trivial script 87 µs back to back, 345 µs with 5 ms between
+calls; the opening read 147 and 574 µs).
+
+When this process already holds the session's lock — the previous turn's write-behind save holds
+it and the next turn takes it over (gateway.holds) — everything the engine call depends on is
+known here without asking: the lock is certainly ours for a while yet (`SessionHold.valid_until`),
+under it nothing else moves the session, and the record this process last wrote says which slot
+holds it. Then the engine call starts at once, beside the opening read, and what it answers is
+passed on only once the read confirms what it was started on: the lock kept, the session marked
+busy in that very slot of that model, the request admitted (`Turn.early`). Otherwise the call is
+abandoned — its connection is closed, so the engine stops — and the turn goes on exactly as if it
+had not been made.
+
+Two things are not under the session's lock, and both are fenced:
+- the node agent drops a dead engine's sessions from the index, and the restarted engine's slots
+  hold nothing of them — or, once placed again, someone else's session. So the early call names
+  the engine process it was meant for (`X-Slotkeeper-Instance`: the instance id its node gave
+  that process and registered) and any later process refuses it with 409 before it reaches a slot
+  (engine_pool.server.app); a refused call is made again as the turn's ordinary call.
+- admission: a request the opening read refuses (its rate, its in-flight places) must not be
+  answered, and its early call is abandoned then — but the engine may have begun it. So the early
+  start is taken only while this process's last opening reads of the tenant left room
+  (`Admission`): a tenant at its limits pays the round trip, and one that ran past them is caught
+  by the refusal, after which it gets no early start until its window turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from engine_pool.errors import ApiError, InstanceChanged
+from gateway.cluster import EngineRef
+from gateway.holds import Phase, SessionHold
+from storage.records import SessionState
+from storage.turnops import TurnStart
+
+T = TypeVar("T")
+
+INSTANCE_HEADER = "x-slotkeeper-instance"  # (engine_pool.server.app.INSTANCE_HEADER)
+RATE_WINDOW_S = 60  # the opening read's rate window (requests per minute)
+_RATE_ROOM = 0.9  # an early start only below this share of the tenant's requests per minute
+_INFLIGHT_BACKOFF_S = 1.0  # no early start for a tenant this long after an in-flight refusal
+
+
+@dataclass(frozen=True)
+class EarlyStart:
+    """Where an early call goes: the slot the session is live in, on the engine process that holds it."""
+
+    engine: str
+    slot: int
+    url: str  # the engine's base URL
+    instance: str
+
+    def headers(self) -> dict[str, str]:
+        return {INSTANCE_HEADER: self.instance}
+
+
+def early_start(
+    hold: SessionHold | None, engine: EngineRef | None, model: str, now: float, *, margin_s: float
+) -> EarlyStart | None:
+    """Where to send a turn before its opening read, or None to wait for the read.
+
+    ``hold`` is this process's hold on the session, just taken over for this turn (RUNNING with the
+    previous turn's bookkeeping written); ``engine`` the cached registry's entry for the engine the
+    hold's record names; ``now`` is ``time.monotonic()``; the lock must stay certainly held for
+    ``margin_s`` more (far longer than the opening read takes)."""
+    if hold is None or hold.phase is not Phase.RUNNING or hold.released.done() or not hold.booked.is_set():
+        return None
+    if hold.valid_until - now < margin_s:
+        return None
+    rec = hold.record
+    if rec is None or rec.state is not SessionState.LIVE or rec.engine is None or rec.slot is None:
+        return None
+    if rec.model != model or engine is None or engine.engine != rec.engine or engine.model != model:
+        return None
+    if not engine.instance or not engine.url or not 0 <= rec.slot < engine.n_slots:
+        return None
+    return EarlyStart(rec.engine, rec.slot, engine.url, engine.instance)
+
+
+@dataclass
+class Admission:
+    """What this process's opening reads last said of one tenant's admission (wall-clock times)."""
+
+    window: int = -1  # the rate window `rate` counts in (its number: floor(time / 60))
+    rate: int = 0
+    inflight: int = 0  # in-flight places at the last admitted read, that request's included
+    refused_until: float = 0.0
+
+    def seen(self, start: TurnStart, now: float) -> None:
+        """An opening read's answer, read at ``now``."""
+        window = int(now // RATE_WINDOW_S)
+        if start.refused == "rate":
+            self.window, self.rate = window, start.count
+            self.refused_until = (window + 1) * RATE_WINDOW_S
+        elif start.refused == "inflight":
+            self.refused_until = max(self.refused_until, now + _INFLIGHT_BACKOFF_S)
+        else:
+            self.inflight = start.inflight
+            if start.rate >= 0:
+                self.window, self.rate = window, start.rate
+
+    def room(self, rpm_limit: int | None, inflight_limit: int, now: float) -> bool:
+        """Whether the last reads left room for one more request: the rate well below the tenant's
+        requests per minute (another replica may have counted some since), a free in-flight place."""
+        if now < self.refused_until:
+            return False
+        if rpm_limit is not None:
+            rate = self.rate if self.window == int(now // RATE_WINDOW_S) else 0
+            if rate + 1 > rpm_limit * _RATE_ROOM:
+                return False
+        return self.inflight < inflight_limit
+
+
+def fenced(exc: BaseException) -> bool:
+    """The engine refused the call as meant for another of its processes (it restarted)."""
+    return isinstance(exc, ApiError) and exc.status == 409 and exc.code == InstanceChanged.code
+
+
+class EarlyCall(Generic[T]):
+    """An engine call started early: awaited once the turn confirmed it, else discarded. ``close``
+    releases what a call that completed holds (an opened stream) when nobody will read it."""
+
+    def __init__(self, call: Awaitable[T], close: Callable[[T], None] | None = None) -> None:
+        self._task: asyncio.Future[T] = asyncio.ensure_future(call)
+        self._close = close
+        self._discarded = False
+        self.started = time.perf_counter()
+        self._task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Future[T]) -> None:
+        if task.cancelled():
+            return
+        if task.exception() is None and self._discarded and self._close is not None:  # (retrieves it too)
+            self._close(task.result())
+
+    def discard(self) -> None:
+        """Abandon it: a call in flight is cancelled (its connection closed, the engine stops)."""
+        if self._discarded:
+            return
+        self._discarded = True
+        if not self._task.done():
+            self._task.cancel()
+        elif not self._task.cancelled() and self._task.exception() is None and self._close is not None:
+            self._close(self._task.result())
+
+    async def result(self, again: Callable[[], Awaitable[T]]) -> tuple[T, bool]:
+        """The call's answer, or ``again()``'s when the engine refused it as meant for an earlier
+        process of its own; and whether it was refused so."""
+        try:
+            return await self._task, False
+        except ApiError as exc:
+            if not fenced(exc):
+                raise
+        return await again(), True
