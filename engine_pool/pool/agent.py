@@ -445,19 +445,27 @@ class NodeAgent:
                 await self.parts.index.drop_engine(engine_id)
 
     async def _flush_loop(self) -> None:
+        """Upload what the cache holds unconfirmed, backing off while that fails. It must outlive
+        any failure: a loop that ended would leave every later spill unstored until the drain."""
         base = delay = self.settings.flush_interval_s
         while True:
             await asyncio.sleep(delay)
-            if not self.parts.cache.pending():
+            pending = self.parts.cache.pending()
+            if not pending:
                 delay = base
                 continue
+            t0 = time.monotonic()
+            log.info("node.flushing", files=len(pending))
             try:
                 done = await self.parts.cache.flush(self.parts.store)
-                log.info("node.flushed", files=len(done))
+                log.info("node.flushed", files=len(done), ms=round((time.monotonic() - t0) * 1000, 1))
                 delay = base
             except StorageError as exc:  # down (StoreUnavailable), or a conflicting object
                 delay = min(delay * 2, base * 16)
                 log.warning("node.flush_failed", error=str(exc), retry_in_s=delay)
+            except Exception as exc:  # a bug or a local fault (a file gone): logged, and tried again
+                delay = min(delay * 2, base * 16)
+                log.exception("node.flush_error", error=repr(exc), retry_in_s=delay)
 
 
 def _clear_dir(path: Path) -> None:

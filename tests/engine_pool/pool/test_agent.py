@@ -22,12 +22,17 @@ from typing import Any
 
 import httpx
 import pytest
+from structlog.testing import capture_logs
 from support.servers import INTERNAL_AUTH, INTERNAL_KEY, MotoProcess
 
+from engine_pool.loop import cancel_and_wait
 from engine_pool.pool import supervisor
+from engine_pool.pool.agent import NodeAgent, NodeParts
 from engine_pool.pool.client import NodeClient, NodeError
-from engine_pool.pool.settings import SettingsError, parse_node_settings
+from engine_pool.pool.settings import NodeSettings, SettingsError, parse_node_settings
 from storage.engines import EngineRegistry
+from storage.errors import StoreUnavailable
+from storage.ids import SlotRef
 from storage.index import SessionIndex, SessionState
 from storage.localstore import LocalStore
 from storage.slotfile import read_slot_file
@@ -530,3 +535,42 @@ def test_a_node_with_an_unusable_store_or_redis_refuses_to_start(
     assert not (tmp_path / "data" / "engines").exists() or not any(
         (tmp_path / "data" / "engines").rglob("engine.log")
     )
+
+
+class _FlakyCache:
+    """A spill cache with one file pending whose first two flushes fail: once the store is down,
+    once with an error nobody planned for (a bug, a file gone)."""
+
+    def __init__(self) -> None:
+        self.ref = SlotRef("t1", "s1", 1)
+        self.failures: list[BaseException] = [StoreUnavailable("the store is down"), KeyError("a bug")]
+        self.flushed = asyncio.Event()
+
+    def pending(self) -> list[SlotRef]:
+        return [] if self.flushed.is_set() else [self.ref]
+
+    async def flush(self, store: object) -> list[SlotRef]:
+        if self.failures:
+            raise self.failures.pop(0)
+        self.flushed.set()
+        return [self.ref]
+
+
+async def test_the_flush_loop_outlives_any_failure_of_a_flush() -> None:
+    cache = _FlakyCache()
+    settings = NodeSettings(models=(), flush_interval_s=0.01)
+    parts = NodeParts(store=None, cache=cache, index=None, registry=None, http=None)  # type: ignore[arg-type]
+    agent = NodeAgent(settings, parts)
+    with capture_logs() as logs:
+        loop = asyncio.create_task(agent._flush_loop())
+        try:
+            await asyncio.wait_for(cache.flushed.wait(), 10)
+        finally:
+            await cancel_and_wait(loop)
+    events = [e["event"] for e in logs]
+    assert events.count("node.flushing") == 3
+    assert [e for e in events if e.startswith("node.flush")] == [
+        "node.flushing", "node.flush_failed",  # the store is down: backs off
+        "node.flushing", "node.flush_error",  # an unplanned error: logged with its traceback, backs off
+        "node.flushing", "node.flushed",
+    ]  # fmt: skip
