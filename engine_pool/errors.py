@@ -98,6 +98,9 @@ class Conflict(ApiError):
     status, type, code = 409, "conflict_error", "conflict"
 
 
+INSTANCE_HEADER = "x-slotkeeper-instance"  # a request's engine process: see InstanceChanged
+
+
 class InstanceChanged(Conflict):
     """A request named another engine process (X-Slotkeeper-Instance) than the one answering: the
     engine restarted since its caller looked, and its slots no longer hold what the caller thinks."""

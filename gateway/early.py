@@ -38,7 +38,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from engine_pool.errors import ApiError, InstanceChanged
+from engine_pool.errors import INSTANCE_HEADER, ApiError, InstanceChanged
 from gateway.cluster import EngineRef
 from gateway.holds import Phase, SessionHold
 from storage.records import SessionState
@@ -46,7 +46,6 @@ from storage.turnops import TurnStart
 
 T = TypeVar("T")
 
-INSTANCE_HEADER = "x-slotkeeper-instance"  # (engine_pool.server.app.INSTANCE_HEADER)
 RATE_WINDOW_S = 60  # the opening read's rate window (requests per minute)
 _RATE_ROOM = 0.9  # an early start only below this share of the tenant's requests per minute
 _INFLIGHT_BACKOFF_S = 1.0  # no early start for a tenant this long after an in-flight refusal

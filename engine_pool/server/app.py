@@ -28,6 +28,7 @@ from native.errors import NativeError
 
 from ..credentials import cors_options, matches, presented
 from ..errors import (
+    INSTANCE_HEADER,
     ApiError,
     InstanceChanged,
     Unauthorized,
@@ -48,7 +49,6 @@ log = structlog.get_logger("engine.http")
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models"})
 QUIET_PATHS = frozenset({"/health", "/v1/health", "/metrics"})
 VERBOSE_BODY_BYTES = 64 << 10  # what -v logs of each request and response body
-INSTANCE_HEADER = "x-slotkeeper-instance"
 
 
 async def handle_error(request: Request, exc: Exception) -> Response:

@@ -4,6 +4,7 @@ as the transition it replaces would (on redis-server and in-process, parametrize
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -96,3 +97,23 @@ async def test_nothing_is_marked_unless_the_session_is_live_and_locked_here(
     assert blocker.refused == ""
     refused = await index.start_turn("beta", "refused", **limited)
     assert refused.refused == "inflight" and not refused.busy and await index.is_idle("beta", "refused")
+
+
+async def test_the_opening_read_says_the_tenants_counts_and_when_the_lock_was_asked_for(
+    index: SessionIndex, redis_client: Any
+) -> None:
+    await _idle_live(index)
+    before = time.monotonic()
+    first = await index.start_turn("acme", "s", rpm_limit=100, **START)
+    assert (first.rate, first.inflight) == (1, 1)  # this request counted in both
+    assert first.lock is not None and before <= first.lock.since <= time.monotonic()
+    other = await index.start_turn("acme", "other", rpm_limit=100, **START)
+    assert (other.rate, other.inflight) == (2, 2)
+    unlimited = await index.start_turn("acme", "third", **START)
+    assert (unlimited.rate, unlimited.inflight) == (-1, 3)  # no rate limit: not counted
+    # A renewal says when it was asked for too: the lock holds at least until since + TTL.
+    locks = SessionLocks(redis_client, prefix="sk")
+    renewed = await locks.extend(first.lock)
+    assert renewed.since >= first.lock.since and renewed.ttl_s == first.lock.ttl_s
+    acquired = await locks.try_acquire("acme", "fresh", ttl_s=30)
+    assert acquired is not None and acquired.since > 0
