@@ -7,6 +7,11 @@
 #include <zlib.h>
 #endif
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define SK_HAVE_CLMUL 1
+#include <immintrin.h>
+#endif
+
 namespace sk {
 
 namespace {
@@ -45,7 +50,87 @@ const uint32_t K[64] = {
 
 }  // namespace
 
+
+#ifdef SK_HAVE_CLMUL
+namespace {
+
+// CRC-32 by carry-less multiplication (PCLMULQDQ): four 128-bit lanes folded 64 bytes at a time,
+// then folded to one lane, to 64 bits and Barrett-reduced, after Intel's "Fast CRC Computation for
+// Generic Polynomials Using PCLMULQDQ" (2009), with its bit-reflected constants for the zlib
+// polynomial. `crc` is the register (the inverted running CRC); n >= 64 and a multiple of 16.
+// About 5x zlib's braided CRC here: the CRC is the largest single cost of restoring a slot file
+// after reading it (55 MB: 20 ms with zlib).
+#define SK_CLMUL_TARGET __attribute__((target("pclmul,sse4.1")))
+
+SK_CLMUL_TARGET inline __m128i load16(const uint8_t * q) { return _mm_loadu_si128(reinterpret_cast<const __m128i *>(q)); }
+
+// acc folded forward by the distance `k` holds, xored with the next block.
+SK_CLMUL_TARGET inline __m128i fold16(__m128i acc, __m128i next, __m128i k) {
+    const __m128i lo = _mm_clmulepi64_si128(acc, k, 0x00);
+    return _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(acc, k, 0x11), next), lo);
+}
+
+SK_CLMUL_TARGET uint32_t crc32_clmul_blocks(uint32_t crc, const uint8_t * p, size_t n) {
+    alignas(16) static const uint64_t k1k2[2] = {0x0154442bd4, 0x01c6e41596};
+    alignas(16) static const uint64_t k3k4[2] = {0x01751997d0, 0x00ccaa009e};
+    alignas(16) static const uint64_t k5k0[2] = {0x0163cd6124, 0x0000000000};
+    alignas(16) static const uint64_t poly[2] = {0x01db710641, 0x01f7011641};
+
+    __m128i x1 = load16(p), x2 = load16(p + 16), x3 = load16(p + 32), x4 = load16(p + 48);
+    x1 = _mm_xor_si128(x1, _mm_cvtsi32_si128(int(crc)));
+    __m128i k = _mm_load_si128(reinterpret_cast<const __m128i *>(k1k2));
+    p += 64;
+    n -= 64;
+    while (n >= 64) {
+        x1 = fold16(x1, load16(p), k);
+        x2 = fold16(x2, load16(p + 16), k);
+        x3 = fold16(x3, load16(p + 32), k);
+        x4 = fold16(x4, load16(p + 48), k);
+        p += 64;
+        n -= 64;
+    }
+    // Four lanes into one, then the remaining 16-byte blocks into it.
+    k = _mm_load_si128(reinterpret_cast<const __m128i *>(k3k4));
+    x1 = fold16(x1, x2, k);
+    x1 = fold16(x1, x3, k);
+    x1 = fold16(x1, x4, k);
+    while (n >= 16) {
+        x1 = fold16(x1, load16(p), k);
+        p += 16;
+        n -= 16;
+    }
+    // 128 bits to 64, then Barrett reduction to 32.
+    const __m128i mask32 = _mm_setr_epi32(~0, 0, ~0, 0);
+    x2 = _mm_clmulepi64_si128(x1, k, 0x10);
+    x1 = _mm_xor_si128(_mm_srli_si128(x1, 8), x2);
+    k = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(k5k0));
+    x2 = _mm_srli_si128(x1, 4);
+    x1 = _mm_xor_si128(_mm_clmulepi64_si128(_mm_and_si128(x1, mask32), k, 0x00), x2);
+    k = _mm_load_si128(reinterpret_cast<const __m128i *>(poly));
+    x2 = _mm_clmulepi64_si128(_mm_and_si128(x1, mask32), k, 0x10);
+    x2 = _mm_clmulepi64_si128(_mm_and_si128(x2, mask32), k, 0x00);
+    x1 = _mm_xor_si128(x1, x2);
+    return uint32_t(_mm_extract_epi32(x1, 1));
+}
+
+bool have_clmul() {
+    static const bool yes = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
+    return yes;
+}
+
+}  // namespace
+#endif
+
 uint32_t crc32_update(uint32_t crc, const void * data, size_t n) {
+#ifdef SK_HAVE_CLMUL
+    if (n >= 64 && have_clmul()) {
+        const size_t blocks = n & ~size_t(15);
+        crc = ~crc32_clmul_blocks(~crc, static_cast<const uint8_t *>(data), blocks);
+        data = static_cast<const uint8_t *>(data) + blocks;
+        n -= blocks;
+        if (n == 0) return crc;
+    }
+#endif
 #ifdef SK_HAVE_ZLIB
     // zlib's braided/folded CRC-32 of the same polynomial (CMakeLists.txt: where zlib is found).
     return uint32_t(::crc32_z(crc, static_cast<const Bytef *>(data), n));

@@ -9,7 +9,10 @@
 #include <memory>
 #include <sstream>
 
+#include <cerrno>
+
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -21,6 +24,56 @@
 #endif
 
 namespace sk {
+
+FileBytes FileBytes::map_or_read(int fd, uint64_t size, const std::string & path) {
+    FileBytes out;
+    out.size_ = size_t(size);
+    // MAP_PRIVATE: the state prefix written in place never reaches the file. MAP_POPULATE: every
+    // page mapped now (the CRC pass reads them all anyway), not faulted in one by one.
+    void * m = ::mmap(nullptr, out.size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_POPULATE, fd, 0);
+    if (m != MAP_FAILED) {
+        out.data_ = static_cast<uint8_t *>(m);
+        out.mapped_ = true;
+        return out;
+    }
+    // Out of mappings or address space (ENOMEM), or a file system that cannot map: read it.
+    out.copy_.resize(out.size_);
+    for (size_t done = 0; done < out.size_;) {
+        const ssize_t got = ::pread(fd, out.copy_.data() + done, out.size_ - done, off_t(done));
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) throw SlotFileError("io", "cannot read " + path + ": " + std::strerror(errno));
+        if (got == 0) throw SlotFileError("truncated", "slot file shrank while being read");
+        done += size_t(got);
+    }
+    out.data_ = out.copy_.data();
+    return out;
+}
+
+FileBytes::~FileBytes() {
+    if (mapped_) ::munmap(data_, size_);
+}
+
+FileBytes::FileBytes(FileBytes && o) noexcept
+    : data_(o.data_), size_(o.size_), mapped_(o.mapped_), copy_(std::move(o.copy_)) {
+    if (!mapped_) data_ = copy_.data();
+    o.data_ = nullptr;
+    o.size_ = 0;
+    o.mapped_ = false;
+}
+
+FileBytes & FileBytes::operator=(FileBytes && o) noexcept {
+    if (this != &o) {
+        if (mapped_) ::munmap(data_, size_);
+        mapped_ = o.mapped_;
+        size_ = o.size_;
+        copy_ = std::move(o.copy_);
+        data_ = mapped_ ? o.data_ : copy_.data();
+        o.data_ = nullptr;
+        o.size_ = 0;
+        o.mapped_ = false;
+    }
+    return *this;
+}
 
 namespace {
 
@@ -335,21 +388,14 @@ SlotImage read_slot_file(const std::string & path, const ReadLimits & lim) {
                                      : (ckpt_off == 0 && meta_off == base_len));
     if (!layout_ok) throw SlotFileError("bad_layout", "slot file sections are not contiguous or lie outside the file");
 
-    // Whole body into memory at offset 8 (room for the state prefix), checksummed as it is read.
+    // The whole file, mapped (or read where it cannot be), and the body checksummed.
     SlotImage img;
     img.file_size = size;
-    img.buffer.resize(size_t(body) + 8);
-    if (std::fseek(f.get(), 0, SEEK_SET) != 0) throw SlotFileError("io", "seek failed on " + path);
-    uint32_t crc = 0;
-    for (uint64_t done = 0; done < body;) {
-        const size_t want = size_t(std::min<uint64_t>(body - done, 8u << 20));
-        const size_t got = std::fread(img.buffer.data() + 8 + done, 1, want, f.get());
-        if (got != want) throw SlotFileError("truncated", "slot file shrank while being read");
-        crc = crc32_update(crc, img.buffer.data() + 8 + done, got);
-        done += got;
+    img.bytes = FileBytes::map_or_read(::fileno(f.get()), size, path);
+    if (crc32_update(0, img.bytes.data(), size_t(body)) != body_crc) {
+        throw SlotFileError("checksum_mismatch", "slot file checksum mismatch: the file is damaged");
     }
-    if (crc != body_crc) throw SlotFileError("checksum_mismatch", "slot file checksum mismatch: the file is damaged");
-    const uint8_t * b = img.buffer.data() + 8;
+    const uint8_t * b = img.bytes.data();
 
     // Base payload.
     Cursor base(b, 0, size_t(base_len));
@@ -372,12 +418,13 @@ SlotImage read_slot_file(const std::string & path, const ReadLimits & lim) {
     for (llama_token t : img.tokens) {
         if (t < 0 || (lim.n_vocab > 0 && t >= lim.n_vocab)) throw SlotFileError("model_mismatch", "slot file has a token outside this model's vocabulary");
     }
-    // Write llama.cpp's in-memory prefix over the bytes just before the state (header/tokens, copied out).
-    img.state_offset = 8 + base.pos() - 8;
+    // Write llama.cpp's in-memory prefix over the bytes just before the state (header/tokens, copied
+    // out; at least 12 bytes precede the state: magic, version, token count).
+    img.state_offset = base.pos() - 8;
     img.state_size = base.left() + 8;
     const int32_t any_seq = 0;
-    std::memcpy(img.buffer.data() + img.state_offset, &kStatePrefixMagic, 4);
-    std::memcpy(img.buffer.data() + img.state_offset + 4, &any_seq, 4);
+    std::memcpy(img.bytes.data() + img.state_offset, &kStatePrefixMagic, 4);
+    std::memcpy(img.bytes.data() + img.state_offset + 4, &any_seq, 4);
 
     // Slotkeeper records: identity first, so a foreign file is named as such.
     Cursor md(b, size_t(meta_off), size_t(meta_off + meta_len));

@@ -79,19 +79,49 @@ uint64_t write_slot_file(const std::string & path, const SlotFileMeta & meta, co
                          const std::vector<uint8_t> & seq_state, const std::vector<float> & last_logits,
                          const std::vector<Checkpoint> & checkpoints);
 
-// A validated file held in memory. `buffer` holds the body at offset 8 so that the base state can
-// be handed to llama_state_seq_set_data with its 8-byte prefix written in front of it in place.
+// The bytes of a slot file being read: the file mapped privately (its pages come from the page
+// cache, populated at once; a write changes this process's copy of that page only), or, where a
+// mapping cannot be made, a buffer it was read into. Mapping instead of reading spares a copy and,
+// above all, fresh memory: on a VM, first-touch faults of a 52 MB buffer cost more than reading it
+// (read + CRC into new memory 53 ms, mapped + CRC 14 ms, measured on one host). Safe to map: slot
+// files are written to a temporary name and renamed into place (write_slot_file), never rewritten
+// where they lie, and a mapping outlives an unlink; an image lives only while it is restored.
+class FileBytes {
+public:
+    static FileBytes map_or_read(int fd, uint64_t size, const std::string & path);
+    ~FileBytes();
+    FileBytes(FileBytes && o) noexcept;
+    FileBytes & operator=(FileBytes && o) noexcept;
+    FileBytes(const FileBytes &) = delete;
+    FileBytes & operator=(const FileBytes &) = delete;
+    FileBytes() = default;
+
+    uint8_t * data() { return data_; }
+    const uint8_t * data() const { return data_; }
+    size_t size() const { return size_; }
+    bool mapped() const { return mapped_; }
+
+private:
+    uint8_t * data_ = nullptr;
+    size_t size_ = 0;
+    bool mapped_ = false;
+    std::vector<uint8_t> copy_;  // when not mapped
+};
+
+// A validated file held in memory (`bytes`, the whole file); the base state is handed to
+// llama_state_seq_set_data with its 8-byte prefix written in place over the 8 bytes before it
+// (the state header and tokens, already copied out).
 struct SlotImage {
     std::vector<llama_token> tokens;
-    std::vector<uint8_t> buffer;
-    size_t state_offset = 0;  // in buffer, where the prefixed state starts
+    FileBytes bytes;
+    size_t state_offset = 0;  // in bytes, where the prefixed state starts
     size_t state_size = 0;    // prefixed size
     std::vector<float> last_logits;
     std::vector<Checkpoint> checkpoints;
     std::string fingerprint;
     uint64_t file_size = 0;
 
-    const uint8_t * state_data() const { return buffer.data() + state_offset; }
+    const uint8_t * state_data() const { return bytes.data() + state_offset; }
 };
 
 struct ReadLimits {
