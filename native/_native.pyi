@@ -252,6 +252,12 @@ class Engine:
         """A request's context limit: n_ctx // n_slots, or n_ctx with kv_unified. Prompts must be
         shorter; generation stops ("context") or shifts (context_shift) at it."""
     @property
+    def kv_streams(self) -> bool:
+        """Whether each slot has a KV stream of its own (llama.cpp's non-unified KV): for a plain
+        hybrid model (attention + recurrent, no sliding window) with more than one slot, without
+        kv_unified (each stream rounded up to 256 cells; n_ctx_slot as with one stream). Slot
+        files are the same either way."""
+    @property
     def closed(self) -> bool:
         """True once close() was called or the loop faulted: calls that need the loop raise
         EngineClosedError."""

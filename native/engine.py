@@ -95,6 +95,10 @@ class Engine:
     def n_ctx_slot(self) -> int:
         return self._raw.n_ctx_slot
 
+    @property
+    def kv_streams(self) -> bool:
+        return self._raw.kv_streams
+
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         return self._raw.tokenize(text, add_special, parse_special)
 

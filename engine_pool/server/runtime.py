@@ -133,6 +133,7 @@ class Runtime:
             repack=engine.config.repack,
             n_ctx_slot=engine.n_ctx_slot,
             kv_unified=engine.config.kv_unified,
+            kv_streams=engine.kv_streams,
             cache_type_k=engine.config.cache_type_k,
             cache_type_v=engine.config.cache_type_v,
             context_shift=engine.config.context_shift,

@@ -235,6 +235,7 @@ PYBIND11_MODULE(_native, m) {
         // writable reference let `config.n_slots = 99` admit slot ids past the end of slots_).
         .def_property_readonly("config", [](const Engine & e) { return EngineConfig(e.config()); })
         .def_property_readonly("n_ctx_slot", &Engine::n_ctx_slot)
+        .def_property_readonly("kv_streams", &Engine::kv_streams)
         // Tokenizing a long prompt takes ~1 s per million characters: without the GIL, so that the
         // engine's event loop keeps serving while a worker thread tokenizes (the vocab is read-only).
         .def("tokenize", &Engine::tokenize, py::arg("text"), py::arg("add_special") = true,

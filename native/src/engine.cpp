@@ -87,10 +87,19 @@ Engine::Engine(const EngineConfig & cfg)
     const int hw = int(std::max(1u, std::thread::hardware_concurrency()));
     cp.n_threads = cfg_.n_threads > 0 ? cfg_.n_threads : hw;
     cp.n_threads_batch = cp.n_threads;
-    // One KV stream whatever cfg_.kv_unified says: a slot file then restores into any engine of
-    // this model and context shape, whatever its slot count (a per-sequence stream layout is baked
-    // into the saved state). cfg_.kv_unified only decides how much of it one slot may use.
-    cp.kv_unified = true;
+    // A KV stream per slot where the saved state can be brought to the one-stream form slot files
+    // hold (seqstate.h): a plain hybrid memory (attention cache, then recurrent state; no sliding
+    // window; not qwen4exp's indexed attention) and more than one slot. A slot's attention then
+    // spans its own cells only, not every slot's, masked: about 3 % of four-slot prefill on the
+    // bench hybrid (measured on llama-server with and without -kvu). llama.cpp rounds each stream
+    // up to a multiple of 256 cells (up to 255 more per slot than one stream would hold); a slot
+    // still gets n_ctx / n_slots of them, as with one stream. Otherwise one stream, whatever
+    // cfg_.kv_unified says, which then only decides how much of it one slot may use. Either way a
+    // slot file restores into any engine of this model and context shape, whatever its slot count.
+    const ModelInfo & mi = model();
+    kv_streams_ = !cfg_.kv_unified && cfg_.n_slots > 1 && mi.hybrid && !mi.recurrent && mi.n_swa == 0 &&
+                  mi.arch != "qwen4exp";
+    cp.kv_unified = !kv_streams_;
     cp.swa_full = cfg_.swa_full;
     cp.flash_attn_type = cfg_.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
     cp.type_k = kv_cache_type(cfg_.cache_type_k, "--cache-type-k");
@@ -109,7 +118,9 @@ Engine::Engine(const EngineConfig & cfg)
                                   "shifts only with --swa-full" : "") + "); start without --context-shift");
     }
 
-    n_ctx_ = int(llama_n_ctx(ctx_.get()));
+    // With streams llama_n_ctx counts every stream's rounded-up cells; the slots are sized as one
+    // stream of n_ctx (rounded up to 256, as llama.cpp does) would size them.
+    n_ctx_ = kv_streams_ ? (cfg_.n_ctx + 255) / 256 * 256 : int(llama_n_ctx(ctx_.get()));
     n_ctx_slot_ = cfg_.kv_unified ? n_ctx_ : n_ctx_ / cfg_.n_slots;
     n_vocab_ = model().n_vocab;
     slots_.resize(size_t(cfg_.n_slots));

@@ -84,6 +84,7 @@ struct SlotSnapshot {
     std::vector<uint8_t> state;
     std::vector<float> logits;
     std::vector<Checkpoint> checkpoints;
+    StreamLayout layout;  // of `state`, which is as llama.cpp wrote it
     double t0 = 0.0;  // when the save began
 };
 
@@ -114,6 +115,8 @@ public:
     const ModelInfo & model() const { return model_.info(); }
     const EngineConfig & config() const { return cfg_; }  // fixed at construction
     int n_ctx_slot() const { return n_ctx_slot_; }
+    // Whether each slot has a KV stream of its own (see Engine::Engine).
+    bool kv_streams() const { return kv_streams_; }
 
     std::vector<llama_token> tokenize(const std::string & text, bool add_special, bool parse_special) const;
     std::string detokenize(const std::vector<llama_token> & tokens, bool remove_special, bool unparse_special) const;
@@ -194,6 +197,7 @@ private:
     Model model_;
     ContextPtr ctx_;
     int n_ctx_slot_ = 0;
+    bool kv_streams_ = false;
     int n_ctx_ = 0;        // KV cells in the context (the pool every slot draws from)
     int n_vocab_ = 0;
     std::vector<int> prob_order_;  // loop thread: scratch for the top-n_probs selection

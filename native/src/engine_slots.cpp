@@ -41,6 +41,14 @@ std::shared_ptr<SlotSnapshot> Engine::snapshot_slot(int slot) {
         if (size < 8 || llama_state_seq_get_data(ctx_.get(), out.state.data(), size, slot) != size) {
             throw NativeError("llama.cpp could not copy the state of slot " + std::to_string(slot));
         }
+        if (kv_streams_) {
+            // The recurrent state follows the attention cache: its size is the partial state's.
+            const size_t partial = llama_state_seq_get_size_ext(ctx_.get(), slot, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
+            if (partial < 8 || partial - 8 >= size - 8) {
+                throw NativeError("llama.cpp gave slot " + std::to_string(slot) + " a partial state that does not fit its state");
+            }
+            out.layout = StreamLayout{uint32_t(cfg_.n_slots), uint32_t(slot), partial - 8};
+        }
         return snap;
     });
 }
@@ -70,7 +78,8 @@ SlotFileInfo Engine::write_snapshot(const SlotSnapshot & snap, const std::string
     info.path = path;
     info.n_tokens = int(snap.tokens.size());
     info.n_checkpoints = int(snap.checkpoints.size());
-    info.n_bytes = write_slot_file(path, meta, snap.tokens, snap.state, snap.logits, snap.checkpoints);
+    info.n_bytes = write_slot_file(path, meta, snap.tokens, one_stream_parts(snap.state, snap.layout), snap.logits,
+                                   snap.checkpoints);
     info.ms = ms_since(snap.t0);
     bump("slot_saves");
     bump("slot_save_bytes", int64_t(info.n_bytes));
@@ -128,9 +137,13 @@ SlotFileInfo Engine::restore_slot(int slot, const std::string & path) {
             }
         }
         if (!img->tokens.empty()) {
-            const size_t n = llama_state_seq_set_data(ctx_.get(), img->state_data(), img->state_size, slot);
+            std::vector<uint8_t> copy;  // where the file's bytes leave no room for the empty streams
+            const ByteSpan state = kv_streams_ ? to_streams(img->state_data(), img->state_size, img->state_offset,
+                                                            uint32_t(cfg_.n_slots), copy)
+                                               : ByteSpan{img->state_data(), img->state_size};
+            const size_t n = state.data ? llama_state_seq_set_data(ctx_.get(), state.data, state.size, slot) : 0;
             const llama_pos pos_max = llama_memory_seq_pos_max(llama_get_memory(ctx_.get()), slot);
-            if (n != img->state_size || pos_max != llama_pos(img->tokens.size()) - 1) {
+            if (!state.data || n != state.size || pos_max != llama_pos(img->tokens.size()) - 1) {
                 clear_slot_memory(s);
                 bump("slot_restore_errors");
                 throw SlotFileError("shape_mismatch", "llama.cpp refused the saved sequence state (another context "

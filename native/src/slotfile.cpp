@@ -241,9 +241,8 @@ CheckpointKind checkpoint_kind_from_name(const std::string & s) {
 }
 
 uint64_t write_slot_file(const std::string & path, const SlotFileMeta & meta, const std::vector<llama_token> & tokens,
-                         const std::vector<uint8_t> & seq_state, const std::vector<float> & last_logits,
+                         const std::vector<ByteSpan> & memory_state, const std::vector<float> & last_logits,
                          const std::vector<Checkpoint> & checkpoints) {
-    if (seq_state.size() < 8) throw NativeError("sequence state shorter than its prefix");
     const std::string tmp = path + ".tmp." + std::to_string(::getpid());
     {
         std::unique_ptr<FILE, FileCloser> f(std::fopen(tmp.c_str(), "wb"));
@@ -256,7 +255,7 @@ uint64_t write_slot_file(const std::string & path, const SlotFileMeta & meta, co
             w.put<uint32_t>(LLAMA_STATE_SEQ_VERSION);
             w.put<uint32_t>(uint32_t(tokens.size()));
             w.raw(tokens.data(), tokens.size() * sizeof(llama_token));
-            w.raw(seq_state.data() + 8, seq_state.size() - 8);
+            for (const ByteSpan & part : memory_state) w.raw(part.data, part.size);
             const uint64_t base_len = w.pos();
 
             // 2. checkpoints

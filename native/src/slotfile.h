@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "seqstate.h"
+
 namespace sk {
 
 enum class CheckpointKind : uint8_t { PromptEnd = 0, Hint = 1, Interval = 2 };
@@ -72,11 +74,12 @@ struct SlotFileMeta {
     int source_slot = -1;
 };
 
-// Writes `path` atomically (temp file + rename). `seq_state` is llama_state_seq_get_data output
-// including its 8-byte in-memory prefix, which the base payload drops (as save_file does).
-// Returns the file size. Throws SlotFileError("io", ...) on write failure.
+// Writes `path` atomically (temp file + rename). `memory_state` is the memory's part of
+// llama_state_seq_get_data's output (after its 8-byte in-memory prefix, which the base payload
+// drops as save_file does), in the one-stream form (seqstate.h), in pieces written one after the
+// other. Returns the file size. Throws SlotFileError("io", ...) on write failure.
 uint64_t write_slot_file(const std::string & path, const SlotFileMeta & meta, const std::vector<llama_token> & tokens,
-                         const std::vector<uint8_t> & seq_state, const std::vector<float> & last_logits,
+                         const std::vector<ByteSpan> & memory_state, const std::vector<float> & last_logits,
                          const std::vector<Checkpoint> & checkpoints);
 
 // The bytes of a slot file being read: the file mapped privately (its pages come from the page
@@ -122,6 +125,7 @@ struct SlotImage {
     uint64_t file_size = 0;
 
     const uint8_t * state_data() const { return bytes.data() + state_offset; }
+    uint8_t * state_data() { return bytes.data() + state_offset; }
 };
 
 struct ReadLimits {
