@@ -7,6 +7,7 @@ test modules; a test that needs a process of its own starts one with `EngineProc
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -81,6 +82,17 @@ class EngineProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    @contextlib.contextmanager
+    def running(self, timeout_s: float = 60.0) -> Iterator[EngineProcess]:
+        """Started (healthy within ``timeout_s``), and stopped when the block ends, its exit code 0
+        asserted with the log's tail in the message."""
+        self.start(timeout_s)
+        try:
+            yield self
+        finally:
+            code = self.stop()
+            assert code == 0, f"engine exited with {code}:\n{self.log()[-4000:]}"
 
     def stop(self, grace_s: float = 15.0) -> int:
         """SIGTERM (graceful), then SIGKILL of the process group after `grace_s`."""

@@ -17,8 +17,7 @@ async def test_a_task_that_lost_its_cancellation_is_cancelled_again_until_it_end
             await asyncio.sleep(60)
         except asyncio.CancelledError:  # what a lost cancellation looks like from outside
             lost.set()
-        while True:  # and the loop goes on waiting
-            await asyncio.sleep(60)
+        await asyncio.Event().wait()  # and the loop goes on waiting, for nothing that comes
 
     task = asyncio.create_task(loop_that_swallows_once())
     await asyncio.sleep(0)

@@ -43,11 +43,8 @@ def limited_engine(
 ) -> Iterator[EngineProcess]:
     tmp = tmp_path_factory.mktemp("limited")
     args = [a for kv in LIMITED_ARGS.items() for a in kv]
-    eng = EngineProcess(models["llama"], *args, log_path=tmp / "engine.log").start()
-    try:
+    with EngineProcess(models["llama"], *args, log_path=tmp / "engine.log").running() as eng:
         yield eng
-    finally:
-        assert eng.stop() == 0, eng.log()[-4000:]
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ LONG_RUN = {"prompt": "Hello world", "n_predict": 30000, "ignore_eos": True, "te
 @pytest.fixture(scope="module")
 def busy_engine(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
     tmp = tmp_path_factory.mktemp("busy")
-    eng = EngineProcess(
+    with EngineProcess(
         models["llama"],
         "-np",
         "1",
@@ -39,11 +39,8 @@ def busy_engine(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
         "--api-key",
         KEY,
         log_path=tmp / "engine.log",
-    ).start()
-    try:
+    ).running() as eng:
         yield eng
-    finally:
-        assert eng.stop() == 0
 
 
 @pytest.fixture

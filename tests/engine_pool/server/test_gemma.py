@@ -63,11 +63,8 @@ def logged(eng: EngineProcess, event: str) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def gemma(gemma_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
     tmp = tmp_path_factory.mktemp("gemma")
-    eng = EngineProcess(gemma_model, "-np", "1", "-c", "2048", log_path=tmp / "engine.log").start()
-    try:
+    with EngineProcess(gemma_model, "-np", "1", "-c", "2048", log_path=tmp / "engine.log").running() as eng:
         yield eng
-    finally:
-        assert eng.stop() == 0, eng.log()[-4000:]
 
 
 def test_no_template_in_the_gguf_falls_back_to_chatml(gemma: EngineProcess) -> None:

@@ -25,7 +25,7 @@ def _chat(text: str) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def fenced(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
     tmp = tmp_path_factory.mktemp("fenced")
-    eng = EngineProcess(
+    with EngineProcess(
         models["qwen35"],
         "-np",
         "2",
@@ -34,11 +34,8 @@ def fenced(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) ->
         "--instance-id",
         "run-7f3a",
         log_path=tmp / "engine.log",
-    ).start()
-    try:
+    ).running() as eng:
         yield eng
-    finally:
-        assert eng.stop() == 0, eng.log()[-4000:]
 
 
 def _slot0(c: httpx.Client) -> dict[str, object]:

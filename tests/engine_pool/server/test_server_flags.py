@@ -68,17 +68,14 @@ def locked(
 ) -> Iterator[EngineProcess]:
     """Aliases and tags, --no-slots, no --metrics, a key, two origins, -v, three listen addresses."""
     tmp = tmp_path_factory.mktemp("locked")
-    eng = EngineProcess(
+    with EngineProcess(
         models["qwen35"],
         *("-a", "first,second,third", "--tags", "chat,small", "--no-slots", "--api-key", KEY),
         *("--cors-origins", f"{ORIGIN},localhost", "-v", "--offline"),
         *("--host", f"127.0.0.1,127.0.0.2,{sock_path}"),
         log_path=tmp / "engine.log",
-    ).start()
-    try:
+    ).running() as eng:
         yield eng
-    finally:
-        assert eng.stop() == 0, eng.log()[-4000:]
     assert not sock_path.exists()  # the engine removes its UNIX socket on the way out
 
 
@@ -87,15 +84,12 @@ def open_engine(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     """llama-server's defaults (slots on, CORS for any origin) plus --metrics and the model/KV flags
     (a llama model: --context-shift is refused for hybrid ones, whose recurrent state cannot shift)."""
     tmp = tmp_path_factory.mktemp("open")
-    eng = EngineProcess(
+    with EngineProcess(
         models["llama"],
         *("--metrics", "-kvu", "--no-mmap", "--no-warmup", "--context-shift", "-ctk", "f16", "-ctv", "f16"),
         log_path=tmp / "engine.log",
-    ).start()
-    try:
+    ).running() as eng:
         yield eng
-    finally:
-        assert eng.stop() == 0, eng.log()[-4000:]
 
 
 # -- --alias, --tags -------------------------------------------------------------------------------

@@ -109,7 +109,7 @@ def keyed_engine(
 ) -> Iterator[EngineProcess]:
     """The tiny Qwen-template model (tools in its template), 2 slots, an API key."""
     tmp = tmp_path_factory.mktemp("apis")
-    eng = EngineProcess(
+    with EngineProcess(
         models["qwen35"],
         "-np",
         "2",
@@ -119,8 +119,5 @@ def keyed_engine(
         "tiny-qwen",
         log_path=tmp / "engine.log",
         env={"SLOTKEEPER_API_KEY": API_KEY},
-    ).start(timeout_s=180.0)  # a loaded CI machine can take a while to map the model
-    try:
+    ).running(timeout_s=180.0) as eng:  # a loaded CI machine can take a while to map the model
         yield eng
-    finally:
-        assert eng.stop() == 0, eng.log()[-4000:]
