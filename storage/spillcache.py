@@ -39,6 +39,7 @@ class _Entry:
     last_used: float
     uploaded: bool
     pins: int = 0
+    uploading: bool = False  # its adder uploads it: the flush leaves it alone meanwhile
 
 
 class SpillCache:
@@ -94,23 +95,29 @@ class SpillCache:
         return sorted(r for r in self._entries if (r.tenant, r.session) == (tenant, session))
 
     def pending(self) -> list[SlotRef]:
-        """Files whose upload is not confirmed, oldest first."""
-        return [r for r, e in sorted(self._entries.items(), key=lambda i: i[1].last_used) if not e.uploaded]
+        """Files whose upload is not confirmed and that nobody is uploading now, oldest first."""
+        entries = sorted(self._entries.items(), key=lambda i: i[1].last_used)
+        return [r for r, e in entries if not e.uploaded and not e.uploading]
 
     def is_uploaded(self, ref: SlotRef) -> bool:
         return self._entries[ref].uploaded
 
     async def add(
-        self, ref: SlotRef, src: str | Path | None = None, *, uploaded: bool = False, pin: bool = False
-    ) -> Path:
+        self, ref: SlotRef, src: str | Path | None = None, *, uploaded: bool = False, pin: bool = False,
+        uploading: bool = False,
+    ) -> Path:  # fmt: skip
         """Adopt a file: moved from ``src`` (copied across filesystems), or already at ``path_for``.
 
-        With ``pin`` the file is pinned before the budget is enforced (see :meth:`pin`).
+        With ``pin`` the file is pinned before the budget is enforced (see :meth:`pin`). With
+        ``uploading`` the caller uploads it now: :meth:`pending` (what :meth:`flush` uploads) leaves
+        it out until :meth:`mark_uploaded` or :meth:`upload_ended` says how that went, so that a flush
+        never races the caller's own upload of the same generation.
         """
         dest = self.path_for(ref)
         async with self._lock:
             size = await asyncio.to_thread(_adopt, None if src is None else Path(src), dest, uploaded)
-            self._entries[ref] = _Entry(dest, size, self._clock(), uploaded, pins=int(pin))
+            self._entries[ref] = _Entry(dest, size, self._clock(), uploaded, pins=int(pin),
+                                        uploading=uploading and not uploaded)  # fmt: skip
             log.info(
                 "spill.add", tenant=ref.tenant, session=ref.session, generation=ref.generation, bytes=size
             )
@@ -139,12 +146,20 @@ class SpillCache:
         if entry is not None and entry.pins > 0:
             entry.pins -= 1
 
+    def upload_ended(self, ref: SlotRef) -> None:
+        """The upload :meth:`add` was told of is over, whatever its outcome: unless it was
+        confirmed, the file is pending again (the flush uploads it)."""
+        entry = self._entries.get(ref)
+        if entry is not None:
+            entry.uploading = False
+
     async def mark_uploaded(self, ref: SlotRef) -> None:
         """Record that the blob store holds this file's bytes; it may now be evicted."""
         async with self._lock:
             entry = self._entries.get(ref)
             if entry is None or entry.uploaded:
                 return
+            entry.uploading = False
             await asyncio.to_thread(_touch, entry.path.with_name(entry.path.name + _MARK))
             entry.uploaded = True
             log.info("spill.uploaded", tenant=ref.tenant, session=ref.session, generation=ref.generation)
@@ -168,7 +183,8 @@ class SpillCache:
 
         A file whose generation already exists in the store with the same CRC (an earlier upload
         whose confirmation was lost) is confirmed; a different object there raises
-        :class:`Conflict`. :class:`StoreUnavailable` propagates, leaving the rest pending.
+        :class:`Conflict`; one another writer is storing right now (not visible yet) stays pending
+        for the next flush. :class:`StoreUnavailable` propagates, leaving the rest pending.
         """
         done: list[SlotRef] = []
         for ref in self.pending():
@@ -182,7 +198,12 @@ class SpillCache:
                     ref, entry.path, model=sf.fingerprint or "", n_tokens=sf.n_tokens, crc32=crc
                 )
             except Conflict:
-                remote = await store.head(ref)
+                try:
+                    remote = await store.head(ref)
+                except NotFound:  # claimed by a writer still at work: confirmed once it is visible
+                    log.info("spill.flush_later", tenant=ref.tenant, session=ref.session,
+                             generation=ref.generation, why="being stored")  # fmt: skip
+                    continue
                 if remote.crc32 != crc or remote.size != entry.size:
                     raise
             await self.mark_uploaded(ref)

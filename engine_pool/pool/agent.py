@@ -42,6 +42,7 @@ from starlette.routing import Route
 from storage.blobstore import BlobStore
 from storage.engines import EngineRegistry
 from storage.errors import Conflict, LockBusy, LockLost, StorageError, StoreUnavailable
+from storage.errors import NotFound as NotStored
 from storage.ids import SlotRef, validate_id
 from storage.index import SessionIndex, SessionState
 from storage.slotfile import read_slot_file, whole_file_crc32
@@ -260,12 +261,7 @@ class NodeAgent:
         except StorageError as exc:
             await asyncio.to_thread(src.unlink, missing_ok=True)
             raise Upstream(f"engine {sup.spec.engine_id} wrote an unreadable slot file: {exc}") from exc
-        path = await cache.add(ref, src, pin=True)
-        try:
-            model = sf.fingerprint or ""
-            written = await self._upload(ref, path, model, sf.n_tokens, crc, sf.size, route, share)
-        finally:
-            cache.unpin(ref)
+        written = await self._keep(ref, src, sf.fingerprint or "", sf.n_tokens, crc, sf.size, route, share)
         await cache.evict()
         out = {"tenant": ref.tenant, "session": ref.session, "generation": ref.generation,
                "key": self.parts.store.key_for(ref), "bytes": sf.size, "tokens": sf.n_tokens,
@@ -274,11 +270,27 @@ class NodeAgent:
         log.info("node.spilled", engine=sup.spec.engine_id, slot=slot, **out)
         return out
 
+    async def _keep(
+        self, ref: SlotRef, src: Path, model: str, tokens: int, crc: int, size: int, route: str = "",
+        share: bool = True,
+    ) -> int | None:  # fmt: skip
+        """Adopt a saved file into the spill cache and upload it (see :meth:`_upload`). The flush
+        loop keeps off it meanwhile: two uploads of one generation would race for its claim, and
+        the loser could not yet see the winner's object."""
+        cache = self.parts.cache
+        path = await cache.add(ref, src, pin=True, uploading=True)
+        try:
+            return await self._upload(ref, path, model, tokens, crc, size, route, share)
+        finally:
+            cache.upload_ended(ref)
+            cache.unpin(ref)
+
     async def _upload(
         self, ref: SlotRef, path: Path, model: str, tokens: int, crc: int, size: int, route: str = "",
         share: bool = True,
     ) -> int | None:  # fmt: skip
-        """Upload; the bytes it added to the store, or None when it stays pending (store down)."""
+        """Upload; the bytes it added to the store, or None when it stays pending (store down,
+        another writer storing the same generation)."""
         store, cache = self.parts.store, self.parts.cache
         written = 0
         try:
@@ -290,7 +302,12 @@ class NodeAgent:
                         generation=ref.generation, error=str(exc))  # fmt: skip
             return None
         except Conflict:
-            remote = await store.head(ref)  # the flush loop may have uploaded it a moment ago
+            try:
+                remote = await store.head(ref)  # another writer may have stored it a moment ago
+            except NotStored:  # or is storing it now: it stays pending, the flush confirms it later
+                log.warning("node.upload_deferred", tenant=ref.tenant, session=ref.session,
+                            generation=ref.generation, error="being stored by another writer")  # fmt: skip
+                return None
             if remote.crc32 != crc or remote.size != size:
                 await cache.discard(ref)
                 raise

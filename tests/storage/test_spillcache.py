@@ -143,3 +143,54 @@ async def test_session_refs_lists_every_cached_generation_of_one_session(
     assert cache.session_refs("acme", "t") == [SlotRef("acme", "t", 1)]
     reopened = await SpillCache.open(tmp_path / "cache", max_bytes=1 << 30)
     assert reopened.session_refs("beta", "s") == [SlotRef("beta", "s", 1)]
+
+
+async def test_a_file_its_adder_uploads_is_left_to_it_until_that_ends(
+    tmp_path: Path, slot_writer: Any
+) -> None:
+    store = LocalStore(tmp_path / "store", fsync=False)
+    cache = SpillCache(tmp_path / "c", max_bytes=1 << 30)
+    mine, theirs, later = SlotRef("acme", "a", 1), SlotRef("acme", "b", 1), SlotRef("acme", "c", 1)
+    await cache.add(mine, make(tmp_path, slot_writer, "a.slot"), pin=True, uploading=True)
+    await cache.add(theirs, make(tmp_path, slot_writer, "b.slot"))
+    assert cache.pending() == [theirs]
+    assert await cache.flush(store) == [theirs]  # not the file being uploaded by its adder
+    assert [i.ref async for i in store.list("acme")] == [theirs]
+    cache.upload_ended(mine)  # its upload failed or was deferred: the flush's now
+    assert cache.pending() == [mine]
+    assert await cache.flush(store) == [mine] and cache.is_uploaded(mine)
+    await cache.add(later, make(tmp_path, slot_writer, "c.slot"), uploading=True)
+    await cache.mark_uploaded(later)  # its adder's upload worked
+    cache.upload_ended(later)
+    assert cache.pending() == [] and cache.is_uploaded(later)
+
+
+class _Claimed(LocalStore):
+    """A store where one generation is claimed by a writer still at work: a second put of it is a
+    Conflict and its object is not visible yet, as a chunked store shows it mid-save."""
+
+    def __init__(self, root: Path, busy: SlotRef) -> None:
+        super().__init__(root, fsync=False)
+        self.busy: SlotRef | None = busy
+
+    async def put_file(self, ref: SlotRef, *args: Any, **kwargs: Any) -> Any:
+        if ref == self.busy:
+            raise Conflict(f"generation {ref.generation} of session {ref.session} is being stored")
+        return await super().put_file(ref, *args, **kwargs)
+
+
+async def test_flush_leaves_a_generation_another_writer_is_storing_pending(
+    tmp_path: Path, slot_writer: Any
+) -> None:
+    busy, other = SlotRef("acme", "a", 1), SlotRef("acme", "b", 1)
+    store = _Claimed(tmp_path / "store", busy)
+    cache = SpillCache(tmp_path / "c", max_bytes=1 << 30)
+    path = await cache.add(busy, make(tmp_path, slot_writer, "a.slot"))
+    await cache.add(other, make(tmp_path, slot_writer, "b.slot"))
+    with capture_logs() as logs:
+        assert await cache.flush(store) == [other]  # the rest is flushed all the same
+    assert cache.pending() == [busy]
+    assert [e["why"] for e in logs if e["event"] == "spill.flush_later"] == ["being stored"]
+    store.busy = None  # the other writer finished: its object is these bytes
+    await LocalStore.put_file(store, busy, path, model="m", n_tokens=6)
+    assert await cache.flush(store) == [busy] and cache.is_uploaded(busy)

@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -31,11 +32,12 @@ from engine_pool.pool.agent import NodeAgent, NodeParts
 from engine_pool.pool.client import NodeClient, NodeError
 from engine_pool.pool.settings import NodeSettings, SettingsError, parse_node_settings
 from storage.engines import EngineRegistry
-from storage.errors import StoreUnavailable
+from storage.errors import Conflict, NotFound, StoreUnavailable
 from storage.ids import SlotRef
 from storage.index import SessionIndex, SessionState
 from storage.localstore import LocalStore
 from storage.slotfile import read_slot_file
+from storage.spillcache import SpillCache
 
 from .test_supervisor import alive
 
@@ -574,3 +576,67 @@ async def test_the_flush_loop_outlives_any_failure_of_a_flush() -> None:
         "node.flushing", "node.flush_error",  # an unplanned error: logged with its traceback, backs off
         "node.flushing", "node.flushed",
     ]  # fmt: skip
+
+
+class _ClaimingStore:
+    """Puts of one generation claim it for as long as they run (as the chunked store's do): a put
+    while another runs is a Conflict, and the object is not visible until the first has finished."""
+
+    def __init__(self) -> None:
+        self.go, self.running, self.stored = asyncio.Event(), asyncio.Event(), False
+        self.puts = 0
+
+    async def put_file(self, ref: SlotRef, path: Path, **kwargs: Any) -> Any:
+        self.puts += 1
+        if self.running.is_set():
+            raise Conflict(f"generation {ref.generation} of session {ref.session} is being stored")
+        self.running.set()
+        try:
+            await self.go.wait()
+        finally:
+            self.running.clear()
+        self.stored = True
+        return SimpleNamespace(written=1000)
+
+    async def head(self, ref: SlotRef) -> Any:
+        if not self.stored:
+            raise NotFound(f"no generation {ref.generation} of session {ref.session}")
+        raise AssertionError("not asked for in these tests")
+
+
+async def test_the_flush_loop_keeps_off_a_spill_while_it_uploads(tmp_path: Path) -> None:
+    """The spill's own upload and the flush loop never race for one generation (the loser saw
+    Conflict, then no object: the spill failed and its turn was never recorded durable)."""
+    store, cache = _ClaimingStore(), await SpillCache.open(tmp_path / "cache", max_bytes=1 << 30)
+    parts = NodeParts(store=store, cache=cache, index=None, registry=None, http=None)  # type: ignore[arg-type]
+    agent = NodeAgent(NodeSettings(models=(), flush_interval_s=0.005), parts)
+    ref, src = SlotRef("t1", "s1", 1), tmp_path / "saved.slot"
+    src.write_bytes(b"x" * 1000)
+    with capture_logs() as logs:
+        loop = asyncio.create_task(agent._flush_loop())
+        try:
+            keep = asyncio.create_task(agent._keep(ref, src, "m", 6, 0, 1000))
+            await asyncio.wait_for(store.running.wait(), 10)
+            flushes = sum(e["event"] == "node.flushing" for e in logs)
+            await asyncio.sleep(0.05)  # ten flush intervals while the spill uploads: none takes it up
+            assert sum(e["event"] == "node.flushing" for e in logs) == flushes and store.puts == 1
+            store.go.set()
+            assert await asyncio.wait_for(keep, 10) == 1000
+        finally:
+            await cancel_and_wait(loop)
+    assert cache.is_uploaded(ref) and cache.pending() == [] and store.puts == 1
+    assert not [e for e in logs if e["event"] in ("node.flush_failed", "node.flush_error")]
+
+
+async def test_a_spill_another_writer_is_storing_stays_pending(tmp_path: Path) -> None:
+    store, cache = _ClaimingStore(), await SpillCache.open(tmp_path / "cache", max_bytes=1 << 30)
+    parts = NodeParts(store=store, cache=cache, index=None, registry=None, http=None)  # type: ignore[arg-type]
+    agent = NodeAgent(NodeSettings(models=()), parts)
+    ref, src = SlotRef("t1", "s1", 1), tmp_path / "saved.slot"
+    src.write_bytes(b"x" * 1000)
+    store.running.set()  # someone else holds the generation's claim, its object not visible yet
+    with capture_logs() as logs:
+        assert await agent._keep(ref, src, "m", 6, 0, 1000) is None  # deferred, not failed
+    assert cache.pending() == [ref] and not cache.is_uploaded(ref)  # the flush's to confirm
+    deferred = [e["error"] for e in logs if e["event"] == "node.upload_deferred"]
+    assert deferred == ["being stored by another writer"]
