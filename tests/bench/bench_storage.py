@@ -372,15 +372,23 @@ async def _restore_times(store: ServedStore, work: Path, repeat: int) -> dict[st
     from storage.keyspace import in_process_redis
     from storage.ledger import ChunkLedger
     from storage.localstore import LocalStore
+    from storage.s3client import make_s3_client
     from storage.s3store import S3Store
 
     key, _ = store.newest(SESSION)
     ref = parse_manifest_key(store.prefix, key)
     assert ref is not None
     client = store.client() if store.endpoint else None
+    # ours through the client a node builds (storage.s3client: botocore validates no response
+    # checksums; a plain boto3 client CRCs every GET of a piece stored with one, which no restore does)
+    ours_client = (
+        make_s3_client(endpoint_url=store.endpoint, access_key=store.access_key, secret_key=store.secret_key)
+        if store.endpoint
+        else None
+    )
     inner = (
-        S3Store(client, store.bucket, prefix=store.prefix)
-        if client
+        S3Store(ours_client, store.bucket, prefix=store.prefix)
+        if ours_client
         else LocalStore(store.data / "blobs", prefix=store.prefix)
     )
     ours, raw = float("inf"), float("inf")
