@@ -198,13 +198,12 @@ class SpillCache:
                     ref, entry.path, model=sf.fingerprint or "", n_tokens=sf.n_tokens, crc32=crc
                 )
             except Conflict:
-                try:
-                    remote = await store.head(ref)
-                except NotFound:  # claimed by a writer still at work: confirmed once it is visible
+                held = await stored_as(store, ref, crc, entry.size)
+                if held is None:  # claimed by a writer still at work: confirmed once it is visible
                     log.info("spill.flush_later", tenant=ref.tenant, session=ref.session,
                              generation=ref.generation, why="being stored")  # fmt: skip
                     continue
-                if remote.crc32 != crc or remote.size != entry.size:
+                if not held:
                     raise
             await self.mark_uploaded(ref)
             done.append(ref)
@@ -247,6 +246,17 @@ class SpillCache:
                 "spill.over_budget", bytes=total, max_bytes=self.max_bytes, pending=len(self.pending())
             )
         return evicted
+
+
+async def stored_as(store: BlobStore, ref: SlotRef, crc: int, size: int) -> bool | None:
+    """After an upload of ``ref`` met :class:`Conflict`: True when the store holds these bytes
+    (another upload of them landed), False when it holds others, None when another writer has
+    claimed the generation and its object is not visible yet."""
+    try:
+        remote = await store.head(ref)
+    except NotFound:
+        return None
+    return remote.crc32 == crc and remote.size == size
 
 
 def _adopt(src: Path | None, dest: Path, uploaded: bool) -> int:

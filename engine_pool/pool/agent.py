@@ -42,11 +42,10 @@ from starlette.routing import Route
 from storage.blobstore import BlobStore
 from storage.engines import EngineRegistry
 from storage.errors import Conflict, LockBusy, LockLost, StorageError, StoreUnavailable
-from storage.errors import NotFound as NotStored
 from storage.ids import SlotRef, validate_id
 from storage.index import SessionIndex, SessionState
 from storage.slotfile import read_slot_file, whole_file_crc32
-from storage.spillcache import SpillCache
+from storage.spillcache import SpillCache, stored_as
 
 from ..body import check_tokens, read_json
 from ..credentials import RequireKey
@@ -302,13 +301,12 @@ class NodeAgent:
                         generation=ref.generation, error=str(exc))  # fmt: skip
             return None
         except Conflict:
-            try:
-                remote = await store.head(ref)  # another writer may have stored it a moment ago
-            except NotStored:  # or is storing it now: it stays pending, the flush confirms it later
+            held = await stored_as(store, ref, crc, size)  # another writer stored it a moment ago?
+            if held is None:  # or is storing it now: it stays pending, the flush confirms it later
                 log.warning("node.upload_deferred", tenant=ref.tenant, session=ref.session,
                             generation=ref.generation, error="being stored by another writer")  # fmt: skip
                 return None
-            if remote.crc32 != crc or remote.size != size:
+            if not held:
                 await cache.discard(ref)
                 raise
         await cache.mark_uploaded(ref)
