@@ -365,7 +365,7 @@ def _settled(store: ServedStore) -> int | None:
     return second if first == second else None
 
 
-async def _restore_times(store: ServedStore, work: Path, repeat: int) -> dict[str, float]:
+async def _restore_times(store: ServedStore, work: Path, repeat: int) -> dict[str, Any]:
     """Seconds: the newest generation assembled from its chunks, and a raw read of as many bytes."""
     from storage.chunkstore import ChunkedStore
     from storage.ids import parse_manifest_key
