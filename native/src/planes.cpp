@@ -83,10 +83,12 @@ void split4(uint8_t * out, const uint8_t * raw, size_t n) {
     }
 }
 
-py::buffer_info readable(const py::buffer & b, const char * what) {
-    py::buffer_info info = b.request();
-    if (info.ndim != 1 || info.itemsize != 1 || info.strides[0] != 1) {
-        throw py::value_error(std::string(what) + ": a contiguous buffer of bytes is wanted");
+// A 1-D contiguous buffer of bytes (writable when asked: a read-only one is refused by the request).
+py::buffer_info bytes_of(const py::buffer & b, const char * what, bool writable = false) {
+    py::buffer_info info = b.request(writable);
+    if (info.ndim != 1 || info.itemsize != 1 || info.strides[0] != 1 || (writable && info.readonly)) {
+        throw py::value_error(std::string(what) + (writable ? ": a writable" : ": a") +
+                              " contiguous buffer of bytes is wanted");
     }
     return info;
 }
@@ -99,7 +101,7 @@ PYBIND11_MODULE(_planes, m) {
     m.def(
         "split",
         [](const py::buffer & raw, size_t n) {
-            py::buffer_info in = readable(raw, "raw");
+            py::buffer_info in = bytes_of(raw, "raw");
             if (static_cast<size_t>(in.size) < kStride * n) {
                 throw py::value_error("raw holds fewer than " + std::to_string(n) + " floats");
             }
@@ -119,13 +121,10 @@ PYBIND11_MODULE(_planes, m) {
         "interleave",
         [](const py::buffer & out, const py::buffer & p0, const py::buffer & p1, const py::buffer & p2,
            const py::buffer & p3) {
-            py::buffer_info o = out.request(true);
-            if (o.ndim != 1 || o.itemsize != 1 || o.strides[0] != 1 || o.readonly) {
-                throw py::value_error("out: a writable contiguous buffer of bytes is wanted");
-            }
+            py::buffer_info o = bytes_of(out, "out", true);
             const size_t n = static_cast<size_t>(o.size) / kStride;
-            py::buffer_info planes[kStride] = {readable(p0, "plane 0"), readable(p1, "plane 1"),
-                                               readable(p2, "plane 2"), readable(p3, "plane 3")};
+            py::buffer_info planes[kStride] = {bytes_of(p0, "plane 0"), bytes_of(p1, "plane 1"),
+                                               bytes_of(p2, "plane 2"), bytes_of(p3, "plane 3")};
             for (size_t k = 0; k < kStride; k++) {
                 if (static_cast<size_t>(planes[k].size) != n) {
                     throw py::value_error("plane " + std::to_string(k) + " is " + std::to_string(planes[k].size) +
