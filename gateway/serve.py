@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--slots", default="2", help="slots per engine [SLOTKEEPER_SLOTS]")
     ap.add_argument("--ctx", default="8192", help="context per slot in tokens")
     ap.add_argument("--node-port", type=int, default=0, help="node agent port (default: --port + 1)")
-    ap.add_argument("--store-compression", choices=("on", "off", "auto"), default="auto",
+    ap.add_argument("--store-compression", choices=("on", "off", "auto"), default="off",
                     help="store recurrent states compressed (auto: in S3 only)")  # fmt: skip
     return ap
 

@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--suite", choices=["all", "transfer", "session", "restore", "ttft"], default="all")
     p.add_argument("--next-turn-at-once", action="store_true",
                    help="ttft: send the live turn right after the restored one, beside its save")  # fmt: skip
-    p.add_argument("--store-compression", choices=["on", "off", "auto"], default="auto",
+    p.add_argument("--store-compression", choices=["on", "off", "auto"], default="off",
                    help="serve's: recurrent states stored compressed (auto: in S3 only)")  # fmt: skip
     p.add_argument("--model", help="GGUF for session/restore/ttft (default: the generated qwen35 of --size)")
     p.add_argument("--size", choices=["tiny", "bench"], default="tiny", help="generated model size")

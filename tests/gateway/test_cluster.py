@@ -63,7 +63,7 @@ def cluster(tiny_model, redis_port, moto_server, tmp_path: Path) -> Iterator[dic
         port = free_port()
         cmd = [sys.executable, "-m", "gateway.cli", "node", "--model", tiny_model("qwen35"), "--slots", "2",
                "--ctx", "2048", "--port", str(port), "--node-id", name, "--data-dir", str(tmp_path / name),
-               "--log-level", "warning", *common]  # fmt: skip
+               "--log-level", "warning", "--store-compression", "auto", *common]  # fmt: skip
         p = Proc(name, cmd, tmp_path / f"{name}.log", f"http://127.0.0.1:{port}")
         procs.append(p)
         nodes[name] = p
@@ -130,7 +130,7 @@ def test_node_sigterm_moves_sessions_and_redis_flush_is_reindexed(cluster):
     s3 = cluster["bucket"]
     listed = s3.list_objects_v2(Bucket="slots", Prefix=cluster["prefix"] + "/")["Contents"]
     states = [o["Key"] for o in listed if o["Key"].endswith((".ck", ".tail"))]
-    # in S3 the nodes store recurrent states compressed (storage.codec), and restore from them below
+    # told `auto`, the nodes store recurrent states compressed in S3 (storage.codec), restored below
     assert states and all(s3.get_object(Bucket="slots", Key=k)["Body"].read(4) == b"SKZ1" for k in states)
 
     msgs.append({"role": "user", "content": "Step 2: and now?"})

@@ -204,6 +204,8 @@ def test_rendered_environment_parses_with_the_real_settings(values: tuple[str, .
     assert node.s3_bucket == gw.s3_bucket and node.s3_endpoint == gw.s3_endpoint
     assert len(node.models) == len(chosen["node"]["models"])
     assert all(m.startswith("/") for m in node.models)
+    # the default: states stored as they are, even in S3 (a bare YAML `off` would render "false")
+    assert node.store_compression == "off" and not node.compresses_states
 
 
 @pytest.mark.parametrize("values", VALUE_SETS)

@@ -490,12 +490,14 @@ def test_node_settings_from_flags_and_environment() -> None:
     ("argv", "compresses"),
     [
         ([], False),  # a local disk: restores read at disk speed
-        (["--s3-bucket", "b"], True),  # S3: fewer bytes cross the network
+        (["--s3-bucket", "b"], False),  # S3 too: decoding costs more than the bytes it saves
         (["--store-compression", "on"], True),
+        (["--store-compression", "auto"], False),  # auto: S3 only
+        (["--s3-bucket", "b", "--store-compression", "auto"], True),
         (["--s3-bucket", "b", "--store-compression", "off"], False),
     ],
 )
-def test_recurrent_states_are_stored_compressed_in_s3_unless_told(argv: list[str], compresses: bool) -> None:
+def test_recurrent_states_are_stored_as_they_are_unless_told(argv: list[str], compresses: bool) -> None:
     s = parse_node_settings(["-m", "x.gguf", *argv], {"SLOTKEEPER_INTERNAL_KEY": "k"})
     assert s.compresses_states is compresses
 
