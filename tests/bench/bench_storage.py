@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import importlib.util
 import json
 import logging
 import os
@@ -49,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from support.benches import sibling
 from support.served import ServedStore
 
 MiB = 1 << 20
@@ -238,18 +238,6 @@ async def _bench_local(args: argparse.Namespace, src: Path, work: Path) -> dict[
     return {k: min(v) for k, v in results.items()}
 
 
-def _sibling(name: str) -> Any:
-    """Another bench module (they are loaded by path, not as a package)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def _metric(url: str, name: str) -> float:
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         if line.startswith(name):
@@ -307,7 +295,7 @@ def session_suite(
     args: argparse.Namespace, work: Path, store: ServedStore, env: dict[str, str]
 ) -> dict[str, Any]:
     """``--turns`` turns of one session; after each: bytes written, bytes stored, a full save."""
-    gw, model = _sibling("bench_gateway"), _model(args, work)
+    gw, model = sibling("bench_gateway"), _model(args, work)
     serve = _serve(gw, work, store, model, args, env)
     rows: list[dict[str, Any]] = []
     msgs = _messages(args.system_repeat)
@@ -429,7 +417,7 @@ def ttft_suite(
     TTFT, then the next (live) turn's, same number of new tokens. The live turn starts once the
     restored one is durable, as an agent's next turn comes after its tools ran: sent at once it
     would share the cores with the restored turn's write-behind save."""
-    gw, model = _sibling("bench_gateway"), _model(args, work)
+    gw, model = sibling("bench_gateway"), _model(args, work)
     env = {**env, "SLOTKEEPER_SPILL_BYTES": "0"}  # a restore reads the store, never a local copy
     session = "ttft-agent"
     msgs = _messages(args.system_repeat)
