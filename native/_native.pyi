@@ -163,6 +163,11 @@ class RequestParams:
     """Token counts after which the state is worth a checkpoint (message boundaries)."""
     cache_prompt: bool
     """False: ignore the slot's cached tokens and evaluate the whole prompt."""
+    prefix_sources: list[int]
+    """Other slots the request may start from: when one of them serves at least 32 prompt tokens
+    more than the request's own slot (its memory or a checkpoint inside the common prefix), the
+    request's slot becomes a copy of it first (`Timings.source_slot`). Ids out of range and the
+    request's own slot are ignored."""
     n_probs: int
     """0 = off. 1..MAX_N_PROBS: every token event carries `logprob` and the n_probs most probable
     tokens (`top_logprobs`), from the raw logits of its position (a softmax over the vocabulary,
@@ -187,6 +192,18 @@ class Timings:
     (identical prompt) the stored logits with nothing evaluated."""
     restored: bool
     """The slot's state came from a slot file restored since it last served a request."""
+    source_slot: int
+    """The slot whose state the request started from (one of its `prefix_sources`); -1: its own."""
+    candidate_slot: int
+    """The state the prompt was compared with: the slot it started from, else the one (its own or
+    a source) sharing the longest common prefix with it."""
+    candidate_n: int
+    """Tokens that state held."""
+    candidate_prompt_n: int
+    """How many of them the last prompt it served had (the rest it generated); 0: unknown (a
+    restored state)."""
+    common_n: int
+    """The prompt's common prefix with that state, in tokens."""
     checkpoints_created: int
     context_shifts: int
     """How often the context was shifted during generation (llama-server's `truncated` when > 0)."""

@@ -169,6 +169,7 @@ PYBIND11_MODULE(_native, m) {
         .def_readwrite("grammar", &RequestParams::grammar)
         .def_readwrite("checkpoint_hints", &RequestParams::checkpoint_hints)
         .def_readwrite("cache_prompt", &RequestParams::cache_prompt)
+        .def_readwrite("prefix_sources", &RequestParams::prefix_sources)
         .def_readwrite("n_probs", &RequestParams::n_probs)
         .def_readwrite("n_keep", &RequestParams::n_keep)
         .def_readwrite("n_discard", &RequestParams::n_discard);
@@ -181,6 +182,11 @@ PYBIND11_MODULE(_native, m) {
         .def_readonly("predicted_ms", &Timings::predicted_ms)
         .def_readonly("reuse", &Timings::reuse)
         .def_readonly("restored", &Timings::restored)
+        .def_readonly("source_slot", &Timings::source_slot)
+        .def_readonly("candidate_slot", &Timings::candidate_slot)
+        .def_readonly("candidate_n", &Timings::candidate_n)
+        .def_readonly("candidate_prompt_n", &Timings::candidate_prompt_n)
+        .def_readonly("common_n", &Timings::common_n)
         .def_readonly("checkpoints_created", &Timings::checkpoints_created)
         .def_readonly("context_shifts", &Timings::context_shifts)
         .def("__repr__", [](const Timings & t) {

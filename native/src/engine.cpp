@@ -497,31 +497,6 @@ void Engine::start_queued() {
     }
 }
 
-bool Engine::slot_busy(const Slot & s) const {
-    // A request queued for the slot claims it as much as a running one: a save, restore or erase
-    // issued after it must not slip in before it starts.
-    return s.active || std::any_of(queued_.begin(), queued_.end(), [&](const Queued & q) { return q.slot == s.id; });
-}
-
-MemoryView Engine::memory_view(const Slot & s) const {
-    MemoryView m;
-    m.tokens = s.tokens;
-    m.has_last_logits = !s.last_logits.empty();
-    m.pos_min = llama_memory_seq_pos_min(llama_get_memory(ctx_.get()), s.id);
-    m.recurrent = model().needs_checkpoints_to_trim();
-    m.n_swa = cfg_.swa_full ? 0 : model().n_swa;
-    for (const auto & c : s.checkpoints) m.checkpoints.push_back({c.n_tokens, !c.logits.empty(), !c.state.empty()});
-    return m;
-}
-
-void Engine::clear_slot_memory(Slot & s) {
-    llama_memory_seq_rm(llama_get_memory(ctx_.get()), s.id, -1, -1);
-    s.tokens.clear();
-    s.last_logits.clear();
-    s.checkpoints.clear();
-    s.restored = false;
-}
-
 void Engine::start_request(Slot & s, Queued && q) {
     auto a = std::make_unique<Active>();
     a->id = q.id;
@@ -535,6 +510,15 @@ void Engine::start_request(Slot & s, Queued && q) {
     const bool was_restored = s.restored;
     const int restored_tokens = was_restored ? int(s.tokens.size()) : 0;
     ReusePlan plan = plan_reuse(memory_view(s), prompt, a->params.cache_prompt);
+    describe_candidate(s, int(common_prefix(s.tokens, prompt)), a->timings);
+    int source = -1;
+    if (a->params.cache_prompt && !a->params.prefix_sources.empty() && plan.kind != ReuseKind::Logits) {
+        source = prefix_source(s, a->params, plan.n_keep, a->timings);
+        if (source >= 0) {
+            if (!copy_slot(slots_[size_t(source)], s)) source = -1;  // `s` is empty now
+            plan = plan_reuse(memory_view(s), prompt, true);
+        }
+    }
 
     // Carry the plan out; anything llama.cpp refuses falls back to a clean re-prefill.
     bool ok = true;
@@ -574,11 +558,13 @@ void Engine::start_request(Slot & s, Queued && q) {
 
     a->timings.cache_n = plan.n_keep;
     a->timings.reuse = reuse_kind_name(plan.kind);
-    a->timings.restored = was_restored;
+    a->timings.restored = was_restored && source < 0;
+    a->timings.source_slot = source;
     a->cursor = size_t(plan.n_keep);
     bump("requests");
     bump(std::string("prompt_tokens_reused_") + reuse_kind_name(plan.kind), plan.n_keep);
-    if (was_restored) {
+    if (source >= 0) bump("prompt_tokens_reused_prefix", plan.n_keep);
+    if (was_restored && source < 0) {
         bump("prompt_tokens_reused_after_restore", plan.n_keep);
         if (plan.n_keep == 0 && restored_tokens > 0) bump("restores_reprefilled");
     }
@@ -596,6 +582,7 @@ void Engine::start_request(Slot & s, Queued && q) {
     }
     a->sampler->prime(prompt);
     s.active = std::move(a);
+    s.prompt_n = L;
 
     if (plan.n_keep == L) {  // identical prompt: nothing to evaluate
         s.active->t_prompt_done = now_s();

@@ -181,6 +181,14 @@ private:
     void capture_checkpoint(Slot & s, CheckpointKind kind, const float * logits);
     void enforce_checkpoint_budget(Slot & s);
     void clear_slot_memory(Slot & s);
+    // The slot among the request's prefix_sources worth starting from instead of `s` (which would
+    // serve `own_keep` prompt tokens), or -1; `report` then names the candidate the prompt is
+    // compared with (engine_prefix.cpp).
+    int prefix_source(const Slot & s, const RequestParams & p, int own_keep, Timings & report) const;
+    void describe_candidate(const Slot & o, int common, Timings & report) const;
+    // `to` becomes a copy of `from` (memory, tokens, checkpoints, logits); false (and `to` empty)
+    // when llama.cpp refuses it.
+    bool copy_slot(const Slot & from, Slot & to);
     MemoryView memory_view(const Slot & s) const;
     bool slot_busy(const Slot & s) const;
 

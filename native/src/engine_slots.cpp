@@ -1,5 +1,6 @@
 // Slot operations called from other threads (save, restore, erase, listing): each runs its part
-// that touches the context on the loop thread through `call`, and its file work on the caller's.
+// that touches the context on the loop thread through `call`, and its file work on the caller's;
+// and the loop thread's own views and changes of a slot's state (busy, memory view, clearing).
 #include "engine_state.h"
 
 #include "slotfile.h"
@@ -202,6 +203,33 @@ std::vector<SlotInfo> Engine::slots() {
 std::vector<llama_token> Engine::slot_tokens(int slot) {
     check_slot_id(slot);
     return call<std::vector<llama_token>>([this, slot] { return slots_[size_t(slot)].tokens; });
+}
+
+// --- loop thread ---
+bool Engine::slot_busy(const Slot & s) const {
+    // A request queued for the slot claims it as much as a running one: a save, restore or erase
+    // issued after it must not slip in before it starts.
+    return s.active || std::any_of(queued_.begin(), queued_.end(), [&](const Queued & q) { return q.slot == s.id; });
+}
+
+MemoryView Engine::memory_view(const Slot & s) const {
+    MemoryView m;
+    m.tokens = s.tokens;
+    m.has_last_logits = !s.last_logits.empty();
+    m.pos_min = llama_memory_seq_pos_min(llama_get_memory(ctx_.get()), s.id);
+    m.recurrent = model().needs_checkpoints_to_trim();
+    m.n_swa = cfg_.swa_full ? 0 : model().n_swa;
+    for (const auto & c : s.checkpoints) m.checkpoints.push_back({c.n_tokens, !c.logits.empty(), !c.state.empty()});
+    return m;
+}
+
+void Engine::clear_slot_memory(Slot & s) {
+    llama_memory_seq_rm(llama_get_memory(ctx_.get()), s.id, -1, -1);
+    s.tokens.clear();
+    s.last_logits.clear();
+    s.checkpoints.clear();
+    s.restored = false;
+    s.prompt_n = 0;
 }
 
 }  // namespace sk

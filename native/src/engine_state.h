@@ -49,6 +49,7 @@ struct Engine::Slot {
     std::vector<float> last_logits;         // logits after tokens.back(); empty = unknown
     std::vector<Checkpoint> checkpoints;    // ascending n_tokens
     bool restored = false;                  // state came from a file and has not served yet
+    int prompt_n = 0;                       // the last prompt it served (0: unknown, e.g. restored)
     double last_used = 0.0;
     std::unique_ptr<Active> active;
 };

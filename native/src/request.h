@@ -29,6 +29,10 @@ struct RequestParams {
     std::string grammar;
     std::vector<int> checkpoint_hints;
     bool cache_prompt = true;
+    // Other slots whose state this request may start from when it reuses more of the prompt than
+    // the request's own slot holds (a prefix several sessions share: a system prompt, tools). The
+    // caller decides who may share with whom (the gateway lists one tenant's slots only).
+    std::vector<int> prefix_sources;
     // Log probabilities: 0 = off; n > 0 makes every token event carry the sampled token's logprob
     // and the n most probable tokens, from the raw logits (softmax over the vocabulary).
     int n_probs = 0;
@@ -49,6 +53,14 @@ struct Timings {
     double predicted_ms = 0.0;
     std::string reuse = "none";  // none | live | checkpoint | logits
     bool restored = false;
+    int source_slot = -1;  // the slot whose state the request started from (-1: its own)
+    // The state the prompt was compared with: the request's own slot, the slot it started from,
+    // or the source sharing the longest common prefix with it. Its tokens, how many of them the
+    // last prompt it served had (0: unknown, a restored state), and the common prefix.
+    int candidate_slot = -1;
+    int candidate_n = 0;
+    int candidate_prompt_n = 0;
+    int common_n = 0;
     int checkpoints_created = 0;
     int context_shifts = 0;  // times the context was shifted during generation (llama-server's "truncated")
 };

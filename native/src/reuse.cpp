@@ -193,6 +193,18 @@ std::vector<size_t> checkpoints_to_evict(const std::vector<CheckpointBudgetItem>
     return drop;
 }
 
+int choose_prefix_source(int own_keep, const std::vector<SourceCandidate> & candidates) {
+    int best = -1;
+    int keep = own_keep;
+    for (const auto & c : candidates) {
+        if (c.n_keep > keep) {
+            keep = c.n_keep;
+            best = c.slot;
+        }
+    }
+    return best >= 0 && keep - own_keep >= kMinCopyGain ? best : -1;
+}
+
 int choose_slot(const std::vector<SlotCandidate> & slots, size_t min_prefix) {
     auto prefix = [&](const SlotCandidate & s) { return s.common_prefix >= min_prefix ? s.common_prefix : 0; };
     int best = -1;

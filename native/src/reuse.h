@@ -47,6 +47,21 @@ size_t common_prefix(const std::vector<llama_token> & a, const std::vector<llama
 
 ReusePlan plan_reuse(const MemoryView & m, const std::vector<llama_token> & prompt, bool cache_prompt);
 
+// A slot the request may start from instead of its own, and what it would reuse there.
+struct SourceCandidate {
+    int slot;
+    int n_keep;   // prompt tokens it would serve
+    int common;   // its common prefix with the prompt
+};
+
+// Copying another slot's state costs a copy of its memory, so it is worth it only when that slot
+// serves at least this many prompt tokens more than the request's own slot.
+constexpr int kMinCopyGain = 32;
+
+// The candidate serving the most prompt tokens, when it serves at least kMinCopyGain more than
+// `own_keep` (the request's own slot); -1 otherwise. Ties go to the first listed.
+int choose_prefix_source(int own_keep, const std::vector<SourceCandidate> & candidates);
+
 struct PlannedCheckpoint {
     int64_t n_tokens;
     CheckpointKind kind;
