@@ -193,6 +193,18 @@ class ChatTemplate:
             return 0
         return len(os.path.commonprefix([text, head]))
 
+    def generation_prompt_tokens(self, tokenize: Tokenizer) -> int:
+        """How many tokens the generation prompt adds to a conversation (0 when it cannot tell): a
+        conversation that a turn re-renders leaves the prompt before it at most this far from its
+        end (Qwen3.5's `<think>`), so a prompt leaving another's earlier is another conversation."""
+        conversation = [{"role": "user", "content": "Hello"}]
+        try:
+            opened = self.tokenize(tokenize, self.render(conversation, add_generation_prompt=True))
+            closed = self.tokenize(tokenize, self.render(conversation, add_generation_prompt=False))
+        except BadRequest:
+            return 0
+        return len(opened) - common_prefix(opened, closed)
+
     def tokenize(self, tokenize: Tokenizer, text: str) -> list[int]:
         # A template that writes the BOS text itself must not get a second BOS from the tokenizer.
         add_special = not (self.bos_token and text.startswith(self.bos_token))

@@ -131,7 +131,21 @@ def timings_dict(t: native.Timings) -> dict[str, float]:
 def reuse_dict(t: native.Timings) -> dict[str, Any]:
     """How the prompt's prefix was served (the `slotkeeper` field next to `timings`): `reuse` is
     live | checkpoint | logits | none, `restored` says the slot's state came from a slot file."""
-    return {"reuse": t.reuse, "restored": t.restored, "checkpoints_created": t.checkpoints_created}
+    out: dict[str, Any] = {
+        "reuse": t.reuse,
+        "restored": t.restored,
+        "checkpoints_created": t.checkpoints_created,
+    }
+    if t.source_slot >= 0:
+        out["source_slot"] = t.source_slot
+    if t.candidate_n > 0:  # what the prompt was compared with (engine_pool.server.divergence)
+        out["prefix"] = {
+            "slot": t.candidate_slot,
+            "tokens": t.candidate_n,
+            "prompt_tokens": t.candidate_prompt_n,
+            "common": t.common_n,
+        }
+    return out
 
 
 async def with_text_bias(rt: Runtime, sampling: Sampling) -> Sampling:
@@ -168,8 +182,9 @@ async def generate(
         raise ContextSizeExceeded(len(prompt), n_ctx)
     sampling = await with_text_bias(rt, sampling)
     params = to_native(
-        sampling, prompt, grammar=grammar, checkpoint_hints=checkpoint_hints, extra_bias=extra_bias
-    )
+        sampling, prompt, grammar=grammar, checkpoint_hints=checkpoint_hints, extra_bias=extra_bias,
+        n_slots=rt.settings.n_slots,
+    )  # fmt: skip
     t0 = time.monotonic()
     slot = await rt.scheduler.acquire(sampling.id_slot, prompt)
     held_tokens = rt.scheduler.n_tokens(slot)

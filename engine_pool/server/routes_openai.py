@@ -15,7 +15,7 @@ import asyncio
 import math
 import secrets
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
@@ -30,6 +30,7 @@ from ..body import Body, read_json
 from ..errors import BadRequest
 from .chat_request import ChatRequest, build_constraint, continued_open, parse_chat, prefill_text
 from .chat_template import ChatPrompt
+from .divergence import in_last_turn, last_reply, left_at, locate
 from .formats import (
     ChatFormat,
     ChatOutput,
@@ -192,8 +193,15 @@ async def run_chat(request: Request, body: Body) -> dict[str, Any] | AsyncGenera
         f"chatcmpl-{secrets.token_hex(12)}", "chat.completion", int(time.time()), rt.settings.model_id
     )
     pieces = token_pieces(engine)
+    context = caller_context(body)
+
+    async def explain(o: Outcome) -> None:
+        o.reuse.update(context)
+        o.reuse["served"] = served(o.reuse, o.cache_n)
+        await diagnose(rt, req, prompt, o)
+
     if req.stream:
-        return _chat_chunks(gen(), req, output(), meta, pieces)
+        return _chat_chunks(gen(), req, output(), meta, pieces, explain)
     outs = [output() for _ in range(req.n)]
     parts: list[list[Piece]] = [[] for _ in range(req.n)]
 
@@ -208,6 +216,7 @@ async def run_chat(request: Request, body: Body) -> dict[str, Any] | AsyncGenera
                 yield item
 
     outcomes = await collect_all([read(gen(), outs[i], parts[i]) for i in range(req.n)], request)
+    await explain(outcomes[0])
     choices = [
         _chat_choice(i, o, parts[i] + outs[i].finish(), req, pieces, several=req.n > 1)
         for i, o in enumerate(outcomes)
@@ -218,6 +227,80 @@ async def run_chat(request: Request, body: Body) -> dict[str, Any] | AsyncGenera
     if req.n == 1:
         response.update(extras(outcomes[0]))
     return response
+
+
+_SERVED = ("live", "restored", "prefix", "stored-prefix", "cold")
+_MAX_RULES = 16
+
+
+def caller_context(body: Body) -> dict[str, Any]:
+    """What the caller (the gateway) says of this turn, to be reported beside the engine's own
+    reuse facts in `slotkeeper`: how it served the session (`served`) and which of its prompt rules
+    changed the request (`rules`). Bounded; anything else is a 400."""
+    ctx = body.get_object("slotkeeper")
+    if ctx is None:
+        return {}
+    out: dict[str, Any] = {}
+    served = ctx.get_str("served")
+    if served is not None:
+        if served not in _SERVED:
+            raise BadRequest(
+                f"'slotkeeper.served' must be one of {', '.join(_SERVED)}", param="slotkeeper.served"
+            )
+        out["served"] = served
+    rules = ctx.get_list("rules")
+    if rules is not None:
+        ok = all(isinstance(r, str) and 0 < len(r) <= 64 for r in rules)
+        if len(rules) > _MAX_RULES or not ok:
+            raise BadRequest(
+                f"'slotkeeper.rules' must be at most {_MAX_RULES} names of 1..64 characters",
+                param="slotkeeper.rules",
+            )
+        out["rules"] = list(rules)
+    return out
+
+
+def served(report: dict[str, Any], cache_n: int) -> str:
+    """How the prompt's state was served (`slotkeeper.served`): `prefix` when it started from
+    another slot's state, or reused any while the caller said its session had none (`cold`: the
+    state another session of the tenant left in this slot); else the caller's word (`live`,
+    `restored`, `stored-prefix`), else what the slot did."""
+    said = report.get("served")
+    if "source_slot" in report or (said == "cold" and cache_n > 0):
+        return "prefix"
+    if said:
+        return str(said)
+    if report.get("restored"):
+        return "restored"
+    return "live" if report.get("reuse", "none") != "none" else "cold"
+
+
+async def diagnose(rt: Runtime, req: ChatRequest, prompt: ChatPrompt, o: Outcome) -> None:
+    """Where the prompt left the state it was compared with, named in the conversation
+    (`slotkeeper.diverged`; engine_pool.server.divergence): rendered off the event loop, and only
+    for a miss before the last reply."""
+    at = left_at(o.reuse, len(prompt.tokens))
+    if at is None:
+        return
+    if (
+        in_last_turn(o.reuse, at, rt.scheduler.turn_slack)
+        or req.continue_final
+        or not req.add_generation_prompt
+    ):
+        o.reuse["diverged"] = last_reply(req.messages, at)
+        return
+    history, tools = prepare_history(req.messages), req.tools or None
+
+    def render(messages: Any, with_tools: Any) -> list[int]:
+        try:
+            text = rt.template.render(
+                messages, with_tools, add_generation_prompt=False, kwargs=req.template_kwargs
+            )
+        except BadRequest:
+            return []
+        return rt.template.tokenize(lambda t, special: rt.tokenize(t, special), text)
+
+    o.reuse["diverged"] = await asyncio.to_thread(locate, render, history, tools, prompt.tokens, at)
 
 
 def _chat_choice(
@@ -275,6 +358,7 @@ async def _chat_chunks(
     out: ChatOutput,
     meta: Meta,
     token_bytes: TokenBytes,
+    explain: Callable[[Outcome], Awaitable[None]],
 ) -> AsyncGenerator[dict[str, Any], None]:
     head = {**meta.head(), "object": "chat.completion.chunk"}
     n_calls = 0
@@ -329,6 +413,7 @@ async def _chat_chunks(
                 continue
             for c in with_probs(pieces(out.finish())):
                 yield c
+            await explain(item)
             last = with_probs([chunk({}, "tool_calls" if n_calls else item.finish_reason)])[0]
             if item.stop_type == "word":
                 last["choices"][0]["stopping_word"] = item.stopping_word

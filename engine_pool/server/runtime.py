@@ -122,6 +122,9 @@ class Runtime:
         self.template = ChatTemplate(
             choice.source, self.token_text(model.bos), self.token_text(model.eos), origin=choice.origin
         )
+        self.scheduler.turn_slack = await asyncio.to_thread(
+            self.template.generation_prompt_tokens, lambda text, special: engine.tokenize(text, special)
+        )
         self.state = "ready"
         log.info(
             "engine.ready",

@@ -37,6 +37,10 @@ class Sampling:
     ignore_eos: bool = False
     cache_prompt: bool = True
     id_slot: int = -1
+    # Other slots the prompt may start from when they hold more of it (a shared system prompt, a
+    # parent conversation): None = every slot (llama-server's single-tenant view); the gateway
+    # always names them (one tenant's slots), so no tenant reaches another's state.
+    prefix_slots: tuple[int, ...] | None = None
     stop: tuple[str, ...] = ()
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Biases keyed by text, applied to every token of the text's tokenization once it is tokenized
@@ -115,6 +119,7 @@ def read_sampling(
         raise BadRequest(
             f"'id_slot' {id_slot} does not exist (this engine has slots 0..{n_slots - 1})", param="id_slot"
         )
+    values["prefix_slots"] = read_prefix_slots(body, n_slots)
     by_id, by_text = read_logit_bias(body, n_vocab, limits.max_logit_bias, limits.max_text_chars)
     return Sampling(
         **{
@@ -125,6 +130,24 @@ def read_sampling(
             "logit_bias_text": by_text,
         }
     )
+
+
+def read_prefix_slots(body: Body, n_slots: int) -> tuple[int, ...] | None:
+    """`prefix_slots`: distinct slot ids of this engine (None when absent: every slot)."""
+    raw = body.get_list("prefix_slots")
+    if raw is None:
+        return None
+    if len(raw) > n_slots:
+        raise BadRequest(
+            f"'prefix_slots' names {len(raw)} slots; this engine has {n_slots}", param="prefix_slots"
+        )
+    for i, v in enumerate(raw):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n_slots:
+            raise BadRequest(
+                f"'prefix_slots[{i}]' must be a slot id within 0..{n_slots - 1}, got {v!r}"[:200],
+                param="prefix_slots",
+            )
+    return tuple(dict.fromkeys(raw))
 
 
 def _int(v: float | None) -> int | None:
@@ -237,9 +260,11 @@ def to_native(
     grammar: str = "",
     checkpoint_hints: list[int] | None = None,
     extra_bias: dict[int, float] | None = None,
+    n_slots: int = 1,
 ) -> native.RequestParams:
     """The core's RequestParams for a tokenized prompt (stop strings stay in Python)."""
     p = native.RequestParams(prompt)
+    p.prefix_sources = list(range(n_slots)) if s.prefix_slots is None else list(s.prefix_slots)
     p.n_predict = s.n_predict
     p.temperature = s.temperature
     p.top_k = s.top_k

@@ -36,6 +36,7 @@ class SlotView:
     free: bool
     tokens: Sequence[int]
     last_used: float
+    prompt_n: int = 0  # the last prompt it served (0: unknown)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -46,14 +47,21 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def choose_slot(slots: Sequence[SlotView], prompt: Sequence[int]) -> int | None:
+def choose_slot(slots: Sequence[SlotView], prompt: Sequence[int], turn_slack: int = 0) -> int | None:
     """The free slot with the longest common prefix with `prompt`, else the least recently used.
 
     Like the core and llama-server's --slot-prompt-similarity 0.1, a prefix shorter than a tenth of
-    the prompt (or than 2 tokens: a shared BOS) does not count. None when no slot is free.
+    the prompt (or than 2 tokens: a shared BOS) does not count. Unlike llama-server, a prompt that
+    only shares a prefix with that slot's conversation (it leaves the slot's last prompt before its
+    end: a new conversation with the same system prompt) goes to an empty slot when there is one,
+    which starts from the other slot's state (the request's prefix sources) and leaves that
+    conversation where it is. A turn that continues the conversation leaves it at most
+    `turn_slack` tokens before that end (the template's generation prompt, which the next turn
+    renders as the reply). None when no slot is free.
     """
     min_prefix = max(2, len(prompt) // 10)
     best: tuple[int, float, int] | None = None  # (-prefix, last_used, id): smallest wins
+    leaves = False  # the best slot holds another conversation the prompt only shares a prefix with
     for s in slots:
         if not s.free:
             continue
@@ -61,6 +69,12 @@ def choose_slot(slots: Sequence[SlotView], prompt: Sequence[int]) -> int | None:
         key = (-(p if p >= min_prefix else 0), s.last_used, s.id)
         if best is None or key < best:
             best = key
+            leaves = p >= min_prefix and s.prompt_n > 0 and p < s.prompt_n - turn_slack
+    if best is not None and leaves:
+        # Keep that conversation: an empty slot starts from its prefix instead (prefix_sources).
+        empty = [(s.last_used, s.id) for s in slots if s.free and not s.tokens]
+        if empty:
+            return min(empty)[1]
     return None if best is None else best[2]
 
 
@@ -71,6 +85,7 @@ class _Slot:
     tokens: list[int] = field(default_factory=list)
     last_used: float = 0.0
     purpose: str = ""
+    prompt_n: int = 0  # the prompt of its last request (0: unknown, e.g. after a restore)
 
 
 @dataclass
@@ -98,6 +113,8 @@ class SlotScheduler:
         self._fetch = fetch_tokens
         self._refreshing: set[asyncio.Task[None]] = set()
         self._closed = False
+        # Tokens of the chat template's generation prompt (set once the template is known).
+        self.turn_slack = 0
 
     # -- leases ---------------------------------------------------------------------------------
     async def acquire(
@@ -190,13 +207,17 @@ class SlotScheduler:
                 # the others now could put the next turn of a session on a cold slot.
                 target = None
             else:
-                views = [SlotView(s.id, s.state == "free", s.tokens, s.last_used) for s in self._slots]
-                target = choose_slot(views, w.prompt)
+                views = [
+                    SlotView(s.id, s.state == "free", s.tokens, s.last_used, s.prompt_n) for s in self._slots
+                ]
+                target = choose_slot(views, w.prompt, self.turn_slack)
             if target is None:
                 continue
             self._waiters.remove(w)
             self._slots[target].state = "busy"
             self._slots[target].purpose = w.purpose
+            if w.purpose != "save":  # (a save leaves the slot as it was)
+                self._slots[target].prompt_n = len(w.prompt) if w.purpose == "request" else 0
             w.future.set_result(target)
 
     # -- views ----------------------------------------------------------------------------------

@@ -260,3 +260,15 @@ def test_next_turn_on_a_hybrid_model_evaluates_only_the_reply_and_the_new_messag
     assert restored["timings"]["prompt_n"] == live["timings"]["prompt_n"]
     assert restored["usage"]["prompt_tokens_details"]["cached_tokens"] == reply_start
     assert restored["choices"][0]["message"]["content"] == live["choices"][0]["message"]["content"]
+
+
+def test_the_generation_prompt_length_is_measured_from_the_template() -> None:
+    def chars(text: str, add_special: bool) -> list[int]:
+        return [ord(c) for c in text]
+
+    chatml = ChatTemplate(BUILTIN_TEMPLATES["chatml"])
+    assert chatml.generation_prompt_tokens(chars) == len("<|im_start|>assistant\n")
+    thinking = ChatTemplate("{% for m in messages %}{{ m.content }};{% endfor %}"
+                            "{% if add_generation_prompt %}A:<think>\n{% endif %}")  # fmt: skip
+    assert thinking.generation_prompt_tokens(chars) == len("A:<think>\n")
+    assert ChatTemplate("{{ raise_exception('no') }}").generation_prompt_tokens(chars) == 0

@@ -125,7 +125,9 @@ def test_rates_follow_llama_server() -> None:
 
     def timings(**kw: Any) -> Any:
         base = dict(prompt_n=0, cache_n=0, predicted_n=0, prompt_ms=0.0, predicted_ms=0.0)
-        return SimpleNamespace(**(base | {"reuse": "none", "restored": False, "checkpoints_created": 0} | kw))
+        facts = {"reuse": "none", "restored": False, "checkpoints_created": 0, "source_slot": -1,
+                 "candidate_slot": -1, "candidate_n": 0, "candidate_prompt_n": 0, "common_n": 0}  # fmt: skip
+        return SimpleNamespace(**(base | facts | kw))
 
     one = timings_dict(timings(prompt_n=4, prompt_ms=1.5, predicted_n=1, predicted_ms=0.5))
     assert (one["predicted_ms"], one["predicted_per_token_ms"], one["predicted_per_second"]) == (
@@ -143,6 +145,10 @@ def test_rates_follow_llama_server() -> None:
         "restored": True,
         "checkpoints_created": 0,
     }
+    copied = reuse_dict(timings(reuse="checkpoint", source_slot=2, candidate_slot=2, candidate_n=90,
+                                candidate_prompt_n=80, common_n=64))  # fmt: skip
+    assert copied["source_slot"] == 2
+    assert copied["prefix"] == {"slot": 2, "tokens": 90, "prompt_tokens": 80, "common": 64}
 
 
 # -- probabilities ------------------------------------------------------------------------------

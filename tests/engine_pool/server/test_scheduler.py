@@ -34,6 +34,22 @@ def test_least_recently_used_without_a_useful_prefix() -> None:
     assert choose_slot([SlotView(0, False, [], 0.0)], prompt) is None
 
 
+def test_a_prompt_that_only_shares_a_prefix_goes_to_an_empty_slot() -> None:
+    system = list(range(50))
+    held = SlotView(0, True, [*system, *range(100, 140)], 5.0, prompt_n=80)  # its conversation
+    empty = SlotView(1, True, [], 9.0)
+    new = [*system, *range(200, 230)]  # another conversation with the same system prompt
+    assert choose_slot([held, empty], new, 3) == 1  # from slot 0's state; slot 0 keeps its own
+    assert choose_slot([held], new, 3) == 0  # no empty slot: as llama-server, the best prefix
+    nxt = [*system, *range(100, 138), 7]  # its next turn: leaves the slot within its last reply
+    assert choose_slot([held, empty], nxt, 3) == 0
+    retold = [*system, *range(100, 128), 7]  # leaves it 2 tokens before its last prompt ended
+    assert choose_slot([held, empty], retold, 3) == 0
+    assert choose_slot([held, empty], retold, 0) == 1
+    unknown = SlotView(0, True, held.tokens, 5.0)  # restored: its last prompt is not known
+    assert choose_slot([unknown, empty], new, 3) == 0
+
+
 async def _tokens(slot: int) -> list[int]:
     return [slot]
 

@@ -88,9 +88,10 @@ def test_save_other_prompt_restore_into_other_slot(
     assert r3["timings"]["cache_n"] == len(a)
     assert r3["slotkeeper"]["restored"] is True
 
-    # The same request on a slot whose state never left memory: same work, same tokens.
-    complete(c, a, 1)
-    live = complete(c, a + extra, 1)
+    # The same request on a slot whose state never left memory: same work, same tokens (on its
+    # own: from slot 0's state it would evaluate nothing).
+    complete(c, a, 1, prefix_slots=[])
+    live = complete(c, a + extra, 1, prefix_slots=[])
     assert live["timings"]["prompt_n"] == len(extra)
     assert live["tokens"] == r3["tokens"]
 

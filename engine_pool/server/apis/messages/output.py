@@ -99,4 +99,30 @@ def message_object(req: MessagesRequest, chat: dict[str, Any], *, message_id: st
         stop_sequence=sequence,
         usage=usage_object(result.usage),
     )
+    report = chat.get("slotkeeper")
+    if isinstance(report, dict):  # how the prompt's state was served (beside usage)
+        message["slotkeeper"] = report
+    if req.diagnostics:
+        message["diagnostics"] = {"cache_miss_reason": cache_miss_reason(req, report, result.usage)}
     return message
+
+
+# Where a prompt left the state it was compared with (`slotkeeper.diverged.part`) → Anthropic's
+# cache-miss reason. A divergence in the last reply (re-rendered) is no miss.
+_MISSES = {"system": "system_changed", "tools": "tools_changed", "message": "messages_changed"}
+
+
+def cache_miss_reason(req: MessagesRequest, report: Any, usage: Usage) -> dict[str, Any] | None:
+    """Anthropic's `diagnostics.cache_miss_reason` from the engine's report: what changed since the
+    state this session's previous turn left (the comparison is with what the engine held, not with
+    a stored fingerprint of `previous_message_id`). None: a first turn, or nothing missed."""
+    if req.previous_message_id is None or not isinstance(report, dict):
+        return None
+    prefix, diverged = report.get("prefix"), report.get("diverged")
+    if not isinstance(prefix, dict):  # nothing to compare with: this session held no state
+        return {"type": "previous_message_not_found"}
+    part = diverged.get("part") if isinstance(diverged, dict) else None
+    if part not in _MISSES:
+        return None
+    held = int(prefix.get("prompt_tokens") or prefix.get("tokens") or 0)
+    return {"type": _MISSES[part], "cache_missed_input_tokens": max(0, held - usage.cached_tokens)}

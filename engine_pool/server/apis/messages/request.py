@@ -3,7 +3,9 @@
 `parse_request` checks every field this server acts on and refuses, with a 400 naming the field,
 what it cannot do: images, documents and other non-text blocks, server tools (web search, code
 execution, ...), an assistant message last (prefill: the chat path always opens a new assistant
-turn). `cache_control` is accepted anywhere and ignored: the engine reuses every prompt prefix it
+turn). `cache_control` is accepted where Anthropic accepts it (at most `MAX_CACHE_BREAKPOINTS`
+blocks, each `{"type": "ephemeral"}` with an optional `ttl`) and otherwise ignored: the engine reuses
+every prompt prefix it
 holds, marked or not. The conversation is translated to chat messages on the way:
 - a user message's `tool_result` blocks become `tool` messages (an `is_error` result says so in
   its text), its text blocks one user message after them;
@@ -30,6 +32,8 @@ from ..engine_options import engine_options, merge_template_kwargs
 USER_BLOCKS = ("text", "tool_result")
 ASSISTANT_BLOCKS = ("text", "tool_use", "thinking", "redacted_thinking")
 MIN_THINKING_BUDGET = 1024
+MAX_CACHE_BREAKPOINTS = 4  # Anthropic's limit on blocks with `cache_control`
+CACHE_TTLS = ("5m", "1h")
 TOOL_CHOICES = ("auto", "any", "tool", "none")
 THINKING_TYPES = ("enabled", "disabled", "adaptive")
 
@@ -50,6 +54,10 @@ class MessagesRequest:
     thinking: bool | None = None  # None: the template's default
     output_schema: dict[str, Any] | None = None  # output_config.format's JSON schema
     metadata: dict[str, Any] = field(default_factory=dict)
+    # Anthropic's cache diagnostics (`diagnostics.previous_message_id`): asked for (the id may be
+    # null on a first turn), and that id.
+    diagnostics: bool = False
+    previous_message_id: str | None = None
     engine_options: dict[str, Any] = field(default_factory=dict)  # llama-server extras, passed on
 
     @property
@@ -75,6 +83,7 @@ def parse_count_request(data: dict[str, Any], *, max_messages: int) -> MessagesR
 
 
 def _parse(body: Body, model: str, max_tokens: int | None, max_messages: int) -> MessagesRequest:
+    _cache_breakpoints(body)
     tools = _tools(body)
     choice = _tool_choice(body, [t["name"] for t in tools])
     thinking = _thinking(body, max_tokens)
@@ -95,7 +104,64 @@ def _parse(body: Body, model: str, max_tokens: int | None, max_messages: int) ->
         output_schema=_output_schema(body),
         metadata=dict(meta.data) if meta else {},
         engine_options=engine_options(body.data, "messages"),
+        **_diagnostics(body),
     )
+
+
+def _diagnostics(body: Body) -> dict[str, Any]:
+    """`diagnostics: {previous_message_id}` (Anthropic's cache diagnostics): the id of this client's
+    previous response, or null on a first turn; at most 128 characters."""
+    diagnostics = body.get_object("diagnostics")
+    if diagnostics is None:
+        return {}
+    previous = diagnostics.get_str("previous_message_id")
+    if previous is not None and not 0 < len(previous) <= 128:
+        raise BadRequest("'diagnostics.previous_message_id' must be a message id of 1..128 characters",
+                         param="diagnostics.previous_message_id")  # fmt: skip
+    return {"diagnostics": True, "previous_message_id": previous}
+
+
+def _cache_breakpoints(body: Body) -> None:
+    """`cache_control` markers: each `{"type": "ephemeral", "ttl"?}`, at most MAX_CACHE_BREAKPOINTS
+    blocks (system, tools, message content, tool results' content), as Anthropic refuses more."""
+    found = 0
+
+    def check(block: Any, at: str) -> None:
+        nonlocal found
+        if not isinstance(block, dict) or block.get("cache_control") is None:
+            return
+        marker = block["cache_control"]
+        ok = (
+            isinstance(marker, dict)
+            and marker.get("type") == "ephemeral"
+            and marker.get("ttl", "5m") in CACHE_TTLS
+        )
+        if not ok:
+            name = f"{at}.cache_control" if at else "cache_control"
+            raise BadRequest(f"'{name}' must be {{\"type\": \"ephemeral\"}} with an optional 'ttl' of "
+                             f"{' or '.join(CACHE_TTLS)}", param=name)  # fmt: skip
+        found += 1
+
+    def blocks(value: Any, at: str) -> None:
+        if isinstance(value, list):
+            for j, block in enumerate(value):
+                check(block, f"{at}[{j}]")
+                if isinstance(block, dict) and block.get("type") == "tool_result":
+                    blocks(block.get("content"), f"{at}[{j}].content")
+
+    top = body.raw("cache_control")
+    if top is not None:
+        check({"cache_control": top}, "")
+        found -= 1  # the top-level marker is automatic caching, not a block
+    blocks(body.raw("system"), "system")
+    blocks(body.raw("tools"), "tools")
+    messages = body.raw("messages")
+    for i, m in enumerate(messages if isinstance(messages, list) else []):
+        if isinstance(m, dict):
+            blocks(m.get("content"), f"messages[{i}].content")
+    if found > MAX_CACHE_BREAKPOINTS:
+        raise BadRequest(f"A maximum of {MAX_CACHE_BREAKPOINTS} blocks with cache_control may be provided. "
+                         f"Found {found}.", param="cache_control")  # fmt: skip
 
 
 def _stop_sequences(body: Body) -> tuple[str, ...]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from ....errors import ApiError, error_payload
 from ..chat_result import Call, CallArgs, CallStart, ChunkReader, Finish, Reasoning, Text, Usage, UsageSeen
-from .output import message_shell, stop_reason, tool_input, tool_use_id, usage_object
+from .output import cache_miss_reason, message_shell, stop_reason, tool_input, tool_use_id, usage_object
 from .request import MessagesRequest
 
 Event = tuple[str, dict[str, Any]]
@@ -47,18 +47,23 @@ class MessageStream:
         self._calls: dict[int, _Block | None] = {}  # chat call index -> its block (None: dropped)
         self._finish: str | None = None
         self._stopping_word = ""
+        self._report: dict[str, Any] | None = None  # the engine's `slotkeeper` (how it reused the prompt)
 
     def _start(self) -> list[Event]:
         if self._started:
             return []
         self._started = True
         message = message_shell(self.req, message_id=self.message_id, model=self._reader.model)
+        if self.req.diagnostics:
+            message["diagnostics"] = {"cache_miss_reason": None}
         return [("message_start", {"type": "message_start", "message": message})]
 
     def feed(self, chunk: dict[str, Any]) -> list[Event]:
         if self._ended:
             return []
         pieces = self._reader.feed(chunk)
+        if isinstance(chunk.get("slotkeeper"), dict):
+            self._report = chunk["slotkeeper"]
         out = self._start()
         for piece in pieces:
             if isinstance(piece, Reasoning):
@@ -158,6 +163,10 @@ class MessageStream:
             "delta": {"stop_reason": reason, "stop_sequence": sequence},
             "usage": usage_object(usage),
         }
+        if self._report is not None:
+            delta["slotkeeper"] = self._report
+        if self.req.diagnostics:  # (message_start said null: the comparison was not done then)
+            delta["diagnostics"] = {"cache_miss_reason": cache_miss_reason(self.req, self._report, usage)}
         out.append(("message_delta", delta))
         out.append(("message_stop", {"type": "message_stop"}))
         return out

@@ -155,4 +155,6 @@ def response_object(
     )
     output = output_items(result, parallel_tool_calls=req.parallel_tool_calls)
     finalize(response, output, result.finish_reason, result.usage)
+    if isinstance(chat.get("slotkeeper"), dict):  # how the prompt's state was served (beside usage)
+        response["slotkeeper"] = chat["slotkeeper"]
     return response

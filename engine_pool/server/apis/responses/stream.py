@@ -60,6 +60,7 @@ class ResponseStream:
         self._open: _Item | None = None
         self._calls: dict[int, _Item | None] = {}  # chat call index -> its item (None: dropped)
         self._finish: str | None = None
+        self._report: dict[str, Any] | None = None  # the engine's `slotkeeper` (how it reused the prompt)
         self._ended = False
 
     # -- events -------------------------------------------------------------------------------
@@ -91,6 +92,8 @@ class ResponseStream:
         if self._ended:
             return []
         pieces = self._reader.feed(chunk)
+        if isinstance(chunk.get("slotkeeper"), dict):
+            self._report = chunk["slotkeeper"]
         out = self._start()
         for piece in pieces:
             if isinstance(piece, Reasoning):
@@ -243,6 +246,8 @@ class ResponseStream:
         self._ended = True
         response = self._shell("in_progress")
         finalize(response, [i.done for i in self._items if i.done is not None], self._finish, usage)
+        if self._report is not None:
+            response["slotkeeper"] = self._report
         self.response = response
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         out.append(self._event(kind, response=response))

@@ -81,3 +81,49 @@ def test_arguments_that_are_not_an_object_are_kept_whole() -> None:
 def test_stop_reasons(finish: str, word: str, reason: str, sequence: str | None) -> None:
     m = message(completion("text", finish=finish, stopping_word=word), stop_sequences=["END"])
     assert (m.stop_reason, m.stop_sequence) == (reason, sequence)
+
+
+@pytest.mark.parametrize(
+    ("report", "previous", "reason"),
+    [
+        (
+            {"prefix": {"tokens": 90, "prompt_tokens": 80, "common": 10}, "diverged": {"part": "system"}},
+            "msg_0",
+            {"type": "system_changed", "cache_missed_input_tokens": 70},
+        ),
+        (
+            {"prefix": {"tokens": 90, "prompt_tokens": 80, "common": 30}, "diverged": {"part": "tools"}},
+            "msg_0",
+            {"type": "tools_changed", "cache_missed_input_tokens": 70},
+        ),
+        (
+            {
+                "prefix": {"tokens": 90, "prompt_tokens": 80, "common": 50},
+                "diverged": {"part": "message", "message": 2, "role": "user"},
+            },
+            "msg_0",
+            {"type": "messages_changed", "cache_missed_input_tokens": 70},
+        ),
+        (
+            {"prefix": {"tokens": 90, "prompt_tokens": 80, "common": 78}, "diverged": {"part": "reply"}},
+            "msg_0",
+            None,
+        ),
+        ({"served": "cold"}, "msg_0", {"type": "previous_message_not_found"}),
+        (
+            {"prefix": {"tokens": 90, "prompt_tokens": 80, "common": 10}, "diverged": {"part": "system"}},
+            None,
+            None,
+        ),
+    ],
+)
+def test_cache_diagnostics_from_the_engines_report(
+    report: dict[str, Any], previous: Any, reason: Any
+) -> None:
+    chat = {**completion("ok", prompt=100, cached=10), "slotkeeper": report}
+    m = message(chat, diagnostics={"previous_message_id": previous})
+    assert m.diagnostics is not None
+    got = m.diagnostics.cache_miss_reason
+    assert (None if got is None else got.model_dump(exclude_none=True)) == reason
+    assert (m.model_extra or {})["slotkeeper"] == report
+    assert message(chat).diagnostics is None  # not asked for: not answered

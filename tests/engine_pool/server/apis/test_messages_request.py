@@ -367,3 +367,57 @@ def test_messages_and_blocks_are_bounded() -> None:
             {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 3}]}, max_messages=2
         )
     assert exc.value.param == "messages[0].content"
+
+
+EPHEMERAL = {"type": "ephemeral"}
+
+
+def test_cache_breakpoints_as_anthropic_bounds_them() -> None:
+    marked = {"type": "text", "text": "x", "cache_control": EPHEMERAL}
+    four = {
+        "system": [marked, marked],
+        "tools": [WEATHER],
+        "cache_control": EPHEMERAL,
+        "messages": [
+            {"role": "user", "content": [{**marked, "cache_control": {"type": "ephemeral", "ttl": "1h"}}]}
+        ],
+    }
+    assert parse(four).system == "x\nx"  # four blocks, and the top-level marker (automatic caching)
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": [marked]}
+    five = {**four, "messages": [{"role": "user", "content": [result, marked]}]}
+    with pytest.raises(BadRequest) as exc:
+        parse(five)
+    assert exc.value.message == "A maximum of 4 blocks with cache_control may be provided. Found 5."
+    with pytest.raises(BadRequest) as exc:  # a thousand of them: the same precise refusal
+        parse({"system": [marked] * 1000, "messages": USER}, max_messages=4096)
+    assert exc.value.param == "cache_control" and "Found 1000" in exc.value.message
+
+
+@pytest.mark.parametrize(
+    ("marker", "param"),
+    [
+        ({"type": "persistent"}, "system[0].cache_control"),
+        ({"type": "ephemeral", "ttl": "1d"}, "system[0].cache_control"),
+        ("ephemeral", "system[0].cache_control"),
+    ],
+)
+def test_a_malformed_cache_control_is_named(marker: Any, param: str) -> None:
+    with pytest.raises(BadRequest) as exc:
+        parse({"system": [{"type": "text", "text": "x", "cache_control": marker}], "messages": USER})
+    assert exc.value.param == param
+    with pytest.raises(BadRequest) as exc:
+        parse({"cache_control": marker, "messages": USER})
+    assert exc.value.param == "cache_control"
+
+
+def test_cache_diagnostics_are_read() -> None:
+    assert parse({"messages": USER}).diagnostics is False
+    asked = parse({"messages": USER, "diagnostics": {"previous_message_id": None}})
+    assert (asked.diagnostics, asked.previous_message_id) == (True, None)
+    assert (
+        parse({"messages": USER, "diagnostics": {"previous_message_id": "msg_1"}}).previous_message_id
+        == "msg_1"
+    )
+    for bad in ({"previous_message_id": "m" * 129}, {"previous_message_id": 7}, []):
+        with pytest.raises(BadRequest):
+            parse({"messages": USER, "diagnostics": bad})

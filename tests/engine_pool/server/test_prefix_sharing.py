@@ -1,0 +1,133 @@
+"""`slotkeeper engine` as a llama-server drop-in, for prompts that share a prefix: a new
+conversation with another's system prompt starts from that slot's state (and leaves it there), a
+caller can name or forbid the slots it may start from, and every answer says what it was compared
+with and, on a miss, which part of the conversation changed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from ..conftest import CHECKPOINT_ARGS, EngineProcess
+
+SYSTEM = "You are a careful coding agent. Read the files, run the tests, fix what fails. " * 6
+PATH = {"type": "object", "properties": {"path": {"type": "string"}}}
+TOOLS = [
+    {"type": "function", "function": {"name": "read_file", "description": "Read a file", "parameters": PATH}}
+]
+
+
+@pytest.fixture(scope="module")
+def engine(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+    log = tmp_path_factory.mktemp("prefix") / "engine.log"
+    with EngineProcess(
+        models["qwen35"], "-np", "3", "-c", "3072", *CHECKPOINT_ARGS, log_path=log
+    ).running() as e:
+        yield e
+
+
+@pytest.fixture
+def client(engine: EngineProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=engine.url, timeout=60.0) as c:
+        for slot in range(3):
+            assert c.post(f"/slots/{slot}", params={"action": "erase"}).status_code == 200
+        yield c
+
+
+def chat(c: httpx.Client, user: str, system: str = SYSTEM, **extra: Any) -> dict[str, Any]:
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+            "tools": TOOLS, "max_tokens": 6, "temperature": 0, **extra}  # fmt: skip
+    r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def test_a_new_conversation_starts_from_another_slots_system_prompt(client: httpx.Client) -> None:
+    first = chat(client, "Fix the failing test in parser.py.")
+    assert first["slotkeeper"]["served"] == "cold" and first["timings"]["cache_n"] == 0
+    second = chat(client, "Add a changelog entry for the release.")
+    assert second["id_slot"] != first["id_slot"]  # the first conversation stays in its slot
+    report = second["slotkeeper"]
+    assert report["served"] == "prefix" and report["source_slot"] == first["id_slot"]
+    n_prompt = second["usage"]["prompt_tokens"]
+    assert second["timings"]["cache_n"] > 0.8 * n_prompt  # the system prompt and tools: not evaluated
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == second["timings"]["cache_n"]
+    # Where the two conversations part: in the user message (index 1), not an earlier part.
+    assert report["diverged"]["part"] == "message" and report["diverged"]["message"] == 1
+    # The same prompt evaluated from scratch in the same slot gives the same answer.
+    client.post(f"/slots/{second['id_slot']}", params={"action": "erase"})
+    scratch = chat(
+        client, "Add a changelog entry for the release.", id_slot=second["id_slot"], prefix_slots=[]
+    )
+    assert scratch["timings"]["cache_n"] == 0
+    assert scratch["choices"][0]["message"] == second["choices"][0]["message"]
+
+
+def test_the_caller_names_the_slots_a_prompt_may_start_from(client: httpx.Client) -> None:
+    first = chat(client, "Fix the failing test in parser.py.", id_slot=0)
+    none = chat(client, "Another task entirely.", id_slot=1, prefix_slots=[])
+    assert none["timings"]["cache_n"] == 0 and "source_slot" not in none["slotkeeper"]
+    named = chat(client, "A third task.", id_slot=2, prefix_slots=[first["id_slot"]])
+    assert named["slotkeeper"]["source_slot"] == 0
+
+
+def test_a_miss_names_the_part_that_changed(client: httpx.Client) -> None:
+    chat(client, "Fix the failing test in parser.py.", id_slot=0)
+    edited = chat(client, "Fix the failing test in parser.py.", system=SYSTEM.replace("careful", "careless"),
+                  id_slot=0)  # fmt: skip
+    assert edited["slotkeeper"]["diverged"]["part"] == "system"
+    assert edited["timings"]["prompt_n"] > 0.8 * edited["usage"]["prompt_tokens"]
+
+
+def test_a_continued_conversation_leaves_its_state_in_the_last_reply(client: httpx.Client) -> None:
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi."}]
+    first = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0,
+                                                     "id_slot": 0}).json()  # fmt: skip
+    msgs += [first["choices"][0]["message"], {"role": "user", "content": "Go on."}]
+    nxt = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0,
+                                                   "id_slot": 0}).json()  # fmt: skip
+    diverged = nxt["slotkeeper"].get("diverged")
+    assert diverged is None or diverged["part"] == "reply"  # never a miss in an earlier part
+    assert nxt["slotkeeper"]["prefix"]["slot"] == 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"prefix_slots": [3]}, "prefix_slots"),
+        ({"prefix_slots": [0, 1, 2, 0]}, "prefix_slots"),
+        ({"prefix_slots": "0"}, "prefix_slots"),
+        ({"prefix_slots": [True]}, "prefix_slots"),
+        ({"slotkeeper": {"served": "teleported"}}, "slotkeeper.served"),
+        ({"slotkeeper": {"rules": ["x" * 65]}}, "slotkeeper.rules"),
+        ({"slotkeeper": {"rules": [f"r{i}" for i in range(17)]}}, "slotkeeper.rules"),
+        ({"slotkeeper": []}, "slotkeeper"),
+    ],
+)
+def test_bad_prefix_fields_are_refused_precisely(
+    client: httpx.Client, extra: dict[str, Any], param: str
+) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **extra}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_the_openai_client_reads_the_report(engine: EngineProcess, client: httpx.Client) -> None:
+    oa = openai.OpenAI(base_url=engine.url + "/v1", api_key="none", max_retries=0)
+    try:
+        msgs: Any = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "One."}]
+        oa.chat.completions.create(model="m", messages=msgs, max_tokens=4, temperature=0)
+        msgs = [msgs[0], {"role": "user", "content": "Two."}]
+        done = oa.chat.completions.create(model="m", messages=msgs, max_tokens=4, temperature=0)
+        assert done.model_extra is not None and done.model_extra["slotkeeper"]["served"] == "prefix"
+        assert done.usage is not None and done.usage.prompt_tokens_details is not None
+        assert done.usage.prompt_tokens_details.cached_tokens > 0
+    finally:
+        oa.close()
