@@ -149,17 +149,20 @@ class Cluster:
         return cache.refs.get(engine_id)
 
     async def snapshot(
-        self, model: str, holder: tuple[str, str] | None = None, *, with_tenant_engines: bool = False
-    ) -> tuple[list[EngineView], dict[str, EngineRef]]:
+        self, model: str, holder: tuple[str, str] | None = None, *, with_tenant_engines: bool = False,
+        also: str | None = None,
+    ) -> tuple[list[EngineView], dict[str, EngineRef]]:  # fmt: skip
         """Engines serving `model` and who sits in their slots, in one round trip whatever the
         pool's and the index's size: above `sample` engines, a random sample of them (the best
-        free slot or LRU victim among those: power-of-d choices), plus, `with_tenant_engines`, every
-        engine holding one of the holder tenant's live sessions (its live-slot quota counts them).
-        `holder` is the session whose lock the caller holds: its own slot is not busy for it. Also
-        returns those engines by id (their URLs and nodes)."""
+        free slot or LRU victim among those: power-of-d choices), plus `also` (an engine the caller
+        would prefer) and, `with_tenant_engines`, every engine holding one of the holder tenant's
+        live sessions (its live-slot quota counts them). `holder` is the session whose lock the
+        caller holds: its own slot is not busy for it. Also returns those engines by id (their
+        URLs and nodes)."""
         serving = await self.engines(model)
         if len(serving) > self.sample:
             picked = set(self._random.sample(range(len(serving)), self.sample))
+            picked |= {i for i, e in enumerate(serving) if e.engine == also}
             if with_tenant_engines and holder is not None:
                 own = await self.index.tenant_live_engines(holder[0])
                 picked |= {i for i, e in enumerate(serving) if e.engine in own}

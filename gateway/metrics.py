@@ -27,6 +27,19 @@ class Metrics:
         self.prompt_tokens = Counter(
             "slotkeeper_gateway_prompt_tokens", "Prompt tokens evaluated vs reused", ["kind"], registry=r
         )
+        self.tenant_prompt_tokens = Counter(
+            "slotkeeper_gateway_tenant_prompt_tokens",
+            "Prompt tokens evaluated vs reused, by tenant and how the session was served (live, restored, "
+            "prefix: from a slot of the tenant sharing its prefix, stored-prefix, cold)",
+            ["tenant", "kind", "served"],
+            registry=r,
+        )
+        self.volatile_blocks = Counter(
+            "slotkeeper_gateway_volatile_blocks",
+            "Requests a volatile-block rule changed before rendering, by rule",
+            ["rule"],
+            registry=r,
+        )
         self.restores_reprefilled = Counter(
             "slotkeeper_gateway_restores_reprefilled",
             "Restored turns that still re-evaluated the whole prompt (alert on this)",
@@ -71,13 +84,15 @@ class Metrics:
             registry=r,
         )
 
-    def turn_served(self, cache: str, timings: dict[str, Any]) -> None:
-        """One turn's prompt tokens, from the engine's `timings` (llama-server's numbers: how the
-        prefix was reused is the engine's `slotkeeper` field, not read here); `cache` is how the
-        gateway placed the session (a restore that reused nothing is counted)."""
+    def turn_served(self, tenant: str, cache: str, timings: dict[str, Any]) -> None:
+        """One turn's prompt tokens, from the engine's `timings` (llama-server's numbers); `cache`
+        is how the session was served (`X-Slotkeeper-Cache`: a restore that reused nothing is
+        counted). Tenants come from the tenants file: the label's values are bounded."""
         prompt_n, cache_n = int(timings.get("prompt_n", 0)), int(timings.get("cache_n", 0))
         self.prompt_tokens.labels("evaluated").inc(prompt_n)
         self.prompt_tokens.labels("reused").inc(cache_n)
+        self.tenant_prompt_tokens.labels(tenant, "evaluated", cache).inc(prompt_n)
+        self.tenant_prompt_tokens.labels(tenant, "reused", cache).inc(cache_n)
         if cache == "restored" and timings and cache_n == 0:
             self.restores_reprefilled.inc()
 

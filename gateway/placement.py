@@ -49,6 +49,17 @@ class Placement:
     slot: int
     serve: Serve
     evict: SlotView | None = None  # an idle session to spill out of the slot first
+    prefix_slots: tuple[int, ...] = ()  # slots of the engine the prompt may start from (same tenant)
+    prefix_from: str | None = None  # the session whose state it starts from: live on the engine,
+    prefix_stored: bool = False  # or (True) its stored prefix, filled into the slot
+
+
+def prefix_slots(engine: EngineView, tenant: str, slot: int) -> tuple[int, ...]:
+    """The engine's slots (other than `slot`) holding the tenant's sessions: a prompt sharing a
+    prefix with one of them may start from its state. Never another tenant's."""
+    return tuple(
+        s.slot for s in engine.slots if s.tenant == tenant and s.session is not None and s.slot != slot
+    )
 
 
 def reserved(engines: list[EngineView], taken: Set[tuple[str, int]]) -> list[EngineView]:
@@ -71,11 +82,17 @@ class LiveSlotsExhausted(Exception):
 
 
 def choose_placement(
-    engines: list[EngineView], model: str, session: SessionView, live_limit: int | None = None
-) -> Placement:
+    engines: list[EngineView], model: str, session: SessionView, live_limit: int | None = None,
+    prefer: str | None = None,
+) -> Placement:  # fmt: skip
     """Live → its own slot. Otherwise a free slot of a ready engine with the model (the engine with
     most free slots first), else the least recently used idle slot there, whose session is evicted.
     Busy slots are never evicted. Raises NoCapacity when nothing is idle.
+
+    `prefer`: an engine holding the state the session would start from (its shared prefix, a
+    parent it forks): a free slot there before any other; with no free slot anywhere, its least
+    recently used idle slot is the victim — the state copied on the engine saves a prefill, and
+    nobody is evicted for it who would not be anyway.
 
     `live_limit` is the tenant's live-slot quota, counted after the placement whoever is evicted:
     a tenant already holding that many slots makes room by evicting its OWN least recently used idle
@@ -107,10 +124,17 @@ def choose_placement(
     def free(e: EngineView) -> list[SlotView]:
         return [s for s in e.slots if not s.busy and s.session is None]
 
+    preferred = next((e for e in candidates if e.engine == prefer), None)
+    if preferred is not None and free(preferred):
+        return Placement(preferred.engine, free(preferred)[0].slot, serve)
     with_free = sorted((e for e in candidates if free(e)), key=lambda e: (-len(free(e)), e.engine))
     if with_free:
         return Placement(with_free[0].engine, free(with_free[0])[0].slot, serve)
+    # Nothing free: someone is evicted anyway; there, the preferred engine's LRU idle session.
     idle = [(s.last_used, e.engine, s) for e in candidates for s in e.slots if not s.busy]
+    idle_there = [t for t in idle if t[1] == prefer]
+    if idle_there:
+        idle = idle_there
     if not idle:
         raise NoCapacity(f"all slots for model {model!r} are busy")
     _, engine, victim = min(idle, key=lambda t: (t[0], t[1], t[2].slot))

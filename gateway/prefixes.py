@@ -1,10 +1,15 @@
-"""Implicit session routing: digests of canonical message prefixes.
+"""Digests of canonical message prefixes: implicit session routing and shared prefixes.
 
 An agent that resends its history should land on its session without sending any id. After each
 turn the gateway records the digest of every history prefix that ends with an assistant message
 (a complete turn); a new request is looked up by the digests of its own prefixes, longest first.
-Prefixes that end elsewhere (the shared system prompt, a first user message) are never recorded, so
-two conversations that merely start alike stay apart.
+Prefixes that end elsewhere (the shared system prompt, a first user message) never route, so two
+conversations that merely start alike stay apart.
+
+What such conversations do share is their *shared prefix*: the tools and the leading system (or
+developer) messages, the same for every session an agent starts. Its digest (`shared_digest`)
+finds a session of the tenant that holds the prefix's state (gateway.shared), and scopes the
+session ids agents send (gateway.session_keys).
 
 Canonical form: role, the text of the content (string or text parts joined), tool calls as
 (name, arguments parsed as JSON when possible), tool_call_id and name; whitespace and key order in
@@ -79,3 +84,18 @@ def turn_digests(messages: Sequence[Mapping[str, Any]], model: str) -> list[str]
 def lookup_digests(messages: Sequence[Mapping[str, Any]], model: str) -> list[str]:
     """The digests to look a request up by, longest prefix first (only complete turns count)."""
     return list(reversed(turn_digests(messages, model)))
+
+
+def shared_digest(messages: Sequence[Mapping[str, Any]], tools: Any, model: str) -> str | None:
+    """Digest of the tools and the leading system/developer messages (scoped by the model), or
+    None when there are neither."""
+    n = 0
+    while n < len(messages) and messages[n].get("role") in ("system", "developer"):
+        n += 1
+    if not n and not tools:
+        return None
+    h = hashlib.sha256(b"shared\x1e" + model.encode())
+    h.update(json.dumps(tools or [], sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode())
+    for message in messages[:n]:
+        h.update(b"\x1e" + canonical_message(message).encode())
+    return h.hexdigest()[:32]

@@ -34,6 +34,7 @@ class TurnOutcome:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     usage: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, Any] = field(default_factory=dict)  # numbers only (prompt_n, cache_n, ...)
+    report: dict[str, Any] = field(default_factory=dict)  # the engine's `slotkeeper` (how it reused)
     error: str = ""
     body: bytes = b""  # a non-streamed answer's bytes as the engine sent them
 
@@ -137,8 +138,9 @@ async def forward_json(
         raise Upstream(f"the engine answered {resp.status} without a JSON object")
     if resp.status != 200:
         raise _upstream_error(resp.status, payload)
+    report = payload.get("slotkeeper")
     out = TurnOutcome(ok=True, usage=payload.get("usage") or {}, timings=payload.get("timings") or {},
-                      body=raw)  # fmt: skip
+                      report=report if isinstance(report, dict) else {}, body=raw)  # fmt: skip
     choices = payload.get("choices") or [{}]
     message = choices[0].get("message") or {}
     out.content = message.get("content") or choices[0].get("text") or ""
@@ -227,6 +229,8 @@ class StreamRelay:
             self.outcome.usage = chunk["usage"]
         if chunk.get("timings"):
             self.outcome.timings = chunk["timings"]
+        if isinstance(chunk.get("slotkeeper"), dict):
+            self.outcome.report = chunk["slotkeeper"]
         for choice in chunk.get("choices") or []:
             if choice.get("index", 0) != 0:
                 continue  # the session continues with the first choice

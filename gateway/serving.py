@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
 from starlette.background import BackgroundTask
@@ -30,7 +30,10 @@ from engine_pool.errors import (
     Unauthorized,
     Unavailable,
 )
+from engine_pool.server.apis.volatile import apply_rules
 from gateway.early import EarlyCall, EarlyStart
+from gateway.placement import Placement, Serve
+from gateway.prefixes import shared_digest
 from gateway.relay import StreamRelay, TurnOutcome, engine_body, forward_json, input_tokens
 from gateway.services import Services
 from gateway.tenants import Tenant
@@ -140,16 +143,62 @@ async def forward_stateless(svc: Services, model: str, path: str, data: dict[str
     return payload
 
 
-def _engine_fields(body: dict[str, Any], model: str, slot: int) -> dict[str, Any]:
-    """The gateway's fields over the tenant's: the slot is never theirs to choose."""
-    fields: dict[str, Any] = {"id_slot": slot, "model": model, "cache_prompt": True}
+def _engine_fields(
+    body: dict[str, Any], model: str, placement: Placement | EarlyStart, rules: list[str]
+) -> dict[str, Any]:
+    """The gateway's fields over the tenant's: the slot, and the slots its prompt may start from
+    (the tenant's own on that engine), are never theirs to choose."""
+    prefix = placement.prefix_slots if isinstance(placement, Placement) else ()
+    context: dict[str, Any] = {"served": served_as(placement)}
+    if rules:
+        context["rules"] = rules
+    fields: dict[str, Any] = {"id_slot": placement.slot, "model": model, "cache_prompt": True,
+                              "prefix_slots": list(prefix), "slotkeeper": context}  # fmt: skip
     if "prompt_cache_key" in body:
         fields["prompt_cache_key"] = None  # (the gateway's: it named the session)
     return fields
 
 
-def session_headers(turn: Turn) -> dict[str, str]:
-    return {"X-Session-Id": turn.session, "X-Slotkeeper-Cache": turn.placement.serve.value}
+def served_as(placement: Placement | EarlyStart) -> str:
+    """How the gateway served the session, as `X-Slotkeeper-Cache` and `slotkeeper.served` say
+    it: its live slot, its own stored state, the live slot of the session holding its shared prefix
+    (or of the parent it forks) on the same engine, that session's stored prefix, or nothing."""
+    if not isinstance(placement, Placement):
+        return Serve.LIVE.value  # an early start goes to the session's own slot
+    if placement.serve is Serve.COLD and placement.prefix_from is not None:
+        return "stored-prefix" if placement.prefix_stored else "prefix"
+    return placement.serve.value
+
+
+def session_headers(turn: Turn, report: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """`X-Session-Id`, and `X-Slotkeeper-Cache`: how the session was served — the engine's word when
+    its answer is in hand (`report`: a slot of the tenant it started from is `prefix`)."""
+    served = (report or {}).get("served")
+    if not isinstance(served, str) or served not in SERVED:
+        served = served_as(turn.placement)
+    return {"X-Session-Id": turn.session, "X-Slotkeeper-Cache": served}
+
+
+SERVED = frozenset({"live", "restored", "prefix", "stored-prefix", "cold"})
+# What the gateway sets in an engine body (never the tenant's: `_engine_fields`), and the tenant's
+# own session key: a tokenization for the prompt sends none of them.
+_GATEWAY_FIELDS = frozenset({"prompt_cache_key", "id_slot", "prefix_slots", "slotkeeper"})
+
+
+def normalised(
+    svc: Services, tenant: Tenant, body: dict[str, Any], messages: list[dict[str, Any]], raw: bytes | None
+) -> tuple[dict[str, Any], list[dict[str, Any]], bytes | None, list[str]]:
+    """The request with the tenant's volatile-block rules applied (engine_pool.server.apis.volatile):
+    the same objects when none matched (the tenant's bytes are sent on), else new ones (encoded
+    again), and the names of the rules that changed it (counted)."""
+    if not tenant.volatile:
+        return body, messages, raw, []
+    changed, hits = apply_rules(messages, tenant.volatile)
+    if not hits:
+        return body, messages, raw, []
+    for name in hits:
+        svc.metrics.volatile_blocks.labels(name).inc()
+    return {**body, "messages": changed}, changed, None, hits
 
 
 async def serve_turn(
@@ -170,23 +219,24 @@ async def serve_turn(
     caller already knows it (a `previous_response_id`), else the usual resolution runs. The
     bookkeeping after the answer runs beside sending it (`TurnRunner.finish_soon`)."""
     svc: Services = request.app.state.services
+    body, messages, raw, rules = normalised(svc, tenant, body, messages, raw)
     session_id, source = session or await svc.runner.resolve(tenant, request.headers, body, model)
     prompt = None
     if path == CHAT_PATH:  # a restore for a conversation that left the stored one early: cut it
 
         async def tokens(engine_url: str) -> list[int] | None:
-            upstream = {k: v for k, v in body.items() if k not in ("prompt_cache_key", "id_slot")}
+            upstream = {k: v for k, v in body.items() if k not in _GATEWAY_FIELDS}
             upstream.update(model=model, cache_prompt=True)
             return await input_tokens(svc.engines, engine_url.rstrip("/") + CHAT_PATH, upstream)
 
-        prompt = RestorePrompt(messages, tokens)
+        prompt = RestorePrompt(messages, tokens, shared_digest(messages, body.get("tools"), model))
     streamed = bool(body.get("stream"))
     early: EarlyCall[Any] | None = None
 
     def launch(where: EarlyStart) -> None:
         nonlocal early
         url = where.url.rstrip("/") + path
-        data = engine_body(raw, body, _engine_fields(body, model, where.slot))
+        data = engine_body(raw, body, _engine_fields(body, model, where, rules))
         if streamed:
             early = EarlyCall(StreamRelay.open(svc.engines, url, data, where.headers()), StreamRelay.close)
         else:
@@ -203,8 +253,8 @@ async def serve_turn(
         early.discard()
         svc.metrics.early_starts.labels("abandoned").inc()
         early = None
-    data = engine_body(raw, body, _engine_fields(body, model, turn.placement.slot))
-    svc.metrics.served.labels(turn.placement.serve.value).inc()
+    data = engine_body(raw, body, _engine_fields(body, model, turn.placement, rules))
+    svc.metrics.served.labels(served_as(turn.placement)).inc()
     url = turn.engine_url.rstrip("/") + path
     t0 = early.started if early is not None else time.perf_counter()
 
@@ -229,11 +279,12 @@ async def serve_turn(
             svc.runner.finish_soon(turn, messages, TurnOutcome(error="cancelled"))
             raise
         svc.metrics.ttft.observe(time.perf_counter() - t0)
-        svc.metrics.turn_served(turn.placement.serve.value, outcome.timings)
+        headers = session_headers(turn, outcome.report)
+        svc.metrics.turn_served(tenant.name, headers["X-Slotkeeper-Cache"], outcome.timings)
         svc.runner.finish_soon(turn, messages, outcome)
         if answer is None:  # passed through: the engine's bytes, not encoded again
-            return Response(outcome.body, media_type="application/json", headers=session_headers(turn))
-        return JSONResponse(answer, headers=session_headers(turn))
+            return Response(outcome.body, media_type="application/json", headers=headers)
+        return JSONResponse(answer, headers=headers)
     try:
         if early is not None:
             relay, refused = await early.result(lambda: StreamRelay.open(svc.engines, url, data))
@@ -255,7 +306,8 @@ async def serve_turn(
                     yield data
         finally:
             # Also when the client went away mid-stream: the session must not stay locked.
-            svc.metrics.turn_served(turn.placement.serve.value, relay.outcome.timings)
+            served = session_headers(turn, relay.outcome.report)["X-Slotkeeper-Cache"]
+            svc.metrics.turn_served(tenant.name, served, relay.outcome.timings)
             svc.runner.finish_soon(turn, messages, relay.outcome)
 
     async def settle() -> None:

@@ -18,9 +18,17 @@ The tenants file is TOML:
     inflight = 16                        # requests running at once (default: --max-inflight)
 
     [tenants.acme.storage]
-    share_chunks = true                  # sessions share stored chunks they have in common (forks,
-                                         # a system prompt); false keeps each session's chunks its own
+    share_chunks = true                  # sessions share what they have in common: stored chunks
+                                         # (forks, a system prompt) and prefix states (a new session
+                                         # starts from another's system prompt and tools); false
+                                         # keeps each session's state its own
     idle_ttl_s = 2592000                 # a session unused this long is deleted (default: never)
+
+    [[tenants.acme.volatile]]            # a volatile block (engine_pool/server/apis/volatile.py):
+    name = "request-stamp"               # lines matching `pattern` are dropped or moved to the end
+    pattern = "^Request: [0-9a-f]{8}$"   # of the prompt before rendering; the built-in rules
+    action = "drop"                      # (Claude Code's billing header) come first, unless
+    scope = "system"                     # `volatile_builtins = false`; "all": every message
 
 Without a file there is one tenant, `default`, with no key and no quotas (local use); when one model
 is served, any model name reaches it (agents send their own names: `claude-…`, `gpt-…`), as with
@@ -38,7 +46,10 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
+from engine_pool.server.apis.volatile import BUILTIN_RULES, RuleError, VolatileRule, make_rule
 from storage.ids import validate_id
+
+MAX_VOLATILE_RULES = 32
 
 
 class Durability(StrEnum):
@@ -65,6 +76,7 @@ class Tenant:
     share_chunks: bool = True  # stored chunks shared between the tenant's sessions (never tenants)
     idle_ttl_s: float | None = None  # sessions unused this long are deleted
     any_name: bool = False  # any model name means the one served model (no tenants file)
+    volatile: tuple[VolatileRule, ...] = BUILTIN_RULES  # applied to every request, in order
 
     def model_id(self, requested: str, served: set[str]) -> str | None:
         """The served model a requested name means for this tenant, else None: an exact alias, the
@@ -141,6 +153,32 @@ def _storage(raw: Any, where: str) -> tuple[bool, float | None]:
     return share, None if ttl is None else float(ttl)
 
 
+def _volatile(raw: dict[str, Any], where: str) -> tuple[VolatileRule, ...]:
+    builtins = raw.get("volatile_builtins", True)
+    if not isinstance(builtins, bool):
+        raise TenantConfigError(f"{where}.volatile_builtins must be true or false")
+    rules = raw.get("volatile", [])
+    if not isinstance(rules, list) or not all(isinstance(r, dict) for r in rules):
+        raise TenantConfigError(f"{where}.volatile must be an array of tables ([[{where}.volatile]])")
+    if len(rules) > MAX_VOLATILE_RULES:
+        raise TenantConfigError(f"{where}.volatile has {len(rules)} rules; the limit is {MAX_VOLATILE_RULES}")
+    out = list(BUILTIN_RULES) if builtins else []
+    for i, r in enumerate(rules):
+        unknown = set(r) - {"name", "pattern", "action", "scope"}
+        if unknown:
+            raise TenantConfigError(f"{where}.volatile[{i}] has unknown keys: {', '.join(sorted(unknown))}")
+        try:
+            rule = make_rule(
+                r.get("name"), r.get("pattern"), r.get("action", "drop"), r.get("scope", "system")
+            )
+        except RuleError as exc:
+            raise TenantConfigError(f"{where}.volatile[{i}]: {exc}") from None
+        if any(o.name == rule.name for o in out):
+            raise TenantConfigError(f"{where}.volatile[{i}]: a rule named {rule.name!r} exists already")
+        out.append(rule)
+    return tuple(out)
+
+
 def parse_tenants(doc: dict[str, Any]) -> Tenants:
     raw_tenants = doc.get("tenants")
     if not isinstance(raw_tenants, dict) or not raw_tenants:
@@ -175,7 +213,8 @@ def parse_tenants(doc: dict[str, Any]) -> Tenants:
             raise TenantConfigError(f"{where}.quotas must be a table")
         quotas = Quotas(**{f: _int_or_none(q, f, where) for f in Quotas.__dataclass_fields__})
         share, ttl = _storage(raw.get("storage", {}), where)
-        out[name] = Tenant(name, frozenset(all_digests), durability, dict(models), quotas, share, ttl)
+        out[name] = Tenant(name, frozenset(all_digests), durability, dict(models), quotas, share, ttl,
+                           volatile=_volatile(raw, where))  # fmt: skip
     return Tenants(out, open_access=False)
 
 

@@ -10,18 +10,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
 
-from engine_pool.errors import BadRequest, Conflict, NotFound, QuotaExceeded, RateLimited, Unavailable
+from engine_pool.errors import Conflict, NotFound, QuotaExceeded, RateLimited, Unavailable
 from engine_pool.pool.client import NodeClient, NodeError, SpillResult
-from gateway.cluster import Cluster
+from gateway.cluster import Cluster, EngineRef
 from gateway.early import Admission, EarlyStart, early_start
 from gateway.holds import Holds, Phase, SessionHold
 from gateway.metrics import Metrics
@@ -32,15 +31,17 @@ from gateway.placement import (
     Serve,
     SessionView,
     choose_placement,
+    prefix_slots,
     reserved,
 )
-from gateway.prefixes import lookup_digests, turn_digests
+from gateway.prefixes import lookup_digests, shared_digest, turn_digests
 from gateway.relay import TurnOutcome
 from gateway.reservations import SlotReservations
+from gateway.session_keys import session_key
 from gateway.tenants import Durability, Tenant, Tenants
 from storage.blobstore import BlobStore, delete_generations
 from storage.errors import Conflict as RecordConflict
-from storage.errors import InvalidId, LockBusy, LockLost, StorageError
+from storage.errors import LockBusy, LockLost, StorageError
 from storage.errors import NotFound as RecordNotFound
 from storage.ids import validate_id
 from storage.index import Decide, SessionIndex, SessionRecord, SessionState
@@ -60,11 +61,12 @@ class Turn:
     placement: Placement
     engine_url: str
     node: NodeClient
-    source: str  # how the session was found: header | prompt_cache_key | implicit | new | fork
+    source: str  # how the session was found (gateway.session_keys), or implicit | new | fork
     forked_from: str | None = None
     inflight: str = ""  # the tenant's in-flight place this turn holds (given back by `finish`)
     settled: bool = False  # `finish_soon` ran
     early: bool = False  # the call `begin` launched before its opening read is this turn's (confirmed)
+    shared: str | None = None  # the digest of its shared prefix (recorded for other sessions)
 
     @property
     def lock(self) -> SessionLock:
@@ -76,22 +78,6 @@ def fork_id(session: str) -> str:
     characters (a parent like `dot2.` would otherwise give `dot2..fXXXX`, which ids refuse)."""
     base = session[:110].rstrip(".") or "s"
     return validate_id(f"{base}.f{secrets.token_hex(4)}", "fork id")
-
-
-def session_from_request(headers: Mapping[str, str], body: Mapping[str, Any]) -> tuple[str | None, str]:
-    """The explicit session id of a request (X-Session-Id, then prompt_cache_key), or None."""
-    header = headers.get("x-session-id")
-    if header:
-        try:
-            return validate_id(header.strip(), "X-Session-Id"), "header"
-        except InvalidId as exc:
-            raise BadRequest(str(exc), param="X-Session-Id") from None
-    key = body.get("prompt_cache_key")
-    if key is not None:
-        if not isinstance(key, str) or not key:
-            raise BadRequest("prompt_cache_key must be a non-empty string", param="prompt_cache_key")
-        return "pck-" + hashlib.sha256(key.encode()).hexdigest()[:40], "prompt_cache_key"
-    return None, "implicit"
 
 
 def _marked_there(record: SessionRecord, placement: Placement, model: str) -> bool:
@@ -115,6 +101,7 @@ class RestorePrompt:
 
     messages: Sequence[Mapping[str, Any]]
     tokens: Callable[[str], Awaitable[list[int] | None]]
+    shared: str | None = None  # the digest of its shared prefix (tools, system prompt)
 
     def leaves(self, record: SessionRecord, model: str) -> bool:
         """Whether the prompt leaves the stored conversation before its end: its complete turns do
@@ -168,10 +155,14 @@ class TurnRunner:
     async def resolve(
         self, tenant: Tenant, headers: Mapping[str, str], body: Mapping[str, Any], model: str
     ) -> tuple[str, str]:
-        explicit, source = session_from_request(headers, body)
+        messages = body.get("messages")
+
+        def scope() -> str | None:
+            return shared_digest(messages, body.get("tools"), model) if isinstance(messages, list) else None
+
+        explicit, source = session_key(headers, body, scope)
         if explicit is not None:
             return explicit, source
-        messages = body.get("messages")
         if isinstance(messages, list):
             hit = await self.index.match_prefix(tenant.name, lookup_digests(messages, model))
             if hit is not None:
@@ -287,8 +278,9 @@ class TurnRunner:
                 serve=placement.serve.value,
                 source=source,
             )
+            shared = prompt.shared if prompt is not None and self._shares(tenant.name) else None
             return Turn(tenant, session, model, hold, placement, engine_url, node, source, forked_from,
-                        start.inflight_token, early=confirmed)  # fmt: skip
+                        start.inflight_token, early=confirmed, shared=shared)  # fmt: skip
         except BaseException:
             try:
                 if created:  # a failed placement leaves no record behind (it would count toward quotas)
@@ -410,9 +402,20 @@ class TurnRunner:
     ) -> tuple[Placement, str, NodeClient]:  # fmt: skip
         source = forked_from or record.session
         generation = record.generation
+        shares = self._shares(tenant.name)
+        # The session whose state this one may start from: the parent of a fork, or — a session
+        # with no state of its own — the one holding its shared prefix (gateway.prefixes).
+        holder = None
         if forked_from:
-            base = await self.index.find(tenant.name, forked_from)
-            generation = base.generation if base else 0
+            holder = await self.index.find(tenant.name, forked_from)
+            generation = holder.generation if holder else 0
+        elif not generation and shares and prompt is not None and prompt.shared:
+            # (The digest is the model's: a holder's stored state is of it too. A reindexed record
+            # names the model by its fingerprint; the engine checks that when it restores.)
+            holder = await self.index.find_shared(tenant.name, prompt.shared)
+            if holder is not None and holder.session == record.session:
+                holder = None
+        prefer = holder.engine if holder is not None and holder.live and holder.model == model else None
         view = SessionView(tenant.name, record.session, record.engine, record.slot, generation)
         started = self._reserved.start_snapshot()
         try:
@@ -420,11 +423,12 @@ class TurnRunner:
                 model,
                 holder=(tenant.name, record.session),
                 with_tenant_engines=tenant.quotas.live_slots is not None,
+                also=prefer,
             )
             # No await from here to the reservation: what this choice sees and the slot it holds
             # are one step for every other placement of this process (gateway.reservations).
             views = reserved(snapshot, self._reserved.taken(started))
-            placement = choose_placement(views, model, view, tenant.quotas.live_slots)
+            placement = choose_placement(views, model, view, tenant.quotas.live_slots, prefer=prefer)
             self._reserved.hold((placement.engine, placement.slot))
         except NoCapacity as exc:
             raise Unavailable(f"no free slot for model {model!r}: {exc}", retry_after=2) from None
@@ -435,6 +439,23 @@ class TurnRunner:
         try:
             engine = refs[placement.engine]
             node = await self._node(engine.node)
+            here = next(v for v in views if v.engine == placement.engine)
+            sources = prefix_slots(here, tenant.name, placement.slot) if shares else ()
+            live_here = holder is not None and holder.live and holder.engine == placement.engine
+            if forked_from and holder is not None and live_here:
+                # The parent's slot is on this engine: the fork starts from its live state there.
+                sources = tuple(dict.fromkeys((*sources, *(() if holder.slot is None else (holder.slot,)))))
+                placement = replace(placement, serve=Serve.COLD)
+            placement = replace(placement, prefix_slots=sources)
+            # The holder's state is in one of those slots, or in this one (evicted from it, kept).
+            if holder is not None and live_here and placement.serve is Serve.COLD:
+                victim = placement.evict
+                evicted = victim is not None and (victim.tenant, victim.session) == (
+                    tenant.name,
+                    holder.session,
+                )
+                if holder.slot in sources or evicted:
+                    placement = replace(placement, prefix_from=holder.session)
             if placement.evict is not None:
                 await self._evict(engine.engine, node, placement)
             try:
@@ -451,8 +472,7 @@ class TurnRunner:
                         tokens=tokens,
                     )
                 elif placement.serve is Serve.COLD:
-                    # A slot is never shared across sessions: clear what a dropped session left behind.
-                    await node.erase(engine.engine, placement.slot)
+                    placement = await self._prepare_cold(tenant.name, engine, node, placement, holder, prompt)
             except NodeError as exc:
                 if placement.serve is Serve.RESTORE and exc.status < 500:
                     log.warning(
@@ -460,13 +480,47 @@ class TurnRunner:
                     )
                     self.metrics.restore_failures.inc()
                     await node.erase(engine.engine, placement.slot)
-                    placement = Placement(placement.engine, placement.slot, Serve.COLD, placement.evict)
+                    placement = replace(placement, serve=Serve.COLD, prefix_from=None, prefix_stored=False)
                 else:  # the node or its store is down: this request fails, the session stays as it was
                     raise Unavailable(f"could not prepare the slot: {exc.message}", retry_after=1) from exc
         except BaseException:
             self._reserved.release((placement.engine, placement.slot))
             raise
         return placement, engine.url, node
+
+    async def _prepare_cold(
+        self, tenant: str, engine: EngineRef, node: NodeClient, placement: Placement,
+        holder: SessionRecord | None, prompt: RestorePrompt | None,
+    ) -> Placement:  # fmt: skip
+        """The slot of a session with no state of its own, made ready: filled with the stored
+        prefix of the session holding its shared prefix when that one is not live on this engine
+        (``prefix_from``: the engine continues from its checkpoint), else cleared — unless it
+        holds the tenant's own session just evicted from it, whose state the engine may start from
+        as from any of the tenant's slots (never another tenant's)."""
+        live_here = holder is not None and holder.live and holder.engine == engine.engine
+        if holder is not None and not live_here and holder.generation and prompt is not None:
+            tokens = await prompt.tokens(engine.url)
+            if tokens:
+                try:
+                    out = await node.fill(
+                        engine.engine, placement.slot, tenant=tenant, session=holder.session,
+                        generation=holder.generation, tokens=tokens, prefix=True,
+                    )  # fmt: skip
+                except NodeError as exc:
+                    # Damaged, gone, or the store away: the prompt is evaluated in full instead (the
+                    # same answer), and the slot is cleared below (a node that is down fails there).
+                    log.warning(
+                        "session.prefix_fill_failed", tenant=tenant, holder=holder.session, error=str(exc)
+                    )
+                    self.metrics.restore_failures.inc()
+                else:
+                    if out.source != "none":
+                        return replace(placement, prefix_from=holder.session, prefix_stored=True)
+        victim = placement.evict
+        if victim is None or victim.tenant != tenant or not self._shares(tenant):
+            # A slot is never shared across tenants: clear what a dropped session left behind.
+            await node.erase(engine.engine, placement.slot)
+        return placement
 
     async def _evict(self, engine: str, node: NodeClient, placement: Placement) -> None:
         """Spill the placement's victim out of its slot; any failure costs this request only (503)
@@ -534,8 +588,8 @@ class TurnRunner:
             generation = await reserve()
             try:
                 return await node.spill(
-                    engine, slot, tenant=tenant, session=session, generation=generation, route=rec.route,
-                    share=self._shares(tenant),
+                    engine, slot, tenant=tenant, session=session, generation=generation,
+                    route=rec.stored_routes, share=self._shares(tenant),
                 )  # fmt: skip
             except NodeError as exc:
                 if exc.status != 409 or exc.code != "conflict":
@@ -589,9 +643,13 @@ class TurnRunner:
                 "completion_tokens": int(outcome.usage.get("completion_tokens", 0)),
             }
 
+        shared = turn.shared if outcome.ok else None
+
         def also(ops: Ops) -> None:
             if digests:
                 self.index.queue_prefixes(ops, t, s, digests)
+            if shared:
+                self.index.queue_shared(ops, t, s, shared)
             if usage:
                 self.index.queue_usage(ops, t, usage)
             if turn.inflight:
@@ -599,7 +657,7 @@ class TurnRunner:
             if release:
                 ops.delete(self.index.keys.lock(t, s))
 
-        decide = self.index.decide_idle(s, outcome.tokens or None, digests[-1] if digests else None)
+        decide = self.index.decide_idle(s, outcome.tokens or None, digests[-1] if digests else None, shared)
         written = released = False
         try:
             _, written = await self._write(hold, decide, idle=True, also=also)
@@ -611,6 +669,8 @@ class TurnRunner:
             if not written:  # the record changed under us: the transaction wrote it; now the rest
                 if digests:
                     await self.index.add_prefixes(t, s, digests)
+                if shared:
+                    await self.index.add_shared(t, s, shared)
                 if usage:
                     await self.index.incr_usage(t, usage)
             if save:

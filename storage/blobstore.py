@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import mmap
-import re
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -33,9 +32,9 @@ from typing import Self
 from storage.checksum import format_checksum, parse_checksum
 from storage.errors import StorageError
 from storage.ids import SlotRef, blob_key, tenant_prefix, validate_generation, validate_id, validate_prefix
+from storage.routes import STORED_ROUTES
 
 _FINGERPRINT_MAX = 256
-_ROUTE = re.compile(r"[0-9a-f]{16,128}")
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,7 @@ class BlobMeta:
     last_modified: float
     etag: str = ""
     writer: str = ""
-    route: str = ""  # the session's newest routing digest (implicit routing survives a reindex)
+    route: str = ""  # the session's routing digests, stored (storage.routes: they survive a reindex)
     written: int = 0  # bytes this put added to the store (a chunked save writes only what is new)
 
     @property
@@ -86,8 +85,8 @@ def encode_metadata(
         raise StorageError(f"model fingerprint must be printable ASCII of at most {_FINGERPRINT_MAX} chars")
     if n_tokens < 0:
         raise StorageError("n_tokens must be >= 0")
-    if route and not _ROUTE.fullmatch(route):
-        raise StorageError("route must be a lowercase hex digest of 16..128 characters")
+    if route and not STORED_ROUTES.fullmatch(route):
+        raise StorageError("route must be lowercase hex digests of 16..128 characters (route[.shared])")
     md = {
         "tenant": ref.tenant,
         "session": ref.session,
@@ -122,7 +121,7 @@ def decode_metadata(
     return BlobMeta(
         ref=ref, key=key, size=size, crc32=crc, model=md.get("model", ""), n_tokens=n_tokens,
         last_modified=last_modified, etag=etag, writer=md.get("writer", ""),
-        route=md.get("route", "") if _ROUTE.fullmatch(md.get("route", "")) else "",
+        route=md.get("route", "") if STORED_ROUTES.fullmatch(md.get("route", "")) else "",
     )  # fmt: skip
 
 
@@ -179,6 +178,12 @@ class BlobStore(ABC):
         to ``dest``; None when the whole generation is what to restore. A store of whole files
         cannot cut (None); :class:`storage.chunkstore.ChunkedStore` can."""
         return None
+
+    async def shares_prefix(self, ref: SlotRef, tokens: Sequence[int]) -> bool:
+        """Whether a prompt of ``tokens`` shares a stretch worth restoring with the generation
+        (another session's state a new one may start from). A store of whole files cannot tell
+        without reading it: True (the engine keeps what the prompt shares)."""
+        return True
 
     @abstractmethod
     async def head(self, ref: SlotRef) -> BlobMeta:

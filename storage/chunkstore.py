@@ -72,7 +72,7 @@ from storage.ids import (
     tenant_prefix,
 )
 from storage.ledger import ChunkLedger
-from storage.prefixcut import cut, cut_point, hybrid, pieces_up_to
+from storage.prefixcut import cut, cut_point, hybrid, pieces_up_to, repeats_first_chunk
 from storage.slotfile import read_slot_file
 
 log = structlog.get_logger("slotkeeper.storage")
@@ -272,6 +272,14 @@ class ChunkedStore(BlobStore):
         log.info("storage.chunked_get", key=self._manifest(ref), bytes=size, pieces=len(objects),
                  ms=round((time.monotonic() - t0) * 1000, 2))  # fmt: skip
         return self._meta(ref, doc)
+
+    async def shares_prefix(self, ref: SlotRef, tokens: Sequence[int]) -> bool:
+        """Whether the prompt repeats the generation's first KV chunk (its manifest only)."""
+        try:
+            doc = await self._read_manifest(ref)
+        except NotFound:
+            return False
+        return repeats_first_chunk(doc["plan"], str(doc["ns"]), tokens)
 
     async def get_prefix_to_file(
         self, ref: SlotRef, dest: str | Path, tokens: Sequence[int]

@@ -43,6 +43,7 @@ from storage.locks import SessionLock, check_owner
 from storage.occupancy import EngineOccupancy
 from storage.records import SessionRecord, SessionState
 from storage.routes import DEFAULT_ROUTE_TTL_S, PrefixRouting, route_ttl_ms, validate_digest
+from storage.shared import SharedPrefixes
 from storage.turnops import TurnOps
 from storage.usage import TenantCounters
 
@@ -52,12 +53,13 @@ DEFAULT_FLOOR_TTL_S = 30 * 24 * 3600.0
 Decide = Callable[[SessionRecord | None], SessionRecord]
 
 
-class SessionIndex(EngineOccupancy, PrefixRouting, TenantCounters, TurnOps):
+class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounters, TurnOps):
     """Async session index; share one instance per process (it holds no per-call state).
 
     Besides records it offers the engines' LRUs (``idle_sessions``, ``engine_sessions``,
     ``slot_occupants``: :mod:`storage.occupancy`), implicit routing (``add_prefixes``,
-    ``match_prefix``: :mod:`storage.routes`) and per-tenant counters (``incr_usage``, ``usage``,
+    ``match_prefix``: :mod:`storage.routes`), shared prefixes (``queue_shared``,
+    ``find_shared``: :mod:`storage.shared`) and per-tenant counters (``incr_usage``, ``usage``,
     ``incr_window``, ``window_count``, ``acquire_inflight``, ``release_inflight``,
     ``inflight_count``: :mod:`storage.usage`) and the request path's one-round-trip steps
     (``start_turn``, ``apply``: :mod:`storage.turnops`).
@@ -261,14 +263,17 @@ class SessionIndex(EngineOccupancy, PrefixRouting, TenantCounters, TurnOps):
             tenant, session, lambda old: replace(busy(old), dirty=True), lock, idle=False
         )
 
-    def _touch_live(self, session: str, tokens: int | None = None, route: str | None = None) -> Decide:
+    def _touch_live(
+        self, session: str, tokens: int | None = None, route: str | None = None, shared: str | None = None
+    ) -> Decide:
         now = self._clock()
 
         def decide(old: SessionRecord | None) -> SessionRecord:
             if old is None or old.state is not SessionState.LIVE or not old.engine:
                 raise Conflict(f"session {session} is not live")
             return replace(old, tokens=old.tokens if tokens is None else tokens, last_used=now,
-                           route=old.route if route is None else validate_digest(route))  # fmt: skip
+                           route=old.route if route is None else validate_digest(route),
+                           shared=old.shared if shared is None else validate_digest(shared))  # fmt: skip
 
         return decide
 
@@ -282,9 +287,12 @@ class SessionIndex(EngineOccupancy, PrefixRouting, TenantCounters, TurnOps):
             tenant, session, self.decide_idle(session, tokens, route), lock, idle=True
         )
 
-    def decide_idle(self, session: str, tokens: int | None = None, route: str | None = None) -> Decide:
-        """:meth:`mark_idle`'s transition (for :meth:`apply` with ``idle=True``)."""
-        return self._touch_live(session, tokens, route)
+    def decide_idle(
+        self, session: str, tokens: int | None = None, route: str | None = None, shared: str | None = None
+    ) -> Decide:
+        """:meth:`mark_idle`'s transition (for :meth:`apply` with ``idle=True``); ``shared`` is the
+        digest of its shared prefix (:mod:`storage.shared`), kept to be stored beside the route."""
+        return self._touch_live(session, tokens, route, shared)
 
     async def mark_spilled(
         self, tenant: str, session: str, *, generation: int, blob_key: str, nbytes: int,

@@ -68,6 +68,10 @@ class Keyspace:
         """STRING (with a TTL): the session a message-prefix digest routes to."""
         return f"{self.tenant(tenant)}:px:{digest}"
 
+    def shared_prefix(self, tenant: str, digest: str) -> str:
+        """STRING (with a TTL): a session holding the state of a shared prefix (storage.shared)."""
+        return f"{self.tenant(tenant)}:pp:{digest}"
+
     def session_prefixes(self, tenant: str, session: str) -> str:
         """SET (with a TTL) of the prefix digests pointing at a session (to delete them with it)."""
         return f"{self.tenant(tenant)}:sx:{validate_id(session, 'session id')}"

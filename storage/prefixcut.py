@@ -81,6 +81,22 @@ def cut_point(plan: Mapping[str, Any], ns: str, tokens: Sequence[int]) -> int | 
     return best if best is not None and best < n else None
 
 
+def repeats_first_chunk(plan: Mapping[str, Any], ns: str, tokens: Sequence[int]) -> bool:
+    """Whether a prompt of ``tokens`` repeats the generation's first whole KV chunk (by its name:
+    nothing is fetched). A generation without chunks (no layout) cannot tell: True."""
+    chunks, bounds = plan.get("chunks") or [], [int(b) for b in plan.get("bounds") or []]
+    if plan.get("layout") is None:
+        return True
+    c = int(plan["chunk_tokens"])
+    if not chunks or len(bounds) < 2 or bounds[:2] != [0, c] or len(tokens) < c:
+        return False
+    prompt = np.asarray(tokens[:c], dtype=np.int64)
+    if prompt.min() < -(1 << 31) or prompt.max() >= 1 << 31:
+        return False
+    prompt = prompt.astype("<i4")
+    return _digest(str(chunks[0][0])) == range_digest(chain(ns, prompt, c, 1), prompt, 0, c, c)
+
+
 def hybrid(tail: bytes) -> bool:
     """Whether a stored tail's metadata names a hybrid model (attention KV and recurrent state):
     the only kind the engine continues from a checkpoint and nowhere else. A sliding-window model

@@ -12,6 +12,7 @@ from enum import StrEnum
 from typing import Any
 
 from storage.keyspace import text_map
+from storage.routes import join_routes
 
 
 class SessionState(StrEnum):
@@ -34,11 +35,22 @@ class SessionRecord:
     bytes: int = 0
     last_used: float = 0.0
     route: str = ""  # newest routing digest: stored with the slot file, so reindex restores it
+    shared: str = ""  # its shared prefix's digest (storage.shared): stored beside the route
     dirty: bool = False  # the slot changed since durable `generation` was saved
     # Generations up to `floor` belonged to an earlier, deleted session with this id: copies of them
     # may linger in spill caches or the store, so this session never saves or records one of them.
     floor: int = 0
     reserved: int = 0  # the highest generation handed out by SessionIndex.reserve_generation
+
+    @property
+    def stored_routes(self) -> str:
+        """What a save stores for reindex to route to the session again (storage.routes.join_routes)."""
+        return join_routes(self.route, self.shared)
+
+    @property
+    def live(self) -> bool:
+        """In an engine slot now."""
+        return self.state is SessionState.LIVE and self.engine is not None and self.slot is not None
 
     @property
     def next_generation(self) -> int:
@@ -65,7 +77,8 @@ class SessionRecord:
             tokens=int(h.get("tokens", 0)), engine=h.get("engine") or None,
             slot=int(h["slot"]) if h.get("slot") else None, generation=int(h.get("generation", 0)),
             blob_key=h.get("blob_key", ""), bytes=int(h.get("bytes", 0)),
-            last_used=float(h.get("last_used", 0)), route=h.get("route", ""), dirty=h.get("dirty") == "True",
+            last_used=float(h.get("last_used", 0)), route=h.get("route", ""), shared=h.get("shared", ""),
+            dirty=h.get("dirty") == "True",
             floor=int(h.get("floor", 0)), reserved=int(h.get("reserved", 0)),
         )  # fmt: skip
 

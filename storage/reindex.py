@@ -24,6 +24,7 @@ import structlog
 from storage.blobstore import BlobInfo, BlobStore
 from storage.errors import StorageError
 from storage.index import SessionIndex, SessionRecord, SessionState
+from storage.routes import split_routes
 
 log = structlog.get_logger("slotkeeper.storage")
 
@@ -49,6 +50,7 @@ async def reindex(
     names = list(tenants) if tenants is not None else [t async for t in store.list_tenants()]
     report = ReindexReport(tenants=len(names))
     gate = asyncio.Semaphore(concurrency)
+    holders: dict[tuple[str, str], SessionRecord] = {}  # (tenant, shared digest) -> its newest session
 
     async def one(info: BlobInfo) -> None:
         async with gate:
@@ -58,10 +60,11 @@ async def reindex(
                 log.warning("reindex.skipped", key=info.key, error=str(exc))
                 report.skipped.append(info.key)
                 return
+            route, shared = split_routes(meta.route)
             record = SessionRecord(
                 info.ref.tenant, info.ref.session, SessionState.SPILLED, model=meta.model,
                 tokens=meta.n_tokens, generation=info.ref.generation, blob_key=meta.key, bytes=meta.size,
-                last_used=meta.last_modified, route=meta.route,
+                last_used=meta.last_modified, route=route, shared=shared,
             )  # fmt: skip
             changed = False
             if dry_run:
@@ -69,8 +72,12 @@ async def reindex(
                 changed = known is None or known.generation < record.generation
             else:
                 changed = await index.restore_spilled(record)
-                if changed and meta.route:  # implicit routing finds the session again
-                    await index.add_prefixes(record.tenant, record.session, [meta.route])
+                if changed and route:  # implicit routing finds the session again
+                    await index.add_prefixes(record.tenant, record.session, [route])
+                if changed and shared:  # and a new session its shared prefix: the newest one's
+                    newest = holders.get((record.tenant, shared))
+                    if newest is None or newest.last_used < record.last_used:
+                        holders[(record.tenant, shared)] = record
             if changed:
                 report.restored += 1
             else:
@@ -80,6 +87,9 @@ async def reindex(
         latest = await store.latest_per_session(tenant)
         report.sessions += len(latest)
         await asyncio.gather(*(one(info) for info in latest.values()))
+        for (_, shared), holder in holders.items():
+            await index.add_shared(holder.tenant, holder.session, shared)
+        holders.clear()
         if not dry_run:
             await index.set_stored_bytes(tenant, await store.stored_bytes(tenant))
     log.info("reindex.done", dry_run=dry_run, **{k: v for k, v in asdict(report).items() if k != "skipped"},

@@ -19,6 +19,21 @@ from storage.keyspace import Keyspace, redis_errors, text
 
 _DIGEST = re.compile(r"[0-9a-f]{16,128}")
 DEFAULT_ROUTE_TTL_S = 7 * 24 * 3600.0
+# What a save stores of a session's routing digests (with its slot file or manifest, for reindex):
+# its conversation's route, then its shared prefix's digest (storage.shared), dot-separated.
+STORED_ROUTES = re.compile(r"[0-9a-f]{16,128}(\.[0-9a-f]{16,128})?")
+
+
+def join_routes(route: str, shared: str) -> str:
+    """The stored form of a session's routes; the shared digest is kept only beside a route (a
+    session has one once a turn of it finished, and only then a shared digest)."""
+    return f"{route}.{shared}" if route and shared else route
+
+
+def split_routes(stored: str) -> tuple[str, str]:
+    """(route, shared digest) of a stored form ("" for what it lacks)."""
+    route, _, shared = stored.partition(".")
+    return route, shared
 
 
 # KEYS: the digests' route keys, longest prefix first. ARGV[1]: the tenant's session-key prefix

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import shutil
 import time
 import uuid
@@ -44,6 +43,7 @@ from storage.engines import EngineRegistry
 from storage.errors import Conflict, LockBusy, LockLost, StorageError, StoreUnavailable
 from storage.ids import SlotRef, validate_id
 from storage.index import SessionIndex, SessionState
+from storage.routes import STORED_ROUTES
 from storage.slotfile import read_slot_file, whole_file_crc32
 from storage.spillcache import SpillCache, stored_as
 
@@ -64,7 +64,6 @@ from .metrics import NodeMetrics
 from .settings import NodeSettings
 from .supervisor import EngineSpec, EngineSupervisor, State
 
-_ROUTE = re.compile(r"[0-9a-f]{16,128}")
 log = structlog.get_logger("engine.node")
 PUBLIC_PATHS = frozenset({"/health"})  # probes; nothing a tenant sent
 SLOT_TIMEOUT = httpx.Timeout(600.0, connect=5.0)  # a save waits for the slot's running request
@@ -170,7 +169,7 @@ class NodeAgent:
                 if record is None or record.state is not SessionState.LIVE or record.slot is None:
                     continue
                 ref, out = await self._spill_next(
-                    sup, record.slot, tenant, session, record.generation, record.route
+                    sup, record.slot, tenant, session, record.generation, record.stored_routes
                 )
                 await index.mark_spilled(tenant, session, generation=ref.generation, blob_key=out["key"],
                                          nbytes=out["bytes"], tokens=out["tokens"])  # fmt: skip
@@ -212,7 +211,7 @@ class NodeAgent:
 
     async def operation(
         self, op: str, engine_id: str, slot: str, ref: SlotRef | None, route: str = "", share: bool = True,
-        tokens: list[int] | None = None,
+        tokens: list[int] | None = None, prefix: bool = False,
     ) -> dict[str, Any]:  # fmt: skip
         sup, n = self._engine(engine_id, slot)
         self._inflight += 1
@@ -225,7 +224,9 @@ class NodeAgent:
                 assert ref is not None
                 spill = op == "spill"
                 result = await (
-                    self._spill(sup, n, ref, route, share) if spill else self._fill(sup, n, ref, tokens)
+                    self._spill(sup, n, ref, route, share)
+                    if spill
+                    else self._fill(sup, n, ref, tokens, prefix)
                 )
             return result
         finally:
@@ -313,20 +314,26 @@ class NodeAgent:
         return written
 
     async def _fill(
-        self, sup: EngineSupervisor, slot: int, ref: SlotRef, tokens: list[int] | None = None
-    ) -> dict[str, Any]:
+        self, sup: EngineSupervisor, slot: int, ref: SlotRef, tokens: list[int] | None = None,
+        prefix: bool = False,
+    ) -> dict[str, Any]:  # fmt: skip
         """Restore ``ref`` into the slot. A file fetched for it is not checked by the store: the
         engine checks every byte's CRC as it loads it, one pass instead of two. When the engine
         finds the bytes damaged and the store holds the generation (a copy on this disk, or one
         just assembled from the store), that copy goes, the store's copy is fetched again with the
         store's own check (naming a damaged piece, if that is where the damage is) and restored.
         With the prompt's ``tokens`` and no copy here, a prompt that leaves the generation early
-        gets only the part up to the checkpoint it continues from (:mod:`storage.prefixcut`)."""
+        gets only the part up to the checkpoint it continues from (:mod:`storage.prefixcut`).
+        ``prefix``: ``ref`` is another session's generation the prompt may start from (a shared
+        prefix): restored up to its checkpoint, else whole when the prompt repeats its first chunk,
+        else not at all (``source`` "none", the slot left as it was)."""
         cache, t0 = self.parts.cache, time.monotonic()
         source = "local" if ref in cache else "store"
         out = await self._restore_cut(sup, slot, ref, tokens) if tokens and source == "store" else None
         if out is not None:
             source = "cut"
+        elif prefix and source == "store" and not await self.parts.store.shares_prefix(ref, tokens or []):
+            out, source = {"n_restored": 0, "n_read": 0}, "none"
         else:
             out, source = await self._restore_whole(sup, slot, ref, source)
         await cache.evict()  # with a budget of 0 (one machine, local store) the copy goes now
@@ -549,11 +556,13 @@ async def slot_operation(request: Request) -> Response:
         tenant, session = body.get_str("tenant"), body.get_str("session")
         ref = SlotRef(str(tenant), str(session), body.get_int("generation", 0, lo=1))
         route = body.get_str("route", "") or ""
-        if route and not _ROUTE.fullmatch(route):
-            raise BadRequest("'route' must be a lowercase hex digest of 16..128 characters", param="route")
+        if route and not STORED_ROUTES.fullmatch(route):
+            raise BadRequest("'route' must be lowercase hex digests of 16..128 characters (route[.shared])",
+                             param="route")  # fmt: skip
         share = body.get_bool("share", True)
         tokens = _prompt_tokens(body.get_list("tokens")) if op == "fill" else None
-        return JSONResponse(await a.operation(op, p["engine"], p["slot"], ref, route, share, tokens))
+        prefix = body.get_bool("prefix", False) if op == "fill" else False
+        return JSONResponse(await a.operation(op, p["engine"], p["slot"], ref, route, share, tokens, prefix))
     return JSONResponse(await a.operation(op, p["engine"], p["slot"], ref))
 
 

@@ -74,7 +74,7 @@ class SpillResult:
 class FillResult:
     tokens: int
     bytes: int
-    source: str  # "local" (spill cache), "store", or "cut" (the store's pieces up to a checkpoint)
+    source: str  # "local" (spill cache), "store", "cut" (the store's pieces up to a checkpoint), "none"
     ms: float
 
 
@@ -135,14 +135,18 @@ class NodeClient:
 
     async def fill(
         self, engine: str, slot: int, *, tenant: str, session: str, generation: int,
-        tokens: list[int] | None = None,
+        tokens: list[int] | None = None, prefix: bool = False,
     ) -> FillResult:  # fmt: skip
         """Restore (tenant, session, generation) into the slot, from the node's cache or the store.
         ``tokens``: the prompt the slot is restored for; when it leaves the generation early, only
-        the part up to the checkpoint it continues from is restored (`FillResult.source` "cut")."""
+        the part up to the checkpoint it continues from is restored (`FillResult.source` "cut").
+        ``prefix``: the generation is another session's, whose prefix the prompt may start from:
+        nothing is restored (source "none") when the prompt shares too little of it."""
         body: dict[str, Any] = {"tenant": tenant, "session": session, "generation": generation}
         if tokens:
             body["tokens"] = tokens
+        if prefix:
+            body["prefix"] = True
         out = await self._call("POST", f"/v1/engines/{engine}/slots/{slot}/fill", body, retry_on=_NO_RESPONSE)
         return FillResult(**{f: out[f] for f in FillResult.__dataclass_fields__})
 

@@ -12,6 +12,7 @@ from gateway.placement import (
     SessionView,
     SlotView,
     choose_placement,
+    prefix_slots,
     reserved,
 )
 
@@ -96,3 +97,33 @@ def test_slots_another_placement_just_chose_are_busy():
     with pytest.raises(NoCapacity):
         choose_placement(reserved(engines, {("e1", 0), ("e1", 1)}), "m", SessionView("u", "new"))
     assert reserved(engines, set()) is engines
+
+
+def test_a_session_prefers_the_engine_holding_its_prefix_free_slot_then_lru_idle():
+    holder = SlotView(0, tenant="t", session="x", last_used=9)
+    engines = [
+        _engine("e1", SlotView(0), SlotView(1), SlotView(2)),  # most free slots
+        _engine("e2", holder, SlotView(1)),
+    ]
+    new = SessionView("t", "s")
+    assert choose_placement(engines, "m", new).engine == "e1"
+    p = choose_placement(engines, "m", new, prefer="e2")
+    assert (p.engine, p.slot, p.serve, p.evict) == ("e2", 1, Serve.COLD, None)
+    full = [engines[0], _engine("e2", holder, SlotView(1, tenant="u", session="y", last_used=3))]
+    assert choose_placement(full, "m", new, prefer="e2").engine == "e1"  # free elsewhere: nobody evicted
+    older = _engine("e1", SlotView(0, tenant="u", session="z", last_used=1))
+    p = choose_placement([older, full[1]], "m", new, prefer="e2")  # all full: the victim is e2's LRU
+    assert (p.engine, p.slot) == ("e2", 1) and p.evict is not None and p.evict.session == "y"
+    assert choose_placement([older, full[1]], "m", new).evict.session == "z"  # type: ignore[union-attr]
+    busy = [older, _engine("e2", SlotView(0, busy=True, tenant="t", session="x"))]
+    assert choose_placement(busy, "m", new, prefer="e2").engine == "e1"  # nothing idle there
+    assert choose_placement(engines, "m", new, prefer="gone").engine == "e1"
+
+
+def test_prefix_slots_are_the_tenants_own_only():
+    e = _engine("e", SlotView(0, tenant="t", session="a"), SlotView(1, tenant="u", session="b"), SlotView(2),
+                SlotView(3, tenant="t", session="c", busy=True))  # fmt: skip
+    assert prefix_slots(e, "t", 2) == (0, 3)  # busy ones too: the engine copies them as they stand
+    assert prefix_slots(e, "t", 0) == (3,)
+    assert prefix_slots(e, "u", 2) == (1,)
+    assert prefix_slots(e, "nobody", 2) == ()

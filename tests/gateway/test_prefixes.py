@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.prefixes import lookup_digests, prefix_digests, turn_digests
+from gateway.prefixes import lookup_digests, prefix_digests, shared_digest, turn_digests
 
 SYS = {"role": "system", "content": "You are terse."}
 
@@ -34,3 +34,20 @@ def test_tool_call_arguments_compare_as_json():
     m1 = [SYS, {"role": "assistant", "content": None, "tool_calls": [call]}]
     m2 = [SYS, {"role": "assistant", "content": "", "tool_calls": [same]}]
     assert prefix_digests(m1, "m") == prefix_digests(m2, "m")
+
+
+def test_the_shared_prefix_is_tools_and_leading_system_messages():
+    tools = [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}]
+    a = [SYS, {"role": "user", "content": "first task"}]
+    b = [SYS, {"role": "user", "content": "another task"}, {"role": "assistant", "content": "x"}]
+    assert shared_digest(a, tools, "m") == shared_digest(b, tools, "m")
+    assert shared_digest(a, tools, "m") != shared_digest(a, None, "m")
+    assert shared_digest(a, tools, "m") != shared_digest(a, tools, "other")
+    assert shared_digest([{"role": "system", "content": "other"}, *a[1:]], tools, "m") != shared_digest(
+        a, tools, "m"
+    )
+    reordered = [{"function": {"parameters": {"type": "object"}, "name": "read"}, "type": "function"}]
+    assert shared_digest(a, reordered, "m") == shared_digest(a, tools, "m")  # key order is not content
+    dev = [{"role": "developer", "content": "d"}, SYS, {"role": "user", "content": "u"}]
+    assert shared_digest(dev, None, "m") != shared_digest(dev[1:], None, "m")
+    assert shared_digest([{"role": "user", "content": "u"}], None, "m") is None  # nothing shared

@@ -293,10 +293,12 @@ def test_a_busy_session_is_forked_not_waited_for(serve, tmp_path: Path):
     next(iter(long))  # "main" is now busy generating
     done, headers, timings = _turn(client, msgs + [{"role": "user", "content": "Meanwhile?"}], session="main")
     assert headers["x-session-id"].startswith("main.f")
-    assert headers["x-slotkeeper-cache"] == "restored" and timings["cache_n"] > 0
+    # The fork starts from its parent's live slot on the same engine, as it stands mid-generation.
+    assert headers["x-slotkeeper-cache"] == "prefix" and timings["cache_n"] > 0
+    assert done.model_extra is not None and done.model_extra["slotkeeper"]["source_slot"] >= 0
     long.close()
     metrics = httpx.get(s.url + "/metrics").text
-    assert 'slotkeeper_gateway_sessions_served_total{cache="restored"}' in metrics
+    assert 'slotkeeper_gateway_tenant_prompt_tokens_total{kind="reused",served="prefix",tenant="default"}' in metrics
 
 
 def test_legacy_completions_with_a_session_and_gateway_flag_checks(serve, tmp_path: Path):

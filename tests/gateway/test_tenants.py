@@ -41,6 +41,33 @@ def test_keys_are_hashed_and_authenticate_their_tenant(tmp_path):
         ({"tenants": {"a": {"keys": ["k"], "storage": {"share_chunks": "no"}}}}, "share_chunks"),
         ({"tenants": {"a": {"keys": ["k"], "storage": {"idle_ttl_s": 0}}}}, "idle_ttl_s"),
         ({"tenants": {"a": {"keys": ["k"], "storage": {"idle_ttl_s": True}}}}, "idle_ttl_s"),
+        (
+            {"tenants": {"a": {"keys": ["k"], "volatile": [{"name": "all", "pattern": ".*"}]}}},
+            "matches every line",
+        ),
+        ({"tenants": {"a": {"keys": ["k"], "volatile": [{"name": "x", "pattern": "("}]}}}, r"volatile\[0\]"),
+        ({"tenants": {"a": {"keys": ["k"], "volatile": {"name": "x"}}}}, "array of tables"),
+        (
+            {"tenants": {"a": {"keys": ["k"], "volatile": [{"name": "x", "pattern": "a", "when": 1}]}}},
+            "unknown keys",
+        ),
+        (
+            {
+                "tenants": {
+                    "a": {"keys": ["k"], "volatile": [{"name": "claude-code-billing", "pattern": "a"}]}
+                }
+            },
+            "exists already",
+        ),
+        (
+            {
+                "tenants": {
+                    "a": {"keys": ["k"], "volatile": [{"name": f"r{i}", "pattern": "a"} for i in range(33)]}
+                }
+            },
+            "limit is 32",
+        ),
+        ({"tenants": {"a": {"keys": ["k"], "volatile_builtins": "no"}}}, "volatile_builtins"),
     ],
 )
 def test_bad_tenant_files_name_the_problem(doc, message):
@@ -85,3 +112,20 @@ def test_model_names_agents_send_find_the_served_model():
     assert open_tenant.model_id("claude-sonnet-4-5", {"qwen35"}) == "qwen35"  # one model: any name
     assert open_tenant.model_id("claude-sonnet-4-5", served) is None  # several: names must match
     assert open_tenant.model_id("llama", served) == "llama"
+
+
+def test_volatile_rules_follow_the_built_in_ones_unless_turned_off(tmp_path):
+    path = tmp_path / "tenants.toml"
+    path.write_text(
+        '[tenants.a]\nkeys = ["ka"]\n'
+        '[[tenants.a.volatile]]\nname = "stamp"\npattern = "^Request: [0-9a-f]{8}$"\naction = "move_end"\n'
+        '[tenants.b]\nkeys = ["kb"]\nvolatile_builtins = false\n'
+    )
+    tenants = load_tenants(path)
+    a, b = tenants.by_name["a"], tenants.by_name["b"]
+    assert [(r.name, r.action, r.scope) for r in a.volatile] == [
+        ("claude-code-billing", "drop", "system"),
+        ("stamp", "move_end", "system"),
+    ]
+    assert b.volatile == ()
+    assert [r.name for r in load_tenants(None).by_name["default"].volatile] == ["claude-code-billing"]

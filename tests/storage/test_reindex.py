@@ -16,6 +16,7 @@ from storage.ids import SlotRef
 from storage.index import SessionIndex, SessionState
 from storage.localstore import LocalStore
 from storage.reindex import main, reindex
+from storage.routes import join_routes
 from storage.s3client import make_s3_client
 from storage.s3store import S3Store
 
@@ -149,3 +150,29 @@ async def test_routing_digest_travels_with_the_object(
     assert await index.match_prefix("acme", [route]) == (route, "routed")
     with pytest.raises(StorageError, match="route"):
         await store.put_file(SlotRef("acme", "routed", 2), src, model="fp", n_tokens=3, route="NOT-HEX")
+
+
+async def test_the_shared_prefix_digest_travels_beside_the_route(
+    store: BlobStore, redis_client: Any, tmp_path: Path, slot_writer: Any
+) -> None:
+    """A new session finds the newest stored session of its shared prefix after the index was lost."""
+    index = SessionIndex(redis_client, prefix="sk")
+    route, shared = "ab" * 16, "cd" * 16
+    src = slot_writer.write(tmp_path / "r.slot", slot_writer.Spec(n_tokens=3))
+    for session in ("older", "newer"):
+        stored = join_routes(route if session == "older" else "ef" * 16, shared)
+        await store.put_file(SlotRef("acme", session, 1), src, model="fp", n_tokens=3, route=stored)
+        await asyncio.sleep(0.02)  # (the newer one is modified later)
+    await store.put_file(SlotRef("acme", "alone", 1), src, model="fp", n_tokens=3, route="12" * 16)
+    await reindex(store, index)
+    older = await index.get("acme", "older")
+    assert (older.route, older.shared) == (route, shared)
+    assert older.stored_routes == f"{route}.{shared}"
+    assert await index.match_prefix("acme", [route]) == (route, "older")
+    found = await index.find_shared("acme", shared)
+    assert found is not None and found.session == "newer"
+    assert (await index.get("acme", "alone")).shared == ""
+    with pytest.raises(StorageError, match="route"):
+        await store.put_file(
+            SlotRef("acme", "bad", 1), src, model="fp", n_tokens=3, route=f"{route}.{shared}.x"
+        )
