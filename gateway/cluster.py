@@ -175,7 +175,8 @@ class Cluster:
             # Locked but idle: its last turn is being saved (write-behind), which ends shortly; it
             # can be evicted once the save releases the lock. Busy means a request runs on it.
             busy = rec.owner is not None and not idle and (tenant, session) != holder
-            occupants[engine][rec.slot] = SlotView(rec.slot, busy, tenant, session, rec.last_used)
+            saving = rec.owner is not None and idle
+            occupants[engine][rec.slot] = SlotView(rec.slot, busy, tenant, session, rec.last_used, saving)
         views = [
             EngineView(
                 e.engine,

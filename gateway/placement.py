@@ -24,6 +24,7 @@ class SlotView:
     tenant: str | None = None  # the session held by the slot, if any
     session: str | None = None
     last_used: float = 0.0
+    saving: bool = False  # idle, its lock held by the write-behind save of its last turn
 
 
 @dataclass(frozen=True)
@@ -130,12 +131,13 @@ def choose_placement(
     with_free = sorted((e for e in candidates if free(e)), key=lambda e: (-len(free(e)), e.engine))
     if with_free:
         return Placement(with_free[0].engine, free(with_free[0])[0].slot, serve)
-    # Nothing free: someone is evicted anyway; there, the preferred engine's LRU idle session.
-    idle = [(s.last_used, e.engine, s) for e in candidates for s in e.slots if not s.busy]
-    idle_there = [t for t in idle if t[1] == prefer]
+    # Nothing free: someone is evicted anyway; there, the preferred engine's LRU idle session. One
+    # whose last turn is still being saved is evicted only after that save: the others go first.
+    idle = [(s.saving, s.last_used, e.engine, s) for e in candidates for s in e.slots if not s.busy]
+    idle_there = [t for t in idle if t[2] == prefer]
     if idle_there:
         idle = idle_there
     if not idle:
         raise NoCapacity(f"all slots for model {model!r} are busy")
-    _, engine, victim = min(idle, key=lambda t: (t[0], t[1], t[2].slot))
+    *_, engine, victim = min(idle, key=lambda t: (t[0], t[1], t[2], t[3].slot))
     return Placement(engine, victim.slot, serve, evict=victim)

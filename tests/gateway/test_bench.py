@@ -41,7 +41,7 @@ def _json(path: Path) -> dict[str, Any]:
 
 def test_bench_lists_every_suite() -> None:
     out = bench("--help")
-    for name in ("gateway", "resume", "soak", "storage", "throughput"):
+    for name in ("gateway", "prefix", "resume", "soak", "storage", "throughput"):
         assert name in out
 
 
@@ -114,3 +114,26 @@ def test_soak(tiny_model, tmp_path: Path) -> None:
           "--kill-min-s", "8", "--kill-max-s", "12", "--save-grace-s", "10", "--json", str(out_json),
           timeout=900)  # fmt: skip
     assert _json(out_json)["ok"] is True
+
+
+@needs_upstream
+def test_prefix_side_by_side(tiny_model, tmp_path: Path) -> None:
+    out_json = tmp_path / "prefix.json"
+    bench("prefix", "--model", tiny_model("qwen35"), "--system-tokens", "600", "--tools", "4",
+          "--sessions", "3", "--slots", "2", "--ctx", "2048", "--workdir", str(tmp_path / "work"),
+          "--json", str(out_json), timeout=900)  # fmt: skip
+    report = _json(out_json)
+    rows = report["rows"]
+    assert {(r["server"], r["phase"]) for r in rows} == {
+        ("slotkeeper", "live"), ("slotkeeper", "restart"), ("slotkeeper", "second node"),
+        ("llama-server", "live"), ("llama-server", "restart"),
+    }  # fmt: skip
+    ours = {(r["phase"], r["session"]): r for r in rows if r["server"] == "slotkeeper"}
+    # The harness measures what it claims: after the first, no new session of ours evaluates the prefix.
+    assert ours[("live", 0)]["served"] == "cold" and ours[("live", 1)]["served"] == "prefix"
+    assert (
+        ours[("restart", 0)]["served"] == "stored-prefix"
+        and ours[("second node", 0)]["served"] == "stored-prefix"
+    )
+    assert report["summary"]["goals"]["own tokens + <= 64 in every phase"] is True
+    assert len(report["resumed"]) == 3

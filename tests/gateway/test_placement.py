@@ -127,3 +127,13 @@ def test_prefix_slots_are_the_tenants_own_only():
     assert prefix_slots(e, "t", 0) == (3,)
     assert prefix_slots(e, "u", 2) == (1,)
     assert prefix_slots(e, "nobody", 2) == ()
+
+
+def test_an_idle_session_still_saving_its_last_turn_is_evicted_last():
+    engines = [_engine("e", SlotView(0, tenant="t", session="a", last_used=1, saving=True),
+                       SlotView(1, tenant="t", session="b", last_used=5))]  # fmt: skip
+    p = choose_placement(engines, "m", SessionView("t", "new"))
+    assert p.evict is not None and p.evict.session == "b"  # not the older one: its save is running
+    both = [_engine("e", SlotView(0, tenant="t", session="a", last_used=1, saving=True),
+                    SlotView(1, tenant="t", session="b", last_used=5, saving=True))]  # fmt: skip
+    assert choose_placement(both, "m", SessionView("t", "new")).evict.session == "a"  # type: ignore[union-attr]
