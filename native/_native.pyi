@@ -167,7 +167,10 @@ class RequestParams:
     """Other slots the request may start from: when one of them serves at least 32 prompt tokens
     more than the request's own slot (its memory or a checkpoint inside the common prefix), the
     request's slot becomes a copy of it first (`Timings.source_slot`). Ids out of range and the
-    request's own slot are ignored."""
+    request's own slot are ignored, and so are slots whose last request had another `owner`."""
+    owner: str
+    """Who the request runs for (the gateway: its tenant): its slot takes this owner, and it starts
+    only from prefix sources of the same owner (restores and erases clear a slot's owner)."""
     n_probs: int
     """0 = off. 1..MAX_N_PROBS: every token event carries `logprob` and the n_probs most probable
     tokens (`top_logprobs`), from the raw logits of its position (a softmax over the vocabulary,

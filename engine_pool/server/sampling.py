@@ -41,6 +41,7 @@ class Sampling:
     # parent conversation): None = every slot (llama-server's single-tenant view); the gateway
     # always names them (one tenant's slots), so no tenant reaches another's state.
     prefix_slots: tuple[int, ...] | None = None
+    slot_owner: str = ""  # who it runs for: its slot takes it, and it starts only from slots of it
     stop: tuple[str, ...] = ()
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Biases keyed by text, applied to every token of the text's tokenization once it is tokenized
@@ -60,6 +61,7 @@ class FieldSpec:
     hi: float | None = None
 
 
+_MAX_OWNER = 128
 # The core's integers are C ints: a larger value would fail inside the binding (a 500), not here.
 _INT32_MAX = 2**31 - 1
 
@@ -120,6 +122,12 @@ def read_sampling(
             f"'id_slot' {id_slot} does not exist (this engine has slots 0..{n_slots - 1})", param="id_slot"
         )
     values["prefix_slots"] = read_prefix_slots(body, n_slots)
+    owner = body.get_str("slot_owner", "") or ""
+    if len(owner) > _MAX_OWNER:
+        raise BadRequest(
+            f"'slot_owner' has {len(owner)} characters; the limit is {_MAX_OWNER}", param="slot_owner"
+        )
+    values["slot_owner"] = owner
     by_id, by_text = read_logit_bias(body, n_vocab, limits.max_logit_bias, limits.max_text_chars)
     return Sampling(
         **{
@@ -265,6 +273,7 @@ def to_native(
     """The core's RequestParams for a tokenized prompt (stop strings stay in Python)."""
     p = native.RequestParams(prompt)
     p.prefix_sources = list(range(n_slots)) if s.prefix_slots is None else list(s.prefix_slots)
+    p.owner = s.slot_owner
     p.n_predict = s.n_predict
     p.temperature = s.temperature
     p.top_k = s.top_k

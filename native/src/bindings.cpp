@@ -170,6 +170,7 @@ PYBIND11_MODULE(_native, m) {
         .def_readwrite("checkpoint_hints", &RequestParams::checkpoint_hints)
         .def_readwrite("cache_prompt", &RequestParams::cache_prompt)
         .def_readwrite("prefix_sources", &RequestParams::prefix_sources)
+        .def_readwrite("owner", &RequestParams::owner)
         .def_readwrite("n_probs", &RequestParams::n_probs)
         .def_readwrite("n_keep", &RequestParams::n_keep)
         .def_readwrite("n_discard", &RequestParams::n_discard);

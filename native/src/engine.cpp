@@ -507,6 +507,9 @@ void Engine::start_request(Slot & s, Queued && q) {
     const int L = int(prompt.size());
     llama_memory_t mem = llama_get_memory(ctx_.get());
 
+    // A slot another owner's request ran on last is never reused by this one (the caller clears
+    // such a slot before it hands it over; this holds if it did not). A restore clears the owner.
+    if (!s.owner.empty() && s.owner != a->params.owner) clear_slot_memory(s);
     const bool was_restored = s.restored;
     const int restored_tokens = was_restored ? int(s.tokens.size()) : 0;
     ReusePlan plan = plan_reuse(memory_view(s), prompt, a->params.cache_prompt);
@@ -581,6 +584,7 @@ void Engine::start_request(Slot & s, Queued && q) {
         }
     }
     a->sampler->prime(prompt);
+    s.owner = a->params.owner;
     s.active = std::move(a);
     s.prompt_n = L;
 

@@ -13,7 +13,7 @@ int Engine::prefix_source(const Slot & s, const RequestParams & p, int own_keep,
     for (int id : p.prefix_sources) {
         if (id < 0 || id >= cfg_.n_slots || id == s.id) continue;
         const Slot & o = slots_[size_t(id)];
-        if (o.tokens.empty()) continue;
+        if (o.tokens.empty() || o.owner != p.owner) continue;  // never another owner's state
         // The same rule as for the request's own slot: what the other slot's memory and
         // checkpoints could serve of this prompt, were it the request's slot.
         const int keep = plan_reuse(memory_view(o), p.prompt, true).n_keep;
@@ -67,6 +67,7 @@ bool Engine::copy_slot(const Slot & from, Slot & to) {
     to.last_logits = from.last_logits;
     to.checkpoints = from.checkpoints;  // shared buffers, immutable once captured
     to.prompt_n = from.prompt_n;
+    to.owner = from.owner;
     bump("prefix_copies");
     return true;
 }

@@ -230,6 +230,7 @@ void Engine::clear_slot_memory(Slot & s) {
     s.checkpoints.clear();
     s.restored = false;
     s.prompt_n = 0;
+    s.owner.clear();
 }
 
 }  // namespace sk

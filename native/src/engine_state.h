@@ -50,6 +50,7 @@ struct Engine::Slot {
     std::vector<Checkpoint> checkpoints;    // ascending n_tokens
     bool restored = false;                  // state came from a file and has not served yet
     int prompt_n = 0;                       // the last prompt it served (0: unknown, e.g. restored)
+    std::string owner;                      // RequestParams::owner of the last request it served
     double last_used = 0.0;
     std::unique_ptr<Active> active;
 };

@@ -31,8 +31,12 @@ struct RequestParams {
     bool cache_prompt = true;
     // Other slots whose state this request may start from when it reuses more of the prompt than
     // the request's own slot holds (a prefix several sessions share: a system prompt, tools). The
-    // caller decides who may share with whom (the gateway lists one tenant's slots only).
+    // caller decides who may share with whom (the gateway lists one tenant's slots only), and
+    // `owner` makes it hold whatever happened to those slots since: a slot takes the owner of the
+    // request that last ran on it (restores and erases clear it), and a request starts only from
+    // slots of its own owner.
     std::vector<int> prefix_sources;
+    std::string owner;
     // Log probabilities: 0 = off; n > 0 makes every token event carry the sampled token's logprob
     // and the n most probable tokens, from the raw logits (softmax over the vocabulary).
     int n_probs = 0;

@@ -106,3 +106,25 @@ def test_a_busy_source_is_copied_as_it_stands(make_engine, greedy) -> None:
     assert eng.collect(running).timings.predicted_n == 200  # the source ran on undisturbed
     scratch = make_engine("qwen35", n_slots=2)
     assert got.tokens == scratch.generate(1, greedy(SYSTEM + SECOND, 4)).tokens
+
+
+def test_a_request_starts_only_from_slots_of_its_own_owner(make_engine, greedy, tmp_path: Path) -> None:
+    """A slot listed as a source that another owner's request ran on since (the caller's view of
+    who sits there was already stale) is never copied; nor a restored or erased slot."""
+    eng = make_engine("qwen35", n_slots=3)
+    eng.generate(0, greedy(SYSTEM + FIRST, 4, checkpoint_hints=[len(SYSTEM)], owner="acme"))
+    other = eng.generate(1, greedy(SYSTEM + SECOND, 4, prefix_sources=[0], owner="beta"))
+    assert other.timings.source_slot == -1 and other.timings.cache_n == 0  # acme's slot: not beta's
+    mine = eng.generate(2, greedy(SYSTEM + SECOND, 4, prefix_sources=[0, 1], owner="acme"))
+    assert mine.timings.source_slot == 0  # acme's own (slot 1 holds beta's state, never a source)
+    path = tmp_path / "s.slot"
+    eng.save_slot(0, str(path))
+    eng.restore_slot(0, str(path))  # a restored slot has no owner until a request runs on it
+    eng.erase_slot(2)
+    got = eng.generate(2, greedy(SYSTEM + FIRST + [9], 2, prefix_sources=[0], owner="acme"))
+    assert got.timings.source_slot == -1
+    # Its own slot, last served for another owner, is cleared first: nothing of it is reused.
+    theirs = eng.generate(1, greedy(SYSTEM + SECOND, 2, owner="acme"))
+    assert theirs.timings.cache_n == 0
+    again = eng.generate(1, greedy(SYSTEM + SECOND, 2, owner="acme"))
+    assert again.timings.cache_n > 0  # (its own state now)

@@ -75,6 +75,16 @@ def test_the_caller_names_the_slots_a_prompt_may_start_from(client: httpx.Client
     assert none["timings"]["cache_n"] == 0 and "source_slot" not in none["slotkeeper"]
     named = chat(client, "A third task.", id_slot=2, prefix_slots=[first["id_slot"]])
     assert named["slotkeeper"]["source_slot"] == 0
+    # A slot that another owner's request ran on is no source, whoever lists it, and is not
+    # reused as the request's own either.
+    chat(client, "Fix the failing test in parser.py.", id_slot=0, slot_owner="acme")
+    beta = chat(client, "A beta task.", id_slot=1, prefix_slots=[0], slot_owner="beta")
+    assert "source_slot" not in beta["slotkeeper"]
+    client.post("/slots/2", params={"action": "erase"})
+    acme = chat(client, "An acme task.", id_slot=2, prefix_slots=[0, 1], slot_owner="acme")
+    assert acme["slotkeeper"]["source_slot"] == 0
+    again = chat(client, "Fix the failing test in parser.py.", id_slot=0, slot_owner="beta", prefix_slots=[])
+    assert again["timings"]["cache_n"] == 0  # acme's state in beta's slot: cleared first
 
 
 def test_a_miss_names_the_part_that_changed(client: httpx.Client) -> None:
@@ -108,6 +118,8 @@ def test_a_continued_conversation_leaves_its_state_in_the_last_reply(client: htt
         ({"slotkeeper": {"rules": ["x" * 65]}}, "slotkeeper.rules"),
         ({"slotkeeper": {"rules": [f"r{i}" for i in range(17)]}}, "slotkeeper.rules"),
         ({"slotkeeper": []}, "slotkeeper"),
+        ({"slot_owner": "o" * 129}, "slot_owner"),
+        ({"slot_owner": 7}, "slot_owner"),
     ],
 )
 def test_bad_prefix_fields_are_refused_precisely(
