@@ -8,8 +8,8 @@ conversations that merely start alike stay apart.
 
 What such conversations do share is their *shared prefix*: the tools and the leading system (or
 developer) messages, the same for every session an agent starts. Its digest (`shared_digest`)
-finds a session of the tenant that holds the prefix's state (gateway.shared), and scopes the
-session ids agents send (gateway.session_keys).
+finds a session of the tenant that holds the prefix's state (storage.shared); the system
+messages' alone (`system_digest`) scope the session ids agents send (gateway.session_keys).
 
 Canonical form: role, the text of the content (string or text parts joined), tool calls as
 (name, arguments parsed as JSON when possible), tool_call_id and name; whitespace and key order in
@@ -86,16 +86,39 @@ def lookup_digests(messages: Sequence[Mapping[str, Any]], model: str) -> list[st
     return list(reversed(turn_digests(messages, model)))
 
 
-def shared_digest(messages: Sequence[Mapping[str, Any]], tools: Any, model: str) -> str | None:
-    """Digest of the tools and the leading system/developer messages (scoped by the model), or
-    None when there are neither."""
+def _leading_system(messages: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:
     n = 0
     while n < len(messages) and messages[n].get("role") in ("system", "developer"):
         n += 1
-    if not n and not tools:
+    return messages[:n]
+
+
+def _system_hash(messages: Sequence[Mapping[str, Any]], seed: bytes) -> Any:
+    h = hashlib.sha256(seed)
+    for message in messages:  # role and text: the canonical JSON would cost a pass more
+        h.update(
+            b"\x1e"
+            + str(message.get("role")).encode()
+            + b"\x1f"
+            + _content_text(message.get("content")).encode()
+        )
+    return h
+
+
+def system_digest(messages: Sequence[Mapping[str, Any]]) -> str | None:
+    """Digest of the leading system/developer messages (None without any): what scopes the
+    session ids agents send (gateway.session_keys), on every turn of theirs, so it is cheap."""
+    system = _leading_system(messages)
+    return _system_hash(system, b"system").hexdigest()[:32] if system else None
+
+
+def shared_digest(messages: Sequence[Mapping[str, Any]], tools: Any, model: str) -> str | None:
+    """Digest of the tools and the leading system/developer messages (scoped by the model), or
+    None when there are neither. The tools as sent, in their order (templates render them so:
+    tools in another key order render other tokens)."""
+    system = _leading_system(messages)
+    if not system and not tools:
         return None
-    h = hashlib.sha256(b"shared\x1e" + model.encode())
-    h.update(json.dumps(tools or [], sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode())
-    for message in messages[:n]:
-        h.update(b"\x1e" + canonical_message(message).encode())
+    h = _system_hash(system, b"shared\x1e" + model.encode())
+    h.update(b"\x1e" + json.dumps(tools or [], separators=(",", ":"), ensure_ascii=False).encode())
     return h.hexdigest()[:32]

@@ -11,6 +11,7 @@ session without re-prefill exactly like a chat client.
 from __future__ import annotations
 
 import contextlib
+import functools
 import secrets
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -144,16 +145,18 @@ async def forward_stateless(svc: Services, model: str, path: str, data: dict[str
 
 
 def _engine_fields(
-    body: dict[str, Any], model: str, placement: Placement | EarlyStart, rules: list[str]
+    body: dict[str, Any], tenant: Tenant, model: str, placement: Placement | EarlyStart, rules: list[str]
 ) -> dict[str, Any]:
     """The gateway's fields over the tenant's: the slot, and the slots its prompt may start from
-    (the tenant's own on that engine), are never theirs to choose."""
+    (the tenant's own on that engine, and only while they still are: `slot_owner`), are never
+    theirs to choose."""
     prefix = placement.prefix_slots if isinstance(placement, Placement) else ()
     context: dict[str, Any] = {"served": served_as(placement)}
     if rules:
         context["rules"] = rules
     fields: dict[str, Any] = {"id_slot": placement.slot, "model": model, "cache_prompt": True,
-                              "prefix_slots": list(prefix), "slotkeeper": context}  # fmt: skip
+                              "prefix_slots": list(prefix), "slot_owner": tenant.name,
+                              "slotkeeper": context}  # fmt: skip
     if "prompt_cache_key" in body:
         fields["prompt_cache_key"] = None  # (the gateway's: it named the session)
     return fields
@@ -182,7 +185,7 @@ def session_headers(turn: Turn, report: Mapping[str, Any] | None = None) -> dict
 SERVED = frozenset({"live", "restored", "prefix", "stored-prefix", "cold"})
 # What the gateway sets in an engine body (never the tenant's: `_engine_fields`), and the tenant's
 # own session key: a tokenization for the prompt sends none of them.
-_GATEWAY_FIELDS = frozenset({"prompt_cache_key", "id_slot", "prefix_slots", "slotkeeper"})
+_GATEWAY_FIELDS = frozenset({"prompt_cache_key", "id_slot", "prefix_slots", "slot_owner", "slotkeeper"})
 
 
 def normalised(
@@ -220,6 +223,8 @@ async def serve_turn(
     bookkeeping after the answer runs beside sending it (`TurnRunner.finish_soon`)."""
     svc: Services = request.app.state.services
     body, messages, raw, rules = normalised(svc, tenant, body, messages, raw)
+    tools = body.get("tools")
+    shared = functools.cache(lambda: shared_digest(messages, tools, model) if path == CHAT_PATH else None)
     session_id, source = session or await svc.runner.resolve(tenant, request.headers, body, model)
     prompt = None
     if path == CHAT_PATH:  # a restore for a conversation that left the stored one early: cut it
@@ -229,14 +234,14 @@ async def serve_turn(
             upstream.update(model=model, cache_prompt=True)
             return await input_tokens(svc.engines, engine_url.rstrip("/") + CHAT_PATH, upstream)
 
-        prompt = RestorePrompt(messages, tokens, shared_digest(messages, body.get("tools"), model))
+        prompt = RestorePrompt(messages, tokens, shared)
     streamed = bool(body.get("stream"))
     early: EarlyCall[Any] | None = None
 
     def launch(where: EarlyStart) -> None:
         nonlocal early
         url = where.url.rstrip("/") + path
-        data = engine_body(raw, body, _engine_fields(body, model, where, rules))
+        data = engine_body(raw, body, _engine_fields(body, tenant, model, where, rules))
         if streamed:
             early = EarlyCall(StreamRelay.open(svc.engines, url, data, where.headers()), StreamRelay.close)
         else:
@@ -253,7 +258,7 @@ async def serve_turn(
         early.discard()
         svc.metrics.early_starts.labels("abandoned").inc()
         early = None
-    data = engine_body(raw, body, _engine_fields(body, model, turn.placement, rules))
+    data = engine_body(raw, body, _engine_fields(body, tenant, model, turn.placement, rules))
     svc.metrics.served.labels(served_as(turn.placement)).inc()
     url = turn.engine_url.rstrip("/") + path
     t0 = early.started if early is not None else time.perf_counter()

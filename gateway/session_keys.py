@@ -14,9 +14,9 @@ Without any, the session is found implicitly (gateway.prefixes) or is new.
 An agent sends its signal on every request of a working session, also on the requests that are
 not its conversation: a title, a summary, a sub-agent with its own system prompt. Served as one
 session, each would throw the conversation's state out of its slot. So the signals agents send
-(not `X-Session-Id`, which names exactly one session) are scoped by the request's shared prefix
-(its tools and system prompt, `gateway.prefixes.shared_digest`): the digest covers the value and
-that prefix, and each of an agent's conversations gets its own session. Session ids, like every
+(not `X-Session-Id`, which names exactly one session) are scoped by the request's system prompt
+(`gateway.prefixes.system_digest`): the digest covers the value and that prompt, and each of an
+agent's conversations gets its own session. Session ids, like every
 key, are scoped to the tenant by the index. Values are bounded (`MAX_SIGNAL_CHARS`, printable
 ASCII) and refused precisely otherwise.
 """
@@ -76,7 +76,7 @@ def session_key(
     headers: Mapping[str, str], body: Mapping[str, Any], scope: Callable[[], str | None]
 ) -> tuple[str | None, str]:
     """(session id, source) of the first signal the request carries, or (None, "implicit").
-    `scope()` is the request's shared-prefix digest (asked only for an agent's signal)."""
+    `scope()` is the digest of the request's system prompt (asked only for an agent's signal)."""
     for signal in SIGNALS:
         raw = headers.get(signal.name) if signal.where == "header" else body.get(signal.name)
         if raw is None:

@@ -34,7 +34,7 @@ from gateway.placement import (
     prefix_slots,
     reserved,
 )
-from gateway.prefixes import lookup_digests, shared_digest, turn_digests
+from gateway.prefixes import lookup_digests, system_digest, turn_digests
 from gateway.relay import TurnOutcome
 from gateway.reservations import SlotReservations
 from gateway.session_keys import session_key
@@ -66,7 +66,7 @@ class Turn:
     inflight: str = ""  # the tenant's in-flight place this turn holds (given back by `finish`)
     settled: bool = False  # `finish_soon` ran
     early: bool = False  # the call `begin` launched before its opening read is this turn's (confirmed)
-    shared: str | None = None  # the digest of its shared prefix (recorded for other sessions)
+    shared: str | None = None  # its shared prefix's digest, to record for other sessions (or None)
 
     @property
     def lock(self) -> SessionLock:
@@ -101,7 +101,7 @@ class RestorePrompt:
 
     messages: Sequence[Mapping[str, Any]]
     tokens: Callable[[str], Awaitable[list[int] | None]]
-    shared: str | None = None  # the digest of its shared prefix (tools, system prompt)
+    shared: Callable[[], str | None] = lambda: None  # the digest of its shared prefix (computed once)
 
     def leaves(self, record: SessionRecord, model: str) -> bool:
         """Whether the prompt leaves the stored conversation before its end: its complete turns do
@@ -155,10 +155,11 @@ class TurnRunner:
     async def resolve(
         self, tenant: Tenant, headers: Mapping[str, str], body: Mapping[str, Any], model: str
     ) -> tuple[str, str]:
+        """The session a request names (gateway.session_keys), finds implicitly, or a new one."""
         messages = body.get("messages")
 
-        def scope() -> str | None:
-            return shared_digest(messages, body.get("tools"), model) if isinstance(messages, list) else None
+        def scope() -> str | None:  # an agent's conversations: one session per system prompt
+            return system_digest(messages) if isinstance(messages, list) else None
 
         explicit, source = session_key(headers, body, scope)
         if explicit is not None:
@@ -278,7 +279,11 @@ class TurnRunner:
                 serve=placement.serve.value,
                 source=source,
             )
-            shared = prompt.shared if prompt is not None and self._shares(tenant.name) else None
+            # A session records its shared prefix when a turn places it in a slot (new, restored,
+            # forked): a warm turn does not hash its tools and system prompt again.
+            shared = None
+            if prompt is not None and placement.serve is not Serve.LIVE and self._shares(tenant.name):
+                shared = prompt.shared()
             return Turn(tenant, session, model, hold, placement, engine_url, node, source, forked_from,
                         start.inflight_token, early=confirmed, shared=shared)  # fmt: skip
         except BaseException:
@@ -409,10 +414,10 @@ class TurnRunner:
         if forked_from:
             holder = await self.index.find(tenant.name, forked_from)
             generation = holder.generation if holder else 0
-        elif not generation and shares and prompt is not None and prompt.shared:
+        elif not generation and shares and prompt is not None and (digest := prompt.shared()):
             # (The digest is the model's: a holder's stored state is of it too. A reindexed record
             # names the model by its fingerprint; the engine checks that when it restores.)
-            holder = await self.index.find_shared(tenant.name, prompt.shared)
+            holder = await self.index.find_shared(tenant.name, digest)
             if holder is not None and holder.session == record.session:
                 holder = None
         prefer = holder.engine if holder is not None and holder.live and holder.model == model else None

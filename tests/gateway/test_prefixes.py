@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.prefixes import lookup_digests, prefix_digests, shared_digest, turn_digests
+from gateway.prefixes import lookup_digests, prefix_digests, shared_digest, system_digest, turn_digests
 
 SYS = {"role": "system", "content": "You are terse."}
 
@@ -47,7 +47,15 @@ def test_the_shared_prefix_is_tools_and_leading_system_messages():
         a, tools, "m"
     )
     reordered = [{"function": {"parameters": {"type": "object"}, "name": "read"}, "type": "function"}]
-    assert shared_digest(a, reordered, "m") == shared_digest(a, tools, "m")  # key order is not content
+    assert shared_digest(a, reordered, "m") != shared_digest(a, tools, "m")  # templates render that order
     dev = [{"role": "developer", "content": "d"}, SYS, {"role": "user", "content": "u"}]
     assert shared_digest(dev, None, "m") != shared_digest(dev[1:], None, "m")
     assert shared_digest([{"role": "user", "content": "u"}], None, "m") is None  # nothing shared
+
+
+def test_the_system_digest_scopes_an_agents_conversations_by_their_system_prompt():
+    a = [SYS, {"role": "user", "content": "task"}]
+    parts = [{"role": "system", "content": [{"type": "text", "text": "You are terse."}]}, a[1]]
+    assert system_digest(a) == system_digest(parts) == system_digest([SYS, {"role": "user", "content": "x"}])
+    assert system_digest([{"role": "system", "content": "You are a sub-agent."}, a[1]]) != system_digest(a)
+    assert system_digest([{"role": "user", "content": "no system"}]) is None

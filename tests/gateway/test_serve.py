@@ -298,7 +298,8 @@ def test_a_busy_session_is_forked_not_waited_for(serve, tmp_path: Path):
     assert done.model_extra is not None and done.model_extra["slotkeeper"]["source_slot"] >= 0
     long.close()
     metrics = httpx.get(s.url + "/metrics").text
-    assert 'slotkeeper_gateway_tenant_prompt_tokens_total{kind="reused",served="prefix",tenant="default"}' in metrics
+    reused = 'slotkeeper_gateway_tenant_prompt_tokens_total{kind="reused",served="prefix",tenant="default"}'
+    assert reused in metrics
 
 
 def test_legacy_completions_with_a_session_and_gateway_flag_checks(serve, tmp_path: Path):

@@ -24,7 +24,7 @@ refused when the rule is made: it would erase conversations, not volatile blocks
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -49,6 +49,39 @@ class VolatileRule:
     pattern: re.Pattern[str]  # searched in each line (without its line break)
     action: Action = "drop"
     scope: Scope = "system"
+    # Text every match contains (read off the pattern's start), or None: a message without it is
+    # passed by without a regex pass over its lines (every request's system prompt is scanned).
+    literal: str | None = None
+
+
+_SPECIAL = ".^$*+?{}[]|()"
+_OPTIONAL = "*?{"  # quantifiers that let the character before them be absent
+
+
+def literal_prefix(pattern: str) -> str | None:
+    """The literal text a match of `pattern` starts with (after a leading `^`), when it has at
+    least 3 characters; None for patterns with alternatives, groups or flags first, or no literal."""
+    if "|" in pattern or pattern.startswith("(?"):
+        return None
+    i = 1 if pattern.startswith("^") else 0
+    out: list[str] = []
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            nxt = pattern[i + 1 : i + 2]
+            if not nxt or nxt.isalnum():  # \s, \d, \b, \A, back-references: not literal text
+                break
+            out.append(nxt)
+            i += 2
+            continue
+        if c in _SPECIAL:
+            if c in _OPTIONAL and out:
+                out.pop()
+            break
+        out.append(c)
+        i += 1
+    text = "".join(out)
+    return text if len(text) >= 3 else None
 
 
 def make_rule(name: Any, pattern: Any, action: Any = "drop", scope: Any = "system") -> VolatileRule:
@@ -73,7 +106,7 @@ def make_rule(name: Any, pattern: Any, action: Any = "drop", scope: Any = "syste
         raise RuleError(
             f"rule {name}: 'pattern' {pattern!r} matches every line; it would erase conversations"
         )
-    return VolatileRule(name, compiled, action, scope)  # type: ignore[arg-type]
+    return VolatileRule(name, compiled, action, scope, literal_prefix(pattern))  # type: ignore[arg-type]
 
 
 # Claude Code (2.1.36 and later) sends `x-anthropic-billing-header: cc_version=…; cc_entrypoint=…;
@@ -83,13 +116,42 @@ BUILTIN_RULES: tuple[VolatileRule, ...] = (
 )
 
 
+def _candidate_lines(text: str, literal: str | None) -> Iterator[tuple[int, int, int]]:
+    """(start, end, end with its line break) of each line that may match: every line, or with a
+    literal only those that contain it (found by `str.find`, not by a regex pass over each line).
+    A line ends at "\n"; a "\r" before it is no part of it."""
+    if literal is None:
+        start = 0
+        while start < len(text):
+            nl = text.find("\n", start)
+            stop = len(text) if nl < 0 else nl
+            yield start, stop, stop if nl < 0 else nl + 1
+            start = stop if nl < 0 else nl + 1
+        return
+    at = text.find(literal)
+    while at >= 0:
+        start = text.rfind("\n", 0, at) + 1
+        nl = text.find("\n", at)
+        stop = len(text) if nl < 0 else nl
+        yield start, stop, stop if nl < 0 else nl + 1
+        at = -1 if nl < 0 else text.find(literal, nl + 1)
+
+
 def _split(text: str, rule: VolatileRule) -> tuple[str, list[str]]:
-    """`text` without the lines `rule` matches, and those lines."""
+    """`text` without the lines `rule` matches (each with its line break), and those lines."""
     kept: list[str] = []
     taken: list[str] = []
-    for line in text.splitlines(keepends=True):
-        (taken if rule.pattern.search(line.rstrip("\r\n")) else kept).append(line)
-    return "".join(kept), [t.rstrip("\r\n") for t in taken]
+    resume = 0  # where the kept text goes on
+    for start, stop, end in _candidate_lines(text, rule.literal):
+        line = text[start:stop].removesuffix("\r")
+        if rule.pattern.search(line):
+            kept.append(text[resume:start])
+            taken.append(line)
+            resume = end
+    if not taken:
+        return text, []
+    kept.append(text[resume:])
+    return "".join(kept), taken
 
 
 def _apply(message: dict[str, Any], rule: VolatileRule) -> tuple[dict[str, Any] | None, list[str]]:

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine_pool.server.apis.volatile import BUILTIN_RULES, RuleError, apply_rules, make_rule
+from engine_pool.server.apis.volatile import (
+    BUILTIN_RULES,
+    RuleError,
+    VolatileRule,
+    apply_rules,
+    literal_prefix,
+    make_rule,
+)
 
 BILLING = "x-anthropic-billing-header: cc_version=2.1.37.3a3; cc_entrypoint=cli; cch={};"
 PROMPT = "You are Claude Code, Anthropic's official CLI for Claude.\nBe brief."
@@ -78,3 +85,40 @@ def test_scope_all_reaches_every_message() -> None:
 def test_rules_that_cannot_be_used_are_refused(args, why) -> None:
     with pytest.raises(RuleError, match=why):
         make_rule(*args)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "literal"),
+    [
+        (r"^x-anthropic-billing-header:\s", "x-anthropic-billing-header:"),
+        (r"^Request-Id: [0-9a-f]+$", "Request-Id: "),
+        (r"^\.\.\.done", "...done"),
+        (r"hel+o", "hel"),  # `+`: at least one
+        (r"abcd*", "abc"),  # `*`: the last character may be absent
+        (r"ab|cd", None),
+        (r"(?i)hello", None),
+        (r"\d+ items", None),
+        (r"ab", None),  # too short to be worth it
+    ],
+)
+def test_the_literal_every_match_contains(pattern: str, literal: str | None) -> None:
+    assert literal_prefix(pattern) == literal
+
+
+def test_the_literal_shortcut_never_changes_a_result() -> None:
+    text = "Request-Id: 0a1b\nkeep me\nRequest-Id: zz\n"
+    fast = make_rule("id", r"^Request-Id: [0-9a-f]+$")
+    slow = VolatileRule("id", fast.pattern)  # no literal: every line searched
+    for messages in ([{"role": "system", "content": text}], [{"role": "system", "content": "keep me"}]):
+        assert apply_rules(messages, [fast]) == apply_rules(messages, [slow])
+
+
+def test_lines_end_at_newlines_with_or_without_a_carriage_return() -> None:
+    crlf = [{"role": "system", "content": "a\r\n" + BILLING.format("9") + "\r\nb\r\n"}]
+    assert apply_rules(crlf, BUILTIN_RULES)[0] == [{"role": "system", "content": "a\r\nb\r\n"}]
+    last = [{"role": "system", "content": "a\n" + BILLING.format("9")}]  # no line break after it
+    assert apply_rules(last, BUILTIN_RULES)[0] == [{"role": "system", "content": "a\n"}]
+    twice = [{"role": "system", "content": BILLING.format("1") + "\nx\n" + BILLING.format("2") + "\ny"}]
+    assert apply_rules(twice, BUILTIN_RULES)[0] == [{"role": "system", "content": "x\ny"}]
+    mention = [{"role": "system", "content": "Never send x-anthropic-billing-header: it is ours.\nok"}]
+    assert apply_rules(mention, BUILTIN_RULES)[1] == []  # not at a line's start: no match
