@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -181,13 +182,21 @@ def ours(
             # Resumed turns of the same length: the last session's next message (three of them,
             # each after the same first turn: the engine rolls back to that turn's end).
             last = args.sessions - 1
+            session = f"live-{last}"
             first = {"role": "user", "content": first_message("live", last)}
-            out, _, _ = chat.ask([first], f"live-{last}")  # (identical: its answer, nothing evaluated)
-            answer = out["choices"][0]["message"]
+
+            def turn(messages: list[dict[str, Any]]) -> tuple[dict[str, Any], float, str]:
+                # Each once the one before has been saved (as the new sessions are).
+                before = generation(serve.url, session)
+                out = chat.ask(messages, session)
+                wait_durable(serve.url, [session], above=before)
+                return out
+
+            answer = turn([first])[0]["choices"][0]["message"]  # (identical: nothing evaluated)
             resumed = []
             for k in range(3):
                 nxt = [first, answer, {"role": "user", "content": first_message(f"next{k}", last)}]
-                out, wall, served = chat.ask(nxt, f"live-{last}")
+                out, wall, served = turn(nxt)
                 resumed.append(
                     {"prompt_n": int(out["timings"]["prompt_n"]), "ttft_ms": wall, "served": served}
                 )
@@ -227,11 +236,16 @@ def sessions(chat: Chat, url: str, phase: str, n: int) -> list[Row]:
     return out
 
 
-def wait_durable(url: str, sessions: list[str], timeout: float = 600) -> None:
-    """Until every session's after-turn save is recorded (what a SIGKILL may not lose)."""
+def generation(url: str, session: str) -> int:
+    return int(httpx.get(f"{url}/v1/sessions/{session}", timeout=30).json().get("generation", 0))
+
+
+def wait_durable(url: str, sessions: list[str], above: int = 0, timeout: float = 600) -> None:
+    """Until every session's after-turn save is recorded past generation `above` (what a SIGKILL
+    may not lose, and what a turn sent meanwhile would share the cores with)."""
     deadline = time.monotonic() + timeout
     for s in sessions:
-        while int(httpx.get(f"{url}/v1/sessions/{s}", timeout=30).json().get("generation", 0)) == 0:
+        while generation(url, s) <= above:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"session {s} was never saved")
             time.sleep(0.1)
@@ -313,6 +327,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--workdir", help="logs and data (default: a temporary directory)")
     ap.add_argument("--json", help="also write every number here")
     args = ap.parse_args(argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # (one line per request otherwise)
     model = os.path.abspath(args.model or cached_model(args.models_dir, "qwen35", size="bench"))
     tool_list = tools(args.tools)
     report: dict[str, Any] = {"bench": "prefix", "model": os.path.basename(model), "sessions": args.sessions,
