@@ -31,6 +31,7 @@ from engine_pool.errors import (
     Unauthorized,
     Unavailable,
 )
+from engine_pool.server.apis.report import SERVED
 from engine_pool.server.apis.volatile import apply_rules
 from gateway.early import EarlyCall, EarlyStart
 from gateway.placement import Placement, Serve
@@ -182,7 +183,6 @@ def session_headers(turn: Turn, report: Mapping[str, Any] | None = None) -> dict
     return {"X-Session-Id": turn.session, "X-Slotkeeper-Cache": served}
 
 
-SERVED = frozenset({"live", "restored", "prefix", "stored-prefix", "cold"})
 # What the gateway sets in an engine body (never the tenant's: `_engine_fields`), and the tenant's
 # own session key: a tokenization for the prompt sends none of them.
 _GATEWAY_FIELDS = frozenset({"prompt_cache_key", "id_slot", "prefix_slots", "slot_owner", "slotkeeper"})

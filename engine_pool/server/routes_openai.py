@@ -28,6 +28,7 @@ import native
 
 from ..body import Body, read_json
 from ..errors import BadRequest
+from .apis.report import caller_context, served
 from .chat_request import ChatRequest, build_constraint, continued_open, parse_chat, prefill_text
 from .chat_template import ChatPrompt
 from .divergence import in_last_turn, last_reply, left_at, locate
@@ -227,52 +228,6 @@ async def run_chat(request: Request, body: Body) -> dict[str, Any] | AsyncGenera
     if req.n == 1:
         response.update(extras(outcomes[0]))
     return response
-
-
-_SERVED = ("live", "restored", "prefix", "stored-prefix", "cold")
-_MAX_RULES = 16
-
-
-def caller_context(body: Body) -> dict[str, Any]:
-    """What the caller (the gateway) says of this turn, to be reported beside the engine's own
-    reuse facts in `slotkeeper`: how it served the session (`served`) and which of its prompt rules
-    changed the request (`rules`). Bounded; anything else is a 400."""
-    ctx = body.get_object("slotkeeper")
-    if ctx is None:
-        return {}
-    out: dict[str, Any] = {}
-    served = ctx.get_str("served")
-    if served is not None:
-        if served not in _SERVED:
-            raise BadRequest(
-                f"'slotkeeper.served' must be one of {', '.join(_SERVED)}", param="slotkeeper.served"
-            )
-        out["served"] = served
-    rules = ctx.get_list("rules")
-    if rules is not None:
-        ok = all(isinstance(r, str) and 0 < len(r) <= 64 for r in rules)
-        if len(rules) > _MAX_RULES or not ok:
-            raise BadRequest(
-                f"'slotkeeper.rules' must be at most {_MAX_RULES} names of 1..64 characters",
-                param="slotkeeper.rules",
-            )
-        out["rules"] = list(rules)
-    return out
-
-
-def served(report: dict[str, Any], cache_n: int) -> str:
-    """How the prompt's state was served (`slotkeeper.served`): `prefix` when it started from
-    another slot's state, or reused any while the caller said its session had none (`cold`: the
-    state another session of the tenant left in this slot); else the caller's word (`live`,
-    `restored`, `stored-prefix`), else what the slot did."""
-    said = report.get("served")
-    if "source_slot" in report or (said == "cold" and cache_n > 0):
-        return "prefix"
-    if said:
-        return str(said)
-    if report.get("restored"):
-        return "restored"
-    return "live" if report.get("reuse", "none") != "none" else "cold"
 
 
 async def diagnose(rt: Runtime, req: ChatRequest, prompt: ChatPrompt, o: Outcome) -> None:

@@ -14,10 +14,11 @@ int Engine::prefix_source(const Slot & s, const RequestParams & p, int own_keep,
         if (id < 0 || id >= cfg_.n_slots || id == s.id) continue;
         const Slot & o = slots_[size_t(id)];
         if (o.tokens.empty() || o.owner != p.owner) continue;  // never another owner's state
-        // The same rule as for the request's own slot: what the other slot's memory and
-        // checkpoints could serve of this prompt, were it the request's slot.
-        const int keep = plan_reuse(memory_view(o), p.prompt, true).n_keep;
         const int common = int(common_prefix(o.tokens, p.prompt));
+        // The same rule as for the request's own slot: what the other slot's memory and
+        // checkpoints could serve of this prompt, were it the request's slot (never more than the
+        // common prefix: a slot that cannot win is not planned, nor its tokens copied for it).
+        const int keep = common >= own_keep + kMinCopyGain ? plan_reuse(memory_view(o), p.prompt, true).n_keep : 0;
         candidates.push_back({id, keep, common});
         if (common > report.common_n) describe_candidate(o, common, report);
     }

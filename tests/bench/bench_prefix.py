@@ -204,22 +204,20 @@ def ours(
         finally:
             chat.close()
             serve.kill()  # SIGKILL: nothing saved on the way out
-        system = report["system_text"]
-        serve = gw.start_serve(workdir, "serve-restart", flags("node-a"), env)
-        chat = Chat("slotkeeper", serve.url, system, tool_list)
-        try:
-            rows += sessions(chat, serve.url, "restart", args.sessions)
-        finally:
-            chat.close()
-            serve.kill()
-        if s3:
-            serve = gw.start_serve(workdir, "serve-second-node", flags("node-b"), env)
-            chat = Chat("slotkeeper", serve.url, system, tool_list)
+
+        def phase(name: str, log: str, data: str) -> list[Row]:
+            """New sessions on a new serve process (the one before was SIGKILLed)."""
+            serve = gw.start_serve(workdir, log, flags(data), env)
+            chat = Chat("slotkeeper", serve.url, report["system_text"], tool_list)
             try:
-                rows += sessions(chat, serve.url, "second node", args.sessions)
+                return sessions(chat, serve.url, name, args.sessions)
             finally:
                 chat.close()
                 serve.kill()
+
+        rows += phase("restart", "serve-restart", "node-a")
+        if s3:
+            rows += phase("second node", "serve-second-node", "node-b")
         else:
             report["second_node"] = "skipped: no SeaweedFS (weed) to share a bucket between two processes"
     return rows
