@@ -24,7 +24,10 @@ core should capture while prefilling:
   retry evaluates those few tokens, and each turn holds and saves one recurrent state fewer.)
 A boundary is found by rendering (a prefix or a continuation of) the conversation on its own and
 taking its common token prefix with the whole prompt, so it is right even where a template or the
-tokenizer joins text across the boundary.
+tokenizer joins text across the boundary. A template that refuses a prefix on its own (Qwen3.5's
+real template wants a user message) gets the prefix as two conversations continued by different
+placeholder user messages render it in common: the boundary then lies after the next user
+message's header, which any conversation sharing the prefix shares too.
 """
 
 from __future__ import annotations
@@ -147,9 +150,18 @@ class ChatTemplate:
             try:
                 head = self.render(messages[:cut], tools, add_generation_prompt=False, kwargs=kwargs)
             except BadRequest:
-                continue  # some templates refuse partial conversations; the hint is only an optimisation
-            if not head or not text.startswith(head):
+                head = ""  # some templates refuse partial conversations (Qwen3.5: no user message)
+            # For the shared prefix (system messages and tools: a short render) also what follows it
+            # up to the next user message's text (its header, a date line), which every prompt
+            # sharing the prefix shares too; for a later cut (most of a history) only when the
+            # prefix alone cannot be rendered. The longer one this prompt starts with counts.
+            ok = bool(head) and text.startswith(head)
+            shared = all(m.get("role") in ("system", "developer") for m in messages[:cut])
+            followed = self.followed_head(messages[:cut], tools, kwargs) if shared or not ok else ""
+            heads = [h for h in (head, followed) if h and text.startswith(h)]
+            if not heads:
                 continue
+            head = max(heads, key=len)
             n = common_prefix(self.tokenize(tokenize, head), tokens)
             if 0 < n < len(tokens):
                 hints.append(n)
@@ -159,6 +171,25 @@ class ChatTemplate:
             if 0 < n < len(tokens):
                 hints.append(n)
         return ChatPrompt(text, tokens, sorted(set(hints)))
+
+    def followed_head(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None,
+        kwargs: dict[str, Any] | None,
+    ) -> str:
+        """What the template renders for `messages` before any user message that follows them:
+        the common prefix of the conversation continued by two placeholder user messages (for a
+        template that refuses to render `messages` alone, or renders them otherwise than inside a
+        longer conversation). "" when it refuses those too."""
+        texts = []
+        for filler in _PLACEHOLDERS:
+            following = [*messages, {"role": "user", "content": filler}]
+            try:
+                texts.append(self.render(following, tools, add_generation_prompt=False, kwargs=kwargs))
+            except BadRequest:
+                return ""
+        return os.path.commonprefix(texts)
 
     def next_turn_divergence(
         self,

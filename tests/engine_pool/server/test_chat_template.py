@@ -73,10 +73,15 @@ def test_hints_sit_at_the_system_prefix_end_and_the_last_user_start(
     ]
     p = template.prompt(tok, messages, TOOLS)
     assert p.tokens == tok(p.text, True)
-    head = tok(template.render(messages[:1], TOOLS, add_generation_prompt=False), True)
+    system = template.render(messages[:1], TOOLS, add_generation_prompt=False)
+    # The shared prefix's hint: past the system prompt and tools, up to the next user message's
+    # text (its header, which every conversation sharing the prefix renders too).
+    followed = template.followed_head(messages[:1], TOOLS, None)
+    assert followed.startswith(system) and followed.endswith("<|im_start|>user\n")
+    shared = common_prefix(tok(followed, True), p.tokens)
     before_last = tok(template.render(messages[:3], TOOLS, add_generation_prompt=False), True)
-    assert p.hints == [len(head), len(before_last)]
-    assert p.tokens[: len(head)] == head and p.tokens[: len(before_last)] == before_last
+    assert p.hints == [shared, len(before_last)]
+    assert shared > len(tok(system, True)) and p.tokens[: len(before_last)] == before_last
 
 
 def test_a_template_that_writes_bos_gets_no_second_one(engine: native.Engine) -> None:
@@ -144,7 +149,7 @@ def test_hint_where_the_next_turn_leaves_a_thinking_prompt(engine: native.Engine
     assert p1.text.endswith("<|im_start|>assistant\n<think>\n")
     up_to_reply = tok(p1.text[: -len("<think>\n")], True)
     assert p1.tokens[: len(up_to_reply)] == up_to_reply
-    system_end = len(tok(t.render(turn1[:1], add_generation_prompt=False), True))
+    system_end = common_prefix(tok(t.followed_head(turn1[:1], None, None), True), p1.tokens)
     assert p1.hints == [system_end, len(up_to_reply)]
     assert len(up_to_reply) < len(p1.tokens)
 
@@ -272,3 +277,24 @@ def test_the_generation_prompt_length_is_measured_from_the_template() -> None:
                             "{% if add_generation_prompt %}A:<think>\n{% endif %}")  # fmt: skip
     assert thinking.generation_prompt_tokens(chars) == len("A:<think>\n")
     assert ChatTemplate("{{ raise_exception('no') }}").generation_prompt_tokens(chars) == 0
+
+
+def test_a_template_refusing_a_system_only_prefix_still_hints_its_end(engine: native.Engine) -> None:
+    """Qwen3.5's published template raises 'No user query found in messages.' for the system
+    prompt alone: the shared prefix's hint comes from two placeholder continuations instead."""
+
+    def tok(text: str, add_special: bool) -> list[int]:
+        return engine.tokenize(text, add_special, True)
+
+    refusing = ChatTemplate(
+        "{% if not (messages | selectattr('role', 'equalto', 'user') | list) %}"
+        "{{ raise_exception('No user query found in messages.') }}{% endif %}" + BUILTIN_TEMPLATES["chatml"]
+    )
+    messages = [SYSTEM, {"role": "user", "content": "Fix the build."}]
+    with pytest.raises(BadRequest):
+        refusing.render(messages[:1], add_generation_prompt=False)
+    p = refusing.prompt(tok, messages)
+    header = tok("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\n", True)
+    assert p.hints[0] == common_prefix(header, p.tokens) > 0
+    other = refusing.prompt(tok, [SYSTEM, {"role": "user", "content": "Another task."}])
+    assert other.tokens[: p.hints[0]] == p.tokens[: p.hints[0]]  # every such prompt shares it
