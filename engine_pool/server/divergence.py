@@ -11,8 +11,10 @@ user debugging a slow agent needs it: `system`, `tools`, `message` (with its ind
 
 It finds message boundaries as the checkpoint hints do: rendering a prefix of the conversation on
 its own and taking its common token prefix with the whole prompt. A miss costs O(log n) renders
-(binary search over the messages); the expected case none. Where a template renders the tools
-before the system text, a change in the system text reads as `tools`.
+(binary search over the messages); the expected case none. Inside the system prefix, the system
+messages' text (found in the rendered prompt) tells system from tools, wherever a template puts
+the tools (Qwen3.5's before the system text); without it, what lies past the system text rendered
+without tools counts as tools.
 """
 
 from __future__ import annotations
@@ -49,9 +51,12 @@ def locate(
     tools: Sequence[dict[str, Any]] | None,
     prompt: Sequence[int],
     at: int,
+    system_spans: Sequence[tuple[int, int]] = (),
 ) -> dict[str, Any]:
     """The part of the conversation token `at` of `prompt` belongs to. `render(messages, tools)`
-    tokenizes a conversation rendered without the generation prompt."""
+    tokenizes a conversation rendered without the generation prompt; `system_spans` are where the
+    system messages' text lies in `prompt`, in tokens, when the caller found it (then a divergence
+    in the system prefix outside them is in the tools, wherever the template puts those)."""
 
     def boundary(k: int, with_tools: bool = True) -> int:
         return common_prefix(render(messages[:k], tools if with_tools else None), prompt)
@@ -69,10 +74,11 @@ def locate(
     if lo >= len(messages):
         return {"at": at, "part": "generation_prompt"}
     if lo < n_system or (lo == 0 and tools and at < boundary(0)):
-        part = "system"
-        if tools and (n_system == 0 or at >= boundary(n_system, with_tools=False)):
-            part = "tools"
-        return {"at": at, "part": part}
+        if system_spans:
+            in_tools = not any(a <= at < b for a, b in system_spans)
+        else:
+            in_tools = n_system == 0 or at >= boundary(n_system, with_tools=False)
+        return {"at": at, "part": "tools" if tools and in_tools else "system"}
     return {"at": at, "part": "message", "message": lo, "role": str(messages[lo].get("role", ""))}
 
 

@@ -251,11 +251,31 @@ async def diagnose(rt: Runtime, req: ChatRequest, prompt: ChatPrompt, o: Outcome
             text = rt.template.render(
                 messages, with_tools, add_generation_prompt=False, kwargs=req.template_kwargs
             )
-        except BadRequest:
-            return []
-        return rt.template.tokenize(lambda t, special: rt.tokenize(t, special), text)
+        except BadRequest:  # a prefix the template refuses alone (Qwen3.5: no user message yet)
+            text = rt.template.followed_head(messages, with_tools, req.template_kwargs)
+        return rt.template.tokenize(lambda t, special: rt.tokenize(t, special), text) if text else []
 
-    o.reuse["diverged"] = await asyncio.to_thread(locate, render, history, tools, prompt.tokens, at)
+    def located() -> dict[str, Any]:
+        return locate(render, history, tools, prompt.tokens, at, system_spans(rt, prompt, req.messages))
+
+    o.reuse["diverged"] = await asyncio.to_thread(located)
+
+
+def system_spans(rt: Runtime, prompt: ChatPrompt, messages: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """Where the leading system messages' text lies in the prompt, in tokens (those found in its
+    text). Tokenizes the prompt's text up to each: call it in a worker thread."""
+    spans, start = [], 0
+    for m in messages:
+        if m.get("role") not in ("system", "developer"):
+            break
+        text = prefill_text(m).strip()  # (its content's text, parts joined; templates trim it)
+        at = prompt.text.find(text, start) if text else -1
+        if at < 0:
+            continue
+        start = at + len(text)
+        edges = [rt.template.tokenize(lambda t, s: rt.tokenize(t, s), prompt.text[:i]) for i in (at, start)]
+        spans.append((common_prefix(edges[0], prompt.tokens), common_prefix(edges[1], prompt.tokens)))
+    return spans
 
 
 def _chat_choice(

@@ -162,7 +162,7 @@ async def test_the_shared_prefix_digest_travels_beside_the_route(
     for session in ("older", "newer"):
         stored = join_routes(route if session == "older" else "ef" * 16, shared)
         await store.put_file(SlotRef("acme", session, 1), src, model="fp", n_tokens=3, route=stored)
-        await asyncio.sleep(0.02)  # (the newer one is modified later)
+        await asyncio.sleep(1.1)  # (the newer one is modified later: S3 stamps whole seconds)
     await store.put_file(SlotRef("acme", "alone", 1), src, model="fp", n_tokens=3, route="12" * 16)
     await reindex(store, index)
     older = await index.get("acme", "older")

@@ -66,3 +66,19 @@ def test_the_expected_case_needs_no_render() -> None:
     assert not in_last_turn({"prefix": {**report["prefix"], "prompt_tokens": 0}}, 28, 2)  # unknown: restored
     assert left_at({"prefix": {"slot": 0, "tokens": 40, "prompt_tokens": 30, "common": 40}}, 50) is None
     assert left_at({}, 50) is None
+
+
+def test_the_system_texts_span_tells_system_from_tools_wherever_the_tools_are() -> None:
+    def tools_first(messages: Any, tools: Any) -> list[int]:
+        """Qwen3.5-like: the tools before the system text, in the system turn."""
+        out: list[int] = []
+        for i, m in enumerate(messages):
+            out += [100, *([200, 300, 301] if i == 0 and tools else []), *m["content"], 101]
+        return out
+
+    prompt = tools_first(MESSAGES, TOOLS) + [102]
+    spans = [(4, 7)]  # the system text 11 12 13, after 100 200 300 301
+    assert locate(tools_first, MESSAGES, TOOLS, prompt, 2, spans)["part"] == "tools"
+    assert locate(tools_first, MESSAGES, TOOLS, prompt, 5, spans)["part"] == "system"
+    # Without the spans, the heuristic reads a system change there as tools (documented).
+    assert locate(tools_first, MESSAGES, TOOLS, prompt, 5)["part"] == "tools"
