@@ -251,8 +251,9 @@ def continuation(
     return True, False
 
 
-def prefill_text(message: dict[str, Any]) -> str:
-    """The text of the assistant message a prompt continues (its content; text parts joined)."""
+def message_text(message: dict[str, Any]) -> str:
+    """The text of a message's content: the string, or its text parts joined (the assistant
+    message a prefill continues, a system prompt the reuse report looks for)."""
     content = message.get("content")
     if isinstance(content, list):
         return "".join(p.get("text", "") for p in content if isinstance(p, dict))

@@ -28,7 +28,7 @@ from ..errors import (
     error_payload,
 )
 from . import slot_files
-from .chat_request import continuation, parse_messages, parse_tools, prefill_text
+from .chat_request import continuation, message_text, parse_messages, parse_tools
 from .gbnf import check_grammar
 from .generation import Delta, Outcome, TokenBytes, collect_all, generate, probs_json, with_text_bias
 from .grammar import built_off_loop, schema_grammar
@@ -448,7 +448,7 @@ async def apply_template(request: Request) -> Response:
         extra = dict(kwargs.data) if kwargs else None
         if cont:  # llama-server's prefill: the last (assistant) message is continued
             head = rt.template.render(messages[:-1], tools or None, add_generation_prompt=True, kwargs=extra)
-            return head + prefill_text(messages[-1])
+            return head + message_text(messages[-1])
         return rt.template.render(
             messages, tools or None, add_generation_prompt=generation_prompt, kwargs=extra
         )

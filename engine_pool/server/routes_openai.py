@@ -29,7 +29,7 @@ import native
 from ..body import Body, read_json
 from ..errors import BadRequest
 from .apis.report import caller_context, served
-from .chat_request import ChatRequest, build_constraint, continued_open, parse_chat, prefill_text
+from .chat_request import ChatRequest, build_constraint, continued_open, message_text, parse_chat
 from .chat_template import ChatPrompt
 from .divergence import in_last_turn, last_reply, left_at, locate
 from .formats import (
@@ -138,7 +138,7 @@ def chat_prompt(rt: Runtime, req: ChatRequest) -> tuple[ChatPrompt, bool]:
     history, tools = prepare_history(req.messages), req.tools or None
     if req.continue_final:
         head = rt.template.prompt(tokenize, history[:-1], tools, req.template_kwargs)
-        prefill = prefill_text(req.messages[-1])
+        prefill = message_text(req.messages[-1])
         text = head.text + prefill
         tokens = rt.template.tokenize(tokenize, text)
         kept = common_prefix(head.tokens, tokens)  # the prefill may merge with the head's last token
@@ -268,7 +268,7 @@ def system_spans(rt: Runtime, prompt: ChatPrompt, messages: list[dict[str, Any]]
     for m in messages:
         if m.get("role") not in ("system", "developer"):
             break
-        text = prefill_text(m).strip()  # (its content's text, parts joined; templates trim it)
+        text = message_text(m).strip()  # (templates trim it)
         at = prompt.text.find(text, start) if text else -1
         if at < 0:
             continue

@@ -22,7 +22,7 @@ import pytest
 
 from engine_pool.body import Body
 from engine_pool.errors import BadRequest
-from engine_pool.server.chat_request import continuation, continued_open, prefill_text
+from engine_pool.server.chat_request import continuation, continued_open, message_text
 from engine_pool.server.generation import (
     Outcome,
     TokenProb,
@@ -501,7 +501,7 @@ def test_continuation_rules() -> None:
     ):
         with pytest.raises(BadRequest, match=words):
             continuation(messages, flag, cont)
-    assert prefill_text({"content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}) == "ab"
+    assert message_text({"content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}) == "ab"
     assert continued_open("...<|im_start|>assistant\n<think>\n", "Let me") is True
     assert continued_open("...<think>\n", "x</think>\n\nAnswer") is False
     assert continued_open("...assistant\n", "Answer") is False
