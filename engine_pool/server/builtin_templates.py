@@ -150,3 +150,12 @@ BUILTIN_TEMPLATES: dict[str, str] = {
     "llama3": LLAMA3,
     "mistral-v7": MISTRAL_V7,
 }
+
+# The text that ends an assistant turn in each format. A model whose vocabulary lacks it as a special
+# token (Gemma 3 under the ChatML fallback) writes it as text: chat generations stop on it.
+END_OF_TURN: dict[str, str] = {
+    CHATML: "<|im_end|>",
+    GEMMA: "<end_of_turn>",
+    LLAMA3: "<|eot_id|>",
+    MISTRAL_V7: "</s>",
+}

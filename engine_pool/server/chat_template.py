@@ -32,35 +32,25 @@ message's header, which any conversation sharing the prefix shares too.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import BadRequest
-from .builtin_templates import BUILTIN_TEMPLATES, CHATML
+from .builtin_templates import BUILTIN_TEMPLATES, CHATML, END_OF_TURN
+from .formats import hermes
+from .formats.history import WriteCalls, normalise
+from .jinja_env import environment
 from .scheduler import common_prefix
+from .template_caps import TemplateCaps, detect
 
 Tokenizer = Callable[[str, bool], list[int]]  # (text, add_special) -> tokens
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, **_: Any) -> str:
-    # Like the HF/minja `tojson`: plain JSON, not jinja2's HTML-escaped Markup.
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
 
 
 @dataclass(frozen=True)
@@ -77,30 +67,32 @@ class ChatPrompt:
 _PLACEHOLDERS = ("A", "B")
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
 class ChatTemplate:
     """One compiled chat template with the model's special token texts.
 
     `origin` says where the source came from (`gguf`, `chatml-fallback`, `builtin:NAME`, `inline`,
-    `file:PATH`), for the logs and /props.
+    `file:PATH`), for the logs and /props. Every conversation is normalised first
+    (`formats.history.normalise`, by the template's `caps`); `write_calls` writes past tool calls for
+    a template that has no syntax for them (the engine's chat format).
     """
 
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", origin: str = "gguf") -> None:
+    def __init__(
+        self,
+        source: str,
+        bos_token: str = "",
+        eos_token: str = "",
+        origin: str = "gguf",
+        write_calls: WriteCalls = hermes.write_calls,
+    ) -> None:
         self.source = source
+        self.write_calls = write_calls
+        # A chat generation stops on the end of its turn written as text (a built-in format's).
+        self.stops: tuple[str, ...] = (END_OF_TURN[source],) if source in END_OF_TURN else ()
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.origin = origin
         try:
-            self._template = _environment().from_string(source) if source else None
+            self._template = environment().from_string(source) if source else None
         except jinja2.TemplateSyntaxError as exc:
             self._template = None
             self.error = f"the chat template does not compile: {_syntax_error(exc)}"
@@ -117,19 +109,48 @@ class ChatTemplate:
     ) -> str:
         if self._template is None:
             raise BadRequest(self.error)
+        messages = normalise(
+            messages, tools, self.caps, developer_role=self.developer_role, write_calls=self.write_calls
+        )
+        return self._render(messages, tools, add_generation_prompt, kwargs)
+
+    @cached_property
+    def caps(self) -> TemplateCaps:
+        """What the template can write (`template_caps`), found once by probe renders."""
+        if self._template is None:
+            return TemplateCaps()
+        return detect(lambda messages, tools: self._render(messages, tools, True, None))
+
+    @property
+    def developer_role(self) -> bool:
+        # Only gpt-oss's harmony templates (`<|channel|>`) know a developer role (llama.cpp's rule).
+        return "<|channel|>" in self.source
+
+    def _render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        kwargs: dict[str, Any] | None,
+    ) -> str:
+        assert self._template is not None
+        today = datetime.now()
         variables: dict[str, Any] = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
+            "datetime": today.strftime("%b %d %Y"),  # llama.cpp's extra context
+            "date_string": today.strftime("%d %b %Y"),
             **(kwargs or {}),
             "messages": list(messages),
-            "tools": list(tools) if tools else None,
             "add_generation_prompt": add_generation_prompt,
         }
+        if tools:  # without tools the variable is undefined, as llama.cpp leaves it
+            variables["tools"] = list(tools)
         try:
             return self._template.render(**variables)
         except jinja2.TemplateError as exc:
             raise BadRequest(f"the chat template refused the conversation: {exc}") from None
-        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        except Exception as exc:  # noqa: BLE001 — whatever a template does with a conversation is a 400
             raise BadRequest(
                 f"the chat template failed on the conversation: {type(exc).__name__}: {exc}"
             ) from None

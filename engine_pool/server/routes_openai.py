@@ -39,7 +39,6 @@ from .formats import (
     Reasoning,
     assemble,
     opened_by,
-    prepare_history,
     select_format,
 )
 from .formats.reasoning import THINK_CLOSE, THINK_OPEN
@@ -135,7 +134,7 @@ def chat_prompt(rt: Runtime, req: ChatRequest) -> tuple[ChatPrompt, bool]:
     def tokenize(text: str, add_special: bool) -> list[int]:
         return rt.tokenize(text, add_special)
 
-    history, tools = prepare_history(req.messages), req.tools or None
+    history, tools = req.messages, req.tools or None
     if req.continue_final:
         head = rt.template.prompt(tokenize, history[:-1], tools, req.template_kwargs)
         prefill = message_text(req.messages[-1])
@@ -170,6 +169,8 @@ async def run_chat(request: Request, body: Body) -> dict[str, Any] | AsyncGenera
     prompt, opened = await asyncio.to_thread(chat_prompt, rt, req)  # opened: Qwen3.5, Nemotron-3
     con = await build_constraint(req, lim.schema, fmt, reasoning=opened)
     sampling = await with_text_bias(rt, req.sampling)  # once for every choice
+    if rt.template.stops:  # the built-in format's end of turn, should the model write it as text
+        sampling = replace(sampling, stop=tuple(dict.fromkeys((*sampling.stop, *rt.template.stops))))
     preserved = _preserved(rt, fmt)
     extra_bias = _tool_call_ban(rt, fmt) if con.ban_tool_calls else None
 
@@ -244,7 +245,7 @@ async def diagnose(rt: Runtime, req: ChatRequest, prompt: ChatPrompt, o: Outcome
     ):
         o.reuse["diverged"] = last_reply(req.messages, at)
         return
-    history, tools = prepare_history(req.messages), req.tools or None
+    history, tools = req.messages, req.tools or None
 
     def render(messages: Any, with_tools: Any) -> list[int]:
         try:

@@ -20,6 +20,7 @@ import native
 
 from ..errors import ServerError, Unavailable
 from .chat_template import ChatTemplate, TemplateConfigError, select_template, template_override
+from .formats import select_format
 from .metrics import EngineMetrics
 from .sampling import Sampling
 from .scheduler import SlotScheduler
@@ -120,7 +121,11 @@ class Runtime:
             log.warning("engine.chat_template_fallback", reason=choice.fallback_reason, template="chatml")
         log.info("engine.chat_template", origin=choice.origin, chars=len(choice.source))
         self.template = ChatTemplate(
-            choice.source, self.token_text(model.bos), self.token_text(model.eos), origin=choice.origin
+            choice.source,
+            self.token_text(model.bos),
+            self.token_text(model.eos),
+            origin=choice.origin,
+            write_calls=select_format(self.settings.chat_format, choice.source).write_calls,
         )
         self.scheduler.turn_slack = await asyncio.to_thread(
             self.template.generation_prompt_tokens, lambda text, special: engine.tokenize(text, special)

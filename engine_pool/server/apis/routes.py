@@ -25,7 +25,6 @@ from starlette.routing import Route
 from ...body import Body, read_json
 from ...errors import ApiError, BadRequest, NotFound
 from ..chat_request import parse_chat
-from ..formats import prepare_history
 from ..routes_llama import limits, runtime
 from ..routes_openai import run_chat
 from ..sse import NamedEvent, start_event_stream
@@ -145,7 +144,7 @@ async def count_tokens(request: Request) -> Response:
     prompt = await asyncio.to_thread(  # rendering and tokenizing: off the event loop, as in run_chat
         rt.template.prompt,
         lambda text, add_special: rt.tokenize(text, add_special),
-        prepare_history(chat.messages),
+        chat.messages,
         chat.tools or None,
         chat.template_kwargs,
     )

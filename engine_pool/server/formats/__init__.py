@@ -4,7 +4,7 @@ One module per family — `hermes` (JSON in `<tool_call>`: Qwen2.5/Qwen3, Hermes
 `qwen_xml` (`<function=…><parameter=…>`: Qwen3.5/3.6, Qwen3-Next, Qwen3-Coder, Nemotron-3),
 `lfm2` (Python calls in `<|tool_call_start|>`: LFM2/LFM2.5) — each with a block parser and a
 forced-call grammar; `reasoning` splits `<think>` blocks; `output` chains the two over a
-generation; `history` prepares past turns for the template. `FORMATS` is the table
+generation; `history` gives the template a conversation in the one shape it expects. `FORMATS` is the table
 `--chat-format` picks from; under `auto` the template's text decides (`select_format`).
 """
 
@@ -18,7 +18,6 @@ from ...errors import ServerError
 from ..grammar import CallRule, GrammarLimits, calls_grammar
 from . import hermes, lfm2, qwen_xml
 from .calls import CallStream, ToolCall
-from .history import prepare_history
 from .output import ChatMessage, ChatOutput, Piece, assemble
 from .reasoning import Reasoning, opened_by
 
@@ -32,7 +31,6 @@ __all__ = [
     "ToolCall",
     "assemble",
     "opened_by",
-    "prepare_history",
     "select_format",
 ]
 
@@ -46,7 +44,10 @@ class ChatFormat:
     close: str
     parse_block: Callable[[str, Mapping[str, Any]], list[ToolCall] | None]  # (block, schemas by tool)
     call_grammar: CallRule
-    markers: tuple[str, ...]  # under `auto`, a template containing all of these uses this format
+    # Under `auto`, a template containing all the texts of one of these groups uses this format.
+    markers: tuple[tuple[str, ...], ...]
+    # Past calls ((name, arguments) pairs) as text, for a template without a syntax for them.
+    write_calls: Callable[[Sequence[tuple[str, Any]]], str]
 
     def stream(self, tools: Sequence[dict[str, Any]]) -> CallStream:
         """A stream reading this format's calls of `tools` (OpenAI tool objects) from text."""
@@ -73,10 +74,21 @@ FORMATS: dict[str, ChatFormat] = {
         qwen_xml.CLOSE,
         qwen_xml.parse_block,
         qwen_xml.call_grammar,
-        (qwen_xml.FUNCTION, qwen_xml.PARAMETER),
+        ((qwen_xml.FUNCTION, qwen_xml.PARAMETER),),
+        qwen_xml.write_calls,
     ),
-    "lfm2": ChatFormat("lfm2", lfm2.OPEN, lfm2.CLOSE, lfm2.parse_block, lfm2.call_grammar, (lfm2.OPEN,)),
-    "hermes": ChatFormat("hermes", hermes.OPEN, hermes.CLOSE, hermes.parse_block, hermes.call_grammar, ()),
+    "lfm2": ChatFormat(
+        "lfm2", lfm2.OPEN, lfm2.CLOSE, lfm2.parse_block, lfm2.call_grammar, lfm2.MARKERS, lfm2.write_calls
+    ),
+    "hermes": ChatFormat(
+        "hermes",
+        hermes.OPEN,
+        hermes.CLOSE,
+        hermes.parse_block,
+        hermes.call_grammar,
+        ((),),
+        hermes.write_calls,
+    ),
 }
 
 
@@ -89,4 +101,4 @@ def select_format(setting: str, template_source: str) -> ChatFormat:
                 f"--chat-format {setting!r} is not a chat format of this engine: auto, {', '.join(FORMATS)}"
             )
         return fmt
-    return next(f for f in FORMATS.values() if all(m in template_source for m in f.markers))
+    return next(f for f in FORMATS.values() if any(all(m in template_source for m in g) for g in f.markers))

@@ -11,7 +11,8 @@ A block whose JSON is not `{"name": ..., "arguments": ...}` (`parameters` is acc
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..grammar import hermes_call
@@ -38,3 +39,12 @@ def parse_block(block: str, schemas: Mapping[str, Any]) -> list[ToolCall] | None
     """The block's call (JSON carries its own types: the tools' schemas are not needed)."""
     call = parse_call(block)
     return [call] if call is not None else None
+
+
+def write_calls(calls: Sequence[tuple[str, Any]]) -> str:
+    """Calls ((name, arguments) pairs) as a model of the family writes them, for a template that
+    has no syntax of its own for them."""
+    return "\n".join(
+        f"{OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{CLOSE}"
+        for name, args in calls
+    )

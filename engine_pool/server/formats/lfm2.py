@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..grammar import GrammarBuilder, OptionalSequence, literal
@@ -24,6 +24,9 @@ from .calls import ToolCall, arguments_json
 
 OPEN = "<|tool_call_start|>"
 CLOSE = "<|tool_call_end|>"
+# A template of the family: it writes calls, or lists the tools the way Liquid's templates do (the
+# LFM2.5 instruct template leaves the calls to the assistant's content).
+MARKERS = ((OPEN,), ("<|tool_list_start|>",), ("List of tools: [",))
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 _NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 _WORDS = {"true": True, "True": True, "false": False, "False": False, "null": None, "None": None}
@@ -224,3 +227,15 @@ class _Reader:
     def _expect(self, c: str) -> None:
         if not self._eat(c):
             raise _Malformed(f"{c!r} was expected")
+
+
+def write_calls(calls: Sequence[tuple[str, Any]]) -> str:
+    """Calls ((name, arguments) pairs) in one block, keyword values as JSON literals."""
+    written = []
+    for name, args in calls:
+        kwargs = ", ".join(
+            f"{key}={json.dumps(value, ensure_ascii=False)}"
+            for key, value in (args.items() if isinstance(args, dict) else ())
+        )
+        written.append(f"{name}({kwargs})")
+    return f"{OPEN}[{', '.join(written)}]{CLOSE}"

@@ -23,8 +23,9 @@ not to the value.
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..grammar import GrammarBuilder, literal
@@ -172,3 +173,20 @@ def _skip_space(text: str, pos: int) -> int:
 def _strip_one_newline(value: str) -> str:
     value = value[1:] if value.startswith("\n") else value
     return value[:-1] if value.endswith("\n") else value
+
+
+def _value_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def write_calls(calls: Sequence[tuple[str, Any]]) -> str:
+    """Calls ((name, arguments) pairs) as a model of the family writes them: a string value as it
+    is, any other value as JSON."""
+    blocks = []
+    for name, args in calls:
+        items = args.items() if isinstance(args, dict) else ()
+        params = "".join(
+            f"{PARAMETER}{key}>\n{_value_text(value)}\n{PARAMETER_END}\n" for key, value in items
+        )
+        blocks.append(f"{OPEN}\n{FUNCTION}{name}>\n{params}{FUNCTION_END}\n{CLOSE}")
+    return "\n".join(blocks)

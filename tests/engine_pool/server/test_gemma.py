@@ -82,6 +82,26 @@ def test_no_template_in_the_gguf_falls_back_to_chatml(gemma: EngineProcess) -> N
     assert [e["origin"] for e in logged(gemma, "engine.chat_template")] == ["chatml-fallback"]
 
 
+def test_the_chatml_fallback_stops_on_its_end_marker_written_as_text(gemma: EngineProcess) -> None:
+    # Gemma's vocabulary has no <|im_end|> token: the model writes the marker as text (forced here).
+    body = {
+        "messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 32,
+        "grammar": 'root ::= "Red." "<|im_end|>" [a-z ]*',
+    }
+    with httpx.Client(base_url=gemma.url, timeout=120) as c:
+        for stream in (False, True):
+            if stream:
+                with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+                    events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+                text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+                finish = [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1]
+            else:
+                choice = post(c, "/v1/chat/completions", body)["choices"][0]
+                text, finish = choice["message"]["content"], choice["finish_reason"]
+            assert (text, finish) == ("Red.", "stop"), stream
+
+
 def test_chat_template_gemma(gemma_model: Path, tmp_path: Path) -> None:
     args = ("--chat-template", "gemma")
     eng = EngineProcess(gemma_model, *args, log_path=tmp_path / "engine.log").start()

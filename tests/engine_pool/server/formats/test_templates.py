@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from engine_pool.server.chat_template import ChatTemplate
-from engine_pool.server.formats import assemble, opened_by, prepare_history, select_format
+from engine_pool.server.formats import assemble, opened_by, select_format
 from native.model_gen import TEMPLATES, chat_template
 
 TOOL: Any = {
@@ -54,7 +54,7 @@ HISTORY: list[dict[str, Any]] = [
 def render(name: str, messages: list[dict[str, Any]], **kwargs: Any) -> str:
     template = ChatTemplate(chat_template(name), "<s>", "</s>")
     assert not template.error
-    return template.render(prepare_history(messages), [TOOL], kwargs=kwargs)
+    return template.render(messages, [TOOL], kwargs=kwargs)
 
 
 @pytest.mark.parametrize("name", TEMPLATES)
