@@ -2,7 +2,8 @@
 
 One module per family — `hermes` (JSON in `<tool_call>`: Qwen2.5/Qwen3, Hermes, Granite 4.0),
 `qwen_xml` (`<function=…><parameter=…>`: Qwen3.5/3.6, Qwen3-Next, Qwen3-Coder, Nemotron-3),
-`lfm2` (Python calls in `<|tool_call_start|>`: LFM2/LFM2.5) — each with a block parser and a
+`lfm2` (Python calls in `<|tool_call_start|>`: LFM2/LFM2.5), `nemotron_h` (a JSON list in
+`<TOOLCALL>`: Nemotron-H / Nemotron Nano v2) — each with a block parser and a
 forced-call grammar; `reasoning` splits `<think>` blocks; `output` chains the two over a
 generation; `history` gives the template a conversation in the one shape it expects. `FORMATS` is the table
 `--chat-format` picks from; under `auto` the template's text decides (`select_format`).
@@ -16,7 +17,7 @@ from typing import Any
 
 from ...errors import ServerError
 from ..grammar import CallRule, GrammarLimits, calls_grammar
-from . import hermes, lfm2, qwen_xml
+from . import hermes, lfm2, nemotron_h, qwen_xml
 from .calls import CallStream, ToolCall
 from .output import ChatMessage, ChatOutput, Piece, assemble
 from .reasoning import Reasoning, opened_by
@@ -79,6 +80,15 @@ FORMATS: dict[str, ChatFormat] = {
     ),
     "lfm2": ChatFormat(
         "lfm2", lfm2.OPEN, lfm2.CLOSE, lfm2.parse_block, lfm2.call_grammar, lfm2.MARKERS, lfm2.write_calls
+    ),
+    "nemotron-h": ChatFormat(
+        "nemotron-h",
+        nemotron_h.OPEN,
+        nemotron_h.CLOSE,
+        nemotron_h.parse_block,
+        nemotron_h.call_grammar,
+        nemotron_h.MARKERS,
+        nemotron_h.write_calls,
     ),
     "hermes": ChatFormat(
         "hermes",

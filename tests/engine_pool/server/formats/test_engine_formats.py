@@ -56,6 +56,7 @@ FAMILIES = {
     "LFM2-8B-A1B": ("lfm2", "lfm2", False),
     "LFM2.5-Instruct": ("lfm2", "lfm2", False),
     "LFM2.5-8B-A1B": ("lfm2", "lfm2", False),
+    "NVIDIA-Nemotron-Nano-v2": ("qwen35", "nemotron-h", True),
 }
 # real template -> the stand-in template whose vocabulary the model gets
 STAND_IN = {
@@ -68,8 +69,14 @@ STAND_IN = {
     "LFM2-8B-A1B": "lfm2",
     "LFM2.5-Instruct": "lfm2",
     "LFM2.5-8B-A1B": "lfm2",
+    "NVIDIA-Nemotron-Nano-v2": "hermes",
 }
-OPEN_TAG = {"hermes": "<tool_call>", "qwen-xml": "<tool_call>", "lfm2": "<|tool_call_start|>"}
+OPEN_TAG = {
+    "hermes": "<tool_call>",
+    "qwen-xml": "<tool_call>",
+    "lfm2": "<|tool_call_start|>",
+    "nemotron-h": "<TOOLCALL>",
+}
 PARAMS: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -98,6 +105,7 @@ WRITTEN_CALL = {
     "qwen-xml": "<tool_call>\n<function=get_time>\n<parameter=tz>\nutc\n</parameter>\n</function>\n"
     "</tool_call>",
     "lfm2": '<|tool_call_start|>[get_time(tz="utc")]<|tool_call_end|>',
+    "nemotron-h": '<TOOLCALL>[{"name": "get_time", "arguments": {"tz": "utc"}}]</TOOLCALL>',
 }
 
 
@@ -261,10 +269,14 @@ def test_reasoning_lands_in_reasoning_content(family: Family) -> None:
 
 def test_enable_thinking_false_leaves_no_reasoning_open(family: Family) -> None:
     def ask(**template_kwargs: Any) -> Any:
+        messages = MESSAGES
+        if family.template == "NVIDIA-Nemotron-Nano-v2" and template_kwargs["enable_thinking"] is False:
+            # NVIDIA's switch is a `/no_think` in the system message, not a template variable.
+            messages = [{"role": "system", "content": "You are a helpful assistant. /no_think"}, MESSAGES[1]]
         return (
             family.client.chat.completions.create(
                 model=family.template,
-                messages=MESSAGES,
+                messages=messages,
                 max_tokens=50,
                 extra_body={"grammar": 'root ::= "Plain words."', "chat_template_kwargs": template_kwargs},
             )
@@ -286,6 +298,20 @@ def test_tool_choice_none_bans_the_call_opening_token(family: Family) -> None:
     first have to close it, and a bias on both the closing and the call-opening token left which
     came first, at each step, to the random model's own logits — the call did not always open."""
     open_tag = OPEN_TAG[family.format]
+    if family.format == "nemotron-h":
+        # `<TOOLCALL>` is several tokens in this vocabulary, so nothing bans it; a call the model
+        # writes anyway under tool_choice none stays text.
+        r = family.client.chat.completions.create(
+            model=family.template,
+            messages=MESSAGES,
+            tools=[WEATHER, TIME],
+            tool_choice="none",
+            max_tokens=200,
+            extra_body={"grammar": family.reasoned("x", WRITTEN_CALL[family.format])},
+        )
+        msg = r.choices[0].message
+        assert msg.tool_calls is None and msg.content == WRITTEN_CALL[family.format]
+        return
     bias = {str(family.token(open_tag)): 100}
 
     def ask(tool_choice: str) -> str:

@@ -138,4 +138,4 @@ def test_a_named_format_wins_and_an_unknown_name_is_an_error() -> None:
     assert select_format("auto", "").name == "hermes"
     with pytest.raises(ServerError) as exc:
         select_format("mistral", "")
-    assert "auto, qwen-xml, lfm2, hermes" in exc.value.message
+    assert "auto, qwen-xml, lfm2, nemotron-h, hermes" in exc.value.message
