@@ -94,13 +94,17 @@ _STOP_TYPE = {"eos": "eos", "stop_token": "eos", "length": "limit", "context": "
 _MIN_MS = 0.001
 
 
-def _rates(n: int, ms: float) -> tuple[float, float, float]:
-    """(ms, ms per token, tokens per second) as llama-server computes them (`1e3 / ms * n`), with its
-    1 µs floor once a token exists; 0 where it would divide by zero (it sends null: not a number)."""
+def _rates(n: int, ms: float, steps: int | None = None) -> tuple[float, float, float]:
+    """(ms, ms per step, steps per second) as llama-server computes them (`1e3 / ms * steps`; the
+    steps are the `n` tokens unless said), with its 1 µs floor once a token exists; 0 where it would
+    divide by zero."""
     if n <= 0:
         return ms, 0.0, 0.0
     ms = max(ms, _MIN_MS)
-    return ms, ms / n, 1e3 / ms * n
+    steps = n if steps is None else steps
+    if steps <= 0:
+        return ms, 0.0, 0.0
+    return ms, ms / steps, 1e3 / ms * steps
 
 
 def timings_dict(t: native.Timings) -> dict[str, float]:
@@ -108,13 +112,15 @@ def timings_dict(t: native.Timings) -> dict[str, float]:
 
     llama-server counts the time to the first token as prompt time and generation from the first
     token on; our core's generation clock starts when the prompt is done. With one token that whole
-    time is llama-server's prompt time (its generation then reports 1e6 tokens/s); with more, the
-    first token's sampling stays in `predicted_ms` here (microseconds)."""
+    time is llama-server's prompt time; with more, the first token's sampling stays in
+    `predicted_ms` here (microseconds). Generation rates are over decode steps, one fewer than the
+    tokens: the first token comes from the last prompt batch's logits (llama-server b11434's
+    `n_gen_steps`), so one token reports 0 per second and per token."""
     prompt_ms, predicted_ms = t.prompt_ms, t.predicted_ms
     if t.predicted_n == 1:
         prompt_ms, predicted_ms = prompt_ms + predicted_ms, 0.0
     prompt_ms, prompt_tok, prompt_sec = _rates(t.prompt_n, prompt_ms)
-    pred_ms, pred_tok, pred_sec = _rates(t.predicted_n, predicted_ms)
+    pred_ms, pred_tok, pred_sec = _rates(t.predicted_n, predicted_ms, max(t.predicted_n - 1, 0))
     return {
         "cache_n": t.cache_n,
         "prompt_n": t.prompt_n,

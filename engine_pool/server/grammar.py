@@ -271,6 +271,8 @@ class GrammarBuilder:
 
     def array(self, schema: dict[str, Any], path: str, hint: str, depth: int) -> str:
         items = schema.get("items", {})
+        if isinstance(items, list):  # a tuple (draft 4's array form of `items`), as llama.cpp reads it
+            return self.tuple(items, path, hint, depth)
         item = self.add(f"{hint}-item", self.visit(items, f"{path}/items", f"{hint}-item", depth + 1))
         lo, hi = self.bounds(schema, "minItems", "maxItems", path)
         sp = self.use("space")
@@ -282,6 +284,19 @@ class GrammarBuilder:
         if lo == 0:  # named, for the same reason as bounded strings
             body = f"{self.add(f'{hint}-items', body)}?"
         return f'"[" {sp} {body} "]" {sp}'
+
+    def tuple(self, items: list[Any], path: str, hint: str, depth: int) -> str:
+        """Exactly one value per schema of `items`, in order."""
+        sp = self.use("space")
+        if not items:
+            return f'"[" {sp} "]" {sp}'
+        parts = [
+            self.add(
+                f"{hint}-tuple-{i}", self.visit(sub, f"{path}/items/{i}", f"{hint}-tuple-{i}", depth + 1)
+            )
+            for i, sub in enumerate(items)
+        ]
+        return f'"[" {sp} ' + f' "," {sp} '.join(parts) + f' "]" {sp}'
 
     def object(self, schema: dict[str, Any], path: str, hint: str, depth: int) -> str:
         props = schema.get("properties")

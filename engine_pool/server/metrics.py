@@ -6,11 +6,21 @@ resident memory, open files: what a restart or a leak shows in), read from /proc
 The core's counters (`engine.metrics()`) are read at scrape time by a collector and exposed through
 one table, `CORE_COUNTERS`; counters the table does not know yet still appear, as
 `slotkeeper_core_<name>_total`.
+
+Beside them, llama-server's own families (`llamacpp:*`, the names, types, help lines and meanings
+of its /metrics, table `LLAMACPP`): prompt tokens processed and reused, prompt and generation time,
+tokens predicted, the longest sequence seen, the speculative-decoding counters (always 0: this
+engine drafts nothing), and the gauges. Its rates leave out each generation's first token (it
+comes from the logits of the last prompt batch, not from a decode step) and average the window
+since the previous scrape. `llamacpp:n_decode_total` and `llamacpp:n_busy_slots_per_decode` need the
+core's count of `llama_decode` calls (`decodes`, `decode_busy_slots`): they appear when the core
+reports it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
@@ -103,6 +113,112 @@ _GAUGE_HELP = {
 }
 
 
+@dataclass
+class _Bucket:
+    """Tokens, the decode steps they took and their time (llama-server's `server_metrics::bucket`)."""
+
+    count: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+
+    def add(self, count: int, steps: int, seconds: float) -> None:
+        self.count += count
+        self.steps += steps
+        self.seconds += seconds
+
+    def rate(self) -> float:
+        """Steps per second: tokens that took no decode step do not inflate it."""
+        return self.steps / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class LlamaStats:
+    """What llama-server's /metrics counts, from the generations that finished: cumulative since
+    the start, and (the `*_window` buckets) since the previous scrape."""
+
+    prompt: _Bucket
+    predict: _Bucket
+    prompt_window: _Bucket
+    predict_window: _Bucket
+    prompt_cached: int = 0
+    n_tokens_max: int = 0
+
+    @classmethod
+    def empty(cls) -> LlamaStats:
+        return cls(_Bucket(), _Bucket(), _Bucket(), _Bucket())
+
+    def add(self, prompt_n: int, prompt_ms: float, cache_n: int, predicted_n: int, predicted_ms: float,
+            n_tokens: int) -> None:  # fmt: skip
+        # The first token comes from the logits of the last prompt batch: no decode step.
+        steps = max(predicted_n - 1, 0)
+        for prompt, predict in ((self.prompt, self.predict), (self.prompt_window, self.predict_window)):
+            prompt.add(prompt_n, prompt_n, prompt_ms / 1e3)
+            predict.add(predicted_n, steps, predicted_ms / 1e3)
+        self.prompt_cached += cache_n
+        self.n_tokens_max = max(self.n_tokens_max, n_tokens)
+
+
+# llama-server's families: name (after `llamacpp:`), type, help — in its order.
+LLAMACPP: tuple[tuple[str, str, str], ...] = (
+    ("prompt_tokens_total", "counter", "Number of prompt tokens processed, excluding cached tokens"),
+    ("prompt_tokens_cached_total", "counter", "Number of prompt tokens reused from the cache"),
+    ("prompt_seconds_total", "counter", "Total time spent processing prompts"),
+    ("tokens_predicted_total", "counter", "Number of generation tokens processed"),
+    ("tokens_predicted_seconds_total", "counter", "Total time spent generating tokens"),
+    ("n_decode_total", "counter",
+     "Total number of llama_decode() calls, excluding speculative decoding and multimodal decoding"),
+    ("n_tokens_max", "counter", "Largest observed sequence length (prompt + generation)"),
+    ("spec_decode_num_draft_tokens_total", "counter", "Speculative: Total draft tokens generated"),
+    ("spec_decode_num_accepted_tokens_total", "counter",
+     "Speculative: Total draft tokens accepted by the target model"),
+    ("spec_decode_num_drafts_total", "counter", "Speculative: Total speculative decoding verification steps"),
+    ("prompt_tokens_seconds", "gauge", "Average prompt throughput in tokens/s"),
+    ("predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s"),
+    ("requests_processing", "gauge", "Number of requests processing"),
+    ("requests_deferred", "gauge", "Number of requests deferred"),
+    ("n_busy_slots_per_decode", "gauge", "Average number of busy slots per llama_decode() call"),
+)  # fmt: skip
+
+
+def llamacpp_values(
+    stats: LlamaStats, core: dict[str, int], gauges: dict[str, float], processing: int
+) -> dict[str, float]:
+    """The value of each `LLAMACPP` family (`processing`: the core's slots running a request); the
+    two that count `llama_decode` calls only when the core reports them (`decodes`,
+    `decode_busy_slots`)."""
+    out = {
+        "prompt_tokens_total": float(stats.prompt.count),
+        "prompt_tokens_cached_total": float(stats.prompt_cached),
+        "prompt_seconds_total": stats.prompt.seconds,
+        "tokens_predicted_total": float(stats.predict.count),
+        "tokens_predicted_seconds_total": stats.predict.seconds,
+        "n_tokens_max": float(stats.n_tokens_max),
+        "spec_decode_num_draft_tokens_total": 0.0,  # this engine drafts nothing
+        "spec_decode_num_accepted_tokens_total": 0.0,
+        "spec_decode_num_drafts_total": 0.0,
+        "prompt_tokens_seconds": stats.prompt_window.rate(),
+        "predicted_tokens_seconds": stats.predict_window.rate(),
+        "requests_processing": float(processing),
+        "requests_deferred": gauges.get("slotkeeper_queue_waiting", 0.0),
+    }
+    if "decodes" in core:
+        out["n_decode_total"] = float(core["decodes"])
+        out["n_busy_slots_per_decode"] = core.get("decode_busy_slots", 0) / max(core["decodes"], 1)
+    return out
+
+
+def llamacpp_text(values: dict[str, float]) -> str:
+    """The families in llama-server's text (HELP, TYPE and value lines, `LLAMACPP`'s order)."""
+    lines = []
+    for name, kind, help_text in LLAMACPP:
+        if name in values:
+            value = values[name]
+            shown = repr(int(value)) if float(value).is_integer() else repr(value)
+            lines += [f"# HELP llamacpp:{name} {help_text}", f"# TYPE llamacpp:{name} {kind}",
+                      f"llamacpp:{name} {shown}"]  # fmt: skip
+    return "".join(line + "\n" for line in lines)
+
+
 class EngineMetrics:
     """The process's registry: request metrics recorded here, core counters read at scrape time."""
 
@@ -139,6 +255,9 @@ class EngineMetrics:
         )
         self.registry.register(_CoreCollector(read_core, gauges))
         ProcessCollector(registry=self.registry)
+        self._read_core = read_core
+        self._gauges = gauges
+        self._llama = LlamaStats.empty()
 
     def generation_done(self, endpoint: str, o: Outcome) -> None:
         self.generations.labels(endpoint or "other", o.stop_type).inc()
@@ -147,12 +266,26 @@ class EngineMetrics:
         self.completion_tokens.inc(o.n_predicted)
         if o.tokens:
             self.ttft.observe(o.ttft_s)
+        t = o.timings
+        self._llama.add(
+            int(t["prompt_n"]),
+            t["prompt_ms"],
+            o.cache_n,
+            o.n_predicted,
+            t["predicted_ms"],
+            o.n_prompt + o.n_predicted,
+        )
 
     def http_request(self, route: str, status: int) -> None:
         self.http_requests.labels(route, str(status)).inc()
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, processing: int = 0) -> bytes:
+        """Ours, then llama-server's families (`processing`: the core's slots running a request); a
+        scrape starts the gauges' next window, as there."""
+        # (Both run on the event loop: the stats have one owner.)
+        values = llamacpp_values(self._llama, self._read_core() or {}, self._gauges(), processing)
+        self._llama.prompt_window, self._llama.predict_window = _Bucket(), _Bucket()
+        return generate_latest(self.registry) + llamacpp_text(values).encode()
 
 
 def route_label(path: str, routes: Any) -> str:

@@ -311,18 +311,34 @@ async def completion(request: Request) -> Response:
     )
     sampling = await with_text_bias(rt, sampling)
     pieces = token_pieces(engine)
+    texts = await asyncio.to_thread(lambda: [prompt_text(engine, p) for p in tokens])
     if stream:
         gen = generate(rt, tokens[0], sampling, grammar=grammar, endpoint="/completion")
-        return await start_stream(_completion_chunks(rt, gen, sampling, pieces, fields), done_marker=False)
-    runs = [p for p in tokens for _ in range(n_cmpl)]
+        chunks = _completion_chunks(rt, gen, sampling, pieces, fields, texts[0])
+        return await start_stream(chunks, done_marker=False)
+    runs = [i for i in range(len(tokens)) for _ in range(n_cmpl)]
     outcomes = await collect_all(
-        [generate(rt, p, sampling, grammar=grammar, endpoint="/completion") for p in runs], request
+        [generate(rt, tokens[i], sampling, grammar=grammar, endpoint="/completion") for i in runs], request
     )
     results = [
-        _completion_final(rt, o, sampling, pieces, fields, streamed=False, index=i)
+        _completion_final(rt, o, sampling, pieces, fields, texts[runs[i]], streamed=False, index=i)
         for i, o in enumerate(outcomes)
     ]
     return JSONResponse(results[0] if len(results) == 1 else results)
+
+
+def prompt_text(engine: native.Engine, tokens: list[int]) -> str:
+    """llama-server's `prompt` of a result: the prompt's tokens as text, special tokens spelled out.
+    Client-sized: call it in a worker thread."""
+    return engine.detokenize(tokens, False, True)
+
+
+def verbose_result(
+    rt: Runtime, o: Outcome, sampling: Sampling, prompt: str, pieces: TokenBytes
+) -> dict[str, Any]:
+    """llama-server's `__verbose` (a response's debug field with `verbose` or `-v`): the generation
+    as /completion reports it, the prompt's text included."""
+    return _completion_final(rt, o, sampling, pieces, [], prompt, streamed=False)
 
 
 def token_pieces(engine: native.Engine) -> TokenBytes:
@@ -343,6 +359,7 @@ async def _completion_chunks(
     sampling: Sampling,
     pieces: TokenBytes,
     fields: list[str],
+    prompt: str,
 ) -> AsyncGenerator[dict[str, Any], None]:
     async with aclosing(gen) as items:
         async for item in items:
@@ -357,7 +374,7 @@ async def _completion_chunks(
                     chunk["completion_probabilities"] = probs_json(item.probs, pieces)
                 yield chunk
             else:
-                yield _completion_final(rt, item, sampling, pieces, fields, streamed=True)
+                yield _completion_final(rt, item, sampling, pieces, fields, prompt, streamed=True)
 
 
 def _completion_final(
@@ -366,6 +383,7 @@ def _completion_final(
     sampling: Sampling,
     pieces: TokenBytes,
     fields: list[str],
+    prompt: str,
     *,
     streamed: bool,
     index: int = 0,
@@ -382,6 +400,7 @@ def _completion_final(
         "tokens_predicted": o.n_predicted,
         "tokens_evaluated": o.n_prompt,
         "generation_settings": generation_settings(sampling),
+        "prompt": prompt,
         "has_new_line": "\n" in o.text,
         "truncated": False,
         "stop_type": o.stop_type,
@@ -460,7 +479,12 @@ async def metrics(request: Request) -> Response:
     rt = runtime(request)
     if not rt.settings.metrics:
         raise NotSupported(NO_METRICS)
-    return Response(rt.metrics.render(), media_type=CONTENT_TYPE)
+    engine = rt.engine  # (slots run requests in the core until their last event: llama-server's count)
+    processing = sum(s.busy for s in await asyncio.to_thread(engine.slots)) if engine is not None else 0
+    # llama-server's header: when this process started (unix seconds). (uvicorn writes header names
+    # in lower case, as HTTP allows: a client that looks names up case-sensitively misses it.)
+    started = {"Process-Start-Time-Unix": str(int(rt.started))}
+    return Response(rt.metrics.render(processing), media_type=CONTENT_TYPE, headers=started)
 
 
 ROUTES = [

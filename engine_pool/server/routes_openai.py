@@ -53,7 +53,16 @@ from .generation import (
     probs_json,
     with_text_bias,
 )
-from .routes_llama import check_prompts, completion_prompt, limits, prompt_field, runtime, token_pieces
+from .routes_llama import (
+    check_prompts,
+    completion_prompt,
+    limits,
+    prompt_field,
+    prompt_text,
+    runtime,
+    token_pieces,
+    verbose_result,
+)
 from .runtime import Runtime
 from .sampling import read_sampling
 from .scheduler import common_prefix
@@ -202,8 +211,15 @@ async def run_chat(request: Request, body: Body) -> dict[str, Any] | AsyncGenera
         o.reuse["served"] = served(o.reuse, o.cache_n)
         await diagnose(rt, req, prompt, o)
 
+    debug = None
+    if body.get_bool("verbose", False) or rt.settings.verbose:  # llama-server's `__verbose`
+
+        async def debug(o: Outcome) -> dict[str, Any]:
+            text = await asyncio.to_thread(prompt_text, engine, prompt.tokens)
+            return verbose_result(rt, o, sampling, text, pieces)
+
     if req.stream:
-        return _chat_chunks(gen(), req, output(), meta, pieces, explain)
+        return _chat_chunks(gen(), req, output(), meta, pieces, explain, debug, len(prompt.tokens))
     outs = [output() for _ in range(req.n)]
     parts: list[list[Piece]] = [[] for _ in range(req.n)]
 
@@ -228,6 +244,8 @@ async def run_chat(request: Request, body: Body) -> dict[str, Any] | AsyncGenera
     response: dict[str, Any] = {**meta.head(), "choices": choices, "usage": u}
     if req.n == 1:
         response.update(extras(outcomes[0]))
+    if debug is not None:
+        response["__verbose"] = await debug(outcomes[0])
     return response
 
 
@@ -335,7 +353,12 @@ async def _chat_chunks(
     meta: Meta,
     token_bytes: TokenBytes,
     explain: Callable[[Outcome], Awaitable[None]],
+    debug: Callable[[Outcome], Awaitable[dict[str, Any]]] | None,
+    n_prompt: int,
 ) -> AsyncGenerator[dict[str, Any], None]:
+    """The chunks of one streamed chat. The first (the assistant's role) also carries
+    `slotkeeper.prompt_tokens`, the prompt's size once its evaluation is done, which the Messages
+    stream reports in its `message_start`; the finishing one `__verbose` when asked for."""
     head = {**meta.head(), "object": "chat.completion.chunk"}
     n_calls = 0
     pending: list[TokenProb] = []  # probabilities of tokens whose text no chunk has carried yet
@@ -381,7 +404,9 @@ async def _chat_chunks(
         async for item in items:
             if not started:
                 started = True
-                yield chunk({"role": "assistant", "content": None})  # as OpenAI and llama-server
+                first = chunk({"role": "assistant", "content": None})  # as OpenAI and llama-server
+                first["slotkeeper"] = {"prompt_tokens": n_prompt}
+                yield first
             if isinstance(item, Delta):
                 pending.extend(item.probs)
                 for c in with_probs(pieces(out.feed(item.text, len(item.tokens)))):
@@ -394,6 +419,8 @@ async def _chat_chunks(
             if item.stop_type == "word":
                 last["choices"][0]["stopping_word"] = item.stopping_word
             last.update(extras(item))
+            if debug is not None:
+                last["__verbose"] = await debug(item)
             yield last
             if req.include_usage:
                 yield {**head, "choices": [], "usage": _chat_usage(item, out), **extras(item)}
@@ -458,6 +485,9 @@ async def completions(request: Request) -> Response:
     }
     if len(outcomes) == 1:
         response.update(extras(outcomes[0]))
+    if body.get_bool("verbose", False) or rt.settings.verbose:  # llama-server's `__verbose`: the first
+        text = await asyncio.to_thread(prompt_text, engine, tokens[0])
+        response["__verbose"] = verbose_result(rt, outcomes[0], sampling, text, pieces)
     return JSONResponse(response)
 
 

@@ -125,11 +125,11 @@ class EngineSettings:
 
     @property
     def model_id(self) -> str:
-        """The name the model is reported by: the first `--alias`, else the file name. (llama-server keeps
-        its aliases in a sorted set and reports the alphabetically first; the first given is ours.)"""
+        """The name the model is reported by: the alphabetically first `--alias` (llama-server keeps
+        them in a sorted set), else the file name."""
         aliases = self.aliases
         if aliases:
-            return aliases[0]
+            return min(aliases)
         return self.model.rsplit("/", 1)[-1]
 
     @property

@@ -141,10 +141,16 @@ class ChunkReader:
 
     def __init__(self) -> None:
         self.model = ""
+        self.prompt_tokens = 0  # the prompt's size, from the first chunk (`slotkeeper.prompt_tokens`)
+        self.report: dict[str, Any] | None = None  # the engine's reuse report (`slotkeeper`), when sent
         self._calls: set[int] = set()
 
     def feed(self, chunk: dict[str, Any]) -> list[Piece]:
         self.model = self.model or _str(chunk.get("model"))
+        engine = _dict(chunk.get("slotkeeper"))
+        if "reuse" in engine:  # the last chunk's report (the first one carries the prompt's size only)
+            self.report = engine
+        self.prompt_tokens = self.prompt_tokens or _int(engine.get("prompt_tokens"))
         out: list[Piece] = []
         choices = chunk.get("choices")
         for choice in choices if isinstance(choices, list) else []:

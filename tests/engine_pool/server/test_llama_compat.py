@@ -120,8 +120,9 @@ def test_the_first_chat_delta_opens_the_assistant_message_with_null_content(
 
 
 def test_rates_follow_llama_server() -> None:
-    """1e3 / ms * n, with llama-server's 1 µs floor: one token reports a million a second; nothing
-    generated (or nothing evaluated) reports 0 where llama-server would send null."""
+    """1e3 / ms * n, with llama-server's 1 µs floor; generation over its decode steps (n - 1: the
+    first token comes from the prompt's logits, upstream test_metrics_generation_rate_excludes_first_token),
+    so one token reports 0; nothing generated (or nothing evaluated) reports 0."""
 
     def timings(**kw: Any) -> Any:
         base = dict(prompt_n=0, cache_n=0, predicted_n=0, prompt_ms=0.0, predicted_ms=0.0)
@@ -132,12 +133,15 @@ def test_rates_follow_llama_server() -> None:
     one = timings_dict(timings(prompt_n=4, prompt_ms=1.5, predicted_n=1, predicted_ms=0.5))
     assert (one["predicted_ms"], one["predicted_per_token_ms"], one["predicted_per_second"]) == (
         0.001,
-        0.001,
-        1e6,
+        0.0,
+        0.0,
     )
     assert (one["prompt_ms"], one["prompt_per_token_ms"], one["prompt_per_second"]) == (2.0, 0.5, 2000.0)
     many = timings_dict(timings(predicted_n=10, predicted_ms=40.0))
-    assert many["predicted_per_second"] == pytest.approx(250.0) and many["predicted_per_token_ms"] == 4.0
+    assert (
+        many["predicted_per_second"] == pytest.approx(1e3 / 40.0 * 9)
+        and many["predicted_per_token_ms"] == 40 / 9
+    )
     none = timings_dict(timings(cache_n=7, prompt_ms=0.3))
     assert none["prompt_per_second"] == none["predicted_per_second"] == 0.0 and none["cache_n"] == 7
     assert reuse_dict(timings(reuse="logits", restored=True)) == {

@@ -250,7 +250,7 @@ def test_aliases_tags_hosts_and_origins_are_comma_lists() -> None:
     s = parse_settings(
         ["-m", "dir/m.gguf", "-a", " first, second ,first,,third", "--tags", "chat, small"], {}
     )
-    assert s.aliases == ("first", "second", "third") and s.model_id == "first"  # the first given
+    assert s.aliases == ("first", "second", "third") and s.model_id == "first"  # the alphabetically first (llama-server)
     assert s.model_tags == ("chat", "small")
     bare = parse_settings(["-m", "dir/m.gguf", "-a", " , "], {})
     assert (bare.aliases, bare.model_id, bare.model_tags) == ((), "m.gguf", ())

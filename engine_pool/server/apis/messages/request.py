@@ -1,20 +1,22 @@
 """An Anthropic Messages request (`POST /v1/messages`), validated and translated to chat. Pure.
 
 `parse_request` checks every field this server acts on and refuses, with a 400 naming the field,
-what it cannot do: images, documents and other non-text blocks, server tools (web search, code
-execution, ...), an assistant message last (prefill: the chat path always opens a new assistant
-turn). `cache_control` is accepted where Anthropic accepts it (at most `MAX_CACHE_BREAKPOINTS`
-blocks, each `{"type": "ephemeral"}` with an optional `ttl`) and otherwise ignored: the engine reuses
-every prompt prefix it
-holds, marked or not. The conversation is translated to chat messages on the way:
+what it cannot do: images (also inside a `tool_result`: "image input is not supported", as
+llama-server says without a vision projector), documents and other non-text blocks, server tools
+(web search, code execution, ...), an assistant message last (prefill: the chat path always opens a
+new assistant turn). An empty `messages` array is accepted, as llama-server does: the
+chat path renders what there is (the system prompt, then the generation prompt).
+`cache_control` is accepted where Anthropic accepts it (at most `MAX_CACHE_BREAKPOINTS` blocks, each
+`{"type": "ephemeral"}` with an optional `ttl`) and otherwise ignored: the engine reuses every
+prompt prefix it holds, marked or not. The conversation is translated to chat messages on the way:
 - a user message's `tool_result` blocks become `tool` messages (an `is_error` result says so in
   its text), its text blocks one user message after them;
 - an assistant message's `thinking` blocks become `reasoning_content` (`redacted_thinking` is
   dropped: nothing can read it), its text the content, its `tool_use` blocks `tool_calls` (the
   input object as a JSON text).
 `thinking` {enabled|disabled} becomes the template's `enable_thinking` (`adaptive` leaves the
-template's default); `budget_tokens` is checked as Anthropic does but not enforced: thinking counts
-against `max_tokens`.
+template's default); `budget_tokens` (any size, as llama-server takes it, below `max_tokens`) is
+not enforced: thinking counts against `max_tokens`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from ..engine_options import engine_options, merge_template_kwargs
 # Block types by the role that may send them.
 USER_BLOCKS = ("text", "tool_result")
 ASSISTANT_BLOCKS = ("text", "tool_use", "thinking", "redacted_thinking")
-MIN_THINKING_BUDGET = 1024
 MAX_CACHE_BREAKPOINTS = 4  # Anthropic's limit on blocks with `cache_control`
 CACHE_TTLS = ("5m", "1h")
 TOOL_CHOICES = ("auto", "any", "tool", "none")
@@ -184,7 +185,7 @@ def _thinking(body: Body, max_tokens: int | None) -> bool | None:
         return None if kind == "adaptive" else False
     if not thinking.has("budget_tokens"):
         raise BadRequest("'thinking.budget_tokens' is required when thinking is enabled", param="thinking")
-    budget = thinking.get_int("budget_tokens", 0, lo=MIN_THINKING_BUDGET)
+    budget = thinking.get_int("budget_tokens", 0, lo=0)
     if max_tokens is not None and budget >= max_tokens:
         raise BadRequest(
             f"'thinking.budget_tokens' ({budget}) must be less than 'max_tokens' ({max_tokens})",
@@ -267,6 +268,9 @@ def _system(body: Body, max_blocks: int) -> str | None:
     return _texts(raw, "system", max_blocks)
 
 
+NO_IMAGES = "image input is not supported: this engine serves a text-only model"
+
+
 def _texts(blocks: Any, where: str, max_blocks: int) -> str:
     """The text of an array of text blocks (a tool result's content, the system prompt)."""
     if not isinstance(blocks, list):
@@ -278,6 +282,8 @@ def _texts(blocks: Any, where: str, max_blocks: int) -> str:
     for j, block in enumerate(blocks):
         at = f"{where}[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "image":
+            raise BadRequest(f"'{at}': {NO_IMAGES}", param=at)
         if kind != "text":
             raise _unsupported(at, kind, "text blocks only")
         texts.append(_block_text(block, at, "text"))
@@ -297,8 +303,8 @@ def _block_text(block: dict[str, Any], at: str, key: str) -> str:
 
 def _messages(body: Body, max_messages: int) -> tuple[dict[str, Any], ...]:
     raw = body.get_list("messages")
-    if not raw:
-        raise BadRequest("'messages' must be a non-empty array of messages", param="messages")
+    if raw is None:
+        raise BadRequest("'messages' is required (an array of messages)", param="messages")
     check_count("messages", raw, max_messages, "messages")
     out: list[dict[str, Any]] = []
     for i, m in enumerate(raw):
@@ -324,7 +330,7 @@ def _messages(body: Body, max_messages: int) -> tuple[dict[str, Any], ...]:
         check_count(f"{where}.content", content, max_messages, "blocks")
         convert = _user if role == "user" else _assistant
         out.extend(convert(content, f"{where}.content", max_messages))
-    if out[-1]["role"] == "assistant":
+    if out and out[-1]["role"] == "assistant":
         raise BadRequest(
             f"'messages[{len(raw) - 1}]': a conversation ending with an assistant message (prefill) is "
             "not supported by this server; end with a user message",
@@ -343,6 +349,8 @@ def _blocks(
         if not isinstance(block, dict):
             raise BadRequest(f"'{at}' must be an object, got {json_type(block)}", param=at)
         kind = block.get("type")
+        if kind == "image":
+            raise BadRequest(f"'{at}': {NO_IMAGES}", param=at)
         if kind not in allowed:
             if kind in other:
                 raise BadRequest(f"'{at}': a {kind!r} block does not belong in this role's message", param=at)

@@ -1,10 +1,11 @@
 """A chat completion stream as Anthropic Messages stream events. Pure.
 
-`message_start` (the message with no content yet), then per content block `content_block_start`,
-`content_block_delta`s (`thinking_delta`, `text_delta`, `input_json_delta`) and
-`content_block_stop`; then `message_delta` with the stop reason and the whole usage (the chat
-stream's usage chunk is its last, so the input and cache counts arrive here, where the SDK takes
-them over the start's zeros) and `message_stop`. A tool call's input goes out as one
+`message_start` (the message with no content yet; its usage the prompt's size, from the chat
+stream's first chunk), then per content block `content_block_start`, `content_block_delta`s
+(`thinking_delta`, `text_delta`, `input_json_delta`) and `content_block_stop`; then `message_delta`
+with the stop reason and the whole usage (the chat stream's usage chunk is its last, so the split
+into computed and reused input tokens arrives here, where the SDK takes it over the start's) and
+`message_stop`. A tool call's input goes out as one
 `input_json_delta` when its block closes: the same object the non-streamed message would hold, also
 for arguments that are not a JSON object. A failure after the start is `event: error` in Anthropic's
 error shape (`failed`).
@@ -54,6 +55,9 @@ class MessageStream:
             return []
         self._started = True
         message = message_shell(self.req, message_id=self.message_id, model=self._reader.model)
+        # The prompt's size, as llama-server reports it here; how much of it was reused is known
+        # only once the generation is done (`message_delta` carries the whole usage).
+        message["usage"] = usage_object(Usage(prompt_tokens=self._reader.prompt_tokens))
         if self.req.diagnostics:
             message["diagnostics"] = {"cache_miss_reason": None}
         return [("message_start", {"type": "message_start", "message": message})]
@@ -62,8 +66,7 @@ class MessageStream:
         if self._ended:
             return []
         pieces = self._reader.feed(chunk)
-        if isinstance(chunk.get("slotkeeper"), dict):
-            self._report = chunk["slotkeeper"]
+        self._report = self._reader.report
         out = self._start()
         for piece in pieces:
             if isinstance(piece, Reasoning):

@@ -95,9 +95,9 @@ def parse_request(data: dict[str, Any], *, max_items: int) -> ResponsesRequest:
             "send 'disabled' (a conversation too long for the context is refused with a 400)",
             param="truncation",
         )
-    model = body.get_str("model")
-    if not model:
-        raise BadRequest("'model' is required", param="model")
+    # Optional, as llama-server takes it: an engine serves one model (the gateway, which picks one by
+    # name, requires it).
+    model = body.get_str("model") or ""
     tools = _tools(body)
     return ResponsesRequest(
         model=model,

@@ -92,8 +92,7 @@ class ResponseStream:
         if self._ended:
             return []
         pieces = self._reader.feed(chunk)
-        if isinstance(chunk.get("slotkeeper"), dict):
-            self._report = chunk["slotkeeper"]
+        self._report = self._reader.report
         out = self._start()
         for piece in pieces:
             if isinstance(piece, Reasoning):

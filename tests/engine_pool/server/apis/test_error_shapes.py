@@ -134,7 +134,10 @@ async def test_malformed_requests_are_refused_before_the_model() -> None:
         r = await c.post("/v1/messages", json={**MESSAGE, "messages": [{"role": "user", "content": [IMAGE]}]})
         assert r.status_code == 400
         body = ErrorResponse.model_validate(r.json())
-        assert body.error.type == "invalid_request_error" and "'image' is not supported" in body.error.message
+        assert (
+            body.error.type == "invalid_request_error"
+            and "image input is not supported" in body.error.message
+        )
         r = await c.post("/v1/messages", content=b"{not json")
         assert r.status_code == 400 and r.json()["type"] == "error"
         r = await c.post(

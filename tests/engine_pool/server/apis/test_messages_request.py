@@ -206,7 +206,7 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     ({"model": None, "messages": USER}, "model", "'model' is required"),
     ({"max_tokens": None, "messages": USER}, "max_tokens", "'max_tokens' is required"),
     ({"max_tokens": 0, "messages": USER}, "max_tokens", "must be >= 1"),
-    ({}, "messages", "non-empty array"),
+    ({}, "messages", "'messages' is required"),
     ({"messages": ["hi"]}, "messages[0]", "must be an object, got string"),
     ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role", "must be user or assistant"),
     (
@@ -217,7 +217,7 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     (
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "see"}, IMAGE]}]},
         "messages[0].content[1]",
-        "content block type 'image' is not supported",
+        "image input is not supported",
     ),
     (
         {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
@@ -261,7 +261,7 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
             ]
         },
         "messages[0].content[0].content[0]",
-        "'image' is not supported",
+        "image input is not supported",
     ),
     (
         {
@@ -291,7 +291,7 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
         "'server_tool_use' is not supported",
     ),
     ({"messages": [*USER, {"role": "assistant", "content": "The answer is ("}]}, "messages[1]", "prefill"),
-    ({"messages": USER, "system": [IMAGE]}, "system[0]", "'image' is not supported"),
+    ({"messages": USER, "system": [IMAGE]}, "system[0]", "image input is not supported"),
     ({"messages": USER, "system": 5}, "system", "string or an array of text blocks"),
     (
         {"messages": USER, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
@@ -327,9 +327,9 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     ({"messages": USER, "top_k": -1}, "top_k", ">= 0"),
     ({"messages": USER, "thinking": {"type": "enabled"}}, "thinking", "budget_tokens' is required"),
     (
-        {"messages": USER, "thinking": {"type": "enabled", "budget_tokens": 100}},
+        {"messages": USER, "thinking": {"type": "enabled", "budget_tokens": -1}},
         "thinking.budget_tokens",
-        ">= 1024",
+        ">= 0",
     ),
     (
         {"messages": USER, "thinking": {"type": "enabled", "budget_tokens": 2048}},
@@ -356,6 +356,17 @@ def test_malformed_fields_are_400s_naming_them(data: dict[str, Any], param: str,
         parse(data)
     assert exc.value.status == 400 and exc.value.param == param
     assert message in exc.value.message
+
+
+def test_llama_server_permissions_an_empty_conversation_and_a_small_thinking_budget() -> None:
+    """llama-server's test_anthropic_empty_messages and test_anthropic_thinking: both are accepted."""
+    empty = parse({"messages": [], "system": "Be brief."})
+    assert empty.messages == () and api.chat_body(empty)["messages"] == [
+        {"role": "system", "content": "Be brief."}
+    ]
+    small = parse({"max_tokens": 100, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 50}})
+    assert small.thinking is True
+    assert api.chat_body(small)["chat_template_kwargs"] == {"enable_thinking": True}
 
 
 def test_messages_and_blocks_are_bounded() -> None:

@@ -219,8 +219,14 @@ def test_accepted_fields_are_kept() -> None:
     assert req.reasoning == {"effort": "low", "summary": "auto"} and req.verbosity == "low"
 
 
+def test_model_is_optional_as_in_llama_server() -> None:
+    """An engine serves one model (llama-server's test_responses_stream_with_llama_telemetry sends
+    none); the gateway, which picks a model by name, still requires it (tests/gateway)."""
+    req = api.parse_request({"input": "x"}, max_items=4)
+    assert req.model == ""
+
+
 BAD: list[tuple[dict[str, Any], str, str]] = [
-    ({"model": None, "input": "x"}, "model", "'model' is required"),
     ({}, "input", "'input' is required"),
     ({"input": 5}, "input", "must be a string or an array of items, got integer"),
     ({"input": []}, "input", "must not be an empty array"),

@@ -325,4 +325,4 @@ def test_images_are_refused_in_anthropics_shape(claude: anthropic.Anthropic) -> 
         and body["type"] == "error"
         and body["error"]["type"] == "invalid_request_error"
     )
-    assert "'messages[0].content[1]': content block type 'image' is not supported" in body["error"]["message"]
+    assert "'messages[0].content[1]': image input is not supported" in body["error"]["message"]

@@ -1,0 +1,266 @@
+"""llama-server's own suite (tools/server/tests/unit, b11434), the assertions `slotkeeper engine`
+failed before issue 31, mirrored on a real engine: `/metrics` in llama-server's families and with
+its `Process-Start-Time-Unix` header (test_metrics.py), the model id among several aliases
+(test_basic.py), `__verbose` (test_chat_completion.py), Anthropic's thinking budget, empty
+conversation, streamed token counts and images inside `tool_result` (test_compat_anthropic.py), and a
+Responses request without `model` (test_compat_oai_responses.py). Each test names the upstream one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from engine_pool.server.metrics import LLAMACPP, LlamaStats, llamacpp_text, llamacpp_values
+from engine_pool.server.settings import parse_settings
+
+from ..conftest import EngineProcess, _engine
+
+BOOK = [{"role": "system", "content": "Book"}, {"role": "user", "content": "What is the best book"}]
+RED_PIXEL = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8DwHwAFBQIAX8jx0gAAAABJRU5ErkJggg=="
+DECODE_FAMILIES = {"n_decode_total", "n_busy_slots_per_decode"}  # need the core's decode count
+
+
+@pytest.fixture(scope="module")
+def engine(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+    """As upstream's `tinyllama2` preset with `--metrics`, three aliases and three tags."""
+    tmp = tmp_path_factory.mktemp("upstream")
+    args = (
+        "-np",
+        "2",
+        "-c",
+        "1024",
+        "-b",
+        "32",
+        "--metrics",
+        "-a",
+        "tinyllama-2,fim,code",
+        "--tags",
+        "chat,fim,small",
+    )
+    yield from _engine(models, tmp, "llama", *args)
+
+
+@pytest.fixture
+def c(engine: EngineProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=engine.url, timeout=60.0) as client:
+        yield client
+
+
+def _ok(r: httpx.Response) -> Any:
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _sse(c: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with c.stream("POST", path, json=body) as s:
+        assert s.status_code == 200, s.read()
+        return [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+
+
+def parse_metrics(text: str) -> dict[str, tuple[str, float]]:
+    """upstream test_metrics.parse_metrics: {name: (type, value)} of the unlabelled llamacpp: lines,
+    each of which must follow its TYPE line."""
+    out, types = {}, {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ", 3)
+            types[name] = kind
+        elif line.startswith("llamacpp:") and "{" not in line:
+            name, value = line.split(" ", 1)
+            assert name in types, f"{name} has no # TYPE line"
+            out[name] = (types[name], float(value))
+    return out
+
+
+def fetch_metrics(c: httpx.Client) -> tuple[str, dict[str, tuple[str, float]]]:
+    r = c.get("/metrics")
+    assert r.status_code == 200
+    started = int(r.headers["Process-Start-Time-Unix"])
+    assert time.time() - 3600 < started <= time.time()
+    return r.text, parse_metrics(r.text)
+
+
+def _complete(c: httpx.Client, n_predict: int, prompt: Any = "I believe", **extra: Any) -> dict[str, Any]:
+    result: dict[str, Any] = _ok(
+        c.post("/completion", json={"prompt": prompt, "n_predict": n_predict, **extra})
+    )
+    return result
+
+
+# -- test_metrics.py --------------------------------------------------------------------------------
+def test_metrics_prometheus_format(c: httpx.Client) -> None:
+    _complete(c, 8)
+    text, metrics = fetch_metrics(c)
+    for name, kind, help_text in LLAMACPP:
+        if name in DECODE_FAMILIES and f"llamacpp:{name}" not in metrics:
+            continue  # (reported once the core counts its llama_decode calls)
+        assert metrics[f"llamacpp:{name}"][0] == kind
+        assert f"# HELP llamacpp:{name} {help_text}\n" in text
+    assert metrics["llamacpp:requests_processing"][1] == 0
+    assert metrics["llamacpp:requests_deferred"][1] == 0
+    assert metrics["llamacpp:n_tokens_max"][1] >= 8
+    assert metrics["llamacpp:spec_decode_num_drafts_total"][1] == 0
+
+
+def test_metrics_prompt_processed_and_cached(c: httpx.Client) -> None:
+    _, before = fetch_metrics(c)
+    prompt = "the quick brown fox jumps over the lazy dog"
+    timings = [_complete(c, 4, prompt, id_slot=0)["timings"] for _ in range(2)]
+    assert timings[1]["cache_n"] > 0  # the second reuses the first's prompt
+    _, after = fetch_metrics(c)
+
+    def grew(name: str) -> float:
+        return after[name][1] - before[name][1]
+
+    # Cached tokens are counted apart: they cost no decode.
+    assert grew("llamacpp:prompt_tokens_total") == sum(t["prompt_n"] for t in timings)
+    assert grew("llamacpp:prompt_tokens_cached_total") == sum(t["cache_n"] for t in timings)
+    assert grew("llamacpp:prompt_seconds_total") == pytest.approx(sum(t["prompt_ms"] for t in timings) / 1e3)
+
+
+def test_metrics_predicted_total_matches_requests(c: httpx.Client) -> None:
+    _, before = fetch_metrics(c)
+    predicted = [_complete(c, n)["timings"]["predicted_n"] for n in (1, 4, 16)]
+    _, after = fetch_metrics(c)
+    grew = after["llamacpp:tokens_predicted_total"][1] - before["llamacpp:tokens_predicted_total"][1]
+    assert grew == sum(predicted)
+
+
+def test_the_generation_rate_gauge_leaves_out_each_first_token() -> None:
+    """(test_metrics_generation_rate_excludes_first_token's meaning, on the gauge.) The first token
+    comes from the last prompt batch's logits: 16 tokens in 30 ms are 15 decode steps."""
+    stats = LlamaStats.empty()
+    stats.add(prompt_n=4, prompt_ms=2.0, cache_n=0, predicted_n=1, predicted_ms=0.001, n_tokens=5)
+    values = llamacpp_values(stats, {}, {}, 0)
+    assert values["predicted_tokens_seconds"] == 0.0 and values["tokens_predicted_total"] == 1
+    stats.add(prompt_n=4, prompt_ms=2.0, cache_n=3, predicted_n=16, predicted_ms=30.0, n_tokens=23)
+    core = {"decodes": 20, "decode_busy_slots": 30}
+    values = llamacpp_values(stats, core, {"slotkeeper_queue_waiting": 2.0}, 1)
+    assert values["predicted_tokens_seconds"] == pytest.approx(15 / 0.030001)
+    assert values["prompt_tokens_seconds"] == pytest.approx(8 / 0.004)
+    assert (values["n_tokens_max"], values["prompt_tokens_cached_total"]) == (23, 3)
+    assert (values["n_decode_total"], values["n_busy_slots_per_decode"]) == (20, 1.5)
+    assert (values["requests_processing"], values["requests_deferred"]) == (1, 2)
+    assert "llamacpp:n_busy_slots_per_decode 1.5\n" in llamacpp_text(values)
+    assert "llamacpp:n_decode_total 20\n" in llamacpp_text(values)
+
+
+def test_a_scrape_starts_the_gauges_window(c: httpx.Client) -> None:
+    """llama-server averages its rate gauges over the window between two scrapes."""
+    _complete(c, 8)
+    _, first = fetch_metrics(c)
+    assert first["llamacpp:predicted_tokens_seconds"][1] > 0
+    _, second = fetch_metrics(c)  # nothing generated since
+    assert second["llamacpp:predicted_tokens_seconds"][1] == 0
+    assert second["llamacpp:tokens_predicted_total"] == first["llamacpp:tokens_predicted_total"]
+
+
+# -- test_basic.py ----------------------------------------------------------------------------------
+def test_server_model_aliases_and_tags(c: httpx.Client) -> None:
+    (model,) = _ok(c.get("/models"))["data"]
+    assert set(model["aliases"]) == {"tinyllama-2", "fim", "code"}
+    assert set(model["tags"]) == {"chat", "fim", "small"}
+    assert model["id"] == "code"  # the alphabetically first, as llama-server's sorted set
+    assert parse_settings(["-m", "m.gguf", "-a", "b,a"], {}).model_id == "a"
+
+
+# -- test_chat_completion.py: __verbose ---------------------------------------------------------------
+def test_verbose_debug(c: httpx.Client) -> None:
+    for verbose in (True, False):
+        body = _ok(c.post("/chat/completions", json={"max_tokens": 2, "messages": BOOK, "verbose": verbose}))
+        if not verbose:
+            assert "__verbose" not in body
+            continue
+        debug = body["__verbose"]
+        assert "Book" in debug["prompt"] and debug["prompt"].endswith("<|im_start|>assistant\n")
+        assert debug["tokens_evaluated"] == body["usage"]["prompt_tokens"]
+        assert debug["tokens_predicted"] == 2 and debug["content"] == body["choices"][0]["message"]["content"]
+        assert debug["timings"] == body["timings"]
+
+
+def test_verbose_on_streams_and_completions(c: httpx.Client) -> None:
+    """A stream carries `__verbose` on its finishing chunk; /completion's result always has `prompt`,
+    the prompt's tokens as text (special tokens spelled out)."""
+    chunks = _sse(
+        c, "/v1/chat/completions", {"max_tokens": 3, "messages": BOOK, "stream": True, "verbose": True}
+    )
+    (finish,) = [ch for ch in chunks if ch["choices"] and ch["choices"][0]["finish_reason"]]
+    assert finish["__verbose"]["prompt"].endswith("<|im_start|>assistant\n")
+    assert all("__verbose" not in ch for ch in chunks if ch is not finish)
+    tokens = _ok(c.post("/tokenize", json={"content": "<|im_start|>user\nhi", "add_special": True}))["tokens"]
+    result = _complete(c, 2, tokens)
+    assert result["prompt"] == _ok(c.post("/detokenize", json={"tokens": tokens}))["content"]
+    legacy = _ok(c.post("/v1/completions", json={"prompt": "I believe", "max_tokens": 2, "verbose": True}))
+    assert legacy["__verbose"]["content"] == legacy["choices"][0]["text"]
+    assert "I believe" in legacy["__verbose"]["prompt"]
+
+
+# -- test_compat_anthropic.py ---------------------------------------------------------------------------
+def test_anthropic_messages_streaming_counts_tokens(c: httpx.Client) -> None:
+    events = _sse(c, "/v1/messages", {"model": "test", "max_tokens": 30, "stream": True,
+                                      "messages": [{"role": "user", "content": "Say hello"}]})  # fmt: skip
+    start = next(e for e in events if e["type"] == "message_start")
+    delta = next(e for e in events if e["type"] == "message_delta")
+    assert start["message"]["usage"]["input_tokens"] > 0
+    assert delta["usage"]["output_tokens"] > 0
+    whole = delta["usage"]["input_tokens"] + delta["usage"]["cache_read_input_tokens"]
+    assert start["message"]["usage"]["input_tokens"] == whole  # the prompt's size, split at the end
+    assert "timings" not in next(e for e in events if e["type"] == "message_stop")
+
+
+def test_anthropic_thinking_with_a_small_budget(c: httpx.Client) -> None:
+    body = {"model": "test", "max_tokens": 100, "thinking": {"type": "enabled", "budget_tokens": 50},
+            "messages": [{"role": "user", "content": "What is 2+2?"}]}  # fmt: skip
+    assert _ok(c.post("/v1/messages", json=body))["type"] == "message"
+
+
+def test_anthropic_empty_messages(c: httpx.Client) -> None:
+    """An empty conversation renders the system prompt and the generation prompt (llama-server's
+    upstream test sends no system prompt either: see the chat path's rule in the report)."""
+    body = {"model": "test", "max_tokens": 5, "system": "Be brief.", "messages": []}
+    message = _ok(c.post("/v1/messages", json=body))
+    assert message["type"] == "message" and message["usage"]["output_tokens"] > 0
+    counted = _ok(
+        c.post("/v1/messages/count_tokens", json={"model": "test", "system": "Be brief.", "messages": []})
+    )
+    assert (
+        counted["input_tokens"]
+        == message["usage"]["input_tokens"] + message["usage"]["cache_read_input_tokens"]
+    )
+
+
+@pytest.mark.parametrize("where", ["tool_result", "message"])
+def test_anthropic_images_are_refused_with_llama_servers_words(c: httpx.Client, where: str) -> None:
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": RED_PIXEL}}
+    if where == "tool_result":
+        messages = [
+            {"role": "user", "content": "What is in this image?"},
+            {"role": "assistant",
+             "content": [{"type": "tool_use", "id": "tool_1", "name": "read", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tool_1",
+                                          "content": [{"type": "text", "text": "File: test.png"}, image]}]},
+        ]  # fmt: skip
+        param = "messages[2].content[0].content[1]"
+    else:
+        messages = [{"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]}]
+        param = "messages[0].content[0]"
+    r = c.post("/v1/messages", json={"model": "test", "max_tokens": 10, "messages": messages})
+    assert r.status_code == 400, r.text  # llama-server: 500 for a request no model here can serve
+    error = r.json()["error"]
+    assert "image input is not supported" in error["message"].lower() and param in error["message"]
+
+
+# -- test_compat_oai_responses.py -----------------------------------------------------------------------
+def test_responses_without_model(c: httpx.Client) -> None:
+    response = _ok(c.post("/responses", json={"input": "This is a test" * 3, "max_output_tokens": 4}))
+    assert response["status"] in ("completed", "incomplete") and response["model"] == "code"
+    events = _sse(c, "/responses", {"input": "This is a test", "max_output_tokens": 4, "stream": True})
+    (done,) = [e for e in events if e["type"] in ("response.completed", "response.incomplete")]
+    assert done["response"]["usage"]["input_tokens"] > 0 and done["response"]["model"] == "code"
