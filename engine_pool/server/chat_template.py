@@ -46,6 +46,7 @@ from ..errors import BadRequest
 from .builtin_templates import BUILTIN_TEMPLATES, CHATML, END_OF_TURN
 from .formats import hermes
 from .formats.history import WriteCalls, normalise
+from .formats.reasoning import THINK_CLOSE, opened_by
 from .jinja_env import environment
 from .scheduler import common_prefix
 from .template_caps import TemplateCaps, detect
@@ -83,8 +84,10 @@ class ChatTemplate:
         eos_token: str = "",
         origin: str = "gguf",
         write_calls: WriteCalls = hermes.write_calls,
+        reasoning: str = "auto",
     ) -> None:
         self.source = source
+        self.reasoning = reasoning  # --reasoning: on | off | auto
         self.write_calls = write_calls
         # A chat generation stops on the end of its turn written as text (a built-in format's).
         self.stops: tuple[str, ...] = (END_OF_TURN[source],) if source in END_OF_TURN else ()
@@ -112,7 +115,15 @@ class ChatTemplate:
         messages = normalise(
             messages, tools, self.caps, developer_role=self.developer_role, write_calls=self.write_calls
         )
-        return self._render(messages, tools, add_generation_prompt, kwargs)
+        # llama-server tells every template whether the model reasons (`enable_thinking`, unless the
+        # request's chat_template_kwargs say otherwise); with --reasoning off a block the generation
+        # prompt opens anyway is closed.
+        thinking = self.reasoning != "off"
+        kwargs = {"enable_thinking": thinking, **(kwargs or {})}
+        text = self._render(messages, tools, add_generation_prompt, kwargs)
+        if add_generation_prompt and kwargs["enable_thinking"] is False and opened_by(text):
+            text = f"{text.rstrip()}\n{THINK_CLOSE}"
+        return text
 
     @cached_property
     def caps(self) -> TemplateCaps:

@@ -126,6 +126,7 @@ class Runtime:
             self.token_text(model.eos),
             origin=choice.origin,
             write_calls=select_format(self.settings.chat_format, choice.source).write_calls,
+            reasoning=self.settings.reasoning,
         )
         self.scheduler.turn_slack = await asyncio.to_thread(
             self.template.generation_prompt_tokens, lambda text, special: engine.tokenize(text, special)

@@ -101,6 +101,7 @@ class EngineSettings:
     chat_template_file: str | None = None
     jinja: bool = True  # accepted for llama-server command lines: templates are always jinja here
     reasoning_format: str = "auto"  # none | deepseek | deepseek-legacy | auto
+    reasoning: str = "auto"  # on | off | auto: whether the model reasons (llama-server's --reasoning)
     chat_format: str = "auto"  # the tool-call format: auto (from the template) or a family name
     no_repack: bool = False  # llama-server's --no-repack (also forced on CPUs with AMX: runtime.py)
     # llama-server drop-in flags (issue 10); each wired where its behaviour lives.
@@ -534,6 +535,14 @@ FLAGS: tuple[Flag, ...] = (
         "jinja", ("--jinja",), "SLOTKEEPER_JINJA", parse_bool, "jinja chat templates (always on)", switch=True
     ),
     Flag(
+        "reasoning",
+        ("-rea", "--reasoning"),
+        "SLOTKEEPER_REASONING",
+        str,
+        "whether the model reasons: on, off (enable_thinking false for the template, and a reasoning "
+        "block the prompt still opens is closed), auto: the template's default (auto)",
+    ),
+    Flag(
         "reasoning_format",
         ("--reasoning-format",),
         "SLOTKEEPER_REASONING_FORMAT",
@@ -588,6 +597,7 @@ _CHECKS: tuple[Check, ...] = (
     ("max_schema_grammar_bytes", lambda v: v >= 1024, ">= 1024"),
     ("max_schema_grammar_rules", lambda v: v >= 16, ">= 16"),
     ("chat_format", lambda v: v == "auto" or v in FORMATS, f"auto or one of {', '.join(FORMATS)}"),
+    ("reasoning", lambda v: v in ("on", "off", "auto"), "on, off or auto"),
     (
         "reasoning_format",
         lambda v: v in REASONING_FORMATS,

@@ -264,6 +264,14 @@ def test_aliases_tags_hosts_and_origins_are_comma_lists() -> None:
     assert parse_settings(["-m", "m", "--cors-origins", "localhost"], {}).cors_origin_list == ("localhost",)
 
 
+def test_reasoning_is_on_off_or_auto() -> None:
+    assert parse_settings(["-m", "m"], {}).reasoning == "auto"
+    assert parse_settings(["-m", "m", "-rea", "off"], {}).reasoning == "off"
+    assert parse_settings(["-m", "m"], {"SLOTKEEPER_REASONING": "on"}).reasoning == "on"
+    with pytest.raises(SettingsError, match="--reasoning must be on, off or auto"):
+        parse_settings(["-m", "m", "--reasoning", "maybe"], {})
+
+
 def test_verbose_means_debug_logs() -> None:
     assert parse_settings(["-m", "m", "-v", "--log-level", "error"], {}).effective_log_level == "debug"
     assert parse_settings(["-m", "m", "--log-level", "error"], {}).effective_log_level == "error"

@@ -20,7 +20,7 @@ import pytest
 from support.gemma import cache_dir
 from support.upstream import binary
 from support.upstream_suite import fetch_suite
-from support.upstream_templates import CONVERSATIONS, render_corpus
+from support.upstream_templates import CONVERSATIONS, TOOLS, render_corpus
 
 from engine_pool.errors import BadRequest
 from engine_pool.server.chat_template import ChatTemplate
@@ -31,6 +31,7 @@ from ..conftest import EngineProcess
 pytestmark = pytest.mark.slow
 
 TEMPLATES = Path("llama.cpp/models/templates")
+TOOL = TOOLS[0]
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +120,26 @@ def test_a_conversation_renders_the_same_through_the_engine(
         assert r.status_code == 200, r.text
         expected = ours(template, props["bos_token"], props["eos_token"])["a_tool_call_no_content"]
         assert r.json()["prompt"] == expected["prompt"], name
+
+
+@pytest.mark.parametrize(
+    "name,reasoning,end",
+    [
+        ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "on", "<think>\n"),
+        ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "auto", "<think>\n"),
+        ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "off", "<think>\n</think>"),
+        ("Qwen-Qwen3-0.6B", "auto", "<|im_start|>assistant\n"),
+        ("Qwen-Qwen3-0.6B", "off", "<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+        ("Qwen-QwQ-32B", "auto", "<|im_start|>assistant\n<think>\n"),
+        ("Qwen-QwQ-32B", "off", "<|im_start|>assistant\n<think>\n</think>"),
+    ],
+)
+def test_reasoning_on_off_auto_as_llama_server(
+    corpus: list[Path], name: str, reasoning: str, end: str
+) -> None:
+    """llama-server's test_template.py::test_reasoning: `--reasoning` reaches the template as
+    `enable_thinking`, and off closes a block the generation prompt opens anyway."""
+    (path,) = [t for t in corpus if t.stem == name]
+    template = ChatTemplate(path.read_text(encoding="utf-8"), "<s>", "</s>", reasoning=reasoning)
+    for tools in (None, [TOOL]):
+        assert template.render([{"role": "user", "content": "What is today?"}], tools).endswith(end)
