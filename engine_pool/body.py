@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -102,22 +105,78 @@ def json_depth_exceeds(value: Any, max_depth: int) -> bool:
     return False
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:40]} is beyond the range of a double")
+    return value
+
+
+# Where a decoded string can hold a lone UTF-16 surrogate: a `\uD800`-`\uDFFF` escape, or those code
+# points written as (invalid) UTF-8, which Python's decoder lets through. Bodies without either are
+# not walked.
+_SURROGATE_HINT = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate_at(value: Any) -> str | None:
+    """The path of the first string (or key) in `value` holding a lone surrogate, else None."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return path or "the body"
+        elif isinstance(item, dict):
+            children = []
+            for k, v in item.items():
+                shown = _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", k)  # (the answer is UTF-8)
+                where = f"{path}.{shown}" if path else shown
+                if shown != k:
+                    return where
+                children.append((v, where))
+            stack.extend(reversed(children))  # (first in document order first)
+        elif isinstance(item, list):
+            stack.extend(reversed([(v, f"{path}[{i}]") for i, v in enumerate(item)]))
+    return None
+
+
 def parse_json_object(raw: bytes, limits: BodyLimits = DEFAULT_LIMITS) -> dict[str, Any]:
-    """`raw` as a JSON object within `limits.max_depth`, or BadRequest saying precisely what is wrong."""
+    """`raw` as a JSON object within `limits.max_depth`, or BadRequest saying precisely what is wrong.
+
+    Stricter than Python's parser, as llama-server's is: NaN and Infinity are no JSON, a number
+    beyond a double's range is refused, and so is text holding a lone UTF-16 surrogate, which is no
+    Unicode (nothing downstream could encode it: a tokenizer, a digest, a UTF-8 writer).
+    """
     if not raw.strip():
         raise BadRequest("the request body is empty; expected a JSON object")
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
     except json.JSONDecodeError as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
     except UnicodeDecodeError:
         raise BadRequest("the request body is not valid UTF-8") from None
+    except ValueError as exc:  # the hooks above, or an integer past Python's digit limit
+        why = str(exc)
+        if "integer string conversion" in why:
+            why = f"an integer has more than {sys.get_int_max_str_digits()} digits"
+        raise BadRequest(f"the request body is not valid JSON: {why}") from None
     except RecursionError:
         data = None  # deeper than the interpreter can parse: certainly deeper than the limit
     if data is None or json_depth_exceeds(data, limits.max_depth):
         raise BadRequest(f"the request body nests JSON deeper than {limits.max_depth} levels")
     if not isinstance(data, dict):
         raise BadRequest(f"the request body must be a JSON object, got {json_type(data)}")
+    if _SURROGATE_HINT.search(raw) or json.detect_encoding(raw) != "utf-8":
+        where = lone_surrogate_at(data)
+        if where is not None:
+            raise BadRequest(
+                f"'{where}' holds a lone UTF-16 surrogate, which is not Unicode text", param=where
+            )
     return data
 
 

@@ -49,11 +49,25 @@ def _arguments(raw: Any) -> Any:
     return raw
 
 
+def _listed(value: Any) -> list[Any]:
+    """An array field as a list ([] for anything else: the engine refuses such a request precisely,
+    after routing, which reads it first)."""
+    return value if isinstance(value, list) else []
+
+
+def _utf8(text: str) -> bytes:
+    """`text` as UTF-8, lone surrogates included (a `\\ud800` escape is valid JSON): the digests are
+    total over whatever a body decodes to."""
+    return text.encode("utf-8", "surrogatepass")
+
+
 def canonical_message(message: Mapping[str, Any]) -> str:
     """One message in the fixed JSON form that the digests are computed over."""
     calls = []
-    for call in message.get("tool_calls") or []:
+    for call in _listed(message.get("tool_calls")):
         fn = call.get("function", {}) if isinstance(call, Mapping) else {}
+        if not isinstance(fn, Mapping):
+            fn = {}
         calls.append([fn.get("name", ""), _arguments(fn.get("arguments", ""))])
     canon = {
         "role": message.get("role", ""),
@@ -70,7 +84,7 @@ def prefix_digests(messages: Sequence[Mapping[str, Any]], model: str) -> list[st
     out = []
     h = hashlib.sha256(model.encode())
     for message in messages:
-        h.update(b"\x1e" + canonical_message(message).encode())
+        h.update(b"\x1e" + _utf8(canonical_message(message)))
         out.append(h.copy().hexdigest()[:32])
     return out
 
@@ -97,10 +111,7 @@ def _system_hash(messages: Sequence[Mapping[str, Any]], seed: bytes) -> Any:
     h = hashlib.sha256(seed)
     for message in messages:  # role and text: the canonical JSON would cost a pass more
         h.update(
-            b"\x1e"
-            + str(message.get("role")).encode()
-            + b"\x1f"
-            + _content_text(message.get("content")).encode()
+            b"\x1e" + _utf8(str(message.get("role"))) + b"\x1f" + _utf8(_content_text(message.get("content")))
         )
     return h
 
@@ -120,5 +131,5 @@ def shared_digest(messages: Sequence[Mapping[str, Any]], tools: Any, model: str)
     if not system and not tools:
         return None
     h = _system_hash(system, b"shared\x1e" + model.encode())
-    h.update(b"\x1e" + json.dumps(tools or [], separators=(",", ":"), ensure_ascii=False).encode())
+    h.update(b"\x1e" + _utf8(json.dumps(tools or [], separators=(",", ":"), ensure_ascii=False)))
     return h.hexdigest()[:32]

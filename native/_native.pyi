@@ -287,7 +287,8 @@ class Engine:
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
     def detokenize(
         self, tokens: list[int], remove_special: bool = False, unparse_special: bool = True
-    ) -> str: ...
+    ) -> bytes:
+        """UTF-8 bytes: a token may hold part of a character (the caller decodes)."""
     def token_piece(self, token: int, special: bool = True) -> bytes: ...
     def submit(self, slot: int, params: RequestParams) -> int:
         """Queue a request on `slot` (-1: the idle slot with the longest common prefix, else the

@@ -105,7 +105,8 @@ class Engine:
     def detokenize(
         self, tokens: list[int], remove_special: bool = False, unparse_special: bool = True
     ) -> str:
-        return self._raw.detokenize(tokens, remove_special, unparse_special)
+        # A token may end inside a UTF-8 sequence: replaced, as llama-server answers (U+FFFD).
+        return self._raw.detokenize(tokens, remove_special, unparse_special).decode("utf-8", "replace")
 
     def token_piece(self, token: int, special: bool = True) -> bytes:
         return self._raw.token_piece(token, special)

@@ -247,8 +247,17 @@ PYBIND11_MODULE(_native, m) {
         // engine's event loop keeps serving while a worker thread tokenizes (the vocab is read-only).
         .def("tokenize", &Engine::tokenize, py::arg("text"), py::arg("add_special") = true,
              py::arg("parse_special") = true, rel())
-        .def("detokenize", &Engine::detokenize, py::arg("tokens"), py::arg("remove_special") = false,
-             py::arg("unparse_special") = true, rel())
+        // Bytes, not str: a token may hold part of a UTF-8 sequence (the caller decodes, replacing).
+        .def("detokenize",
+             [](const Engine & e, const std::vector<llama_token> & tokens, bool remove_special, bool unparse_special) {
+                 std::string text;
+                 {
+                     py::gil_scoped_release nogil;
+                     text = e.detokenize(tokens, remove_special, unparse_special);
+                 }
+                 return py::bytes(text);
+             },
+             py::arg("tokens"), py::arg("remove_special") = false, py::arg("unparse_special") = true)
         .def("token_piece", [](const Engine & e, llama_token t, bool special) { return py::bytes(e.token_piece(t, special)); },
              py::arg("token"), py::arg("special") = true)
         .def("submit", &Engine::submit, py::arg("slot"), py::arg("params"))
