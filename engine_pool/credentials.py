@@ -9,14 +9,13 @@ constant time. Health probes stay open and say nothing a tenant sent.
 
 Browsers are the other callers at the edge (gateway and engine alike): a page on another origin
 first sends a CORS preflight, which carries no key, so CORS is answered outside the key check
-(`cors_options`, for Starlette's CORSMiddleware placed outermost).
+(`engine_pool.cors`, the outermost middleware).
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -25,26 +24,6 @@ from .errors import Unauthorized, render_error
 # Variables a node must never hand to the engines it spawns: its own settings (an engine reads
 # SLOTKEEPER_* as its own flags) and its store's credentials (an engine has no business with S3).
 _NOT_FOR_ENGINES = ("SLOTKEEPER_", "AWS_")
-
-
-# llama-server's --cors-methods default; "localhost" in --cors-origins admits only pages served from
-# this machine (llama-server: "reflect the Origin header only if it is localhost").
-CORS_METHODS = ("GET", "POST", "DELETE", "OPTIONS")
-LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]+)?"
-
-
-def cors_options(origins: Sequence[str], *, credentials: bool) -> dict[str, Any]:
-    """Starlette CORSMiddleware's arguments for `--cors-origins` (`*`, `localhost`, or origins). With
-    `credentials` (llama-server's default) an allowed Origin is echoed back instead of `*`, with
-    `Access-Control-Allow-Credentials: true`. An origin not allowed gets no Access-Control-Allow-Origin
-    (its preflight: 400)."""
-    return {
-        "allow_origins": [o for o in origins if o != "localhost"],
-        "allow_origin_regex": LOCAL_ORIGINS if "localhost" in origins else None,
-        "allow_methods": CORS_METHODS,
-        "allow_headers": ["*"],  # the preflight's Access-Control-Request-Headers, mirrored
-        "allow_credentials": credentials,
-    }
 
 
 def new_key() -> str:

@@ -2,8 +2,8 @@
 
 Clients — Redis (or the in-process index), the blob store, the HTTP client for engines and nodes —
 are created in the lifespan and handed down; errors leave through engine_pool.errors only
-(`api_error` → `render_error`). CORS (`--cors-origins`) is the outermost layer, so a browser's
-preflight, which carries no key, is answered before any route asks for a tenant's key.
+(`api_error` → `render_error`). CORS (`--cors-origins`, engine_pool/cors.py) is the outermost layer, so a
+browser's preflight, which carries no key, is answered before any route asks for a tenant's key.
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine_pool.credentials import cors_options
+from engine_pool.cors import DEFAULT_METHODS, MIRROR, CorsMiddleware, CorsPolicy
 from engine_pool.errors import ApiError, NotFound, api_error, error_style, is_expected, render_error
 from engine_pool.flags import parse_list
 from gateway import messages, responses
@@ -142,14 +141,21 @@ async def _on_error(request: Request, exc: Exception) -> Response:
     return render_error(api_error(exc), error_style(request.url.path))
 
 
+def gateway_cors(origins: str) -> CorsPolicy:
+    """The gateway's CORS: llama-server's origin rules (`*`, `localhost`, listed origins). No
+    credentials: tenants present keys, not cookies, so `*` stays `*`. A preflight is allowed the
+    headers it asks for: `Access-Control-Allow-Headers: *` never covers Authorization in a browser,
+    and every SDK sends its own (x-stainless-*, anthropic-version)."""
+    return CorsPolicy(parse_list(origins), DEFAULT_METHODS, MIRROR, credentials=False)
+
+
 def build_app(
     make_services: Callable[[], contextlib.AbstractAsyncContextManager[Services]],
     metrics: Metrics,
     cors_origins: str = "*",
 ) -> Starlette:
     """The gateway app. CORS (`--cors-origins`) is outermost, so a browser's preflight is answered
-    before any key check; no credentials: tenants present keys, not cookies, so any allowed origin
-    is answered with `*` unless origins are listed."""
+    before any key check (`gateway_cors`)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -178,7 +184,7 @@ def build_app(
         # answering (uvicorn then logs a traceback and drops the connection), so it is for bugs only.
         exception_handlers={e: _on_error for e in (ApiError, StorageError, HTTPException, Exception)},
         middleware=[
-            Middleware(CORSMiddleware, **cors_options(parse_list(cors_origins), credentials=False)),
+            Middleware(CorsMiddleware, policy=gateway_cors(cors_origins)),
             Middleware(RequestCounter, metrics=metrics, routes=routes),
         ],
     )

@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: slotkeeper bench NAME [ARGS...]\n\nbenchmarks: " + ", ".join(names))
         return 0 if argv else 2
-    name = argv[0]
+    name = argv[0].replace("-", "_")  # `upstream-suite` names bench_upstream_suite.py
     if name not in names:
         print(f"slotkeeper bench: no benchmark {name!r} (have: {', '.join(names)})", file=sys.stderr)
         return 2

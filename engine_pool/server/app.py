@@ -2,10 +2,12 @@
 
 The lifespan starts the model load in a worker thread and yields at once, so the server answers
 while the model loads (`/health` 503); it closes the native engine on shutdown. CORS is the
-outermost layer (`credentials.cors_options`): a browser's preflight carries no API key, so it is
-answered before the key check, as llama-server does, and every response to an allowed Origin says
-so. Every error leaves through `handle_error` -> `errors.render_error`, in the shape of the API the
-path belongs to (`errors.error_style`: Anthropic's on /v1/messages, OpenAI's elsewhere).
+outermost layer (`cors.CorsMiddleware`, llama-server's `--cors-*` rules): a browser's preflight
+carries no API key, so it is answered before the key check, as llama-server does, and every
+response to an allowed Origin says so. With `--ui-mcp-proxy` the lifespan also holds the HTTP
+client of `/cors-proxy` (`cors_proxy`). Every error leaves through `handle_error` ->
+`errors.render_error`, in the shape of the API the path belongs to (`errors.error_style`:
+Anthropic's on /v1/messages, OpenAI's elsewhere).
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ from contextlib import asynccontextmanager
 import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from native.errors import NativeError
 
-from ..credentials import cors_options, matches, presented
+from ..cors import CorsMiddleware, CorsPolicy
+from ..credentials import matches, presented
 from ..errors import (
     INSTANCE_HEADER,
     ApiError,
@@ -37,11 +39,12 @@ from ..errors import (
     is_expected,
     render_error,
 )
-from . import routes_llama, routes_openai
+from . import cors_proxy, routes_llama, routes_openai
 from .apis import routes as routes_apis
 from .limits import RequestLimits
 from .metrics import route_label
 from .runtime import Runtime
+from .settings import EngineSettings
 
 log = structlog.get_logger("engine.http")
 
@@ -130,11 +133,18 @@ class EdgeMiddleware:
             structlog.contextvars.unbind_contextvars("request_id", "path")
 
 
+def cors_policy(settings: EngineSettings) -> CorsPolicy:
+    """The engine's CORS: llama-server's `--cors-origins/-methods/-headers/--cors-credentials`."""
+    return CorsPolicy(
+        settings.cors_origin_list, settings.cors_methods, settings.cors_headers, settings.cors_credentials
+    )
+
+
 def _keep(buf: bytearray, data: bytes) -> None:
     buf += data[: max(0, VERBOSE_BODY_BYTES - len(buf))]
 
 
-_ROUTES = routes_llama.ROUTES + routes_openai.ROUTES + routes_apis.ROUTES
+_ROUTES = routes_llama.ROUTES + routes_openai.ROUTES + routes_apis.ROUTES + cors_proxy.ROUTES
 
 
 def build_app(runtime: Runtime, on_fatal: Callable[[], None] | None = None) -> Starlette:
@@ -148,10 +158,14 @@ def build_app(runtime: Runtime, on_fatal: Callable[[], None] | None = None) -> S
                 on_fatal()
 
         loading = asyncio.create_task(load())
+        proxy = cors_proxy.client() if runtime.settings.ui_mcp_proxy else None
+        app.state.cors_proxy = proxy  # None: /cors-proxy answers 403, as llama-server without the flag
         try:
             yield
         finally:
             await asyncio.gather(loading, return_exceptions=True)  # a load in flight cannot be interrupted
+            if proxy is not None:
+                await proxy.aclose()
             await runtime.close()
 
     app = Starlette(
@@ -168,5 +182,5 @@ def build_app(runtime: Runtime, on_fatal: Callable[[], None] | None = None) -> S
     app.state.limits = RequestLimits.from_settings(runtime.settings)  # built once, read by every route
     app.add_middleware(EdgeMiddleware, runtime=runtime)
     # Added last, so outermost: preflights are answered before EdgeMiddleware asks for a key.
-    app.add_middleware(CORSMiddleware, **cors_options(runtime.settings.cors_origin_list, credentials=True))
+    app.add_middleware(CorsMiddleware, policy=cors_policy(runtime.settings))
     return app

@@ -117,6 +117,8 @@ class Runtime:
             return
         model = engine.model
         choice = await asyncio.to_thread(select_template, override, model.chat_template)  # compiles jinja
+        if not self.settings.jinja:
+            log.warning("engine.no_jinja_ignored", reason="chat templates are always rendered as jinja here")
         if choice.fallback_reason:
             log.warning("engine.chat_template_fallback", reason=choice.fallback_reason, template="chatml")
         log.info("engine.chat_template", origin=choice.origin, chars=len(choice.source))

@@ -115,7 +115,13 @@ class EngineSettings:
     no_slots: bool = False  # slot endpoints answer 501
     metrics: bool = False  # /metrics answers only with --metrics (llama-server's default: off)
     verbose: bool = False
-    cors_origins: str = "*"  # comma-separated origins allowed by CORS ("*": any)
+    # CORS (engine_pool/cors.py), llama-server's flags and defaults. No --cors-origins: `*`, or
+    # `localhost` with --ui-mcp-proxy (a page on any site must not drive an open proxy on this machine).
+    cors_origins: str | None = None
+    cors_methods: str = "GET, POST, DELETE, OPTIONS"
+    cors_headers: str = "*"
+    cors_credentials: bool = True
+    ui_mcp_proxy: bool = False  # /cors-proxy forwards requests for the web UI's MCP client
     tags: str = ""  # comma-separated model tags reported by /v1/models and /props
     offline: bool = False  # accepted: this engine never downloads anything
 
@@ -150,6 +156,8 @@ class EngineSettings:
     @property
     def cors_origin_list(self) -> tuple[str, ...]:
         """`--cors-origins`: `*` (any), `localhost` (only local pages), or the origins allowed."""
+        if self.cors_origins is None:
+            return ("localhost",) if self.ui_mcp_proxy else ("*",)
         return _csv(self.cors_origins)
 
     @property
@@ -362,7 +370,38 @@ FLAGS: tuple[Flag, ...] = (
         "SLOTKEEPER_CORS_ORIGINS",
         str,
         "origins whose pages may call this API, comma-separated; * any (with credentials, the Origin is "
-        "echoed), localhost only pages served from this machine (*)",
+        "echoed), localhost only pages served from this machine (*; localhost with --ui-mcp-proxy)",
+    ),
+    Flag(
+        "cors_methods",
+        ("--cors-methods",),
+        "SLOTKEEPER_CORS_METHODS",
+        str,
+        "Access-Control-Allow-Methods of a preflight's answer (GET, POST, DELETE, OPTIONS)",
+    ),
+    Flag(
+        "cors_headers",
+        ("--cors-headers",),
+        "SLOTKEEPER_CORS_HEADERS",
+        str,
+        "Access-Control-Allow-Headers of a preflight's answer (*; in a browser * never covers Authorization)",
+    ),
+    Flag(
+        "cors_credentials",
+        ("--cors-credentials",),
+        "SLOTKEEPER_CORS_CREDENTIALS",
+        parse_bool,
+        "allow credentialed requests; with --cors-origins * the Origin is echoed (on; --no-cors-credentials)",
+        switch=True,
+    ),
+    Flag(
+        "ui_mcp_proxy",
+        ("--ui-mcp-proxy", "--webui-mcp-proxy"),
+        "SLOTKEEPER_UI_MCP_PROXY",
+        parse_bool,
+        "serve /cors-proxy?url=URL: forwards GET/POST to URL with only the x-llama-server-proxy-header-* "
+        "headers; do not enable in untrusted environments (off: 403)",
+        switch=True,
     ),
     Flag(
         "offline",
@@ -578,7 +617,8 @@ _CHECKS: tuple[Check, ...] = (
     ("shutdown_grace_s", lambda v: v >= 0, ">= 0"),
     ("temperature", lambda v: v >= 0, ">= 0"),
     ("log_level", lambda v: v in ("debug", "info", "warning", "error"), "debug, info, warning or error"),
-    ("cors_origins", lambda v: bool(_csv(v)), "*, localhost or one or more origins"),
+    ("cors_origins", lambda v: v is None or bool(_csv(v)), "*, localhost or one or more origins"),
+    ("cors_methods", lambda v: bool(_csv(v)), "one or more methods"),
     ("max_body_bytes", lambda v: v >= 1024, ">= 1024"),
     ("max_json_depth", lambda v: 4 <= v <= 512, "within 4..512"),
     ("body_timeout_s", lambda v: v > 0, "> 0"),
@@ -614,6 +654,9 @@ SWITCHES_OFF: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("no_warmup", ("--warmup",)),
     ("context_shift", ("--no-context-shift",)),
     ("no_slots", ("--slots",)),
+    ("jinja", ("--no-jinja",)),  # accepted, logged: templates are always jinja here
+    ("cors_credentials", ("--no-cors-credentials",)),
+    ("ui_mcp_proxy", ("--no-ui-mcp-proxy", "--no-webui-mcp-proxy")),
 )
 
 _PROG = "slotkeeper engine"

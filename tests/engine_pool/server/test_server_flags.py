@@ -189,11 +189,10 @@ def test_a_browser_preflight_needs_no_key(locked: EngineProcess) -> None:
     with httpx.Client(base_url=locked.url, timeout=60) as c:
         for path in ("/v1/chat/completions", "/completion", "/v1/messages"):
             r = c.options(path, headers=preflight(ORIGIN))
-            assert r.status_code in (200, 204), (path, r.status_code, r.text)
+            assert r.status_code == 200, (path, r.status_code, r.text)
             assert r.headers["access-control-allow-origin"] == ORIGIN
             assert "POST" in r.headers["access-control-allow-methods"]
-            allowed = {h.strip().lower() for h in r.headers["access-control-allow-headers"].split(",")}
-            assert {"authorization", "content-type"} <= allowed
+            assert r.headers["access-control-allow-headers"] == "*"  # llama-server's --cors-headers default
             assert r.headers["access-control-allow-credentials"] == "true"
         # The request that follows, and a refusal, both carry the header (so the page can read them).
         ok = c.post("/v1/chat/completions", json=CHAT, headers={"Origin": ORIGIN, **AUTH})
@@ -211,8 +210,8 @@ def test_a_browser_preflight_needs_no_key(locked: EngineProcess) -> None:
 def test_an_origin_not_listed_is_not_echoed(locked: EngineProcess) -> None:
     with httpx.Client(base_url=locked.url, timeout=30) as c:
         for origin in ("https://evil.example", "http://localhost.evil.example", "null"):
-            r = c.options("/v1/chat/completions", headers=preflight(origin))
-            assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+            r = c.options("/v1/chat/completions", headers=preflight(origin))  # answered, as llama-server
+            assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
             plain = c.get("/v1/models", headers={"Origin": origin})
             assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
 

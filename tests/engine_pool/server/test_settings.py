@@ -250,7 +250,9 @@ def test_aliases_tags_hosts_and_origins_are_comma_lists() -> None:
     s = parse_settings(
         ["-m", "dir/m.gguf", "-a", " first, second ,first,,third", "--tags", "chat, small"], {}
     )
-    assert s.aliases == ("first", "second", "third") and s.model_id == "first"  # the alphabetically first (llama-server)
+    assert (
+        s.aliases == ("first", "second", "third") and s.model_id == "first"
+    )  # the alphabetically first (llama-server)
     assert s.model_tags == ("chat", "small")
     bare = parse_settings(["-m", "dir/m.gguf", "-a", " , "], {})
     assert (bare.aliases, bare.model_id, bare.model_tags) == ((), "m.gguf", ())
@@ -264,12 +266,45 @@ def test_aliases_tags_hosts_and_origins_are_comma_lists() -> None:
     assert parse_settings(["-m", "m", "--cors-origins", "localhost"], {}).cors_origin_list == ("localhost",)
 
 
+def test_the_cors_flags_take_llama_servers_defaults_and_variables() -> None:
+    d = parse_settings(["-m", "m"], {})
+    assert (d.cors_methods, d.cors_headers, d.cors_credentials, d.ui_mcp_proxy) == (
+        "GET, POST, DELETE, OPTIONS", "*", True, False)  # fmt: skip
+    s = parse_settings(
+        [
+            "-m",
+            "m",
+            "--cors-methods",
+            "GET, POST",
+            "--cors-headers",
+            "Authorization",
+            "--no-cors-credentials",
+        ],
+        {},
+    )
+    assert (s.cors_methods, s.cors_headers, s.cors_credentials) == ("GET, POST", "Authorization", False)
+    env = {"SLOTKEEPER_CORS_CREDENTIALS": "off", "SLOTKEEPER_CORS_HEADERS": "Content-Type"}
+    from_env = parse_settings(["-m", "m"], env)
+    assert (from_env.cors_credentials, from_env.cors_headers) == (False, "Content-Type")
+    assert parse_settings(["-m", "m", "--cors-credentials"], env).cors_credentials  # the flag wins
+    # The proxy narrows the default to this machine's pages; an explicit --cors-origins still rules.
+    assert parse_settings(["-m", "m", "--ui-mcp-proxy"], {}).cors_origin_list == ("localhost",)
+    assert parse_settings(["-m", "m", "--webui-mcp-proxy", "--cors-origins", "*"], {}).cors_origin_list == (
+        "*",
+    )
+    assert not parse_settings(["-m", "m", "--ui-mcp-proxy", "--no-ui-mcp-proxy"], {}).ui_mcp_proxy
+    with pytest.raises(SettingsError, match="--cors-methods must be one or more methods"):
+        parse_settings(["-m", "m", "--cors-methods", " , "], {})
+
+
 def test_reasoning_is_on_off_or_auto() -> None:
     assert parse_settings(["-m", "m"], {}).reasoning == "auto"
     assert parse_settings(["-m", "m", "-rea", "off"], {}).reasoning == "off"
     assert parse_settings(["-m", "m"], {"SLOTKEEPER_REASONING": "on"}).reasoning == "on"
     with pytest.raises(SettingsError, match="--reasoning must be on, off or auto"):
         parse_settings(["-m", "m", "--reasoning", "maybe"], {})
+    # llama-server's suite starts every server with --no-jinja: accepted (and logged), no effect.
+    assert not parse_settings(["-m", "m", "--no-jinja"], {}).jinja
 
 
 def test_verbose_means_debug_logs() -> None:
