@@ -121,10 +121,9 @@ def _listed(filter_: Callable[..., Any]) -> Callable[..., Any]:
         out = filter_(*args, **kwargs)
         return list(out) if isinstance(out, Iterable) and not isinstance(out, str | Mapping) else out
 
-    # Context and environment filters keep their pass_* marks.
-    for mark in ("jinja_pass_arg",):
-        if hasattr(filter_, mark):
-            setattr(listed, mark, getattr(filter_, mark))
+    # Context and environment filters keep their pass_* mark.
+    if hasattr(filter_, "jinja_pass_arg"):
+        listed.jinja_pass_arg = filter_.jinja_pass_arg  # type: ignore[attr-defined]
     return listed
 
 

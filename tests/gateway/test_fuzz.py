@@ -16,21 +16,12 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from support.fuzz_bodies import Case, cases
 from support.fuzz_specs import CHAT, GATEWAY_ENDPOINTS, MESSAGES, Endpoint
-from support.fuzz_verdict import send, verdict
+from support.fuzz_verdict import FUZZ, send, verdict
 
 from .conftest import Serve, start_serve
-
-EXAMPLES = 30  # per endpoint: a fixed budget, so the file stays well under a minute
-
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-)
 
 
 @pytest.fixture(scope="module")

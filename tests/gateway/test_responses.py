@@ -10,7 +10,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import agents
 import httpx
@@ -215,6 +215,18 @@ def test_stored_responses_belong_to_their_tenant_and_bad_input_is_precise(serve,
         a.responses.retrieve(unstored.id)
 
 
+def weather_tool(seen: list[str]) -> Any:
+    """The Agents SDK function tool the runs call: it records each city it is asked about."""
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        seen.append(city)
+        return f"Sunny in {city}"
+
+    return get_weather
+
+
 def test_the_openai_agents_sdk_runs_a_function_tool_to_completion(serve, tmp_path: Path):
     """The Agents SDK with its default Responses model: the tool runs and the run completes (streamed
     and not); a second run continues the first by `previous_response_id` and reuses its state.
@@ -224,12 +236,7 @@ def test_the_openai_agents_sdk_runs_a_function_tool_to_completion(serve, tmp_pat
     agents.set_tracing_disabled(True)  # traces would go to api.openai.com
     s = serve(tmp_path / "data")
     seen: list[str] = []
-
-    @function_tool
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        seen.append(city)
-        return f"Sunny in {city}"
+    get_weather = weather_tool(seen)
 
     async def run() -> None:
         async with openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0) as client:
@@ -269,15 +276,10 @@ def test_the_openai_agents_sdk_runs_a_tool_then_a_second_model_turn(serve, tmp_p
     agents.set_tracing_disabled(True)
     s = serve(tmp_path / "data")
     seen: list[str] = []
+    get_weather = weather_tool(seen)
 
     class Report(BaseModel):
         sky: Literal["sunny", "rainy"]
-
-    @function_tool
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        seen.append(city)
-        return f"Sunny in {city}"
 
     async def run() -> None:
         async with openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0) as client:

@@ -12,9 +12,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from hypothesis import HealthCheck, settings
 
 from support.fuzz_bodies import Case
 from support.fuzz_specs import Endpoint
+
+EXAMPLES = 30  # per endpoint in the suite's fuzz: a fixed budget, so each file stays well under a minute
+
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
 
 _SERVER_FAULTS = {"server_error", "api_error", "upstream_error", "timeout_error"}
 

@@ -11,21 +11,12 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from support.fuzz_bodies import Case, cases
 from support.fuzz_specs import ENGINE_ENDPOINTS, Endpoint
-from support.fuzz_verdict import send, verdict
+from support.fuzz_verdict import FUZZ, send, verdict
 
 from ..conftest import EngineProcess
-
-EXAMPLES = 30  # per endpoint: a fixed budget, so the file stays well under a minute
-
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-)
 
 
 @pytest.mark.parametrize("endpoint", ENGINE_ENDPOINTS, ids=lambda e: e.path)

@@ -46,8 +46,9 @@ def corpus() -> list[Path]:
 
 def ours(template: Path, bos: str = "<s>", eos: str = "</s>") -> dict[str, dict[str, Any]]:
     source = template.read_text(encoding="utf-8")
-    t = ChatTemplate(source, bos, eos, origin=f"file:{template}")
-    t.write_calls = select_format("auto", source).write_calls
+    t = ChatTemplate(
+        source, bos, eos, origin=f"file:{template}", write_calls=select_format("auto", source).write_calls
+    )
     out = {}
     for name, (messages, tools) in CONVERSATIONS.items():
         try:
