@@ -159,6 +159,14 @@ class RequestParams:
     ignore_eos: bool
     grammar: str
     """GBNF; '' = none. An invalid grammar is refused at submit."""
+    grammar_lazy: bool
+    """The grammar applies only from the first match of a trigger (pattern or token) on."""
+    grammar_trigger_patterns: list[str]
+    """Regexes over the generated text (llama.cpp's lazy-grammar patterns)."""
+    grammar_trigger_tokens: list[int]
+    grammar_prefill: list[int]
+    """Tokens the grammar accepts before generation (the generation prompt a tool-call grammar
+    begins with); one it refuses makes submit raise InvalidRequestError."""
     checkpoint_hints: list[int]
     """Token counts after which the state is worth a checkpoint (message boundaries)."""
     cache_prompt: bool
@@ -320,6 +328,35 @@ class Engine:
     def _inject_fault_for_tests(self, where: Literal["command", "checkpoint"] = "command") -> None:
         """TEST HOOK. Make the loop throw std::bad_alloc at the top of its next iteration
         ("command") or in its next checkpoint capture ("checkpoint"): the real fault path runs."""
+
+class ChatLayer:
+    """llama.cpp's chat layer (common/chat, vendored) over one template: its tool-call format,
+    grammar and parser, as llama-server derives them. JSON text in and out."""
+
+    def __init__(self, source: str, bos: str = "", eos: str = "") -> None:
+        """InvalidRequestError when llama.cpp's jinja engine cannot read `source`."""
+    def apply(self, request: str) -> str:
+        """`request`: {"messages", "tools", "tool_choice", "parallel_tool_calls",
+        "add_generation_prompt", "enable_thinking", "reasoning_format", "chat_template_kwargs"}.
+        Returns {"format", "prompt", "grammar", "grammar_lazy", "grammar_triggers": [{"type",
+        "value", "token"}], "preserved_tokens", "additional_stops", "generation_prompt", "parser",
+        "supports_thinking", "thinking_start_tag", "thinking_end_tags"} (GIL released).
+        InvalidRequestError for what the template or its format refuses."""
+
+class ChatParser:
+    """A model's output read in the format ChatLayer.apply reported."""
+
+    def __init__(
+        self,
+        format: str,
+        parser: str,
+        generation_prompt: str,
+        reasoning_format: str,
+        parse_tool_calls: bool = True,
+    ) -> None: ...
+    def parse(self, text: str, partial: bool) -> str:
+        """{"content", "reasoning_content", "tool_calls": [{"name", "arguments", "id"}]} (GIL
+        released). InvalidRequestError when the text is not in the format."""
 
 def read_fingerprint(model_path: str) -> str:
     """The model fingerprint computed from the GGUF file alone (no load)."""

@@ -1,6 +1,7 @@
 // The Python surface of the native core (typed in native/_native.pyi). Every call that waits for the
 // loop thread, touches files or loads a model releases the GIL: they take from microseconds (a
 // loop step in flight) to seconds (model load, multi-GB slot files).
+#include "chat.h"
 #include "engine.h"
 #include "errors.h"
 #include "hash.h"
@@ -167,6 +168,10 @@ PYBIND11_MODULE(_native, m) {
         .def_readwrite("stop_tokens", &RequestParams::stop_tokens)
         .def_readwrite("ignore_eos", &RequestParams::ignore_eos)
         .def_readwrite("grammar", &RequestParams::grammar)
+        .def_readwrite("grammar_lazy", &RequestParams::grammar_lazy)
+        .def_readwrite("grammar_trigger_patterns", &RequestParams::grammar_trigger_patterns)
+        .def_readwrite("grammar_trigger_tokens", &RequestParams::grammar_trigger_tokens)
+        .def_readwrite("grammar_prefill", &RequestParams::grammar_prefill)
         .def_readwrite("checkpoint_hints", &RequestParams::checkpoint_hints)
         .def_readwrite("cache_prompt", &RequestParams::cache_prompt)
         .def_readwrite("prefix_sources", &RequestParams::prefix_sources)
@@ -279,6 +284,18 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("closed", &Engine::closed)
         .def_property_readonly("fault", &Engine::fault)
         .def("_inject_fault_for_tests", &Engine::inject_fault_for_tests, py::arg("where") = "command");
+
+    // Rendering and parsing are pure CPU work over client-sized text (the autoparser renders several
+    // probe conversations per apply): release the GIL so the event loop's threads keep serving.
+    py::class_<ChatLayer>(m, "ChatLayer")
+        .def(py::init<const std::string &, const std::string &, const std::string &>(), py::arg("source"),
+             py::arg("bos") = "", py::arg("eos") = "", rel())
+        .def("apply", &ChatLayer::apply, py::arg("request"), rel());
+    py::class_<ChatParser>(m, "ChatParser")
+        .def(py::init<const std::string &, const std::string &, const std::string &, const std::string &, bool>(),
+             py::arg("format"), py::arg("parser"), py::arg("generation_prompt"), py::arg("reasoning_format"),
+             py::arg("parse_tool_calls") = true)
+        .def("parse", &ChatParser::parse, py::arg("text"), py::arg("partial"), rel());
 
     m.def("read_fingerprint", &model_fingerprint, py::arg("model_path"), rel());
     m.def("crc32", [](py::bytes data, uint32_t value) {

@@ -27,6 +27,14 @@ struct RequestParams {
     std::vector<llama_token> stop_tokens;
     bool ignore_eos = false;
     std::string grammar;
+    // A lazy grammar (llama.cpp's tool calls under tool_choice auto) applies only from the first
+    // match of a trigger pattern (regex over the generated text) or trigger token on; before that
+    // the model writes freely. `grammar_prefill`: tokens the prompt already holds that the grammar
+    // must accept before generation starts (the generation prompt a tool-call grammar begins with).
+    bool grammar_lazy = false;
+    std::vector<std::string> grammar_trigger_patterns;
+    std::vector<llama_token> grammar_trigger_tokens;
+    std::vector<llama_token> grammar_prefill;
     std::vector<int> checkpoint_hints;
     bool cache_prompt = true;
     // Other slots whose state this request may start from when it reuses more of the prompt than

@@ -3,6 +3,7 @@
 #include "errors.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace sk {
 
@@ -29,9 +30,31 @@ Sampler::Sampler(const llama_vocab * vocab, const RequestParams & p, uint32_t fa
         llama_sampler_chain_add(c, penalties_);
     }
     if (!p.grammar.empty()) {
-        llama_sampler * g = llama_sampler_init_grammar(vocab, p.grammar.c_str(), "root");
+        llama_sampler * g = nullptr;
+        if (p.grammar_lazy) {
+            if (p.grammar_trigger_patterns.empty() && p.grammar_trigger_tokens.empty()) {
+                throw InvalidRequestError("a lazy grammar needs trigger patterns or tokens");
+            }
+            std::vector<const char *> patterns;
+            for (const auto & s : p.grammar_trigger_patterns) patterns.push_back(s.c_str());
+            g = llama_sampler_init_grammar_lazy_patterns(vocab, p.grammar.c_str(), "root", patterns.data(),
+                                                         patterns.size(), p.grammar_trigger_tokens.data(),
+                                                         p.grammar_trigger_tokens.size());
+        } else {
+            g = llama_sampler_init_grammar(vocab, p.grammar.c_str(), "root");
+        }
         if (g == nullptr) throw InvalidRequestError("the grammar does not parse (GBNF with a 'root' rule expected)");
         llama_sampler_chain_add(c, g);
+        // llama.cpp's grammar aborts on a token it cannot accept: a prefill the grammar refuses is
+        // a grammar that does not fit the prompt, the request's fault.
+        for (llama_token t : p.grammar_prefill) {
+            if (t < 0 || t >= n_vocab_) throw InvalidRequestError("grammar prefill token outside the vocabulary");
+            llama_token_data cand{t, 0.0f, 0.0f};
+            llama_token_data_array one{&cand, 1, -1, false};
+            llama_sampler_apply(g, &one);
+            if (std::isinf(cand.logit)) throw InvalidRequestError("the grammar refuses the generation prompt");
+            llama_sampler_accept(g, t);
+        }
     }
     if (p.temperature <= 0.0f) {
         llama_sampler_chain_add(c, llama_sampler_init_greedy());
