@@ -30,6 +30,7 @@ from starlette.requests import Request
 import native
 
 from ..errors import ClientGone, ContextSizeExceeded, ServerError, Unavailable
+from .grammar import GrammarTriggers
 from .runtime import Runtime
 from .sampling import Sampling, resolve_text_bias, to_native
 from .text_stream import TextStream
@@ -172,6 +173,7 @@ async def generate(
     sampling: Sampling,
     *,
     grammar: str = "",
+    triggers: GrammarTriggers | None = None,
     checkpoint_hints: list[int] | None = None,
     extra_bias: dict[int, float] | None = None,
     endpoint: str = "",
@@ -188,8 +190,8 @@ async def generate(
         raise ContextSizeExceeded(len(prompt), n_ctx)
     sampling = await with_text_bias(rt, sampling)
     params = to_native(
-        sampling, prompt, grammar=grammar, checkpoint_hints=checkpoint_hints, extra_bias=extra_bias,
-        n_slots=rt.settings.n_slots,
+        sampling, prompt, grammar=grammar, triggers=triggers, checkpoint_hints=checkpoint_hints,
+        extra_bias=extra_bias, n_slots=rt.settings.n_slots,
     )  # fmt: skip
     t0 = time.monotonic()
     slot = await rt.scheduler.acquire(sampling.id_slot, prompt)

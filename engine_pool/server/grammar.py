@@ -505,3 +505,15 @@ async def built_off_loop(source: str, build: Callable[[], T], grammar_of: Callab
     ms = round((time.monotonic() - t0) * 1000.0, 2)
     log.info("grammar.built", source=source, bytes=len(text), rules=text.count("\n"), ms=ms)
     return result
+
+
+@dataclass(frozen=True)
+class GrammarTriggers:
+    """How a grammar starts (llama.cpp's chat layer's tool-call grammars): `lazy`, it applies from
+    the first match of a pattern (a regex over the generated text) or token on; `prefill`, tokens
+    of the prompt it accepts before generation (the generation prompt it begins with)."""
+
+    lazy: bool = False
+    patterns: tuple[str, ...] = ()
+    tokens: tuple[int, ...] = ()
+    prefill: tuple[int, ...] = ()

@@ -20,6 +20,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
 
+import structlog
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -29,7 +30,14 @@ import native
 from ..body import Body, read_json
 from ..errors import BadRequest
 from .apis.report import caller_context, served
-from .chat_request import ChatRequest, build_constraint, continued_open, message_text, parse_chat
+from .chat_request import (
+    ChatRequest,
+    Constraint,
+    build_constraint,
+    continued_open,
+    message_text,
+    parse_chat,
+)
 from .chat_template import ChatPrompt
 from .divergence import in_last_turn, last_reply, left_at, locate
 from .formats import (
@@ -42,6 +50,7 @@ from .formats import (
     select_format,
 )
 from .formats.reasoning import THINK_CLOSE, THINK_OPEN
+from .formats.upstream import UpstreamOutput, UpstreamPlan
 from .generation import (
     Delta,
     Outcome,
@@ -53,6 +62,7 @@ from .generation import (
     probs_json,
     with_text_bias,
 )
+from .grammar import GrammarTriggers
 from .routes_llama import (
     check_prompts,
     completion_prompt,
@@ -67,6 +77,10 @@ from .runtime import Runtime
 from .sampling import read_sampling
 from .scheduler import common_prefix
 from .sse import start_stream
+
+log = structlog.get_logger("engine.chat")
+
+Output = ChatOutput | UpstreamOutput  # a generation's text read as reasoning, content and calls
 
 
 @dataclass(frozen=True)
@@ -176,12 +190,23 @@ async def run_chat(request: Request, body: Body) -> dict[str, Any] | AsyncGenera
     # Preparing the history (JSON arguments), rendering (jinja over client-sized messages, once per
     # checkpoint hint) and tokenizing: off the event loop, like the grammar below.
     prompt, opened = await asyncio.to_thread(chat_prompt, rt, req)  # opened: Qwen3.5, Nemotron-3
-    con = await build_constraint(req, lim.schema, fmt, reasoning=opened)
+    plan = await _upstream_plan(rt, req)
+    triggers: GrammarTriggers | None = None
+    if plan is None:
+        con = await build_constraint(req, lim.schema, fmt, reasoning=opened)
+    else:
+        con, triggers = await asyncio.to_thread(_upstream_constraint, rt, req, plan)
+        # No tool grammar, or the client's own constraint on a free choice: response_format or a
+        # raw grammar, as under our formats.
+        if not con.grammar or (req.tool_choice == "auto" and (req.grammar or req.response_format != "text")):
+            ours = await build_constraint(req, lim.schema, fmt, reasoning=opened)
+            con, triggers = replace(ours, parse_tools=con.parse_tools, ban_tool_calls=False), None
     sampling = await with_text_bias(rt, req.sampling)  # once for every choice
-    if rt.template.stops:  # the built-in format's end of turn, should the model write it as text
-        sampling = replace(sampling, stop=tuple(dict.fromkeys((*sampling.stop, *rt.template.stops))))
-    preserved = _preserved(rt, fmt)
-    extra_bias = _tool_call_ban(rt, fmt) if con.ban_tool_calls else None
+    stops = (*rt.template.stops, *(plan.stops if plan is not None else ()))
+    if stops:  # the built-in format's end of turn, should the model write it as text; llama.cpp's
+        sampling = replace(sampling, stop=tuple(dict.fromkeys((*sampling.stop, *stops))))
+    preserved = _preserved(rt, fmt, plan)
+    extra_bias = _tool_call_ban(rt, fmt) if con.ban_tool_calls and plan is None else None
 
     def gen() -> AsyncGenerator[Delta | Outcome, None]:
         return generate(
@@ -189,13 +214,16 @@ async def run_chat(request: Request, body: Body) -> dict[str, Any] | AsyncGenera
             prompt.tokens,
             sampling,
             grammar=con.grammar,
+            triggers=triggers,
             checkpoint_hints=prompt.hints,
             extra_bias=extra_bias,
             endpoint="/v1/chat/completions",
             preserved=preserved,
         )
 
-    def output() -> ChatOutput:
+    def output() -> Output:
+        if plan is not None:
+            return UpstreamOutput(plan, rt.settings.reasoning_format, con.parse_tools)
         return ChatOutput(
             fmt.stream(req.tools) if con.parse_tools else None, rt.settings.reasoning_format, opened
         )
@@ -224,7 +252,7 @@ async def run_chat(request: Request, body: Body) -> dict[str, Any] | AsyncGenera
     parts: list[list[Piece]] = [[] for _ in range(req.n)]
 
     async def read(
-        items: AsyncGenerator[Delta | Outcome, None], out: ChatOutput, into: list[Piece]
+        items: AsyncGenerator[Delta | Outcome, None], out: Output, into: list[Piece]
     ) -> AsyncGenerator[Delta | Outcome, None]:
         # The same pieces a stream would send, from the same deltas: the two cannot disagree.
         async with aclosing(items):
@@ -327,16 +355,56 @@ def _chat_logprobs(
     return {"content": probs_json(probs, token_bytes, req.top_logprobs), "refusal": None}
 
 
-def _chat_usage(o: Outcome, out: ChatOutput) -> dict[str, Any]:
+def _chat_usage(o: Outcome, out: Output) -> dict[str, Any]:
     u = usage([o])
     u["completion_tokens_details"]["reasoning_tokens"] = out.reasoning_tokens
     return u
 
 
-def _preserved(rt: Runtime, fmt: ChatFormat) -> frozenset[int]:
-    """The format's tags that are single special tokens: their text must reach the output parsers."""
-    ids = (rt.tokenize(tag, False) for tag in (fmt.open, fmt.close, THINK_OPEN, THINK_CLOSE))
+def _preserved(rt: Runtime, fmt: ChatFormat, plan: UpstreamPlan | None) -> frozenset[int]:
+    """The format's tags that are single special tokens (llama.cpp's preserved tokens, under its
+    chat layer): their text must reach the output parsers."""
+    tags = plan.preserved if plan is not None else (fmt.open, fmt.close)
+    ids = (rt.tokenize(tag, False) for tag in (*tags, THINK_OPEN, THINK_CLOSE))
     return frozenset(t[0] for t in ids if len(t) == 1)
+
+
+async def _upstream_plan(rt: Runtime, req: ChatRequest) -> UpstreamPlan | None:
+    """llama.cpp's chat layer's reading of the request, when it reads this template's format (off
+    the event loop: it renders the conversation). A named tool_choice is `required` over that tool
+    alone, as llama-server does. A conversation the layer refuses while our renderer took it is
+    served with the engine's own format, unless the request forces a call."""
+    if rt.upstream is None:
+        return None
+    tools, choice = req.tools, req.tool_choice
+    if choice == "function":
+        tools, choice = [t for t in tools if t["function"]["name"] == req.tool_name], "required"
+    thinking = req.template_kwargs.get("enable_thinking", rt.template.reasoning != "off") is not False
+    try:
+        return await asyncio.to_thread(
+            rt.upstream.plan,
+            req.messages,
+            tools,
+            choice,
+            enable_thinking=thinking,
+            reasoning_format=rt.settings.reasoning_format,
+            kwargs=req.template_kwargs,
+        )
+    except native.InvalidRequestError as exc:
+        if choice == "required":
+            raise BadRequest(str(exc)) from None
+        log.warning("engine.chat_layer_refused", error=str(exc))
+        return None
+
+
+def _upstream_constraint(
+    rt: Runtime, req: ChatRequest, plan: UpstreamPlan
+) -> tuple[Constraint, GrammarTriggers]:
+    """The tool-call grammar of llama.cpp's plan and how it starts (tokenizes: call it off the
+    event loop). Calls are read whenever tools are offered and not refused."""
+    parse = bool(req.tools) and req.tool_choice != "none"
+    triggers = plan.grammar_triggers(lambda text: rt.tokenize(text, False), rt.token_text)
+    return Constraint(plan.grammar if parse else "", parse, False), triggers
 
 
 def _tool_call_ban(rt: Runtime, fmt: ChatFormat) -> dict[int, float]:
@@ -349,7 +417,7 @@ def _tool_call_ban(rt: Runtime, fmt: ChatFormat) -> dict[int, float]:
 async def _chat_chunks(
     gen: AsyncGenerator[Delta | Outcome, None],
     req: ChatRequest,
-    out: ChatOutput,
+    out: Output,
     meta: Meta,
     token_bytes: TokenBytes,
     explain: Callable[[Outcome], Awaitable[None]],

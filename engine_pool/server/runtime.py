@@ -20,7 +20,8 @@ import native
 
 from ..errors import ServerError, Unavailable
 from .chat_template import ChatTemplate, TemplateConfigError, select_template, template_override
-from .formats import select_format
+from .formats import UPSTREAM, select_format
+from .formats.upstream import UpstreamChat
 from .metrics import EngineMetrics
 from .sampling import Sampling
 from .scheduler import SlotScheduler
@@ -47,6 +48,8 @@ class Runtime:
         self.settings = settings
         self.engine: native.Engine | None = None
         self.template = ChatTemplate("")
+        # llama.cpp's chat layer, for a template whose tool syntax none of our formats reads.
+        self.upstream: UpstreamChat | None = None
         self.state = "loading"  # loading | ready | draining | failed | closed
         self.error = ""
         self.started = time.time()
@@ -129,6 +132,19 @@ class Runtime:
             origin=choice.origin,
             write_calls=select_format(self.settings.chat_format, choice.source).write_calls,
             reasoning=self.settings.reasoning,
+        )
+        setting = self.settings.chat_format
+        if setting in ("auto", UPSTREAM):
+            ours = select_format(setting, choice.source) if setting == "auto" else None
+            t = self.template
+            writes = await asyncio.to_thread(lambda: t.caps.tool_calls)  # probe renders
+            self.upstream = await asyncio.to_thread(
+                UpstreamChat.for_template, choice.source, t.bos_token, t.eos_token, ours, writes
+            )
+        log.info(
+            "engine.chat_format",
+            format=UPSTREAM if self.upstream is not None else select_format(setting, choice.source).name,
+            setting=setting,
         )
         self.scheduler.turn_slack = await asyncio.to_thread(
             self.template.generation_prompt_tokens, lambda text, special: engine.tokenize(text, special)

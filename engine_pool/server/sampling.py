@@ -17,6 +17,7 @@ import native
 
 from ..body import Body, json_type
 from ..errors import BadRequest
+from .grammar import GrammarTriggers
 from .limits import RequestLimits, check_count, check_n_predict, too_many
 
 
@@ -266,6 +267,7 @@ def to_native(
     prompt: list[int],
     *,
     grammar: str = "",
+    triggers: GrammarTriggers | None = None,
     checkpoint_hints: list[int] | None = None,
     extra_bias: dict[int, float] | None = None,
     n_slots: int = 1,
@@ -291,6 +293,11 @@ def to_native(
     p.logit_bias = {**s.logit_bias, **(extra_bias or {})}
     p.n_probs = s.n_probs
     p.grammar = grammar
+    if triggers is not None and grammar:
+        p.grammar_lazy = triggers.lazy
+        p.grammar_trigger_patterns = list(triggers.patterns)
+        p.grammar_trigger_tokens = list(triggers.tokens)
+        p.grammar_prefill = list(triggers.prefill)
     p.checkpoint_hints = sorted(set(checkpoint_hints or []))
     return p
 

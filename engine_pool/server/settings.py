@@ -31,7 +31,7 @@ from ..flags import (
     values_from,
 )
 from ..flags import build_parser as _build_parser
-from .formats import FORMATS
+from .formats import CHAT_FORMATS
 from .formats.output import REASONING_FORMATS
 
 __all__ = [
@@ -102,7 +102,7 @@ class EngineSettings:
     jinja: bool = True  # accepted for llama-server command lines: templates are always jinja here
     reasoning_format: str = "auto"  # none | deepseek | deepseek-legacy | auto
     reasoning: str = "auto"  # on | off | auto: whether the model reasons (llama-server's --reasoning)
-    chat_format: str = "auto"  # the tool-call format: auto (from the template) or a family name
+    chat_format: str = "auto"  # the tool-call format: auto (from the template), a family's or llama.cpp's
     no_repack: bool = False  # llama-server's --no-repack (also forced on CPUs with AMX: runtime.py)
     # llama-server drop-in flags (issue 10); each wired where its behaviour lives.
     kv_unified: bool = False  # one slot may grow into the whole shared KV pool
@@ -594,7 +594,8 @@ FLAGS: tuple[Flag, ...] = (
         ("--chat-format",),
         "SLOTKEEPER_CHAT_FORMAT",
         str,
-        "tool-call format: auto (detected from the template), hermes, qwen-xml, lfm2 (auto)",
+        "tool-call format: auto (detected from the template: a family's own, else llama.cpp's chat "
+        "layer), hermes, qwen-xml, lfm2, nemotron-h, llama.cpp (auto)",
     ),
 )
 
@@ -636,7 +637,7 @@ _CHECKS: tuple[Check, ...] = (
     ("max_schema_depth", lambda v: 1 <= v <= 128, "within 1..128"),
     ("max_schema_grammar_bytes", lambda v: v >= 1024, ">= 1024"),
     ("max_schema_grammar_rules", lambda v: v >= 16, ">= 16"),
-    ("chat_format", lambda v: v == "auto" or v in FORMATS, f"auto or one of {', '.join(FORMATS)}"),
+    ("chat_format", lambda v: v in CHAT_FORMATS, f"one of {', '.join(CHAT_FORMATS)}"),
     ("reasoning", lambda v: v in ("on", "off", "auto"), "on, off or auto"),
     (
         "reasoning_format",

@@ -6,7 +6,8 @@ One module per family — `hermes` (JSON in `<tool_call>`: Qwen2.5/Qwen3, Hermes
 `<TOOLCALL>`: Nemotron-H / Nemotron Nano v2) — each with a block parser and a
 forced-call grammar; `reasoning` splits `<think>` blocks; `output` chains the two over a
 generation; `history` gives the template a conversation in the one shape it expects. `FORMATS` is the table
-`--chat-format` picks from; under `auto` the template's text decides (`select_format`).
+`--chat-format` picks from; under `auto` the template's text decides (`select_format`). A template with
+a tool syntax none of them reads goes to llama.cpp's chat layer (`upstream`).
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ from . import hermes, lfm2, nemotron_h, qwen_xml
 from .calls import CallStream, ToolCall
 from .output import ChatMessage, ChatOutput, Piece, assemble
 from .reasoning import Reasoning, opened_by
+from .upstream import NAME as UPSTREAM
 
 __all__ = [
+    "CHAT_FORMATS",
     "FORMATS",
+    "UPSTREAM",
     "ChatFormat",
     "ChatMessage",
     "ChatOutput",
@@ -67,7 +71,9 @@ class ChatFormat:
         return calls_grammar(tools, self.call_grammar, limits, reasoning=reasoning)
 
 
-# In detection order; the last one has no markers and is the default.
+# In detection order; the last one has no markers and is the default. Under `auto`, llama.cpp's chat
+# layer reads a template's output instead when it does not read a call written in the detected
+# format (formats.upstream).
 FORMATS: dict[str, ChatFormat] = {
     "qwen-xml": ChatFormat(
         "qwen-xml",
@@ -102,13 +108,18 @@ FORMATS: dict[str, ChatFormat] = {
 }
 
 
+# `--chat-format`: auto, one of FORMATS, or llama.cpp's chat layer (formats.upstream) for every
+# template none of FORMATS reads.
+CHAT_FORMATS = ("auto", *FORMATS, UPSTREAM)
+
+
 def select_format(setting: str, template_source: str) -> ChatFormat:
-    """The format `--chat-format` names, or under `auto` the first whose markers the template holds."""
-    if setting != "auto":
-        fmt = FORMATS.get(setting)
-        if fmt is None:
-            raise ServerError(
-                f"--chat-format {setting!r} is not a chat format of this engine: auto, {', '.join(FORMATS)}"
-            )
-        return fmt
+    """The format `--chat-format` names, or under `auto` (and `llama.cpp`, where it only writes past
+    calls for a template without a syntax for them) the first whose markers the template holds."""
+    if setting in FORMATS:
+        return FORMATS[setting]
+    if setting not in CHAT_FORMATS:
+        raise ServerError(
+            f"--chat-format {setting!r} is not a chat format of this engine: {', '.join(CHAT_FORMATS)}"
+        )
     return next(f for f in FORMATS.values() if any(all(m in template_source for m in g) for g in f.markers))
