@@ -14,9 +14,13 @@
 * at the end, engines ready again: GET /v1/sessions/{id} and one more turn for every honest session.
 
 A session is *lost* when a turn (during the soak or the last one) is served `X-Slotkeeper-Cache:
-cold`, or its record is gone, although it had a completed turn whose write-behind save no SIGKILL
-could have cut short: none from 1 s before the answer until the session's next turn was sent (its
-placement waits for that save) or `--save-grace-s` (the gateway's 30 s wait for a save) had passed.
+cold`, or its record is gone, although its state was durable: the index showed a saved generation
+of it (the chaos task lists the honest sessions right before each SIGKILL), or it had a completed
+turn whose write-behind save no SIGKILL could have cut short: none from 1 s before the answer until
+that save was certainly over — once a later turn of the session was answered `restored` or `cold`
+(its placement waits for the saves still running) or `--save-grace-s` (the gateway's 30 s wait for
+a save) had passed. Sending the next turn ends nothing: one served `live` in its slot runs beside
+the save, which a SIGKILL can still cut short then.
 Such a session served `live` or `restored` with `usage.prompt_tokens_details.cached_tokens == 0`
 kept its state but reused none of it: *re-prefilled*, counted apart (it costs what a cold turn does).
 
@@ -141,6 +145,7 @@ class Soak:
     key: str
     deadline: float
     kills: list[float] = field(default_factory=list)  # monotonic times of SIGKILLs
+    durable: dict[str, float] = field(default_factory=dict)  # session -> when a listing showed it saved
     recoveries_s: list[float] = field(default_factory=list)
     not_recovered: int = 0
     engine_pids: set[int] = field(default_factory=set)
@@ -245,7 +250,7 @@ class Session:
     history: list[dict[str, str]]
     epoch: int = 0
     done_at: list[float] = field(default_factory=list)  # answer times of this id's completed turns
-    sent_at: list[float] = field(default_factory=list)  # and when each was sent
+    waited: list[bool] = field(default_factory=list)  # and whether each was placed anew (not live, no fork)
     busy: bool = False
 
     @property
@@ -253,12 +258,23 @@ class Session:
         return f"{self.name}-e{self.epoch}"
 
     def protected(self, soak: Soak, before: float) -> bool:
-        """It has a completed turn, answered before `before`, whose write-behind save no SIGKILL
-        could have cut short: none from 1 s before the answer until the next turn was sent (its
-        placement waits for that save) or the save grace had passed."""
-        sends = [*self.sent_at[1:], before]
-        return any(soak.kill_free(t - 1.0, min(nxt, t + soak.args.save_grace_s))
-                   for t, nxt in zip(self.done_at, sends, strict=False) if t < before)  # fmt: skip
+        """Its state was durable before `before`: a listing before a SIGKILL showed it saved, or it
+        has a completed turn answered before `before` whose write-behind save no SIGKILL could have
+        cut short: none from 1 s before the answer until the save was certainly over. That is the
+        save grace after the answer, or sooner the answer of a later turn placed anew (restored or
+        cold): the gateway places such a turn only once the saves of the session's earlier turns are
+        over. A next turn served live in its slot does not wait for them: it bounds nothing."""
+        if soak.durable.get(self.id, math.inf) < before:
+            return True
+        grace = soak.args.save_grace_s
+        for i, t in enumerate(self.done_at):
+            if t >= before:
+                break
+            over = next((a for a, w in zip(self.done_at[i + 1 :], self.waited[i + 1 :], strict=True) if w),
+                        math.inf)  # fmt: skip
+            if soak.kill_free(t - 1.0, min(over, t + grace)):
+                return True
+        return False
 
 
 # An agent's system prompt is long (rules, tool descriptions): a hybrid model reuses a prefix only
@@ -318,14 +334,15 @@ async def honest_turn(client: httpx.AsyncClient, soak: Soak, s: Session, final: 
         h.caches[cache] += 1
         h.latency_ms.setdefault(s.tenant, []).append(ms)
         h.turn_ms.append((time.monotonic() - sent) * 1000)
-        h.forked += r.headers.get("x-session-id") != s.id
+        forked = r.headers.get("x-session-id") != s.id
+        h.forked += forked
         if (cache == "cold" or cached == 0) and s.protected(soak, sent):
             why = f"{soak.at()} {'final' if final else 'soak'} turn served {cache}, cached_tokens {cached}, "
             (h.lost if cache == "cold" else h.reprefilled)[s.id] = f"{why}after {len(s.done_at)} turns"
         content = (payload.get("choices") or [{}])[0].get("message", {}).get("content") or ""
         s.history += [user, {"role": "assistant", "content": content}]
         s.done_at.append(time.monotonic())
-        s.sent_at.append(sent)
+        s.waited.append(cache in ("restored", "cold") and not forked)
         return cache
     h.sample("gave up", f"{soak.at()} {s.id}: still 429/503 after 60 tries")
     return "gave up"
@@ -342,7 +359,7 @@ async def roll_over(client: httpx.AsyncClient, soak: Soak, s: Session) -> None:
         soak.honest.transport += 1
         soak.honest.sample(type(exc).__name__, f"{soak.at()} DELETE {s.id}: {type(exc).__name__}: {exc}")
     s.epoch += 1
-    s.history, s.done_at, s.sent_at = s.history[:1], [], []
+    s.history, s.done_at, s.waited = s.history[:1], [], []
 
 
 async def honest_worker(client: httpx.AsyncClient, soak: Soak, sessions: list[Session], seed: int) -> None:
@@ -380,8 +397,21 @@ async def engines_ready(client: httpx.AsyncClient, soak: Soak, old_pid: int, wit
     return False
 
 
+async def note_durable(client: httpx.AsyncClient, soak: Soak) -> None:
+    """Record which honest sessions the index shows saved (a durable generation): their state
+    outlives any SIGKILL from now on, whatever the timing of their turns says."""
+    for key in HONEST.values():
+        r = await client.get(soak.url + "/v1/sessions", headers={"Authorization": f"Bearer {key}"})
+        r.raise_for_status()
+        now = time.monotonic()  # the records were read before the answer arrived
+        for rec in r.json()["data"]:
+            if int(rec.get("generation") or 0) > 0:
+                soak.durable.setdefault(str(rec["id"]), now)
+
+
 async def chaos(client: httpx.AsyncClient, soak: Soak, rng: random.Random) -> None:
-    """SIGKILL a ready engine at random intervals; after each, wait for its replacement to be ready."""
+    """SIGKILL a ready engine at random intervals; after each, wait for its replacement to be ready.
+    Right before each, the honest sessions already saved are noted (`note_durable`)."""
     while True:
         delay = rng.uniform(soak.args.kill_min_s, soak.args.kill_max_s)
         if delay >= soak.left():
@@ -393,6 +423,8 @@ async def chaos(client: httpx.AsyncClient, soak: Soak, rng: random.Random) -> No
             ]
             pid = rng.choice(ready) if ready else 0
             if pid and _is_engine(pid):
+                with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):  # then none is noted
+                    await note_durable(client, soak)
                 os.kill(pid, signal.SIGKILL)
                 soak.kills.append(t0 := time.monotonic())
                 print(f"  [{soak.args.duration_s - soak.left():5.0f} s] SIGKILL engine pid {pid}", flush=True)
