@@ -10,12 +10,13 @@ session without re-prefill exactly like a chat client.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import secrets
 import time
-from collections.abc import AsyncIterator, Mapping
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from typing import Any, Protocol, TypeVar
 
 from starlette.background import BackgroundTask
 from starlette.requests import Request
@@ -26,6 +27,7 @@ from engine_pool.credentials import presented
 from engine_pool.errors import (
     ApiError,
     BadRequest,
+    ClientGone,
     NotFound,
     QuotaExceeded,
     Unauthorized,
@@ -43,6 +45,7 @@ from gateway.turns import RestorePrompt, Turn
 from storage.errors import StorageError
 
 CHAT_PATH = "/v1/chat/completions"
+T = TypeVar("T")
 
 
 class Dialect(Protocol):
@@ -56,6 +59,28 @@ class Dialect(Protocol):
     def stream(self, chunks: AsyncIterator[dict[str, Any]], turn: Turn) -> AsyncIterator[bytes]:
         """The API's event stream for the engine's chunks (an `{"error": ...}` chunk ends it)."""
         ...
+
+
+async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, unless the client disconnects first: then `work` is cancelled (closing its
+    engine connection, which is how the engine learns to stop generating: a non-streamed answer
+    nobody waits for must not keep a slot busy) and ClientGone is raised."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone("the client disconnected; the turn was cancelled")
+    finally:
+        gone.cancel()
+        task.cancel()  # (no-op once done) its cancellation closes the engine connection
+
+
+async def _disconnected(request: Request) -> None:
+    # The body was read whole before the turn: the next message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def tenant_of(request: Request) -> Tenant:
@@ -267,13 +292,17 @@ async def serve_turn(
         svc.metrics.early_starts.labels("refused" if refused else "answered").inc()
 
     if not streamed:
+
+        async def forwarded() -> tuple[dict[str, Any], TurnOutcome]:
+            if early is not None:
+                result, refused = await early.result(lambda: forward_json(svc.engines, url, data))
+                counted(refused)
+                return result
+            return await forward_json(svc.engines, url, data)
+
         outcome = TurnOutcome()
         try:
-            if early is not None:
-                (payload, outcome), refused = await early.result(lambda: forward_json(svc.engines, url, data))
-                counted(refused)
-            else:
-                payload, outcome = await forward_json(svc.engines, url, data)
+            payload, outcome = await unless_client_leaves(request, forwarded())
             answer = await dialect.answer(payload, turn) if dialect else None
         except (ApiError, StorageError) as exc:
             outcome.ok = False
