@@ -139,7 +139,7 @@ async def slots(request: Request) -> Response:
     return JSONResponse(out)
 
 
-_SLOT_ACTIONS = ("save", "restore", "erase")
+_SLOT_ACTIONS = ("save", "restore", "erase", "cancel")
 
 
 async def slot_action(request: Request) -> Response:
@@ -159,6 +159,8 @@ async def slot_action(request: Request) -> Response:
         )
     if action == "erase":
         return JSONResponse(await slot_files.erase(rt, slot))
+    if action == "cancel":  # (ours: llama-server has no way to stop a slot's request but its client)
+        return JSONResponse({"id_slot": slot, "cancelled": await rt.cancel_slot(slot)})
     body = await read_json(request, limits(request).body)
     if action == "save":
         return JSONResponse(await slot_files.save(rt, slot, body.raw("filename")))

@@ -211,6 +211,17 @@ class Runtime:
             log.warning("engine.abort_request", slot=s.id, request_id=s.request_id)
             await asyncio.to_thread(engine.cancel, s.request_id)
 
+    async def cancel_slot(self, slot: int) -> bool:
+        """Cancel the generation running on `slot` (its request ends as a cancelled one, with what
+        it wrote so far); False when none runs there. The node uses it to delete a busy session and
+        to drain without waiting for generations nobody will read."""
+        engine = self.require()
+        info = (await asyncio.to_thread(engine.slots))[slot]
+        if info.request_id < 0:
+            return False
+        log.info("engine.cancel_request", slot=slot, request_id=info.request_id)
+        return bool(await asyncio.to_thread(engine.cancel, info.request_id))
+
     def abort_on_slot(self, slot: int, request_id: int | None) -> None:
         """Cancel what the core still runs for us on `slot`, then end the slot's lease.
 

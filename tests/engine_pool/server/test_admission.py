@@ -163,3 +163,27 @@ def test_sigterm_aborts_a_running_stream_with_an_error_event(models: dict[str, P
     finally:
         assert eng.stop() == 0
     assert "engine.draining" in eng.log() and "engine.closed" in eng.log()
+
+
+async def test_cancel_ends_the_slots_generation_and_its_client_gets_what_was_written(
+    client: httpx.AsyncClient,
+) -> None:
+    running = asyncio.ensure_future(client.post("/completion", json=LONG_RUN))
+
+    async def busy() -> bool:
+        return bool((await _slots(client))[0]["is_processing"])
+
+    await _until(busy)
+    r = await client.post("/slots/0?action=cancel")
+    assert r.status_code == 200, r.text
+    assert r.json() == {"id_slot": 0, "cancelled": True}
+    answer = await asyncio.wait_for(running, 10)
+    assert answer.status_code == 200, answer.text
+    assert 0 < answer.json()["tokens_predicted"] < LONG_RUN["n_predict"]
+
+    async def idle() -> bool:
+        return not (await _slots(client))[0]["is_processing"]
+
+    await _until(idle)
+    again = await client.post("/slots/0?action=cancel")
+    assert again.json() == {"id_slot": 0, "cancelled": False}  # nothing runs there now
