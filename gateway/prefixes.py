@@ -4,7 +4,8 @@ An agent that resends its history should land on its session without sending any
 turn the gateway records the digest of every history prefix that ends with an assistant message
 (a complete turn); a new request is looked up by the digests of its own prefixes, longest first.
 Prefixes that end elsewhere (the shared system prompt, a first user message) never route, so two
-conversations that merely start alike stay apart.
+conversations that merely start alike stay apart. A whole prompt sent again (`prompt_digest`) does
+not route either: it starts a new session from the state of the one that served it.
 
 What such conversations do share is their *shared prefix*: the tools and the leading system (or
 developer) messages, the same for every session an agent starts. Its digest (`shared_digest`)
@@ -93,6 +94,28 @@ def turn_digests(messages: Sequence[Mapping[str, Any]], model: str) -> list[str]
     """The digests worth recording for a history: prefixes that end with an assistant message."""
     digests = prefix_digests(messages, model)
     return [d for d, m in zip(digests, messages, strict=True) if m.get("role") == "assistant"]
+
+
+def prompt_digest(messages_digest: str, tools: Any) -> str:
+    """Digest of a whole prompt: its messages (`prefix_digests`' last, which the model scopes) and
+    its tools as sent. A new session whose prompt has this digest starts from the state of the
+    session that last served it (`storage.shared`): a prompt sent again without a session id costs
+    what it costs with one."""
+    h = hashlib.sha256(b"prompt\x1e" + messages_digest.encode())
+    h.update(b"\x1e" + _utf8(json.dumps(tools or [], separators=(",", ":"), ensure_ascii=False)))
+    return h.hexdigest()[:32]
+
+
+def finished_digests(
+    messages: Sequence[Mapping[str, Any]], reply: Mapping[str, Any], tools: Any, model: str
+) -> tuple[list[str], str | None]:
+    """A finished turn's digests, in one pass over its history: those its next turn is routed by
+    (`turn_digests` of the messages and the reply) and its prompt's (`prompt_digest`; None
+    without messages)."""
+    history = [*messages, reply]
+    chain = prefix_digests(history, model)
+    turns = [d for d, m in zip(chain, history, strict=True) if m.get("role") == "assistant"]
+    return turns, prompt_digest(chain[-2], tools) if messages else None
 
 
 def lookup_digests(messages: Sequence[Mapping[str, Any]], model: str) -> list[str]:

@@ -259,7 +259,7 @@ async def serve_turn(
             upstream.update(model=model, cache_prompt=True)
             return await input_tokens(svc.engines, engine_url.rstrip("/") + CHAT_PATH, upstream)
 
-        prompt = RestorePrompt(messages, tokens, shared)
+        prompt = RestorePrompt(messages, tokens, shared, tools)
     streamed = bool(body.get("stream"))
     early: EarlyCall[Any] | None = None
 

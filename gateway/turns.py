@@ -34,7 +34,7 @@ from gateway.placement import (
     prefix_slots,
     reserved,
 )
-from gateway.prefixes import lookup_digests, system_digest, turn_digests
+from gateway.prefixes import finished_digests, lookup_digests, prefix_digests, prompt_digest, system_digest
 from gateway.relay import TurnOutcome
 from gateway.reservations import SlotReservations
 from gateway.session_keys import session_key
@@ -67,6 +67,7 @@ class Turn:
     settled: bool = False  # `finish_soon` ran
     early: bool = False  # the call `begin` launched before its opening read is this turn's (confirmed)
     shared: str | None = None  # its shared prefix's digest, to record for other sessions (or None)
+    prompt: RestorePrompt | None = None  # what it was placed for (its tools name its prompt's digest)
 
     @property
     def lock(self) -> SessionLock:
@@ -102,6 +103,13 @@ class RestorePrompt:
     messages: Sequence[Mapping[str, Any]]
     tokens: Callable[[str], Awaitable[list[int] | None]]
     shared: Callable[[], str | None] = lambda: None  # the digest of its shared prefix (computed once)
+    tools: Any = None  # as sent
+
+    def sources(self, model: str) -> list[str]:
+        """The digests a session without state of its own may start from, best first: this very
+        prompt's (sent again), then its shared prefix's (gateway.prefixes)."""
+        whole = prefix_digests(self.messages, model)[-1:]
+        return [d for d in (*(prompt_digest(w, self.tools) for w in whole), self.shared()) if d]
 
     def leaves(self, record: SessionRecord, model: str) -> bool:
         """Whether the prompt leaves the stored conversation before its end: its complete turns do
@@ -285,7 +293,7 @@ class TurnRunner:
             if prompt is not None and placement.serve is not Serve.LIVE and self._shares(tenant.name):
                 shared = prompt.shared()
             return Turn(tenant, session, model, hold, placement, engine_url, node, source, forked_from,
-                        start.inflight_token, early=confirmed, shared=shared)  # fmt: skip
+                        start.inflight_token, early=confirmed, shared=shared, prompt=prompt)  # fmt: skip
         except BaseException:
             try:
                 if created:  # a failed placement leaves no record behind (it would count toward quotas)
@@ -414,11 +422,13 @@ class TurnRunner:
         if forked_from:
             holder = await self.index.find(tenant.name, forked_from)
             generation = holder.generation if holder else 0
-        elif not generation and shares and prompt is not None and (digest := prompt.shared()):
-            # (The digest is the model's: a holder's stored state is of it too. A reindexed record
+        elif not generation and shares and prompt is not None:
+            # (The digests are the model's: a holder's stored state is of it too. A reindexed record
             # names the model by its fingerprint; the engine checks that when it restores.)
-            holder = await self.index.find_shared(tenant.name, digest)
-            if holder is not None and holder.session == record.session:
+            for digest in prompt.sources(model):
+                holder = await self.index.find_shared(tenant.name, digest)
+                if holder is not None and holder.session != record.session:
+                    break
                 holder = None
         prefer = holder.engine if holder is not None and holder.live and holder.model == model else None
         view = SessionView(tenant.name, record.session, record.engine, record.slot, generation)
@@ -640,8 +650,12 @@ class TurnRunner:
         release = not save and self.holds.last_user(hold)
         digests: list[str] = []
         usage: dict[str, int] = {}
+        identical = None  # this prompt's digest, for a new session that sends it again
         if outcome.ok:
-            digests = turn_digests([*messages, outcome.assistant_message()], turn.model)
+            tools = turn.prompt.tools if turn.prompt is not None else None
+            digests, identical = finished_digests(messages, outcome.assistant_message(), tools, turn.model)
+            if not self._shares(t):
+                identical = None
             usage = {
                 "requests": 1,
                 "prompt_tokens": int(outcome.usage.get("prompt_tokens", 0)),
@@ -653,8 +667,9 @@ class TurnRunner:
         def also(ops: Ops) -> None:
             if digests:
                 self.index.queue_prefixes(ops, t, s, digests)
-            if shared:
-                self.index.queue_shared(ops, t, s, shared)
+            for digest in (shared, identical):
+                if digest:
+                    self.index.queue_shared(ops, t, s, digest)
             if usage:
                 self.index.queue_usage(ops, t, usage)
             if turn.inflight:
@@ -662,7 +677,9 @@ class TurnRunner:
             if release:
                 ops.delete(self.index.keys.lock(t, s))
 
-        decide = self.index.decide_idle(s, outcome.tokens or None, digests[-1] if digests else None, shared)
+        decide = self.index.decide_idle(
+            s, outcome.tokens or None, digests[-1] if digests else None, shared, identical
+        )
         written = released = False
         try:
             _, written = await self._write(hold, decide, idle=True, also=also)
@@ -674,8 +691,9 @@ class TurnRunner:
             if not written:  # the record changed under us: the transaction wrote it; now the rest
                 if digests:
                     await self.index.add_prefixes(t, s, digests)
-                if shared:
-                    await self.index.add_shared(t, s, shared)
+                for digest in (shared, identical):
+                    if digest:
+                        await self.index.add_shared(t, s, digest)
                 if usage:
                     await self.index.incr_usage(t, usage)
             if save:

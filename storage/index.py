@@ -264,7 +264,12 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
         )
 
     def _touch_live(
-        self, session: str, tokens: int | None = None, route: str | None = None, shared: str | None = None
+        self,
+        session: str,
+        tokens: int | None = None,
+        route: str | None = None,
+        shared: str | None = None,
+        prompt: str | None = None,
     ) -> Decide:
         now = self._clock()
 
@@ -273,7 +278,8 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
                 raise Conflict(f"session {session} is not live")
             return replace(old, tokens=old.tokens if tokens is None else tokens, last_used=now,
                            route=old.route if route is None else validate_digest(route),
-                           shared=old.shared if shared is None else validate_digest(shared))  # fmt: skip
+                           shared=old.shared if shared is None else validate_digest(shared),
+                           prompt=old.prompt if prompt is None else validate_digest(prompt))  # fmt: skip
 
         return decide
 
@@ -288,11 +294,17 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
         )
 
     def decide_idle(
-        self, session: str, tokens: int | None = None, route: str | None = None, shared: str | None = None
+        self,
+        session: str,
+        tokens: int | None = None,
+        route: str | None = None,
+        shared: str | None = None,
+        prompt: str | None = None,
     ) -> Decide:
-        """:meth:`mark_idle`'s transition (for :meth:`apply` with ``idle=True``); ``shared`` is the
-        digest of its shared prefix (:mod:`storage.shared`), kept to be stored beside the route."""
-        return self._touch_live(session, tokens, route, shared)
+        """:meth:`mark_idle`'s transition (for :meth:`apply` with ``idle=True``); ``shared`` and
+        ``prompt`` are the digests of its shared prefix and its last prompt (:mod:`storage.shared`),
+        kept to be stored beside the route."""
+        return self._touch_live(session, tokens, route, shared, prompt)
 
     async def mark_spilled(
         self, tenant: str, session: str, *, generation: int, blob_key: str, nbytes: int,

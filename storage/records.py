@@ -36,6 +36,7 @@ class SessionRecord:
     last_used: float = 0.0
     route: str = ""  # newest routing digest: stored with the slot file, so reindex restores it
     shared: str = ""  # its shared prefix's digest (storage.shared): stored beside the route
+    prompt: str = ""  # its last prompt's digest (storage.shared): stored beside the route
     dirty: bool = False  # the slot changed since durable `generation` was saved
     # Generations up to `floor` belonged to an earlier, deleted session with this id: copies of them
     # may linger in spill caches or the store, so this session never saves or records one of them.
@@ -45,7 +46,7 @@ class SessionRecord:
     @property
     def stored_routes(self) -> str:
         """What a save stores for reindex to route to the session again (storage.routes.join_routes)."""
-        return join_routes(self.route, self.shared)
+        return join_routes(self.route, self.shared, self.prompt)
 
     @property
     def live(self) -> bool:
@@ -78,6 +79,7 @@ class SessionRecord:
             slot=int(h["slot"]) if h.get("slot") else None, generation=int(h.get("generation", 0)),
             blob_key=h.get("blob_key", ""), bytes=int(h.get("bytes", 0)),
             last_used=float(h.get("last_used", 0)), route=h.get("route", ""), shared=h.get("shared", ""),
+            prompt=h.get("prompt", ""),
             dirty=h.get("dirty") == "True",
             floor=int(h.get("floor", 0)), reserved=int(h.get("reserved", 0)),
         )  # fmt: skip

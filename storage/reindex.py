@@ -50,7 +50,7 @@ async def reindex(
     names = list(tenants) if tenants is not None else [t async for t in store.list_tenants()]
     report = ReindexReport(tenants=len(names))
     gate = asyncio.Semaphore(concurrency)
-    holders: dict[tuple[str, str], SessionRecord] = {}  # (tenant, shared digest) -> its newest session
+    holders: dict[tuple[str, str], SessionRecord] = {}  # (tenant, shared/prompt digest) -> its newest session
 
     async def one(info: BlobInfo) -> None:
         async with gate:
@@ -60,11 +60,11 @@ async def reindex(
                 log.warning("reindex.skipped", key=info.key, error=str(exc))
                 report.skipped.append(info.key)
                 return
-            route, shared = split_routes(meta.route)
+            route, shared, prompt = split_routes(meta.route)
             record = SessionRecord(
                 info.ref.tenant, info.ref.session, SessionState.SPILLED, model=meta.model,
                 tokens=meta.n_tokens, generation=info.ref.generation, blob_key=meta.key, bytes=meta.size,
-                last_used=meta.last_modified, route=route, shared=shared,
+                last_used=meta.last_modified, route=route, shared=shared, prompt=prompt,
             )  # fmt: skip
             changed = False
             if dry_run:
@@ -74,10 +74,11 @@ async def reindex(
                 changed = await index.restore_spilled(record)
                 if changed and route:  # implicit routing finds the session again
                     await index.add_prefixes(record.tenant, record.session, [route])
-                if changed and shared:  # and a new session its shared prefix: the newest one's
-                    newest = holders.get((record.tenant, shared))
-                    if newest is None or newest.last_used < record.last_used:
-                        holders[(record.tenant, shared)] = record
+                for digest in (shared, prompt) if changed else ():
+                    # and a new session its shared prefix or its very prompt: the newest holder's
+                    newest = holders.get((record.tenant, digest))
+                    if digest and (newest is None or newest.last_used < record.last_used):
+                        holders[(record.tenant, digest)] = record
             if changed:
                 report.restored += 1
             else:

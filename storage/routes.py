@@ -20,20 +20,25 @@ from storage.keyspace import Keyspace, redis_errors, text
 _DIGEST = re.compile(r"[0-9a-f]{16,128}")
 DEFAULT_ROUTE_TTL_S = 7 * 24 * 3600.0
 # What a save stores of a session's routing digests (with its slot file or manifest, for reindex):
-# its conversation's route, then its shared prefix's digest (storage.shared), dot-separated.
-STORED_ROUTES = re.compile(r"[0-9a-f]{16,128}(\.[0-9a-f]{16,128})?")
+# its conversation's route, then its shared prefix's digest after a dot and its last prompt's after
+# a plus (both storage.shared).
+STORED_ROUTES = re.compile(r"[0-9a-f]{16,128}(\.[0-9a-f]{16,128})?(\+[0-9a-f]{16,128})?")
 
 
-def join_routes(route: str, shared: str) -> str:
-    """The stored form of a session's routes; the shared digest is kept only beside a route (a
-    session has one once a turn of it finished, and only then a shared digest)."""
-    return f"{route}.{shared}" if route and shared else route
+def join_routes(route: str, shared: str, prompt: str = "") -> str:
+    """The stored form of a session's routes; the other digests are kept only beside a route (a
+    session has one once a turn of it finished, and only then the others)."""
+    if not route:
+        return ""
+    return route + (f".{shared}" if shared else "") + (f"+{prompt}" if prompt else "")
 
 
-def split_routes(stored: str) -> tuple[str, str]:
-    """(route, shared digest) of a stored form ("" for what it lacks)."""
-    route, _, shared = stored.partition(".")
-    return route, shared
+def split_routes(stored: str) -> tuple[str, str, str]:
+    """(route, shared prefix's digest, last prompt's digest) of a stored form ("" for what it
+    lacks; a form stored before prompts were recorded has none)."""
+    routes, _, prompt = stored.partition("+")
+    route, _, shared = routes.partition(".")
+    return route, shared, prompt
 
 
 # KEYS: the digests' route keys, longest prefix first. ARGV[1]: the tenant's session-key prefix

@@ -33,9 +33,11 @@ TENANTS = '[tenants.acme]\nkeys = ["key-acme"]\n[tenants.beta]\nkeys = ["key-bet
 
 def _chat(url: str, user: str, *, key: str = "none", headers: dict[str, str] | None = None,
           system: str = SYSTEM, tools: Any = TOOLS) -> httpx.Response:  # fmt: skip
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-    body = {"model": MODEL, "messages": messages,
-            "tools": tools, "max_tokens": 4, "temperature": 0}  # fmt: skip
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": user})
+    body: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0}
+    if tools is not None:
+        body["tools"] = tools
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120,
                    headers={"Authorization": f"Bearer {key}", **(headers or {})})  # fmt: skip
     assert r.status_code == 200, r.text
@@ -307,3 +309,38 @@ def test_hostile_session_signals_and_rules_are_refused_precisely(serve, tmp_path
            "--model", tiny_model("qwen35"), "--data-dir", str(tmp_path / "never")]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "matches every line" in proc.stderr, proc.stderr
+
+
+def test_a_prompt_sent_again_without_a_session_costs_what_it_costs_with_one(serve, tmp_path: Path):
+    """A client that sends the same prompt again and names no session (a retry, a second run of a
+    script), here with no system prompt or tools to share, gets a new session that starts from the
+    state of the one that served the prompt: it evaluates what the same prompt evaluates on its
+    own session, live and after a restart, and answers alike (the same state, greedy)."""
+    data = tmp_path / "data"
+    s = serve(data, slots=4, args=ARGS)
+    user = "Summarise the design of a storage engine that keeps sessions on disk. " * 6
+
+    def chat(headers: dict[str, str] | None = None) -> httpx.Response:
+        return _chat(s.url, user, system="", tools=None, headers=headers)
+
+    first = chat()
+    assert first.headers["x-slotkeeper-cache"] == "cold"
+    owner = first.headers["x-session-id"]
+    _wait_stored(s.url, owner)
+    again = chat()  # no header, no prompt_cache_key
+    assert again.headers["x-session-id"] != owner  # a session of its own: the first one is left as it is
+    assert again.headers["x-slotkeeper-cache"] == "prefix", again.json()["slotkeeper"]
+    named = chat({"X-Session-Id": owner})  # the same prompt on its own session
+    assert named.headers["x-slotkeeper-cache"] == "live"
+    assert again.json()["timings"]["prompt_n"] <= named.json()["timings"]["prompt_n"] + 1, (
+        again.json()["timings"],
+        named.json()["timings"],
+    )
+    assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
+
+    s.stop(signal.SIGKILL)
+    s = serve(data, slots=4, args=ARGS)
+    restored = chat()
+    assert restored.headers["x-slotkeeper-cache"] == "stored-prefix", restored.json()["slotkeeper"]
+    assert restored.json()["timings"]["prompt_n"] <= named.json()["timings"]["prompt_n"] + 1
+    assert restored.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]

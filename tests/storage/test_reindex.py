@@ -16,7 +16,7 @@ from storage.ids import SlotRef
 from storage.index import SessionIndex, SessionState
 from storage.localstore import LocalStore
 from storage.reindex import main, reindex
-from storage.routes import join_routes
+from storage.routes import join_routes, split_routes
 from storage.s3client import make_s3_client
 from storage.s3store import S3Store
 
@@ -176,3 +176,29 @@ async def test_the_shared_prefix_digest_travels_beside_the_route(
         await store.put_file(
             SlotRef("acme", "bad", 1), src, model="fp", n_tokens=3, route=f"{route}.{shared}.x"
         )
+
+
+async def test_the_last_prompts_digest_travels_beside_the_route_too(
+    store: BlobStore, redis_client: Any, tmp_path: Path, slot_writer: Any
+) -> None:
+    """A prompt sent again finds the session that served it after the index was lost; a stored form
+    without the prompt's digest (written before it was recorded) reads as before."""
+    index = SessionIndex(redis_client, prefix="sk")
+    route, shared, prompt = "ab" * 16, "cd" * 16, "ef" * 16
+    src = slot_writer.write(tmp_path / "r.slot", slot_writer.Spec(n_tokens=3))
+    await store.put_file(SlotRef("acme", "both", 1), src, model="fp", n_tokens=3,
+                         route=join_routes(route, shared, prompt))  # fmt: skip
+    await store.put_file(SlotRef("acme", "no-shared", 1), src, model="fp", n_tokens=3,
+                         route=join_routes("12" * 16, "", "34" * 16))  # fmt: skip
+    await reindex(store, index)
+    both = await index.get("acme", "both")
+    assert (both.route, both.shared, both.prompt) == (route, shared, prompt)
+    assert both.stored_routes == f"{route}.{shared}+{prompt}"
+    for digest, session in ((prompt, "both"), (shared, "both"), ("34" * 16, "no-shared")):
+        found = await index.find_shared("acme", digest)
+        assert found is not None and found.session == session
+    assert split_routes(f"{route}.{shared}") == (route, shared, "")  # the form stored before
+    assert join_routes("", shared, prompt) == ""  # nothing without a route
+    with pytest.raises(StorageError, match="route"):
+        bad = f"{route}+{shared}+x"
+        await store.put_file(SlotRef("acme", "bad", 1), src, model="fp", n_tokens=3, route=bad)
