@@ -80,7 +80,17 @@ async def models(request: Request) -> Response:
     tenant = tenant_of(request)
     served = sorted(await svc.cluster.models(fresh=True))
     names = served + sorted(a for a, m in tenant.models.items() if m in served and not is_pattern(a))
-    data = [{"id": n, "object": "model", "created": 0, "owned_by": "slotkeeper"} for n in names]
+    data = [
+        {"id": n, "object": "model", "created": 0, "owned_by": "slotkeeper", "status": "ready"} for n in names
+    ]
+    # A model whose engines were given up (failed to start the same way again and again) is listed
+    # with why: the first thing a new user asks is why their model is not there.
+    failed = await svc.cluster.failed_models()
+    data += [
+        {"id": m, "object": "model", "created": 0, "owned_by": "slotkeeper", "status": "failed", "error": why}
+        for m, why in sorted(failed.items())
+        if m not in served
+    ]
     return JSONResponse({"object": "list", "data": data})
 
 

@@ -15,6 +15,7 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -54,6 +55,20 @@ class _Listing:
         return cls(refs, by_model, min((i.expires for i in infos), default=float("inf")))
 
 
+def failed_models(engines: list[dict[str, Any]]) -> dict[str, str]:
+    """Model → why, for each model every listed engine of which is ``failed`` (given up by its
+    supervisor; one engine of the model still running or retrying keeps it off the list)."""
+    out: dict[str, str] = {}
+    running: set[str] = set()
+    for e in engines:
+        model = str(e["model"])
+        if e.get("state") == "failed":
+            out.setdefault(model, str(e.get("error") or e.get("last_error") or "").split("\n", 1)[0])
+        else:
+            running.add(model)
+    return {m: why for m, why in out.items() if m not in running}
+
+
 class Cluster:
     def __init__(
         self,
@@ -72,7 +87,7 @@ class Cluster:
         self._random = rng or random.Random()
         self._http = http
         self._nodes: dict[str, str] = {}  # node id -> agent URL
-        self._configured: set[str] = set()
+        self._configured: list[dict[str, Any]] = []  # the nodes' engines as /v1/engines lists them
         self._configured_at = -_CONFIGURED_TTL_S
         self._cache: _Listing | None = None  # the cached registry (None: read it)
         self._epoch = -1
@@ -116,26 +131,37 @@ class Cluster:
 
     async def configured_models(self) -> set[str] | None:
         """The models the node agents run engines for, ready or not: tells a model that is restarting
-        (503) from one that does not exist (404). None when a node did not answer (nobody can tell).
-        A complete answer is kept a few seconds; an incomplete one is asked again next time."""
-        if time.monotonic() - self._configured_at <= _CONFIGURED_TTL_S:
-            return self._configured
+        (503) from one that does not exist (404). None when a node did not answer (nobody can tell)."""
+        engines, complete = await self._node_engines()
+        return {str(e["model"]) for e in engines} if complete else None
 
-        async def listed(url: str) -> set[str] | None:
+    async def failed_models(self) -> dict[str, str]:
+        """Models whose every engine on the nodes that answered was given up (state ``failed``: it
+        failed to start the same way several times), with why, in one line."""
+        engines, _ = await self._node_engines()
+        return failed_models(engines)
+
+    async def _node_engines(self) -> tuple[list[dict[str, Any]], bool]:
+        """Every engine the node agents run, ready or not, as their /v1/engines lists it, and whether
+        every node answered. A complete answer is kept a few seconds; an incomplete one is asked
+        again next time."""
+        if time.monotonic() - self._configured_at <= _CONFIGURED_TTL_S:
+            return self._configured, True
+
+        async def listed(url: str) -> list[dict[str, Any]] | None:
             try:
                 resp = await self._http.get(url.rstrip("/") + "/v1/engines", timeout=5.0)
-                return {str(e["model"]) for e in resp.json()["engines"]}
+                engines = resp.json()["engines"]
+                return [e for e in engines if isinstance(e, dict) and "model" in e]
             except (httpx.HTTPError, ValueError, KeyError, TypeError):
                 return None
 
         found = await asyncio.gather(*(listed(u) for u in self._node_urls))
-        models: set[str] = set()
-        for listing in found:
-            if listing is None:
-                return None
-            models |= listing
-        self._configured, self._configured_at = models, time.monotonic()
-        return self._configured
+        engines = [e for listing in found if listing is not None for e in listing]
+        if any(listing is None for listing in found):
+            return engines, False
+        self._configured, self._configured_at = engines, time.monotonic()
+        return engines, True
 
     async def engine(self, engine_id: str) -> EngineRef | None:
         return (await self._listing(False)).refs.get(engine_id)

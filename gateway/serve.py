@@ -3,7 +3,8 @@ its engine processes — sharing one session index (in-process unless --redis-ur
 blob store (a directory under --data-dir unless --s3-bucket is given).
 
 Without --model a tiny random-weight qwen35 is generated, with a loud warning: it answers in
-gibberish and exists so that `slotkeeper serve` works out of the box.
+gibberish and exists so that `slotkeeper serve` works out of the box. A --model that is no readable
+GGUF file stops it before anything starts: one line on stderr per bad model, exit code 2.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from engine_pool.credentials import new_key
 from engine_pool.flags import add_flags
 from engine_pool.http_deadlines import header_deadline
 from engine_pool.pool.main import build_server
+from engine_pool.pool.model_check import check_models
 from engine_pool.pool.settings import parse_node_settings
 from gateway.app import build_app
 from gateway.main import services
@@ -86,6 +88,11 @@ def main(argv: list[str]) -> int:
         warning = "no --model given: serving a TINY RANDOM-WEIGHT qwen35 that answers gibberish"
         log.warning("serve.demo_model", model=models[0], warning=warning)
         print(f"WARNING: {warning} ({models[0]})", file=sys.stderr)
+    bad_models = check_models(models)
+    for line in bad_models:
+        print(f"slotkeeper serve: {line}", file=sys.stderr)
+    if bad_models:
+        return 2
     node_port = ns.node_port or settings.port + 1
     node_argv = [
         *[a for m in models for a in ("--model", m)],

@@ -206,7 +206,9 @@ class NodeAgent:
         if not slot.isdigit() or int(slot) >= sup.spec.n_slots:
             raise NotFound(f"slot {slot!r} does not exist (engine {engine_id} has 0..{sup.spec.n_slots - 1})")
         if sup.state is not State.READY:
-            raise Unavailable(f"engine {engine_id} is {sup.state}", retry_after=self.settings.retry_after_s)
+            why = f": {sup.snapshot().error}" if sup.state is State.FAILED else ""
+            retry = self.settings.retry_after_s
+            raise Unavailable(f"engine {engine_id} is {sup.state}{why}", retry_after=retry)
         return sup, int(slot)
 
     async def operation(
@@ -521,7 +523,7 @@ async def health(request: Request) -> Response:
 
 
 _VIEW = {"id": "engine_id", "model": "model_id", "url": "url", "state": "state", "n_slots": "n_slots",
-         "restarts": "restarts", "pid": "pid", "instance": "instance",
+         "restarts": "restarts", "pid": "pid", "instance": "instance", "error": "error",
          "last_error": "last_error"}  # fmt: skip
 
 

@@ -55,6 +55,7 @@ class NodeEngine:
     restarts: int
     pid: int | None
     last_error: str = ""  # why it last crashed, with the end of its log
+    error: str = ""  # one line: why it last failed (state "failed": why it was given up)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ SIGTERM or SIGINT starts the drain instead of stopping the server: the API keeps
 engines are stopped; then the server exits. A second signal stops at once. Exit codes: 0 after a
 drain that saved and uploaded every live session (or a stop without a drain), 1 when a spill failed,
 an upload is still pending in the spill cache (it is retried at the next start from the same
---data-dir) or the server could not start, 2 for bad flags or variables.
+--data-dir) or the server could not start, 2 for bad flags or variables, or a --model that is no
+readable GGUF file (one line each on stderr, before anything starts: `model_check`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from ..credentials import auth_headers
 from ..flags import SettingsError
 from ..signals import SignalServer
 from .agent import NodeAgent, NodeParts, build_node_app
+from .model_check import check_models
 from .settings import NodeSettings, build_parser, describe, parse_node_settings
 
 log = structlog.get_logger("engine.node")
@@ -162,6 +164,11 @@ def main(argv: list[str]) -> int:
         settings = parse_node_settings(argv, os.environ)
     except SettingsError as exc:
         print(f"slotkeeper node: error: {exc}\n(see `slotkeeper node --help`)", file=sys.stderr)
+        return 2
+    bad_models = check_models(settings.models)
+    for line in bad_models:
+        print(f"slotkeeper node: error: {line}", file=sys.stderr)
+    if bad_models:
         return 2
     logs.configure(settings.log_format, settings.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health probe otherwise

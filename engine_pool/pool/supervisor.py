@@ -5,6 +5,9 @@
         exit / no health  │  │ backoff         │ exit / health checks failing (killed)
                           ▼  │                 ▼
                          crashed ◀─────────────┘        crashed ──stop──▶ stopped
+                          │
+        the Nth failed start in a row with the same error: starting ──▶ failed (no restart;
+        `start()` tries again, `stop()` stops)
 
 `TRANSITIONS` is the table; `_transition` refuses anything else (a bug, not a runtime condition).
 Everything that happens to the engine — a start or stop request, a health probe's result, the
@@ -13,16 +16,22 @@ a time. Helper tasks (the exit watcher, the health prober, timers) only post mes
 the number of the process they watch, so a late message about an earlier process is ignored.
 Nothing outside `run()` changes the state; callers read `snapshot()` and send messages.
 
-A process is spawned in its own session (its own process group) with stdout and stderr appended to
-a log file; the last lines of that file go into the error when it crashes. Stopping is SIGTERM to
-the group, then SIGKILL after the grace period. Crashes are restarted after an exponential backoff
-(capped) whose exponent resets once a process has stayed ready for `stable_s`.
+Before every spawn the model file is checked (`model_check`): a file that is gone or is no GGUF
+fails the start without a process. A process is spawned in its own session (its own process group)
+with stdout and stderr appended to a log file; when it dies, the last error it logged is the cause
+(`engine_error`), and the last lines of its output go into `last_error`. Stopping is SIGTERM to the
+group, then SIGKILL after the grace period. Crashes are restarted after an exponential backoff
+(capped) whose exponent resets once a process has stayed ready for `stable_s` — except a start
+that failed `give_up_after` times in a row with the same error, which no retry will mend: the
+engine stays `failed`, saying why, until asked to start again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -39,6 +48,8 @@ from typing import Any
 import httpx
 import structlog
 
+from .model_check import model_problem
+
 log = structlog.get_logger("engine.supervisor")
 
 
@@ -48,14 +59,16 @@ class State(StrEnum):
     READY = "ready"
     DRAINING = "draining"
     CRASHED = "crashed"
+    FAILED = "failed"  # gave up: the same failed start, `give_up_after` times in a row
 
 
 TRANSITIONS: Mapping[State, frozenset[State]] = {
     State.STOPPED: frozenset({State.STARTING}),
-    State.STARTING: frozenset({State.READY, State.CRASHED, State.DRAINING}),
+    State.STARTING: frozenset({State.READY, State.CRASHED, State.DRAINING, State.FAILED}),
     State.READY: frozenset({State.DRAINING, State.CRASHED}),
     State.DRAINING: frozenset({State.STOPPED}),
     State.CRASHED: frozenset({State.STARTING, State.STOPPED}),
+    State.FAILED: frozenset({State.STARTING, State.STOPPED}),
 }
 
 
@@ -90,6 +103,7 @@ class SupervisorPolicy:
     backoff_max_s: float = 30.0
     stable_s: float = 60.0  # ready this long: the next crash starts the backoff from the beginning
     log_tail_lines: int = 30
+    give_up_after: int = 3  # failed starts in a row with the same error that leave it failed (0: never)
 
 
 @dataclass(frozen=True)
@@ -103,9 +117,10 @@ class EngineSnapshot:
     pid: int | None
     url: str | None
     restarts: int
-    last_error: str
+    last_error: str  # why it last failed, then the end of its output
     last_exit: int | None
     instance: str = ""  # the current process's instance id (new at every start)
+    error: str = ""  # one line: why it last failed (the engine's own last error where it logged one)
 
 
 # -- messages to the owner ---------------------------------------------------------------------
@@ -164,14 +179,55 @@ def free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+RUN_HEADER = "--- slotkeeper: run "  # the line `_open_log` writes before each process's output
+_ERROR_LEVELS = frozenset({"error", "critical", "exception"})
+_ERROR_FIELDS = ("error", "reason", "message")  # where an event says what went wrong, in this order
+_LLAMA_LOAD_ERROR = re.compile(r"error loading model: (.+)")  # llama_model_load's reason, on stderr
+
+
 def read_tail(path: Path, lines: int, max_bytes: int = 16384) -> str:
+    """The last `lines` lines of the current process's output (none of an earlier run's)."""
     try:
         with open(path, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
             data = f.read()
     except OSError:
         return ""
-    return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+    text = data.decode("utf-8", "replace").splitlines()
+    starts = [i for i, line in enumerate(text) if line.startswith(RUN_HEADER)]
+    return "\n".join(text[starts[-1] + 1 if starts else 0 :][-lines:])
+
+
+def engine_error(output: str) -> str:
+    """The last error an engine logged, in one line: the `error` (else `reason`, `message`) of its
+    last JSON line at level error, e.g. `engine.load_failed`, with llama.cpp's own reason when its
+    loader printed one (the engine's error only says that the load failed); without a JSON error,
+    its last line that is not JSON (a traceback's last line); '' when it said nothing."""
+    plain, native, said = "", "", ""
+    for line in reversed(output.splitlines()):
+        line = line.strip()
+        if not line or line.startswith(RUN_HEADER):
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:
+            plain = plain or line
+            found = _LLAMA_LOAD_ERROR.search(line)
+            native = native or (found.group(1) if found else "")
+            continue
+        if not said and isinstance(event, dict) and str(event.get("level", "")).lower() in _ERROR_LEVELS:
+            text = next((event[f] for f in _ERROR_FIELDS if isinstance(event.get(f), str) and event[f]), None)
+            said = str(text or event.get("event", ""))
+    if not said:
+        return " ".join(plain.split())
+    return " ".join(f"{said} (llama.cpp: {native})".split() if native else said.split())
+
+
+def failed_starts(streak: tuple[str, int], error: str) -> tuple[str, int]:
+    """The run of failed starts with one error, after one more start failed with `error`: a new
+    error starts a new run (the cause changed, so a retry may mend it)."""
+    cause, n = streak
+    return error, n + 1 if error == cause else 1
 
 
 class EngineSupervisor:
@@ -185,10 +241,14 @@ class EngineSupervisor:
         argv: Callable[[int, str], Sequence[str]] | None = None,
         http: httpx.AsyncClient | None = None,
         on_transition: Callable[[EngineSnapshot], None] | None = None,
+        check_model: Callable[[str], str | None] | None = None,
     ) -> None:
         self.spec = spec
         self.policy = policy or SupervisorPolicy()
         self._argv = argv or (lambda port, instance: engine_argv(spec, port, instance))
+        # The model is checked before `slotkeeper engine` is spawned; an injected command (tests'
+        # stand-ins) is checked only with an injected check.
+        self._check_model = check_model or (model_problem if argv is None else None)
         self._http = http
         self._on_transition = on_transition  # called by the owner; must not block
         self._inbox: asyncio.Queue[Message] = asyncio.Queue()
@@ -206,7 +266,9 @@ class EngineSupervisor:
         self._probe_failures = 0
         self._kill_reason = ""  # why the owner killed the current process, if it did
         self._last_error = ""
+        self._error = ""
         self._last_exit: int | None = None
+        self._streak: tuple[str, int] = ("", 0)  # failed starts in a row with one error (failed_starts)
         self._helpers: set[asyncio.Task[None]] = set()  # probers and timers of the current process
         self._watcher: asyncio.Task[None] | None = None  # the exit watcher: outlives stop requests
 
@@ -237,7 +299,7 @@ class EngineSupervisor:
         return EngineSnapshot(
             self.spec.engine_id, self.spec.model_id, self.spec.n_slots, self._state,
             self._proc.pid if self._proc is not None else None, self.url, self._restarts,
-            self._last_error, self._last_exit, self._instance if self._proc is not None else "",
+            self._last_error, self._last_exit, self._instance if self._proc is not None else "", self._error,
         )  # fmt: skip
 
     # -- the owner ---------------------------------------------------------------------------------
@@ -264,13 +326,15 @@ class EngineSupervisor:
     async def _handle(self, msg: Message) -> None:
         state, current = self._state, getattr(msg, "run", self._run) == self._run
         match msg:
-            case Start() if state in (State.STOPPED, State.CRASHED) and not self._closing:
+            case Start() if state in (State.STOPPED, State.CRASHED, State.FAILED) and not self._closing:
+                if state is State.FAILED:  # asked again: as many tries as the first time
+                    self._streak, self._crashes = ("", 0), 0
                 await self._spawn("start requested" if state is State.STOPPED else "start requested again")
             case Notice(what="restart_due") if current and state is State.CRASHED and not self._closing:
                 await self._spawn(f"restart {self._restarts + 1} after backoff")
             case Stop(reason=reason):
                 self._closing = True
-                if state is State.CRASHED:
+                if state in (State.CRASHED, State.FAILED):
                     self._cancel_helpers()
                     self._transition(State.STOPPED, reason)
                 elif state in (State.STARTING, State.READY):
@@ -280,7 +344,7 @@ class EngineSupervisor:
                     self._helper(self._after(self.policy.stop_grace_s, Notice(self._run, "grace_over")))
             case Notice(what="healthy") if current and state is State.STARTING:
                 self._cancel_helpers()
-                self._ready_at = time.monotonic()
+                self._ready_at, self._streak = time.monotonic(), ("", 0)
                 self._transition(State.READY, "health check passed")
                 self._helper(self._watch_health(self._run))
             case Notice(what="start_timeout") if current and state is State.STARTING:
@@ -306,6 +370,11 @@ class EngineSupervisor:
         self._instance = secrets.token_hex(8)
         argv = [str(a) for a in self._argv(self._port, self._instance)]
         self._transition(State.STARTING, reason, port=self._port)
+        if self._check_model is not None:
+            problem = await asyncio.to_thread(self._check_model, self.spec.model)
+            if problem is not None:
+                self._crash(f"model {self.spec.model}: {problem}")
+                return
         try:
             log_file = await asyncio.to_thread(self._open_log, argv)
             try:
@@ -317,7 +386,7 @@ class EngineSupervisor:
             finally:
                 log_file.close()
         except OSError as exc:
-            self._crash(f"could not start {argv[0]}: {exc}")
+            self._crash(f"could not start {argv[0]}: {' '.join(str(exc).split())}")
             return
         log.info("engine.spawned", engine=self.spec.engine_id, pid=self._proc.pid, argv=argv)
         self._watcher = asyncio.create_task(self._watch_exit(self._run, self._proc))
@@ -333,19 +402,31 @@ class EngineSupervisor:
             return
         reason = self._kill_reason or f"exited with code {rc} while {self._state}"
         tail = await asyncio.to_thread(read_tail, self.spec.log_path, self.policy.log_tail_lines)
-        self._crash(f"{reason}; last output:\n{tail}" if tail else reason, rc)
+        # A process that failed to start said why (a ready one's last error may be about a request).
+        said = engine_error(tail) if self._state is State.STARTING and not self._kill_reason else ""
+        self._crash(f"{reason}: {said}" if said else reason, tail, rc)
 
-    def _crash(self, error: str, rc: int | None = None) -> None:
-        """Starting or ready → crashed, and a restart after the backoff."""
+    def _crash(self, error: str, output: str = "", rc: int | None = None) -> None:
+        """Starting or ready → crashed, and a restart after the backoff; or starting → failed, for
+        good, when this start failed like the `give_up_after - 1` before it. `error` is one line."""
         self._port = 0 if not self.spec.port else self._port
-        if self._ready_at and time.monotonic() - self._ready_at >= self.policy.stable_s:
+        error = " ".join(error.splitlines())
+        self._error = error
+        self._last_error = f"{error}\nlast output:\n{output}" if output else error
+        p = self.policy
+        if self._state is State.STARTING:
+            self._streak = failed_starts(self._streak, error)
+            if p.give_up_after and self._streak[1] >= p.give_up_after:
+                self._ready_at = 0.0
+                reason = f"gave up after {self._streak[1]} failed starts in a row: {error}"
+                self._transition(State.FAILED, reason, returncode=rc)
+                return
+        if self._ready_at and time.monotonic() - self._ready_at >= p.stable_s:
             self._crashes = 0
         self._ready_at = 0.0
         self._crashes += 1
-        p = self.policy
         delay = min(p.backoff_max_s, p.backoff_base_s * 2 ** min(self._crashes - 1, 32))
-        self._last_error = error
-        self._transition(State.CRASHED, error.split("\n", 1)[0], returncode=rc, retry_in_s=delay)
+        self._transition(State.CRASHED, error, returncode=rc, retry_in_s=delay)
         self._helper(self._after(delay, Notice(self._run, "restart_due")))
 
     def _kill(self, reason: str) -> None:

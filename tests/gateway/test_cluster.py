@@ -20,6 +20,8 @@ import pytest
 import redis as redis_sync
 from support.servers import free_port, stop, wait_until
 
+from gateway.cluster import failed_models
+
 MODEL = "qwen35-seed0"
 SYSTEM = "You are a coding agent. Read files, run tests, fix bugs, and report briefly. " * 4
 ENV = {
@@ -251,3 +253,17 @@ def test_agent_apis_continue_on_another_node(cluster, procs_to_stop):
             return str(result.final_output)
 
     assert asyncio.run(run_agent()) == "sunny" and len(cities) == 1
+
+
+def test_a_model_is_failed_only_when_every_engine_of_it_was_given_up() -> None:
+    engines = [
+        {"model": "alien", "state": "failed", "error": "exited with code 1 while starting: no arch"},
+        {"model": "alien", "state": "failed", "error": "exited with code 1 while starting: no arch"},
+        {"model": "qwen", "state": "failed", "error": "not healthy within 120 s"},
+        {"model": "qwen", "state": "starting", "error": ""},  # still trying on another node
+        {"model": "llama", "state": "ready"},
+        {"model": "old", "state": "failed", "last_error": "model /m.gguf: does not exist\nlast output:\n…"},
+    ]
+    assert failed_models(engines) == {
+        "alien": "exited with code 1 while starting: no arch", "old": "model /m.gguf: does not exist",
+    }  # fmt: skip

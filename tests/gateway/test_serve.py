@@ -3,16 +3,23 @@ slot, spill to the blob store and come back, across evictions and restarts."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import gguf
 import httpx
+import numpy as np
 import openai
 import pytest
-from support.servers import INTERNAL_AUTH
+from support.servers import INTERNAL_AUTH, free_port, wait_until
+
+from .conftest import Serve
 
 MODEL = "qwen35-seed0"
 SYSTEM = "You are a coding agent. Read files, run tests, fix bugs, and report briefly. " * 4
@@ -386,3 +393,102 @@ def test_an_edited_earlier_message_restores_only_up_to_where_it_diverges(serve, 
 
     assert counted(msgs[:1]) < timings["cache_n"] < counted(msgs[:4])  # past the system, before the edit
     assert timings["prompt_n"] == done.usage.prompt_tokens - timings["cache_n"]
+
+
+def _serve_argv(model: str, data: Path, port: int, node_port: int) -> list[str]:
+    return [sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port", str(port),
+            "--node-port", str(node_port), "--data-dir", str(data), "--slots", "1",
+            "--ctx", "256"]  # fmt: skip
+
+
+def _bad_model(kind: str, tmp_path: Path, tiny: bytes) -> tuple[str, str]:
+    """A model file of `kind` (root reads any file, so `unreadable` is a FIFO: not a regular file) and
+    what `serve` must say about it."""
+    path = tmp_path / f"{kind}.gguf"
+    if kind == "missing":
+        return str(path), "does not exist"
+    if kind == "directory":
+        path.mkdir()
+        return str(path), "is a directory, not a GGUF file"
+    if kind == "unreadable":
+        os.mkfifo(path)
+        return str(path), "is not a regular file"
+    if kind == "not-gguf":
+        path.write_text("<!DOCTYPE html><title>Sign in to download</title>")
+        return str(path), "is not a GGUF file (it starts with b'<!DO', not b'GGUF')"
+    if kind == "truncated-header":
+        path.write_bytes(tiny[:2000])
+        where = "the value of 'tokenizer.ggml.tokens' runs past the end of its 2000 bytes"
+        return str(path), f"has a truncated GGUF header ({where})"
+    path.write_bytes(tiny[: len(tiny) // 2])  # truncated-data: an interrupted download
+    return str(path), (
+        f"is truncated: its tensors end at byte {len(tiny)}, the file has {len(tiny) // 2} bytes "
+        "(an interrupted download?)"
+    )
+
+
+@pytest.mark.parametrize(
+    "kind", ["missing", "directory", "unreadable", "not-gguf", "truncated-header", "truncated-data"]
+)
+def test_a_bad_model_stops_serve_at_once_saying_why(kind: str, tiny_model, tmp_path: Path) -> None:
+    path, problem = _bad_model(kind, tmp_path, Path(tiny_model("llama")).read_bytes())
+    t0 = time.monotonic()
+    done = subprocess.run(
+        _serve_argv(path, tmp_path / "data", 1, 2), capture_output=True, text=True, timeout=30
+    )
+    assert time.monotonic() - t0 < 5
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"slotkeeper serve: model {path}: {problem}"
+    ]  # one line, no traceback
+
+
+def _unloadable_model(path: Path) -> str:
+    """Sound header and tensors, of an architecture llama.cpp does not know: passes the model check,
+    fails to load in every engine started on it."""
+    w = gguf.GGUFWriter(str(path), "notanarch")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def test_a_model_that_never_loads_is_given_up_and_models_says_why(tmp_path: Path) -> None:
+    model = _unloadable_model(tmp_path / "alien.gguf")
+    port, node_port = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(_serve_argv(model, tmp_path / "data", port, node_port), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+
+        def failed() -> dict | None:
+            try:
+                listed = httpx.get(url + "/v1/models", timeout=5).json()["data"]
+            except httpx.HTTPError:  # not listening yet
+                return None
+            return next((m for m in listed if m.get("status") == "failed"), None)
+
+        wait_until(failed, proc, "the model given up", timeout=120)
+        entry = failed()
+        assert entry is not None and entry["id"] == "alien"
+        assert entry["error"].startswith("exited with code 1 while starting: the model failed to load: ")
+        assert "unknown model architecture: 'notanarch'" in entry["error"]
+        engine = httpx.get(f"http://127.0.0.1:{node_port}/v1/engines", headers=INTERNAL_AUTH).json()[
+            "engines"
+        ][0]
+        assert engine["state"] == "failed" and engine["restarts"] == 2 and engine["error"] == entry["error"]
+    finally:
+        code = Serve(url, proc, log).stop()
+    assert code == 0
+    events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    moves = [e for e in events if e.get("event") == "engine.transition"]
+    # The console shows the engine's own words at every failed start, and gives up once.
+    assert [e["to"] for e in moves if e["to"] in ("crashed", "failed")] == ["crashed", "crashed", "failed"]
+    assert all(entry["error"] in e["reason"] for e in moves if e["to"] in ("crashed", "failed"))
+    assert [e["reason"] for e in moves if e["to"] == "failed"] == [
+        f"gave up after 3 failed starts in a row: {entry['error']}"
+    ]

@@ -17,13 +17,28 @@ import httpx
 import pytest
 from structlog.testing import capture_logs
 
-from engine_pool.pool.supervisor import EngineSpec, EngineSupervisor, State, SupervisorPolicy
+from engine_pool.pool.supervisor import (
+    EngineSpec,
+    EngineSupervisor,
+    State,
+    SupervisorPolicy,
+    engine_error,
+    failed_starts,
+    read_tail,
+)
 
 # A stand-in engine: /health answers 200 until the file `sick` exists (then 500), or never
-# ("never-healthy"); "ignore-term" ignores SIGTERM and leaves a child in its group that does too.
+# ("never-healthy"); "ignore-term" ignores SIGTERM and leaves a child in its group that does too;
+# "fail-anew" logs a new error at every start and exits.
 FAKE = r"""
 import http.server, os, signal, subprocess, sys
 port, sick, mode, pidfile = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+if mode == "fail-anew":  # a different error at every start
+    runs = pidfile + ".runs"
+    n = (int(open(runs).read()) if os.path.exists(runs) else 0) + 1
+    open(runs, "w").write(str(n))
+    print('{"error": "boom %d", "event": "engine.load_failed", "level": "error"}' % n, flush=True)
+    sys.exit(3)
 if mode == "ignore-term":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # inherited by the child across exec
     child = subprocess.Popen(["sleep", "600"])
@@ -117,19 +132,131 @@ async def test_engine_ready_killed_restarted_and_stopped(
     assert not alive(second.pid or 0)
 
 
-async def test_bad_model_crashes_with_log_tail_and_growing_backoff(tmp_path: Path, running: Any) -> None:
+def unloadable_model(path: Path) -> str:
+    """A GGUF whose header and tensors are sound, of an architecture llama.cpp does not know: it
+    passes the model check and fails to load in the engine, every time."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "notanarch")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+async def test_a_missing_model_fails_its_starts_without_a_process_and_is_given_up(
+    tmp_path: Path, running: Any
+) -> None:
+    missing = str(tmp_path / "missing.gguf")
     with capture_logs() as logs:
-        sup = running(EngineSupervisor(spec(tmp_path, str(tmp_path / "missing.gguf")), FAST))
-        for _ in range(3):
-            await sup.wait_for(State.CRASHED, timeout_s=30)
-            await sup.wait_for(State.STARTING, timeout_s=10)
-        snap = sup.snapshot()
-        assert "exited with code 1 while starting" in snap.last_error
-        assert "not a readable GGUF file" in snap.last_error  # the engine's own words, from its log
+        sup = running(EngineSupervisor(spec(tmp_path, missing), FAST))
+        failed = await sup.wait_for(State.FAILED, timeout_s=30)
+        assert failed.error == f"model {missing}: does not exist"
+        assert failed.pid is None and failed.restarts == 2
         await sup.stop()
-    delays = [e["retry_in_s"] for e in logs if e["event"] == "engine.transition" and e["to"] == "crashed"]
-    assert delays[:3] == [0.1, 0.2, 0.4]
-    assert transitions(logs)[-1] in {("crashed", "stopped"), ("draining", "stopped")}
+    assert not [e for e in logs if e["event"] == "engine.spawned"]  # the check came first, every time
+    assert transitions(logs) == [
+        ("stopped", "starting"), ("starting", "crashed"), ("crashed", "starting"), ("starting", "crashed"),
+        ("crashed", "starting"), ("starting", "failed"), ("failed", "stopped"),
+    ]  # fmt: skip
+    moves = [e for e in logs if e["event"] == "engine.transition"]
+    assert [e["retry_in_s"] for e in moves if e["to"] == "crashed"] == [0.1, 0.2]
+    gave_up = [e for e in moves if e["to"] == "failed"]
+    assert [e["reason"] for e in gave_up] == [
+        f"gave up after 3 failed starts in a row: model {missing}: does not exist"
+    ]
+
+
+async def test_an_engine_that_fails_to_load_says_why_and_is_given_up(tmp_path: Path, running: Any) -> None:
+    model = unloadable_model(tmp_path / "alien.gguf")
+    with capture_logs() as logs:
+        sup = running(EngineSupervisor(spec(tmp_path, model), FAST))
+        failed = await sup.wait_for(State.FAILED, timeout_s=120)
+        await sup.stop()
+    # The engine's own error, from its log, in the one line the console shows; the tail in last_error.
+    said = f"the model failed to load: ModelLoadError: llama.cpp could not load the model: {model}"
+    assert (
+        failed.error
+        == f"exited with code 1 while starting: {said} (llama.cpp: unknown model architecture: 'notanarch')"
+    )
+    assert failed.last_error.startswith(failed.error + "\nlast output:\n")
+    assert "engine.load_failed" in failed.last_error and "--- slotkeeper: run" not in failed.last_error
+    assert len([e for e in logs if e["event"] == "engine.spawned"]) == 3
+    moves = [e for e in logs if e["event"] == "engine.transition" and e["to"] in ("crashed", "failed")]
+    assert [e["to"] for e in moves] == ["crashed", "crashed", "failed"]
+    assert all(e["reason"].endswith(failed.error) and e["returncode"] == 1 for e in moves)
+
+
+async def test_a_start_failing_differently_each_time_is_retried(tmp_path: Path, running: Any) -> None:
+    """A new error is a new cause: only the same failure `give_up_after` times in a row gives up."""
+    policy = SupervisorPolicy(backoff_base_s=0.05, backoff_max_s=0.05, give_up_after=2)
+    with capture_logs() as logs:
+        sup = running(
+            EngineSupervisor(spec(tmp_path, "unused"), policy, argv=fake_argv(tmp_path, "fail-anew"))
+        )
+        for _ in range(4):
+            await sup.wait_for(State.CRASHED, timeout_s=20)
+            await sup.wait_for(State.STARTING, State.FAILED, timeout_s=20)
+        assert sup.state is State.STARTING
+        await sup.stop()
+    errors = [e["reason"] for e in logs if e["event"] == "engine.transition" and e["to"] == "crashed"]
+    assert errors[:2] == [
+        "exited with code 3 while starting: boom 1",
+        "exited with code 3 while starting: boom 2",
+    ]
+
+
+async def test_a_failed_engine_starts_again_when_asked(tmp_path: Path, running: Any) -> None:
+    fixed = tmp_path / "fixed"
+    check = lambda model: None if fixed.exists() else "is not a GGUF file (it starts with b'<htm')"  # noqa: E731
+    with capture_logs() as logs:
+        sup = running(
+            EngineSupervisor(
+                spec(tmp_path, "m.gguf"), FAST, argv=fake_argv(tmp_path, "ok"), check_model=check
+            )
+        )
+        failed = await sup.wait_for(State.FAILED, timeout_s=20)
+        assert failed.error == "model m.gguf: is not a GGUF file (it starts with b'<htm')"
+        fixed.touch()
+        sup.start()
+        ready = await sup.wait_for(State.READY, timeout_s=20)
+        assert ready.error == failed.error  # the last failure stays on record
+        await sup.stop()
+    assert transitions(logs)[5:] == [
+        ("starting", "failed"), ("failed", "starting"), ("starting", "ready"), ("ready", "draining"),
+        ("draining", "stopped"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("output", "said"),
+    [
+        ('{"event": "engine.loading", "level": "info"}\n'
+         '{"error": "the model failed to load: X", "event": "engine.load_failed", "level": "error"}\n'
+         '{"event": "Shutting down", "level": "info"}\n'
+         '{"reason": "the model failed to load: X", "event": "engine.exit", "level": "error"}',
+         "the model failed to load: X"),
+        ("Traceback (most recent call last):\n  File \"x.py\", line 1\nImportError: no libllama",
+         "ImportError: no libllama"),
+        ('{"event": "boom", "level": "error"}', "boom"),
+        ('--- slotkeeper: run 1: old\n{"error": "old", "level": "error"}\n--- slotkeeper: run 2: new\n', ""),
+        ("", ""),
+    ],
+)  # fmt: skip
+def test_engine_error_is_the_last_error_of_this_run(tmp_path: Path, output: str, said: str) -> None:
+    log = tmp_path / "engine.log"
+    log.write_text(output)
+    assert engine_error(read_tail(log, 30)) == said
+
+
+def test_failed_starts_count_one_error_in_a_row() -> None:
+    streak = ("", 0)
+    for error, n in [("a", 1), ("a", 2), ("b", 1), ("b", 2), ("b", 3), ("a", 1)]:
+        streak = failed_starts(streak, error)
+        assert streak == (error, n)
 
 
 async def test_stop_escalates_to_sigkill_of_the_whole_group(tmp_path: Path, running: Any) -> None:
