@@ -153,6 +153,10 @@ async def served_model(svc: Services, tenant: Tenant, requested: Any) -> str:
     if model is not None:
         return model
     configured = await svc.cluster.configured_models()
+    if configured is not None and (name := tenant.model_id(requested, configured)) is not None:
+        why = (await svc.cluster.failed_models()).get(name)
+        if why is not None:  # its engines were given up: a retry cannot help until an operator acts
+            raise Unavailable(f"the model {requested!r} failed to start: {why}", param="model")
     if configured is None or tenant.model_id(requested, configured) is not None:
         # A node runs it but no engine of it is ready (restarting after a crash, still loading), or a
         # node did not answer and it may be one of its models.

@@ -481,6 +481,11 @@ def test_a_model_that_never_loads_is_given_up_and_models_says_why(tmp_path: Path
             "engines"
         ][0]
         assert engine["state"] == "failed" and engine["restarts"] == 2 and engine["error"] == entry["error"]
+        # A chat for it says why it cannot be served, not "retry".
+        hi = {"model": "alien", "messages": [{"role": "user", "content": "hi"}]}
+        chat = httpx.post(url + "/v1/chat/completions", timeout=10, json=hi)
+        assert chat.status_code == 503 and "retry-after" not in chat.headers, chat.text
+        assert chat.json()["error"]["message"] == f"the model 'alien' failed to start: {entry['error']}"
     finally:
         code = Serve(url, proc, log).stop()
     assert code == 0
