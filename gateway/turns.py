@@ -778,11 +778,17 @@ class TurnRunner:
         if rec is None:
             raise NotFound(f"session {session} not found")
         try:
-            lock = await self.locks.acquire(
-                tenant.name, session, ttl_s=self.lock_ttl_s, wait_s=self.spill_wait_s
-            )
+            lock = await self.locks.acquire(tenant.name, session, ttl_s=self.lock_ttl_s)
         except LockBusy:
-            raise Conflict(f"session {session} is busy with a request; retry", retry_after=1) from None
+            # A request runs on it: whoever waits for that answer is told the session is going, so
+            # its generation ends now (the turn then saves and lets go of the lock, or fails).
+            await self._cancel_turn(rec)
+            try:
+                lock = await self.locks.acquire(
+                    tenant.name, session, ttl_s=self.lock_ttl_s, wait_s=self.spill_wait_s
+                )
+            except LockBusy:
+                raise Conflict(f"session {session} is busy with a request; retry", retry_after=1) from None
         try:
             if rec.state is SessionState.LIVE and rec.engine is not None and rec.slot is not None:
                 engine = await self.cluster.engine(rec.engine)
@@ -802,6 +808,19 @@ class TurnRunner:
                 await self.locks.release(lock)
         log.info("session.deleted", tenant=tenant.name, session=session)
         return rec
+
+    async def _cancel_turn(self, rec: SessionRecord) -> None:
+        """End the generation on the session's slot, when it is live there (a session being placed
+        has none yet: its turn is waited for)."""
+        if rec.state is not SessionState.LIVE or rec.engine is None or rec.slot is None:
+            return
+        engine = await self.cluster.engine(rec.engine)
+        if engine is None:
+            return
+        with contextlib.suppress(NodeError):  # (then the wait for the lock decides)
+            node = await self._node(engine.node)
+            if await node.cancel(engine.engine, rec.slot):
+                log.info("session.turn_cancelled", tenant=rec.tenant, session=rec.session, reason="delete")
 
     async def _all_nodes(self) -> list[NodeClient]:
         await self.cluster.refresh_nodes()

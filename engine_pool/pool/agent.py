@@ -157,6 +157,12 @@ class NodeAgent:
         """Spill the engine's live sessions one by one; False if any could not be (or Redis is down)."""
         if sup.state is not State.READY:
             return True
+        # The generations still running end now: nobody would wait out a drain for them (their
+        # clients get what was written), and a busy slot cannot be spilled.
+        for n in range(sup.spec.n_slots):
+            with suppress(ApiError):
+                if (await self._slot_call(sup, n, "cancel"))["cancelled"]:
+                    log.info("node.drain_cancelled", engine=sup.spec.engine_id, slot=n)
         index, ok = self.parts.index, True
         try:
             sessions = await index.engine_sessions(sup.spec.engine_id)
@@ -222,6 +228,8 @@ class NodeAgent:
         try:
             if op == "erase":
                 result = {"n_erased": (await self._slot_call(sup, n, "erase"))["n_erased"]}
+            elif op == "cancel":  # the generation running there ends (a busy session's DELETE)
+                result = {"cancelled": bool((await self._slot_call(sup, n, "cancel"))["cancelled"])}
             else:
                 assert ref is not None
                 spill = op == "spill"
@@ -547,10 +555,10 @@ async def metrics(request: Request) -> Response:
 async def slot_operation(request: Request) -> Response:
     a, p = agent(request), request.path_params
     op = p["op"]
-    if op not in ("spill", "fill", "erase"):
-        raise NotFound(f"no such slot operation {op!r} (spill, fill, erase)")
+    if op not in ("spill", "fill", "erase", "cancel"):
+        raise NotFound(f"no such slot operation {op!r} (spill, fill, erase, cancel)")
     ref = None
-    if op != "erase":
+    if op not in ("erase", "cancel"):
         body = await read_json(request)
         for field in ("tenant", "session", "generation"):
             if not body.has(field):
@@ -559,8 +567,10 @@ async def slot_operation(request: Request) -> Response:
         ref = SlotRef(str(tenant), str(session), body.get_int("generation", 0, lo=1))
         route = body.get_str("route", "") or ""
         if route and not STORED_ROUTES.fullmatch(route):
-            raise BadRequest("'route' must be lowercase hex digests of 16..128 characters (route[.shared])",
-                             param="route")  # fmt: skip
+            raise BadRequest(
+                "'route' must be lowercase hex digests of 16..128 characters (route[.shared][+prompt])",
+                param="route",
+            )
         share = body.get_bool("share", True)
         tokens = _prompt_tokens(body.get_list("tokens")) if op == "fill" else None
         prefix = body.get_bool("prefix", False) if op == "fill" else False

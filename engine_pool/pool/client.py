@@ -156,6 +156,11 @@ class NodeClient:
         out = await self._call("DELETE", f"/v1/sessions/{tenant}/{session}", retry_on=_NO_RESPONSE)
         return int(out["n_files"])
 
+    async def cancel(self, engine: str, slot: int) -> bool:
+        """End the generation running on the slot; False when none ran there."""
+        out = await self._call("POST", f"/v1/engines/{engine}/slots/{slot}/cancel", retry_on=_NO_RESPONSE)
+        return bool(out["cancelled"])
+
     async def erase(self, engine: str, slot: int) -> int:
         """Empty the slot; returns the number of tokens it held."""
         out = await self._call("POST", f"/v1/engines/{engine}/slots/{slot}/erase", retry_on=_NO_RESPONSE)
