@@ -45,8 +45,8 @@ def parse_list(text: str) -> tuple[str, ...]:
 
 
 def parse_log_format(text: str) -> str:
-    if text not in ("json", "console"):
-        raise ValueError("expected json or console")
+    if text not in ("json", "console", "auto"):
+        raise ValueError("expected json, console or auto")
     return text
 
 

@@ -11,8 +11,42 @@ import sys
 
 import structlog
 
+# Loggers whose INFO lines are per-call chatter our own events already cover (httpx logs every request,
+# health polls included).
+_QUIET = ("httpx", "httpcore")
 
-def configure(fmt: str = "json", level: str = "info") -> None:
+
+def resolve_format(fmt: str) -> str:
+    """`auto` is console text for a person at a terminal (stderr is a TTY), JSON lines otherwise."""
+    if fmt != "auto":
+        return fmt
+    try:
+        return "console" if sys.stderr.isatty() else "json"
+    except ValueError:  # a closed stream
+        return "json"
+
+
+class _Once(logging.Filter):
+    """Each INFO message of uvicorn's server lifecycle once per process: `serve` runs two servers
+    (gateway and node) whose start-up and shutdown lines are word for word the same."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO:
+            return True
+        text = record.getMessage()
+        if text in self._seen:
+            return False
+        self._seen.add(text)
+        return True
+
+
+def configure(fmt: str = "auto", level: str = "info") -> None:
+    """`fmt`: json, console or auto (`resolve_format`)."""
+    fmt = resolve_format(fmt)
     shared: list[structlog.types.Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
@@ -33,3 +67,7 @@ def configure(fmt: str = "json", level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(level.upper())
+    for name in _QUIET:
+        logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
+    lifecycle = logging.getLogger("uvicorn.error")
+    lifecycle.filters = [f for f in lifecycle.filters if not isinstance(f, _Once)] + [_Once()]

@@ -26,6 +26,7 @@ from engine_pool.cors import DEFAULT_METHODS, MIRROR, CorsMiddleware, CorsPolicy
 from engine_pool.errors import ApiError, NotFound, api_error, error_style, is_expected, render_error
 from engine_pool.flags import parse_list
 from gateway import messages, responses
+from gateway.access_log import AccessLog
 from gateway.metrics import Metrics, RequestCounter
 from gateway.services import Services
 from gateway.serving import (
@@ -194,6 +195,7 @@ def build_app(
         # answering (uvicorn then logs a traceback and drops the connection), so it is for bugs only.
         exception_handlers={e: _on_error for e in (ApiError, StorageError, HTTPException, Exception)},
         middleware=[
+            Middleware(AccessLog),
             Middleware(CorsMiddleware, policy=gateway_cors(cors_origins)),
             Middleware(RequestCounter, metrics=metrics, routes=routes),
         ],

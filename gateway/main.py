@@ -159,7 +159,7 @@ def main(argv: list[str]) -> int:
             f"slotkeeper gateway: {', '.join(missing)} required (or use `slotkeeper serve`)", file=sys.stderr
         )
         return 2
-    logs.configure("json", settings.log_level)
+    logs.configure(settings.log_format, settings.log_level)
     metrics = Metrics()
     app = build_app(lambda: services(settings, metrics), metrics, settings.cors_origins)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,

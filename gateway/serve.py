@@ -80,7 +80,7 @@ def main(argv: list[str]) -> int:
     except (SettingsError, TenantConfigError) as exc:
         print(f"slotkeeper serve: {exc}", file=sys.stderr)
         return 2
-    logs.configure("json", settings.log_level)
+    logs.configure(settings.log_format, settings.log_level)
     data = Path(settings.data_dir)
     models = ns.model
     if not models:

@@ -35,6 +35,7 @@ from engine_pool.errors import (
 )
 from engine_pool.server.apis.report import SERVED
 from engine_pool.server.apis.volatile import apply_rules
+from gateway.access_log import note
 from gateway.early import EarlyCall, EarlyStart
 from gateway.placement import Placement, Serve
 from gateway.prefixes import shared_digest
@@ -251,6 +252,7 @@ async def serve_turn(
     caller already knows it (a `previous_response_id`), else the usual resolution runs. The
     bookkeeping after the answer runs beside sending it (`TurnRunner.finish_soon`)."""
     svc: Services = request.app.state.services
+    note(request, tenant=tenant.name)
     body, messages, raw, rules = normalised(svc, tenant, body, messages, raw)
     tools = body.get("tools")
     shared = functools.cache(lambda: shared_digest(messages, tools, model) if path == CHAT_PATH else None)
@@ -317,6 +319,7 @@ async def serve_turn(
             svc.runner.finish_soon(turn, messages, TurnOutcome(error="cancelled"))
             raise
         svc.metrics.ttft.observe(time.perf_counter() - t0)
+        note(request, tokens=outcome.tokens)
         headers = session_headers(turn, outcome.report)
         svc.metrics.turn_served(tenant.name, headers["X-Slotkeeper-Cache"], outcome.timings)
         svc.runner.finish_soon(turn, messages, outcome)
@@ -345,6 +348,7 @@ async def serve_turn(
         finally:
             # Also when the client went away mid-stream: the session must not stay locked.
             served = session_headers(turn, relay.outcome.report)["X-Slotkeeper-Cache"]
+            note(request, tokens=relay.outcome.tokens)
             svc.metrics.turn_served(tenant.name, served, relay.outcome.timings)
             svc.runner.finish_soon(turn, messages, relay.outcome)
 

@@ -20,6 +20,7 @@ from engine_pool.flags import (
     parse_bytes,
     parse_int,
     parse_list,
+    parse_log_format,
     read_flags,
     values_from,
 )
@@ -70,6 +71,7 @@ class GatewaySettings:
     # whatever the pool's size. Pools this size or smaller are looked at whole.
     placement_sample: int = 8
     log_level: str = "info"
+    log_format: str = "auto"  # console on a terminal, JSON lines otherwise
     # Origins whose pages may call the API (CORS), comma-separated: * any, localhost only this machine's.
     cors_origins: str = "*"
 
@@ -150,6 +152,13 @@ FLAGS: tuple[Flag, ...] = (
         "engines one placement looks at, sampled (8)",
     ),
     Flag("log_level", ("--log-level",), "SLOTKEEPER_LOG_LEVEL", str, "debug|info|warning|error"),
+    Flag(
+        "log_format",
+        ("--log-format",),
+        "SLOTKEEPER_LOG_FORMAT",
+        parse_log_format,
+        "json, console, or auto: console on a terminal, else json (auto)",
+    ),
     Flag(
         "cors_origins",
         ("--cors-origins",),

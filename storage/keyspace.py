@@ -149,7 +149,10 @@ _REDIS_CONFIG_ERRORS = (
 
 
 def redis_address(redis: Any) -> str:
-    """``host:port/db`` (or the socket path) of a redis-py client, for error messages."""
+    """``host:port/db`` (or the socket path) of a redis-py client, for error messages; the
+    in-process index (fakeredis: its "host" is a random server name) says that it is one."""
+    if type(redis).__module__.startswith("fakeredis"):
+        return "the in-process index (no Redis server)"
     kwargs = getattr(getattr(redis, "connection_pool", None), "connection_kwargs", {}) or {}
     if kwargs.get("path"):
         return f"redis at {kwargs['path']}/{kwargs.get('db', 0)}"

@@ -61,7 +61,7 @@ class NodeSettings:
     health_interval_s: float = 5.0
     flush_interval_s: float = 2.0
     retry_after_s: int = 1
-    log_format: str = "json"
+    log_format: str = "auto"  # console on a terminal, JSON lines otherwise
     log_level: str = "info"
 
     @property
@@ -184,7 +184,13 @@ FLAGS: tuple[Flag, ...] = (
         "first retry of failed uploads, doubling to 16× while the store stays down (2)",
     ),
     Flag("retry_after_s", ("--retry-after",), "SLOTKEEPER_RETRY_AFTER", parse_int, "Retry-After on 503s (1)"),
-    Flag("log_format", ("--log-format",), "SLOTKEEPER_LOG_FORMAT", parse_log_format, "json or console"),
+    Flag(
+        "log_format",
+        ("--log-format",),
+        "SLOTKEEPER_LOG_FORMAT",
+        parse_log_format,
+        "json, console, or auto: console on a terminal, else json (auto)",
+    ),
     Flag("log_level", ("--log-level",), "SLOTKEEPER_LOG_LEVEL", str, "debug, info, warning, error"),
 )
 

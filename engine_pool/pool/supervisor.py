@@ -168,6 +168,7 @@ def engine_argv(spec: EngineSpec, port: int, instance: str) -> list[str]:
         sys.executable, "-m", "gateway.cli", "engine", "-m", spec.model, "--host", spec.host,
         "--port", str(port), "-np", str(spec.n_slots), "-c", str(spec.n_ctx),
         "--slot-save-path", str(spec.slot_dir), "-a", spec.model_id, "--metrics", "--exit-with-parent",
+        "--log-format", "json",  # (its log file is read back: `engine_error`)
         *spec.extra_args, "--instance-id", instance,
     ]  # fmt: skip
 
@@ -223,6 +224,30 @@ def engine_error(output: str) -> str:
     return " ".join(f"{said} (llama.cpp: {native})".split() if native else said.split())
 
 
+# engine log event -> (its field, the name it gets in the node's ready line)
+_FACTS = {
+    "engine.chat_template": ("origin", "chat_template"),
+    "engine.chat_format": ("format", "chat_format"),
+}
+
+
+def engine_facts(output: str) -> dict[str, str]:
+    """The chat template's origin and the chat format an engine logged while it loaded (the last
+    of each in `output`, its current run's log)."""
+    facts: dict[str, str] = {}
+    for line in output.splitlines():
+        if '"engine.chat_' not in line:
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        fact = _FACTS.get(event.get("event", "")) if isinstance(event, dict) else None
+        if fact is not None and isinstance(event.get(fact[0]), str):
+            facts[fact[1]] = event[fact[0]]
+    return facts
+
+
 def failed_starts(streak: tuple[str, int], error: str) -> tuple[str, int]:
     """The run of failed starts with one error, after one more start failed with `error`: a new
     error starts a new run (the cause changed, so a retry may mend it)."""
@@ -263,6 +288,7 @@ class EngineSupervisor:
         self._restarts = 0
         self._crashes = 0  # consecutive crashes: the backoff exponent
         self._ready_at = 0.0
+        self._spawned_at = 0.0
         self._probe_failures = 0
         self._kill_reason = ""  # why the owner killed the current process, if it did
         self._last_error = ""
@@ -345,7 +371,11 @@ class EngineSupervisor:
             case Notice(what="healthy") if current and state is State.STARTING:
                 self._cancel_helpers()
                 self._ready_at, self._streak = time.monotonic(), ("", 0)
-                self._transition(State.READY, "health check passed")
+                # What a person starting it wants to see on the console: how long the model took
+                # to load, and which chat template and format the engine uses (from its own log).
+                output = await asyncio.to_thread(read_tail, self.spec.log_path, 200, 1 << 16)
+                load_s = round(self._ready_at - self._spawned_at, 2)
+                self._transition(State.READY, "health check passed", load_s=load_s, **engine_facts(output))
                 self._helper(self._watch_health(self._run))
             case Notice(what="start_timeout") if current and state is State.STARTING:
                 self._kill(f"not healthy within {self.policy.start_timeout_s:g} s")
@@ -370,6 +400,7 @@ class EngineSupervisor:
         self._instance = secrets.token_hex(8)
         argv = [str(a) for a in self._argv(self._port, self._instance)]
         self._transition(State.STARTING, reason, port=self._port)
+        self._spawned_at = time.monotonic()
         if self._check_model is not None:
             problem = await asyncio.to_thread(self._check_model, self.spec.model)
             if problem is not None:

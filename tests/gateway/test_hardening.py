@@ -410,7 +410,8 @@ def test_a_deleted_id_reused_while_an_eviction_still_holds_its_lock_waits_instea
         ):
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        r = pool.chat("mallory", [{"role": "user", "content": "again"}], session=sid)
+        # (a prompt of its own: an earlier session's identical prompt would be a start, `prefix`)
+        r = pool.chat("mallory", [{"role": "user", "content": f"again, {sid}"}], session=sid)
     finally:
         holder.join()
     assert r.status_code == 200, r.text
