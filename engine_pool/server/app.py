@@ -41,6 +41,7 @@ from ..errors import (
 )
 from . import cors_proxy, routes_llama, routes_openai
 from .apis import routes as routes_apis
+from .apis import vertex
 from .limits import RequestLimits
 from .metrics import route_label
 from .runtime import Runtime
@@ -169,7 +170,7 @@ def build_app(runtime: Runtime, on_fatal: Callable[[], None] | None = None) -> S
             await runtime.close()
 
     app = Starlette(
-        routes=_ROUTES,
+        routes=_ROUTES + vertex.routes(runtime.settings.predict_route),
         lifespan=lifespan,
         exception_handlers={
             ApiError: handle_error,

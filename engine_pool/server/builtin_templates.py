@@ -11,6 +11,8 @@ render those formats — not copies of upstream text — for the names in common
   text opens the next user turn.
 - `llama3`: `<|start_header_id|>{role}<|end_header_id|>\n\n{content}<|eot_id|>` after the BOS text.
 - `mistral-v7`: `[SYSTEM_PROMPT] ..[/SYSTEM_PROMPT]`, `[INST] ..[/INST]`, ` {answer}</s>`.
+- `command-r`: `<|START_OF_TURN_TOKEN|><|{SYSTEM,USER,CHATBOT}_TOKEN|>{trimmed content}<|END_OF_TURN_TOKEN|>`,
+  generation prompt `<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>` (Cohere's format).
 
 Only `chatml` carries a tool-call format (the one `tool_calls.py` parses); the others refuse a
 request with tools (400) rather than silently drop them. Content may be a string or a list of text
@@ -143,12 +145,32 @@ MISTRAL_V7 = (
 """
 )
 
+COMMAND_R = (
+    _TEXT
+    + _no_tools("command-r")
+    + r"""{%- set tags = {'system': 'SYSTEM', 'developer': 'SYSTEM',
+                     'user': 'USER', 'assistant': 'CHATBOT'} -%}
+{%- for message in messages -%}
+    {%- if message.role in tags -%}
+        {{- '<|START_OF_TURN_TOKEN|><|' + tags[message.role] + '_TOKEN|>' -}}
+        {{- (text(message.content) | trim) + '<|END_OF_TURN_TOKEN|>' -}}
+    {%- else -%}
+        {{- raise_exception("the built-in 'command-r' chat template has no role " + message.role) -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' -}}
+{%- endif -%}
+"""
+)
+
 # name -> jinja source; `--chat-template NAME` looks names up here.
 BUILTIN_TEMPLATES: dict[str, str] = {
     "chatml": CHATML,
     "gemma": GEMMA,
     "llama3": LLAMA3,
     "mistral-v7": MISTRAL_V7,
+    "command-r": COMMAND_R,
 }
 
 # The text that ends an assistant turn in each format. A model whose vocabulary lacks it as a special
@@ -158,4 +180,5 @@ END_OF_TURN: dict[str, str] = {
     GEMMA: "<end_of_turn>",
     LLAMA3: "<|eot_id|>",
     MISTRAL_V7: "</s>",
+    COMMAND_R: "<|END_OF_TURN_TOKEN|>",
 }

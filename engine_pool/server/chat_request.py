@@ -58,9 +58,11 @@ class Constraint:
     ban_tool_calls: bool
 
 
-def parse_messages(body: Body, limits: RequestLimits) -> list[dict[str, Any]]:
+def parse_messages(body: Body, limits: RequestLimits, *, empty_ok: bool = False) -> list[dict[str, Any]]:
+    """`empty_ok`: an empty array is a conversation too (the Messages API, as llama-server's: the
+    template renders no turn, then the generation prompt)."""
     raw = body.get_list("messages")
-    if not raw:
+    if raw is None or (not raw and not empty_ok):
         raise BadRequest("'messages' must be a non-empty array of messages", param="messages")
     check_count("messages", raw, limits.max_messages, "messages")
     # Everything a template may render counts: content, names, tool call arguments, extras.
@@ -135,9 +137,15 @@ def parse_tools(body: Body, limits: RequestLimits) -> list[dict[str, Any]]:
 
 
 def parse_chat(
-    body: Body, defaults: Sampling, limits: RequestLimits, *, n_vocab: int, n_ctx: int
+    body: Body,
+    defaults: Sampling,
+    limits: RequestLimits,
+    *,
+    n_vocab: int,
+    n_ctx: int,
+    empty_ok: bool = False,
 ) -> ChatRequest:
-    messages = parse_messages(body, limits)
+    messages = parse_messages(body, limits, empty_ok=empty_ok)
     tools = parse_tools(body, limits)
     names = [t["function"]["name"] for t in tools]
     choice, name = _tool_choice(body, names)
@@ -257,6 +265,17 @@ def message_text(message: dict[str, Any]) -> str:
     content = message.get("content")
     if isinstance(content, list):
         return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
+
+
+def prefill_text(message: dict[str, Any]) -> str:
+    """The text a prefill continues: the final assistant message's string, or its text parts joined
+    by a blank line, as llama-server joins them (`[Wh, ill]` continues `Wh\\n\\nill`)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        return "\n\n".join(
+            p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+        )
     return content if isinstance(content, str) else ""
 
 

@@ -27,6 +27,7 @@ import uvicorn
 from .. import logs
 from ..signals import SignalServer
 from .app import build_app
+from .header_case import CanonicalHeaderProtocol
 from .runtime import Runtime
 from .settings import SettingsError, build_parser, describe, parse_settings
 
@@ -134,6 +135,7 @@ def main(argv: list[str]) -> int:
         port=settings.port,
         uds=None if settings.tcp_hosts else settings.hosts[0],
         workers=1,  # one native engine per process: its event queue has a single consumer
+        http=CanonicalHeaderProtocol,  # header names in llama-server's case (header_case.py)
         lifespan="on",
         log_config=None,
         access_log=False,

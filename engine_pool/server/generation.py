@@ -32,7 +32,7 @@ import native
 from ..errors import ClientGone, ContextSizeExceeded, ServerError, Unavailable
 from .grammar import GrammarTriggers
 from .runtime import Runtime
-from .sampling import Sampling, resolve_text_bias, to_native
+from .sampling import Sampling, ban_end_of_generation, resolve_text_bias, to_native
 from .text_stream import TextStream
 
 log = structlog.get_logger("engine.generation")
@@ -155,8 +155,11 @@ def reuse_dict(t: native.Timings) -> dict[str, Any]:
     return out
 
 
-async def with_text_bias(rt: Runtime, sampling: Sampling) -> Sampling:
-    """`sampling` with its text-keyed `logit_bias` tokenized (in a worker thread)."""
+async def with_biases(rt: Runtime, sampling: Sampling) -> Sampling:
+    """`sampling` with its text-keyed `logit_bias` tokenized (in a worker thread) and, with
+    `ignore_eos`, the end-of-generation tokens banned."""
+    model = rt.require().model
+    sampling = ban_end_of_generation(sampling, (model.eos, model.eot))
     if not sampling.logit_bias_text:
         return sampling
     return await asyncio.to_thread(
@@ -188,7 +191,7 @@ async def generate(
     n_ctx = engine.n_ctx_slot
     if len(prompt) >= n_ctx:
         raise ContextSizeExceeded(len(prompt), n_ctx)
-    sampling = await with_text_bias(rt, sampling)
+    sampling = await with_biases(rt, sampling)
     params = to_native(
         sampling, prompt, grammar=grammar, triggers=triggers, checkpoint_hints=checkpoint_hints,
         extra_bias=extra_bias, n_slots=rt.settings.n_slots,

@@ -28,9 +28,9 @@ from ..errors import (
     error_payload,
 )
 from . import slot_files
-from .chat_request import continuation, message_text, parse_messages, parse_tools
+from .chat_request import continuation, parse_messages, parse_tools, prefill_text
 from .gbnf import check_grammar
-from .generation import Delta, Outcome, TokenBytes, collect_all, generate, probs_json, with_text_bias
+from .generation import Delta, Outcome, TokenBytes, collect_all, generate, probs_json, with_biases
 from .grammar import built_off_loop, schema_grammar
 from .limits import RequestLimits, check_count, check_text, too_many
 from .metrics import CONTENT_TYPE
@@ -311,7 +311,7 @@ async def completion(request: Request) -> Response:
     tokens = await asyncio.to_thread(
         lambda: [completion_prompt(rt, p, prompt_field(prompts, i)) for i, p in enumerate(prompts)]
     )
-    sampling = await with_text_bias(rt, sampling)
+    sampling = await with_biases(rt, sampling)
     pieces = token_pieces(engine)
     texts = await asyncio.to_thread(lambda: [prompt_text(engine, p) for p in tokens])
     if stream:
@@ -469,7 +469,7 @@ async def apply_template(request: Request) -> Response:
         extra = dict(kwargs.data) if kwargs else None
         if cont:  # llama-server's prefill: the last (assistant) message is continued
             head = rt.template.render(messages[:-1], tools or None, add_generation_prompt=True, kwargs=extra)
-            return head + message_text(messages[-1])
+            return head + prefill_text(messages[-1])
         return rt.template.render(
             messages, tools or None, add_generation_prompt=generation_prompt, kwargs=extra
         )

@@ -37,6 +37,7 @@ from .chat_request import (
     continued_open,
     message_text,
     parse_chat,
+    prefill_text,
 )
 from .chat_template import ChatPrompt
 from .divergence import in_last_turn, last_reply, left_at, locate
@@ -60,7 +61,7 @@ from .generation import (
     completion_logprobs,
     generate,
     probs_json,
-    with_text_bias,
+    with_biases,
 )
 from .grammar import GrammarTriggers
 from .routes_llama import (
@@ -160,7 +161,7 @@ def chat_prompt(rt: Runtime, req: ChatRequest) -> tuple[ChatPrompt, bool]:
     history, tools = req.messages, req.tools or None
     if req.continue_final:
         head = rt.template.prompt(tokenize, history[:-1], tools, req.template_kwargs)
-        prefill = message_text(req.messages[-1])
+        prefill = prefill_text(req.messages[-1])
         text = head.text + prefill
         tokens = rt.template.tokenize(tokenize, text)
         kept = common_prefix(head.tokens, tokens)  # the prefill may merge with the head's last token
@@ -174,18 +175,23 @@ def chat_prompt(rt: Runtime, req: ChatRequest) -> tuple[ChatPrompt, bool]:
     return prompt, opened_by(prompt.text)
 
 
-async def run_chat(request: Request, body: Body) -> dict[str, Any] | AsyncGenerator[dict[str, Any], None]:
+async def run_chat(
+    request: Request, body: Body, *, empty_ok: bool = False
+) -> dict[str, Any] | AsyncGenerator[dict[str, Any], None]:
     """One chat completion from a parsed body: the response object, or (`stream`) its chunks.
 
     The Responses and Messages routes call this with a body translated from their own shapes and
     translate what comes back, so every API shares one chat path (templates, formats, grammars).
     Beyond OpenAI's shape: `message.reasoning_content` / `delta.reasoning_content` (when the model
     reasoned), and the final choice's `stopping_word` when a stop string ended the generation.
+    `empty_ok`: an empty `messages` array is accepted (the Messages API's rule).
     """
     rt = runtime(request)
     engine = rt.require()
     lim = limits(request)
-    req = parse_chat(body, rt.defaults, lim, n_vocab=engine.model.n_vocab, n_ctx=engine.n_ctx_slot)
+    req = parse_chat(
+        body, rt.defaults, lim, n_vocab=engine.model.n_vocab, n_ctx=engine.n_ctx_slot, empty_ok=empty_ok
+    )
     fmt = select_format(rt.settings.chat_format, rt.template.source)
     # Preparing the history (JSON arguments), rendering (jinja over client-sized messages, once per
     # checkpoint hint) and tokenizing: off the event loop, like the grammar below.
@@ -201,7 +207,7 @@ async def run_chat(request: Request, body: Body) -> dict[str, Any] | AsyncGenera
         if not con.grammar or (req.tool_choice == "auto" and (req.grammar or req.response_format != "text")):
             ours = await build_constraint(req, lim.schema, fmt, reasoning=opened)
             con, triggers = replace(ours, parse_tools=con.parse_tools, ban_tool_calls=False), None
-    sampling = await with_text_bias(rt, req.sampling)  # once for every choice
+    sampling = await with_biases(rt, req.sampling)  # once for every choice
     stops = (*rt.template.stops, *(plan.stops if plan is not None else ()))
     if stops:  # the built-in format's end of turn, should the model write it as text; llama.cpp's
         sampling = replace(sampling, stop=tuple(dict.fromkeys((*sampling.stop, *stops))))
@@ -525,7 +531,7 @@ async def completions(request: Request) -> Response:
     tokens = await asyncio.to_thread(
         lambda: [completion_prompt(rt, p, prompt_field(prompts, i)) for i, p in enumerate(prompts)]
     )
-    sampling = await with_text_bias(rt, sampling)
+    sampling = await with_biases(rt, sampling)
     options = body.get_object("stream_options")
     include_usage = options.get_bool("include_usage", False) if options else False
     meta = Meta(f"cmpl-{secrets.token_hex(12)}", "text_completion", int(time.time()), rt.settings.model_id)

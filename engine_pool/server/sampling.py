@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -260,6 +260,16 @@ def resolve_text_bias(s: Sampling, tokenize: Callable[[str], list[int]], max_ent
             extra={"limit": max_entries},
         )
     return replace(s, logit_bias=bias, logit_bias_text=())
+
+
+def ban_end_of_generation(s: Sampling, eog_tokens: Iterable[int]) -> Sampling:
+    """`s` with `ignore_eos` carried out as llama-server does: every end-of-generation token gets a
+    -inf bias (over any bias the client gave it), so it is never sampled and its echo in
+    `generation_settings.logit_bias` shows the bans. `eog_tokens`: ids, -1 for "none"."""
+    bans = {t: -math.inf for t in eog_tokens if t >= 0}
+    if not s.ignore_eos or not bans:
+        return s
+    return replace(s, logit_bias={**s.logit_bias, **bans})
 
 
 def to_native(

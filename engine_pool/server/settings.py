@@ -124,6 +124,9 @@ class EngineSettings:
     ui_mcp_proxy: bool = False  # /cors-proxy forwards requests for the web UI's MCP client
     tags: str = ""  # comma-separated model tags reported by /v1/models and /props
     offline: bool = False  # accepted: this engine never downloads anything
+    # Vertex AI's custom-container contract (llama-server's GCP compatibility), from AIP_* variables:
+    # the prediction route (apis/vertex.py), served only with AIP_MODE=PREDICTION.
+    predict_route: str | None = None
 
     @property
     def aliases(self) -> tuple[str, ...]:
@@ -676,10 +679,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def vertex_values(environ: Mapping[str, str]) -> dict[str, Any]:
+    """What a Vertex AI container's variables set, as llama-server reads them: with
+    `AIP_MODE=PREDICTION`, `AIP_PREDICT_ROUTE` (default `/predict`) is served and `AIP_HTTP_PORT`
+    is the port (over `--port`: Vertex sends traffic there). Nothing without that mode."""
+    if environ.get("AIP_MODE") != "PREDICTION":
+        return {}
+    route = environ.get("AIP_PREDICT_ROUTE") or "/predict"
+    if not route.startswith("/"):
+        raise SettingsError(f"AIP_PREDICT_ROUTE: invalid value {route!r} (a path starting with /)")
+    values: dict[str, Any] = {"predict_route": route}
+    if environ.get("AIP_HTTP_PORT"):
+        try:
+            values["port"] = parse_int(environ["AIP_HTTP_PORT"])
+        except ValueError as exc:
+            raise SettingsError(
+                f"AIP_HTTP_PORT: invalid value {environ['AIP_HTTP_PORT']!r} ({exc})"
+            ) from None
+    return values
+
+
 def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> EngineSettings:
     """Settings from a command line and an environment. Raises SettingsError with a precise message."""
     args = vars(build_parser().parse_args(list(argv)))
-    settings = EngineSettings(**values_from(args, FLAGS, environ))
+    settings = EngineSettings(**{**values_from(args, FLAGS, environ), **vertex_values(environ)})
     check(settings, FLAGS, _CHECKS)
     if settings.port == 0 and len(settings.tcp_hosts) > 1:
         # Each TCP address would get a port of its own; llama-server refuses this too.

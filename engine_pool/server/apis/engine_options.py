@@ -26,6 +26,9 @@ PASSED: dict[str, frozenset[str]] = {
     "id_slot": frozenset({"responses", "messages"}),
     "stop": frozenset({"responses"}),  # Messages has stop_sequences
     "chat_template_kwargs": frozenset({"responses", "messages"}),
+    # Refused with a stream by the chat path (no progress from the core): passed so that it is
+    # refused, not silently dropped.
+    "return_progress": frozenset({"responses", "messages"}),
 }
 
 

@@ -62,10 +62,10 @@ def renamed(err: ApiError, fields: Mapping[str, str]) -> ApiError:
 
 
 async def _chat(
-    request: Request, chat: dict[str, Any], fields: Mapping[str, str]
+    request: Request, chat: dict[str, Any], fields: Mapping[str, str], *, empty_ok: bool = False
 ) -> dict[str, Any] | AsyncGenerator[dict[str, Any], None]:
     try:
-        return await run_chat(request, Body(chat))
+        return await run_chat(request, Body(chat), empty_ok=empty_ok)
     except BadRequest as err:
         raise renamed(err, fields) from None
 
@@ -115,7 +115,7 @@ async def create_message(request: Request) -> Response:
     lim = limits(request)
     body = await read_json(request, lim.body)
     req = messages.parse_request(body.data, max_messages=lim.max_messages)
-    result = await _chat(request, messages.chat_body(req), MESSAGES_FIELDS)
+    result = await _chat(request, messages.chat_body(req), MESSAGES_FIELDS, empty_ok=True)
     message_id = "msg_" + secrets.token_hex(12)
     if isinstance(result, dict):
         return JSONResponse(messages.message_object(req, result, message_id=message_id))
@@ -138,6 +138,7 @@ async def count_tokens(request: Request) -> Response:
             lim,
             n_vocab=engine.model.n_vocab,
             n_ctx=engine.n_ctx_slot,
+            empty_ok=True,
         )
     except BadRequest as err:
         raise renamed(err, MESSAGES_FIELDS) from None

@@ -83,6 +83,14 @@ def test_builtin_renderings() -> None:
     assert render("mistral-v7") == (
         "<bos>[SYSTEM_PROMPT] Be brief.[/SYSTEM_PROMPT][INST] hello[/INST] hi</s>[INST] again[/INST]"
     )
+    # llama-server's `command-r` (test_chat_completion.py::test_apply_chat_template): no BOS text
+    assert render("command-r") == (
+        "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>Be brief.<|END_OF_TURN_TOKEN|>"
+        "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>hello<|END_OF_TURN_TOKEN|>"
+        "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>hi<|END_OF_TURN_TOKEN|>"
+        "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>again<|END_OF_TURN_TOKEN|>"
+        "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"
+    )
 
 
 def test_only_chatml_renders_tools() -> None:
@@ -102,7 +110,7 @@ def test_only_chatml_renders_tools() -> None:
     assert (
         "<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n" in text
     )
-    for name in ("gemma", "llama3", "mistral-v7"):
+    for name in ("gemma", "llama3", "mistral-v7", "command-r"):
         with pytest.raises(Exception, match=f"built-in '{name}' chat template has no tool-call format"):
             ChatTemplate(BUILTIN_TEMPLATES[name]).render(convo, tools)
 
@@ -121,8 +129,8 @@ def test_the_file_wins_over_the_name_and_the_inline_template(tmp_path: Path) -> 
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ("gemma3", r"--chat-template 'gemma3' is neither a built-in template \(chatml, gemma, llama3, "
-                   r"mistral-v7\) nor a jinja template"),
+        ("gemma3", r"--chat-template 'gemma3' is neither a built-in template \(chatml, command-r, gemma, "
+                   r"llama3, mistral-v7\) nor a jinja template"),
         ("{% for m in messages %}", r"--chat-template: the chat template does not compile: line 1: "),
         ("{{ messages[0].content.upper( }}", "does not compile"),
         ("{{ raise_exception('no user here') }}", "cannot render a one-message conversation: .*no user here"),

@@ -2,13 +2,17 @@
 failed before issue 31, mirrored on a real engine: `/metrics` in llama-server's families and with
 its `Process-Start-Time-Unix` header (test_metrics.py), the model id among several aliases
 (test_basic.py), `__verbose` (test_chat_completion.py), Anthropic's thinking budget, empty
-conversation, streamed token counts and images inside `tool_result` (test_compat_anthropic.py), and a
-Responses request without `model` (test_compat_oai_responses.py). Each test names the upstream one.
+conversation, streamed token counts and images inside `tool_result` (test_compat_anthropic.py), a
+Responses request without `model` (test_compat_oai_responses.py), `return_progress` refused on every
+streaming API, `ignore_eos`'s bans (test_ignore_eos.py), a prefill in text parts, header names in
+llama-server's case (test_security.py, test_metrics.py) and Vertex AI's `/predict` (test_compat_gcp.py).
+Each test names the upstream one.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,8 +21,9 @@ from typing import Any
 import httpx
 import pytest
 
+from engine_pool.server.header_case import canonical_head, canonical_name
 from engine_pool.server.metrics import LLAMACPP, LlamaStats, llamacpp_text, llamacpp_values
-from engine_pool.server.settings import parse_settings
+from engine_pool.server.settings import SettingsError, parse_settings
 
 from ..conftest import EngineProcess, _engine
 
@@ -222,8 +227,15 @@ def test_anthropic_thinking_with_a_small_budget(c: httpx.Client) -> None:
 
 
 def test_anthropic_empty_messages(c: httpx.Client) -> None:
-    """An empty conversation renders the system prompt and the generation prompt (llama-server's
-    upstream test sends no system prompt either: see the chat path's rule in the report)."""
+    """An empty conversation renders the system prompt, if any, and the generation prompt (llama-server's
+    upstream test sends no system prompt); the chat API itself still wants a message."""
+    bare = _ok(c.post("/v1/messages", json={"model": "test", "max_tokens": 5, "messages": []}))
+    assert bare["type"] == "message" and bare["usage"]["output_tokens"] > 0
+    assert (
+        _ok(c.post("/v1/messages/count_tokens", json={"model": "test", "messages": []}))["input_tokens"] > 0
+    )
+    r = c.post("/v1/chat/completions", json={"max_tokens": 5, "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     body = {"model": "test", "max_tokens": 5, "system": "Be brief.", "messages": []}
     message = _ok(c.post("/v1/messages", json=body))
     assert message["type"] == "message" and message["usage"]["output_tokens"] > 0
@@ -258,9 +270,145 @@ def test_anthropic_images_are_refused_with_llama_servers_words(c: httpx.Client, 
 
 
 # -- test_compat_oai_responses.py -----------------------------------------------------------------------
+def test_return_progress_is_refused_on_every_streaming_api(c: httpx.Client) -> None:
+    """(test_responses_stream_with_llama_telemetry, test_return_progress) The core reports no
+    progress during a prefill: a stream asking for it is a 400 naming the field on each API, never a
+    stream without it; without a stream it has no effect, as in llama-server."""
+    requests = [
+        ("/responses", {"input": "This is a test", "max_output_tokens": 4}),
+        ("/v1/messages", {"model": "test", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}),
+        ("/v1/chat/completions", {"max_tokens": 4, "messages": BOOK}),
+    ]
+    for path, body in requests:
+        r = c.post(path, json={**body, "stream": True, "return_progress": True})
+        assert r.status_code == 400, (path, r.text)
+        assert "return_progress" in r.text, (path, r.text)
+        assert c.post(path, json={**body, "return_progress": True}).status_code == 200, path
+
+
 def test_responses_without_model(c: httpx.Client) -> None:
     response = _ok(c.post("/responses", json={"input": "This is a test" * 3, "max_output_tokens": 4}))
     assert response["status"] in ("completed", "incomplete") and response["model"] == "code"
     events = _sse(c, "/responses", {"input": "This is a test", "max_output_tokens": 4, "stream": True})
     (done,) = [e for e in events if e["type"] in ("response.completed", "response.incomplete")]
     assert done["response"]["usage"]["input_tokens"] > 0 and done["response"]["model"] == "code"
+
+
+# -- test_ignore_eos.py ---------------------------------------------------------------------------------
+def test_ignore_eos_populates_logit_bias(c: httpx.Client) -> None:
+    """ignore_eos bans every end-of-generation token with a -inf bias (null in JSON), shown in the echo,
+    over a bias the client gave; without it the echo holds only the client's."""
+    banned = _complete(c, 8, "Once upon a time", ignore_eos=True, temperature=0.0)
+    bias = banned["generation_settings"]["logit_bias"]
+    assert bias and all(entry["bias"] is None for entry in bias)
+    assert banned["tokens_predicted"] == 8
+    eos = bias[0]["token"]
+    again = _complete(c, 2, "Once upon a time", ignore_eos=True, logit_bias=[[eos, 5.0]])
+    assert {"bias": None, "token": eos} in again["generation_settings"]["logit_bias"]
+    plain = _complete(c, 2, "Once upon a time", ignore_eos=False, logit_bias=[[eos, 5.0]])
+    assert plain["generation_settings"]["logit_bias"] == [{"bias": 5.0, "token": eos}]
+
+
+# -- test_chat_completion.py: prefill with content parts ---------------------------------------------------
+def test_prefill_joins_text_parts_by_a_blank_line(c: httpx.Client) -> None:
+    """(test_chat_template_assistant_prefill[prefill1]) `[Wh, ill]` is continued as `Wh\\n\\nill`."""
+    prefill = [{"type": "text", "text": "Wh"}, {"type": "text", "text": "ill"}]
+    for content, expected in (("Whill", "Whill"), (prefill, "Wh\n\nill")):
+        messages = [*BOOK, {"role": "assistant", "content": content}]
+        prompt = _ok(c.post("/apply-template", json={"messages": messages}))["prompt"]
+        assert prompt.endswith("What is the best book<|im_end|>\n<|im_start|>assistant\n" + expected)
+        verbose = _ok(
+            c.post("/chat/completions", json={"max_tokens": 2, "messages": messages, "verbose": True})
+        )
+        assert verbose["__verbose"]["prompt"].endswith(prompt)  # (with the BOS text)
+
+
+# -- header names (test_security.py::test_cors_options, test_metrics.py) -------------------------------
+def _raw_head(engine: EngineProcess, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", engine.port), timeout=30) as s:
+        s.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = s.recv(4096)
+            assert chunk, data
+            data += chunk
+    return data.split(b"\r\n\r\n", 1)[0]
+
+
+def test_header_names_leave_in_llama_servers_case(engine: EngineProcess) -> None:
+    """The bytes on the wire, not a case-insensitive view of them: llama-server's suite reads
+    `Process-Start-Time-Unix` and `Access-Control-Allow-*` from a plain dict."""
+    head = _raw_head(engine, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert b"\r\nProcess-Start-Time-Unix: " in head and b"\r\nContent-Type: text/plain" in head
+    preflight = (
+        b"OPTIONS /completions HTTP/1.1\r\nHost: x\r\nOrigin: http://web.mydomain.fr\r\n"
+        b"Access-Control-Request-Method: POST\r\nConnection: close\r\n\r\n"
+    )
+    head = _raw_head(engine, preflight)
+    for line in (
+        b"Access-Control-Allow-Origin: http://web.mydomain.fr",
+        b"Access-Control-Allow-Credentials: true",
+        b"Access-Control-Allow-Methods: GET, POST, DELETE, OPTIONS",
+        b"Access-Control-Allow-Headers: *",
+    ):
+        assert b"\r\n" + line + b"\r\n" in head + b"\r\n", head
+
+
+def test_canonical_head_touches_names_only() -> None:
+    head = b"HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain\r\nwww-authenticate: Bearer\r\n\r\n"
+    body = b"x-not-a-header: value\r\n\r\n"
+    assert canonical_head(head + body) == (
+        b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nWWW-Authenticate: Bearer\r\n\r\n" + body
+    )
+    assert canonical_name(b"x-session-id") == b"X-Session-Id"
+    assert canonical_head(b"not a head") == b"not a head"
+
+
+# -- test_compat_gcp.py -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vertex(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+    """An engine run as a Vertex AI container (`AIP_MODE=PREDICTION`), its route renamed."""
+    env = {"AIP_MODE": "PREDICTION", "AIP_PREDICT_ROUTE": "/v1/predict-here"}
+    log = tmp_path_factory.mktemp("vertex") / "engine.log"
+    eng = EngineProcess(models["llama"], "-np", "2", "-c", "512", log_path=log, env=env).start()
+    try:
+        yield eng
+    finally:
+        assert eng.stop() == 0, eng.log()[-4000:]
+
+
+def test_gcp_predict(vertex: EngineProcess, engine: EngineProcess) -> None:
+    """(test_gcp_predict_camel_case, test_gcp_predict_multiple_instances) Each instance is a chat
+    completion, answered in order; the route exists only in prediction mode."""
+    instance = {"@requestFormat": "chatCompletions", "max_tokens": 8}
+    says = ["Say hello", "Say world"]
+    body = {"instances": [{**instance, "messages": [{"role": "user", "content": s}]} for s in says]}
+    with httpx.Client(base_url=vertex.url, timeout=60.0) as v:
+        predictions = _ok(v.post("/v1/predict-here", json=body))["predictions"]
+        assert len(predictions) == 2
+        for p in predictions:
+            assert p["object"] == "chat.completion" and p["choices"][0]["message"]["role"] == "assistant"
+            assert len(p["choices"][0]["message"]["content"]) > 0
+        refusals = [
+            ({"instances": []}, "instances"),
+            ({"instances": [{"max_tokens": 8, "messages": BOOK}]}, "instances[0].@requestFormat"),
+            ({"instances": [{**instance, "messages": BOOK, "stream": True}]}, "instances[0].stream"),
+            ({"instances": [{**instance, "messages": BOOK}, {**instance, "messages": []}]},
+             "instances[1].messages"),
+        ]  # fmt: skip
+        for refused, param in refusals:
+            r = v.post("/v1/predict-here", json=refused)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert v.post("/predict", json=body).status_code == 404
+    with httpx.Client(base_url=engine.url, timeout=60.0) as c:
+        assert c.post("/predict", json=body).status_code == 404
+
+
+def test_vertex_variables() -> None:
+    on = {"AIP_MODE": "PREDICTION", "AIP_HTTP_PORT": "9123"}
+    settings = parse_settings(["-m", "m.gguf", "--port", "8080"], on)
+    assert (settings.predict_route, settings.port) == ("/predict", 9123)
+    assert parse_settings(["-m", "m.gguf"], {"AIP_HTTP_PORT": "9123"}).predict_route is None
+    with pytest.raises(SettingsError, match="AIP_PREDICT_ROUTE"):
+        parse_settings(["-m", "m.gguf"], {**on, "AIP_PREDICT_ROUTE": "predict"})
