@@ -29,7 +29,12 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "stateless multi-tenant OpenAI-compatible gateway (needs --node URLs)",
     ),
     "make-model": ("native.model_gen", "main", "write a tiny (or bench) random-weight GGUF test model"),
-    "inspect": ("storage.inspect", "main", "print a slot file's header, checkpoints and checksum verdict"),
+    "sessions": (
+        "gateway.sessions_command",
+        "main",
+        "list, show and delete sessions (a gateway or a data dir)",
+    ),
+    "inspect": ("storage.inspect", "main", "print a slot file's or a stored manifest's contents and verdict"),
     "reindex": ("storage.reindex", "main", "rebuild the Redis session index from storage"),
     "bench": ("gateway.bench", "main", "run a benchmark from tests/bench (resume, storage, ...)"),
 }
@@ -52,11 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"slotkeeper: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    # Logs go to stderr as JSON lines (stdout stays for a command's own output, e.g. `inspect --json`);
-    # the server commands reconfigure with their --log-level / --log-format.
+    # Logs go to stderr (stdout stays for a command's own output, e.g. `inspect --json`), console text
+    # on a terminal; the server commands reconfigure with their --log-level / --log-format.
     from engine_pool import logs
 
-    logs.configure("json", "info")
+    logs.configure("auto", "info")
     module, func, _ = COMMANDS[name]
     entry: Callable[[list[str]], int] = getattr(importlib.import_module(module), func)
     return int(entry(rest) or 0)

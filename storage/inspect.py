@@ -1,9 +1,13 @@
-"""``slotkeeper inspect FILE``: what a slot file holds and whether it is intact.
+"""``slotkeeper inspect FILE``: what a slot file, or a stored generation's manifest, holds and
+whether it is intact.
 
-Prints the model fingerprint and architecture, token count, checkpoints (positions and bytes),
-sizes by section (they add up to the size on disk) and the checksum verdict; ``--json`` prints the
-same as one JSON object. Exit status: 0 valid, 1 invalid (any slot-file error or a checksum
-mismatch), 2 usage or I/O error.
+A slot file: the model fingerprint and architecture, token count, checkpoints (positions and bytes),
+sizes by section (they add up to the size on disk) and the checksum verdict. A manifest
+(``{tenant}/{session}/{generation}.manifest`` in a local store, e.g. serve's
+``.slotkeeper/blobs/slotkeeper/``): its session and generation, model, routing digests, tokens, and
+the pieces it names by kind (attention KV chunks, checkpoints, its own tail) with their bytes as
+restored and as stored, each looked up beside it (a piece missing makes it invalid). ``--json``
+prints the same as one JSON object. Exit status: 0 valid, 1 invalid, 2 usage or I/O error.
 """
 
 from __future__ import annotations
@@ -11,10 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
+from storage.chunking import objects_needed
 from storage.errors import SlotFileError
+from storage.routes import split_routes
 from storage.slotfile import SlotFile, read_slot_file
+
+MANIFEST_FORMAT = "slotkeeper-manifest/1"  # (storage.chunkstore writes it)
+_KINDS = {"kv": "attention KV chunks", "ck": "checkpoints", "tl": "tail (its own tokens and state)"}
 
 
 def describe(sf: SlotFile) -> dict[str, Any]:
@@ -94,13 +104,107 @@ def render(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def describe_manifest(path: Path, doc: dict[str, Any]) -> dict[str, Any]:
+    """The JSON-ready description of a manifest, its pieces looked up in the store around it
+    (``{tenant}/.chunks/{ns[:32]}/{name}.{kind}``, the tail beside it). Raises ValueError, KeyError
+    or TypeError on a document that is not a manifest's."""
+    if doc.get("format") != MANIFEST_FORMAT:
+        raise ValueError(f"not a slotkeeper manifest (format {doc.get('format')!r})")
+    plan, stored = doc["plan"], doc.get("stored") or {}
+    tenant_dir = path.resolve().parent.parent
+    pieces: dict[str, dict[str, int]] = {}
+    missing = []
+    for kind, name, size in objects_needed(plan):
+        where = (
+            path.with_suffix(".tail")
+            if kind == "tl"
+            else tenant_dir / ".chunks" / str(doc["ns"])[:32] / f"{name}.{kind}"
+        )
+        entry = pieces.setdefault(kind, {"count": 0, "bytes": 0, "stored_bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += size
+        entry["stored_bytes"] += int(stored.get(name, size))
+        if not where.is_file():
+            missing.append(str(where))
+    route, shared, prompt = split_routes(str(doc.get("route") or ""))
+    return {
+        "path": str(path),
+        "kind": "manifest",
+        "tenant": doc["tenant"],
+        "session": doc["session"],
+        "generation": doc["generation"],
+        "created": doc.get("created"),
+        "model": doc.get("model"),
+        "routes": {"route": route, "shared": shared, "prompt": prompt},
+        "n_tokens": plan["n_tokens"],
+        "state_version": plan["state_version"],
+        "slot_file_bytes": plan["size"],
+        "pieces": pieces,
+        "missing": missing,
+    }
+
+
+def render_manifest(info: dict[str, Any]) -> str:
+    """The human-readable form of :func:`describe_manifest`'s output."""
+    lines = [
+        f"manifest     {info['path']}",
+        f"session      {info['tenant']}/{info['session']}  generation {info['generation']}",
+        f"model        {info['model']}",
+        f"tokens       {info['n_tokens']}  (slot file {_bytes(info['slot_file_bytes'])})",
+    ]
+    lines += [f"{name:<12} {digest}" for name, digest in info["routes"].items() if digest]
+    lines.append("pieces")
+    for kind, entry in info["pieces"].items():
+        lines.append(
+            f"  {_KINDS[kind]:<32} {entry['count']:>4}  {_bytes(entry['bytes'])}, "
+            f"stored {_bytes(entry['stored_bytes'])}"
+        )
+    lines += [f"missing      {m}" for m in info["missing"]]
+    lines.append(
+        "verdict      " + ("ok" if not info["missing"] else f"{len(info['missing'])} pieces missing")
+    )
+    return "\n".join(lines)
+
+
+def _manifest_main(path: Path, as_json: bool) -> int:
+    try:
+        info = describe_manifest(path, json.loads(path.read_bytes()))
+    except (ValueError, KeyError, TypeError) as exc:
+        if as_json:
+            print(
+                json.dumps(
+                    {
+                        "path": str(path),
+                        "valid": False,
+                        "error": {"kind": "bad_manifest", "message": str(exc)},
+                    }
+                )
+            )
+        else:
+            print(f"{path}: invalid manifest: {exc}", file=sys.stderr)
+        return 1
+    valid = not info["missing"]
+    print(json.dumps({"valid": valid, "error": None} | info) if as_json else render_manifest(info))
+    return 0 if valid else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``slotkeeper inspect``; ``argv`` excludes the program name."""
-    parser = argparse.ArgumentParser(prog="slotkeeper inspect", description="Inspect and verify a slot file.")
-    parser.add_argument("file", help="path of a slot file (format v1)")
+    parser = argparse.ArgumentParser(
+        prog="slotkeeper inspect", description="Inspect and verify a slot file or a stored manifest."
+    )
+    parser.add_argument("file", help="path of a slot file (format v1) or of a .manifest in a local store")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--no-checksum", action="store_true", help="skip the streamed body CRC")
     args = parser.parse_args(argv)
+    try:
+        with open(args.file, "rb") as f:
+            head = f.read(1)
+    except OSError as exc:
+        print(f"{args.file}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    if head == b"{":  # a manifest is JSON; a slot file starts with llama.cpp's binary magic
+        return _manifest_main(Path(args.file), args.json)
     try:
         sf = read_slot_file(args.file, checksum=not args.no_checksum)
     except SlotFileError as exc:
