@@ -176,7 +176,12 @@ async def forward_stateless(svc: Services, model: str, path: str, data: dict[str
 
 
 def _engine_fields(
-    body: dict[str, Any], tenant: Tenant, model: str, placement: Placement | EarlyStart, rules: list[str]
+    body: dict[str, Any],
+    tenant: Tenant,
+    model: str,
+    placement: Placement | EarlyStart,
+    rules: list[str],
+    cap: int = 0,
 ) -> dict[str, Any]:
     """The gateway's fields over the tenant's: the slot, and the slots its prompt may start from
     (the tenant's own on that engine, and only while they still are: `slot_owner`), are never
@@ -190,6 +195,8 @@ def _engine_fields(
                               "slotkeeper": context}  # fmt: skip
     if "prompt_cache_key" in body:
         fields["prompt_cache_key"] = None  # (the gateway's: it named the session)
+    if cap:  # the engine takes it only when the request set no max_tokens (nor an alias of it)
+        fields["max_tokens_default"] = cap
     return fields
 
 
@@ -267,12 +274,13 @@ async def serve_turn(
 
         prompt = RestorePrompt(messages, tokens, shared, tools)
     streamed = bool(body.get("stream"))
+    cap = svc.settings.default_max_tokens if tenant.default_max_tokens is None else tenant.default_max_tokens
     early: EarlyCall[Any] | None = None
 
     def launch(where: EarlyStart) -> None:
         nonlocal early
         url = where.url.rstrip("/") + path
-        data = engine_body(raw, body, _engine_fields(body, tenant, model, where, rules))
+        data = engine_body(raw, body, _engine_fields(body, tenant, model, where, rules, cap))
         if streamed:
             early = EarlyCall(StreamRelay.open(svc.engines, url, data, where.headers()), StreamRelay.close)
         else:
@@ -289,7 +297,7 @@ async def serve_turn(
         early.discard()
         svc.metrics.early_starts.labels("abandoned").inc()
         early = None
-    data = engine_body(raw, body, _engine_fields(body, tenant, model, turn.placement, rules))
+    data = engine_body(raw, body, _engine_fields(body, tenant, model, turn.placement, rules, cap))
     svc.metrics.served.labels(served_as(turn.placement)).inc()
     url = turn.engine_url.rstrip("/") + path
     t0 = early.started if early is not None else time.perf_counter()

@@ -67,6 +67,9 @@ class GatewaySettings:
     # the server, ends an idle connection: never one the client is sending a request on at that moment.
     keep_alive_s: float = 30.0
     max_inflight: int = 64  # per tenant, unless its quotas say otherwise
+    # The output cap of a request that sets no max_tokens, unless its tenant says otherwise (0: none):
+    # a model that never ends its turn must not hold a slot until the end of its context.
+    default_max_tokens: int = 8192
     # Engines a placement looks at (a random sample, plus the tenant's own): routing costs the same
     # whatever the pool's size. Pools this size or smaller are looked at whole.
     placement_sample: int = 8
@@ -145,6 +148,13 @@ FLAGS: tuple[Flag, ...] = (
         "max_inflight", ("--max-inflight",), "SLOTKEEPER_MAX_INFLIGHT", parse_int, "running requests/tenant"
     ),
     Flag(
+        "default_max_tokens",
+        ("--default-max-tokens",),
+        "SLOTKEEPER_DEFAULT_MAX_TOKENS",
+        parse_int,
+        "output cap of a request that sets no max_tokens; 0: none (8192)",
+    ),
+    Flag(
         "placement_sample",
         ("--placement-sample",),
         "SLOTKEEPER_PLACEMENT_SAMPLE",
@@ -183,6 +193,7 @@ _CHECKS: tuple[Check, ...] = (
     ("header_timeout_s", lambda v: v > 0, "> 0"),
     ("keep_alive_s", lambda v: v > 0, "> 0"),
     ("max_inflight", lambda v: v >= 1, ">= 1"),
+    ("default_max_tokens", lambda v: 0 <= v < 2**31, "within 0..2^31-1"),
     ("placement_sample", lambda v: v >= 1, ">= 1"),
     ("log_level", lambda v: v in ("debug", "info", "warning", "error"), "debug, info, warning or error"),
     ("cors_origins", lambda v: bool(parse_list(v)), "*, localhost or one or more origins"),

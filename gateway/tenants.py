@@ -6,6 +6,8 @@ The tenants file is TOML:
     keys = ["sk-acme-1"]                 # plaintext keys are hashed at load and then forgotten
     key_sha256 = ["9f86d081..."]         # or their digests (`slotkeeper` never needs the key itself)
     durability = "after-turn"            # or "on-evict"
+    default_max_tokens = 4096            # output cap of a request without max_tokens (0: none;
+                                         # default: the gateway's --default-max-tokens, 8192)
     models = { "gpt-4o" = "qwen35", "claude-*" = "qwen35" }
                                          # alias → served model id (ids are also accepted as is);
                                          # an alias with * or ? matches names like a shell pattern
@@ -77,6 +79,7 @@ class Tenant:
     idle_ttl_s: float | None = None  # sessions unused this long are deleted
     any_name: bool = False  # any model name means the one served model (no tenants file)
     volatile: tuple[VolatileRule, ...] = BUILTIN_RULES  # applied to every request, in order
+    default_max_tokens: int | None = None  # output cap without max_tokens (None: --default-max-tokens)
 
     def model_id(self, requested: str, served: set[str]) -> str | None:
         """The served model a requested name means for this tenant, else None: an exact alias, the
@@ -213,8 +216,13 @@ def parse_tenants(doc: dict[str, Any]) -> Tenants:
             raise TenantConfigError(f"{where}.quotas must be a table")
         quotas = Quotas(**{f: _int_or_none(q, f, where) for f in Quotas.__dataclass_fields__})
         share, ttl = _storage(raw.get("storage", {}), where)
+        cap = raw.get("default_max_tokens")
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or not 0 <= cap < 2**31):
+            raise TenantConfigError(
+                f"{where}.default_max_tokens must be an integer within 0..2^31-1 (0: none)"
+            )
         out[name] = Tenant(name, frozenset(all_digests), durability, dict(models), quotas, share, ttl,
-                           volatile=_volatile(raw, where))  # fmt: skip
+                           volatile=_volatile(raw, where), default_max_tokens=cap)  # fmt: skip
     return Tenants(out, open_access=False)
 
 

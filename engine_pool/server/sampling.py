@@ -115,6 +115,10 @@ def read_sampling(
             "processes a prompt (the last chunk's timings say how the prompt was served)",
             param="return_progress",
         )
+    if "n_predict" not in values and body.has("max_tokens_default"):
+        # The gateway's output cap for a request that set none (its tenant's); a cap past the slot's
+        # context only means the context's end, where every generation stops anyway.
+        values["n_predict"] = body.get_int("max_tokens_default", -1, lo=-1, hi=_INT32_MAX)
     values["n_probs"] = body.get_int("n_probs", defaults.n_probs, lo=0, hi=limits.max_n_probs)
     id_slot = values.get("id_slot", -1)
     n_slots = limits.n_slots
