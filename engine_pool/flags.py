@@ -8,6 +8,7 @@ over the environment, which wins over the dataclass default. Nothing else reads 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -76,12 +77,33 @@ class _Parser(argparse.ArgumentParser):
         raise SettingsError(message)
 
 
-def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], skip: Iterable[str] = ()) -> None:
+def defaults_of(settings_class: Any) -> dict[str, Any]:
+    """The field defaults of a settings dataclass, for `--help` to show."""
+    return {
+        f.name: f.default for f in dataclasses.fields(settings_class) if f.default is not dataclasses.MISSING
+    }
+
+
+def _with_default(text: str, default: Any) -> str:
+    """`text` saying its default, unless it says it already or there is none to say."""
+    if default in (None, "", ()) or isinstance(default, bool) or str(default) in text:
+        return text
+    return f"{text} (default {default})"
+
+
+def add_flags(
+    parser: Any,
+    flags: Iterable[Flag],
+    skip: Iterable[str] = (),
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
+    """`flags` on `parser` (or an argument group of it); every help line names its variable and,
+    from `defaults` (`defaults_of`), its default."""
     skipped = set(skip)
     for f in flags:
         if not f.flags or f.field in skipped:
             continue
-        help_text = f"{f.help} [env {f.env}]"
+        help_text = f"{_with_default(f.help, (defaults or {}).get(f.field))} [env {f.env}]"
         if f.switch:
             parser.add_argument(*f.flags, dest=f.field, action="store_const", const="on", help=help_text)
         elif f.repeat:
@@ -92,9 +114,11 @@ def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag], skip: Iter
             parser.add_argument(*f.flags, dest=f.field, metavar=f.field.upper(), help=help_text)
 
 
-def build_parser(prog: str, description: str, flags: Iterable[Flag]) -> argparse.ArgumentParser:
+def build_parser(
+    prog: str, description: str, flags: Iterable[Flag], defaults: Mapping[str, Any] | None = None
+) -> argparse.ArgumentParser:
     parser = _Parser(prog=prog, description=description, allow_abbrev=False)
-    add_flags(parser, flags)
+    add_flags(parser, flags, defaults=defaults)
     return parser
 
 
@@ -118,9 +142,15 @@ def values_from(args: Mapping[str, Any], flags: Iterable[Flag], environ: Mapping
 
 
 def read_flags(
-    argv: Sequence[str], environ: Mapping[str, str], flags: Sequence[Flag], *, prog: str, description: str
+    argv: Sequence[str],
+    environ: Mapping[str, str],
+    flags: Sequence[Flag],
+    *,
+    prog: str,
+    description: str,
+    defaults: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    args = vars(build_parser(prog, description, flags).parse_args(list(argv)))
+    args = vars(build_parser(prog, description, flags, defaults).parse_args(list(argv)))
     return values_from(args, flags, environ)
 
 

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -25,7 +25,7 @@ import uvicorn
 from engine_pool import logs
 from engine_pool import loop as event_loop
 from engine_pool.credentials import new_key
-from engine_pool.flags import add_flags
+from engine_pool.flags import add_flags, defaults_of
 from engine_pool.http_deadlines import header_deadline
 from engine_pool.pool.main import build_server
 from engine_pool.pool.model_check import check_models
@@ -33,7 +33,7 @@ from engine_pool.pool.settings import parse_node_settings
 from gateway.app import build_app
 from gateway.main import services
 from gateway.metrics import Metrics
-from gateway.settings import FLAGS, SettingsError, settings_from_args
+from gateway.settings import FLAGS, GatewaySettings, SettingsError, settings_from_args
 from gateway.tenants import TenantConfigError, load_tenants
 from native.model_gen import cached_model
 from storage.index import in_process_redis
@@ -49,17 +49,54 @@ class _QuietServer(uvicorn.Server):
         yield
 
 
-def _parser() -> argparse.ArgumentParser:
+# What a person starting serve reaches for first; then where state lives; then everything else.
+_FIRST = ("host", "port", "data_dir", "tenants", "default_max_tokens", "log_format", "log_level")
+_STORAGE = ("redis_url", "redis_prefix", "s3_endpoint", "s3_bucket", "s3_prefix", "s3_region")
+
+
+def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    """serve's flags in three groups; its own (model, slots, context, node port, compression) read
+    their SLOTKEEPER_* variable too, and every help line names its default and variable."""
     ap = argparse.ArgumentParser(prog="slotkeeper serve", description=__doc__)
-    # The gateway's flags (--host, --port, --redis-url, --tenants, --s3-*, --data-dir ...); its node is
-    # the one this process runs.
-    add_flags(ap, FLAGS, skip={"nodes"})
-    ap.add_argument("--model", action="append", default=[], help="GGUF model (repeatable)")
-    ap.add_argument("--slots", default="2", help="slots per engine [SLOTKEEPER_SLOTS]")
-    ap.add_argument("--ctx", default="8192", help="context per slot in tokens")
-    ap.add_argument("--node-port", type=int, default=0, help="node agent port (default: --port + 1)")
-    ap.add_argument("--store-compression", choices=("on", "off", "auto"), default="off",
-                    help="store recurrent states compressed (auto: in S3 only)")  # fmt: skip
+    defaults = defaults_of(GatewaySettings)
+    by_field = {f.field: f for f in FLAGS if f.field != "nodes"}  # (its node is the one it runs)
+    first = ap.add_argument_group("what to serve and where")
+    first.add_argument(
+        "--model",
+        action="append",
+        help="GGUF model, repeatable (default: a tiny demo model that answers gibberish) "
+        "[env SLOTKEEPER_MODELS, comma-separated]",
+    )
+    first.add_argument(
+        "--slots",
+        default=environ.get("SLOTKEEPER_SLOTS", "2"),
+        help="slots (sessions live at once) per engine (default 2) [env SLOTKEEPER_SLOTS]",
+    )
+    first.add_argument(
+        "--ctx",
+        default=environ.get("SLOTKEEPER_CTX", "8192"),
+        help="context per slot, in tokens (default 8192) [env SLOTKEEPER_CTX]",
+    )
+    add_flags(first, [by_field[f] for f in _FIRST], defaults=defaults)
+    storage = ap.add_argument_group("state: index and store")
+    add_flags(storage, [by_field[f] for f in _STORAGE], defaults=defaults)
+    rest = ap.add_argument_group("limits and tuning")
+    rest.add_argument(
+        "--node-port",
+        type=int,
+        default=int(environ.get("SLOTKEEPER_NODE_PORT", "0")),
+        help="node agent port (default: --port + 1) [env SLOTKEEPER_NODE_PORT]",
+    )
+    rest.add_argument(
+        "--store-compression",
+        choices=("on", "off", "auto"),
+        default=environ.get("SLOTKEEPER_STORE_COMPRESSION", "off"),
+        help="store recurrent states compressed; auto: in S3 only (default off) "
+        "[env SLOTKEEPER_STORE_COMPRESSION]",
+    )
+    others = [f for name, f in by_field.items() if name not in _FIRST + _STORAGE]
+    add_flags(rest, others, defaults=defaults)
+    ap.set_defaults(env_models=[m for m in environ.get("SLOTKEEPER_MODELS", "").split(",") if m])
     return ap
 
 
@@ -73,7 +110,7 @@ async def _run(node_server: uvicorn.Server, gateway_server: uvicorn.Server) -> N
 
 
 def main(argv: list[str]) -> int:
-    ns = _parser().parse_args(argv)
+    ns = _parser(os.environ).parse_args(argv)
     try:
         settings = settings_from_args(vars(ns), os.environ)
         load_tenants(settings.tenants)
@@ -82,7 +119,7 @@ def main(argv: list[str]) -> int:
         return 2
     logs.configure(settings.log_format, settings.log_level)
     data = Path(settings.data_dir)
-    models = ns.model
+    models = ns.model or ns.env_models
     if not models:
         models = [cached_model(data / "models", "qwen35", size="tiny")]
         warning = "no --model given: serving a TINY RANDOM-WEIGHT qwen35 that answers gibberish"

@@ -16,6 +16,7 @@ from engine_pool.flags import (
     Flag,
     SettingsError,
     check,
+    defaults_of,
     parse_bool,
     parse_bytes,
     parse_int,
@@ -208,7 +209,10 @@ def settings_from_args(args: Mapping[str, Any], environ: Mapping[str, str]) -> G
 
 
 def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> GatewaySettings:
-    values = read_flags(argv, environ, FLAGS, prog="slotkeeper gateway", description=__doc__ or "")
+    defaults = defaults_of(GatewaySettings)
+    values = read_flags(
+        argv, environ, FLAGS, prog="slotkeeper gateway", description=__doc__ or "", defaults=defaults
+    )
     settings = GatewaySettings(**values)
     check(settings, FLAGS, _CHECKS)
     return settings

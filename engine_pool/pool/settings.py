@@ -24,7 +24,17 @@ from storage.errors import InvalidId
 from storage.ids import validate_id, validate_prefix
 
 from ..credentials import engine_environment
-from ..flags import Check, Flag, SettingsError, check, parse_bytes, parse_int, parse_log_format, read_flags
+from ..flags import (
+    Check,
+    Flag,
+    SettingsError,
+    check,
+    defaults_of,
+    parse_bytes,
+    parse_int,
+    parse_log_format,
+    read_flags,
+)
 from ..flags import build_parser as _build_parser
 from .supervisor import EngineSpec, SupervisorPolicy
 
@@ -242,7 +252,7 @@ _DESCRIPTION = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return _build_parser(_PROG, _DESCRIPTION, FLAGS)
+    return _build_parser(_PROG, _DESCRIPTION, FLAGS, defaults_of(NodeSettings))
 
 
 def _hostname_id() -> str:
@@ -252,7 +262,9 @@ def _hostname_id() -> str:
 
 def parse_node_settings(argv: Sequence[str], environ: Mapping[str, str]) -> NodeSettings:
     """Settings from a command line and an environment. Raises SettingsError with a precise message."""
-    values = read_flags(argv, environ, FLAGS, prog=_PROG, description=_DESCRIPTION)
+    values = read_flags(
+        argv, environ, FLAGS, prog=_PROG, description=_DESCRIPTION, defaults=defaults_of(NodeSettings)
+    )
     if "models" not in values:
         raise SettingsError("--model is required at least once (or set SLOTKEEPER_MODELS)")
     values.setdefault("node_id", _hostname_id())

@@ -24,6 +24,7 @@ from ..flags import (
     Flag,
     SettingsError,
     check,
+    defaults_of,
     parse_bool,
     parse_bytes,
     parse_int,
@@ -671,7 +672,7 @@ _DESCRIPTION = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _build_parser(_PROG, _DESCRIPTION, FLAGS)
+    parser = _build_parser(_PROG, _DESCRIPTION, FLAGS, defaults_of(EngineSettings))
     by_field = {f.field: f for f in FLAGS}
     for name, flags in SWITCHES_OFF:
         on = by_field[name]

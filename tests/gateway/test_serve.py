@@ -11,13 +11,14 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import gguf
 import httpx
 import numpy as np
 import openai
 import pytest
-from support.servers import INTERNAL_AUTH, free_port, wait_until
+from support.servers import INTERNAL_AUTH, free_port, http_ok, wait_until
 
 from .conftest import Serve
 
@@ -497,3 +498,33 @@ def test_a_model_that_never_loads_is_given_up_and_models_says_why(tmp_path: Path
     assert [e["reason"] for e in moves if e["to"] == "failed"] == [
         f"gave up after 3 failed starts in a row: {entry['error']}"
     ]
+
+
+def test_help_puts_the_flags_people_need_first_and_names_every_default_and_variable() -> None:
+    argv = [sys.executable, "-m", "gateway.cli", "serve", "--help"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout
+    options = out.split("\n\n", 2)[-1]
+    flags = [line.split()[0].rstrip(",") for line in options.splitlines() if line.startswith("  --")]
+    assert flags[:3] == ["--model", "--slots", "--ctx"], flags
+    blocks = options.split("\n  --")[1:]
+    assert blocks and all("[env SLOTKEEPER_" in " ".join(b.split()) for b in blocks), blocks
+    for flag, default in (("--slots", "2"), ("--ctx", "8192"), ("--lock-ttl-s", "15.0")):
+        block = next(b for b in blocks if b.startswith(flag[2:] + " "))
+        assert default in block, block
+
+
+def test_serve_reads_its_own_flags_from_the_environment(tiny_model: Any, tmp_path: Path) -> None:
+    port, node_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--data-dir", str(tmp_path)]
+    env = {**os.environ, "SLOTKEEPER_MODELS": tiny_model("llama"), "SLOTKEEPER_SLOTS": "3"}
+    env.update(SLOTKEEPER_CTX="512", SLOTKEEPER_NODE_PORT=str(node_port))
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    s = Serve(f"http://127.0.0.1:{port}", proc, log, node_url=f"http://127.0.0.1:{node_port}")
+    try:
+        wait_until(lambda: http_ok(s.url + "/ready"), proc, "serve ready", timeout=90)
+        engines = s.engines()
+        assert [(e["n_slots"], e["model"]) for e in engines] == [(3, "llama-seed0")], engines
+    finally:
+        assert s.stop() == 0
