@@ -156,6 +156,11 @@ class RequestParams:
     frequency_penalty: float
     logit_bias: dict[int, float]
     stop_tokens: list[int]
+    stop_strings: list[str]
+    """Generation ends (stop_reason "stop_word") on the token that completes one of these in the
+    generated text, in the same loop step: the slot holds exactly the tokens up to it."""
+    preserved_tokens: list[int]
+    """Tokens whose special text counts for stop_strings (others count with their plain piece)."""
     ignore_eos: bool
     grammar: str
     """GBNF; '' = none. An invalid grammar is refused at submit."""

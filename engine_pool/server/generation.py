@@ -87,7 +87,14 @@ class Outcome:
         return int(self.timings["predicted_n"])
 
 
-_STOP_TYPE = {"eos": "eos", "stop_token": "eos", "length": "limit", "context": "limit", "cancelled": "none"}
+_STOP_TYPE = {
+    "eos": "eos",
+    "stop_token": "eos",
+    "stop_word": "word",
+    "length": "limit",
+    "context": "limit",
+    "cancelled": "none",
+}
 
 
 # llama-server's floor for the generation time: its clock starts at the first token, so one token
@@ -194,7 +201,7 @@ async def generate(
     sampling = await with_biases(rt, sampling)
     params = to_native(
         sampling, prompt, grammar=grammar, triggers=triggers, checkpoint_hints=checkpoint_hints,
-        extra_bias=extra_bias, n_slots=rt.settings.n_slots,
+        extra_bias=extra_bias, n_slots=rt.settings.n_slots, preserved=preserved,
     )  # fmt: skip
     t0 = time.monotonic()
     slot = await rt.scheduler.acquire(sampling.id_slot, prompt)

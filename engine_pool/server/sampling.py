@@ -285,8 +285,12 @@ def to_native(
     checkpoint_hints: list[int] | None = None,
     extra_bias: dict[int, float] | None = None,
     n_slots: int = 1,
+    preserved: frozenset[int] = frozenset(),
 ) -> native.RequestParams:
-    """The core's RequestParams for a tokenized prompt (stop strings stay in Python)."""
+    """The core's RequestParams for a tokenized prompt. Stop strings are matched twice: by the
+    core, which ends the generation on the token completing one (so the slot holds exactly the
+    tokens up to it, however late its events are read), and in Python (text.TextStream), which
+    holds them back from the text; `preserved` tokens count with their special text in both."""
     p = native.RequestParams(prompt)
     p.prefix_sources = list(range(n_slots)) if s.prefix_slots is None else list(s.prefix_slots)
     p.owner = s.slot_owner
@@ -306,6 +310,8 @@ def to_native(
         raise ValueError("text-keyed logit biases must be resolved (resolve_text_bias) before submitting")
     p.logit_bias = {**s.logit_bias, **(extra_bias or {})}
     p.n_probs = s.n_probs
+    p.stop_strings = list(s.stop)
+    p.preserved_tokens = sorted(preserved)
     p.grammar = grammar
     if triggers is not None and grammar:
         p.grammar_lazy = triggers.lazy

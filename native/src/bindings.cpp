@@ -166,6 +166,8 @@ PYBIND11_MODULE(_native, m) {
         .def_readwrite("frequency_penalty", &RequestParams::frequency_penalty)
         .def_readwrite("logit_bias", &RequestParams::logit_bias)
         .def_readwrite("stop_tokens", &RequestParams::stop_tokens)
+        .def_readwrite("stop_strings", &RequestParams::stop_strings)
+        .def_readwrite("preserved_tokens", &RequestParams::preserved_tokens)
         .def_readwrite("ignore_eos", &RequestParams::ignore_eos)
         .def_readwrite("grammar", &RequestParams::grammar)
         .def_readwrite("grammar_lazy", &RequestParams::grammar_lazy)

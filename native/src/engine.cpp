@@ -720,14 +720,31 @@ void Engine::after_token(Slot & s, const float * logits) {
     e.piece = token_piece(t, false);
     e.slot = s.id;
     if (a.params.n_probs > 0) token_probs(logits, t, a.params.n_probs, e);
+    const bool stopped = completes_stop_string(a, t, e.piece);
     push_event(std::move(e));
-    if (a.params.n_predict >= 0 && a.n_sampled >= a.params.n_predict) {
+    if (stopped) {
+        finish(s, "stop_word");
+    } else if (a.params.n_predict >= 0 && a.n_sampled >= a.params.n_predict) {
         finish(s, "length");
     } else if (int(s.tokens.size()) + 1 >= n_ctx_slot_ && !(cfg_.context_shift && shift_context(s))) {
         finish(s, "context");
     } else {
         a.pending = t;
     }
+}
+
+bool Engine::completes_stop_string(Active & a, llama_token t, const std::string & piece) const {
+    if (a.params.stop_strings.empty()) return false;
+    const auto & keep = a.params.preserved_tokens;
+    a.stop_tail += std::find(keep.begin(), keep.end(), t) != keep.end() ? token_piece(t, true) : piece;
+    size_t longest = 0;
+    for (const auto & stop : a.params.stop_strings) {
+        if (!stop.empty() && a.stop_tail.find(stop) != std::string::npos) return true;
+        longest = std::max(longest, stop.size());
+    }
+    // Only the last longest-1 bytes can still begin a stop string that later pieces complete.
+    if (longest > 0 && a.stop_tail.size() >= longest) a.stop_tail.erase(0, a.stop_tail.size() - (longest - 1));
+    return false;
 }
 
 // llama-server's probabilities without post_sampling_probs: a softmax over the raw logits of the

@@ -168,6 +168,8 @@ private:
     void start_queued();
     void start_request(Slot & s, Queued && q);
     bool step();  // one batch; false when there was nothing to do
+    // Whether the token completes a stop string of the request (RequestParams::stop_strings).
+    bool completes_stop_string(Active & a, llama_token t, const std::string & piece) const;
     void after_token(Slot & s, const float * logits);
     void finish(Slot & s, const std::string & reason);
     bool cancel_on_loop(int64_t request_id);

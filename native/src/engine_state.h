@@ -38,6 +38,7 @@ struct Engine::Active {
     llama_token pending = -1;               // sampled, not yet evaluated
     int batch_index = -1;                   // batch row whose logits are ours
     int n_sampled = 0;
+    std::string stop_tail;                  // the end of the generated text, for stop strings
     Timings timings;
     double t_start = 0.0;
     double t_prompt_done = 0.0;

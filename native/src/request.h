@@ -25,6 +25,11 @@ struct RequestParams {
     float frequency_penalty = 0.0f;
     std::map<llama_token, float> logit_bias;
     std::vector<llama_token> stop_tokens;
+    // Generation ends on the token that completes one of these in the generated text (token pieces
+    // without special tokens' text, but `preserved_tokens` with theirs), in the same step: the slot
+    // then holds exactly the tokens up to it, whenever the caller reads the event stream.
+    std::vector<std::string> stop_strings;
+    std::vector<llama_token> preserved_tokens;
     bool ignore_eos = false;
     std::string grammar;
     // A lazy grammar (llama.cpp's tool calls under tool_choice auto) applies only from the first
@@ -82,7 +87,7 @@ struct Event {
     std::string kind;  // token | done | error
     llama_token token = -1;
     std::string piece;
-    std::string stop_reason;  // eos | stop_token | length | context | cancelled
+    std::string stop_reason;  // eos | stop_token | stop_word | length | context | cancelled
     Timings timings;
     std::string message;
     int slot = -1;
