@@ -9,7 +9,8 @@ KV chunks up to P, the checkpoints up to P and the tail (which holds the metadat
 file the engine would have been left with: tokens and KV cells ``[0, P)``, checkpoint P's recurrent
 state as the rest of the state (a checkpoint is ``llama_state_seq_get_data`` of the recurrent part
 only: the same bytes that follow the attention KV in a whole state, after an 8-byte sequence
-prefix), checkpoint P's logits as the last logits, the checkpoints up to P, and META saying so.
+prefix), checkpoint P's logits as the last logits where it kept them (a prompt's end), the
+checkpoints up to P, and META saying so.
 
 Which P: the engine's rule (``native/src/reuse.cpp``, step 3): the newest checkpoint at or before
 the prompt's common prefix with the saved tokens and its length. The prompt's tokens are matched
@@ -155,8 +156,9 @@ def _cut(
         cells = pack_parts([b""] * (2 + len(layout.k) + len(layout.v)))
     ck_entry = plan["checkpoints"][ckpt_ids[-1]]
     ck_parts = unpack_parts(objects[str(ck_entry[1])], "checkpoint")
-    if len(ck_parts) < 2:
-        raise ValueError("the checkpoint has no logits")
+    # Only a prompt's end keeps its logits (native engine_checkpoints.cpp): a cut at a hint or an
+    # interval has none to give, and the prompt that continues past it evaluates fresh ones.
+    logits = bytes(ck_parts[1]) if len(ck_parts) > 1 else None
     n_tokens, _, _, state_len = _ENTRY_HEAD.unpack_from(ck_parts[0], 0)
     if n_tokens != at or state_len < _SEQ_PREFIX or _ENTRY_HEAD.size + state_len > len(ck_parts[0]):
         raise ValueError("the checkpoint entry does not describe its state")
@@ -175,21 +177,21 @@ def _cut(
             meta_record = tail[2 + idx]
             order.append("t0")
         elif tag == TAG_LAST_LOGITS:
-            order.append("t1")
+            if logits is not None:
+                order.append("t1")
         else:
             raise ValueError(f"a record the cut does not know (tag {tag})")
-    if meta_record is None or "t1" not in order:
-        raise ValueError("the tail has no metadata or no last logits")
+    if meta_record is None:
+        raise ValueError("the tail has no metadata")
     meta = json.loads(bytes(meta_record[8:]))
     if not _hybrid_meta(meta):
         raise ValueError("not a hybrid model")
     meta["n_tokens"] = at
     if isinstance(meta.get("checkpoints"), list):
         meta["checkpoints"] = [c for c in meta["checkpoints"] if int(c.get("n_tokens", 0)) <= at]
-    records = [
-        bytes(meta_record[:8]) + json.dumps(meta, separators=(",", ":")).encode(),
-        _U32.pack(TAG_LAST_LOGITS) + _U32.pack(0) + bytes(ck_parts[1]),
-    ]
+    records = [bytes(meta_record[:8]) + json.dumps(meta, separators=(",", ":")).encode()]
+    if "t1" in order:
+        records.append(_U32.pack(TAG_LAST_LOGITS) + _U32.pack(0) + bytes(logits or b""))
     new_tail = pack_parts([cells, bytes(rest), *records])
     out = {
         **{k: v for k, v in plan.items() if k not in ("size", "crc32", "body_crc32")},

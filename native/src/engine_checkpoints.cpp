@@ -10,6 +10,14 @@ namespace sk {
 
 void Engine::capture_checkpoint(Slot & s, CheckpointKind kind, const float * logits) {
     if (fault_at_checkpoint_.exchange(false)) throw std::bad_alloc();  // inject_fault_for_tests
+    // A checkpoint's logits serve only a prompt that ends exactly there (nothing left to evaluate):
+    // a prompt's end. A hint or interval checkpoint sits inside prompts, so a later prompt goes on
+    // past it and evaluates at least one token, whose logits are fresh; the planner skips a
+    // checkpoint without logits for a prompt ending on it (plan_reuse), so leaving them out is
+    // exact. On a 256k vocabulary they are 1 MiB a checkpoint. An attention-only checkpoint holds
+    // no state, only its logits: without them it is not worth keeping.
+    const bool keeps_logits = kind == CheckpointKind::PromptEnd;
+    if (!keeps_logits && !model().has_partial_state()) return;
     Checkpoint c;
     c.n_tokens = int64_t(s.tokens.size());
     c.kind = kind;
@@ -25,7 +33,7 @@ void Engine::capture_checkpoint(Slot & s, CheckpointKind kind, const float * log
             return;
         }
     }
-    c.logits.assign(logits, logits + n_vocab_);
+    if (keeps_logits) c.logits.assign(logits, logits + n_vocab_);
     s.checkpoints.push_back(std::move(c));
     std::sort(s.checkpoints.begin(), s.checkpoints.end(),
               [](const Checkpoint & x, const Checkpoint & y) { return x.n_tokens < y.n_tokens; });

@@ -40,10 +40,12 @@ def _run(eng: native.Engine, slot: int, tokens: list[int], hints: tuple[int, ...
 
 @pytest.fixture(scope="module")
 def saved(engine: native.Engine, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[int], Path]:
-    """A 1,500-token session saved from slot 0 (its checkpoints: 600, 1024, 1200, 1500)."""
+    """A 1,500-token session saved from slot 0 after two turns (its checkpoints: 600, a message
+    boundary; 1024, an interval; 1200, where the first turn's prompt ended; 1500, the second's)."""
     tokens = engine.tokenize("The agent reads the file, runs the tests and writes a fix. " * 120)[:1500]
     assert len(tokens) == 1500
     engine.erase_slot(0)
+    _run(engine, 0, tokens[:1200], HINTS[:1])
     _run(engine, 0, tokens, HINTS)
     path = tmp_path_factory.mktemp("prefix") / "session.slot"
     engine.save_slot(0, str(path))
