@@ -71,6 +71,15 @@ class Flag:
 
 Check = tuple[str, Callable[[Any], bool], str]  # field, predicate, what a valid value is
 
+# Every command's --log-format (one row: each settings table holds it).
+LOG_FORMAT = Flag(
+    "log_format",
+    ("--log-format",),
+    "SLOTKEEPER_LOG_FORMAT",
+    parse_log_format,
+    "json, console, or auto: console on a terminal, else json (auto)",
+)
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # argparse would print and exit; let the caller decide

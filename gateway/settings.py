@@ -12,6 +12,7 @@ from typing import Any
 
 from engine_pool.body import BodyLimits
 from engine_pool.flags import (
+    LOG_FORMAT,
     Check,
     Flag,
     SettingsError,
@@ -21,7 +22,6 @@ from engine_pool.flags import (
     parse_bytes,
     parse_int,
     parse_list,
-    parse_log_format,
     read_flags,
     values_from,
 )
@@ -163,13 +163,7 @@ FLAGS: tuple[Flag, ...] = (
         "engines one placement looks at, sampled (8)",
     ),
     Flag("log_level", ("--log-level",), "SLOTKEEPER_LOG_LEVEL", str, "debug|info|warning|error"),
-    Flag(
-        "log_format",
-        ("--log-format",),
-        "SLOTKEEPER_LOG_FORMAT",
-        parse_log_format,
-        "json, console, or auto: console on a terminal, else json (auto)",
-    ),
+    LOG_FORMAT,
     Flag(
         "cors_origins",
         ("--cors-origins",),

@@ -25,6 +25,7 @@ from storage.ids import validate_id, validate_prefix
 
 from ..credentials import engine_environment
 from ..flags import (
+    LOG_FORMAT,
     Check,
     Flag,
     SettingsError,
@@ -32,7 +33,6 @@ from ..flags import (
     defaults_of,
     parse_bytes,
     parse_int,
-    parse_log_format,
     read_flags,
 )
 from ..flags import build_parser as _build_parser
@@ -194,13 +194,7 @@ FLAGS: tuple[Flag, ...] = (
         "first retry of failed uploads, doubling to 16× while the store stays down (2)",
     ),
     Flag("retry_after_s", ("--retry-after",), "SLOTKEEPER_RETRY_AFTER", parse_int, "Retry-After on 503s (1)"),
-    Flag(
-        "log_format",
-        ("--log-format",),
-        "SLOTKEEPER_LOG_FORMAT",
-        parse_log_format,
-        "json, console, or auto: console on a terminal, else json (auto)",
-    ),
+    LOG_FORMAT,
     Flag("log_level", ("--log-level",), "SLOTKEEPER_LOG_LEVEL", str, "debug, info, warning, error"),
 )
 

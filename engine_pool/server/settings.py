@@ -20,6 +20,7 @@ from typing import Any
 import native
 
 from ..flags import (
+    LOG_FORMAT,
     Check,
     Flag,
     SettingsError,
@@ -28,7 +29,6 @@ from ..flags import (
     parse_bool,
     parse_bytes,
     parse_int,
-    parse_log_format,
     values_from,
 )
 from ..flags import build_parser as _build_parser
@@ -79,7 +79,7 @@ class EngineSettings:
     shutdown_grace_s: float = 10.0
     exit_with_parent: bool = False
     instance_id: str | None = None
-    log_format: str = "json"
+    log_format: str = "auto"  # console on a terminal, JSON lines otherwise
     log_level: str = "info"
     # What one request may ask (each refused with a precise 4xx naming the field and the limit; see
     # limits.py and DESIGN.md "Limits").
@@ -339,9 +339,7 @@ FLAGS: tuple[Flag, ...] = (
         "this process's name, new at every start (set by the node agent): a request naming another "
         "one in X-Slotkeeper-Instance is refused with 409 before it reaches a slot",
     ),
-    Flag(
-        "log_format", ("--log-format",), "SLOTKEEPER_LOG_FORMAT", parse_log_format, "json or console (json)"
-    ),
+    LOG_FORMAT,
     Flag("log_level", ("--log-level",), "SLOTKEEPER_LOG_LEVEL", str, "debug, info, warning, error (info)"),
     Flag(
         "verbose",

@@ -13,11 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import gguf
 import httpx
-import numpy as np
 import openai
 import pytest
+from support.bad_models import unloadable_model
 from support.servers import INTERNAL_AUTH, free_port, http_ok, wait_until
 
 from .conftest import Serve
@@ -444,20 +443,8 @@ def test_a_bad_model_stops_serve_at_once_saying_why(kind: str, tiny_model, tmp_p
     ]  # one line, no traceback
 
 
-def _unloadable_model(path: Path) -> str:
-    """Sound header and tensors, of an architecture llama.cpp does not know: passes the model check,
-    fails to load in every engine started on it."""
-    w = gguf.GGUFWriter(str(path), "notanarch")
-    w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return str(path)
-
-
 def test_a_model_that_never_loads_is_given_up_and_models_says_why(tmp_path: Path) -> None:
-    model = _unloadable_model(tmp_path / "alien.gguf")
+    model = unloadable_model(tmp_path / "alien.gguf")
     port, node_port = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from structlog.testing import capture_logs
+from support.bad_models import unloadable_model
 
 from engine_pool.pool.supervisor import (
     EngineSpec,
@@ -130,21 +131,6 @@ async def test_engine_ready_killed_restarted_and_stopped(
         ("starting", "ready"), ("ready", "draining"), ("draining", "stopped"),
     ]  # fmt: skip
     assert not alive(second.pid or 0)
-
-
-def unloadable_model(path: Path) -> str:
-    """A GGUF whose header and tensors are sound, of an architecture llama.cpp does not know: it
-    passes the model check and fails to load in the engine, every time."""
-    import gguf
-    import numpy as np
-
-    w = gguf.GGUFWriter(str(path), "notanarch")
-    w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return str(path)
 
 
 async def test_a_missing_model_fails_its_starts_without_a_process_and_is_given_up(
