@@ -8,7 +8,7 @@ Exit status 0 when every test passing upstream passes on ours, 1 otherwise.
 
 The upstream run depends only on the binary, the suite, the models and the selection, so its report
 is kept in the cache and reused (`--fresh` runs it again). The suite's own Python dependencies
-(its requirements.txt: requests, wget, filelock, openai) must be installed.
+(its requirements.txt: requests, wget, filelock, openai) come with the bench extra.
 """
 
 from __future__ import annotations
