@@ -15,8 +15,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
+from hypothesis import given
+from support.fuzz_bodies import Case, cases
+from support.fuzz_specs import ENGINE_ENDPOINTS
+from support.fuzz_verdict import FUZZ, send, verdict
 
 from engine_pool.server.chat_template import ChatTemplate
 from engine_pool.server.formats import ChatOutput, ToolCall, assemble, select_format
@@ -288,3 +293,25 @@ def test_the_forced_grammar_admits_only_output_that_ends_in_a_call(
     )
     assert not accepts(plan.grammar, head + "It is sunny.")
     assert not accepts(plan.grammar, head + '{"name": "get_weather", "parameters": {"town": "Oslo"}}')
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses", "/apply-template"])
+def test_no_body_gets_a_5xx_under_llama_cpps_chat_layer(engine: EngineProcess, path: str) -> None:
+    """The fuzz of the request parsers (tests/engine_pool/server/test_fuzz.py) on an engine whose
+    template llama.cpp's layer reads: the conversations it is handed (odd roles, parts, calls and
+    arguments) are refused with a 4xx or served, never a 5xx, and the engine serves on."""
+    endpoint = next(e for e in ENGINE_ENDPOINTS if e.path == path)
+    with httpx.Client(base_url=engine.url, timeout=60) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+
+        @FUZZ
+        @given(case=cases(endpoint, model))
+        def check(case: Case) -> None:
+            problem = verdict(endpoint, send(http, endpoint, case))
+            assert not problem, f"{case.describe()}: {problem}\nrequest body: {case.body[:3000]!r}"
+
+        check()
+        ok = http.post(
+            "/v1/chat/completions", json={"messages": MESSAGES, "tools": [WEATHER], "max_tokens": 2}
+        )
+        assert ok.status_code == 200, ok.text
