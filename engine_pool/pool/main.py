@@ -73,6 +73,7 @@ async def open_parts(s: NodeSettings, stack: AsyncExitStack, redis: Any = None) 
         store = LocalStore(s.data_path / "blobs", prefix=s.s3_prefix)
     stack.push_async_callback(store.aclose)
     cache = await SpillCache.open(s.data_path / "spill", max_bytes=s.spill_bytes)
+    shared = redis is not None
     if redis is None:
         if s.redis_url:
             import redis.asyncio as aioredis
@@ -83,8 +84,11 @@ async def open_parts(s: NodeSettings, stack: AsyncExitStack, redis: Any = None) 
         stack.push_async_callback(redis.aclose)
     store = ChunkedStore(store, ChunkLedger(redis, prefix=s.redis_prefix), compress=s.compresses_states)
     # Misconfiguration is found here, not at the first spill: a bucket S3 refuses, wrong keys, an
-    # unreachable Redis stop the start with a precise message (see `check_backends`).
-    await check_backends(store, redis, s.redis_prefix, "node")
+    # unreachable Redis stop the start with a precise message (see `check_backends`). With a shared
+    # index (serve), the gateway in this process probes the same index and store with the same
+    # settings: once is enough.
+    if not shared:
+        await check_backends(store, redis, s.redis_prefix, "node")
     http = await stack.enter_async_context(
         httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0), headers=auth_headers(s.internal_key))
     )

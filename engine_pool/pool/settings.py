@@ -68,6 +68,8 @@ class NodeSettings:
     heartbeat_ttl_s: float = 10.0
     engine_start_timeout_s: float = 120.0
     engine_stop_grace_s: float = 20.0
+    # Failed starts in a row with the same error after which an engine is left failed (0: never).
+    engine_give_up_after: int = 3
     health_interval_s: float = 5.0
     flush_interval_s: float = 2.0
     retry_after_s: int = 1
@@ -128,6 +130,7 @@ class NodeSettings:
         return SupervisorPolicy(
             start_timeout_s=self.engine_start_timeout_s,
             stop_grace_s=self.engine_stop_grace_s,
+            give_up_after=self.engine_give_up_after,
             health_interval_s=self.health_interval_s,
         )
 
@@ -185,6 +188,13 @@ FLAGS: tuple[Flag, ...] = (
         float,
         "seconds between SIGTERM and SIGKILL of an engine (20)",
     ),
+    Flag(
+        "engine_give_up_after",
+        ("--engine-give-up-after",),
+        "SLOTKEEPER_ENGINE_GIVE_UP_AFTER",
+        parse_int,
+        "failed starts in a row with the same error that leave an engine failed; 0: never (3)",
+    ),
     Flag("health_interval_s", ("--health-interval",), "SLOTKEEPER_HEALTH_INTERVAL", float, "seconds (5)"),
     Flag(
         "flush_interval_s",
@@ -231,6 +241,7 @@ _CHECKS: tuple[Check, ...] = (
     ("heartbeat_ttl_s", lambda v: v >= 1, ">= 1"),
     ("engine_start_timeout_s", lambda v: v > 0, "> 0"),
     ("engine_stop_grace_s", lambda v: v >= 0, ">= 0"),
+    ("engine_give_up_after", lambda v: v >= 0, ">= 0"),
     ("health_interval_s", lambda v: v > 0, "> 0"),
     ("flush_interval_s", lambda v: v > 0, "> 0"),
     ("log_level", lambda v: v in ("debug", "info", "warning", "error"), "debug, info, warning or error"),

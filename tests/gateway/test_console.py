@@ -80,6 +80,7 @@ def test_serve_on_a_terminal_logs_for_a_person(tiny_model: Callable[..., str], t
     assert not [line for line in access if "/health" in line or "/ready" in line], access
     assert not [line for line in lines if "HTTP Request:" in line], text[:3000]  # httpx's per-call lines
     assert sum("Started server process" in line for line in lines) == 1, text[:3000]
+    assert sum("storage.probed" in line for line in lines) == 2, text[:3000]  # the index and the store
     assert "in-process index" in text and "redis at" not in text
     ready = [line for line in lines if "engine.transition" in line and "to=ready" in line]
     assert len(ready) == 1 and "load_s=" in ready[0] and "chat_template=gguf" in ready[0], ready
