@@ -197,16 +197,14 @@ async def run_chat(
     # checkpoint hint) and tokenizing: off the event loop, like the grammar below.
     prompt, opened = await asyncio.to_thread(chat_prompt, rt, req)  # opened: Qwen3.5, Nemotron-3
     plan = await _upstream_plan(rt, req)
+    tool_grammar = await asyncio.to_thread(_upstream_constraint, rt, req, plan) if plan is not None else None
     triggers: GrammarTriggers | None = None
-    if plan is None:
-        con = await build_constraint(req, lim.schema, fmt, reasoning=opened)
+    if tool_grammar is not None:
+        con, triggers = tool_grammar
     else:
-        con, triggers = await asyncio.to_thread(_upstream_constraint, rt, req, plan)
-        # No tool grammar, or the client's own constraint on a free choice: response_format or a
-        # raw grammar, as under our formats.
-        if not con.grammar or (req.tool_choice == "auto" and (req.grammar or req.response_format != "text")):
-            ours = await build_constraint(req, lim.schema, fmt, reasoning=opened)
-            con, triggers = replace(ours, parse_tools=con.parse_tools, ban_tool_calls=False), None
+        con = await build_constraint(req, lim.schema, fmt, reasoning=opened)
+        if plan is not None:  # llama.cpp's layer reads the calls; ours would ban its call tag
+            con = replace(con, parse_tools=_parses_calls(req), ban_tool_calls=False)
     sampling = await with_biases(rt, req.sampling)  # once for every choice
     stops = (*rt.template.stops, *(plan.stops if plan is not None else ()))
     if stops:  # the built-in format's end of turn, should the model write it as text; llama.cpp's
@@ -403,14 +401,23 @@ async def _upstream_plan(rt: Runtime, req: ChatRequest) -> UpstreamPlan | None:
         return None
 
 
+def _parses_calls(req: ChatRequest) -> bool:
+    """Under llama.cpp's layer calls are read whenever tools are offered and not refused."""
+    return bool(req.tools) and req.tool_choice != "none"
+
+
 def _upstream_constraint(
     rt: Runtime, req: ChatRequest, plan: UpstreamPlan
-) -> tuple[Constraint, GrammarTriggers]:
+) -> tuple[Constraint, GrammarTriggers] | None:
     """The tool-call grammar of llama.cpp's plan and how it starts (tokenizes: call it off the
-    event loop). Calls are read whenever tools are offered and not refused."""
-    parse = bool(req.tools) and req.tool_choice != "none"
+    event loop); None when the plan has none for this request, or the client constrains a free
+    choice itself (response_format or a raw grammar, as under our formats)."""
+    if not (_parses_calls(req) and plan.grammar):
+        return None
+    if req.tool_choice == "auto" and (req.grammar or req.response_format != "text"):
+        return None
     triggers = plan.grammar_triggers(lambda text: rt.tokenize(text, False), rt.token_text)
-    return Constraint(plan.grammar if parse else "", parse, False), triggers
+    return Constraint(plan.grammar, True, False), triggers
 
 
 def _tool_call_ban(rt: Runtime, fmt: ChatFormat) -> dict[int, float]:
