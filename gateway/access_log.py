@@ -58,5 +58,11 @@ class AccessLog:
             path = scope["path"]
             noted = scope.get("state", {}).get(_KEY, {})
             emit = log.debug if path in POLLS else log.info
-            emit("http.access", method=scope["method"], path=path[:_MAX_PATH], **answer, **noted,
-                 ms=round((time.perf_counter() - t0) * 1000, 2))  # fmt: skip
+            emit(
+                "http.access",
+                method=scope["method"],
+                path=path[:_MAX_PATH],
+                **answer,
+                **noted,
+                ms=round((time.perf_counter() - t0) * 1000, 2),
+            )

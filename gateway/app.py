@@ -1,9 +1,10 @@
 """The gateway's HTTP API (OpenAI-compatible, multi-tenant) and its lifespan.
 
 Clients — Redis (or the in-process index), the blob store, the HTTP client for engines and nodes —
-are created in the lifespan and handed down; errors leave through engine_pool.errors only
-(`api_error` → `render_error`). CORS (`--cors-origins`, engine_pool/cors.py) is the outermost layer, so a
-browser's preflight, which carries no key, is answered before any route asks for a tenant's key.
+are created in the lifespan and handed down; errors leave through engine_pool.common.errors only
+(`api_error` → `render_error`). CORS (`--cors-origins`, engine_pool/common/cors.py) is the outermost
+layer, so a browser's preflight, which carries no key, is answered before any route asks for a
+tenant's key.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine_pool.cors import DEFAULT_METHODS, MIRROR, CorsMiddleware, CorsPolicy
-from engine_pool.errors import ApiError, NotFound, api_error, error_style, is_expected, render_error
-from engine_pool.flags import parse_list
-from gateway import messages, responses
+from engine_pool.common.cors import DEFAULT_METHODS, MIRROR, CorsMiddleware, CorsPolicy
+from engine_pool.common.errors import ApiError, NotFound, api_error, error_style, is_expected, render_error
+from engine_pool.common.flags import parse_list
+from gateway import messages_routes, responses_routes
 from gateway.access_log import AccessLog
 from gateway.metrics import Metrics, RequestCounter
 from gateway.services import Services
-from gateway.serving import (
+from gateway.tenants import is_pattern
+from gateway.turn_path import (
     check_messages,
     counted_if_refused,
     forward_stateless,
@@ -40,7 +42,6 @@ from gateway.serving import (
     served_model,
     tenant_of,
 )
-from gateway.tenants import is_pattern
 from storage.errors import StorageError
 
 log = structlog.get_logger("slotkeeper.gateway")
@@ -180,8 +181,8 @@ def build_app(
         Route("/v1/chat/completions/input_tokens", input_tokens, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
-        *responses.ROUTES,
-        *messages.ROUTES,
+        *responses_routes.ROUTES,
+        *messages_routes.ROUTES,
         Route("/v1/sessions", list_sessions, methods=["GET"]),
         Route("/v1/sessions/{session}", session_detail, methods=["GET", "DELETE"]),
         Route("/health", health, methods=["GET"]),

@@ -34,9 +34,13 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "main",
         "list, show and delete sessions (a gateway or a data dir)",
     ),
-    "inspect": ("storage.inspect", "main", "print a slot file's or a stored manifest's contents and verdict"),
-    "reindex": ("storage.reindex", "main", "rebuild the Redis session index from storage"),
-    "bench": ("gateway.bench", "main", "run a benchmark from tests/bench (resume, storage, ...)"),
+    "inspect": (
+        "storage.slotfile.inspect",
+        "main",
+        "print a slot file's or a stored manifest's contents and verdict",
+    ),
+    "reindex": ("storage.index.reindex", "main", "rebuild the Redis session index from storage"),
+    "bench": ("gateway.bench.command", "main", "run a benchmark (resume, storage, gateway, ...)"),
 }
 
 
@@ -59,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Logs go to stderr (stdout stays for a command's own output, e.g. `inspect --json`), console text
     # on a terminal; the server commands reconfigure with their --log-level / --log-format.
-    from engine_pool import logs
+    from engine_pool.common import logs
 
     logs.configure("auto", "info")
     module, func, _ = COMMANDS[name]

@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 
 from gateway.placement import EngineView, SlotView
-from storage.engines import EngineInfo, EngineRegistry
-from storage.index import SessionIndex
+from storage.index.engines import EngineInfo, EngineRegistry
+from storage.index.session_index import SessionIndex
 
 _CONFIGURED_TTL_S = 5.0
 
@@ -47,8 +47,9 @@ class _Listing:
 
     @classmethod
     def of(cls, infos: list[EngineInfo]) -> _Listing:
-        refs = {i.engine_id: EngineRef(i.engine_id, i.node, i.url, i.model, i.n_slots, i.instance)
-                for i in infos}  # fmt: skip
+        refs = {
+            i.engine_id: EngineRef(i.engine_id, i.node, i.url, i.model, i.n_slots, i.instance) for i in infos
+        }
         by_model: dict[str, list[EngineRef]] = {}
         for ref in refs.values():
             by_model.setdefault(ref.model, []).append(ref)
@@ -83,7 +84,7 @@ class Cluster:
         self.registry = registry
         self.index = index
         self._node_urls = node_urls
-        self.sample = sample  # engines a placement snapshot looks at, at most (plus the tenant's own)
+        self.sample = sample  # engines a pool view looks at, at most (plus the tenant's own)
         self._random = rng or random.Random()
         self._http = http
         self._nodes: dict[str, str] = {}  # node id -> agent URL
@@ -174,10 +175,14 @@ class Cluster:
             return None
         return cache.refs.get(engine_id)
 
-    async def snapshot(
-        self, model: str, holder: tuple[str, str] | None = None, *, with_tenant_engines: bool = False,
+    async def pool_view(
+        self,
+        model: str,
+        holder: tuple[str, str] | None = None,
+        *,
+        with_tenant_engines: bool = False,
         also: str | None = None,
-    ) -> tuple[list[EngineView], dict[str, EngineRef]]:  # fmt: skip
+    ) -> tuple[list[EngineView], dict[str, EngineRef]]:
         """Engines serving `model` and who sits in their slots, in one round trip whatever the
         pool's and the index's size: above `sample` engines, a random sample of them (the best
         free slot or LRU victim among those: power-of-d choices), plus `also` (an engine the caller

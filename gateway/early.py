@@ -1,11 +1,11 @@
 """A warm turn sent to its engine before its opening read returns.
 
 A warm turn makes one Redis round trip before the engine call: the opening read
-(storage.turnops), which admits the request, takes or confirms the session's lock, reads the
+(storage.index.turnops), which admits the request, takes or confirms the session's lock, reads the
 record and marks the session busy in its slot. On a small host that round trip is most of what
 the gateway adds to a turn: redis-server and the gateway both sleep between turns, and waking each
-costs far more than the script (a trivial script 87 µs back to back, 345 µs with 5 ms between
-calls; the opening read 147 and 574 µs).
+costs far more than the script does (figures: docs/benchmarks.md, "Figures formerly in code
+comments").
 
 When this process already holds the session's lock — the previous turn's write-behind save holds
 it and the next turn takes it over (gateway.holds) — everything the engine call depends on is
@@ -38,11 +38,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from engine_pool.errors import INSTANCE_HEADER, ApiError, InstanceChanged
+from engine_pool.common.errors import INSTANCE_HEADER, ApiError, InstanceChanged
 from gateway.cluster import EngineRef
 from gateway.holds import Phase, SessionHold
-from storage.records import SessionState
-from storage.turnops import TurnStart
+from storage.index.records import SessionState
+from storage.index.turnops import TurnStart
 
 T = TypeVar("T")
 

@@ -2,12 +2,12 @@
 answers parsed by httptools (llhttp, the C parser uvicorn serves with).
 
 The gateway's added latency is mostly its own CPU per request, and a general-purpose client spends
-much of it on what an engine call does not need (cookies, redirects, proxies, tracing hooks,
-stream readers): a POST to a local server and reading its small answer took 276–362 µs of the
-client's CPU with aiohttp and 100–112 µs with this client (3,000 in a row, uvloop, one host).
-It does only what the gateway asks of engines on the cluster network: a POST of a body it encoded,
-an answer with a Content-Length, chunked, or ending with the connection, read whole or piece by
-piece as it arrives (a stream is relayed without buffering).
+much of it on what an engine call does not need (cookies, redirects, proxies, tracing hooks, stream
+readers); this client spends a fraction of a general one's CPU on the same call (figures:
+docs/benchmarks.md, "Figures formerly in code comments"). It does only what the gateway asks of
+engines on the cluster network: a POST of a body it encoded, an answer with a Content-Length,
+chunked, or ending with the connection, read whole or piece by piece as it arrives (a stream is
+relayed without buffering).
 
 - **Connections**: per host and port, the most recently used idle one first, opened within
   ``connect_timeout_s``. A connection goes back to the pool only after a complete answer the
@@ -219,9 +219,13 @@ class EngineHttp:
     shutdown. ``headers`` go with every request (the internal credential)."""
 
     def __init__(
-        self, headers: Mapping[str, str] | None = None, *, read_timeout_s: float,
-        connect_timeout_s: float = 5.0, max_idle_per_host: int = 64,
-    ) -> None:  # fmt: skip
+        self,
+        headers: Mapping[str, str] | None = None,
+        *,
+        read_timeout_s: float,
+        connect_timeout_s: float = 5.0,
+        max_idle_per_host: int = 64,
+    ) -> None:
         self._headers = _header_lines(headers or {})
         self.read_timeout_s = read_timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -252,9 +256,14 @@ class EngineHttp:
         return known
 
     async def post(
-        self, url: str, body: bytes, *, content_type: str = "application/json",
-        timeout_s: float | None = None, headers: Mapping[str, str] | None = None,
-    ) -> EngineResponse:  # fmt: skip
+        self,
+        url: str,
+        body: bytes,
+        *,
+        content_type: str = "application/json",
+        timeout_s: float | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> EngineResponse:
         """Send ``body`` and wait for the answer's head (its body is read from the response);
         ``headers`` go with this request only."""
         if self._closed:
@@ -263,9 +272,17 @@ class EngineHttp:
         timeout = self.read_timeout_s if timeout_s is None else timeout_s
         extra = _header_lines(headers) if headers else b""
         request = b"".join(
-            [head, extra, b"content-type: ", content_type.encode("latin-1"), b"\r\ncontent-length: ",
-             str(len(body)).encode(), b"\r\n\r\n", body]
-        )  # fmt: skip
+            [
+                head,
+                extra,
+                b"content-type: ",
+                content_type.encode("latin-1"),
+                b"\r\ncontent-length: ",
+                str(len(body)).encode(),
+                b"\r\n\r\n",
+                body,
+            ]
+        )
         while True:
             conn, reused = self._take(key), True
             if conn is None:

@@ -1,7 +1,7 @@
 """This gateway's hold on a session's lock, shared by the turn that runs on it and that turn's
 write-behind save.
 
-The session lock (storage.locks) keeps every other request, eviction and delete off a session
+The session lock (storage.index.locks) keeps every other request, eviction and delete off a session
 while a turn runs and while its state is being saved. The save, though, is this process's own
 work: the client's next turn on the same slot does not need it (the slot holds the state), so it
 must not wait for it. A `SessionHold` lets the next turn of this process take the lock over from
@@ -16,7 +16,7 @@ A hold is in one of three phases:
   the save only when it needs the saved state (it is not served live in its slot).
 
 The hold also keeps the session record as this process last wrote it, so that the next write is a
-one-round-trip compare-and-set against it (storage.turnops); `write` serialises this process's
+one-round-trip compare-and-set against it (storage.index.turnops); `write` serialises this process's
 writes to the record, so the turn and the save never race each other's compare-and-set.
 """
 
@@ -30,8 +30,10 @@ from enum import StrEnum
 import structlog
 
 from storage.errors import LockLost, StorageError
-from storage.locks import SessionLock, SessionLocks
-from storage.records import SessionRecord
+from storage.index.locks import SessionLock, SessionLocks
+from storage.index.records import SessionRecord
+from storage.index.session_index import Decide, SessionIndex
+from storage.index.turnops import Ops
 
 log = structlog.get_logger("slotkeeper.gateway")
 
@@ -69,15 +71,41 @@ class SessionHold:
             yield
 
 
+async def write_record(
+    index: SessionIndex,
+    hold: SessionHold,
+    decide: Decide,
+    *,
+    idle: bool | None = None,
+    also: Callable[[Ops], None] | None = None,
+) -> tuple[SessionRecord, bool]:
+    """One transition of the held session's record: a one-round-trip compare-and-set against the
+    record this process last saw (with `also`'s writes), else the transaction. Returns the new
+    record and whether `also`'s writes were made (the caller makes them otherwise)."""
+    lock = hold.lock
+    async with hold.writing():
+        new = None
+        if hold.record is not None:
+            new = await index.apply(hold.record, decide, lock=lock, idle=idle, also=also)
+        done = new is not None
+        if new is None:
+            new = await index.transition(lock.tenant, lock.session, decide, lock=lock, idle=idle)
+        hold.record = new
+        return new, done
+
+
 class Holds:
     """The sessions whose lock this process holds, by (tenant, session): the one owner of that map.
     Every method runs on the event loop; the transitions are synchronous where they must not
     interleave with another request's check."""
 
     def __init__(
-        self, locks: SessionLocks, lock_ttl_s: float, save_grace_s: float = 0.0,
+        self,
+        locks: SessionLocks,
+        lock_ttl_s: float,
+        save_grace_s: float = 0.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._locks = locks
         self._ttl_s = lock_ttl_s
         self._grace_s = save_grace_s
@@ -187,7 +215,9 @@ class Holds:
         lock = hold.lock
         while True:
             await asyncio.sleep(self._ttl_s / 3)
-            if hold.released.done():  # (its cancellation was lost: see engine_pool.loop.cancel_and_wait)
+            if (
+                hold.released.done()
+            ):  # (its cancellation was lost: see engine_pool.common.loop.cancel_and_wait)
                 return
             try:
                 renewed = await self._locks.extend(lock)
@@ -197,5 +227,6 @@ class Holds:
                 log.error("session.lock_lost", tenant=lock.tenant, session=lock.session)
                 return
             except StorageError as exc:  # Redis down a moment: try again at the next tick
-                log.warning("session.lock_renew_failed", tenant=lock.tenant, session=lock.session,
-                            error=str(exc))  # fmt: skip
+                log.warning(
+                    "session.lock_renew_failed", tenant=lock.tenant, session=lock.session, error=str(exc)
+                )

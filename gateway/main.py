@@ -18,10 +18,11 @@ import redis.asyncio as aioredis
 import structlog
 import uvicorn
 
-from engine_pool import logs
-from engine_pool import loop as event_loop
-from engine_pool.credentials import auth_headers
-from engine_pool.http_deadlines import header_deadline
+from engine_pool.common import logs
+from engine_pool.common import loop as event_loop
+from engine_pool.common.credentials import auth_headers
+from engine_pool.common.flags import env_name
+from engine_pool.common.http_deadlines import header_deadline
 from gateway.app import build_app
 from gateway.cluster import Cluster
 from gateway.metrics import Metrics
@@ -30,26 +31,28 @@ from gateway.retention import Retention
 from gateway.services import Services
 from gateway.settings import GatewaySettings, SettingsError, parse_settings
 from gateway.tenants import TenantConfigError, load_tenants
+from gateway.turn import TurnSettings
+from gateway.turn_parts import TurnParts
 from gateway.turns import TurnRunner
-from storage.blobstore import BlobStore
-from storage.chunkstore import ChunkedStore
-from storage.engines import EngineRegistry
-from storage.index import SessionIndex, in_process_redis
-from storage.ledger import ChunkLedger
-from storage.localstore import LocalStore
-from storage.locks import SessionLocks
+from storage.blobs.blobstore import BlobStore
+from storage.blobs.localstore import LocalStore
+from storage.blobs.s3client import make_s3_client
+from storage.blobs.s3store import S3Store
+from storage.blobs.stored_responses import ResponseStore
+from storage.chunks.chunkstore import ChunkedStore
+from storage.chunks.ledger import ChunkLedger
+from storage.index.engines import EngineRegistry
+from storage.index.locks import SessionLocks
+from storage.index.reindex import reindex
+from storage.index.session_index import SessionIndex, in_process_redis
 from storage.probe import check_backends
-from storage.reindex import reindex
-from storage.responses import ResponseStore
-from storage.s3client import make_s3_client
-from storage.s3store import S3Store
 
 log = structlog.get_logger("slotkeeper.gateway")
 
 
 def make_store(settings: GatewaySettings, redis: Any) -> ChunkedStore:
     """S3 when an endpoint or bucket is configured, else a directory under --data-dir; sessions are
-    stored in chunks (storage.chunkstore), shared pieces accounted on `redis`."""
+    stored in chunks (storage.chunks.chunkstore), shared pieces accounted on `redis`."""
     inner: BlobStore
     if settings.s3_bucket:
         client = make_s3_client(
@@ -98,38 +101,44 @@ async def services(
     retention = None
     if isinstance(store, ChunkedStore):
         retention = Retention(store, index, tenants, interval_s=settings.collect_interval_s)
-    runner = TurnRunner(
-        cluster,
-        index,
-        locks,
-        store,
-        {},
-        metrics,
+    turn_settings = TurnSettings(
         lock_ttl_s=settings.lock_ttl_s,
         spill_wait_s=settings.spill_wait_s,
         save_grace_s=settings.save_grace_s,
         early_start=settings.early_start,
         internal_key=settings.internal_key,
         keep_generations=settings.keep_generations,
-        tenants=tenants,
-        superseded=retention.collect_soon if retention is not None else None,
         max_inflight=settings.max_inflight,
         inflight_ttl_s=settings.request_timeout_s + 60,
     )
+    superseded = retention.collect_soon if retention is not None else None
+    parts = TurnParts(cluster, index, locks, store, metrics, turn_settings, engines, tenants, superseded)
+    runner = TurnRunner(parts)
     task = None
     if retention is not None:
         task = asyncio.create_task(retention.run(runner.delete), name="retention")
     try:
         yield Services(
-            settings, tenants, index, locks, registry, store, http, engines, cluster, runner, metrics,
-            ResponseStore(store), retention,
-        )  # fmt: skip
+            settings,
+            tenants,
+            index,
+            locks,
+            registry,
+            store,
+            http,
+            engines,
+            cluster,
+            runner,
+            metrics,
+            ResponseStore(store),
+            retention,
+        )
     finally:
         if task is not None:
             await event_loop.cancel_and_wait(task)
         await http.aclose()
         await engines.aclose()
-        for node in runner.nodes.values():
+        for node in parts.nodes.values():
             await node.aclose()
         if own_store:
             await store.aclose()
@@ -151,7 +160,7 @@ def main(argv: list[str]) -> int:
         ("--node", settings.nodes),
         ("--redis-url", settings.redis_url),
         ("--s3-bucket", settings.s3_bucket),
-        ("SLOTKEEPER_INTERNAL_KEY", settings.internal_key),
+        (env_name("internal_key"), settings.internal_key),
     )
     missing = [flag for flag, value in required if not value]
     if missing:
@@ -162,9 +171,15 @@ def main(argv: list[str]) -> int:
     logs.configure(settings.log_format, settings.log_level)
     metrics = Metrics()
     app = build_app(lambda: services(settings, metrics), metrics, settings.cors_origins)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            lifespan="on", http=header_deadline(settings.header_timeout_s),
-                            proxy_headers=False,  # nothing reads the client's address: one layer less
-                            timeout_keep_alive=round(settings.keep_alive_s))  # fmt: skip
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        lifespan="on",
+        http=header_deadline(settings.header_timeout_s),
+        proxy_headers=False,  # nothing reads the client's address: one layer less
+        timeout_keep_alive=round(settings.keep_alive_s),
+    )
     event_loop.run(uvicorn.Server(config).serve())
     return 0

@@ -8,7 +8,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine_pool.server.metrics import route_label
+from engine_pool.protocol.metric_labels import route_label
 
 # Routes that are not load: probes and scrapes stay out of `requests_in_flight`, which the chart's
 # HPA can scale on (a scrape counting itself would never read 0). They are still counted by status.

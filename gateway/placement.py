@@ -1,4 +1,4 @@
-"""Where a request runs: a pure decision over a snapshot of the engines and the session.
+"""Where a request runs: a pure decision over a pool view of the engines and the session.
 
 `choose_placement` takes plain data and returns a `Placement`; the gateway's request path carries
 it out (spill the evicted session, fill the session into the slot, forward the request).
@@ -64,7 +64,7 @@ def prefix_slots(engine: EngineView, tenant: str, slot: int) -> tuple[int, ...]:
 
 
 def reserved(engines: list[EngineView], taken: Set[tuple[str, int]]) -> list[EngineView]:
-    """The snapshot with the `(engine, slot)`s another placement has just chosen shown busy: that
+    """The pool view with the `(engine, slot)`s another placement has just chosen shown busy: that
     placement is evicting into, filling or erasing them, and the index does not show it yet."""
     if not taken:
         return engines
@@ -83,9 +83,12 @@ class LiveSlotsExhausted(Exception):
 
 
 def choose_placement(
-    engines: list[EngineView], model: str, session: SessionView, live_limit: int | None = None,
+    engines: list[EngineView],
+    model: str,
+    session: SessionView,
+    live_limit: int | None = None,
     prefer: str | None = None,
-) -> Placement:  # fmt: skip
+) -> Placement:
     """Live → its own slot. Otherwise a free slot of a ready engine with the model (the engine with
     most free slots first), else the least recently used idle slot there, whose session is evicted.
     Busy slots are never evicted. Raises NoCapacity when nothing is idle.

@@ -9,7 +9,7 @@ not route either: it starts a new session from the state of the one that served 
 
 What such conversations do share is their *shared prefix*: the tools and the leading system (or
 developer) messages, the same for every session an agent starts. Its digest (`shared_digest`)
-finds a session of the tenant that holds the prefix's state (storage.shared); the system
+finds a session of the tenant that holds the prefix's state (storage.index.shared_prefixes); the system
 messages' alone (`system_digest`) scope the session ids agents send (gateway.session_keys).
 
 Canonical form: role, the text of the content (string or text parts joined), tool calls as
@@ -99,8 +99,8 @@ def turn_digests(messages: Sequence[Mapping[str, Any]], model: str) -> list[str]
 def prompt_digest(messages_digest: str, tools: Any) -> str:
     """Digest of a whole prompt: its messages (`prefix_digests`' last, which the model scopes) and
     its tools as sent. A new session whose prompt has this digest starts from the state of the
-    session that last served it (`storage.shared`): a prompt sent again without a session id costs
-    what it costs with one."""
+    session that last served it (`storage.index.shared_prefixes`): a prompt sent again without a
+    session id costs what it costs with one."""
     h = hashlib.sha256(b"prompt\x1e" + messages_digest.encode())
     h.update(b"\x1e" + _utf8(json.dumps(tools or [], separators=(",", ":"), ensure_ascii=False)))
     return h.hexdigest()[:32]

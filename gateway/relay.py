@@ -7,8 +7,8 @@ engine failure before the first byte becomes a 503 with Retry-After (the caller 
 the first byte it becomes an error event in the stream, never a hang.
 
 The client is `gateway.engine_http` (`engine_session`, one per gateway, keep-alive): on the request
-path it costs a third of aiohttp's CPU per request (and aiohttp a fraction of httpx's), which the
-gateway's added latency is mostly made of.
+path it costs a fraction of a general-purpose client's CPU per request, which the gateway's added
+latency is mostly made of (figures: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -18,7 +18,14 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_pool.errors import ApiError, Unavailable, Upstream, error_payload, for_status
+from engine_pool.common.errors import (
+    ApiError,
+    GatewayTimeout,
+    Unavailable,
+    Upstream,
+    error_payload,
+    for_status,
+)
 from gateway import engine_http
 from gateway.engine_http import EngineHttp, EngineHttpError, EngineResponse
 
@@ -54,12 +61,13 @@ _WS = b" \t\r\n"  # JSON's whitespace
 
 def engine_body(raw: bytes | None, body: Mapping[str, Any], fields: Mapping[str, Any]) -> bytes:
     """The bytes to send an engine: the tenant's JSON object ``raw`` (``body`` parsed from it) with
-    ``fields`` set, a field set to None dropped. Not encoded again: the fields are appended after the
-    tenant's members, which a parser that keeps the last of duplicate names (Python's, the engine's)
-    reads as ``{**body, **fields}`` — on a long agent history that saves most of a millisecond per
-    turn (a 97 KB body: encoded again 532–846 µs, this 19 µs; parsing it took 240). A field dropped
-    is appended as null, which the engine reads as absent. Bodies that are not plain UTF-8 (a BOM,
-    UTF-16: Python's parser accepts them) or absent are encoded from ``body``."""
+    ``fields`` set, a field set to None dropped. Not encoded again: the fields are appended after
+    the tenant's members, which a parser that keeps the last of duplicate names (Python's, the
+    engine's) reads as ``{**body, **fields}``: encoding grows with the history while appending does
+    not, so a long agent history costs no more per turn than a short one (figures:
+    docs/benchmarks.md). A field dropped is appended as null, which the engine reads as absent.
+    Bodies that are not plain UTF-8 (a BOM, UTF-16: Python's parser accepts them) or absent are
+    encoded from ``body``."""
     if raw is not None and json.detect_encoding(raw) == "utf-8":
         inner = raw.strip(_WS)
         if inner[:1] == b"{" and inner[-1:] == b"}":
@@ -72,21 +80,18 @@ def engine_body(raw: bytes | None, body: Mapping[str, Any], fields: Mapping[str,
     return json.dumps(merged).encode()
 
 
-class EngineTimeout(ApiError):
-    """The engine did not answer within the request timeout: this request fails, nothing else."""
-
-    status, type, code = 504, "timeout_error", "engine_timeout"
-
-
 def _upstream_error(resp_status: int, payload: Any) -> ApiError:
     err = payload.get("error", {}) if isinstance(payload, dict) else {}
     message = err.get("message") or f"engine answered {resp_status}"
     code, param = err.get("code"), err.get("param")
     return for_status(resp_status)(
-        str(message), status=resp_status, type=str(err.get("type") or "server_error"),
-        code=code if isinstance(code, str) else None, retry_after=1 if resp_status == 503 else None,
+        str(message),
+        status=resp_status,
+        type=str(err.get("type") or "server_error"),
+        code=code if isinstance(code, str) else None,
+        retry_after=1 if resp_status == 503 else None,
         param=param if isinstance(param, str) else None,
-    )  # fmt: skip
+    )
 
 
 def engine_session(headers: Mapping[str, str], request_timeout_s: float) -> EngineHttp:
@@ -108,7 +113,7 @@ async def _send(
     try:
         return await client.post(url, data, headers=headers)
     except engine_http.EngineTimeout as exc:
-        raise EngineTimeout(f"the engine did not answer in time ({type(exc).__name__})") from exc
+        raise GatewayTimeout(f"the engine did not answer in time ({type(exc).__name__})") from exc
     except EngineHttpError as exc:
         raise Unavailable(f"the engine is unreachable ({type(exc).__name__}); retry", retry_after=1) from exc
 
@@ -117,7 +122,7 @@ async def _read(resp: EngineResponse) -> bytes:
     try:
         return await resp.read()
     except engine_http.EngineTimeout as exc:
-        raise EngineTimeout(f"the engine did not answer in time ({type(exc).__name__})") from exc
+        raise GatewayTimeout(f"the engine did not answer in time ({type(exc).__name__})") from exc
     except EngineHttpError as exc:
         why = type(exc).__name__  # (never the engine's address: tenants read this)
         raise Unavailable(f"the engine answer broke off ({why}); retry", retry_after=1) from exc
@@ -139,8 +144,13 @@ async def forward_json(
     if resp.status != 200:
         raise _upstream_error(resp.status, payload)
     report = payload.get("slotkeeper")
-    out = TurnOutcome(ok=True, usage=payload.get("usage") or {}, timings=payload.get("timings") or {},
-                      report=report if isinstance(report, dict) else {}, body=raw)  # fmt: skip
+    out = TurnOutcome(
+        ok=True,
+        usage=payload.get("usage") or {},
+        timings=payload.get("timings") or {},
+        report=report if isinstance(report, dict) else {},
+        body=raw,
+    )
     choices = payload.get("choices") or [{}]
     message = choices[0].get("message") or {}
     out.content = message.get("content") or choices[0].get("text") or ""

@@ -1,15 +1,16 @@
 """Slots this gateway process has chosen but the index does not show taken yet.
 
-Between choosing a slot (`choose_placement` over a snapshot) and recording the session there
+Between choosing a slot (`choose_placement` over a pool view) and recording the session there
 (`mark_live`), a placement evicts into, fills or erases the slot: meanwhile another request of
 this process must not choose it too, or both would fill one slot and one session would run on the
 other's state. And a reservation may only be forgotten once no placement can still be deciding
-from a snapshot read before that record was written, so every snapshot is numbered when it starts
-and a reservation keeps counting as taken for every snapshot that started before its release.
+from a pool view read before that record was written, so every pool view is numbered when it starts
+and a reservation keeps counting as taken for every pool view that started before its release.
 
-One owner (the process's `TurnRunner`), event-loop only, no awaits inside: what a choice sees
-and the reservation it makes happen in one step. Between gateway processes the index is the only
-arbiter (a race there costs a re-prefill, never a wrong answer: the engine compares tokens).
+One owner (the process's `TurnParts`, gateway.turn_parts), event-loop only, no awaits inside:
+what a choice sees and the reservation it makes happen in one step. Between gateway processes
+the index is the only arbiter (a race there costs a re-prefill, never a wrong answer: the engine
+compares tokens).
 """
 
 from __future__ import annotations
@@ -24,22 +25,22 @@ class SlotReservations:
     def __init__(self) -> None:
         self._clock = itertools.count(1)
         self._held: dict[Slot, int | None] = {}  # slot -> None while held, else when it was released
-        self._reading: Counter[int] = Counter()  # start numbers of the snapshots being read
+        self._reading: Counter[int] = Counter()  # start numbers of the pool views being read
 
-    def start_snapshot(self) -> int:
-        """Number a snapshot about to be read; pass it to `taken` and then `end_snapshot`."""
+    def start_pool_view(self) -> int:
+        """Number a pool view about to be read; pass it to `taken` and then `end_pool_view`."""
         started = next(self._clock)
         self._reading[started] += 1
         return started
 
-    def end_snapshot(self, started: int) -> None:
+    def end_pool_view(self, started: int) -> None:
         self._reading[started] -= 1
         if not self._reading[started]:
             del self._reading[started]
         self._forget_released()
 
     def taken(self, started: int) -> set[Slot]:
-        """The slots a snapshot started at `started` must treat as busy: those held now, and those
+        """The slots a pool view started at `started` must treat as busy: those held now, and those
         released after it started (its reading may predate their record)."""
         return {slot for slot, released in self._held.items() if released is None or released > started}
 

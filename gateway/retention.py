@@ -19,11 +19,11 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from engine_pool.errors import ApiError
+from engine_pool.common.errors import ApiError
 from gateway.tenants import Tenant, Tenants
-from storage.chunkstore import ChunkedStore
-from storage.errors import LockBusy, NotFound, StorageError
-from storage.index import SessionIndex
+from storage.chunks.chunkstore import ChunkedStore
+from storage.errors import LockBusy, NotStored, StorageError
+from storage.index.session_index import SessionIndex
 
 log = structlog.get_logger("slotkeeper.gateway")
 
@@ -32,9 +32,14 @@ class Retention:
     """Owner of the retention task; `collect_soon` asks for a tenant's collection ahead of time."""
 
     def __init__(
-        self, store: ChunkedStore, index: SessionIndex, tenants: Tenants, *, interval_s: float,
+        self,
+        store: ChunkedStore,
+        index: SessionIndex,
+        tenants: Tenants,
+        *,
+        interval_s: float,
         clock: Callable[[], float] = time.time,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.store, self.index, self.tenants = store, index, tenants
         self.interval_s, self._clock = interval_s, clock
         self._soon: set[str] = set()
@@ -85,6 +90,6 @@ class Retention:
                 await delete(tenant, session)
                 expired += 1
                 log.info("retention.expired", tenant=tenant.name, session=session, ttl_s=tenant.idle_ttl_s)
-            except (NotFound, ApiError, StorageError) as exc:  # busy now (in use again), or gone
+            except (NotStored, ApiError, StorageError) as exc:  # busy now (in use again), or gone
                 log.info("retention.expire_skipped", tenant=tenant.name, session=session, error=str(exc))
         return expired

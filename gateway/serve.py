@@ -22,21 +22,21 @@ import redis.asyncio as aioredis
 import structlog
 import uvicorn
 
-from engine_pool import logs
-from engine_pool import loop as event_loop
-from engine_pool.credentials import new_key
-from engine_pool.flags import add_flags, defaults_of
-from engine_pool.http_deadlines import header_deadline
+from engine_pool.common import logs
+from engine_pool.common import loop as event_loop
+from engine_pool.common.credentials import new_key
+from engine_pool.common.flags import add_flags, env_name
+from engine_pool.common.http_deadlines import header_deadline
 from engine_pool.pool.main import build_server
 from engine_pool.pool.model_check import check_models
 from engine_pool.pool.settings import parse_node_settings
 from gateway.app import build_app
 from gateway.main import services
 from gateway.metrics import Metrics
-from gateway.settings import FLAGS, GatewaySettings, SettingsError, settings_from_args
+from gateway.settings import FLAGS, SettingsError, settings_from_args
 from gateway.tenants import TenantConfigError, load_tenants
 from native.model_gen import cached_model
-from storage.index import in_process_redis
+from storage.index.session_index import in_process_redis
 
 log = structlog.get_logger("slotkeeper.serve")
 
@@ -58,45 +58,44 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     """serve's flags in three groups; its own (model, slots, context, node port, compression) read
     their SLOTKEEPER_* variable too, and every help line names its default and variable."""
     ap = argparse.ArgumentParser(prog="slotkeeper serve", description=__doc__)
-    defaults = defaults_of(GatewaySettings)
     by_field = {f.field: f for f in FLAGS if f.field != "nodes"}  # (its node is the one it runs)
     first = ap.add_argument_group("what to serve and where")
     first.add_argument(
         "--model",
         action="append",
         help="GGUF model, repeatable (default: a tiny demo model that answers gibberish) "
-        "[env SLOTKEEPER_MODELS, comma-separated]",
+        f"[env {env_name('models')}, comma-separated]",
     )
     first.add_argument(
         "--slots",
-        default=environ.get("SLOTKEEPER_SLOTS", "2"),
-        help="slots (sessions live at once) per engine (default 2) [env SLOTKEEPER_SLOTS]",
+        default=environ.get(env_name("slots"), "2"),
+        help=f"slots (sessions live at once) per engine (default 2) [env {env_name('slots')}]",
     )
     first.add_argument(
         "--ctx",
-        default=environ.get("SLOTKEEPER_CTX", "8192"),
-        help="context per slot, in tokens (default 8192) [env SLOTKEEPER_CTX]",
+        default=environ.get(env_name("ctx"), "8192"),
+        help=f"context per slot, in tokens (default 8192) [env {env_name('ctx')}]",
     )
-    add_flags(first, [by_field[f] for f in _FIRST], defaults=defaults)
+    add_flags(first, [by_field[f] for f in _FIRST])
     storage = ap.add_argument_group("state: index and store")
-    add_flags(storage, [by_field[f] for f in _STORAGE], defaults=defaults)
+    add_flags(storage, [by_field[f] for f in _STORAGE])
     rest = ap.add_argument_group("limits and tuning")
     rest.add_argument(
         "--node-port",
         type=int,
-        default=int(environ.get("SLOTKEEPER_NODE_PORT", "0")),
-        help="node agent port (default: --port + 1) [env SLOTKEEPER_NODE_PORT]",
+        default=int(environ.get(env_name("node_port"), "0")),
+        help=f"node agent port (default: --port + 1) [env {env_name('node_port')}]",
     )
     rest.add_argument(
         "--store-compression",
         choices=("on", "off", "auto"),
-        default=environ.get("SLOTKEEPER_STORE_COMPRESSION", "off"),
+        default=environ.get(env_name("store_compression"), "off"),
         help="store recurrent states compressed; auto: in S3 only (default off) "
-        "[env SLOTKEEPER_STORE_COMPRESSION]",
+        f"[env {env_name('store_compression')}]",
     )
     others = [f for name, f in by_field.items() if name not in _FIRST + _STORAGE]
-    add_flags(rest, others, defaults=defaults)
-    ap.set_defaults(env_models=[m for m in environ.get("SLOTKEEPER_MODELS", "").split(",") if m])
+    add_flags(rest, others)
+    ap.set_defaults(env_models=[m for m in environ.get(env_name("models"), "").split(",") if m])
     return ap
 
 
@@ -133,11 +132,17 @@ def main(argv: list[str]) -> int:
     node_port = ns.node_port or settings.port + 1
     node_argv = [
         *[a for m in models for a in ("--model", m)],
-        "--slots", ns.slots, "--ctx", ns.ctx, "--host", "127.0.0.1", "--port", str(node_port),
-        "--data-dir", str(data), "--node-id", "local", "--redis-prefix", settings.redis_prefix,
-        "--s3-prefix", settings.s3_prefix, "--log-level", settings.log_level,
-        "--store-compression", ns.store_compression,
-    ]  # fmt: skip
+        *("--slots", ns.slots),
+        *("--ctx", ns.ctx),
+        *("--host", "127.0.0.1"),
+        *("--port", str(node_port)),
+        *("--data-dir", str(data)),
+        *("--node-id", "local"),
+        *("--redis-prefix", settings.redis_prefix),
+        *("--s3-prefix", settings.s3_prefix),
+        *("--log-level", settings.log_level),
+        *("--store-compression", ns.store_compression),
+    ]
     if settings.s3_bucket:
         node_argv += ["--s3-bucket", settings.s3_bucket]
         if settings.s3_endpoint:
@@ -151,9 +156,7 @@ def main(argv: list[str]) -> int:
     # The node API and the engines answer only this credential; one machine: a fresh one per start.
     internal_key = settings.internal_key or new_key()
     try:
-        node_settings = parse_node_settings(
-            node_argv, {**os.environ, "SLOTKEEPER_INTERNAL_KEY": internal_key}
-        )
+        node_settings = parse_node_settings(node_argv, {**os.environ, env_name("internal_key"): internal_key})
     except SettingsError as exc:
         print(f"slotkeeper serve: {exc}", file=sys.stderr)
         return 2
@@ -179,7 +182,7 @@ def main(argv: list[str]) -> int:
             proxy_headers=False,  # nothing reads the client's address: one ASGI layer less per request
             http=header_deadline(settings.header_timeout_s),
             timeout_keep_alive=round(settings.keep_alive_s),
-        )  # fmt: skip
+        )
     )
     log.info(
         "serve.start", gateway=f"http://{settings.host}:{settings.port}", node_port=node_port, models=models

@@ -13,11 +13,11 @@ from gateway.retention import Retention
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenants
 from gateway.turns import TurnRunner
-from storage.blobstore import BlobStore
-from storage.engines import EngineRegistry
-from storage.index import SessionIndex
-from storage.locks import SessionLocks
-from storage.responses import ResponseStore
+from storage.blobs.blobstore import BlobStore
+from storage.blobs.stored_responses import ResponseStore
+from storage.index.engines import EngineRegistry
+from storage.index.locks import SessionLocks
+from storage.index.session_index import SessionIndex
 
 
 @dataclass

@@ -26,14 +26,14 @@ from typing import Any
 
 import httpx
 
-from storage.blobstore import delete_generations
-from storage.chunkstore import ChunkedStore
-from storage.errors import NotFound, StorageError
-from storage.index import in_process_redis
-from storage.ledger import ChunkLedger
-from storage.localstore import LocalStore
-from storage.routes import split_routes
-from storage.spillcache import SpillCache
+from storage.blobs.blobstore import delete_generations
+from storage.blobs.localstore import LocalStore
+from storage.blobs.spillcache import SpillCache
+from storage.chunks.chunkstore import ChunkedStore
+from storage.chunks.ledger import ChunkLedger
+from storage.errors import NotStored, StorageError
+from storage.index.prefix_digests import split_routes
+from storage.index.session_index import in_process_redis
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 COLUMNS = ("id", "state", "generation", "tokens", "bytes", "last_used")
@@ -113,9 +113,18 @@ async def _via_data_dir(data: Path, prefix: str, tenant: str, action: str, sessi
 async def _stored(store: ChunkedStore, ref: Any) -> dict[str, Any]:
     meta = await store.head(ref)
     route, shared, prompt = split_routes(meta.route)
-    return {"id": ref.session, "state": "stored", "generation": ref.generation, "tokens": meta.n_tokens,
-            "bytes": meta.size, "last_used": meta.last_modified, "model": meta.model, "route": route,
-            "shared": shared, "prompt": prompt}  # fmt: skip
+    return {
+        "id": ref.session,
+        "state": "stored",
+        "generation": ref.generation,
+        "tokens": meta.n_tokens,
+        "bytes": meta.size,
+        "last_used": meta.last_modified,
+        "model": meta.model,
+        "route": route,
+        "shared": shared,
+        "prompt": prompt,
+    }
 
 
 # -- output -----------------------------------------------------------------------------------------
@@ -152,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     except Refused as exc:
         print(f"slotkeeper sessions: {exc}", file=sys.stderr)
         return 1
-    except (OSError, StorageError, NotFound) as exc:
+    except (OSError, StorageError, NotStored) as exc:
         print(f"slotkeeper sessions: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2) if args.json else render(args.action, result))

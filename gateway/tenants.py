@@ -26,7 +26,7 @@ The tenants file is TOML:
                                          # keeps each session's state its own
     idle_ttl_s = 2592000                 # a session unused this long is deleted (default: never)
 
-    [[tenants.acme.volatile]]            # a volatile block (engine_pool/server/apis/volatile.py):
+    [[tenants.acme.volatile]]            # a volatile block (engine_pool/protocol/volatile.py):
     name = "request-stamp"               # lines matching `pattern` are dropped or moved to the end
     pattern = "^Request: [0-9a-f]{8}$"   # of the prompt before rendering; the built-in rules
     action = "drop"                      # (Claude Code's billing header) come first, unless
@@ -48,7 +48,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-from engine_pool.server.apis.volatile import BUILTIN_RULES, RuleError, VolatileRule, make_rule
+from engine_pool.protocol.volatile import BUILTIN_RULES, RuleError, VolatileRule, make_rule
 from storage.ids import validate_id
 
 MAX_VOLATILE_RULES = 32
@@ -221,8 +221,17 @@ def parse_tenants(doc: dict[str, Any]) -> Tenants:
             raise TenantConfigError(
                 f"{where}.default_max_tokens must be an integer within 0..2^31-1 (0: none)"
             )
-        out[name] = Tenant(name, frozenset(all_digests), durability, dict(models), quotas, share, ttl,
-                           volatile=_volatile(raw, where), default_max_tokens=cap)  # fmt: skip
+        out[name] = Tenant(
+            name,
+            frozenset(all_digests),
+            durability,
+            dict(models),
+            quotas,
+            share,
+            ttl,
+            volatile=_volatile(raw, where),
+            default_max_tokens=cap,
+        )
     return Tenants(out, open_access=False)
 
 

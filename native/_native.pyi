@@ -4,6 +4,7 @@ Use it through the `native` facade (native/__init__.py), which imports `llama_cp
 exactly one libllama is loaded in the process.
 """
 
+from collections.abc import Callable
 from typing import Literal
 
 STATE_SEQ_VERSION: int
@@ -274,7 +275,9 @@ class SlotInfo:
 class Engine:
     """One model, N slots on one llama_context (kv_unified), decode loop on its own thread."""
 
-    def __init__(self, config: EngineConfig) -> None: ...
+    def __init__(self, config: EngineConfig, on_load_progress: Callable[[float], None] | None = None) -> None:
+        """`on_load_progress` hears the fraction of the weights loaded, once per tenth, on the
+        loading thread."""
     @property
     def model(self) -> ModelInfo: ...
     @property

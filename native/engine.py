@@ -56,8 +56,10 @@ class _Sink:
 class Engine:
     """One model, N slots. See native/_native.pyi for the operations it forwards."""
 
-    def __init__(self, config: _native.EngineConfig) -> None:
-        self._raw = _native.Engine(config)
+    def __init__(
+        self, config: _native.EngineConfig, on_load_progress: Callable[[float], None] | None = None
+    ) -> None:
+        self._raw = _native.Engine(config, on_load_progress)
         self._sinks: dict[int, _Sink] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         # Guards _closed and _loop: close() may come from any thread while the event loop attaches.

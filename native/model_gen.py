@@ -21,7 +21,7 @@ import string
 import sys
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -268,47 +268,36 @@ class ArchSpec:
 
 
 _TINY_VOCAB = 1024
+# The attention shape the tiny models share; each row below says what its family changes.
+_TINY = Dims(n_vocab=_TINY_VOCAB, n_embd=128, n_layer=2, n_ff=256, n_head=4, n_head_kv=2, head_dim=32)
 
-# A table, laid out by hand: one Dims per size, grouped by role.
-# fmt: off
 ARCH_SPECS: dict[str, ArchSpec] = {
-    "llama": ArchSpec(
-        sizes={
-            "tiny": Dims(
-                n_vocab=_TINY_VOCAB, n_embd=128, n_layer=2, n_ff=256, n_head=4, n_head_kv=2, head_dim=32,
-            ),
-        },
-        block=_llama_block,
-        metadata=_llama_meta,
-    ),
+    "llama": ArchSpec(sizes={"tiny": _TINY}, block=_llama_block, metadata=_llama_meta),
     "gemma2": ArchSpec(
-        sizes={
-            "tiny": Dims(
-                n_vocab=_TINY_VOCAB, n_embd=128, n_layer=4, n_ff=256, n_head=4, n_head_kv=2, head_dim=32,
-                sliding_window=32,
-            ),
-        },
+        sizes={"tiny": replace(_TINY, n_layer=4, sliding_window=32)},
         block=_gemma2_block,
         metadata=_gemma2_meta,
     ),
     "mamba2": ArchSpec(
         sizes={
             "tiny": Dims(
-                n_vocab=_TINY_VOCAB, n_embd=128, n_layer=2, attn_every=0,
-                ssm_conv=4, ssm_state=32, ssm_heads=8, ssm_groups=1, ssm_inner=256,
+                n_vocab=_TINY_VOCAB,
+                n_embd=128,
+                n_layer=2,
+                attn_every=0,
+                ssm_conv=4,
+                ssm_state=32,
+                ssm_heads=8,
+                ssm_groups=1,
+                ssm_inner=256,
             ),
         },
         block=_mamba2_block,
         metadata=_mamba2_meta,
     ),
     "lfm2": ArchSpec(
-        sizes={
-            # shortconv, attention, shortconv, attention
-            "tiny": Dims(
-                n_vocab=_TINY_VOCAB, n_embd=128, n_layer=4, n_ff=256, n_head=4, n_head_kv=2, head_dim=32,
-                attn_every=2, ssm_conv=3,
-            ),
-        },
+        # shortconv, attention, shortconv, attention
+        sizes={"tiny": replace(_TINY, n_layer=4, attn_every=2, ssm_conv=3)},
         block=_lfm2_block,
         metadata=_lfm2_meta,
         output_norm="token_embd_norm",
@@ -316,14 +305,24 @@ ARCH_SPECS: dict[str, ArchSpec] = {
     "qwen35": ArchSpec(
         sizes={
             # 3 Gated DeltaNet layers, then 1 attention layer: the ratio of the real family.
-            "tiny": Dims(
-                n_vocab=_TINY_VOCAB, n_embd=128, n_layer=4, n_ff=256, n_head=4, n_head_kv=2, head_dim=32,
-                attn_every=4, ssm_conv=4, ssm_state=32, ssm_heads=4, ssm_groups=2,
+            "tiny": replace(
+                _TINY, n_layer=4, attn_every=4, ssm_conv=4, ssm_state=32, ssm_heads=4, ssm_groups=2
             ),
             # ~211M parameters in Qwen3.5-0.8B-like proportions, fewer layers: 12 GDN + 4 attention.
             "bench": Dims(
-                n_vocab=32000, n_embd=1024, n_layer=16, n_ff=2048, n_head=8, n_head_kv=2, head_dim=128,
-                attn_every=4, n_ctx_train=32768, ssm_conv=4, ssm_state=128, ssm_heads=8, ssm_groups=8,
+                n_vocab=32000,
+                n_embd=1024,
+                n_layer=16,
+                n_ff=2048,
+                n_head=8,
+                n_head_kv=2,
+                head_dim=128,
+                attn_every=4,
+                n_ctx_train=32768,
+                ssm_conv=4,
+                ssm_state=128,
+                ssm_heads=8,
+                ssm_groups=8,
                 f16=True,
             ),
         },
@@ -331,7 +330,6 @@ ARCH_SPECS: dict[str, ArchSpec] = {
         metadata=_qwen35_meta,
     ),
 }
-# fmt: on
 
 
 def _tensors(spec: ArchSpec, d: Dims) -> list[Tensor]:

@@ -1,53 +1,23 @@
-"""Slotkeeper storage: slot files, blob stores (local and S3), the spill cache and the Redis index.
+"""Slotkeeper storage: slot files, blob stores (local and S3), content-addressed chunks and the Redis
+index.
 
 Everything here is async for callers (boto3 and file work run in threads) and takes its settings
-and clients as constructor arguments; nothing reads the environment. The usual entry points:
+and clients as constructor arguments; nothing reads the environment. One subpackage per concept:
 
-* :func:`storage.slotfile.read_slot_file` / :func:`storage.slotfile.verify_slot_file`
-* :class:`storage.localstore.LocalStore`, :class:`storage.s3store.S3Store` (+ ``make_s3_client``)
-* :class:`storage.chunkstore.ChunkedStore` over either: generations as content-addressed pieces
-  (:mod:`storage.chunking`), shared within a tenant, counted and collected through
-  :class:`storage.ledger.ChunkLedger`
-* :func:`storage.blobstore.delete_generations` (all, or superseded, generations of a session)
-* :class:`storage.spillcache.SpillCache`
-* :class:`storage.index.SessionIndex` (records, stored bytes, generation floors, implicit routes,
-  usage / windowed / in-flight counters), :class:`storage.locks.SessionLocks`,
-  :class:`storage.engines.EngineRegistry` (on redis-py asyncio, or ``in_process_redis()``)
-* :func:`storage.probe.probe_store`, :func:`storage.probe.probe_redis` (start-up checks)
-* :func:`storage.reindex.reindex`; CLIs ``storage.inspect:main`` and ``storage.reindex:main``
+* :mod:`storage.slotfile` — the slot-file format v1: reader and validator, ``slotkeeper inspect``;
+* :mod:`storage.blobs` — where generations are kept: the blob-store interface, the local and S3
+  stores, the node's spill cache in front of them, stored Responses-API documents;
+* :mod:`storage.chunks` — a generation as content-addressed pieces behind the blob-store interface:
+  splitting, the chunked store, prefix cuts, the piece codec and the chunk ledger;
+* :mod:`storage.index` — the Redis index: session records, locks, engine registry, routing digests,
+  tenant counters, the request path's round trips and ``slotkeeper reindex``.
 
-No botocore or redis-py exception escapes: each becomes a :class:`StorageError` with an HTTP
-status and code (:class:`StoreMisconfigured`, :class:`StoreUnavailable`...). ``OSError`` about the
+What all of them share stays here: :mod:`storage.errors` (the one error hierarchy), :mod:`storage.ids`
+(id validation and blob keys), :mod:`storage.checksum` (CRC-32), :mod:`storage.background`
+(low-priority threads for saves) and :mod:`storage.probe` (start-up checks of the store and Redis).
+Import each thing from the module that holds it; this package re-exports nothing.
+
+No botocore or redis-py exception escapes: each becomes a :class:`~storage.errors.StorageError` with
+an HTTP status and code (``StoreMisconfigured``, ``StoreUnavailable``...). ``OSError`` about the
 caller's own local files (a missing source path) passes through unchanged.
 """
-
-from storage.errors import (
-    ChecksumError,
-    Conflict,
-    GenerationUsed,
-    InvalidId,
-    LockBusy,
-    LockLost,
-    NotFound,
-    SlotFileError,
-    StorageError,
-    StoreMisconfigured,
-    StoreUnavailable,
-)
-from storage.ids import SlotRef, validate_id
-
-__all__ = [
-    "ChecksumError",
-    "Conflict",
-    "GenerationUsed",
-    "InvalidId",
-    "LockBusy",
-    "LockLost",
-    "NotFound",
-    "SlotFileError",
-    "SlotRef",
-    "StorageError",
-    "StoreMisconfigured",
-    "StoreUnavailable",
-    "validate_id",
-]

@@ -56,21 +56,24 @@ class ChecksumError(StorageError):
         super().__init__(message)
 
 
-class NotFound(StorageError):
-    """The object, session, engine or record does not exist (for this tenant)."""
+class NotStored(StorageError):
+    """Nothing is stored under that name (for this tenant): no such object, document, session record
+    or cached generation. Named apart from the API error ``NotFound``, which the gateway and the
+    node raise about a request."""
 
     status = 404
     code = "not_found"
 
 
-class Conflict(StorageError):
-    """A conditional change lost: the generation already exists, or a record changed under us."""
+class WriteConflict(StorageError):
+    """A conditional write lost: the generation already exists, or a record changed under us. Named
+    apart from the API error ``Conflict``: this one is always about stored state."""
 
     status = 409
     code = "conflict"
 
 
-class GenerationUsed(Conflict):
+class GenerationUsed(WriteConflict):
     """The generation was used by an earlier, deleted session with the same id (at or below the
     record's floor): save as ``SessionRecord.next_generation`` or later."""
 

@@ -20,9 +20,9 @@ from typing import Any
 import structlog
 from redis.exceptions import RedisError, ResponseError
 
-from storage.blobstore import BlobStore
+from storage.blobs.blobstore import BlobStore
 from storage.errors import StorageError, StoreMisconfigured
-from storage.keyspace import Keyspace, redis_address, redis_error, text
+from storage.index.keyspace import Keyspace, redis_address, redis_error, text
 
 log = structlog.get_logger("slotkeeper.storage")
 MIN_REDIS_VERSION = (7, 0)  # PEXPIRE NX/GT (in-flight admission)
@@ -53,12 +53,20 @@ async def probe_redis(redis: Any, *, prefix: str = "slotkeeper") -> None:
     except RedisError as exc:
         raise redis_error(exc, where) from exc
     if got is None or text(got) != value:
-        raise StoreMisconfigured(f"{where} did not return the value just written to {key}",
-                                 service="redis", error_code="GetMismatch", where=where)  # fmt: skip
+        raise StoreMisconfigured(
+            f"{where} did not return the value just written to {key}",
+            service="redis",
+            error_code="GetMismatch",
+            where=where,
+        )
     if version is not None and version < MIN_REDIS_VERSION:
         have, need = ".".join(map(str, version)), ".".join(map(str, MIN_REDIS_VERSION))
-        raise StoreMisconfigured(f"{where} runs Redis {have}; Slotkeeper needs {need} or later",
-                                 service="redis", error_code="RedisVersion", where=where)  # fmt: skip
+        raise StoreMisconfigured(
+            f"{where} runs Redis {have}; Slotkeeper needs {need} or later",
+            service="redis",
+            error_code="RedisVersion",
+            where=where,
+        )
     log.info("storage.probed", store="redis", where=where)
 
 

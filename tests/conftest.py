@@ -16,7 +16,7 @@ def pytest_configure(config: pytest.Config) -> None:
     """Node agents, gateways and `serve` started by tests inherit one known internal credential."""
     import os
 
-    from support.servers import INTERNAL_KEY
+    from gateway.bench.harness.servers import INTERNAL_KEY
 
     os.environ.setdefault("SLOTKEEPER_INTERNAL_KEY", INTERNAL_KEY)
 
@@ -43,8 +43,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
 @pytest.fixture(scope="session")
 def gemma_model() -> Path:
     """Gemma 3 270M Q4_K_M, a real model (253 MB, no chat template), assembled once per machine
-    into a cache directory (support/gemma.py)."""
-    from support.gemma import gemma_gguf
+    into a cache directory (gateway/bench/harness/gemma.py)."""
+    from gateway.bench.harness.gemma import gemma_gguf
 
     return gemma_gguf()
 
@@ -52,7 +52,7 @@ def gemma_model() -> Path:
 @pytest.fixture(scope="session")
 def redis_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     """A real redis-server for the session (tests never use the machine's own on 6379)."""
-    from support.servers import redis_server
+    from gateway.bench.harness.servers import redis_server
 
     with redis_server(tmp_path_factory.mktemp("redis")) as port:
         yield port
@@ -61,7 +61,7 @@ def redis_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
 @pytest.fixture(scope="session")
 def seaweed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """SeaweedFS (`weed mini`) with S3 on a free loopback port, bucket ``slots``; yields the endpoint."""
-    from support.servers import make_bucket, weed_mini
+    from gateway.bench.harness.servers import make_bucket, weed_mini
 
     with weed_mini(tmp_path_factory.mktemp("weed")) as endpoint:
         make_bucket(endpoint, "slots")
@@ -71,9 +71,20 @@ def seaweed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """moto's S3 server in a child process, bucket ``slots`` created."""
-    from support.servers import MotoProcess
+    from gateway.bench.harness.servers import MotoProcess
 
     server = MotoProcess(tmp_path_factory.mktemp("moto"))
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def restartable_moto(tmp_path: Path) -> Iterator[Any]:
+    """A moto server of this test's own, bucket ``slots`` created, that the test may kill."""
+    from gateway.bench.harness.servers import MotoProcess
+
+    server = MotoProcess(tmp_path)
     server.start()
     yield server
     server.kill()

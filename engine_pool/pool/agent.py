@@ -38,18 +38,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from storage.blobstore import BlobStore
-from storage.engines import EngineRegistry
-from storage.errors import Conflict, LockBusy, LockLost, StorageError, StoreUnavailable
+from storage.blobs.blobstore import BlobStore
+from storage.blobs.spillcache import SpillCache, stored_as
+from storage.errors import LockBusy, LockLost, StorageError, StoreUnavailable, WriteConflict
 from storage.ids import SlotRef, validate_id
-from storage.index import SessionIndex, SessionState
-from storage.routes import STORED_ROUTES
-from storage.slotfile import read_slot_file, whole_file_crc32
-from storage.spillcache import SpillCache, stored_as
+from storage.index.engines import EngineRegistry
+from storage.index.generations import save_as_next_generation
+from storage.index.prefix_digests import STORED_ROUTES
+from storage.index.session_index import SessionIndex, SessionState
+from storage.slotfile.reader import read_slot_file, whole_file_crc32
 
-from ..body import check_tokens, read_json
-from ..credentials import RequireKey
-from ..errors import (
+from ..common.body import read_json
+from ..common.credentials import RequireKey
+from ..common.errors import (
     ApiError,
     BadRequest,
     NotFound,
@@ -59,16 +60,34 @@ from ..errors import (
     is_expected,
     render_error,
 )
-from ..loop import cancel_and_wait
+from ..common.loop import cancel_and_wait
+from ..protocol.node import (
+    ENGINES,
+    HEALTH,
+    METRICS,
+    SESSION,
+    SLOT_OPERATION,
+    SLOT_OPS,
+    CancelResult,
+    EngineList,
+    EraseResult,
+    FillRequest,
+    FillResult,
+    ForgetResult,
+    NodeEngine,
+    NodeHealth,
+    SlotResult,
+    SpillRequest,
+    SpillResult,
+)
 from .metrics import NodeMetrics
 from .settings import NodeSettings
-from .supervisor import EngineSpec, EngineSupervisor, State
+from .supervisor import EngineSnapshot, EngineSpec, EngineSupervisor, State
 
 log = structlog.get_logger("engine.node")
-PUBLIC_PATHS = frozenset({"/health"})  # probes; nothing a tenant sent
+PUBLIC_PATHS = frozenset({HEALTH})  # probes; nothing a tenant sent
 SLOT_TIMEOUT = httpx.Timeout(600.0, connect=5.0)  # a save waits for the slot's running request
 DAMAGED = frozenset({"truncated", "bad_magic", "checksum_mismatch", "bad_layout"})
-MAX_FILL_TOKENS = 1 << 21  # a fill's prompt tokens (a context of 2M tokens)
 
 
 @dataclass
@@ -174,32 +193,39 @@ class NodeAgent:
                 record = await index.find(tenant, session)
                 if record is None or record.state is not SessionState.LIVE or record.slot is None:
                     continue
-                ref, out = await self._spill_next(
-                    sup, record.slot, tenant, session, record.generation, record.stored_routes
+                ref, out = await self._spill_next(sup, record.slot, tenant, session, record.stored_routes)
+                await index.mark_spilled(
+                    tenant,
+                    session,
+                    generation=ref.generation,
+                    blob_key=out.key,
+                    nbytes=out.bytes,
+                    tokens=out.tokens,
                 )
-                await index.mark_spilled(tenant, session, generation=ref.generation, blob_key=out["key"],
-                                         nbytes=out["bytes"], tokens=out["tokens"])  # fmt: skip
-                ok = ok and bool(out["uploaded"])
+                ok = ok and out.uploaded
             except (ApiError, StorageError) as exc:
                 log.error("node.drain_spill_failed", tenant=tenant, session=session, error=str(exc))
                 ok = False
         return ok
 
     async def _spill_next(
-        self, sup: EngineSupervisor, slot: int, tenant: str, session: str, durable: int, route: str
-    ) -> tuple[SlotRef, dict[str, Any]]:
-        """Spill as the first free generation after ``durable``: a gateway's write-behind save may
-        have taken the next one a moment ago without recording it yet (here or in the store); the
-        slot is unchanged since, so a later generation is as good."""
-        for generation in range(durable + 1, durable + 9):
+        self, sup: EngineSupervisor, slot: int, tenant: str, session: str, route: str
+    ) -> tuple[SlotRef, SpillResult]:
+        """Spill as the session's next generation, chosen as every save chooses it
+        (storage.index.generations): handed out by the index, so a gateway's write-behind save that
+        reserved one a moment ago never collides with this one."""
+
+        async def reserve() -> int:
+            return await self.parts.index.reserve_generation(tenant, session)
+
+        async def spill(generation: int) -> tuple[SlotRef, SpillResult]:
             ref = SlotRef(tenant, session, generation)
-            if ref in self.parts.cache:
-                continue
-            try:
-                return ref, await self._spill(sup, slot, ref, route)
-            except Conflict:
-                continue
-        raise Conflict(f"session {session}: generations {durable + 1}..{durable + 8} are all taken")
+            return ref, await self._spill(sup, slot, ref, route)
+
+        def taken(exc: Exception) -> bool:  # held already, in the spill cache or the store
+            return isinstance(exc, WriteConflict)
+
+        return await save_as_next_generation(session, reserve, spill, taken)
 
     # -- operations ------------------------------------------------------------------------------
     def _engine(self, engine_id: str, slot: str) -> tuple[EngineSupervisor, int]:
@@ -218,18 +244,26 @@ class NodeAgent:
         return sup, int(slot)
 
     async def operation(
-        self, op: str, engine_id: str, slot: str, ref: SlotRef | None, route: str = "", share: bool = True,
-        tokens: list[int] | None = None, prefix: bool = False,
-    ) -> dict[str, Any]:  # fmt: skip
+        self,
+        op: str,
+        engine_id: str,
+        slot: str,
+        ref: SlotRef | None,
+        route: str = "",
+        share: bool = True,
+        tokens: list[int] | None = None,
+        prefix: bool = False,
+    ) -> SlotResult:
         sup, n = self._engine(engine_id, slot)
         self._inflight += 1
         self._idle.clear()
-        t0, result = time.monotonic(), None
+        t0 = time.monotonic()
+        result: SlotResult | None = None
         try:
             if op == "erase":
-                result = {"n_erased": (await self._slot_call(sup, n, "erase"))["n_erased"]}
+                result = EraseResult(int((await self._slot_call(sup, n, "erase"))["n_erased"]))
             elif op == "cancel":  # the generation running there ends (a busy session's DELETE)
-                result = {"cancelled": bool((await self._slot_call(sup, n, "cancel"))["cancelled"])}
+                result = CancelResult(bool((await self._slot_call(sup, n, "cancel"))["cancelled"]))
             else:
                 assert ref is not None
                 spill = op == "spill"
@@ -255,13 +289,15 @@ class NodeAgent:
 
     async def _spill(
         self, sup: EngineSupervisor, slot: int, ref: SlotRef, route: str = "", share: bool = True
-    ) -> dict[str, Any]:
+    ) -> SpillResult:
         """Save, cache and upload; `route` (the session's newest routing digest) travels in the
         object's metadata so that a reindex restores implicit routing too; `share` lets the stored
         chunks be shared with the tenant's other sessions."""
         cache, t0 = self.parts.cache, time.monotonic()
         if ref in cache:
-            raise Conflict(f"generation {ref.generation} of session {ref.session} was already spilled here")
+            raise WriteConflict(
+                f"generation {ref.generation} of session {ref.session} was already spilled here"
+            )
         name = f"spill-{uuid.uuid4().hex}.slot"
         src = sup.spec.slot_dir / name
         await self._slot_call(sup, slot, "save", name)
@@ -273,17 +309,31 @@ class NodeAgent:
             raise Upstream(f"engine {sup.spec.engine_id} wrote an unreadable slot file: {exc}") from exc
         written = await self._keep(ref, src, sf.fingerprint or "", sf.n_tokens, crc, sf.size, route, share)
         await cache.evict()
-        out = {"tenant": ref.tenant, "session": ref.session, "generation": ref.generation,
-               "key": self.parts.store.key_for(ref), "bytes": sf.size, "tokens": sf.n_tokens,
-               "uploaded": written is not None, "written": written or 0,
-               "ms": round((time.monotonic() - t0) * 1000, 2)}  # fmt: skip
-        log.info("node.spilled", engine=sup.spec.engine_id, slot=slot, **out)
+        out = SpillResult(
+            ref.tenant,
+            ref.session,
+            ref.generation,
+            self.parts.store.key_for(ref),
+            sf.size,
+            sf.n_tokens,
+            uploaded=written is not None,
+            written=written or 0,
+            ms=round((time.monotonic() - t0) * 1000, 2),
+        )
+        log.info("node.spilled", engine=sup.spec.engine_id, slot=slot, **out.to_json())
         return out
 
     async def _keep(
-        self, ref: SlotRef, src: Path, model: str, tokens: int, crc: int, size: int, route: str = "",
+        self,
+        ref: SlotRef,
+        src: Path,
+        model: str,
+        tokens: int,
+        crc: int,
+        size: int,
+        route: str = "",
         share: bool = True,
-    ) -> int | None:  # fmt: skip
+    ) -> int | None:
         """Adopt a saved file into the spill cache and upload it (see :meth:`_upload`). The flush
         loop keeps off it meanwhile: two uploads of one generation would race for its claim, and
         the loser could not yet see the winner's object."""
@@ -296,44 +346,60 @@ class NodeAgent:
             cache.unpin(ref)
 
     async def _upload(
-        self, ref: SlotRef, path: Path, model: str, tokens: int, crc: int, size: int, route: str = "",
-        share: bool = True,
-    ) -> int | None:  # fmt: skip
+        self, ref: SlotRef, path: Path, model: str, tokens: int, crc: int, size: int, route: str, share: bool
+    ) -> int | None:
         """Upload; the bytes it added to the store, or None when it stays pending (store down,
         another writer storing the same generation)."""
         store, cache = self.parts.store, self.parts.cache
         written = 0
+        deferred: str | None = None  # why it stays pending
         try:
-            meta = await store.put_file(ref, path, model=model, n_tokens=tokens, crc32=crc, route=route,
-                                        share=share)  # fmt: skip
+            meta = await store.put_file(
+                ref,
+                path,
+                model=model,
+                n_tokens=tokens,
+                crc32=crc,
+                route=route,
+                share=share,
+            )
             written = meta.written
         except (StoreUnavailable, LockBusy, LockLost) as exc:
-            log.warning("node.upload_deferred", tenant=ref.tenant, session=ref.session,
-                        generation=ref.generation, error=str(exc))  # fmt: skip
-            return None
-        except Conflict:
+            deferred = str(exc)
+        except WriteConflict:
             held = await stored_as(store, ref, crc, size)  # another writer stored it a moment ago?
             if held is None:  # or is storing it now: it stays pending, the flush confirms it later
-                log.warning("node.upload_deferred", tenant=ref.tenant, session=ref.session,
-                            generation=ref.generation, error="being stored by another writer")  # fmt: skip
-                return None
-            if not held:
+                deferred = "being stored by another writer"
+            elif not held:
                 await cache.discard(ref)
                 raise
+        if deferred is not None:
+            log.warning(
+                "node.upload_deferred",
+                tenant=ref.tenant,
+                session=ref.session,
+                generation=ref.generation,
+                error=deferred,
+            )
+            return None
         await cache.mark_uploaded(ref)
         return written
 
     async def _fill(
-        self, sup: EngineSupervisor, slot: int, ref: SlotRef, tokens: list[int] | None = None,
+        self,
+        sup: EngineSupervisor,
+        slot: int,
+        ref: SlotRef,
+        tokens: list[int] | None = None,
         prefix: bool = False,
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> FillResult:
         """Restore ``ref`` into the slot. A file fetched for it is not checked by the store: the
         engine checks every byte's CRC as it loads it, one pass instead of two. When the engine
         finds the bytes damaged and the store holds the generation (a copy on this disk, or one
         just assembled from the store), that copy goes, the store's copy is fetched again with the
         store's own check (naming a damaged piece, if that is where the damage is) and restored.
         With the prompt's ``tokens`` and no copy here, a prompt that leaves the generation early
-        gets only the part up to the checkpoint it continues from (:mod:`storage.prefixcut`).
+        gets only the part up to the checkpoint it continues from (:mod:`storage.chunks.prefixcut`).
         ``prefix``: ``ref`` is another session's generation the prompt may start from (a shared
         prefix): restored up to its checkpoint, else whole when the prompt repeats its first chunk,
         else not at all (``source`` "none", the slot left as it was)."""
@@ -347,10 +413,17 @@ class NodeAgent:
         else:
             out, source = await self._restore_whole(sup, slot, ref, source)
         await cache.evict()  # with a budget of 0 (one machine, local store) the copy goes now
-        result = {"tokens": out["n_restored"], "bytes": out["n_read"], "source": source,
-                  "ms": round((time.monotonic() - t0) * 1000, 2)}  # fmt: skip
-        log.info("node.filled", engine=sup.spec.engine_id, slot=slot, tenant=ref.tenant, session=ref.session,
-                 generation=ref.generation, **result)  # fmt: skip
+        ms = round((time.monotonic() - t0) * 1000, 2)
+        result = FillResult(int(out["n_restored"]), int(out["n_read"]), source, ms)
+        log.info(
+            "node.filled",
+            engine=sup.spec.engine_id,
+            slot=slot,
+            tenant=ref.tenant,
+            session=ref.session,
+            generation=ref.generation,
+            **result.to_json(),
+        )
         return result
 
     async def _restore_cut(
@@ -367,8 +440,15 @@ class NodeAgent:
         except ApiError as err:
             if err.extra.get("kind") not in DAMAGED:
                 raise
-            log.warning("node.cut_refused", engine=sup.spec.engine_id, slot=slot, tenant=ref.tenant,
-                        session=ref.session, generation=ref.generation, error=err.message)  # fmt: skip
+            log.warning(
+                "node.cut_refused",
+                engine=sup.spec.engine_id,
+                slot=slot,
+                tenant=ref.tenant,
+                session=ref.session,
+                generation=ref.generation,
+                error=err.message,
+            )
             return None
         finally:
             await asyncio.to_thread(dest.unlink, missing_ok=True)
@@ -383,9 +463,16 @@ class NodeAgent:
         except ApiError as err:
             if err.extra.get("kind") not in DAMAGED or (ref in cache and not cache.is_uploaded(ref)):
                 raise  # not damage, or the only copy there is (not uploaded yet)
-            log.warning("node.fill_damaged", engine=sup.spec.engine_id, slot=slot, tenant=ref.tenant,
-                        session=ref.session, generation=ref.generation, source=source,
-                        error=err.message)  # fmt: skip
+            log.warning(
+                "node.fill_damaged",
+                engine=sup.spec.engine_id,
+                slot=slot,
+                tenant=ref.tenant,
+                session=ref.session,
+                generation=ref.generation,
+                source=source,
+                error=err.message,
+            )
             if ref in cache:
                 await cache.discard(ref)
             return await self._restore(sup, slot, ref, verify=True), "store"
@@ -411,9 +498,11 @@ class NodeAgent:
         engine_id = sup.spec.engine_id
         try:
             r = await self.parts.http.post(
-                f"{sup.url}/slots/{slot}", params={"action": action},
-                json={"filename": filename} if filename else None, timeout=SLOT_TIMEOUT,
-            )  # fmt: skip
+                f"{sup.url}/slots/{slot}",
+                params={"action": action},
+                json={"filename": filename} if filename else None,
+                timeout=SLOT_TIMEOUT,
+            )
         except httpx.HTTPError as exc:
             raise Upstream(f"engine {engine_id}: slot {action} failed: {type(exc).__name__}: {exc}") from exc
         try:
@@ -428,11 +517,13 @@ class NodeAgent:
         extra = {k: v for k, v in error.items() if k not in ("message", "type", "param", "code")}
         code = error.get("code")
         raise ApiError(
-            f"engine {engine_id}: {error.get('message')}", status=status, extra=extra,
+            f"engine {engine_id}: {error.get('message')}",
+            status=status,
+            extra=extra,
             type=str(error.get("type") or ("upstream_error" if status == 502 else "invalid_request_error")),
             code=code if isinstance(code, str) else None,
             retry_after=self.settings.retry_after_s if status == 503 else None,
-        )  # fmt: skip
+        )
 
     # -- background loops ------------------------------------------------------------------------
     async def _registry_loop(self) -> None:
@@ -466,9 +557,15 @@ class NodeAgent:
                     log.warning("node.sessions_dropped", engine=engine_id, sessions=len(dropped))
             elif await registry.heartbeat(engine_id, ttl_s=ttl):
                 return
-            await registry.register(engine_id, node=self.settings.node_id, url=snap.url or "",
-                                    model=snap.model_id, n_slots=snap.n_slots, ttl_s=ttl,
-                                    instance=snap.instance)  # fmt: skip
+            await registry.register(
+                engine_id,
+                node=self.settings.node_id,
+                url=snap.url or "",
+                model=snap.model_id,
+                n_slots=snap.n_slots,
+                ttl_s=ttl,
+                instance=snap.instance,
+            )
             registered[engine_id] = snap.pid
         elif engine_id in registered:
             await registry.unregister(engine_id)
@@ -525,21 +622,30 @@ async def health(request: Request) -> Response:
     a = agent(request)
     if a.draining:
         retry = str(a.settings.retry_after_s)
-        body = {"status": "draining", "node": a.settings.node_id}
+        body = NodeHealth("draining", a.settings.node_id).to_json()
         return JSONResponse(body, status_code=503, headers={"Retry-After": retry})
-    return JSONResponse({"status": "ok", "node": a.settings.node_id})
+    return JSONResponse(NodeHealth("ok", a.settings.node_id).to_json())
 
 
-_VIEW = {"id": "engine_id", "model": "model_id", "url": "url", "state": "state", "n_slots": "n_slots",
-         "restarts": "restarts", "pid": "pid", "instance": "instance", "error": "error",
-         "last_error": "last_error"}  # fmt: skip
+def _engine_view(snap: EngineSnapshot) -> NodeEngine:
+    return NodeEngine(
+        snap.engine_id,
+        snap.model_id,
+        snap.url,
+        str(snap.state),
+        snap.n_slots,
+        snap.restarts,
+        snap.pid,
+        instance=snap.instance,
+        error=snap.error,
+        last_error=snap.last_error,
+    )
 
 
 async def engines(request: Request) -> Response:
     a = agent(request)
-    snaps = [sup.snapshot() for sup in a.engines.values()]
-    views = [{k: getattr(snap, f) for k, f in _VIEW.items()} for snap in snaps]
-    return JSONResponse({"node": a.settings.node_id, "engines": views})
+    views = tuple(_engine_view(sup.snapshot()) for sup in a.engines.values())
+    return JSONResponse(EngineList(a.settings.node_id, views).to_json())
 
 
 async def metrics(request: Request) -> Response:
@@ -555,36 +661,25 @@ async def metrics(request: Request) -> Response:
 async def slot_operation(request: Request) -> Response:
     a, p = agent(request), request.path_params
     op = p["op"]
-    if op not in ("spill", "fill", "erase", "cancel"):
-        raise NotFound(f"no such slot operation {op!r} (spill, fill, erase, cancel)")
-    ref = None
-    if op not in ("erase", "cancel"):
-        body = await read_json(request)
-        for field in ("tenant", "session", "generation"):
-            if not body.has(field):
-                raise BadRequest(f"'{field}' is required", param=field)
-        tenant, session = body.get_str("tenant"), body.get_str("session")
-        ref = SlotRef(str(tenant), str(session), body.get_int("generation", 0, lo=1))
-        route = body.get_str("route", "") or ""
-        if route and not STORED_ROUTES.fullmatch(route):
+    if op not in SLOT_OPS:
+        raise NotFound(f"no such slot operation {op!r} ({', '.join(SLOT_OPS)})")
+    result: SlotResult
+    if op == "spill":
+        spill = SpillRequest.from_body(await read_json(request))
+        ref = SlotRef(spill.tenant, spill.session, spill.generation)
+        if spill.route and not STORED_ROUTES.fullmatch(spill.route):
             raise BadRequest(
                 "'route' must be lowercase hex digests of 16..128 characters (route[.shared][+prompt])",
                 param="route",
             )
-        share = body.get_bool("share", True)
-        tokens = _prompt_tokens(body.get_list("tokens")) if op == "fill" else None
-        prefix = body.get_bool("prefix", False) if op == "fill" else False
-        return JSONResponse(await a.operation(op, p["engine"], p["slot"], ref, route, share, tokens, prefix))
-    return JSONResponse(await a.operation(op, p["engine"], p["slot"], ref))
-
-
-def _prompt_tokens(value: list[Any] | None) -> list[int] | None:
-    """A fill's ``tokens``: at most ``MAX_FILL_TOKENS`` ids, each a non-negative 32-bit integer."""
-    if value is None:
-        return None
-    if len(value) > MAX_FILL_TOKENS:
-        raise BadRequest(f"'tokens' holds {len(value)} ids, more than {MAX_FILL_TOKENS}", param="tokens")
-    return check_tokens(value, 1 << 31, "tokens")  # the node does not know the vocabulary: any i32 id
+        result = await a.operation(op, p["engine"], p["slot"], ref, route=spill.route, share=spill.share)
+    elif op == "fill":
+        fill = FillRequest.from_body(await read_json(request))
+        ref = SlotRef(fill.tenant, fill.session, fill.generation)
+        result = await a.operation(op, p["engine"], p["slot"], ref, tokens=fill.tokens, prefix=fill.prefix)
+    else:
+        result = await a.operation(op, p["engine"], p["slot"], None)
+    return JSONResponse(result.to_json())
 
 
 async def handle_error(request: Request, exc: Exception) -> Response:
@@ -600,19 +695,19 @@ async def forget_session(request: Request) -> Response:
     a, p = agent(request), request.path_params
     tenant, session = validate_id(p["tenant"], "tenant"), validate_id(p["session"], "session")
     dropped = await a.forget(tenant, session)
-    return JSONResponse({"tenant": tenant, "session": session, "n_files": dropped})
+    return JSONResponse(ForgetResult(tenant, session, dropped).to_json())
 
 
 def build_node_app(lifespan: Any, internal_key: str | None) -> Starlette:
     """The node API; `lifespan` creates the parts and the agent and puts it in `app.state.agent`.
-    Everything but `/health` requires `internal_key` (see engine_pool.credentials)."""
+    Everything but `/health` requires `internal_key` (see engine_pool.common.credentials)."""
     app = Starlette(
         routes=[
-            Route("/health", health, methods=["GET"]),
-            Route("/v1/engines", engines, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-            Route("/v1/engines/{engine}/slots/{slot}/{op}", slot_operation, methods=["POST"]),
-            Route("/v1/sessions/{tenant}/{session}", forget_session, methods=["DELETE"]),
+            Route(HEALTH, health, methods=["GET"]),
+            Route(ENGINES, engines, methods=["GET"]),
+            Route(METRICS, metrics, methods=["GET"]),
+            Route(SLOT_OPERATION, slot_operation, methods=["POST"]),
+            Route(SESSION, forget_session, methods=["DELETE"]),
         ],
         lifespan=lifespan,
         exception_handlers={e: handle_error for e in (ApiError, StorageError, HTTPException, Exception)},

@@ -1,4 +1,5 @@
-"""The async client the gateway uses for one node agent's API (`engine_pool.pool.agent`).
+"""The async client the gateway uses for one node agent's API (`engine_pool.pool.agent`); the
+requests and results are the node API's models (`engine_pool.protocol.node`), shared with the agent.
 
 Every failure is a `NodeError` carrying the HTTP status and the node's error `type` and
 `message` (from its `{"error": {...}}` body); a node that cannot be reached is status 502,
@@ -14,14 +15,29 @@ when the request surely never left (connect errors); the others are retried on a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
 import httpx
 
-from ..credentials import auth_headers
-from ..errors import ApiError
+from ..common.credentials import auth_headers
+from ..common.errors import ApiError
+from ..protocol.node import (
+    ENGINES,
+    HEALTH,
+    CancelResult,
+    EngineList,
+    EraseResult,
+    FillRequest,
+    FillResult,
+    ForgetResult,
+    NodeEngine,
+    NodeHealth,
+    SpillRequest,
+    SpillResult,
+    session_path,
+    slot_path,
+)
 
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 _NO_RESPONSE = (*_NOT_SENT, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ReadTimeout)
@@ -45,40 +61,6 @@ class NodeError(ApiError):
         return f"{self.status} {self.type}: {self.message}"
 
 
-@dataclass(frozen=True)
-class NodeEngine:
-    id: str
-    model: str
-    url: str | None
-    state: str
-    n_slots: int
-    restarts: int
-    pid: int | None
-    last_error: str = ""  # why it last crashed, with the end of its log
-    error: str = ""  # one line: why it last failed (state "failed": why it was given up)
-
-
-@dataclass(frozen=True)
-class SpillResult:
-    tenant: str
-    session: str
-    generation: int
-    key: str
-    bytes: int
-    tokens: int
-    uploaded: bool
-    ms: float
-    written: int = 0  # bytes the upload added to the store (0 while it is pending)
-
-
-@dataclass(frozen=True)
-class FillResult:
-    tokens: int
-    bytes: int
-    source: str  # "local" (spill cache), "store", "cut" (the store's pieces up to a checkpoint), "none"
-    ms: float
-
-
 class NodeClient:
     """One node agent at `base_url` (e.g. ``http://10.0.0.5:8070``)."""
 
@@ -92,7 +74,7 @@ class NodeClient:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
-        self._headers = auth_headers(key)  # the internal credential (engine_pool.credentials)
+        self._headers = auth_headers(key)  # the internal credential (engine_pool.common.credentials)
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout, headers=self._headers)
 
     async def aclose(self) -> None:
@@ -107,64 +89,70 @@ class NodeClient:
         await self.aclose()
 
     # -- the API -------------------------------------------------------------------------------------
-    async def health(self) -> dict[str, Any]:
-        """``{"status": "ok" | "draining", "node": id}`` (a draining node answers 503 with this body)."""
-        r = await self._send("GET", "/health", retry_on=_NO_RESPONSE)
+    async def health(self) -> NodeHealth:
+        """Status "ok" or "draining" (a draining node answers 503 with the same body)."""
+        r = await self._send("GET", HEALTH, retry_on=_NO_RESPONSE)
         body = _json(r)
         if r.status_code in (200, 503) and isinstance(body, dict) and "status" in body:
-            return body
+            return NodeHealth.from_json(body)
         raise _error(r, body)
 
     async def engines(self) -> list[NodeEngine]:
-        body = await self._call("GET", "/v1/engines", retry_on=_NO_RESPONSE)
-        return [NodeEngine(**{f: e.get(f) for f in NodeEngine.__dataclass_fields__}) for e in body["engines"]]
+        body = await self._call("GET", ENGINES, retry_on=_NO_RESPONSE)
+        return list(EngineList.from_json(body).engines)
 
     async def spill(
-        self, engine: str, slot: int, *, tenant: str, session: str, generation: int, route: str = "",
+        self,
+        engine: str,
+        slot: int,
+        *,
+        tenant: str,
+        session: str,
+        generation: int,
+        route: str = "",
         share: bool = True,
-    ) -> SpillResult:  # fmt: skip
+    ) -> SpillResult:
         """Save the slot as (tenant, session, generation) and upload it; see `SpillResult.uploaded`.
         `route` is the session's newest routing digest, kept with the object for reindexing;
         `share` lets its stored chunks be shared with the tenant's other sessions."""
-        body: dict[str, Any] = {"tenant": tenant, "session": session, "generation": generation}
-        if route:
-            body["route"] = route
-        if not share:
-            body["share"] = False
-        out = await self._call("POST", f"/v1/engines/{engine}/slots/{slot}/spill", body, retry_on=_NOT_SENT)
-        return SpillResult(**{f: out[f] for f in SpillResult.__dataclass_fields__ if f in out})
+        body = SpillRequest(tenant, session, generation, route, share).to_json()
+        out = await self._call("POST", slot_path(engine, slot, "spill"), body, retry_on=_NOT_SENT)
+        return SpillResult.from_json(out)
 
     async def fill(
-        self, engine: str, slot: int, *, tenant: str, session: str, generation: int,
-        tokens: list[int] | None = None, prefix: bool = False,
-    ) -> FillResult:  # fmt: skip
+        self,
+        engine: str,
+        slot: int,
+        *,
+        tenant: str,
+        session: str,
+        generation: int,
+        tokens: list[int] | None = None,
+        prefix: bool = False,
+    ) -> FillResult:
         """Restore (tenant, session, generation) into the slot, from the node's cache or the store.
         ``tokens``: the prompt the slot is restored for; when it leaves the generation early, only
         the part up to the checkpoint it continues from is restored (`FillResult.source` "cut").
         ``prefix``: the generation is another session's, whose prefix the prompt may start from:
         nothing is restored (source "none") when the prompt shares too little of it."""
-        body: dict[str, Any] = {"tenant": tenant, "session": session, "generation": generation}
-        if tokens:
-            body["tokens"] = tokens
-        if prefix:
-            body["prefix"] = True
-        out = await self._call("POST", f"/v1/engines/{engine}/slots/{slot}/fill", body, retry_on=_NO_RESPONSE)
-        return FillResult(**{f: out[f] for f in FillResult.__dataclass_fields__})
+        body = FillRequest(tenant, session, generation, tokens, prefix).to_json()
+        out = await self._call("POST", slot_path(engine, slot, "fill"), body, retry_on=_NO_RESPONSE)
+        return FillResult.from_json(out)
 
     async def forget(self, tenant: str, session: str) -> int:
         """Drop every spill-cache file of the session on this node (pending uploads too)."""
-        out = await self._call("DELETE", f"/v1/sessions/{tenant}/{session}", retry_on=_NO_RESPONSE)
-        return int(out["n_files"])
+        out = await self._call("DELETE", session_path(tenant, session), retry_on=_NO_RESPONSE)
+        return ForgetResult.from_json(out).n_files
 
     async def cancel(self, engine: str, slot: int) -> bool:
         """End the generation running on the slot; False when none ran there."""
-        out = await self._call("POST", f"/v1/engines/{engine}/slots/{slot}/cancel", retry_on=_NO_RESPONSE)
-        return bool(out["cancelled"])
+        out = await self._call("POST", slot_path(engine, slot, "cancel"), retry_on=_NO_RESPONSE)
+        return CancelResult.from_json(out).cancelled
 
     async def erase(self, engine: str, slot: int) -> int:
         """Empty the slot; returns the number of tokens it held."""
-        out = await self._call("POST", f"/v1/engines/{engine}/slots/{slot}/erase", retry_on=_NO_RESPONSE)
-        return int(out["n_erased"])
+        out = await self._call("POST", slot_path(engine, slot, "erase"), retry_on=_NO_RESPONSE)
+        return EraseResult.from_json(out).n_erased
 
     # -- plumbing -----------------------------------------------------------------------------------
     async def _call(
@@ -231,9 +219,12 @@ def _error(r: httpx.Response, body: Any) -> NodeError:
     if isinstance(err, dict):
         code = err.get("code")
         return NodeError(
-            r.status_code, str(err.get("type", "error")), str(err.get("message", "")),
-            code=code if isinstance(code, str) else None, retry_after=retry_after,
-        )  # fmt: skip
+            r.status_code,
+            str(err.get("type", "error")),
+            str(err.get("message", "")),
+            code=code if isinstance(code, str) else None,
+            retry_after=retry_after,
+        )
     return NodeError(r.status_code, "http_error", r.text[:500] or r.reason_phrase, retry_after=retry_after)
 
 

@@ -31,20 +31,20 @@ import structlog
 import uvicorn
 from starlette.applications import Starlette
 
-from storage.blobstore import BlobStore
-from storage.chunkstore import ChunkedStore
-from storage.engines import EngineRegistry
-from storage.index import SessionIndex, in_process_redis
-from storage.ledger import ChunkLedger
-from storage.localstore import LocalStore
+from storage.blobs.blobstore import BlobStore
+from storage.blobs.localstore import LocalStore
+from storage.blobs.retry import RetryPolicy
+from storage.blobs.spillcache import SpillCache
+from storage.chunks.chunkstore import ChunkedStore
+from storage.chunks.ledger import ChunkLedger
+from storage.index.engines import EngineRegistry
+from storage.index.session_index import SessionIndex, in_process_redis
 from storage.probe import check_backends
-from storage.retry import RetryPolicy
-from storage.spillcache import SpillCache
 
-from .. import logs
-from ..credentials import auth_headers
-from ..flags import SettingsError
-from ..signals import SignalServer
+from ..common import logs
+from ..common.credentials import auth_headers
+from ..common.flags import settings_or_status
+from ..common.signals import SignalServer
 from .agent import NodeAgent, NodeParts, build_node_app
 from .model_check import check_models
 from .settings import NodeSettings, build_parser, describe, parse_node_settings
@@ -60,13 +60,15 @@ async def open_parts(s: NodeSettings, stack: AsyncExitStack, redis: Any = None) 
     await asyncio.to_thread(s.data_path.mkdir, parents=True, exist_ok=True)
     store: BlobStore
     if s.s3_bucket:
-        from storage.s3client import make_s3_client
-        from storage.s3store import S3Store
+        from storage.blobs.s3client import make_s3_client
+        from storage.blobs.s3store import S3Store
 
         client = make_s3_client(
-            endpoint_url=s.s3_endpoint, region=s.s3_region, access_key=s.s3_access_key,
+            endpoint_url=s.s3_endpoint,
+            region=s.s3_region,
+            access_key=s.s3_access_key,
             secret_key=s.s3_secret_key,
-        )  # fmt: skip
+        )
         stack.callback(client.close)
         store = S3Store(client, s.s3_bucket, prefix=s.s3_prefix, retry=UPLOAD_RETRY)
     else:
@@ -161,14 +163,9 @@ def build_server(settings: NodeSettings, environ: Mapping[str, str], redis: Any 
 
 
 def main(argv: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in argv):
-        build_parser().print_help()
-        return 0
-    try:
-        settings = parse_node_settings(argv, os.environ)
-    except SettingsError as exc:
-        print(f"slotkeeper node: error: {exc}\n(see `slotkeeper node --help`)", file=sys.stderr)
-        return 2
+    settings = settings_or_status("node", argv, lambda: parse_node_settings(argv, os.environ), build_parser)
+    if isinstance(settings, int):
+        return settings
     bad_models = check_models(settings.models)
     for line in bad_models:
         print(f"slotkeeper node: error: {line}", file=sys.stderr)

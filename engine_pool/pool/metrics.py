@@ -4,10 +4,10 @@ engines by state and their restarts, and the spill cache (bytes held, uploads pe
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ..protocol.node import FillResult, SlotResult, SpillResult
 from .supervisor import EngineSnapshot, State
 
 
@@ -31,14 +31,15 @@ class NodeMetrics:
         self.cache_bytes = Gauge("slotkeeper_node_spill_cache_bytes", "Bytes in the spill cache", registry=r)
         self.pending = Gauge("slotkeeper_node_uploads_pending", "Spilled files not yet uploaded", registry=r)
 
-    def observe(self, op: str, seconds: float, result: dict[str, Any] | None) -> None:
+    def observe(self, op: str, seconds: float, result: SlotResult | None) -> None:
         """One finished operation (`result` None when it failed)."""
         self.operations.labels(op, "ok" if result is not None else "error").inc()
         if result is None or op == "erase":
             return
         self.seconds.labels(op).observe(seconds)
-        source = str(result.get("source", "engine" if op == "spill" else "store"))
-        self.bytes.labels(op, source).inc(int(result.get("bytes", 0)))
+        source = result.source if isinstance(result, FillResult) else "engine" if op == "spill" else "store"
+        nbytes = result.bytes if isinstance(result, SpillResult | FillResult) else 0
+        self.bytes.labels(op, source).inc(nbytes)
 
     def render(self, snaps: Iterable[EngineSnapshot], cache_bytes: int, pending: int) -> bytes:
         counts = dict.fromkeys((s.value for s in State), 0)

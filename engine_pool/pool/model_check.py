@@ -27,10 +27,18 @@ from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
 
 _MAGIC = struct.pack("<I", GGUF_MAGIC)  # b"GGUF"
 _FIXED: dict[int, int] = {
-    GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1, GGUFValueType.UINT16: 2,
-    GGUFValueType.INT16: 2, GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
-    GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8,
-}  # fmt: skip
+    GGUFValueType.UINT8: 1,
+    GGUFValueType.INT8: 1,
+    GGUFValueType.BOOL: 1,
+    GGUFValueType.UINT16: 2,
+    GGUFValueType.INT16: 2,
+    GGUFValueType.UINT32: 4,
+    GGUFValueType.INT32: 4,
+    GGUFValueType.FLOAT32: 4,
+    GGUFValueType.UINT64: 8,
+    GGUFValueType.INT64: 8,
+    GGUFValueType.FLOAT64: 8,
+}
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 # The smallest a key/value pair (empty key, u32 type, one byte) and a tensor entry (empty name,
 # u32 n_dims, one u64 dim, u32 type, u64 offset) can be: counts beyond what the file could hold

@@ -1,10 +1,12 @@
 """Settings of one node agent (`slotkeeper node`): flags, their SLOTKEEPER_* variables, one frozen object.
 
-`FLAGS` is the single table mapping each flag to its field and variable (command line >
-environment > default); `parse_node_settings(argv, environ)` is its only reader and `node_main`
-hands it `os.environ`. Repeatable flags (`--model`, `--alias`, `--engine-arg`) take their variable
-as a comma-separated list. S3 credentials have variables only (a secret on a command line shows
-in `ps`); without them boto3's usual chain (AWS_* variables, ~/.aws, instance roles) applies.
+`FLAGS` is the single table mapping each flag to its field, variable, default and check (command
+line > environment > default); a variable is SLOTKEEPER_ + the field's name unless its row declares
+a shorter one (`--slots` → SLOTKEEPER_SLOTS); `parse_node_settings(argv, environ)` is its only
+reader and `node_main` hands it `os.environ`. Repeatable flags (`--model`, `--alias`,
+`--engine-arg`) take their variable as a comma-separated list. S3 credentials have variables only (a
+secret on a command line shows in `ps`); without them boto3's usual chain (AWS_* variables, ~/.aws,
+instance roles) applies.
 
 `--ctx` is the context of ONE slot, in tokens: an engine with `--slots N` gets `-c N×ctx`, so a
 session holds the same number of tokens whatever the slot count.
@@ -23,20 +25,215 @@ from typing import Any
 from storage.errors import InvalidId
 from storage.ids import validate_id, validate_prefix
 
-from ..credentials import engine_environment
-from ..flags import (
+from ..common.credentials import engine_environment
+from ..common.flags import (
     LOG_FORMAT,
-    Check,
     Flag,
     SettingsError,
-    check,
-    defaults_of,
+    check_settings,
+    env_name,
     parse_bytes,
     parse_int,
     read_flags,
+    table_defaults,
 )
-from ..flags import build_parser as _build_parser
+from ..common.flags import build_parser as _build_parser
 from .supervisor import EngineSpec, SupervisorPolicy
+
+
+def _ids(values: tuple[str, ...]) -> bool:
+    try:
+        for v in values:
+            validate_id(v, "id")
+    except InvalidId:
+        return False
+    return True
+
+
+def _prefix(value: str) -> bool:
+    try:
+        validate_prefix(value)
+    except InvalidId:
+        return False
+    return True
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag(
+        "models",
+        ("-m", "--model"),
+        str,
+        "GGUF model; one engine each",
+        check=(lambda v: len(v) >= 1, "given at least once"),
+        repeat=True,
+    ),
+    Flag(
+        "aliases",
+        ("--alias",),
+        str,
+        "model id of the Nth --model",
+        default=(),
+        check=(_ids, "valid ids (letters, digits, '-_.~@+=')"),
+        repeat=True,
+    ),
+    Flag(
+        "node_id",
+        ("--node-id",),
+        str,
+        "id of this node (host name)",
+        default="",
+        check=(lambda v: _ids((v,)), "a valid id (letters, digits, '-_.~@+=')"),
+    ),
+    Flag("host", ("--host",), str, "address of the node API (127.0.0.1)", default="127.0.0.1"),
+    Flag(
+        "port",
+        ("--port",),
+        parse_int,
+        "port of the node API (8070)",
+        default=8070,
+        check=(lambda v: 0 <= v <= 65535, "within 0..65535"),
+    ),
+    Flag(
+        "n_slots",
+        ("--slots",),
+        parse_int,
+        "slots per engine (1)",
+        default=1,
+        check=(lambda v: 1 <= v <= 256, "within 1..256"),
+        variable="SLOTKEEPER_SLOTS",
+    ),
+    Flag(
+        "ctx_per_slot",
+        ("--ctx",),
+        parse_int,
+        "context of one slot in tokens (4096)",
+        default=4096,
+        check=(lambda v: v >= 16, "at least 16"),
+        variable="SLOTKEEPER_CTX",
+    ),
+    Flag("data_dir", ("--data-dir",), str, "engine slot dirs, spill cache, logs", default="slotkeeper-data"),
+    Flag("redis_url", ("--redis-url",), str, "Redis (omitted: in-process index)", default=None),
+    Flag("redis_prefix", ("--redis-prefix",), str, "Redis key prefix", default="slotkeeper"),
+    Flag("s3_endpoint", ("--s3-endpoint",), str, "S3 endpoint URL", default=None),
+    Flag("s3_bucket", ("--s3-bucket",), str, "S3 bucket (omitted: local store)", default=None),
+    Flag(
+        "s3_prefix",
+        ("--s3-prefix",),
+        str,
+        "blob key prefix (slotkeeper)",
+        default="slotkeeper",
+        check=(_prefix, "'/'-separated valid ids"),
+    ),
+    Flag("s3_region", ("--s3-region",), str, "S3 region (us-east-1)", default="us-east-1"),
+    Flag("s3_access_key", (), str, "S3 access key", default=None),
+    Flag("s3_secret_key", (), str, "S3 secret key", default=None),
+    Flag("internal_key", (), str, "the credential the gateway presents (required)", default=None),
+    Flag(
+        "spill_bytes",
+        ("--spill-bytes",),
+        parse_bytes,
+        "spill cache budget (8G)",
+        default=8 << 30,
+        check=(lambda v: v >= 0, ">= 0"),
+    ),
+    Flag(
+        "store_compression",
+        ("--store-compression",),
+        str,
+        "store recurrent states compressed: on, off (default), auto (on in S3, off on a local disk)",
+        default="off",
+        check=(lambda v: v in ("on", "off", "auto"), "on, off or auto"),
+    ),
+    Flag(
+        "engine_args",
+        ("--engine-arg",),
+        str,
+        "one more argument for every engine, e.g. --engine-arg=--ctx-checkpoints --engine-arg=8",
+        default=(),
+        repeat=True,
+    ),
+    Flag("engine_host", ("--engine-host",), str, "engines listen here", default="127.0.0.1"),
+    Flag(
+        "drain_grace_s",
+        ("--drain-grace-s",),
+        float,
+        "SIGTERM drain limit",
+        default=60.0,
+        check=(lambda v: v > 0, "> 0"),
+    ),
+    Flag(
+        "heartbeat_ttl_s",
+        ("--heartbeat-ttl",),
+        float,
+        "registry TTL (10)",
+        default=10.0,
+        check=(lambda v: v >= 1, ">= 1"),
+        variable="SLOTKEEPER_HEARTBEAT_TTL",
+    ),
+    Flag(
+        "engine_start_timeout_s",
+        ("--engine-start-timeout",),
+        float,
+        "seconds an engine may take to become healthy (120)",
+        default=120.0,
+        check=(lambda v: v > 0, "> 0"),
+        variable="SLOTKEEPER_ENGINE_START_TIMEOUT",
+    ),
+    Flag(
+        "engine_stop_grace_s",
+        ("--engine-stop-grace",),
+        float,
+        "seconds between SIGTERM and SIGKILL of an engine (20)",
+        default=20.0,
+        check=(lambda v: v >= 0, ">= 0"),
+        variable="SLOTKEEPER_ENGINE_STOP_GRACE",
+    ),
+    Flag(
+        "engine_give_up_after",
+        ("--engine-give-up-after",),
+        parse_int,
+        "failed starts in a row with the same error that leave an engine failed; 0: never (3)",
+        default=3,
+        check=(lambda v: v >= 0, ">= 0"),
+    ),
+    Flag(
+        "health_interval_s",
+        ("--health-interval",),
+        float,
+        "seconds (5)",
+        default=5.0,
+        check=(lambda v: v > 0, "> 0"),
+        variable="SLOTKEEPER_HEALTH_INTERVAL",
+    ),
+    Flag(
+        "flush_interval_s",
+        ("--flush-interval",),
+        float,
+        "first retry of failed uploads, doubling to 16× while the store stays down (2)",
+        default=2.0,
+        check=(lambda v: v > 0, "> 0"),
+        variable="SLOTKEEPER_FLUSH_INTERVAL",
+    ),
+    Flag(
+        "retry_after_s",
+        ("--retry-after",),
+        parse_int,
+        "Retry-After on 503s (1)",
+        default=1,
+        variable="SLOTKEEPER_RETRY_AFTER",
+    ),
+    LOG_FORMAT,
+    Flag(
+        "log_level",
+        ("--log-level",),
+        str,
+        "debug, info, warning, error",
+        default="info",
+        check=(lambda v: v in ("debug", "info", "warning", "error"), "debug, info, warning or error"),
+    ),
+)
+
+_DEFAULT = table_defaults(FLAGS)
 
 
 @dataclass(frozen=True)
@@ -44,37 +241,41 @@ class NodeSettings:
     """Everything one node agent is configured with. Built once, at the edge."""
 
     models: tuple[str, ...]
-    aliases: tuple[str, ...] = ()
-    node_id: str = ""  # "" → the host name (made a valid id)
-    host: str = "127.0.0.1"
-    port: int = 8070
-    n_slots: int = 1
-    ctx_per_slot: int = 4096
-    data_dir: str = "slotkeeper-data"
-    redis_url: str | None = None
-    redis_prefix: str = "slotkeeper"
-    s3_endpoint: str | None = None
-    s3_bucket: str | None = None
-    s3_prefix: str = "slotkeeper"
-    s3_region: str = "us-east-1"
-    s3_access_key: str | None = None
-    s3_secret_key: str | None = None
-    internal_key: str | None = None  # the credential every caller of the node API (and engines) presents
-    spill_bytes: int = 8 << 30
-    store_compression: str = "off"  # recurrent states and tails compressed: on, off, auto (in S3 only)
-    engine_args: tuple[str, ...] = ()
-    engine_host: str = "127.0.0.1"
-    drain_grace_s: float = 60.0
-    heartbeat_ttl_s: float = 10.0
-    engine_start_timeout_s: float = 120.0
-    engine_stop_grace_s: float = 20.0
+    aliases: tuple[str, ...] = _DEFAULT["aliases"]
+    node_id: str = _DEFAULT["node_id"]  # "" → the host name (made a valid id)
+    host: str = _DEFAULT["host"]
+    port: int = _DEFAULT["port"]
+    n_slots: int = _DEFAULT["n_slots"]
+    ctx_per_slot: int = _DEFAULT["ctx_per_slot"]
+    data_dir: str = _DEFAULT["data_dir"]
+    redis_url: str | None = _DEFAULT["redis_url"]
+    redis_prefix: str = _DEFAULT["redis_prefix"]
+    s3_endpoint: str | None = _DEFAULT["s3_endpoint"]
+    s3_bucket: str | None = _DEFAULT["s3_bucket"]
+    s3_prefix: str = _DEFAULT["s3_prefix"]
+    s3_region: str = _DEFAULT["s3_region"]
+    s3_access_key: str | None = _DEFAULT["s3_access_key"]
+    s3_secret_key: str | None = _DEFAULT["s3_secret_key"]
+    internal_key: str | None = _DEFAULT[
+        "internal_key"
+    ]  # the credential every caller of the node API (and engines) presents
+    spill_bytes: int = _DEFAULT["spill_bytes"]
+    store_compression: str = _DEFAULT[
+        "store_compression"
+    ]  # recurrent states and tails compressed: on, off, auto (in S3 only)
+    engine_args: tuple[str, ...] = _DEFAULT["engine_args"]
+    engine_host: str = _DEFAULT["engine_host"]
+    drain_grace_s: float = _DEFAULT["drain_grace_s"]
+    heartbeat_ttl_s: float = _DEFAULT["heartbeat_ttl_s"]
+    engine_start_timeout_s: float = _DEFAULT["engine_start_timeout_s"]
+    engine_stop_grace_s: float = _DEFAULT["engine_stop_grace_s"]
     # Failed starts in a row with the same error after which an engine is left failed (0: never).
-    engine_give_up_after: int = 3
-    health_interval_s: float = 5.0
-    flush_interval_s: float = 2.0
-    retry_after_s: int = 1
-    log_format: str = "auto"  # console on a terminal, JSON lines otherwise
-    log_level: str = "info"
+    engine_give_up_after: int = _DEFAULT["engine_give_up_after"]
+    health_interval_s: float = _DEFAULT["health_interval_s"]
+    flush_interval_s: float = _DEFAULT["flush_interval_s"]
+    retry_after_s: int = _DEFAULT["retry_after_s"]
+    log_format: str = _DEFAULT["log_format"]  # console on a terminal, JSON lines otherwise
+    log_level: str = _DEFAULT["log_level"]
 
     @property
     def model_ids(self) -> tuple[str, ...]:
@@ -89,13 +290,13 @@ class NodeSettings:
 
     @property
     def compresses_states(self) -> bool:
-        """Whether saves store recurrent states and tails compressed (:mod:`storage.codec`): about
-        15 % fewer bytes for each state a turn writes, for ~8.6 ms of the node's CPU a state on
-        save and ~2.3 ms on the restore's path. Off by default: measured, a restore decoding its
-        states ran at 0.23× a raw read of the same bytes on a local disk and at 0.44–0.79× from
-        SeaweedFS on the node's own cores (0.85–1.05× without), and every storage target holds
-        without it. ``auto`` compresses in S3 only: for a store behind a link slower than
-        ~4 Gbit/s a decoding core, or one that bills per byte stored."""
+        """Whether saves store recurrent states and tails compressed (:mod:`storage.chunks.codec`):
+        somewhat fewer bytes for each state a turn writes, paid in the node's CPU on save and on the
+        restore's path. Off by default: decoding on the restore's path costs more than reading the
+        bytes it saves from a local disk or a store on the node's own cores, and every storage
+        target holds without it. ``auto`` compresses in S3 only: for a store behind a link slower
+        than a core decodes, or one that bills per byte stored (figures: docs/benchmarks.md,
+        "Figures formerly in code comments")."""
         return self.store_compression == "on" or (self.store_compression == "auto" and bool(self.s3_bucket))
 
     @property
@@ -122,7 +323,7 @@ class NodeSettings:
                 host=self.engine_host,
                 extra_args=self.engine_args,
                 env=env,
-            )  # fmt: skip
+            )
             for i, model in enumerate(self.models)
         ]
 
@@ -135,119 +336,6 @@ class NodeSettings:
         )
 
 
-FLAGS: tuple[Flag, ...] = (
-    Flag("models", ("-m", "--model"), "SLOTKEEPER_MODELS", str, "GGUF model; one engine each", repeat=True),
-    Flag("aliases", ("--alias",), "SLOTKEEPER_ALIASES", str, "model id of the Nth --model", repeat=True),
-    Flag("node_id", ("--node-id",), "SLOTKEEPER_NODE_ID", str, "id of this node (host name)"),
-    Flag("host", ("--host",), "SLOTKEEPER_HOST", str, "address of the node API (127.0.0.1)"),
-    Flag("port", ("--port",), "SLOTKEEPER_PORT", parse_int, "port of the node API (8070)"),
-    Flag("n_slots", ("--slots",), "SLOTKEEPER_SLOTS", parse_int, "slots per engine (1)"),
-    Flag("ctx_per_slot", ("--ctx",), "SLOTKEEPER_CTX", parse_int, "context of one slot in tokens (4096)"),
-    Flag("data_dir", ("--data-dir",), "SLOTKEEPER_DATA_DIR", str, "engine slot dirs, spill cache, logs"),
-    Flag("redis_url", ("--redis-url",), "SLOTKEEPER_REDIS_URL", str, "Redis (omitted: in-process index)"),
-    Flag("redis_prefix", ("--redis-prefix",), "SLOTKEEPER_REDIS_PREFIX", str, "Redis key prefix"),
-    Flag("s3_endpoint", ("--s3-endpoint",), "SLOTKEEPER_S3_ENDPOINT", str, "S3 endpoint URL"),
-    Flag("s3_bucket", ("--s3-bucket",), "SLOTKEEPER_S3_BUCKET", str, "S3 bucket (omitted: local store)"),
-    Flag("s3_prefix", ("--s3-prefix",), "SLOTKEEPER_S3_PREFIX", str, "blob key prefix (slotkeeper)"),
-    Flag("s3_region", ("--s3-region",), "SLOTKEEPER_S3_REGION", str, "S3 region (us-east-1)"),
-    Flag("s3_access_key", (), "SLOTKEEPER_S3_ACCESS_KEY", str, "S3 access key"),
-    Flag("s3_secret_key", (), "SLOTKEEPER_S3_SECRET_KEY", str, "S3 secret key"),
-    Flag(
-        "internal_key", (), "SLOTKEEPER_INTERNAL_KEY", str, "the credential the gateway presents (required)"
-    ),
-    Flag("spill_bytes", ("--spill-bytes",), "SLOTKEEPER_SPILL_BYTES", parse_bytes, "spill cache budget (8G)"),
-    Flag(
-        "store_compression",
-        ("--store-compression",),
-        "SLOTKEEPER_STORE_COMPRESSION",
-        str,
-        "store recurrent states compressed: on, off (default), auto (on in S3, off on a local disk)",
-    ),  # fmt: skip
-    Flag(
-        "engine_args",
-        ("--engine-arg",),
-        "SLOTKEEPER_ENGINE_ARGS",
-        str,
-        "one more argument for every engine, e.g. --engine-arg=--ctx-checkpoints --engine-arg=8",
-        repeat=True,
-    ),
-    Flag("engine_host", ("--engine-host",), "SLOTKEEPER_ENGINE_HOST", str, "engines listen here"),
-    Flag("drain_grace_s", ("--drain-grace-s",), "SLOTKEEPER_DRAIN_GRACE_S", float, "SIGTERM drain limit"),
-    Flag("heartbeat_ttl_s", ("--heartbeat-ttl",), "SLOTKEEPER_HEARTBEAT_TTL", float, "registry TTL (10)"),
-    Flag(
-        "engine_start_timeout_s",
-        ("--engine-start-timeout",),
-        "SLOTKEEPER_ENGINE_START_TIMEOUT",
-        float,
-        "seconds an engine may take to become healthy (120)",
-    ),
-    Flag(
-        "engine_stop_grace_s",
-        ("--engine-stop-grace",),
-        "SLOTKEEPER_ENGINE_STOP_GRACE",
-        float,
-        "seconds between SIGTERM and SIGKILL of an engine (20)",
-    ),
-    Flag(
-        "engine_give_up_after",
-        ("--engine-give-up-after",),
-        "SLOTKEEPER_ENGINE_GIVE_UP_AFTER",
-        parse_int,
-        "failed starts in a row with the same error that leave an engine failed; 0: never (3)",
-    ),
-    Flag("health_interval_s", ("--health-interval",), "SLOTKEEPER_HEALTH_INTERVAL", float, "seconds (5)"),
-    Flag(
-        "flush_interval_s",
-        ("--flush-interval",),
-        "SLOTKEEPER_FLUSH_INTERVAL",
-        float,
-        "first retry of failed uploads, doubling to 16× while the store stays down (2)",
-    ),
-    Flag("retry_after_s", ("--retry-after",), "SLOTKEEPER_RETRY_AFTER", parse_int, "Retry-After on 503s (1)"),
-    LOG_FORMAT,
-    Flag("log_level", ("--log-level",), "SLOTKEEPER_LOG_LEVEL", str, "debug, info, warning, error"),
-)
-
-
-def _ids(values: tuple[str, ...]) -> bool:
-    try:
-        for v in values:
-            validate_id(v, "id")
-    except InvalidId:
-        return False
-    return True
-
-
-def _prefix(value: str) -> bool:
-    try:
-        validate_prefix(value)
-    except InvalidId:
-        return False
-    return True
-
-
-# Checked after parsing: (field, predicate, what it must be).
-_CHECKS: tuple[Check, ...] = (
-    ("models", lambda v: len(v) >= 1, "given at least once"),
-    ("aliases", _ids, "valid ids (letters, digits, '-_.~@+=')"),
-    ("node_id", lambda v: _ids((v,)), "a valid id (letters, digits, '-_.~@+=')"),
-    ("port", lambda v: 0 <= v <= 65535, "within 0..65535"),
-    ("n_slots", lambda v: 1 <= v <= 256, "within 1..256"),
-    ("ctx_per_slot", lambda v: v >= 16, "at least 16"),
-    ("s3_prefix", _prefix, "'/'-separated valid ids"),
-    ("spill_bytes", lambda v: v >= 0, ">= 0"),
-    ("store_compression", lambda v: v in ("on", "off", "auto"), "on, off or auto"),
-    ("drain_grace_s", lambda v: v > 0, "> 0"),
-    ("heartbeat_ttl_s", lambda v: v >= 1, ">= 1"),
-    ("engine_start_timeout_s", lambda v: v > 0, "> 0"),
-    ("engine_stop_grace_s", lambda v: v >= 0, ">= 0"),
-    ("engine_give_up_after", lambda v: v >= 0, ">= 0"),
-    ("health_interval_s", lambda v: v > 0, "> 0"),
-    ("flush_interval_s", lambda v: v > 0, "> 0"),
-    ("log_level", lambda v: v in ("debug", "info", "warning", "error"), "debug, info, warning or error"),
-)
-
-
 _PROG = "slotkeeper node"
 _DESCRIPTION = (
     "The node agent: runs one engine per --model, moves slot files between engines, the "
@@ -257,7 +345,7 @@ _DESCRIPTION = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return _build_parser(_PROG, _DESCRIPTION, FLAGS, defaults_of(NodeSettings))
+    return _build_parser(_PROG, _DESCRIPTION, FLAGS)
 
 
 def _hostname_id() -> str:
@@ -267,19 +355,17 @@ def _hostname_id() -> str:
 
 def parse_node_settings(argv: Sequence[str], environ: Mapping[str, str]) -> NodeSettings:
     """Settings from a command line and an environment. Raises SettingsError with a precise message."""
-    values = read_flags(
-        argv, environ, FLAGS, prog=_PROG, description=_DESCRIPTION, defaults=defaults_of(NodeSettings)
-    )
+    values = read_flags(argv, environ, FLAGS, prog=_PROG, description=_DESCRIPTION)
     if "models" not in values:
-        raise SettingsError("--model is required at least once (or set SLOTKEEPER_MODELS)")
+        raise SettingsError(f"--model is required at least once (or set {env_name('models')})")
     values.setdefault("node_id", _hostname_id())
     settings = NodeSettings(**values)
-    check(settings, FLAGS, _CHECKS)
+    check_settings(settings, FLAGS)
     if len(settings.aliases) > len(settings.models):
         raise SettingsError(f"{len(settings.aliases)} --alias for {len(settings.models)} --model")
     if not settings.internal_key:
         raise SettingsError(
-            "SLOTKEEPER_INTERNAL_KEY is required: the node API and its engines answer only callers that "
+            f"{env_name('internal_key')} is required: the node API and its engines answer only callers that "
             "present it (the gateway holds the same key)"
         )
     if bool(settings.s3_endpoint) and not settings.s3_bucket:

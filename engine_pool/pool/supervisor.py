@@ -164,13 +164,23 @@ def engine_argv(spec: EngineSpec, port: int, instance: str) -> list[str]:
     counters per source, checkpoints, process start time) for whoever reads them. `--instance-id`:
     new for every process, registered with it, so that a request naming it never runs on a later
     process of the same engine (whose slots hold other sessions)."""
+    options = [
+        ("-m", spec.model),
+        ("--host", spec.host),
+        ("--port", str(port)),
+        ("-np", str(spec.n_slots)),
+        ("-c", str(spec.n_ctx)),
+        ("--slot-save-path", str(spec.slot_dir)),
+        ("-a", spec.model_id),
+    ]
     return [
-        sys.executable, "-m", "gateway.cli", "engine", "-m", spec.model, "--host", spec.host,
-        "--port", str(port), "-np", str(spec.n_slots), "-c", str(spec.n_ctx),
-        "--slot-save-path", str(spec.slot_dir), "-a", spec.model_id, "--metrics", "--exit-with-parent",
-        "--log-format", "json",  # (its log file is read back: `engine_error`)
-        *spec.extra_args, "--instance-id", instance,
-    ]  # fmt: skip
+        *(sys.executable, "-m", "gateway.cli", "engine"),
+        *(arg for option in options for arg in option),
+        *("--metrics", "--exit-with-parent"),
+        *("--log-format", "json"),  # (its log file is read back: `engine_error`)
+        *spec.extra_args,
+        *("--instance-id", instance),
+    ]
 
 
 def free_port(host: str) -> int:
@@ -248,6 +258,18 @@ def engine_facts(output: str) -> dict[str, str]:
     return facts
 
 
+def load_progress(response: httpx.Response) -> float | None:
+    """How far a loading engine's weights are, from its 503 `/health` body (0..1), or None where the
+    body does not say (another server, or an engine that is not loading)."""
+    if response.status_code != 503:
+        return None
+    try:
+        value = response.json().get("progress")
+    except (ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and 0 <= value <= 1 else None
+
+
 def failed_starts(streak: tuple[str, int], error: str) -> tuple[str, int]:
     """The run of failed starts with one error, after one more start failed with `error`: a new
     error starts a new run (the cause changed, so a retry may mend it)."""
@@ -323,10 +345,18 @@ class EngineSupervisor:
 
     def snapshot(self) -> EngineSnapshot:
         return EngineSnapshot(
-            self.spec.engine_id, self.spec.model_id, self.spec.n_slots, self._state,
-            self._proc.pid if self._proc is not None else None, self.url, self._restarts,
-            self._last_error, self._last_exit, self._instance if self._proc is not None else "", self._error,
-        )  # fmt: skip
+            self.spec.engine_id,
+            self.spec.model_id,
+            self.spec.n_slots,
+            self._state,
+            self._proc.pid if self._proc is not None else None,
+            self.url,
+            self._restarts,
+            self._last_error,
+            self._last_exit,
+            self._instance if self._proc is not None else "",
+            self._error,
+        )
 
     # -- the owner ---------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -411,9 +441,13 @@ class EngineSupervisor:
             try:
                 # start_new_session: its own process group, so that stop and kill reach its children
                 self._proc = await asyncio.create_subprocess_exec(
-                    *argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                    start_new_session=True, env=None if self.spec.env is None else dict(self.spec.env),
-                )  # fmt: skip
+                    *argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    env=None if self.spec.env is None else dict(self.spec.env),
+                )
             finally:
                 log_file.close()
         except OSError as exc:
@@ -509,28 +543,33 @@ class EngineSupervisor:
     async def _await_healthy(self, run: int) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.policy.start_timeout_s
+        shown = 0  # the tenths of the weights already announced: a person at the console sees a load move
         while loop.time() < deadline:
-            ok, _ = await self._probe()
+            ok, _, progress = await self._probe()
             if ok:
                 self._inbox.put_nowait(Notice(run, "healthy"))
                 return
+            if progress is not None and int(progress * 10) > shown:
+                shown = int(progress * 10)
+                log.info("engine.loading", engine=self.spec.engine_id, percent=shown * 10)
             await asyncio.sleep(self.policy.start_poll_s)
         self._inbox.put_nowait(Notice(run, "start_timeout"))
 
     async def _watch_health(self, run: int) -> None:
         while True:
             await asyncio.sleep(self.policy.health_interval_s)
-            ok, error = await self._probe()
+            ok, error, _ = await self._probe()
             self._inbox.put_nowait(Probe(run, ok, error))
 
-    async def _probe(self) -> tuple[bool, str]:
+    async def _probe(self) -> tuple[bool, str, float | None]:
+        """Healthy or not, why not, and how far a loading engine's weights are (None: not said)."""
         assert self._http is not None
         url = f"{self.url}/health"
         try:
             r = await self._http.get(url, timeout=self.policy.health_timeout_s)
         except httpx.HTTPError as exc:
-            return False, f"GET {url}: {type(exc).__name__}: {exc}"
-        return r.status_code == 200, f"GET {url}: HTTP {r.status_code}"
+            return False, f"GET {url}: {type(exc).__name__}: {exc}", None
+        return r.status_code == 200, f"GET {url}: HTTP {r.status_code}", load_progress(r)
 
     def _open_log(self, argv: list[str]) -> Any:  # handed to the child, closed by _spawn
         self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)

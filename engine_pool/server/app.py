@@ -27,9 +27,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from native.errors import NativeError
 
-from ..cors import CorsMiddleware, CorsPolicy
-from ..credentials import matches, presented
-from ..errors import (
+from ..common.cors import CorsMiddleware, CorsPolicy
+from ..common.credentials import matches, presented
+from ..common.errors import (
     INSTANCE_HEADER,
     ApiError,
     InstanceChanged,
@@ -39,11 +39,11 @@ from ..errors import (
     is_expected,
     render_error,
 )
+from ..protocol.metric_labels import route_label
 from . import cors_proxy, routes_llama, routes_openai
 from .apis import routes as routes_apis
 from .apis import vertex
 from .limits import RequestLimits
-from .metrics import route_label
 from .runtime import Runtime
 from .settings import EngineSettings
 

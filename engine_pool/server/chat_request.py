@@ -19,13 +19,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..body import Body, json_type
-from ..errors import BadRequest
+from ..common.body import Body, json_type
+from ..common.errors import BadRequest
+from ..protocol.bounds import check_count
 from .formats import FORMATS, ChatFormat
 from .formats.reasoning import THINK_OPEN, opened_by
 from .gbnf import check_grammar
 from .grammar import THINK_CLOSE, GrammarLimits, built_off_loop, json_object_grammar, schema_grammar
-from .limits import RequestLimits, check_count, check_text
+from .limits import RequestLimits, check_text
 from .sampling import Sampling, read_sampling
 
 _TEXT_PART = "text"

@@ -42,13 +42,13 @@ from typing import Any
 
 import jinja2
 
-from ..errors import BadRequest
+from ..common.errors import BadRequest
 from .builtin_templates import BUILTIN_TEMPLATES, CHATML, END_OF_TURN
 from .formats import hermes
 from .formats.history import WriteCalls, normalise
 from .formats.reasoning import THINK_CLOSE, opened_by
 from .jinja_env import environment
-from .scheduler import common_prefix
+from .slot_leases import common_prefix
 from .template_caps import TemplateCaps, detect
 
 Tokenizer = Callable[[str, bool], list[int]]  # (text, add_special) -> tokens

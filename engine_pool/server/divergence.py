@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .scheduler import common_prefix
+from .slot_leases import common_prefix
 
 Render = Callable[[Sequence[dict[str, Any]], Sequence[dict[str, Any]] | None], list[int]]
 

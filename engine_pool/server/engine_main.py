@@ -24,12 +24,13 @@ from types import FrameType
 import structlog
 import uvicorn
 
-from .. import logs
-from ..signals import SignalServer
+from ..common import logs
+from ..common.flags import settings_or_status
+from ..common.signals import SignalServer
 from .app import build_app
 from .header_case import CanonicalHeaderProtocol
 from .runtime import Runtime
-from .settings import SettingsError, build_parser, describe, parse_settings
+from .settings import build_parser, describe, parse_settings
 
 
 class _Server(SignalServer):
@@ -101,14 +102,9 @@ def _unlink_sockets(hosts: Sequence[str]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in argv):
-        build_parser().print_help()
-        return 0
-    try:
-        settings = parse_settings(argv, os.environ)
-    except SettingsError as exc:
-        print(f"slotkeeper engine: error: {exc}\n(see `slotkeeper engine --help`)", file=sys.stderr)
-        return 2
+    settings = settings_or_status("engine", argv, lambda: parse_settings(argv, os.environ), build_parser)
+    if isinstance(settings, int):
+        return settings
     if settings.exit_with_parent:
         _exit_with_parent()
     logs.configure(settings.log_format, settings.effective_log_level)

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from ..errors import BadRequest
+from ..common.errors import BadRequest
 
 log = structlog.get_logger("engine.grammar")
 T = TypeVar("T")

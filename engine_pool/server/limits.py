@@ -15,27 +15,28 @@ from typing import Any
 
 import native
 
-from ..body import BodyLimits
-from ..errors import BadRequest
+from ..common.body import BodyLimits
+from ..common.errors import BadRequest
+from ..protocol.bounds import too_many
 from .grammar import GrammarLimits
 from .settings import EngineSettings
 
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """The engine's bounds on one request (defaults: EngineSettings')."""
+    """The engine's bounds on one request (defaults: EngineSettings', i.e. its FLAGS rows')."""
 
     body: BodyLimits = field(default_factory=BodyLimits)
-    n_slots: int = 1
-    queue_size: int = 16
-    max_messages: int = 4096
-    max_tools: int = 512
-    max_text_chars: int = 1 << 20
-    max_stop: int = 16
-    max_stop_chars: int = 256
-    max_logit_bias: int = 2048
-    max_grammar_bytes: int = 64 << 10
-    max_grammar_depth: int = 64
+    n_slots: int = EngineSettings.n_slots
+    queue_size: int = EngineSettings.queue_size
+    max_messages: int = EngineSettings.max_messages
+    max_tools: int = EngineSettings.max_tools
+    max_text_chars: int = EngineSettings.max_text_chars
+    max_stop: int = EngineSettings.max_stop
+    max_stop_chars: int = EngineSettings.max_stop_chars
+    max_logit_bias: int = EngineSettings.max_logit_bias
+    max_grammar_bytes: int = EngineSettings.max_grammar_bytes
+    max_grammar_depth: int = EngineSettings.max_grammar_depth
     schema: GrammarLimits = field(default_factory=GrammarLimits)
     # Not settings (yet): fixed bounds on fields whose cost grows per generated token.
     max_n_probs: int = native.MAX_N_PROBS  # `n_probs`, `top_logprobs`, `logprobs`: the core's bound
@@ -69,20 +70,6 @@ class RequestLimits:
         """Generations one request may start (`n` choices of each prompt): as `max_prompts`, each
         needs a slot or a queue place at once."""
         return self.max_prompts
-
-
-def too_many(field: str, n: int, limit: int, what: str) -> BadRequest:
-    """`'field' has n what; the limit is limit` as a 400."""
-    return BadRequest(
-        f"'{field}' has {n} {what}; this engine accepts at most {limit}",
-        param=field,
-        extra={"limit": limit},
-    )
-
-
-def check_count(field: str, items: Any, limit: int, what: str = "entries") -> None:
-    if len(items) > limit:
-        raise too_many(field, len(items), limit, what)
 
 
 def text_chars(value: Any) -> int:

@@ -10,7 +10,7 @@ one table, `CORE_COUNTERS`; counters the table does not know yet still appear, a
 Beside them, llama-server's own families (`llamacpp:*`, the names, types, help lines and meanings
 of its /metrics, table `LLAMACPP`): prompt tokens processed and reused, prompt and generation time,
 tokens predicted, the longest sequence seen, the speculative-decoding counters (always 0: this
-engine drafts nothing), and the gauges. Its rates leave out each generation's first token (it
+engine drafts nothing), and the gauges. Its rates leave out each decode run's first token (it
 comes from the logits of the last prompt batch, not from a decode step) and average the window
 since the previous scrape. `llamacpp:n_decode_total` and `llamacpp:n_busy_slots_per_decode` need the
 core's count of `llama_decode` calls (`decodes`, `decode_busy_slots`): they appear when the core
@@ -21,14 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from .generation import Outcome
+    from .decoding import Outcome
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -133,7 +133,7 @@ class _Bucket:
 
 @dataclass
 class LlamaStats:
-    """What llama-server's /metrics counts, from the generations that finished: cumulative since
+    """What llama-server's /metrics counts, from the decode runs that finished: cumulative since
     the start, and (the `*_window` buckets) since the previous scrape."""
 
     prompt: _Bucket
@@ -147,8 +147,15 @@ class LlamaStats:
     def empty(cls) -> LlamaStats:
         return cls(_Bucket(), _Bucket(), _Bucket(), _Bucket())
 
-    def add(self, prompt_n: int, prompt_ms: float, cache_n: int, predicted_n: int, predicted_ms: float,
-            n_tokens: int) -> None:  # fmt: skip
+    def add(
+        self,
+        prompt_n: int,
+        prompt_ms: float,
+        cache_n: int,
+        predicted_n: int,
+        predicted_ms: float,
+        n_tokens: int,
+    ) -> None:
         # The first token comes from the logits of the last prompt batch: no decode step.
         steps = max(predicted_n - 1, 0)
         for prompt, predict in ((self.prompt, self.predict), (self.prompt_window, self.predict_window)):
@@ -165,19 +172,25 @@ LLAMACPP: tuple[tuple[str, str, str], ...] = (
     ("prompt_seconds_total", "counter", "Total time spent processing prompts"),
     ("tokens_predicted_total", "counter", "Number of generation tokens processed"),
     ("tokens_predicted_seconds_total", "counter", "Total time spent generating tokens"),
-    ("n_decode_total", "counter",
-     "Total number of llama_decode() calls, excluding speculative decoding and multimodal decoding"),
+    (
+        "n_decode_total",
+        "counter",
+        "Total number of llama_decode() calls, excluding speculative decoding and multimodal decoding",
+    ),
     ("n_tokens_max", "counter", "Largest observed sequence length (prompt + generation)"),
     ("spec_decode_num_draft_tokens_total", "counter", "Speculative: Total draft tokens generated"),
-    ("spec_decode_num_accepted_tokens_total", "counter",
-     "Speculative: Total draft tokens accepted by the target model"),
+    (
+        "spec_decode_num_accepted_tokens_total",
+        "counter",
+        "Speculative: Total draft tokens accepted by the target model",
+    ),
     ("spec_decode_num_drafts_total", "counter", "Speculative: Total speculative decoding verification steps"),
     ("prompt_tokens_seconds", "gauge", "Average prompt throughput in tokens/s"),
     ("predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s"),
     ("requests_processing", "gauge", "Number of requests processing"),
     ("requests_deferred", "gauge", "Number of requests deferred"),
     ("n_busy_slots_per_decode", "gauge", "Average number of busy slots per llama_decode() call"),
-)  # fmt: skip
+)
 
 
 def llamacpp_values(
@@ -214,8 +227,11 @@ def llamacpp_text(values: dict[str, float]) -> str:
         if name in values:
             value = values[name]
             shown = repr(int(value)) if float(value).is_integer() else repr(value)
-            lines += [f"# HELP llamacpp:{name} {help_text}", f"# TYPE llamacpp:{name} {kind}",
-                      f"llamacpp:{name} {shown}"]  # fmt: skip
+            lines += [
+                f"# HELP llamacpp:{name} {help_text}",
+                f"# TYPE llamacpp:{name} {kind}",
+                f"llamacpp:{name} {shown}",
+            ]
     return "".join(line + "\n" for line in lines)
 
 
@@ -232,7 +248,7 @@ class EngineMetrics:
             ["route", "status"],
             registry=self.registry,
         )
-        self.generations = Counter(
+        self.decode_runs = Counter(
             "slotkeeper_generations",
             "Finished generations by endpoint and stop type",
             ["endpoint", "stop_type"],
@@ -259,8 +275,8 @@ class EngineMetrics:
         self._gauges = gauges
         self._llama = LlamaStats.empty()
 
-    def generation_done(self, endpoint: str, o: Outcome) -> None:
-        self.generations.labels(endpoint or "other", o.stop_type).inc()
+    def decode_done(self, endpoint: str, o: Outcome) -> None:
+        self.decode_runs.labels(endpoint or "other", o.stop_type).inc()
         self.prompt_tokens.inc(o.n_prompt)
         self.cached_tokens.inc(o.cache_n)
         self.completion_tokens.inc(o.n_predicted)
@@ -286,12 +302,3 @@ class EngineMetrics:
         values = llamacpp_values(self._llama, self._read_core() or {}, self._gauges(), processing)
         self._llama.prompt_window, self._llama.predict_window = _Bucket(), _Bucket()
         return generate_latest(self.registry) + llamacpp_text(values).encode()
-
-
-def route_label(path: str, routes: Any) -> str:
-    """A low-cardinality route name for a request path (`/slots/3` -> `/slots/{id_slot}`)."""
-    for route in routes:
-        match = getattr(route, "path_regex", None)
-        if match is not None and match.match(path):
-            return str(route.path)
-    return "other"

@@ -17,8 +17,8 @@ from starlette.routing import Route
 
 import native
 
-from ..body import Body, check_tokens, json_type, read_json
-from ..errors import (
+from ..common.body import Body, check_tokens, json_type, read_json
+from ..common.errors import (
     BadRequest,
     ContextSizeExceeded,
     NotFound,
@@ -27,16 +27,17 @@ from ..errors import (
     Unavailable,
     error_payload,
 )
+from ..protocol.bounds import check_count, too_many
+from ..protocol.sse import start_stream
 from . import slot_files
 from .chat_request import continuation, parse_messages, parse_tools, prefill_text
+from .decoding import Delta, Outcome, TokenBytes, collect_all, decode_on_slot, probs_json, with_biases
 from .gbnf import check_grammar
-from .generation import Delta, Outcome, TokenBytes, collect_all, generate, probs_json, with_biases
 from .grammar import built_off_loop, schema_grammar
-from .limits import RequestLimits, check_count, check_text, too_many
+from .limits import RequestLimits, check_text
 from .metrics import CONTENT_TYPE
 from .runtime import Runtime
 from .sampling import Sampling, generation_settings, read_sampling
-from .sse import start_stream
 
 
 def runtime(request: Request) -> Runtime:
@@ -56,11 +57,13 @@ async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
     if rt.state == "failed":
         return JSONResponse(error_payload(ServerError(rt.error)), status_code=500)
-    err = Unavailable(
-        "Loading model" if rt.state == "loading" else "the engine is shutting down",
-        retry_after=rt.settings.retry_after_s,
-    )
-    return JSONResponse(error_payload(err), status_code=503, headers={"Retry-After": str(err.retry_after)})
+    loading = rt.state == "loading"
+    why = "Loading model" if loading else "the engine is shutting down"
+    err = Unavailable(why, retry_after=rt.settings.retry_after_s)
+    body = error_payload(err)
+    if loading:  # beside llama-server's body: how far the weights are, for the supervisor's console line
+        body["progress"] = round(rt.load_progress, 2)
+    return JSONResponse(body, status_code=503, headers={"Retry-After": str(err.retry_after)})
 
 
 async def props(request: Request) -> Response:
@@ -118,15 +121,15 @@ async def slots(request: Request) -> Response:
         raise NotSupported(NO_SLOTS)
     engine = rt.require()
     infos = await asyncio.to_thread(engine.slots)
-    sched = rt.scheduler
+    leases = rt.leases
     out = [
         {
             "id": s.id,
             "id_task": s.request_id,
             "n_ctx": engine.n_ctx_slot,
-            "is_processing": s.busy or sched.busy(s.id),
-            "lease": sched.purpose(s.id) or None,
-            "queued": sched.waiting_for(s.id),
+            "is_processing": s.busy or leases.busy(s.id),
+            "lease": leases.purpose(s.id) or None,
+            "queued": leases.waiting_for(s.id),
             "n_tokens": s.n_tokens,
             "n_checkpoints": s.n_checkpoints,
             "checkpoint_bytes": s.checkpoint_bytes,
@@ -213,7 +216,7 @@ def completion_prompt(rt: Runtime, value: Any, where: str = "prompt") -> list[in
     or `{"prompt_string": text or mix}` (with `multimodal_data`: refused, no model here reads media).
 
     Routes check its size first (`check_prompts`) and run this in a worker thread: tokenizing takes
-    about a microsecond per character. (The native tokenizer still holds the GIL, so for now the
+    time in proportion to the text. (The native tokenizer still holds the GIL, so for now the
     loop waits all the same; the bound is what keeps that short.)"""
     n_vocab = rt.require().model.n_vocab
     if isinstance(value, dict):
@@ -315,12 +318,13 @@ async def completion(request: Request) -> Response:
     pieces = token_pieces(engine)
     texts = await asyncio.to_thread(lambda: [prompt_text(engine, p) for p in tokens])
     if stream:
-        gen = generate(rt, tokens[0], sampling, grammar=grammar, endpoint="/completion")
+        gen = decode_on_slot(rt, tokens[0], sampling, grammar=grammar, endpoint="/completion")
         chunks = _completion_chunks(rt, gen, sampling, pieces, fields, texts[0])
         return await start_stream(chunks, done_marker=False)
     runs = [i for i in range(len(tokens)) for _ in range(n_cmpl)]
     outcomes = await collect_all(
-        [generate(rt, tokens[i], sampling, grammar=grammar, endpoint="/completion") for i in runs], request
+        [decode_on_slot(rt, tokens[i], sampling, grammar=grammar, endpoint="/completion") for i in runs],
+        request,
     )
     results = [
         _completion_final(rt, o, sampling, pieces, fields, texts[runs[i]], streamed=False, index=i)

@@ -4,7 +4,7 @@ Responses follow the OpenAI API as the official SDK parses it, plus llama-server
 (numbers only) on responses and on the last stream chunk, `id_slot` (which slot served the request),
 and `usage.prompt_tokens_details.cached_tokens` = the prompt tokens actually reused (timings.cache_n,
 restored ones included). Beside `timings`, `slotkeeper` says how the prefix was served (reuse kind,
-restored). `n` choices run as separate generations at once, each on a slot of its own (or queued
+restored). `n` choices run as separate decode runs at once, each on a slot of its own (or queued
 for one), like a batch of prompts; their prompt counts once in `usage`. `logprobs` come from the
 raw logits, streamed with the chunks their tokens made.
 """
@@ -27,9 +27,10 @@ from starlette.routing import Route
 
 import native
 
-from ..body import Body, read_json
-from ..errors import BadRequest
-from .apis.report import caller_context, served
+from ..common.body import Body, read_json
+from ..common.errors import BadRequest
+from ..protocol.report import caller_context, served
+from ..protocol.sse import start_stream
 from .chat_request import (
     ChatRequest,
     Constraint,
@@ -40,6 +41,17 @@ from .chat_request import (
     prefill_text,
 )
 from .chat_template import ChatPrompt
+from .decoding import (
+    Delta,
+    Outcome,
+    TokenBytes,
+    TokenProb,
+    collect_all,
+    completion_logprobs,
+    decode_on_slot,
+    probs_json,
+    with_biases,
+)
 from .divergence import in_last_turn, last_reply, left_at, locate
 from .formats import (
     ChatFormat,
@@ -52,17 +64,6 @@ from .formats import (
 )
 from .formats.reasoning import THINK_CLOSE, THINK_OPEN
 from .formats.upstream import UpstreamOutput, UpstreamPlan
-from .generation import (
-    Delta,
-    Outcome,
-    TokenBytes,
-    TokenProb,
-    collect_all,
-    completion_logprobs,
-    generate,
-    probs_json,
-    with_biases,
-)
 from .grammar import GrammarTriggers
 from .routes_llama import (
     check_prompts,
@@ -76,8 +77,7 @@ from .routes_llama import (
 )
 from .runtime import Runtime
 from .sampling import read_sampling
-from .scheduler import common_prefix
-from .sse import start_stream
+from .slot_leases import common_prefix
 
 log = structlog.get_logger("engine.chat")
 
@@ -104,8 +104,8 @@ class Meta:
 
 
 def usage(outcomes: list[Outcome], n: int = 1) -> dict[str, Any]:
-    """OpenAI's usage of a request's generations, `n` consecutive ones per prompt: a prompt counts
-    once (as OpenAI bills `n` choices), with the tokens its first generation reused."""
+    """OpenAI's usage of a request's decode runs, `n` consecutive ones per prompt: a prompt counts
+    once (as OpenAI bills `n` choices), with the tokens its first decode run reused."""
     firsts = outcomes[::n]
     prompt = sum(o.n_prompt for o in firsts)
     completion = sum(o.n_predicted for o in outcomes)
@@ -119,7 +119,7 @@ def usage(outcomes: list[Outcome], n: int = 1) -> dict[str, Any]:
 
 
 def extras(o: Outcome) -> dict[str, Any]:
-    """llama-server's fields beyond OpenAI's (and ours beside them) for one generation."""
+    """llama-server's fields beyond OpenAI's (and ours beside them) for one decode run."""
     return {"timings": o.timings, "slotkeeper": o.reuse, "id_slot": o.slot}
 
 
@@ -213,7 +213,7 @@ async def run_chat(
     extra_bias = _tool_call_ban(rt, fmt) if con.ban_tool_calls and plan is None else None
 
     def gen() -> AsyncGenerator[Delta | Outcome, None]:
-        return generate(
+        return decode_on_slot(
             rt,
             prompt.tokens,
             sampling,
@@ -288,11 +288,7 @@ async def diagnose(rt: Runtime, req: ChatRequest, prompt: ChatPrompt, o: Outcome
     at = left_at(o.reuse, len(prompt.tokens))
     if at is None:
         return
-    if (
-        in_last_turn(o.reuse, at, rt.scheduler.turn_slack)
-        or req.continue_final
-        or not req.add_generation_prompt
-    ):
+    if in_last_turn(o.reuse, at, rt.leases.turn_slack) or req.continue_final or not req.add_generation_prompt:
         o.reuse["diverged"] = last_reply(req.messages, at)
         return
     history, tools = req.messages, req.tools or None
@@ -346,7 +342,7 @@ def _chat_choice(
     }
     if o.stop_type == "word":
         choice["stopping_word"] = o.stopping_word
-    if several:  # each choice is a generation of its own: its timings and slot go with it
+    if several:  # each choice is a decode run of its own: its timings and slot go with it
         choice.update(extras(o))
     return choice
 
@@ -544,11 +540,11 @@ async def completions(request: Request) -> Response:
     meta = Meta(f"cmpl-{secrets.token_hex(12)}", "text_completion", int(time.time()), rt.settings.model_id)
     pieces = token_pieces(engine)
     if stream:
-        gen = generate(rt, tokens[0], sampling, endpoint="/v1/completions")
+        gen = decode_on_slot(rt, tokens[0], sampling, endpoint="/v1/completions")
         return await start_stream(_completion_chunks(gen, meta, include_usage, top, pieces), done_marker=True)
     runs = [p for p in tokens for _ in range(n)]  # OpenAI's order: the choices of each prompt together
     outcomes = await collect_all(
-        [generate(rt, p, sampling, endpoint="/v1/completions") for p in runs], request
+        [decode_on_slot(rt, p, sampling, endpoint="/v1/completions") for p in runs], request
     )
     response: dict[str, Any] = {
         **meta.head(),

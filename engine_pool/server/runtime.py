@@ -18,14 +18,14 @@ import structlog
 
 import native
 
-from ..errors import ServerError, Unavailable
+from ..common.errors import ServerError, Unavailable
 from .chat_template import ChatTemplate, TemplateConfigError, select_template, template_override
 from .formats import UPSTREAM, select_format
 from .formats.upstream import UpstreamChat
 from .metrics import EngineMetrics
 from .sampling import Sampling
-from .scheduler import SlotScheduler
 from .settings import EngineSettings
+from .slot_leases import SlotLeases
 
 
 def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
@@ -52,12 +52,14 @@ class Runtime:
         self.upstream: UpstreamChat | None = None
         self.state = "loading"  # loading | ready | draining | failed | closed
         self.error = ""
+        # The fraction of the weights loaded; written by the loading thread only, read by /health.
+        self.load_progress = 0.0
         self.started = time.time()
         self.slot_dir = Path(settings.slot_save_path).resolve() if settings.slot_save_path else None
         self.defaults = Sampling(
             n_predict=settings.n_predict, temperature=settings.temperature, seed=settings.seed
         )
-        self.scheduler = SlotScheduler(
+        self.leases = SlotLeases(
             settings.n_slots, settings.queue_size, settings.retry_after_s, self._fetch_tokens
         )
         self.metrics = EngineMetrics(self._core_metrics, self._gauges)
@@ -109,7 +111,7 @@ class Runtime:
         try:
             if self.slot_dir is not None:
                 self.slot_dir.mkdir(parents=True, exist_ok=True)
-            engine = await asyncio.to_thread(native.Engine, self.engine_config())
+            engine = await asyncio.to_thread(native.Engine, self.engine_config(), self._note_load_progress)
         except (native.NativeError, OSError) as exc:
             self.state, self.error = "failed", f"the model failed to load: {type(exc).__name__}: {exc}"
             log.error("engine.load_failed", model=self.settings.model, error=self.error)
@@ -146,7 +148,7 @@ class Runtime:
             format=UPSTREAM if self.upstream is not None else select_format(setting, choice.source).name,
             setting=setting,
         )
-        self.scheduler.turn_slack = await asyncio.to_thread(
+        self.leases.turn_slack = await asyncio.to_thread(
             self.template.generation_prompt_tokens, lambda text, special: engine.tokenize(text, special)
         )
         self.state = "ready"
@@ -167,6 +169,11 @@ class Runtime:
             load_s=round(time.monotonic() - t0, 3),
         )
 
+    def _note_load_progress(self, fraction: float) -> None:
+        """From the loading thread: kept for /health, which the supervisor polls while it waits."""
+        self.load_progress = fraction
+        log.info("engine.load_progress", percent=int(fraction * 100))
+
     def _on_fault(self, reason: str) -> None:
         """The core's decode loop died (native/DESIGN.md, "Faults"): its requests have already
         ended with an error and it refuses everything, so only a new process can serve again.
@@ -179,7 +186,7 @@ class Runtime:
             return
         self.state, self.error = "failed", f"the native engine failed: {reason}"
         log.error("engine.fault", reason=reason)
-        self.scheduler.close()
+        self.leases.close()
         if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None):
             signal.raise_signal(signal.SIGTERM)
 
@@ -193,7 +200,7 @@ class Runtime:
             return
         log.info("engine.draining", previous=self.state, grace_s=self.settings.shutdown_grace_s)
         self.state = "draining"
-        self.scheduler.close()
+        self.leases.close()
         loop = asyncio.get_running_loop()
         loop.call_later(self.settings.shutdown_grace_s, self._spawn, self._abort_inflight)
 
@@ -212,9 +219,9 @@ class Runtime:
             await asyncio.to_thread(engine.cancel, s.request_id)
 
     async def cancel_slot(self, slot: int) -> bool:
-        """Cancel the generation running on `slot` (its request ends as a cancelled one, with what
+        """Cancel the decode run on `slot` (its request ends as a cancelled one, with what
         it wrote so far); False when none runs there. The node uses it to delete a busy session and
-        to drain without waiting for generations nobody will read."""
+        to drain without waiting for decode runs nobody will read."""
         engine = self.require()
         info = (await asyncio.to_thread(engine.slots))[slot]
         if info.request_id < 0:
@@ -225,7 +232,7 @@ class Runtime:
     def abort_on_slot(self, slot: int, request_id: int | None) -> None:
         """Cancel what the core still runs for us on `slot`, then end the slot's lease.
 
-        Used when a generation is left early (client gone, task cancelled). The facade's own cancel
+        Used when a decode run is left early (client gone, task cancelled). The facade's own cancel
         in `Engine.stream` is awaited inside the cancelled task and may never run (see DESIGN.md),
         so this one runs in a task of its own and holds the lease until the core has let go.
         """
@@ -253,7 +260,7 @@ class Runtime:
             except native.NativeError as exc:
                 log.warning("generation.abort_failed", slot=slot, error=str(exc))
             finally:
-                self.scheduler.release(slot)
+                self.leases.release(slot)
 
         self._spawn(run)
 
@@ -262,7 +269,7 @@ class Runtime:
         return self.state == "draining"
 
     async def close(self) -> None:
-        self.scheduler.close()
+        self.leases.close()
         for task in list(self._tasks):
             task.cancel()
         engine, self.engine = self.engine, None
@@ -305,6 +312,6 @@ class Runtime:
         return {
             "slotkeeper_engine_ready": 1.0 if self.state == "ready" else 0.0,
             "slotkeeper_slots_total": float(self.settings.n_slots),
-            "slotkeeper_slots_busy": float(self.scheduler.n_busy()),
-            "slotkeeper_queue_waiting": float(self.scheduler.n_waiting()),
+            "slotkeeper_slots_busy": float(self.leases.n_busy()),
+            "slotkeeper_queue_waiting": float(self.leases.n_waiting()),
         }

@@ -1,4 +1,4 @@
-"""Sampling and slot options of a generation request, read from llama-server or OpenAI field names.
+"""Sampling and slot options of a decode request, read from llama-server or OpenAI field names.
 
 `FIELDS` is the one table from request fields (with their aliases across the two dialects) to
 `Sampling` attributes; `read_sampling` applies it to a body, `to_native` turns the result into
@@ -15,10 +15,11 @@ from typing import Any
 
 import native
 
-from ..body import Body, json_type
-from ..errors import BadRequest
+from ..common.body import Body, json_type
+from ..common.errors import BadRequest
+from ..protocol.bounds import check_count, too_many
 from .grammar import GrammarTriggers
-from .limits import RequestLimits, check_count, check_n_predict, too_many
+from .limits import RequestLimits, check_n_predict
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def read_sampling(
         )
     if "n_predict" not in values and body.has("max_tokens_default"):
         # The gateway's output cap for a request that set none (its tenant's); a cap past the slot's
-        # context only means the context's end, where every generation stops anyway.
+        # context only means the context's end, where every decode run stops anyway.
         values["n_predict"] = body.get_int("max_tokens_default", -1, lo=-1, hi=_INT32_MAX)
     values["n_probs"] = body.get_int("n_probs", defaults.n_probs, lo=0, hi=limits.max_n_probs)
     id_slot = values.get("id_slot", -1)
@@ -276,6 +277,24 @@ def ban_end_of_generation(s: Sampling, eog_tokens: Iterable[int]) -> Sampling:
     return replace(s, logit_bias={**s.logit_bias, **bans})
 
 
+# The options the core's RequestParams and llama-server's `generation_settings` echo both carry
+# under Sampling's own names, in the echo's order.
+_SAME_NAMED = (
+    "n_predict",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "repeat_penalty",
+    "repeat_last_n",
+    "presence_penalty",
+    "frequency_penalty",
+    "ignore_eos",
+    "cache_prompt",
+)
+
+
 def to_native(
     s: Sampling,
     prompt: list[int],
@@ -288,24 +307,14 @@ def to_native(
     preserved: frozenset[int] = frozenset(),
 ) -> native.RequestParams:
     """The core's RequestParams for a tokenized prompt. Stop strings are matched twice: by the
-    core, which ends the generation on the token completing one (so the slot holds exactly the
+    core, which ends the decode run on the token completing one (so the slot holds exactly the
     tokens up to it, however late its events are read), and in Python (text.TextStream), which
     holds them back from the text; `preserved` tokens count with their special text in both."""
     p = native.RequestParams(prompt)
     p.prefix_sources = list(range(n_slots)) if s.prefix_slots is None else list(s.prefix_slots)
     p.owner = s.slot_owner
-    p.n_predict = s.n_predict
-    p.temperature = s.temperature
-    p.top_k = s.top_k
-    p.top_p = s.top_p
-    p.min_p = s.min_p
-    p.seed = s.seed
-    p.repeat_penalty = s.repeat_penalty
-    p.repeat_last_n = s.repeat_last_n
-    p.presence_penalty = s.presence_penalty
-    p.frequency_penalty = s.frequency_penalty
-    p.ignore_eos = s.ignore_eos
-    p.cache_prompt = s.cache_prompt
+    for name in _SAME_NAMED:
+        setattr(p, name, getattr(s, name))
     if s.logit_bias_text:
         raise ValueError("text-keyed logit biases must be resolved (resolve_text_bias) before submitting")
     p.logit_bias = {**s.logit_bias, **(extra_bias or {})}
@@ -325,18 +334,7 @@ def to_native(
 def generation_settings(s: Sampling) -> dict[str, Any]:
     """llama-server's `generation_settings` echo of the options in effect."""
     return {
-        "n_predict": s.n_predict,
-        "temperature": s.temperature,
-        "top_k": s.top_k,
-        "top_p": s.top_p,
-        "min_p": s.min_p,
-        "seed": s.seed,
-        "repeat_penalty": s.repeat_penalty,
-        "repeat_last_n": s.repeat_last_n,
-        "presence_penalty": s.presence_penalty,
-        "frequency_penalty": s.frequency_penalty,
-        "ignore_eos": s.ignore_eos,
-        "cache_prompt": s.cache_prompt,
+        **{name: getattr(s, name) for name in _SAME_NAMED},
         "stop": list(s.stop),
         "n_probs": s.n_probs,
         "post_sampling_probs": False,

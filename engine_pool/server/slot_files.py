@@ -20,7 +20,7 @@ import structlog
 import native
 from storage.background import in_background
 
-from ..errors import BadRequest, NotFound, NotSupported
+from ..common.errors import BadRequest, NotFound, NotSupported
 from .runtime import Runtime
 
 log = structlog.get_logger("engine.slots")
@@ -59,9 +59,9 @@ def slot_file_path(slot_dir: Path | None, filename: Any) -> Path:
 async def _on_slot(rt: Runtime, slot: int, purpose: str, fn: Callable[[], T]) -> T:
     """Run `fn` in a thread under a lease on `slot`. The lease ends when `fn` does, even if the
     caller is cancelled first, so nothing else starts on the slot while the file is in use."""
-    await rt.scheduler.acquire(slot, purpose=purpose, wait_s=rt.settings.slot_wait_s)
+    await rt.leases.acquire(slot, purpose=purpose, wait_s=rt.settings.slot_wait_s)
     task = asyncio.ensure_future(asyncio.to_thread(fn))
-    task.add_done_callback(lambda _: rt.scheduler.release(slot))
+    task.add_done_callback(lambda _: rt.leases.release(slot))
     return await asyncio.shield(task)
 
 
@@ -75,8 +75,15 @@ _REPORT = {
 def _report(action: str, slot: int, filename: Any, info: native.SlotFileInfo) -> dict[str, Any]:
     """Log a completed save/restore and answer it as llama-server does."""
     event, tokens_field, bytes_field = _REPORT[action]
-    log.info(event, slot=slot, filename=filename, n_tokens=info.n_tokens, n_bytes=info.n_bytes,
-             n_checkpoints=info.n_checkpoints, ms=round(info.ms, 2))  # fmt: skip
+    log.info(
+        event,
+        slot=slot,
+        filename=filename,
+        n_tokens=info.n_tokens,
+        n_bytes=info.n_bytes,
+        n_checkpoints=info.n_checkpoints,
+        ms=round(info.ms, 2),
+    )
     return {
         "id_slot": slot,
         "filename": filename,

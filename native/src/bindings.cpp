@@ -7,6 +7,7 @@
 #include "hash.h"
 #include "model.h"
 
+#include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -243,15 +244,18 @@ PYBIND11_MODULE(_native, m) {
 
     using rel = py::call_guard<py::gil_scoped_release>;
     py::class_<Engine>(m, "Engine")
-        .def(py::init<const EngineConfig &>(), py::arg("config"), rel())
+        // The callable runs on the loading thread with the GIL taken (pybind11's std::function
+        // wrapper acquires it); the load itself runs without it.
+        .def(py::init<const EngineConfig &, const LoadProgress &>(), py::arg("config"),
+             py::arg("on_load_progress") = LoadProgress{}, rel())
         .def_property_readonly("model", &Engine::model, py::return_value_policy::reference_internal)
         // A copy: the loop and every thread read the engine's configuration without a lock (a
         // writable reference let `config.n_slots = 99` admit slot ids past the end of slots_).
         .def_property_readonly("config", [](const Engine & e) { return EngineConfig(e.config()); })
         .def_property_readonly("n_ctx_slot", &Engine::n_ctx_slot)
         .def_property_readonly("kv_streams", &Engine::kv_streams)
-        // Tokenizing a long prompt takes ~1 s per million characters: without the GIL, so that the
-        // engine's event loop keeps serving while a worker thread tokenizes (the vocab is read-only).
+        // Tokenizing takes time in proportion to the text, far past the GIL budget for a long prompt:
+        // without the GIL, so that the engine's event loop keeps serving while a worker thread tokenizes (the vocab is read-only).
         .def("tokenize", &Engine::tokenize, py::arg("text"), py::arg("add_special") = true,
              py::arg("parse_special") = true, rel())
         // Bytes, not str: a token may hold part of a UTF-8 sequence (the caller decodes, replacing).

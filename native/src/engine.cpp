@@ -68,8 +68,9 @@ ggml_type kv_cache_type(const std::string & name, const char * flag) {
     throw InvalidRequestError(std::string(flag) + ": unknown KV cache type '" + name + "' (allowed: " + allowed + ")");
 }
 
-Engine::Engine(const EngineConfig & cfg)
-    : cfg_(checked(cfg)), model_(cfg.model_path, cfg.n_gpu_layers, cfg.repack, cfg.use_mmap, cfg.use_mlock) {
+Engine::Engine(const EngineConfig & cfg, const LoadProgress & on_load_progress)
+    : cfg_(checked(cfg)),
+      model_(cfg.model_path, cfg.n_gpu_layers, cfg.repack, cfg.use_mmap, cfg.use_mlock, on_load_progress) {
     if (cfg_.context_shift && model().needs_checkpoints_to_trim()) {
         // A recurrent state summarises every token it has seen: nothing can be dropped from the
         // middle (seq_rm refuses), so a shift would corrupt the sequence. llama-server turns the
@@ -90,8 +91,8 @@ Engine::Engine(const EngineConfig & cfg)
     // A KV stream per slot where the saved state can be brought to the one-stream form slot files
     // hold (seqstate.h): a plain hybrid memory (attention cache, then recurrent state; no sliding
     // window; not qwen4exp's indexed attention) and more than one slot. A slot's attention then
-    // spans its own cells only, not every slot's, masked: about 3 % of four-slot prefill on the
-    // bench hybrid (measured on llama-server with and without -kvu). llama.cpp rounds each stream
+    // spans its own cells only, not every slot's, masked, which spares multi-slot prefill some work
+    // (figures: docs/benchmarks.md; llama-server with and without -kvu). llama.cpp rounds each stream
     // up to a multiple of 256 cells (up to 255 more per slot than one stream would hold); a slot
     // still gets n_ctx / n_slots of them, as with one stream. Otherwise one stream, whatever
     // cfg_.kv_unified says, which then only decides how much of it one slot may use. Either way a
@@ -133,8 +134,8 @@ Engine::Engine(const EngineConfig & cfg)
     // with OpenMP, and libgomp keeps a team of workers per thread that ever ran a parallel region:
     // a warmup on the caller's thread left a second idle team behind, so with more OpenMP threads
     // than cores libgomp stopped spinning at its barriers and slept on futexes instead — every
-    // single-token decode then ran at half speed (measured: 47 vs 91 tokens/s on the bench model,
-    // 2 cores, the same libllama called from one thread).
+    // single-token decode then ran far slower than the same libllama called from one thread
+    // (figures: docs/benchmarks.md).
     std::promise<void> warmed;
     std::future<void> ready = warmed.get_future();
     thread_ = std::thread([this, warmup = cfg_.warmup, warmed = std::move(warmed)]() mutable {

@@ -107,7 +107,8 @@ using ContextPtr = std::unique_ptr<llama_context, ContextDeleter>;
 
 class Engine {
 public:
-    explicit Engine(const EngineConfig & cfg);  // throws ModelLoadError, InvalidRequestError
+    // Throws ModelLoadError, InvalidRequestError. `on_load_progress` hears the weights load (model.h).
+    explicit Engine(const EngineConfig & cfg, const LoadProgress & on_load_progress = {});
     ~Engine();
     Engine(const Engine &) = delete;
     Engine & operator=(const Engine &) = delete;

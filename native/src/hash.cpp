@@ -58,8 +58,8 @@ namespace {
 // then folded to one lane, to 64 bits and Barrett-reduced, after Intel's "Fast CRC Computation for
 // Generic Polynomials Using PCLMULQDQ" (2009), with its bit-reflected constants for the zlib
 // polynomial. `crc` is the register (the inverted running CRC); n >= 64 and a multiple of 16.
-// About 5x zlib's braided CRC here: the CRC is the largest single cost of restoring a slot file
-// after reading it (55 MB: 20 ms with zlib).
+// Several times zlib's braided CRC, which matters: the CRC is the largest single cost of restoring
+// a slot file after reading it (figures: docs/benchmarks.md).
 #define SK_CLMUL_TARGET __attribute__((target("pclmul,sse4.1")))
 
 SK_CLMUL_TARGET inline __m128i load16(const uint8_t * q) { return _mm_loadu_si128(reinterpret_cast<const __m128i *>(q)); }

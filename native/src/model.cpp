@@ -69,7 +69,31 @@ std::string model_fingerprint(const std::string & path) {
     return h.hexdigest();
 }
 
-Model::Model(const std::string & path, int n_gpu_layers, bool repack, bool use_mmap, bool use_mlock) {
+namespace {
+
+// llama.cpp calls its progress callback once per tensor; the listener hears each tenth once.
+struct ProgressTenths {
+    const LoadProgress & report;
+    int last = -1;
+
+    static bool call(float progress, void * self) {
+        auto * p = static_cast<ProgressTenths *>(self);
+        const int tenth = int(progress * 10.0f);
+        if (tenth > p->last) {
+            p->last = tenth;
+            try {
+                p->report(progress);
+            } catch (...) {
+            }
+        }
+        return true;  // never cancels the load
+    }
+};
+
+}  // namespace
+
+Model::Model(const std::string & path, int n_gpu_layers, bool repack, bool use_mmap, bool use_mlock,
+             const LoadProgress & on_progress) {
     // Read the fingerprint first: it also rejects non-GGUF files before llama.cpp sees them.
     std::string fp = model_fingerprint(path);
 
@@ -80,6 +104,11 @@ Model::Model(const std::string & path, int n_gpu_layers, bool repack, bool use_m
     // file where every device can; --no-mmap reads it instead, --mlock locks what was loaded.
     if (!use_mmap) mp.load_mode = use_mlock ? LLAMA_LOAD_MODE_MLOCK : LLAMA_LOAD_MODE_NONE;
     else if (use_mlock) mp.load_mode = LLAMA_LOAD_MODE_MMAP_MLOCK;
+    ProgressTenths tenths{on_progress};
+    if (on_progress) {
+        mp.progress_callback = &ProgressTenths::call;
+        mp.progress_callback_user_data = &tenths;
+    }
     model_.reset(llama_model_load_from_file(path.c_str(), mp));
     if (!model_) throw ModelLoadError("llama.cpp could not load the model: " + path);
 

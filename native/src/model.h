@@ -3,6 +3,7 @@
 
 #include <llama.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -41,10 +42,15 @@ struct ModelDeleter {
 };
 using ModelPtr = std::unique_ptr<llama_model, ModelDeleter>;
 
+// Told the fraction of the weights loaded so far, at most once per tenth and once at the end.
+// Called on the loading thread; what it throws is dropped (a report must not abort a load).
+using LoadProgress = std::function<void(float)>;
+
 class Model {
 public:
     // Throws ModelLoadError.
-    Model(const std::string & path, int n_gpu_layers, bool repack = true, bool use_mmap = true, bool use_mlock = false);
+    Model(const std::string & path, int n_gpu_layers, bool repack = true, bool use_mmap = true, bool use_mlock = false,
+          const LoadProgress & on_progress = {});
 
     llama_model * get() const { return model_.get(); }
     const llama_vocab * vocab() const { return llama_model_get_vocab(model_.get()); }

@@ -1,10 +1,10 @@
-// storage._planes: f32 byte planes for storage.codec — a state's bytes split so that byte k of
+// storage.chunks._planes: f32 byte planes for storage.chunks.codec — a state's bytes split so that byte k of
 // every float lies with the others' (the sign-and-exponent plane compresses, the mantissa planes
 // are noise), and put back. Both run with the GIL released, so a restore's decodes run beside its
 // other reads and writes. No libllama: storage loads it on nodes and tools that never load a model.
 //
-// numpy's strided copies do the same at about 1 byte a nanosecond (2 ms for a 6.9 MB state, four
-// strided passes); a 16-byte interleave does it at memory speed.
+// numpy's strided copies do the same a byte at a time in four strided passes, which shows on the
+// restore's path; a 16-byte interleave does it at memory speed (figures: docs/benchmarks.md).
 
 #include <pybind11/pybind11.h>
 
@@ -96,7 +96,7 @@ py::buffer_info bytes_of(const py::buffer & b, const char * what, bool writable 
 }  // namespace
 
 PYBIND11_MODULE(_planes, m) {
-    m.doc() = "f32 byte planes (storage.codec): split a state's bytes into planes and put them back";
+    m.doc() = "f32 byte planes (storage.chunks.codec): split a state's bytes into planes and put them back";
 
     m.def(
         "split",

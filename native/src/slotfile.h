@@ -85,8 +85,8 @@ uint64_t write_slot_file(const std::string & path, const SlotFileMeta & meta, co
 // The bytes of a slot file being read: the file mapped privately (its pages come from the page
 // cache, populated at once; a write changes this process's copy of that page only), or, where a
 // mapping cannot be made, a buffer it was read into. Mapping instead of reading spares a copy and,
-// above all, fresh memory: on a VM, first-touch faults of a 52 MB buffer cost more than reading it
-// (read + CRC into new memory 53 ms, mapped + CRC 14 ms, measured on one host). Safe to map: slot
+// above all, fresh memory: on a VM, the first-touch faults of a fresh buffer cost more than reading
+// the file into it (figures: docs/benchmarks.md). Safe to map: slot
 // files are written to a temporary name and renamed into place (write_slot_file), never rewritten
 // where they lie, and a mapping outlives an unlink; an image lives only while it is restored.
 class FileBytes {

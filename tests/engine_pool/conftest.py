@@ -14,15 +14,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from native.model_gen import write_model
-
 REPO = Path(__file__).resolve().parents[2]
+ENGINE_COMMAND = (sys.executable, "-m", "gateway.cli", "engine")  # what `slotkeeper engine` runs
 
 
 def free_port() -> int:
@@ -48,21 +47,8 @@ class EngineProcess:
 
     def start(self, timeout_s: float = 60.0) -> EngineProcess:
         self.port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "gateway.cli",
-            "engine",
-            "-m",
-            str(self.model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "-t",
-            "1",
-            *self.args,
-        ]
+        cmd = [*ENGINE_COMMAND, "-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd += ["-t", "1", *self.args]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
@@ -114,22 +100,22 @@ class EngineProcess:
 
 
 @pytest.fixture(scope="session")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("models")
-    paths = {}
-    for arch in ("llama", "qwen35"):
-        paths[arch] = root / f"{arch}.gguf"
-        write_model(paths[arch], arch, size="tiny", seed=0)
-    return paths
+def models(tiny_model: Callable[..., str]) -> dict[str, Path]:
+    return {arch: Path(tiny_model(arch)) for arch in ("llama", "qwen35")}
 
 
-def _engine(models: dict[str, Path], tmp: Path, arch: str, *args: str) -> Iterator[EngineProcess]:
-    eng = EngineProcess(models[arch], *args, log_path=tmp / f"{arch}-engine.log").start()
-    try:
+def run_engine(
+    tmp_path_factory: pytest.TempPathFactory,
+    model: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 60.0,
+) -> Iterator[EngineProcess]:
+    """For a fixture to `yield from`: an engine on `model` with `args`, its log in a fresh temporary
+    directory, stopped (its exit code 0 asserted) when the fixture ends."""
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    with EngineProcess(model, *args, log_path=log, env=env).running(timeout_s) as eng:
         yield eng
-    finally:
-        rc = eng.stop()
-        assert rc == 0, f"engine did not shut down cleanly ({rc}):\n{eng.log()[-4000:]}"
 
 
 # Small checkpoint steps so that tiny prompts get interval checkpoints inside them.
@@ -141,42 +127,26 @@ def slot_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("slots")
 
 
+def _shared_engine(
+    tmp_path_factory: pytest.TempPathFactory, models: dict[str, Path], slot_dir: Path, arch: str, *args: str
+) -> Iterator[EngineProcess]:
+    """The session's engine on `arch`: two slots, 2048 tokens, its own slot directory."""
+    slots = ("-np", "2", "-c", "2048", "--slot-save-path", str(slot_dir / arch))
+    yield from run_engine(tmp_path_factory, models[arch], *slots, *args, *CHECKPOINT_ARGS)
+
+
 @pytest.fixture(scope="session")
 def llama_engine(
     models: dict[str, Path], slot_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EngineProcess]:
-    yield from _engine(
-        models,
-        tmp_path_factory.mktemp("llama"),
-        "llama",
-        "-np",
-        "2",
-        "-c",
-        "2048",
-        "--slot-save-path",
-        str(slot_dir / "llama"),
-        *CHECKPOINT_ARGS,
-    )
+    yield from _shared_engine(tmp_path_factory, models, slot_dir, "llama")
 
 
 @pytest.fixture(scope="session")
 def qwen_engine(
     models: dict[str, Path], slot_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EngineProcess]:
-    yield from _engine(
-        models,
-        tmp_path_factory.mktemp("qwen"),
-        "qwen35",
-        "-np",
-        "2",
-        "-c",
-        "2048",
-        "--slot-save-path",
-        str(slot_dir / "qwen35"),
-        "-a",
-        "tiny-qwen",
-        *CHECKPOINT_ARGS,
-    )
+    yield from _shared_engine(tmp_path_factory, models, slot_dir, "qwen35", "-a", "tiny-qwen")
 
 
 @pytest.fixture

@@ -12,15 +12,42 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import anthropic
 import httpx
+import openai
 import pytest
-from support.servers import INTERNAL_AUTH
+
+from gateway.bench.harness.servers import INTERNAL_AUTH
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+_CLIENTS: list[openai.OpenAI | anthropic.Anthropic] = []
+
+
+def openai_client(url: str, key: str = "none", timeout: float = 60) -> openai.OpenAI:
+    """An `openai` client of a serve at `url`, closed after the test; no retries."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=timeout)
+    _CLIENTS.append(client)
+    return client
+
+
+def anthropic_client(url: str, key: str = "none") -> anthropic.Anthropic:
+    """An `anthropic` client of a serve at `url`, closed after the test; no retries."""
+    client = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=60)
+    _CLIENTS.append(client)
+    return client
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    yield
+    while _CLIENTS:
+        _CLIENTS.pop().close()
 
 
 @dataclass
@@ -58,9 +85,17 @@ def start_serve(
     """Start `slotkeeper serve` (its own process group) and wait for /ready."""
     port = port or _free_port()
     node_port = _free_port()
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--node-port", str(node_port),
-           "--data-dir", str(data_dir), "--model", model, "--slots", str(slots), "--ctx", "2048",
-           "--log-level", "warning", *args]  # fmt: skip
+    cmd = [
+        *(sys.executable, "-m", "gateway.cli", "serve"),
+        *("--port", str(port)),
+        *("--node-port", str(node_port)),
+        *("--data-dir", str(data_dir)),
+        *("--model", model),
+        *("--slots", str(slots)),
+        *("--ctx", "2048"),
+        *("--log-level", "warning"),
+        *args,
+    ]
     if tenants is not None:
         cmd += ["--tenants", str(tenants)]
     with log.open("wb") as out:
@@ -88,11 +123,18 @@ def serve(tiny_model: Callable[..., str], tmp_path: Path) -> Iterator[Callable[.
     """`serve(data_dir, slots=2, tenants=None, args=(), env=None)` starts `slotkeeper serve`."""
     started: list[Serve] = []
 
-    def start(data_dir: Path, slots: int = 2, tenants: Path | None = None, port: int | None = None,
-              args: Sequence[str] = (), env: dict[str, str] | None = None) -> Serve:  # fmt: skip
+    def start(
+        data_dir: Path,
+        slots: int = 2,
+        tenants: Path | None = None,
+        port: int | None = None,
+        args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> Serve:
         log = tmp_path / f"serve-{port}-{len(started)}.log"
-        s = start_serve(tiny_model("qwen35"), data_dir, log, slots=slots, tenants=tenants, port=port,
-                        args=args, env=env)  # fmt: skip
+        s = start_serve(
+            tiny_model("qwen35"), data_dir, log, slots=slots, tenants=tenants, port=port, args=args, env=env
+        )
         started.append(s)
         return s
 

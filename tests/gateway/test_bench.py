@@ -6,6 +6,7 @@ The side-by-side suites run upstream llama-server too (the `bench` extra, which 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -14,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.upstream import binary
+
+from gateway.bench.command import BENCHMARKS
+from gateway.bench.harness.upstream import binary
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,8 +29,13 @@ needs_upstream = pytest.mark.skipif(
 
 def bench(name: str, *args: str, timeout: float = 600) -> str:
     """`slotkeeper bench NAME ARGS` from the checkout; its output (it must exit 0)."""
-    proc = subprocess.run([sys.executable, "-m", "gateway.cli", "bench", name, *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "bench", name, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, (
         f"bench {name} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     )
@@ -41,19 +49,46 @@ def _json(path: Path) -> dict[str, Any]:
 
 def test_bench_lists_every_suite() -> None:
     out = bench("--help")
-    for name in ("gateway", "prefix", "resume", "soak", "storage", "throughput"):
+    for name in ("gateway", "prefix", "resume", "soak", "storage", "throughput", "upstream-suite"):
         assert name in out
+
+
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+def test_every_benchmark_imports_from_the_package(name: str) -> None:
+    module = importlib.import_module(f"gateway.bench.{name.replace('-', '_')}")
+    assert callable(module.main)
+
+
+def test_bench_runs_outside_the_checkout(tmp_path: Path) -> None:
+    """The benchmarks ship in the package: from a working directory with no tests/ in reach,
+    `bench` lists every benchmark and one of them starts (an installed wheel, the image)."""
+    for args, expect in ((["--help"], list(BENCHMARKS)), (["routing", "--help"], ["--sessions"])):
+        cmd = [sys.executable, "-m", "gateway.cli", "bench", *args]
+        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert all(word in proc.stdout for word in expect), proc.stdout
 
 
 def test_gateway_suites(tiny_model, tmp_path: Path) -> None:
     out_json = tmp_path / "gateway.json"
     out = bench(
-        "gateway", "--tiny-model", tiny_model("qwen35"), "--bench-model", tiny_model("qwen35"),
-        "--requests", "5", "--warmup", "1", "--sessions", "3000", "--engines", "20", "--decisions", "40",
-        "--request-pool", "50", "--routing-time-limit", "2", "--tokens", "300", "--ctx", "1024",
-        "--n-predict", "2", "--repeat", "1", "--models-dir", str(tmp_path / "models"),
-        "--json", str(out_json),
-    )  # fmt: skip
+        "gateway",
+        *("--tiny-model", tiny_model("qwen35")),
+        *("--bench-model", tiny_model("qwen35")),
+        *("--requests", "5"),
+        *("--warmup", "1"),
+        *("--sessions", "3000"),
+        *("--engines", "20"),
+        *("--decisions", "40"),
+        *("--request-pool", "50"),
+        *("--routing-time-limit", "2"),
+        *("--tokens", "300"),
+        *("--ctx", "1024"),
+        *("--n-predict", "2"),
+        *("--repeat", "1"),
+        *("--models-dir", str(tmp_path / "models")),
+        *("--json", str(out_json)),
+    )
     report = _json(out_json)
     assert [o["index"] for o in report["overhead"]] == ["in-process", "redis-server"]
     for o in report["overhead"]:
@@ -71,9 +106,18 @@ def test_gateway_suites(tiny_model, tmp_path: Path) -> None:
 @needs_upstream
 def test_resume_side_by_side_and_curve(tiny_model, tmp_path: Path) -> None:
     out_json, svg = tmp_path / "resume.json", tmp_path / "ttft.svg"
-    bench("resume", "--model", tiny_model("qwen35"), "--tokens", "400", "--ctx", "2048", "--n-predict", "4",
-          "--upstream", "--curve", "200,500", "--plot", str(svg), "--workdir", str(tmp_path / "work"),
-          "--json", str(out_json))  # fmt: skip
+    bench(
+        "resume",
+        *("--model", tiny_model("qwen35")),
+        *("--tokens", "400"),
+        *("--ctx", "2048"),
+        *("--n-predict", "4"),
+        "--upstream",
+        *("--curve", "200,500"),
+        *("--plot", str(svg)),
+        *("--workdir", str(tmp_path / "work")),
+        *("--json", str(out_json)),
+    )
     report = _json(out_json)
     assert report["in_process"]["restored_tokens_equal_live"] is True
     rows = report["side_by_side"]["rows"]
@@ -89,8 +133,16 @@ def test_resume_side_by_side_and_curve(tiny_model, tmp_path: Path) -> None:
 @needs_upstream
 def test_throughput_side_by_side(tiny_model, tmp_path: Path) -> None:
     out_json = tmp_path / "throughput.json"
-    bench("throughput", "--model", tiny_model("qwen35"), "--slots", "1,2", "--prompt-tokens", "32",
-          "--n-predict", "4", "--upstream", "--repeat", "1", "--json", str(out_json))  # fmt: skip
+    bench(
+        "throughput",
+        *("--model", tiny_model("qwen35")),
+        *("--slots", "1,2"),
+        *("--prompt-tokens", "32"),
+        *("--n-predict", "4"),
+        "--upstream",
+        *("--repeat", "1"),
+        *("--json", str(out_json)),
+    )
     report = _json(out_json)
     assert set(report["best"]) == {"slotkeeper", "llama-server"}
     for rows in report["best"].values():
@@ -100,9 +152,18 @@ def test_throughput_side_by_side(tiny_model, tmp_path: Path) -> None:
 
 
 def test_storage_suites(tiny_model, tmp_path: Path) -> None:
-    out = bench("storage", "--model", tiny_model("qwen35"), "--size", "tiny", "--turns", "3",
-                "--system-repeat", "4", "--ctx", "2048", "--backend", "local", "--size-mib", "4",
-                "--dir", str(tmp_path), "--json")  # fmt: skip
+    out = bench(
+        "storage",
+        *("--model", tiny_model("qwen35")),
+        *("--size", "tiny"),
+        *("--turns", "3"),
+        *("--system-repeat", "4"),
+        *("--ctx", "2048"),
+        *("--backend", "local"),
+        *("--size-mib", "4"),
+        *("--dir", str(tmp_path)),
+        "--json",
+    )
     report = json.loads(out.strip().splitlines()[-1])
     assert set(report) >= {"transfer", "session", "restore", "ttft"}
     assert report["restore"]["bytes"] > 0 and report["ttft"]["restored"]["prompt_n"] >= 0
@@ -110,24 +171,59 @@ def test_storage_suites(tiny_model, tmp_path: Path) -> None:
 
 def test_soak(tiny_model, tmp_path: Path) -> None:
     out_json = tmp_path / "soak.json"
-    bench("soak", "--model", tiny_model("qwen35"), "--duration-s", "20", "--workers", "2",
-          "--kill-min-s", "8", "--kill-max-s", "12", "--save-grace-s", "10", "--json", str(out_json),
-          timeout=900)  # fmt: skip
+    bench(
+        "soak",
+        "--model",
+        tiny_model("qwen35"),
+        "--duration-s",
+        "20",
+        "--workers",
+        "2",
+        "--kill-min-s",
+        "8",
+        "--kill-max-s",
+        "12",
+        "--save-grace-s",
+        "10",
+        "--json",
+        str(out_json),
+        timeout=900,
+    )
     assert _json(out_json)["ok"] is True
 
 
 @needs_upstream
 def test_prefix_side_by_side(tiny_model, tmp_path: Path) -> None:
     out_json = tmp_path / "prefix.json"
-    bench("prefix", "--model", tiny_model("qwen35"), "--system-tokens", "600", "--tools", "4",
-          "--sessions", "3", "--slots", "2", "--ctx", "2048", "--workdir", str(tmp_path / "work"),
-          "--json", str(out_json), timeout=900)  # fmt: skip
+    bench(
+        "prefix",
+        "--model",
+        tiny_model("qwen35"),
+        "--system-tokens",
+        "600",
+        "--tools",
+        "4",
+        "--sessions",
+        "3",
+        "--slots",
+        "2",
+        "--ctx",
+        "2048",
+        "--workdir",
+        str(tmp_path / "work"),
+        "--json",
+        str(out_json),
+        timeout=900,
+    )
     report = _json(out_json)
     rows = report["rows"]
     assert {(r["server"], r["phase"]) for r in rows} == {
-        ("slotkeeper", "live"), ("slotkeeper", "restart"), ("slotkeeper", "second node"),
-        ("llama-server", "live"), ("llama-server", "restart"),
-    }  # fmt: skip
+        ("slotkeeper", "live"),
+        ("slotkeeper", "restart"),
+        ("slotkeeper", "second node"),
+        ("llama-server", "live"),
+        ("llama-server", "restart"),
+    }
     ours = {(r["phase"], r["session"]): r for r in rows if r["server"] == "slotkeeper"}
     # The harness measures what it claims: after the first, no new session of ours evaluates the prefix.
     assert ours[("live", 0)]["served"] == "cold" and ours[("live", 1)]["served"] == "prefix"

@@ -9,9 +9,8 @@ import argparse
 import random
 from typing import Any
 
-from support.benches import sibling
+from gateway.bench import soak as soak_bench
 
-soak_bench = sibling("bench_soak")
 GRACE_S = 10.0  # --save-grace-s: the longest write-behind save
 
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support.upstream_suite import Outcome, compare, read_junit, rewrite_models, write_wrapper
+from gateway.bench.harness.upstream_tests import Outcome, compare, read_junit, rewrite_models, write_wrapper
 
 PATHS = {
     "ggml-org/models/tinyllamas/stories260K.gguf": "/m/llama.gguf",
@@ -17,12 +17,9 @@ PATHS = {
 
 def test_hf_flags_become_a_local_model_and_the_rest_is_kept() -> None:
     argv = [
-        "--port",
-        "8080",
-        "--hf-repo",
-        "ggml-org/models",
-        "--hf-file",
-        "tinyllamas/stories260K.gguf",
+        *("--port", "8080"),
+        *("--hf-repo", "ggml-org/models"),
+        *("--hf-file", "tinyllamas/stories260K.gguf"),
         "-c",
         "512",
     ]
@@ -41,8 +38,12 @@ def test_the_wrapper_execs_the_command_with_mapped_arguments(tmp_path: Path) -> 
     wrapper = write_wrapper(
         tmp_path / "server", [sys.executable, "-c", "import sys; print(sys.argv[1:])"], PATHS
     )
-    out = subprocess.run([str(wrapper), "-hf", "ggml-org/tinygemma3-GGUF:Q8_0", "--port", "9"],
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [str(wrapper), "-hf", "ggml-org/tinygemma3-GGUF:Q8_0", "--port", "9"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip() == str(["-m", "/m/g.gguf", "--port", "9"])
 
 
@@ -54,7 +55,10 @@ def _junit(path: Path, cases: str) -> Path:
 
 
 def test_the_verdict_names_what_passes_upstream_and_fails_on_ours(tmp_path: Path) -> None:
-    upstream = read_junit(_junit(tmp_path / "u.xml", """
+    upstream = read_junit(
+        _junit(
+            tmp_path / "u.xml",
+            """
         <testcase classname="unit.test_a"
         name="test_ok"/>
         <testcase classname="unit.test_a"
@@ -64,15 +68,22 @@ def test_the_verdict_names_what_passes_upstream_and_fails_on_ours(tmp_path: Path
         <testcase classname="unit.test_b"
         name="test_skipped"><skipped message="needs GPU"/></testcase>
         <testcase classname="unit.test_b"
-        name="test_not_run"/>"""))  # fmt: skip
-    ours = read_junit(_junit(tmp_path / "o.xml", """
+        name="test_not_run"/>""",
+        )
+    )
+    ours = read_junit(
+        _junit(
+            tmp_path / "o.xml",
+            """
         <testcase classname="unit.test_a"
         name="test_ok"/>
         <testcase classname="unit.test_a"
         name="test_regressed[x]">
         <failure message="RuntimeError: died&#10;more"/></testcase>
         <testcase classname="unit.test_a"
-        name="test_both_fail"><failure message="x"/></testcase>"""))  # fmt: skip
+        name="test_both_fail"><failure message="x"/></testcase>""",
+        )
+    )
     assert upstream["unit/test_b.py::test_skipped"] == Outcome("skipped", "needs GPU")
     verdict = compare(upstream, ours)
     assert verdict.upstream_passing == [

@@ -7,37 +7,25 @@ from __future__ import annotations
 import signal
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
-from support.served import ServedStore
+
+from gateway.bench.harness.served import ServedStore
+
+from .conftest import openai_client
 
 MODEL = "qwen35-seed0"
 SESSION = "agent-20"
 # About 2,600 tokens of system prompt and tools: a turn (a short user message and an 8-token
 # answer) then adds well under 10 % of the session.
-SYSTEM = ("You are a coding agent with tools: read_file(path), write_file(path, text), run(cmd). "
-          "Plan, act, check the result, and report briefly. ") * 60  # fmt: skip
+SYSTEM = (
+    "You are a coding agent with tools: read_file(path), write_file(path, text), run(cmd). "
+    "Plan, act, check the result, and report briefly. "
+) * 60
 TURNS = 20
-
-_CLIENTS: list[openai.OpenAI] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_clients() -> Iterator[None]:
-    yield
-    while _CLIENTS:
-        _CLIENTS.pop().close()
-
-
-def _client(url: str) -> openai.OpenAI:
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-    _CLIENTS.append(client)
-    return client
 
 
 def _written(url: str) -> float:
@@ -72,7 +60,7 @@ def _conversation(
     for turn in range(TURNS):
         msgs.append({"role": "user", "content": f"Step {turn}: run the tests and fix what fails."})
         before = _written(s.url)
-        raw = _client(s.url).chat.completions.with_raw_response.create(
+        raw = openai_client(s.url, timeout=120).chat.completions.with_raw_response.create(
             model=MODEL, messages=msgs, max_tokens=8, temperature=0, extra_headers={"X-Session-Id": SESSION}
         )
         done = raw.parse()
@@ -85,8 +73,15 @@ def _conversation(
             written = _written(s.url) - before
             # the superseded generation's garbage goes right after the save (no listing needed)
             _wait("storage follows the session", lambda f=full: where.stored_bytes() <= 1.5 * f)
-            measured.append({"turn": turn, "tokens": done.usage.prompt_tokens, "full": full,
-                             "written": written, "stored": where.stored_bytes()})  # fmt: skip
+            measured.append(
+                {
+                    "turn": turn,
+                    "tokens": done.usage.prompt_tokens,
+                    "full": full,
+                    "written": written,
+                    "stored": where.stored_bytes(),
+                }
+            )
         elif (turn + 1) % kill_every == 0 and turn + 1 < TURNS:
             s.stop(signal.SIGKILL)
             s = serve(where.data, slots=1, args=("--ctx", "8192", *where.flags()), env=where.env())
@@ -113,8 +108,14 @@ def test_twenty_turns_write_what_is_new_and_restore_exactly_after_sigkill(
         assert m["written"] <= 0.35 * m["full"], m
     print("\nturn tokens full written stored")  # the numbers for the note (pytest -s)
     for m in measured:
-        print(m["turn"], m["tokens"], m["full"], int(m["written"]), m["stored"],
-              f"{m['written'] / m['full']:.3f} {m['stored'] / m['full']:.3f}")  # fmt: skip
+        print(
+            m["turn"],
+            m["tokens"],
+            m["full"],
+            int(m["written"]),
+            m["stored"],
+            f"{m['written'] / m['full']:.3f} {m['stored'] / m['full']:.3f}",
+        )
 
     killed = ServedStore(tmp_path / "killed", f"killed{run}", endpoint)
     restarted, _ = _conversation(serve, killed, kill_every=4)

@@ -18,8 +18,8 @@ import httpx
 import openai
 import pytest
 import redis as redis_sync
-from support.servers import free_port, stop, wait_until
 
+from gateway.bench.harness.servers import free_port, stop, wait_until
 from gateway.cluster import failed_models
 
 MODEL = "qwen35-seed0"
@@ -63,16 +63,30 @@ def cluster(tiny_model, redis_port, moto_server, tmp_path: Path) -> Iterator[dic
     nodes = {}
     for name in ("n1", "n2"):
         port = free_port()
-        cmd = [sys.executable, "-m", "gateway.cli", "node", "--model", tiny_model("qwen35"), "--slots", "2",
-               "--ctx", "2048", "--port", str(port), "--node-id", name, "--data-dir", str(tmp_path / name),
-               "--log-level", "warning", "--store-compression", "auto", *common]  # fmt: skip
+        cmd = [
+            *(sys.executable, "-m", "gateway.cli", "node"),
+            *("--model", tiny_model("qwen35")),
+            *("--slots", "2"),
+            *("--ctx", "2048"),
+            *("--port", str(port)),
+            *("--node-id", name),
+            *("--data-dir", str(tmp_path / name)),
+            *("--log-level", "warning"),
+            *("--store-compression", "auto"),
+            *common,
+        ]
         p = Proc(name, cmd, tmp_path / f"{name}.log", f"http://127.0.0.1:{port}")
         procs.append(p)
         nodes[name] = p
     gw_port = free_port()
-    gw_cmd = [sys.executable, "-m", "gateway.cli", "gateway", "--port", str(gw_port), "--data-dir",
-              str(tmp_path / "gw"), "--log-level", "warning", *common,
-              *[a for p in procs for a in ("--node", p.url)]]  # fmt: skip
+    gw_cmd = [
+        *(sys.executable, "-m", "gateway.cli", "gateway"),
+        *("--port", str(gw_port)),
+        *("--data-dir", str(tmp_path / "gw")),
+        *("--log-level", "warning"),
+        *common,
+        *[a for p in procs for a in ("--node", p.url)],
+    ]
     gw = Proc("gateway", gw_cmd, tmp_path / "gateway.log", f"http://127.0.0.1:{gw_port}")
     procs.append(gw)
     try:
@@ -81,8 +95,14 @@ def cluster(tiny_model, redis_port, moto_server, tmp_path: Path) -> Iterator[dic
         deadline = time.monotonic() + 60
         while httpx.get(gw.url + "/ready").json()["engines"] < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
-        yield {"gateway": gw, "nodes": nodes, "redis_url": redis_url, "prefix": prefix, "s3": s3,
-               "bucket": moto_server.client()}  # fmt: skip
+        yield {
+            "gateway": gw,
+            "nodes": nodes,
+            "redis_url": redis_url,
+            "prefix": prefix,
+            "s3": s3,
+            "bucket": moto_server.client(),
+        }
     finally:
         for p in procs:
             stop(p.proc, signal.SIGKILL)
@@ -132,7 +152,7 @@ def test_node_sigterm_moves_sessions_and_redis_flush_is_reindexed(cluster):
     s3 = cluster["bucket"]
     listed = s3.list_objects_v2(Bucket="slots", Prefix=cluster["prefix"] + "/")["Contents"]
     states = [o["Key"] for o in listed if o["Key"].endswith((".ck", ".tail"))]
-    # told `auto`, the nodes store recurrent states compressed in S3 (storage.codec), restored below
+    # told `auto`, the nodes store recurrent states compressed in S3 (storage.chunks.codec), restored below
     assert states and all(s3.get_object(Bucket="slots", Key=k)["Body"].read(4) == b"SKZ1" for k in states)
 
     msgs.append({"role": "user", "content": "Step 2: and now?"})
@@ -167,23 +187,33 @@ def test_agent_apis_continue_on_another_node(cluster, procs_to_stop):
     gw = cluster["gateway"]
     with openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=2, timeout=60) as client:
         raw = client.responses.with_raw_response.create(
-            model="gpt-5", instructions=SYSTEM, input="Step 1: list files.", max_output_tokens=8,
+            model="gpt-5",
+            instructions=SYSTEM,
+            input="Step 1: list files.",
+            max_output_tokens=8,
             temperature=0,
-        )  # fmt: skip
+        )
         first, session = raw.parse(), raw.headers["x-session-id"]
     tool = {
         "name": "read_file",
         "description": "Read a file.",
-        "input_schema": {"type": "object", "properties": {"path": {"type": "string", "maxLength": 12}},
-                         "required": ["path"]},
-    }  # fmt: skip
+        "input_schema": {
+            "type": "object",
+            "properties": {"path": {"type": "string", "maxLength": 12}},
+            "required": ["path"],
+        },
+    }
     with anthropic.Anthropic(base_url=gw.url, api_key="none", max_retries=2, timeout=60) as claude:
         msgs: list[dict] = [{"role": "user", "content": "Open the README."}]
         raw_a = claude.messages.with_raw_response.create(
-            model="claude-test-agent", system=SYSTEM, max_tokens=250, messages=msgs,  # type: ignore[arg-type]
-            tools=[tool], tool_choice={"type": "tool", "name": "read_file"},  # type: ignore[list-item]
+            model="claude-test-agent",
+            system=SYSTEM,
+            max_tokens=250,
+            messages=msgs,  # type: ignore[arg-type]
+            tools=[tool],
+            tool_choice={"type": "tool", "name": "read_file"},  # type: ignore[list-item]
             extra_body={"temperature": 0},
-        )  # fmt: skip
+        )
         use, a_session = raw_a.parse(), raw_a.headers["x-session-id"]
 
     def drain(name: str) -> None:
@@ -195,9 +225,13 @@ def test_agent_apis_continue_on_another_node(cluster, procs_to_stop):
     drain(home)
     with openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=2, timeout=60) as client:
         raw = client.responses.with_raw_response.create(
-            model="gpt-5", instructions=SYSTEM, input="Step 2: run tests.", previous_response_id=first.id,
-            max_output_tokens=8, temperature=0,
-        )  # fmt: skip
+            model="gpt-5",
+            instructions=SYSTEM,
+            input="Step 2: run tests.",
+            previous_response_id=first.id,
+            max_output_tokens=8,
+            temperature=0,
+        )
         second = raw.parse()
     assert raw.headers["x-session-id"] == session and raw.headers["x-slotkeeper-cache"] == "restored"
     assert _node_of(gw.url, session) != home
@@ -219,9 +253,13 @@ def test_agent_apis_continue_on_another_node(cluster, procs_to_stop):
     msgs.append({"role": "user", "content": [result]})
     with anthropic.Anthropic(base_url=gw.url, api_key="none", max_retries=2, timeout=60) as claude:
         raw_b = claude.messages.with_raw_response.create(
-            model="claude-test-agent", system=SYSTEM, max_tokens=8, messages=msgs,  # type: ignore[arg-type]
-            tools=[tool], extra_body={"temperature": 0},  # type: ignore[list-item]
-        )  # fmt: skip
+            model="claude-test-agent",
+            system=SYSTEM,
+            max_tokens=8,
+            messages=msgs,  # type: ignore[arg-type]
+            tools=[tool],
+            extra_body={"temperature": 0},  # type: ignore[list-item]
+        )
         follow = raw_b.parse()
     assert raw_b.headers["x-session-id"] == a_session and raw_b.headers["x-slotkeeper-cache"] == "restored"
     assert _node_of(gw.url, a_session) != a_home
@@ -265,5 +303,6 @@ def test_a_model_is_failed_only_when_every_engine_of_it_was_given_up() -> None:
         {"model": "old", "state": "failed", "last_error": "model /m.gguf: does not exist\nlast output:\n…"},
     ]
     assert failed_models(engines) == {
-        "alien": "exited with code 1 while starting: no arch", "old": "model /m.gguf: does not exist",
-    }  # fmt: skip
+        "alien": "exited with code 1 while starting: no arch",
+        "old": "model /m.gguf: does not exist",
+    }

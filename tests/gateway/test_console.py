@@ -1,12 +1,15 @@
 """What a person sees running `slotkeeper serve` at a terminal: console lines, not JSON; one access
 line per request with its tenant, session, cache source and tokens; no health polls; each start-up
 line once; the in-process index named as such; the engine's load time, template and chat format
-when it is ready. A pseudo-terminal stands in for the person's terminal."""
+when it is ready. A pseudo-terminal stands in for the person's terminal, and then a real tmux pane,
+where Ctrl-C stops it."""
 
 from __future__ import annotations
 
 import os
 import pty
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -17,7 +20,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support.servers import free_port
+
+from gateway.bench.harness.servers import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -27,8 +31,7 @@ def test_serve_on_a_terminal_logs_for_a_person(tiny_model: Callable[..., str], t
     url = f"http://127.0.0.1:{port}"
     main, terminal = pty.openpty()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTKEEPER_")}
-    argv = [sys.executable, "-m", "gateway.cli", "serve", "--model", tiny_model("qwen35")]
-    argv += ["--port", str(port), "--node-port", str(node_port), "--data-dir", str(tmp_path / "data")]
+    argv = serve_argv(tiny_model("qwen35"), port, node_port, tmp_path / "data")
     proc = subprocess.Popen(
         argv, stdin=subprocess.DEVNULL, stdout=terminal, stderr=terminal, start_new_session=True, env=env
     )
@@ -48,28 +51,45 @@ def test_serve_on_a_terminal_logs_for_a_person(tiny_model: Callable[..., str], t
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, b"".join(chunks).decode(
-                errors="replace"
-            )
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        hi = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-        r = httpx.post(url + "/v1/chat/completions", timeout=60, headers={"X-Session-Id": "console"}, json=hi)
-        assert r.status_code == 200, r.text
-        for _ in range(3):
-            httpx.get(url + "/health", timeout=5)
+        chat_once_when_ready(
+            url, lambda: proc.poll() is None, lambda: b"".join(chunks).decode(errors="replace")
+        )
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         reader.join(10)
         os.close(main)
-    text = b"".join(chunks).decode("utf-8", errors="replace")
+    assert_lines_for_a_person(b"".join(chunks).decode("utf-8", errors="replace"))
+
+
+def serve_argv(model: str, port: int, node_port: int, data: Path) -> list[str]:
+    argv = [sys.executable, "-m", "gateway.cli", "serve", "--model", model]
+    return argv + ["--port", str(port), "--node-port", str(node_port), "--data-dir", str(data)]
+
+
+def chat_once_when_ready(url: str, alive: Callable[[], bool], said: Callable[[], str]) -> None:
+    """Waits for /ready while the process lives, then one chat in session `console` and three health polls."""
+    deadline = time.monotonic() + 90
+    while True:
+        assert alive() and time.monotonic() < deadline, said()
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    hi = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    r = httpx.post(url + "/v1/chat/completions", timeout=60, headers={"X-Session-Id": "console"}, json=hi)
+    assert r.status_code == 200, r.text
+    for _ in range(3):
+        httpx.get(url + "/health", timeout=5)
+
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def assert_lines_for_a_person(text: str) -> None:
+    text = ANSI.sub("", text)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     assert lines and not any(line.startswith("{") for line in lines), text[:3000]
     access = [line for line in lines if "http.access" in line]
@@ -85,3 +105,36 @@ def test_serve_on_a_terminal_logs_for_a_person(tiny_model: Callable[..., str], t
     ready = [line for line in lines if "engine.transition" in line and "to=ready" in line]
     assert len(ready) == 1 and "load_s=" in ready[0] and "chat_template=gguf" in ready[0], ready
     assert "chat_format=" in ready[0], ready
+
+
+def test_serve_in_tmux_logs_for_a_person_and_stops_on_ctrl_c(
+    tiny_model: Callable[..., str], tmp_path: Path
+) -> None:
+    """The same in a real terminal multiplexer, stopped as a person stops it: Ctrl-C at the pane."""
+    port, node_port = free_port(), free_port()
+    url, log, socket = f"http://127.0.0.1:{port}", tmp_path / "pane.log", tmp_path / "tmux.sock"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTKEEPER_")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    argv = serve_argv(tiny_model("qwen35"), port, node_port, tmp_path / "data")
+    tmux = ["tmux", "-S", str(socket), "-f", "/dev/null"]
+
+    def pane_alive() -> bool:
+        asked = subprocess.run(tmux + ["has-session", "-t", "sk"], capture_output=True, env=env)
+        return asked.returncode == 0
+
+    # The pane waits for a key before it runs serve, so that its output is piped from the first line.
+    script = f"read go; exec {shlex.join(argv)}"
+    pane = ["new-session", "-d", "-s", "sk", "-x", "220", "-y", "50", script]
+    subprocess.run(tmux + pane, check=True, env=env)
+    try:
+        subprocess.run(tmux + ["pipe-pane", "-t", "sk", "-o", f"cat >> {shlex.quote(str(log))}"], check=True)
+        subprocess.run(tmux + ["send-keys", "-t", "sk", "Enter"], check=True)
+        chat_once_when_ready(url, pane_alive, lambda: log.read_text(errors="replace") if log.exists() else "")
+        subprocess.run(tmux + ["send-keys", "-t", "sk", "C-c"], check=True)
+        deadline = time.monotonic() + 60
+        while pane_alive():  # serve exits on Ctrl-C, and its pane with it
+            assert time.monotonic() < deadline, "serve still running 60 s after Ctrl-C"
+            time.sleep(0.2)
+    finally:
+        subprocess.run(tmux + ["kill-server"], capture_output=True)
+    assert_lines_for_a_person(log.read_text(errors="replace"))

@@ -92,8 +92,14 @@ def test_listed_origins_are_echoed_and_others_are_not(gateway: Callable[..., Tes
             plain.headers["access-control-allow-origin"] == origin
             and "origin" in plain.headers["vary"].lower()
         )
-    rejected = ("https://evil.example", "https://app.example.evil.example", "http://localhost.evil",
-                "http://localhost@evil.example", "localhost", "null")  # fmt: skip
+    rejected = (
+        "https://evil.example",
+        "https://app.example.evil.example",
+        "http://localhost.evil",
+        "http://localhost@evil.example",
+        "localhost",
+        "null",
+    )
     for origin in rejected:
         r = c.options("/v1/chat/completions", headers=preflight(origin))  # answered, as llama-server
         assert r.status_code == 200 and "access-control-allow-origin" not in r.headers, origin

@@ -16,7 +16,8 @@ from typing import Any
 
 import httpx
 import pytest
-from support.servers import INTERNAL_AUTH
+
+from gateway.bench.harness.servers import INTERNAL_AUTH
 
 pytestmark = pytest.mark.slow
 

@@ -12,13 +12,13 @@ import time
 
 import pytest
 
-from engine_pool.errors import Conflict, InstanceChanged, Unavailable
+from engine_pool.common.errors import Conflict, InstanceChanged, Unavailable
 from gateway.cluster import EngineRef
 from gateway.early import Admission, EarlyCall, EarlyStart, early_start, fenced
 from gateway.holds import Phase, SessionHold
-from storage.locks import SessionLock
-from storage.records import SessionRecord, SessionState
-from storage.turnops import TurnStart
+from storage.index.locks import SessionLock
+from storage.index.records import SessionRecord, SessionState
+from storage.index.turnops import TurnStart
 
 TTL = 15.0
 ENGINE = EngineRef("n1/e0", "n1", "http://10.0.0.5:9001", "qwen", 4, "inst-1")

@@ -27,14 +27,14 @@ import pytest
 import redis.asyncio as aioredis
 import uvicorn
 from redis.asyncio.connection import Connection
-from support.servers import INTERNAL_KEY, free_port, stop, wait_until
 
 from gateway.app import build_app
+from gateway.bench.harness.servers import INTERNAL_KEY, free_port, stop, wait_until
 from gateway.main import services
 from gateway.metrics import Metrics
 from gateway.services import Services
 from gateway.settings import GatewaySettings
-from storage.records import SessionState
+from storage.index.records import SessionState
 
 TENANTS = """
 [tenants.lazy]
@@ -102,16 +102,29 @@ async def gateway(tiny_model, redis_port: int, tmp_path: Path) -> AsyncIterator[
     prefix = f"fp{uuid.uuid4().hex[:8]}"
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
     node_port = free_port()
-    node_cmd = [sys.executable, "-m", "gateway.cli", "node", "--model", tiny_model("qwen35"), "--slots", "3",
-                "--ctx", "2048", "--port", str(node_port), "--node-id", "n1", "--data-dir", str(tmp_path),
-                "--redis-url", redis_url, "--redis-prefix", prefix, "--log-level", "warning"]  # fmt: skip
+    node_cmd = [
+        *(sys.executable, "-m", "gateway.cli", "node"),
+        *("--model", tiny_model("qwen35")),
+        *("--slots", "3"),
+        *("--ctx", "2048"),
+        *("--port", str(node_port)),
+        *("--node-id", "n1"),
+        *("--data-dir", str(tmp_path)),
+        *("--redis-url", redis_url),
+        *("--redis-prefix", prefix),
+        *("--log-level", "warning"),
+    ]
     node = _spawn(node_cmd, tmp_path / "node.log")
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(TENANTS)
     settings = GatewaySettings(
-        nodes=(f"http://127.0.0.1:{node_port}",), redis_url=redis_url, redis_prefix=prefix,
-        tenants=str(tenants), internal_key=INTERNAL_KEY, data_dir=str(tmp_path),
-    )  # fmt: skip
+        nodes=(f"http://127.0.0.1:{node_port}",),
+        redis_url=redis_url,
+        redis_prefix=prefix,
+        tenants=str(tenants),
+        internal_key=INTERNAL_KEY,
+        data_dir=str(tmp_path),
+    )
     pool = aioredis.ConnectionPool.from_url(redis_url, connection_class=CountingConnection)
     redis = aioredis.Redis(connection_pool=pool)
     metrics = Metrics()
@@ -124,8 +137,16 @@ async def gateway(tiny_model, redis_port: int, tmp_path: Path) -> AsyncIterator[
             yield svc
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(make, metrics), host="127.0.0.1", port=port,
-                                           log_config=None, access_log=False, lifespan="on"))  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(make, metrics),
+            host="127.0.0.1",
+            port=port,
+            log_config=None,
+            access_log=False,
+            lifespan="on",
+        )
+    )
     task = asyncio.create_task(server.serve())
     url = f"http://127.0.0.1:{port}"
     try:
@@ -172,8 +193,11 @@ def _body(model: str, text: str) -> dict[str, Any]:
 
 
 async def _turn(c: httpx.AsyncClient, gw: Gateway, key: str, session: str, text: str) -> httpx.Response:
-    resp = await c.post(gw.url + "/v1/chat/completions", json=_body(gw.engine_model, text),
-                        headers={"Authorization": f"Bearer {key}", "X-Session-Id": session})  # fmt: skip
+    resp = await c.post(
+        gw.url + "/v1/chat/completions",
+        json=_body(gw.engine_model, text),
+        headers={"Authorization": f"Bearer {key}", "X-Session-Id": session},
+    )
     assert resp.status_code == 200, resp.text
     return resp
 
@@ -208,7 +232,7 @@ async def test_the_next_turn_does_not_wait_for_the_previous_turns_save(gateway: 
     async with httpx.AsyncClient(timeout=60) as c:
         await _turn(c, gateway, "key-durable", "busy-saver", "Say hi.")
         await _settled(svc)
-        node = next(iter(svc.runner.nodes.values()))
+        node = next(iter(svc.runner.parts.nodes.values()))
         real_spill = node.spill
         node.spill = slow_spill  # type: ignore[method-assign]
         try:
@@ -217,7 +241,7 @@ async def test_the_next_turn_does_not_wait_for_the_previous_turns_save(gateway: 
             # The next turns run on the live slot meanwhile: not forked, not waiting for the save,
             # taking the lock over from it (the opening read confirms it: still two round trips).
             for i in range(3):
-                hold = svc.runner.holds.get("durable", "busy-saver")
+                hold = svc.runner.parts.holds.get("durable", "busy-saver")
                 assert hold is not None
                 await asyncio.wait_for(hold.booked.wait(), 10)  # the previous turn's bookkeeping
                 since = len(SENDS.log)
@@ -226,7 +250,7 @@ async def test_the_next_turn_does_not_wait_for_the_previous_turns_save(gateway: 
                 )
                 assert resp.headers["x-session-id"] == "busy-saver"
                 assert resp.headers["x-slotkeeper-cache"] == "live"
-                assert svc.runner.holds.get("durable", "busy-saver") is hold  # taken over, not re-locked
+                assert svc.runner.parts.holds.get("durable", "busy-saver") is hold  # taken over
                 await asyncio.wait_for(hold.booked.wait(), 10)
                 path = SENDS.request_path(since)
                 assert len(path) <= 2, path
@@ -253,7 +277,7 @@ async def _saves_stuck(svc: Services) -> AsyncIterator[asyncio.Event]:
     """Every write-behind save hangs (holding the session's lock) until the block ends; yields an
     event set once a save is hanging."""
     gate, saving = asyncio.Event(), asyncio.Event()
-    node = next(iter(svc.runner.nodes.values()))
+    node = next(iter(svc.runner.parts.nodes.values()))
     real_spill = node.spill
 
     async def slow_spill(*args: Any, **kwargs: Any) -> Any:
@@ -272,7 +296,7 @@ async def _saves_stuck(svc: Services) -> AsyncIterator[asyncio.Event]:
 
 async def _held(svc: Services, tenant: str, session: str) -> None:
     """This gateway holds the session (its save hangs) and the last turn's bookkeeping is written."""
-    hold = svc.runner.holds.get(tenant, session)
+    hold = svc.runner.parts.holds.get(tenant, session)
     assert hold is not None
     await asyncio.wait_for(hold.booked.wait(), 10)
 
@@ -359,7 +383,7 @@ async def test_an_early_start_to_a_restarted_engine_process_is_refused_there_and
     the early call names the process it was meant for, the engine refuses it before any slot, and
     the turn is sent again as the ordinary call (what it would have done without an early start)."""
     svc = gateway.svc
-    cluster = svc.runner.cluster
+    cluster = svc.runner.parts.cluster
     async with httpx.AsyncClient(timeout=60) as c:
         await _turn(c, gateway, "key-durable", "fenced", "Say hi.")
         await _settled(svc)
@@ -399,7 +423,7 @@ async def test_an_engine_that_restarted_under_a_held_session_is_never_sent_the_e
             os.killpg(int(engine["pid"]), signal.SIGKILL)
             for _ in range(300):  # the node restarts it and drops its sessions from the index
                 rec = await svc.index.get("durable", "crash")
-                listed = await svc.runner.cluster.registry.list()
+                listed = await svc.runner.parts.cluster.registry.list()
                 if rec.state is not SessionState.LIVE and listed and listed[0].instance not in ("", old):
                     break
                 await asyncio.sleep(0.1)

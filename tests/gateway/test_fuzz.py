@@ -1,10 +1,10 @@
 """No malformed body reaches a 5xx on the gateway: a property-based fuzz of every tenant endpoint
 against a real `slotkeeper serve` (gateway + node agent + an engine on a tiny qwen35 model).
 
-Bodies come from OpenAI's and Anthropic's published request schemas, valid and mutated, and raw bytes
-that are no JSON object (support.fuzz_bodies). Every answer is a 2xx or a 4xx in the API's error shape
-(support.fuzz_verdict), and the gateway still serves a valid turn afterwards. Longer runs:
-`slotkeeper bench fuzz --minutes 5`.
+Bodies come from OpenAI's and Anthropic's published request schemas, valid and mutated, and raw
+bytes that are no JSON object (gateway.bench.harness.fuzz_bodies). Every answer is a 2xx or a 4xx in
+the API's error shape (gateway.bench.harness.fuzz_verdict), and the gateway still serves a valid
+turn afterwards. Longer runs: `slotkeeper bench fuzz --minutes 5`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from typing import Any
 import httpx
 import pytest
 from hypothesis import given
-from support.fuzz_bodies import Case, cases
-from support.fuzz_specs import CHAT, GATEWAY_ENDPOINTS, MESSAGES, Endpoint
-from support.fuzz_verdict import FUZZ, send, verdict
+
+from gateway.bench.harness.fuzz_bodies import Case, cases
+from gateway.bench.harness.fuzz_specs import CHAT, GATEWAY_ENDPOINTS, MESSAGES, Endpoint
+from gateway.bench.harness.fuzz_verdict import FUZZ, send, verdict
 
 from .conftest import Serve, start_serve
 
@@ -65,8 +66,11 @@ BAD_TOOL_CALLS = [
 def test_tool_calls_holding_non_objects_are_a_precise_400(
     client: httpx.Client, model: str, calls: Any
 ) -> None:
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": calls},
-                {"role": "user", "content": "again"}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        {"role": "user", "content": "again"},
+    ]
     r = client.post("/v1/chat/completions", json=_turn(model, messages))
     assert r.status_code == 400, r.text
     err = r.json()["error"]
@@ -115,8 +119,14 @@ def test_no_body_gets_a_5xx(client: httpx.Client, model: str, endpoint: Endpoint
 
 
 def test_anthropic_errors_keep_anthropics_shape(client: httpx.Client, model: str) -> None:
-    r = client.post(MESSAGES.path, json={"model": model, "max_tokens": 2, "messages": [{"role": "user",
-                                         "content": [{"type": "tool_use", "id": 1}]}]})  # fmt: skip
+    r = client.post(
+        MESSAGES.path,
+        json={
+            "model": model,
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": [{"type": "tool_use", "id": 1}]}],
+        },
+    )
     assert 400 <= r.status_code < 500, r.text
     assert r.json()["type"] == "error"
     assert isinstance(r.json()["error"]["message"], str)

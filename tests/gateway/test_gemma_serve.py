@@ -45,9 +45,12 @@ def _turn(s: Serve, messages: list[dict[str, Any]]) -> tuple[str, int, int, str]
     """(text, prompt tokens, cached tokens, x-slotkeeper-cache) of one greedy turn."""
     with openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120) as client:
         raw = client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=cast(Any, messages), max_tokens=16, temperature=0,
+            model=MODEL,
+            messages=cast(Any, messages),
+            max_tokens=16,
+            temperature=0,
             extra_headers={"X-Session-Id": SESSION},
-        )  # fmt: skip
+        )
         done = raw.parse()
     assert done.usage is not None and done.usage.prompt_tokens_details is not None
     cached = done.usage.prompt_tokens_details.cached_tokens or 0

@@ -22,11 +22,11 @@ from typing import Any
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from support.servers import INTERNAL_AUTH
 
+from gateway.bench.harness.servers import INTERNAL_AUTH
 from storage.errors import LockLost
-from storage.index import SessionIndex
-from storage.locks import SessionLock, SessionLocks
+from storage.index.locks import SessionLock, SessionLocks
+from storage.index.session_index import SessionIndex
 
 from .conftest import Serve, start_serve
 
@@ -124,12 +124,29 @@ def pool(tiny_model, redis_port, moto_server, tmp_path_factory: pytest.TempPathF
     (tmp / "tenants.toml").write_text(TENANTS)
     prefix = "hard-" + uuid.uuid4().hex[:8]
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
-    args = ["--redis-url", redis_url, "--redis-prefix", prefix, "--s3-endpoint", moto_server.endpoint,
-            "--s3-bucket", "slots", "--s3-prefix", prefix, "--lock-ttl-s", str(LOCK_TTL_S),
-            "--header-timeout-s", "2", "--body-timeout-s", "2", "--max-body-bytes", "1M",
-            "--max-json-depth", "32", "--max-messages", "64", "--spill-wait-s", "5"]  # fmt: skip
-    serve = start_serve(tiny_model("qwen35"), tmp / "data", tmp / "serve.log", slots=4,
-                        tenants=tmp / "tenants.toml", args=args, env=AWS)  # fmt: skip
+    args = [
+        *("--redis-url", redis_url),
+        *("--redis-prefix", prefix),
+        *("--s3-endpoint", moto_server.endpoint),
+        *("--s3-bucket", "slots"),
+        *("--s3-prefix", prefix),
+        *("--lock-ttl-s", str(LOCK_TTL_S)),
+        *("--header-timeout-s", "2"),
+        *("--body-timeout-s", "2"),
+        *("--max-body-bytes", "1M"),
+        *("--max-json-depth", "32"),
+        *("--max-messages", "64"),
+        *("--spill-wait-s", "5"),
+    ]
+    serve = start_serve(
+        tiny_model("qwen35"),
+        tmp / "data",
+        tmp / "serve.log",
+        slots=4,
+        tenants=tmp / "tenants.toml",
+        args=args,
+        env=AWS,
+    )
     p = Pool(serve, redis_url, prefix)
     try:
         r = p.honest_turn()  # the honest session, live from here on
@@ -234,8 +251,10 @@ def test_trickled_headers_are_cut_off(pool: Pool) -> None:
 def test_a_trickled_body_gets_408(pool: Pool) -> None:
     sock = _open(pool.url)
     try:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-mallory\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")  # fmt: skip
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-mallory\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+        )
         sock.settimeout(15)
         data = sock.recv(65536)
     finally:
@@ -362,8 +381,9 @@ def test_a_busy_session_forks_whatever_its_id_ends_with(pool: Pool) -> None:
     assert pool.chat("mallory", [{"role": "user", "content": "a"}], session=sid).status_code == 200
     _wait_durable(pool, "mallory", sid)
     with held(pool, "mallory", sid):  # a live request (renewing) holds it
-        r = pool.chat("mallory", [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
-                      session=sid)  # fmt: skip
+        r = pool.chat(
+            "mallory", [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], session=sid
+        )
     assert r.status_code == 200, r.text
     # The parent is live on the engine: the fork starts there from its slot, not from storage.
     assert r.headers["x-session-id"].startswith("dot2.f") and r.headers["x-slotkeeper-cache"] == "prefix"
@@ -457,8 +477,15 @@ def test_stored_bytes_are_enforced(pool: Pool) -> None:
     r = pool.chat("carol", [{"role": "user", "content": "second"}], session="c2")
     assert r.status_code == 429 and "stores" in error_of(r)["message"]
     # Its existing session still works.
-    r = pool.chat("carol", [{"role": "user", "content": "first"}, {"role": "assistant", "content": "ok"},
-                            {"role": "user", "content": "more"}], session="c1")  # fmt: skip
+    r = pool.chat(
+        "carol",
+        [
+            {"role": "user", "content": "first"},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "more"},
+        ],
+        session="c1",
+    )
     assert r.status_code == 200
     pool.assert_honest_still_live()
 

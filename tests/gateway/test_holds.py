@@ -7,8 +7,8 @@ import asyncio
 import functools
 
 from gateway.holds import Holds
-from storage.keyspace import in_process_redis
-from storage.locks import SessionLocks
+from storage.index.keyspace import in_process_redis
+from storage.index.locks import SessionLocks
 
 
 async def _saves_run(grace_s: float) -> list[str]:

@@ -23,9 +23,9 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
-from support.servers import INTERNAL_KEY, free_port
 
 from gateway.app import build_app
+from gateway.bench.harness.servers import INTERNAL_KEY, free_port
 from gateway.main import services
 from gateway.metrics import NOT_LOAD, Metrics, RequestCounter
 from gateway.settings import GatewaySettings

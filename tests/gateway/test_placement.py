@@ -121,8 +121,13 @@ def test_a_session_prefers_the_engine_holding_its_prefix_free_slot_then_lru_idle
 
 
 def test_prefix_slots_are_the_tenants_own_only():
-    e = _engine("e", SlotView(0, tenant="t", session="a"), SlotView(1, tenant="u", session="b"), SlotView(2),
-                SlotView(3, tenant="t", session="c", busy=True))  # fmt: skip
+    e = _engine(
+        "e",
+        SlotView(0, tenant="t", session="a"),
+        SlotView(1, tenant="u", session="b"),
+        SlotView(2),
+        SlotView(3, tenant="t", session="c", busy=True),
+    )
     assert prefix_slots(e, "t", 2) == (0, 3)  # busy ones too: the engine copies them as they stand
     assert prefix_slots(e, "t", 0) == (3,)
     assert prefix_slots(e, "u", 2) == (1,)
@@ -130,10 +135,20 @@ def test_prefix_slots_are_the_tenants_own_only():
 
 
 def test_an_idle_session_still_saving_its_last_turn_is_evicted_last():
-    engines = [_engine("e", SlotView(0, tenant="t", session="a", last_used=1, saving=True),
-                       SlotView(1, tenant="t", session="b", last_used=5))]  # fmt: skip
+    engines = [
+        _engine(
+            "e",
+            SlotView(0, tenant="t", session="a", last_used=1, saving=True),
+            SlotView(1, tenant="t", session="b", last_used=5),
+        )
+    ]
     p = choose_placement(engines, "m", SessionView("t", "new"))
     assert p.evict is not None and p.evict.session == "b"  # not the older one: its save is running
-    both = [_engine("e", SlotView(0, tenant="t", session="a", last_used=1, saving=True),
-                    SlotView(1, tenant="t", session="b", last_used=5, saving=True))]  # fmt: skip
+    both = [
+        _engine(
+            "e",
+            SlotView(0, tenant="t", session="a", last_used=1, saving=True),
+            SlotView(1, tenant="t", session="b", last_used=5, saving=True),
+        )
+    ]
     assert choose_placement(both, "m", SessionView("t", "new")).evict.session == "a"  # type: ignore[union-attr]

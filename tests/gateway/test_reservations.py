@@ -1,28 +1,28 @@
 """A slot chosen by one placement stays taken for every placement that might decide from a
-snapshot read before the choice was recorded in the index."""
+pool view read before the choice was recorded in the index."""
 
 from __future__ import annotations
 
 from gateway.reservations import SlotReservations
 
 
-def test_a_held_slot_is_taken_and_a_released_one_only_for_snapshots_older_than_its_release() -> None:
+def test_a_held_slot_is_taken_and_a_released_one_only_for_pool_views_older_than_its_release() -> None:
     r = SlotReservations()
-    early = r.start_snapshot()  # a placement reading the index before the record below is written
-    mine = r.start_snapshot()
+    early = r.start_pool_view()  # a placement reading the index before the record below is written
+    mine = r.start_pool_view()
     r.hold(("e1", 4))
-    r.end_snapshot(mine)
+    r.end_pool_view(mine)
     assert r.taken(early) == {("e1", 4)}
     r.release(("e1", 4))  # mark_live done: the index shows it from now on
     assert r.taken(early) == {("e1", 4)}  # but `early` may have read the index before that
-    late = r.start_snapshot()
+    late = r.start_pool_view()
     assert r.taken(late) == set()  # read after the record: the index says it
-    r.end_snapshot(early)
-    r.end_snapshot(late)
-    assert r.taken(r.start_snapshot()) == set() and not r._held  # forgotten once nobody can need it
+    r.end_pool_view(early)
+    r.end_pool_view(late)
+    assert r.taken(r.start_pool_view()) == set() and not r._held  # forgotten once nobody can need it
 
 
 def test_releasing_an_unknown_slot_is_harmless() -> None:
     r = SlotReservations()
     r.release(("e1", 0))
-    assert r.taken(r.start_snapshot()) == set()
+    assert r.taken(r.start_pool_view()) == set()

@@ -18,8 +18,12 @@ SYSTEM = "You are a coding agent. Read files, run tests, fix bugs, and report br
 def _chat(url: str, key: str, session: str, text: str) -> httpx.Response:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
     body = {"model": MODEL, "max_tokens": 4, "temperature": 0, "messages": messages}
-    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120,
-                      headers={"Authorization": f"Bearer {key}", "X-Session-Id": session})  # fmt: skip
+    return httpx.post(
+        f"{url}/v1/chat/completions",
+        json=body,
+        timeout=120,
+        headers={"Authorization": f"Bearer {key}", "X-Session-Id": session},
+    )
 
 
 def _files(root: Path) -> list[Path]:
@@ -83,7 +87,7 @@ def test_delete_frees_its_own_chunks_and_idle_sessions_expire(serve: Any, tmp_pa
             ).status_code
             == 404
             and not _files(blobs / "brief" / "short")
-        ),  # fmt: skip
+        ),
         timeout_s=60,
     )
     _wait(

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,28 +16,13 @@ import httpx
 import openai
 import pytest
 from support.bad_models import unloadable_model
-from support.servers import INTERNAL_AUTH, free_port, http_ok, wait_until
 
-from .conftest import Serve
+from gateway.bench.harness.servers import INTERNAL_AUTH, free_port, http_ok, wait_until
+
+from .conftest import Serve, openai_client
 
 MODEL = "qwen35-seed0"
 SYSTEM = "You are a coding agent. Read files, run tests, fix bugs, and report briefly. " * 4
-
-
-_CLIENTS: list[openai.OpenAI] = []
-
-
-def _client(url: str, key: str = "none") -> openai.OpenAI:
-    client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
-    _CLIENTS.append(client)
-    return client
-
-
-@pytest.fixture(autouse=True)
-def _close_clients() -> Iterator[None]:
-    yield
-    while _CLIENTS:
-        _CLIENTS.pop().close()
 
 
 def _turn(client: openai.OpenAI, messages: list[dict], session: str | None = None):
@@ -54,7 +38,7 @@ def _turn(client: openai.OpenAI, messages: list[dict], session: str | None = Non
 
 def test_implicit_routing_keeps_a_conversation_warm(serve, tmp_path: Path):
     s = serve(tmp_path / "data")
-    client = _client(s.url)
+    client = openai_client(s.url)
     msgs = [{"role": "system", "content": SYSTEM}]
     session = None
     for turn in range(4):
@@ -75,7 +59,7 @@ def test_implicit_routing_keeps_a_conversation_warm(serve, tmp_path: Path):
 
 def test_streaming_passes_through_with_usage(serve, tmp_path: Path):
     s = serve(tmp_path / "data")
-    client = _client(s.url)
+    client = openai_client(s.url)
     msgs = [{"role": "user", "content": "Say something."}]
     with client.chat.completions.with_streaming_response.create(
         model=MODEL,
@@ -95,7 +79,7 @@ def test_streaming_passes_through_with_usage(serve, tmp_path: Path):
 
 def test_more_sessions_than_slots_evict_and_restore(serve, tmp_path: Path):
     s = serve(tmp_path / "data", slots=2)
-    client = _client(s.url)
+    client = openai_client(s.url)
     convs = {f"agent-{i}": [{"role": "system", "content": SYSTEM + f" You are agent {i}."}] for i in range(4)}
     for turn in range(2):
         for sid, msgs in convs.items():
@@ -162,7 +146,7 @@ def test_ten_turns_with_everything_restarted_cost_what_an_uninterrupted_run_cost
         for turn in range(10):
             msgs.append({"role": "user", "content": f"Step {turn}: list files, then run the tests."})
             before = _generation(s.url, "agent-1") if restart and turn else 0
-            done, headers, timings = _turn(_client(s.url), msgs, session="agent-1")
+            done, headers, timings = _turn(openai_client(s.url), msgs, session="agent-1")
             out.append((done.choices[0].message.content, timings["prompt_n"], timings["cache_n"]))
             msgs.append({"role": "assistant", "content": done.choices[0].message.content})
             if restart:
@@ -189,15 +173,15 @@ def test_tenants_are_isolated_and_delete_removes_everything(serve, tmp_path: Pat
     data = tmp_path / "data"
     s = serve(data, tenants=tenants)
     with pytest.raises(openai.AuthenticationError):
-        _client(s.url, "wrong").chat.completions.create(
+        openai_client(s.url, "wrong").chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}]
         )
     msgs = [{"role": "user", "content": "Hello from tenant A."}]
-    done, headers, _ = _turn(_client(s.url, "key-a"), msgs)
+    done, headers, _ = _turn(openai_client(s.url, "key-a"), msgs)
     sid = headers["x-session-id"]
     msgs.append({"role": "assistant", "content": done.choices[0].message.content})
     msgs.append({"role": "user", "content": "again"})
-    _, hb, _ = _turn(_client(s.url, "key-b"), msgs)  # B resends A's history: never A's session
+    _, hb, _ = _turn(openai_client(s.url, "key-b"), msgs)  # B resends A's history: never A's session
     assert hb["x-session-id"] != sid
     b_auth = {"Authorization": "Bearer key-b"}
     a_auth = {"Authorization": "Bearer key-a"}
@@ -214,9 +198,9 @@ def test_tenants_are_isolated_and_delete_removes_everything(serve, tmp_path: Pat
 
 def test_bad_requests_get_openai_errors(serve, tmp_path: Path):
     s = serve(tmp_path / "data")
-    client = _client(s.url)
+    client = openai_client(s.url)
     # One model and no tenants file: any name reaches it, as with llama-server (with a tenants file,
-    # an unknown name is a 404: test_messages, test_responses).
+    # an unknown name is a 404: test_messages_routes, test_responses_routes).
     done = client.chat.completions.create(
         model="nope", messages=[{"role": "user", "content": "x"}], max_tokens=2
     )
@@ -231,7 +215,7 @@ def test_bad_requests_get_openai_errors(serve, tmp_path: Path):
 
 def test_engine_killed_mid_stream_resumes_from_the_last_durable_turn(serve, tmp_path: Path):
     s = serve(tmp_path / "data", slots=1)
-    client = _client(s.url)
+    client = openai_client(s.url)
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "First step."}]
     done, headers, _ = _turn(client, msgs, session="agent-9")
     msgs.append({"role": "assistant", "content": done.choices[0].message.content})
@@ -242,9 +226,14 @@ def test_engine_killed_mid_stream_resumes_from_the_last_durable_turn(serve, tmp_
     msgs.append({"role": "user", "content": "Second step, a long answer please."})
     pid = s.engines()[0]["pid"]
     stream = client.chat.completions.create(
-        model=MODEL, messages=msgs, max_tokens=1900, temperature=0, stream=True,
-        extra_body={"ignore_eos": True}, extra_headers={"X-Session-Id": "agent-9"},
-    )  # fmt: skip
+        model=MODEL,
+        messages=msgs,
+        max_tokens=1900,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        extra_headers={"X-Session-Id": "agent-9"},
+    )
     with pytest.raises(openai.APIError):
         for i, _chunk in enumerate(stream):
             if i == 0:
@@ -275,28 +264,33 @@ def test_quotas_answer_429_with_retry_after(serve, tmp_path: Path):
     s = serve(tmp_path / "data", tenants=tenants)
     msgs = [{"role": "user", "content": "hi"}]
     for _ in range(3):
-        _turn(_client(s.url, "key-a"), msgs, session="one")
+        _turn(openai_client(s.url, "key-a"), msgs, session="one")
     auth = {"Authorization": "Bearer key-a", "X-Session-Id": "one"}
     body = {"model": MODEL, "messages": msgs, "max_tokens": 1}
     r = httpx.post(s.url + "/v1/chat/completions", headers=auth, json=body)
     assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
     assert r.json()["error"]["type"] == "rate_limit_error"
-    _turn(_client(s.url, "key-b"), msgs, session="first")
+    _turn(openai_client(s.url, "key-b"), msgs, session="first")
     with pytest.raises(openai.RateLimitError, match="limit of 1 sessions"):
-        _turn(_client(s.url, "key-b"), msgs, session="second")
+        _turn(openai_client(s.url, "key-b"), msgs, session="second")
 
 
 def test_a_busy_session_is_forked_not_waited_for(serve, tmp_path: Path):
     s = serve(tmp_path / "data", slots=2)
-    client = _client(s.url)
+    client = openai_client(s.url)
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "First."}]
     first, _, _ = _turn(client, msgs, session="main")
     msgs.append({"role": "assistant", "content": first.choices[0].message.content})
     _wait_durable(s.url, "main", 0)
     long = client.chat.completions.create(
-        model=MODEL, messages=msgs + [{"role": "user", "content": "Long."}], max_tokens=1900, temperature=0,
-        stream=True, extra_body={"ignore_eos": True}, extra_headers={"X-Session-Id": "main"},
-    )  # fmt: skip
+        model=MODEL,
+        messages=msgs + [{"role": "user", "content": "Long."}],
+        max_tokens=1900,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        extra_headers={"X-Session-Id": "main"},
+    )
     next(iter(long))  # "main" is now busy generating
     done, headers, timings = _turn(client, msgs + [{"role": "user", "content": "Meanwhile?"}], session="main")
     assert headers["x-session-id"].startswith("main.f")
@@ -321,8 +315,12 @@ def test_legacy_completions_with_a_session_and_gateway_flag_checks(serve, tmp_pa
     assert again.headers["x-slotkeeper-cache"] == "live"
     assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
     assert again.json()["timings"]["prompt_n"] == 0  # identical prompt: served from stored logits
-    gw = subprocess.run([sys.executable, "-m", "gateway.cli", "gateway", "--node", s.node_url],
-                        capture_output=True, text=True, timeout=30)  # fmt: skip
+    gw = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "gateway", "--node", s.node_url],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert gw.returncode == 2 and "--redis-url, --s3-bucket required" in gw.stderr
 
 
@@ -332,13 +330,13 @@ def test_implicit_routing_survives_a_restart_of_the_in_process_index(serve, tmp_
     data = tmp_path / "data"
     s = serve(data)
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "First step."}]
-    done, headers, _ = _turn(_client(s.url), msgs)
+    done, headers, _ = _turn(openai_client(s.url), msgs)
     session = headers["x-session-id"]
     msgs.append({"role": "assistant", "content": done.choices[0].message.content})
     assert s.stop(signal.SIGTERM) == 0
     s = serve(data)
     msgs.append({"role": "user", "content": "Second step."})
-    done, headers, timings = _turn(_client(s.url), msgs)
+    done, headers, timings = _turn(openai_client(s.url), msgs)
     assert headers["x-session-id"] == session
     assert headers["x-slotkeeper-cache"] == "restored" and timings["cache_n"] > 0
 
@@ -348,7 +346,7 @@ def test_input_tokens_counts_a_chat_without_running_it(serve, tmp_path: Path):
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Count me."}]
     counted = httpx.post(f"{s.url}/v1/chat/completions/input_tokens", json={"model": MODEL, "messages": msgs})
     assert counted.status_code == 200, counted.text
-    done, _, _ = _turn(_client(s.url), msgs)
+    done, _, _ = _turn(openai_client(s.url), msgs)
     assert counted.json()["input_tokens"] == done.usage.prompt_tokens
     assert httpx.get(f"{s.url}/v1/sessions").json()["data"][0]["tokens"] > 0  # only the real turn made one
     assert len(httpx.get(f"{s.url}/v1/sessions").json()["data"]) == 1
@@ -365,10 +363,10 @@ def test_an_edited_earlier_message_restores_only_up_to_where_it_diverges(serve, 
     """After a restart, a conversation whose second user message was edited restores the stored
     session only up to the checkpoint at that message's start (the node's "cut"): the turn reuses
     that much and evaluates the rest. (The engine-level equality with a whole restore, and the
-    whole restore for a conversation that goes on from the end: tests/storage/test_prefixcut.py,
+    whole restore for a conversation that goes on from the end: tests/storage/chunks/test_prefixcut.py,
     tests/engine_pool/pool/test_agent.py.)"""
     s = serve(tmp_path / "data")
-    client = _client(s.url)
+    client = openai_client(s.url)
     msgs = [{"role": "system", "content": SYSTEM}]
     for turn in range(3):
         msgs.append({"role": "user", "content": f"Step {turn}: open the failing test and explain it."})
@@ -378,7 +376,7 @@ def test_an_edited_earlier_message_restores_only_up_to_where_it_diverges(serve, 
     edited = [*msgs[:3], {"role": "user", "content": "Step 1, instead: revert the last change."}]
     assert s.stop(signal.SIGTERM) == 0  # drained: the session is in the store only
     s = serve(tmp_path / "data")
-    client = _client(s.url)
+    client = openai_client(s.url)
     cut_metric = 'slotkeeper_node_slot_bytes_total{op="fill",source="cut"}'
     done, headers, timings = _turn(client, edited, session="agent-1")
     assert headers["x-slotkeeper-cache"] == "restored"
@@ -396,9 +394,15 @@ def test_an_edited_earlier_message_restores_only_up_to_where_it_diverges(serve, 
 
 
 def _serve_argv(model: str, data: Path, port: int, node_port: int) -> list[str]:
-    return [sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port", str(port),
-            "--node-port", str(node_port), "--data-dir", str(data), "--slots", "1",
-            "--ctx", "256"]  # fmt: skip
+    return [
+        *(sys.executable, "-m", "gateway.cli", "serve"),
+        *("--model", model),
+        *("--port", str(port)),
+        *("--node-port", str(node_port)),
+        *("--data-dir", str(data)),
+        *("--slots", "1"),
+        *("--ctx", "256"),
+    ]
 
 
 def _bad_model(kind: str, tmp_path: Path, tiny: bytes) -> tuple[str, str]:
@@ -449,8 +453,12 @@ def test_a_model_that_never_loads_is_given_up_and_models_says_why(tmp_path: Path
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen(_serve_argv(model, tmp_path / "data", port, node_port), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            _serve_argv(model, tmp_path / "data", port, node_port),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
 
         def failed() -> dict | None:

@@ -19,27 +19,46 @@ import openai
 import pytest
 
 MODEL = "qwen35-seed0"
-SYSTEM = ("You are a coding agent working in a large repository. Read the files you need, run the "
-          "tests, fix what fails, and report briefly what you changed and why. ") * 5  # fmt: skip
+SYSTEM = (
+    "You are a coding agent working in a large repository. Read the files you need, run the "
+    "tests, fix what fails, and report briefly what you changed and why. "
+) * 5
 PATH = {"type": "object", "properties": {"path": {"type": "string"}}}
 TOOLS: list[Any] = [
-    {"type": "function", "function": {"name": n, "description": f"{n.replace('_', ' ')} in the repository",
-                                      "parameters": PATH}}
+    {
+        "type": "function",
+        "function": {
+            "name": n,
+            "description": f"{n.replace('_', ' ')} in the repository",
+            "parameters": PATH,
+        },
+    }
     for n in ("read_file", "write_file", "run_tests", "search_code")
-]  # fmt: skip
+]
 ARGS = ("--ctx", "8192")
 TENANTS = '[tenants.acme]\nkeys = ["key-acme"]\n[tenants.beta]\nkeys = ["key-beta"]\n'
 
 
-def _chat(url: str, user: str, *, key: str = "none", headers: dict[str, str] | None = None,
-          system: str = SYSTEM, tools: Any = TOOLS) -> httpx.Response:  # fmt: skip
+def _chat(
+    url: str,
+    user: str,
+    *,
+    key: str = "none",
+    headers: dict[str, str] | None = None,
+    system: str = SYSTEM,
+    tools: Any = TOOLS,
+) -> httpx.Response:
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": user})
     body: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0}
     if tools is not None:
         body["tools"] = tools
-    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120,
-                   headers={"Authorization": f"Bearer {key}", **(headers or {})})  # fmt: skip
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        json=body,
+        timeout=120,
+        headers={"Authorization": f"Bearer {key}", **(headers or {})},
+    )
     assert r.status_code == 200, r.text
     return r
 
@@ -133,8 +152,12 @@ def test_a_tenant_rule_drops_a_volatile_block(serve, tmp_path: Path):
     for turn, stamp in enumerate(("0a1b2c", "ffee99", "123abc")):
         stamped = {"role": "system", "content": f"Request-Id: {stamp}\n" + SYSTEM}
         body = {"model": MODEL, "max_tokens": 4, "temperature": 0, "messages": [stamped, *msgs]}
-        r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=120,
-                       headers={"Authorization": "Bearer key-acme", "X-Session-Id": "stamped"})  # fmt: skip
+        r = httpx.post(
+            s.url + "/v1/chat/completions",
+            json=body,
+            timeout=120,
+            headers={"Authorization": "Bearer key-acme", "X-Session-Id": "stamped"},
+        )
         assert r.status_code == 200, r.text
         report = r.json()["slotkeeper"]
         assert report["rules"] == ["stamp"]
@@ -156,8 +179,14 @@ def _claude_code_system(nonce: str) -> list[dict[str, Any]]:
     ]
 
 
-ANTHROPIC_TOOLS: list[Any] = [{"name": t["function"]["name"], "description": t["function"]["description"],
-                               "input_schema": t["function"]["parameters"]} for t in TOOLS]  # fmt: skip
+ANTHROPIC_TOOLS: list[Any] = [
+    {
+        "name": t["function"]["name"],
+        "description": t["function"]["description"],
+        "input_schema": t["function"]["parameters"],
+    }
+    for t in TOOLS
+]
 
 
 @pytest.fixture
@@ -170,18 +199,26 @@ def claude(serve, tmp_path: Path) -> Iterator[tuple[Any, anthropic.Anthropic]]:
 
 def test_claude_code_turns_reuse_the_whole_previous_turn_despite_its_nonce(claude):
     s, client = claude
-    headers = {"x-claude-code-session-id": "3d1f5a3e-8b1e-4c1d-9a39-0f5c3f2d7c11", "x-app": "cli",
-               "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14",
-               "User-Agent": "claude-cli/2.1.37 (external, cli)"}  # fmt: skip
+    headers = {
+        "x-claude-code-session-id": "3d1f5a3e-8b1e-4c1d-9a39-0f5c3f2d7c11",
+        "x-app": "cli",
+        "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14",
+        "User-Agent": "claude-cli/2.1.37 (external, cli)",
+    }
     messages: list[dict[str, Any]] = [
         {"role": "user", "content": [{"type": "text", "text": "Fix the build."}]}
     ]
     previous, sessions, previous_id = 0, set(), None
     for turn, nonce in enumerate(("1a2b3", "c4d5e", "0f9e8", "77aa1")):
         raw = client.messages.with_raw_response.create(
-            model="claude-sonnet-4-5", max_tokens=4, system=_claude_code_system(nonce), tools=ANTHROPIC_TOOLS,
-            messages=messages, extra_headers=headers, diagnostics={"previous_message_id": previous_id},
-        )  # fmt: skip
+            model="claude-sonnet-4-5",
+            max_tokens=4,
+            system=_claude_code_system(nonce),
+            tools=ANTHROPIC_TOOLS,
+            messages=messages,
+            extra_headers=headers,
+            diagnostics={"previous_message_id": previous_id},
+        )
         message = raw.parse()
         previous_id = message.id
         assert message.diagnostics is not None and message.diagnostics.cache_miss_reason is None  # no miss
@@ -196,16 +233,25 @@ def test_claude_code_turns_reuse_the_whole_previous_turn_despite_its_nonce(claud
         report = (message.model_extra or {})["slotkeeper"]
         assert report["rules"] == ["claude-code-billing"]
         text = "".join(b.text for b in message.content if b.type == "text") or "ok"
-        messages += [{"role": "assistant", "content": [{"type": "text", "text": text}]},
-                     {"role": "user", "content": [{"type": "text", "text": f"Turn {turn + 2}.",
-                                                  "cache_control": {"type": "ephemeral"}}]}]  # fmt: skip
+        messages += [
+            {"role": "assistant", "content": [{"type": "text", "text": text}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": f"Turn {turn + 2}.", "cache_control": {"type": "ephemeral"}}
+                ],
+            },
+        ]
     assert len(sessions) == 1 and next(iter(sessions)).startswith("cc-")
     # Its sub-agent (own system prompt, the same session header) is a session of its own, and the
     # conversation stays live in its slot.
     sub = client.messages.with_raw_response.create(
-        model="claude-sonnet-4-5", max_tokens=4, system="You are a search sub-agent.",
-        messages=[{"role": "user", "content": "Find the config loader."}], extra_headers=headers,
-    )  # fmt: skip
+        model="claude-sonnet-4-5",
+        max_tokens=4,
+        system="You are a search sub-agent.",
+        messages=[{"role": "user", "content": "Find the config loader."}],
+        extra_headers=headers,
+    )
     assert sub.headers["x-session-id"] not in sessions
 
 
@@ -213,12 +259,24 @@ def test_an_edited_earlier_message_is_named_as_the_miss(claude):
     s, client = claude
     headers = {"x-claude-code-session-id": "edit-test"}
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Fix the build."}]
-    first = client.messages.create(model="claude-x", max_tokens=4, system=_claude_code_system("1"),
-                                   messages=messages, extra_headers=headers)  # fmt: skip
-    messages += [{"role": "assistant", "content": first.content[0].text if first.content else "ok"},
-                 {"role": "user", "content": "And the docs."}]  # fmt: skip
-    second = client.messages.create(model="claude-x", max_tokens=4, system=_claude_code_system("2"),
-                                    messages=messages, extra_headers=headers)  # fmt: skip
+    first = client.messages.create(
+        model="claude-x",
+        max_tokens=4,
+        system=_claude_code_system("1"),
+        messages=messages,
+        extra_headers=headers,
+    )
+    messages += [
+        {"role": "assistant", "content": first.content[0].text if first.content else "ok"},
+        {"role": "user", "content": "And the docs."},
+    ]
+    second = client.messages.create(
+        model="claude-x",
+        max_tokens=4,
+        system=_claude_code_system("2"),
+        messages=messages,
+        extra_headers=headers,
+    )
     edited = [{"role": "user", "content": "Fix the build, then the tests."}, *messages[1:]]
     again = client.messages.create(
         model="claude-x",
@@ -243,24 +301,46 @@ def test_codex_shaped_responses_find_their_session_and_reuse_it(serve, tmp_path:
     items: list[Any] = [
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Fix it."}]}
     ]
-    tools = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
-              "parameters": t["function"]["parameters"], "strict": False} for t in TOOLS]  # fmt: skip
+    tools = [
+        {
+            "type": "function",
+            "name": t["function"]["name"],
+            "description": t["function"]["description"],
+            "parameters": t["function"]["parameters"],
+            "strict": False,
+        }
+        for t in TOOLS
+    ]
     cached, sessions = [], set()
     try:
         for turn in range(3):
             raw = client.responses.with_raw_response.create(
-                model="gpt-5-codex", instructions=SYSTEM, input=items, tools=tools, store=False,
-                prompt_cache_key=conversation, max_output_tokens=4, temperature=0,
+                model="gpt-5-codex",
+                instructions=SYSTEM,
+                input=items,
+                tools=tools,
+                store=False,
+                prompt_cache_key=conversation,
+                max_output_tokens=4,
+                temperature=0,
                 extra_headers={"session_id": conversation, "originator": "codex_cli_rs"},
-            )  # fmt: skip
+            )
             sessions.add(raw.headers["x-session-id"])
             response = raw.parse()
             assert response.usage is not None
             cached.append(response.usage.input_tokens_details.cached_tokens)
-            items += [{"type": "message", "role": "assistant",
-                       "content": [{"type": "output_text", "text": response.output_text or "ok"}]},
-                      {"type": "message", "role": "user",
-                       "content": [{"type": "input_text", "text": f"Step {turn + 2}."}]}]  # fmt: skip
+            items += [
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": response.output_text or "ok"}],
+                },
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": f"Step {turn + 2}."}],
+                },
+            ]
     finally:
         client.close()
     assert len(sessions) == 1 and next(iter(sessions)).startswith("cx-")
@@ -305,8 +385,12 @@ def test_hostile_session_signals_and_rules_are_refused_precisely(serve, tmp_path
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     catch_all = tmp_path / "catch-all.toml"
     catch_all.write_text(TENANTS + '[[tenants.acme.volatile]]\nname = "everything"\npattern = ".*"\n')
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--tenants", str(catch_all),
-           "--model", tiny_model("qwen35"), "--data-dir", str(tmp_path / "never")]  # fmt: skip
+    cmd = [
+        *(sys.executable, "-m", "gateway.cli", "serve"),
+        *("--tenants", str(catch_all)),
+        *("--model", tiny_model("qwen35")),
+        *("--data-dir", str(tmp_path / "never")),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "matches every line" in proc.stderr, proc.stderr
 

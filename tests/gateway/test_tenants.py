@@ -76,10 +76,14 @@ def test_bad_tenant_files_name_the_problem(doc, message):
 
 
 def test_storage_settings_per_tenant():
-    tenants = parse_tenants({"tenants": {
-        "a": {"keys": ["ka"], "storage": {"share_chunks": False, "idle_ttl_s": 86400}},
-        "b": {"keys": ["kb"]},
-    }})  # fmt: skip
+    tenants = parse_tenants(
+        {
+            "tenants": {
+                "a": {"keys": ["ka"], "storage": {"share_chunks": False, "idle_ttl_s": 86400}},
+                "b": {"keys": ["kb"]},
+            }
+        }
+    )
     a, b = tenants.by_name["a"], tenants.by_name["b"]
     assert (a.share_chunks, a.idle_ttl_s) == (False, 86400.0)
     assert (b.share_chunks, b.idle_ttl_s) == (True, None)  # shared, kept until deleted

@@ -9,18 +9,20 @@ import fakeredis
 import httpx
 import pytest
 
-from engine_pool.errors import Unavailable
+from engine_pool.common.errors import GatewayTimeout, Unavailable
 from gateway.cluster import Cluster
 from gateway.metrics import Metrics
 from gateway.placement import Placement, Serve
-from gateway.relay import EngineTimeout, TurnOutcome, engine_session, forward_json
+from gateway.relay import TurnOutcome, engine_session, forward_json
 from gateway.tenants import Tenant
-from gateway.turns import Turn, TurnRunner, fork_id
-from storage.engines import EngineRegistry
+from gateway.turn import Turn, TurnSettings, fork_id
+from gateway.turn_parts import TurnParts
+from gateway.turns import TurnRunner
+from storage.blobs.localstore import LocalStore
 from storage.ids import validate_id
-from storage.index import SessionIndex, SessionState
-from storage.localstore import LocalStore
-from storage.locks import SessionLocks
+from storage.index.engines import EngineRegistry
+from storage.index.locks import SessionLocks
+from storage.index.session_index import SessionIndex, SessionState
 
 
 @pytest.fixture
@@ -35,7 +37,8 @@ async def parts(tmp_path):
 
 def _runner(parts, ttl_s: float = 0.3) -> TurnRunner:
     index, locks, cluster, store = parts
-    return TurnRunner(cluster, index, locks, store, {}, Metrics(), lock_ttl_s=ttl_s, spill_wait_s=1.0)
+    settings = TurnSettings(lock_ttl_s=ttl_s, spill_wait_s=1.0)
+    return TurnRunner(TurnParts(cluster, index, locks, store, Metrics(), settings))
 
 
 async def test_the_lock_is_renewed_while_a_turn_runs_and_lapses_after(parts) -> None:
@@ -43,7 +46,7 @@ async def test_the_lock_is_renewed_while_a_turn_runs_and_lapses_after(parts) -> 
     _, locks, _, _ = parts
     lock = await locks.try_acquire("t", "s", ttl_s=0.3)
     assert lock is not None
-    hold = runner.holds.start(lock, None)
+    hold = runner.parts.holds.start(lock, None)
     await asyncio.sleep(1.0)  # over three TTLs: without renewal the lock would be gone
     assert await locks.owner("t", "s") == lock.token
     hold.keeper.cancel()
@@ -62,11 +65,11 @@ async def test_a_turn_that_cannot_be_placed_leaves_its_live_session_idle_in_its_
     await index.mark_live("t", "s", engine="e1", slot=0, tokens=10, model="m")
     await index.mark_idle("t", "s")
     with pytest.raises(Unavailable):
-        await runner.begin(Tenant("t"), "s", "m", "header")
+        await runner.begin(await runner.open(Tenant("t"), "s", "m"), "header")
     rec = await index.get("t", "s")
     assert (rec.state, rec.engine, rec.slot) == (SessionState.LIVE, "e1", 0)
     assert await index.is_idle("t", "s")  # evictable again
-    assert await locks.owner("t", "s") is None and runner.holds.get("t", "s") is None
+    assert await locks.owner("t", "s") is None and runner.parts.holds.get("t", "s") is None
 
 
 async def test_a_failed_request_fails_alone_and_drops_no_session(parts) -> None:
@@ -77,7 +80,7 @@ async def test_a_failed_request_fails_alone_and_drops_no_session(parts) -> None:
         await index.mark_live("t", session, engine="e1", slot=slot, tokens=10)
     lock = await locks.try_acquire("t", "mine", ttl_s=5)
     assert lock is not None
-    hold = runner.holds.start(lock, await index.find("t", "mine"))
+    hold = runner.parts.holds.start(lock, await index.find("t", "mine"))
     turn = Turn(Tenant("t"), "mine", "m", hold, Placement("e1", 0, Serve.LIVE), "http://e1", None, "header")  # type: ignore[arg-type]
     await runner.finish(turn, [], TurnOutcome(error="the engine did not answer in time"))
     for session in ("mine", "other"):
@@ -102,7 +105,7 @@ async def test_an_engine_that_does_not_answer_in_time_gets_504_for_that_request(
     port = server.sockets[0].getsockname()[1]
     async with server:
         async with engine_session({}, request_timeout_s=0.3) as client:
-            with pytest.raises(EngineTimeout) as err:
+            with pytest.raises(GatewayTimeout) as err:
                 await forward_json(client, f"http://127.0.0.1:{port}/v1/chat/completions", {"x": 1})
         await asyncio.wait_for(gone.wait(), 5)
     assert accepted.is_set()
@@ -142,7 +145,7 @@ async def test_a_turn_is_settled_once_whoever_asks(parts) -> None:
     await index.mark_live("t", "once", engine="e1", slot=0, tokens=10)
     lock = await locks.try_acquire("t", "once", ttl_s=5)
     assert lock is not None
-    hold = runner.holds.start(lock, await index.find("t", "once"))
+    hold = runner.parts.holds.start(lock, await index.find("t", "once"))
     turn = Turn(Tenant("t"), "once", "m", hold, Placement("e1", 0, Serve.LIVE), "http://e1", None, "header")  # type: ignore[arg-type]
     calls = []
     real = runner.finish

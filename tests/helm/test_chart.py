@@ -25,10 +25,10 @@ import httpx
 import kubernetes_validate
 import pytest
 import yaml
-from support.servers import free_port, wait_until
 
 from engine_pool.pool.settings import FLAGS as NODE_FLAGS
 from engine_pool.pool.settings import parse_node_settings
+from gateway.bench.harness.servers import free_port, wait_until
 from gateway.metrics import Metrics
 from gateway.settings import FLAGS as GATEWAY_FLAGS
 from gateway.settings import parse_settings
@@ -377,8 +377,13 @@ def test_the_rendered_environment_runs_a_node_and_a_gateway(
             == f"http://sk-slotkeeper-gateway.ai.svc.cluster.local:{service_port}"
         )
         test_env["SLOTKEEPER_TEST_URL"] = base
-        ran = subprocess.run([sys.executable, *c["command"][1:]], env={**os.environ, **test_env},
-                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        ran = subprocess.run(
+            [sys.executable, *c["command"][1:]],
+            env={**os.environ, **test_env},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert ran.returncode == 0 and "answered" in ran.stdout, ran.stdout + ran.stderr
 
         os.killpg(node.pid, signal.SIGTERM)  # what the kubelet sends
@@ -518,10 +523,15 @@ def test_gateway_replicas_spread_and_autoscale() -> None:
     [
         ((), ["Resource"]),
         (("gateway.autoscaling.inFlightTarget=16",), ["Resource", "Pods"]),
-        (("gateway.autoscaling.targetCPUUtilizationPercentage=null", "gateway.autoscaling.inFlightTarget=8"),
-         ["Pods"]),
+        (
+            (
+                "gateway.autoscaling.targetCPUUtilizationPercentage=null",
+                "gateway.autoscaling.inFlightTarget=8",
+            ),
+            ["Pods"],
+        ),
     ],
-)  # fmt: skip
+)
 def test_the_gateway_autoscales_on_cpu_on_requests_in_flight_or_both(
     sets: tuple[str, ...], kinds: list[str]
 ) -> None:
@@ -662,7 +672,7 @@ def test_security_contexts_are_the_operators_to_change() -> None:
             "node.securityContext=null",
             "redis.securityContext={}",
         ),
-    )  # fmt: skip
+    )
     gw = pod_spec(docs, "Deployment", "sk-slotkeeper-gateway")
     assert gw["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
     assert gw["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is False

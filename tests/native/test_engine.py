@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import native
-from storage.slotfile import read_slot_file
+from storage.slotfile.reader import read_slot_file
 
 TEXT = "It was a bright cold day in April, and the clocks were striking thirteen. " * 6
 
@@ -296,3 +296,20 @@ async def test_cancelled_consumer_task_cancels_its_request_and_close_ends_stream
     eng.close()
     kinds = await asyncio.wait_for(task, 5)
     assert kinds[-1] == "error"
+
+
+def test_a_load_reports_its_progress_by_tenths(tiny_model):
+    heard: list[float] = []
+    eng = native.Engine(native.EngineConfig(tiny_model("qwen35"), n_ctx=256), heard.append)
+    eng.close()
+    assert heard and heard == sorted(heard) and heard[-1] == 1.0
+    assert len({int(p * 10) for p in heard}) == len(heard) <= 11  # each tenth once
+
+
+def test_a_progress_listener_that_raises_does_not_stop_the_load(tiny_model):
+    def broken(_: float) -> None:
+        raise RuntimeError("a listener's own bug")
+
+    eng = native.Engine(native.EngineConfig(tiny_model("qwen35"), n_ctx=256), broken)
+    assert eng.model.n_vocab > 0
+    eng.close()

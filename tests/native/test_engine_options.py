@@ -2,7 +2,7 @@
 --no-warmup, --context-shift, and per-token log probabilities (n_probs).
 
 Every test runs the real core on the tiny random models; slot files are read back with the pure
-Python reader (storage/slotfile.py) to see what the core recorded.
+Python reader (storage/slotfile/reader.py) to see what the core recorded.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import native
-from storage.slotfile import read_slot_file
+from storage.slotfile.reader import read_slot_file
 
 TEXT = "The quick brown fox jumps over the lazy dog while the clocks strike thirteen. "
 
@@ -371,12 +371,15 @@ def test_context_shift_shifted_cache_is_what_llama_server_keeps(make_engine, gre
     assert got.timings.cache_n == keep and got.tokens == want.tokens
 
 
-@pytest.mark.parametrize(("arch", "extra", "why"), [
-    ("qwen35", {}, "hybrid"),
-    ("lfm2", {}, "hybrid"),
-    ("mamba2", {}, "recurrent"),
-    ("gemma2", {}, "--swa-full"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("arch", "extra", "why"),
+    [
+        ("qwen35", {}, "hybrid"),
+        ("lfm2", {}, "hybrid"),
+        ("mamba2", {}, "recurrent"),
+        ("gemma2", {}, "--swa-full"),
+    ],
+)
 def test_context_shift_is_refused_where_it_cannot_work(arch, extra, why, tiny_model):
     # n_ctx past the sliding window (gemma2's SWA cache is full-size, so shiftable, below it).
     with pytest.raises(native.InvalidRequestError, match="--context-shift") as exc:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import native
-from storage.chunking import parse_kv
-from storage.slotfile import read_slot_file
+from storage.chunks.chunking import parse_kv
+from storage.slotfile.reader import read_slot_file
 
 TRAILER = 64
 PROMPT = [1 + (i * 7919) % 200 for i in range(300)]

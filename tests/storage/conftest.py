@@ -28,7 +28,15 @@ from typing import Any
 
 import pytest
 from support import chunks
-from support.servers import MotoProcess, free_port, http_ok, make_bucket, stop, wait_until, weed_mini
+
+from gateway.bench.harness.servers import (
+    free_port,
+    http_ok,
+    make_bucket,
+    stop,
+    wait_until,
+    weed_mini,
+)
 
 
 # --------------------------------------------------------------------------------------------- writer
@@ -67,15 +75,31 @@ def default_meta(spec: SlotSpec) -> dict[str, Any]:
         "engine_version": "test",
         "created": 1700000000.5,
         "n_tokens": spec.n_tokens,
-        "model": {"fingerprint": spec.fingerprint, "arch": "qwen35", "n_vocab": spec.n_vocab, "n_embd": 16,
-                  "n_layer": 2, "recurrent": False, "hybrid": True, "n_swa": 0},
+        "model": {
+            "fingerprint": spec.fingerprint,
+            "arch": "qwen35",
+            "n_vocab": spec.n_vocab,
+            "n_embd": 16,
+            "n_layer": 2,
+            "recurrent": False,
+            "hybrid": True,
+            "n_swa": 0,
+        },
         "llama": {"state_seq_version": spec.state_version, "build": "b0"},
-        "context": {"n_ctx": 256, "n_slots": 2, "n_ctx_slot": 128, "kv_unified": False,
-                    "type_k": "f16", "type_v": "f16", "swa_full": False},
-        "checkpoints": [{"n_tokens": c[0], "kind": "prompt_end", "bytes": len(c[3])}
-                        for c in spec.checkpoints],
+        "context": {
+            "n_ctx": 256,
+            "n_slots": 2,
+            "n_ctx_slot": 128,
+            "kv_unified": False,
+            "type_k": "f16",
+            "type_v": "f16",
+            "swa_full": False,
+        },
+        "checkpoints": [
+            {"n_tokens": c[0], "kind": "prompt_end", "bytes": len(c[3])} for c in spec.checkpoints
+        ],
         "source_slot": 0,
-    }  # fmt: skip
+    }
 
 
 def _sections(spec: SlotSpec) -> tuple[bytes, bytes, bytes]:
@@ -107,9 +131,19 @@ def _trailer(spec: SlotSpec, base_len: int, ckpt: bytes, meta: bytes, body_crc: 
     f["meta_offset"] = base_len + len(ckpt)
     f["meta_len"] = len(meta)
     f |= spec.trailer
-    head = struct.pack("<8sHHIQQQQQI", b"SLOTKEEP", spec.major, spec.minor, spec.trailer.get("flags", 0),
-                       f["base_len"], f["ckpt_offset"], f["ckpt_len"], f["meta_offset"], f["meta_len"],
-                       spec.body_crc if spec.body_crc is not None else body_crc)  # fmt: skip
+    head = struct.pack(
+        "<8sHHIQQQQQI",
+        b"SLOTKEEP",
+        spec.major,
+        spec.minor,
+        spec.trailer.get("flags", 0),
+        f["base_len"],
+        f["ckpt_offset"],
+        f["ckpt_len"],
+        f["meta_offset"],
+        f["meta_len"],
+        spec.body_crc if spec.body_crc is not None else body_crc,
+    )
     return head + struct.pack("<I", zlib.crc32(head))
 
 
@@ -174,15 +208,6 @@ def slot_writer() -> type[SlotWriter]:
 # -------------------------------------------------------------------------------------------- servers
 
 
-@pytest.fixture
-def restartable_moto(tmp_path: Path) -> Iterator[MotoProcess]:
-    """A moto server of this test's own, bucket ``slots`` created, that the test may kill."""
-    server = MotoProcess(tmp_path)
-    server.start()
-    yield server
-    server.kill()
-
-
 @pytest.fixture(scope="session")
 def seaweed_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with weed_mini(tmp_path_factory.mktemp("seaweed")) as endpoint:
@@ -201,8 +226,11 @@ class AuthS3:
 @pytest.fixture(scope="session")
 def seaweed_with_auth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthS3]:
     """A second ``weed mini`` whose S3 gateway knows one identity (``test``/``test``)."""
-    identity = {"name": "slotkeeper", "credentials": [{"accessKey": "test", "secretKey": "test"}],
-                "actions": ["Admin", "Read", "List", "Tagging", "Write"]}  # fmt: skip
+    identity = {
+        "name": "slotkeeper",
+        "credentials": [{"accessKey": "test", "secretKey": "test"}],
+        "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+    }
     with weed_mini(tmp_path_factory.mktemp("seaweed-auth"), {"identities": [identity]}) as endpoint:
         make_bucket(endpoint, "slots")  # CREDS are test/test
         yield AuthS3(endpoint, "test", "test")
@@ -234,8 +262,13 @@ def moto_with_auth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthS3]
     port, keys = free_port(), data / "keys.json"
     env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"}
     with open(data / "moto.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-c", _MOTO_AUTH, str(port), str(keys)], stdout=log,
-                                stderr=log, env=env, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _MOTO_AUTH, str(port), str(keys)],
+            stdout=log,
+            stderr=log,
+            env=env,
+            start_new_session=True,
+        )
     endpoint = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: keys.exists() and http_ok(endpoint + "/moto-api/"), proc, "moto server (auth)")
@@ -293,7 +326,7 @@ def eventually() -> Callable[..., Awaitable[None]]:
 @pytest.fixture(params=["redis-server", "in-process"])
 async def redis_client(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
     """The same tests run against a real redis-server and against the in-process default."""
-    from storage.index import in_process_redis
+    from storage.index.session_index import in_process_redis
 
     if request.param == "redis-server":
         import redis.asyncio as aioredis

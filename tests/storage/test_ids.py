@@ -56,9 +56,12 @@ def test_keys_round_trip() -> None:
         and parse_blob_key("", blob_key("", ref)) == ref
     )
     assert tenant_prefix("p", "acme") == "p/acme/" and tenant_prefix("p", "acme", "s1") == "p/acme/s1/"
-    for foreign in ("other/acme/s1/00000000000000000042.slot", "slotkeeper/prod/acme/s1/42.slot",
-                    "slotkeeper/prod/acme/s1/x/00000000000000000042.slot",
-                    "slotkeeper/prod/.probe/00000000000000000042.slot"):  # fmt: skip
+    for foreign in (
+        "other/acme/s1/00000000000000000042.slot",
+        "slotkeeper/prod/acme/s1/42.slot",
+        "slotkeeper/prod/acme/s1/x/00000000000000000042.slot",
+        "slotkeeper/prod/.probe/00000000000000000042.slot",
+    ):
         assert parse_blob_key("slotkeeper/prod", foreign) is None
 
 

@@ -27,15 +27,15 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from structlog.testing import capture_logs
 
-from storage.blobstore import BlobStore, delete_generations
-from storage.errors import NotFound, StorageError, StoreMisconfigured, StoreUnavailable
+from storage.blobs.blobstore import BlobStore, delete_generations
+from storage.blobs.localstore import LocalStore
+from storage.blobs.retry import RetryPolicy
+from storage.blobs.s3client import make_s3_client
+from storage.blobs.s3store import S3Store
+from storage.errors import NotStored, StorageError, StoreMisconfigured, StoreUnavailable
 from storage.ids import SlotRef
-from storage.index import in_process_redis
-from storage.localstore import LocalStore
+from storage.index.session_index import in_process_redis
 from storage.probe import probe_redis, probe_store
-from storage.retry import RetryPolicy
-from storage.s3client import make_s3_client
-from storage.s3store import S3Store
 
 FAST = RetryPolicy(attempts=2, base_s=0.01, max_s=0.01)
 
@@ -151,9 +151,9 @@ async def test_no_botocore_error_escapes_a_store_on_a_missing_bucket(
     with pytest.raises(StoreMisconfigured):
         [t async for t in store.list_tenants()]
     # A HEAD has no body: a missing bucket reads as a missing object there (the probe tells them apart).
-    with pytest.raises(NotFound):
+    with pytest.raises(NotStored):
         await store.head(ref)
-    with pytest.raises(NotFound):
+    with pytest.raises(NotStored):
         await store.get_to_file(ref, tmp_path / "x.slot")
 
 

@@ -1,5 +1,5 @@
 """Slot files from the real engine and helpers shared by the chunked-store tests
-(tests/storage/test_chunkstore.py, test_chunk_collection.py)."""
+(tests/storage/chunks/test_chunkstore.py, test_chunk_collection.py)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from typing import Any, TypeVar
 import pytest
 
 import native
-from storage.blobstore import BlobStore
-from storage.chunking import CHUNK_TOKENS, Split, split
-from storage.chunkstore import ChunkedStore
+from storage.blobs.blobstore import BlobStore
+from storage.blobs.localstore import LocalStore
+from storage.chunks.chunking import CHUNK_TOKENS, Split, split
+from storage.chunks.chunkstore import ChunkedStore
+from storage.chunks.ledger import ChunkLedger
 from storage.ids import SlotRef
-from storage.keyspace import Keyspace
-from storage.ledger import ChunkLedger
-from storage.localstore import LocalStore
-from storage.slotfile import read_slot_file, read_tokens, whole_file_crc32
+from storage.index.keyspace import Keyspace
+from storage.slotfile.reader import read_slot_file, read_tokens, whole_file_crc32
 
 T = TypeVar("T")
 PREFIX = "slots"  # the blob store's key prefix

@@ -33,11 +33,11 @@ from typing import Any
 
 import httpx
 
-if __package__ in (None, ""):  # run as a script: tests/ holds the `support` package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a script from a checkout that is not installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from support.servers import free_port, stop, wait_until
-from support.upstream import INSTALL, binary
+from gateway.bench.harness.servers import free_port, stop, wait_until
+from gateway.bench.harness.upstream import INSTALL, binary
 
 WEATHER_TOOL: dict[str, Any] = {
     "type": "function",
@@ -109,8 +109,13 @@ class TemplateServer:
         self.url = ""
         self._proc: subprocess.Popen[bytes] | None = None
         port = free_port()
-        cmd = [exe, "-m", str(model), "--jinja", "--chat-template-file", str(template), "-c", "1024",
-               "-np", "1", "-t", "1", "--host", "127.0.0.1", "--port", str(port), "--no-webui"]  # fmt: skip
+        cmd = [
+            *(exe, "-m", str(model)),
+            *("--jinja", "--chat-template-file", str(template)),
+            *("-c", "1024", "-np", "1", "-t", "1"),
+            *("--host", "127.0.0.1", "--port", str(port)),
+            "--no-webui",
+        ]
         with log.open("wb") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:

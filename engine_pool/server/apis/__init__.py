@@ -1,7 +1,6 @@
-"""The OpenAI Responses API and the Anthropic Messages API as translations onto the chat path.
+"""The engine's endpoints for the OpenAI Responses, Anthropic Messages and Vertex AI APIs.
 
-`responses` and `messages` are pure (no I/O): a request in the API's shape becomes a chat
-completions body, and the chat completion — or its chunk stream — becomes the API's response or
-named events. The engine serves them (`routes`, stateless like llama-server); the gateway imports
-the same translations and adds what needs state (stored responses, sessions).
+The translations themselves are protocol (`engine_pool.protocol.openai_responses`,
+`.anthropic_messages`), shared with the gateway; here they are served statelessly, like llama-server
+(`routes`), and Vertex AI's prediction envelope is unwrapped onto the chat path (`vertex`).
 """

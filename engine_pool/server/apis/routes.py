@@ -11,7 +11,6 @@ about a field the client did not send by that name is renamed to the field it di
 from __future__ import annotations
 
 import asyncio
-import re
 import secrets
 import time
 from collections.abc import AsyncGenerator, Mapping
@@ -22,43 +21,25 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ...body import Body, read_json
-from ...errors import ApiError, BadRequest, NotFound
+from ...common.body import Body, read_json
+from ...common.errors import ApiError, BadRequest, NotFound
+from ...protocol import anthropic_messages, openai_responses
+from ...protocol.field_names import MESSAGES_FIELDS, RESPONSES_FIELDS, renamed
+from ...protocol.sse import NamedEvent, start_event_stream
 from ..chat_request import parse_chat
 from ..routes_llama import limits, runtime
 from ..routes_openai import run_chat
-from ..sse import NamedEvent, start_event_stream
-from . import messages, responses
 
 NO_STORE = (
     "this engine keeps no responses (store is accepted, nothing is stored): "
     "the Slotkeeper gateway keeps them and serves {what}"
 )
 
-# Chat fields the translations fill from a differently named field of the client's request.
-RESPONSES_FIELDS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
-MESSAGES_FIELDS = {"stop": "stop_sequences", "response_format": "output_config.format"}
-
-_HEAD = re.compile(r"[A-Za-z_]+")
-
 
 class EventTranslator(Protocol):
     def feed(self, chunk: dict[str, Any]) -> list[NamedEvent]: ...
     def finish(self) -> list[NamedEvent]: ...
     def failed(self, err: ApiError) -> list[NamedEvent]: ...
-
-
-def renamed(err: ApiError, fields: Mapping[str, str]) -> ApiError:
-    """`err` naming the client's field where it names a chat field `fields` maps (in place)."""
-    head = _HEAD.match(err.param or "")
-    if head is None or head.group() not in fields or err.param is None:
-        return err
-    old, new = head.group(), fields[head.group()]
-    if old == "messages" and err.param != old:
-        return err  # a message's index differs from the item's: leave the chat path's words
-    err.param = new + err.param[len(old) :]
-    err.message = err.message.replace(f"'{old}", f"'{new}")
-    return err
 
 
 async def _chat(
@@ -85,20 +66,20 @@ async def _events(
 async def create_response(request: Request) -> Response:
     lim = limits(request)
     body = await read_json(request, lim.body)
-    req = responses.parse_request(body.data, max_items=lim.max_messages)
+    req = openai_responses.parse_request(body.data, max_items=lim.max_messages)
     if req.previous_response_id:
         raise NotFound(
             f"response {req.previous_response_id!r} not found: "
             + NO_STORE.format(what="'previous_response_id'"),
             param="previous_response_id",
         )
-    result = await _chat(request, responses.chat_body(req, []), RESPONSES_FIELDS)
+    result = await _chat(request, openai_responses.chat_body(req, []), RESPONSES_FIELDS)
     response_id, created_at = "resp_" + secrets.token_hex(24), int(time.time())
     if isinstance(result, dict):
         return JSONResponse(
-            responses.response_object(req, result, response_id=response_id, created_at=created_at)
+            openai_responses.response_object(req, result, response_id=response_id, created_at=created_at)
         )
-    stream = responses.ResponseStream(req, response_id=response_id, created_at=created_at)
+    stream = openai_responses.ResponseStream(req, response_id=response_id, created_at=created_at)
     return await start_event_stream(_events(result, stream), failed=stream.failed)
 
 
@@ -114,12 +95,12 @@ async def stored_response(request: Request) -> Response:
 async def create_message(request: Request) -> Response:
     lim = limits(request)
     body = await read_json(request, lim.body)
-    req = messages.parse_request(body.data, max_messages=lim.max_messages)
-    result = await _chat(request, messages.chat_body(req), MESSAGES_FIELDS, empty_ok=True)
+    req = anthropic_messages.parse_request(body.data, max_messages=lim.max_messages)
+    result = await _chat(request, anthropic_messages.chat_body(req), MESSAGES_FIELDS, empty_ok=True)
     message_id = "msg_" + secrets.token_hex(12)
     if isinstance(result, dict):
-        return JSONResponse(messages.message_object(req, result, message_id=message_id))
-    stream = messages.MessageStream(req, message_id=message_id)
+        return JSONResponse(anthropic_messages.message_object(req, result, message_id=message_id))
+    stream = anthropic_messages.MessageStream(req, message_id=message_id)
     return await start_event_stream(_events(result, stream), failed=stream.failed)
 
 
@@ -130,10 +111,10 @@ async def count_tokens(request: Request) -> Response:
     engine = rt.require()
     lim = limits(request)
     body = await read_json(request, lim.body)
-    req = messages.parse_count_request(body.data, max_messages=lim.max_messages)
+    req = anthropic_messages.parse_count_request(body.data, max_messages=lim.max_messages)
     try:
         chat = parse_chat(
-            Body(messages.chat_body(req)),
+            Body(anthropic_messages.chat_body(req)),
             rt.defaults,
             lim,
             n_vocab=engine.model.n_vocab,

@@ -19,9 +19,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ...body import Body, json_type, read_json
-from ...errors import ApiError, BadRequest
-from ..limits import check_count
+from ...common.body import Body, json_type, read_json
+from ...common.errors import ApiError, BadRequest
+from ...protocol.bounds import check_count
 from ..routes_llama import limits
 from ..routes_openai import run_chat
 

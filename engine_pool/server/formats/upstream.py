@@ -146,8 +146,14 @@ class UpstreamChat:
             return None
         try:
             chat = cls(source, bos, eos)
-            plan = chat.plan(_PROBE["messages"], _PROBE["tools"], "auto", enable_thinking=False,
-                             reasoning_format="auto", kwargs={})  # fmt: skip
+            plan = chat.plan(
+                _PROBE["messages"],
+                _PROBE["tools"],
+                "auto",
+                enable_thinking=False,
+                reasoning_format="auto",
+                kwargs={},
+            )
         except native.InvalidRequestError as exc:
             log.warning("engine.chat_layer_unusable", error=str(exc))
             return None

@@ -24,20 +24,21 @@ from typing import Any
 import httpx
 import pytest
 from structlog.testing import capture_logs
-from support.servers import INTERNAL_AUTH, INTERNAL_KEY, MotoProcess
 
-from engine_pool.loop import cancel_and_wait
+from engine_pool.common.loop import cancel_and_wait
 from engine_pool.pool import supervisor
 from engine_pool.pool.agent import NodeAgent, NodeParts
 from engine_pool.pool.client import NodeClient, NodeError
 from engine_pool.pool.settings import NodeSettings, SettingsError, parse_node_settings
-from storage.engines import EngineRegistry
-from storage.errors import Conflict, NotFound, StoreUnavailable
+from engine_pool.protocol.node import NodeHealth
+from gateway.bench.harness.servers import INTERNAL_AUTH, INTERNAL_KEY, MotoProcess
+from storage.blobs.localstore import LocalStore
+from storage.blobs.spillcache import SpillCache
+from storage.errors import NotStored, StoreUnavailable, WriteConflict
 from storage.ids import SlotRef
-from storage.index import SessionIndex, SessionState
-from storage.localstore import LocalStore
-from storage.slotfile import read_slot_file
-from storage.spillcache import SpillCache
+from storage.index.engines import EngineRegistry
+from storage.index.session_index import SessionIndex, SessionState
+from storage.slotfile.reader import read_slot_file
 
 from .test_supervisor import alive
 
@@ -71,9 +72,16 @@ class NodeProcess:
         self.port, self.node_id, self.data = free_port(), node_id, tmp / "data"
         self.log_path = tmp / "node.log"
         tmp.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "engine_pool.pool.main", "--model", model, "--slots", "2",
-               "--ctx", "512", "--port", str(self.port), "--node-id", node_id, "--data-dir", str(self.data),
-               "--engine-arg=-t", "--engine-arg=1", "--heartbeat-ttl", "3", *args]  # fmt: skip
+        cmd = [
+            *(sys.executable, "-m", "engine_pool.pool.main"),
+            *("--model", model, "--slots", "2", "--ctx", "512"),
+            *("--port", str(self.port)),
+            *("--node-id", node_id),
+            *("--data-dir", str(self.data)),
+            *("--engine-arg=-t", "--engine-arg=1"),
+            *("--heartbeat-ttl", "3"),
+            *args,
+        ]
         env = {**os.environ, **(env or {})}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -116,14 +124,6 @@ def redis_url(redis_port: int) -> str:
 
 
 @pytest.fixture
-def moto(tmp_path: Path) -> Iterator[MotoProcess]:
-    server = MotoProcess(tmp_path)
-    server.start()
-    yield server
-    server.kill()
-
-
-@pytest.fixture
 def prefix() -> str:
     return f"t{uuid.uuid4().hex[:10]}"
 
@@ -153,10 +153,10 @@ async def redis(redis_url: str) -> AsyncIterator[Any]:
 async def stored(blobs: Path, prefix: str, key: str) -> tuple[int, str, str | None, int]:
     """A stored generation (its manifest key): size and model as the store says, and the
     fingerprint and token count of the slot file it assembles into."""
-    from storage.chunkstore import ChunkedStore
+    from storage.chunks.chunkstore import ChunkedStore
+    from storage.chunks.ledger import ChunkLedger
     from storage.ids import parse_manifest_key
-    from storage.keyspace import in_process_redis
-    from storage.ledger import ChunkLedger
+    from storage.index.keyspace import in_process_redis
 
     ref = parse_manifest_key(prefix, key)
     assert ref is not None, key
@@ -190,7 +190,7 @@ async def test_spill_erase_fill_through_the_local_store(
     assert (eng, node.engine["model"], node.engine["n_slots"]) == ("n1-e0", "qwen35-seed0", 2)
     first = await chat(url, 0)
     async with NodeClient(node.url, key=INTERNAL_KEY) as client:
-        assert await client.health() == {"status": "ok", "node": "n1"}
+        assert await client.health() == NodeHealth("ok", "n1")
         spilled = await client.spill(eng, 0, tenant="t1", session="s1", generation=1)
         assert spilled.uploaded and spilled.tokens == await slot_tokens(url, 0) > 0
         size, model, fingerprint, tokens = await stored(node.data / "blobs", prefix, spilled.key)
@@ -291,9 +291,11 @@ async def test_a_prompt_that_leaves_the_session_early_is_restored_only_up_to_its
     continues from ("cut"), and the engine answers as after the whole restore; without tokens the
     whole generation is restored. Bad tokens: 400."""
     node = start_node(
-        "--redis-url", redis_url, "--redis-prefix", prefix, "--s3-prefix", prefix,
-        "--spill-bytes", "0", "--engine-arg=--checkpoint-interval", "--engine-arg=64",
-    )  # fmt: skip
+        *("--redis-url", redis_url, "--redis-prefix", prefix),
+        *("--s3-prefix", prefix),
+        *("--spill-bytes", "0"),
+        *("--engine-arg=--checkpoint-interval", "--engine-arg=64"),
+    )
     eng, url = node.engine["id"], node.engine["url"]
     async with httpx.AsyncClient(timeout=10, headers=INTERNAL_AUTH) as c:
         text = "The agent reads the failing test, edits the parser and runs the suite again. " * 30
@@ -330,12 +332,16 @@ async def test_a_prompt_that_leaves_the_session_early_is_restored_only_up_to_its
 
 
 async def test_s3_store_down_during_spill_then_flushed(
-    start_node: Callable[..., NodeProcess], moto: MotoProcess, prefix: str
+    start_node: Callable[..., NodeProcess], restartable_moto: MotoProcess, prefix: str
 ) -> None:
-    node = start_node("--s3-endpoint", moto.endpoint, "--s3-bucket", "slots", "--s3-prefix", prefix,
-                      "--spill-bytes", "0", "--flush-interval", "0.3", env=S3_ENV)  # fmt: skip
+    node = start_node(
+        *("--s3-endpoint", restartable_moto.endpoint, "--s3-bucket", "slots", "--s3-prefix", prefix),
+        *("--spill-bytes", "0"),
+        *("--flush-interval", "0.3"),
+        env=S3_ENV,
+    )
     eng, url = node.engine["id"], node.engine["url"]
-    s3 = moto.client()
+    s3 = restartable_moto.client()
     await chat(url, 0)
     async with NodeClient(node.url, key=INTERNAL_KEY) as client:
         up = await client.spill(eng, 0, tenant="t1", session="s1", generation=1)
@@ -346,15 +352,15 @@ async def test_s3_store_down_during_spill_then_flushed(
         assert filled.source == "store"  # a budget of 0 bytes keeps nothing that is safely uploaded
         assert (await chat(url, 1))["timings"]["cache_n"] > 0
 
-        moto.kill()
+        restartable_moto.kill()
         down = await client.spill(eng, 1, tenant="t1", session="s1", generation=2)
         assert not down.uploaded
         local = node.data / "spill" / "t1" / "s1" / f"{2:020d}.slot"
         assert (
             await asyncio.to_thread(local.stat)
         ).st_size == down.bytes  # kept although over budget: not uploaded yet
-        moto.start()
-        wait_for(lambda: moto.exists(down.key), "flush after the store is back", timeout=20)
+        restartable_moto.start()
+        wait_for(lambda: restartable_moto.exists(down.key), "flush after the store is back", timeout=20)
         manifest = json.loads(s3.get_object(Bucket="slots", Key=down.key)["Body"].read())
         assert manifest["plan"]["size"] == down.bytes
     s3.close()
@@ -445,7 +451,7 @@ async def test_client_retries_only_before_the_first_byte() -> None:
     port = server.sockets[0].getsockname()[1]
     async with server, NodeClient(f"http://127.0.0.1:{port}", key=INTERNAL_KEY) as client:
         mode = "close-first"
-        assert await client.health() == {"status": "ok", "node": "fake"}
+        assert await client.health() == NodeHealth("ok", "fake")
         assert len(connections) == 2
         connections.clear()
         with pytest.raises(NodeError) as err:  # spill is not idempotent: not retried after sending
@@ -468,8 +474,9 @@ def test_node_settings_from_flags_and_environment() -> None:
     assert s.models == ("/m/a.gguf", "/m/b.gguf") and s.model_ids == ("alpha", "b")
     specs = s.engine_specs()
     assert [(e.engine_id, e.model_id, e.n_slots, e.n_ctx) for e in specs] == [
-        ("n9-e0", "alpha", 4, 4096), ("n9-e1", "b", 4, 4096),
-    ]  # fmt: skip
+        ("n9-e0", "alpha", 4, 4096),
+        ("n9-e1", "b", 4, 4096),
+    ]
     assert specs[1].extra_args == ("-t", "2") and specs[1].slot_dir.name == "slots"
     assert parse_node_settings(["-m", "x.gguf", "--slots", "2"], env).models == ("x.gguf",)  # flag wins
     for argv, message in (
@@ -503,8 +510,14 @@ def test_recurrent_states_are_stored_as_they_are_unless_told(argv: list[str], co
 
 
 def test_engines_get_the_key_but_not_the_node_settings_or_store_secrets() -> None:
-    node_env = {"PATH": "/bin", "SLOTKEEPER_INTERNAL_KEY": "k-2", "SLOTKEEPER_S3_SECRET_KEY": "s3-secret",
-                "SLOTKEEPER_PORT": "8070", "AWS_SECRET_ACCESS_KEY": "aws-secret", "HOME": "/h"}  # fmt: skip
+    node_env = {
+        "PATH": "/bin",
+        "SLOTKEEPER_INTERNAL_KEY": "k-2",
+        "SLOTKEEPER_S3_SECRET_KEY": "s3-secret",
+        "SLOTKEEPER_PORT": "8070",
+        "AWS_SECRET_ACCESS_KEY": "aws-secret",
+        "HOME": "/h",
+    }
     s = parse_node_settings(["-m", "x.gguf"], node_env)
     env = dict(s.engine_specs(node_env)[0].env or ())
     assert env == {"PATH": "/bin", "HOME": "/h", "SLOTKEEPER_API_KEY": "k-2"}
@@ -520,17 +533,21 @@ def test_engines_get_the_key_but_not_the_node_settings_or_store_secrets() -> Non
 def test_a_node_with_an_unusable_store_or_redis_refuses_to_start(
     tmp_path: Path,
     tiny_model: Callable[..., str],
-    moto: MotoProcess,
+    restartable_moto: MotoProcess,
     bucket: str,
     redis: str | None,
     says: str,
 ) -> None:
     """Found at start, not at the first spill: the node exits non-zero with the precise cause and
     never registers or starts an engine."""
-    cmd = [sys.executable, "-m", "engine_pool.pool.main", "--model", tiny_model("qwen35"),
-           "--port", str(free_port()), "--data-dir", str(tmp_path / "data"),
-           "--s3-endpoint", moto.endpoint, "--s3-bucket", bucket,
-           *(["--redis-url", redis] if redis else [])]  # fmt: skip
+    cmd = [
+        *(sys.executable, "-m", "engine_pool.pool.main"),
+        *("--model", tiny_model("qwen35")),
+        *("--port", str(free_port())),
+        *("--data-dir", str(tmp_path / "data")),
+        *("--s3-endpoint", restartable_moto.endpoint, "--s3-bucket", bucket),
+        *(["--redis-url", redis] if redis else []),
+    ]
     done = subprocess.run(
         cmd, cwd=REPO, env={**os.environ, **S3_ENV}, capture_output=True, text=True, timeout=60
     )
@@ -574,15 +591,18 @@ async def test_the_flush_loop_outlives_any_failure_of_a_flush() -> None:
     events = [e["event"] for e in logs]
     assert events.count("node.flushing") == 3
     assert [e for e in events if e.startswith("node.flush")] == [
-        "node.flushing", "node.flush_failed",  # the store is down: backs off
-        "node.flushing", "node.flush_error",  # an unplanned error: logged with its traceback, backs off
-        "node.flushing", "node.flushed",
-    ]  # fmt: skip
+        "node.flushing",
+        "node.flush_failed",  # the store is down: backs off
+        "node.flushing",
+        "node.flush_error",  # an unplanned error: logged with its traceback, backs off
+        "node.flushing",
+        "node.flushed",
+    ]
 
 
 class _ClaimingStore:
     """Puts of one generation claim it for as long as they run (as the chunked store's do): a put
-    while another runs is a Conflict, and the object is not visible until the first has finished."""
+    while another runs is a WriteConflict, and the object is not visible until the first has finished."""
 
     def __init__(self) -> None:
         self.go, self.running, self.stored = asyncio.Event(), asyncio.Event(), False
@@ -591,7 +611,7 @@ class _ClaimingStore:
     async def put_file(self, ref: SlotRef, path: Path, **kwargs: Any) -> Any:
         self.puts += 1
         if self.running.is_set():
-            raise Conflict(f"generation {ref.generation} of session {ref.session} is being stored")
+            raise WriteConflict(f"generation {ref.generation} of session {ref.session} is being stored")
         self.running.set()
         try:
             await self.go.wait()
@@ -602,13 +622,13 @@ class _ClaimingStore:
 
     async def head(self, ref: SlotRef) -> Any:
         if not self.stored:
-            raise NotFound(f"no generation {ref.generation} of session {ref.session}")
+            raise NotStored(f"no generation {ref.generation} of session {ref.session}")
         raise AssertionError("not asked for in these tests")
 
 
 async def test_the_flush_loop_keeps_off_a_spill_while_it_uploads(tmp_path: Path) -> None:
     """The spill's own upload and the flush loop never race for one generation (the loser saw
-    Conflict, then no object: the spill failed and its turn was never recorded durable)."""
+    WriteConflict, then no object: the spill failed and its turn was never recorded durable)."""
     store, cache = _ClaimingStore(), await SpillCache.open(tmp_path / "cache", max_bytes=1 << 30)
     parts = NodeParts(store=store, cache=cache, index=None, registry=None, http=None)  # type: ignore[arg-type]
     agent = NodeAgent(NodeSettings(models=(), flush_interval_s=0.005), parts)

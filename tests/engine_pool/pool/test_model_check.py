@@ -94,13 +94,17 @@ _UNKNOWN_TYPE = struct.pack("<4sIQQ", b"GGUF", 3, 0, 1) + struct.pack("<QsI", 1,
     ("header", "problem"),
     [
         (struct.pack("<4sI", b"GGUF", 1), "is GGUF version 1, which llama.cpp does not read (it reads 2, 3)"),
-        (struct.pack("<4sI", b"GGUF", 3 << 24),
-         "is a big-endian GGUF file (this machine reads little-endian ones)"),
-        (struct.pack("<4sIQQ", b"GGUF", 3, 1 << 40, 3),
-         "has an implausible GGUF header (1099511627776 tensors, 3 keys)"),
+        (
+            struct.pack("<4sI", b"GGUF", 3 << 24),
+            "is a big-endian GGUF file (this machine reads little-endian ones)",
+        ),
+        (
+            struct.pack("<4sIQQ", b"GGUF", 3, 1 << 40, 3),
+            "has an implausible GGUF header (1099511627776 tensors, 3 keys)",
+        ),
         (_UNKNOWN_TYPE, "is a damaged GGUF file (key 'k' has unknown value type 99)"),
     ],
-)  # fmt: skip
+)
 def test_headers_llama_cpp_would_refuse(header: bytes, problem: str) -> None:
     assert gguf_problem(io.BytesIO(header), len(header)) == problem
 
@@ -110,10 +114,16 @@ def test_node_refuses_to_start_on_a_bad_model(tmp_path: Path, tiny_model: Callab
     garbage.write_bytes(b"\0" * 4096)
     t0 = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "node", "--model", tiny_model("llama"), "--model", str(garbage),
-         "--model", str(tmp_path), "--data-dir", str(tmp_path / "data"), "--port", "0"],
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+        [
+            *(sys.executable, "-m", "gateway.cli", "node"),
+            *("--model", tiny_model("llama"), "--model", str(garbage), "--model", str(tmp_path)),
+            *("--data-dir", str(tmp_path / "data")),
+            *("--port", "0"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert time.monotonic() - t0 < 5
     assert done.returncode == 2
     assert done.stderr.splitlines() == [

@@ -25,6 +25,7 @@ from engine_pool.pool.supervisor import (
     SupervisorPolicy,
     engine_error,
     failed_starts,
+    load_progress,
     read_tail,
 )
 
@@ -44,8 +45,17 @@ if mode == "ignore-term":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # inherited by the child across exec
     child = subprocess.Popen(["sleep", "600"])
     open(pidfile, "w").write(str(child.pid))
+polls = [0]
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
+        if mode == "loading" and polls[0] < 4:  # a quarter of the weights more at each poll
+            polls[0] += 1
+            body = b'{"error": {"message": "Loading model"}, "progress": %.2f}' % (polls[0] / 4)
+            self.send_response(503)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+            return
         bad = mode == "never-healthy" or os.path.exists(sick)
         self.send_response(503 if bad else 200)
         self.end_headers()
@@ -55,9 +65,15 @@ http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 """
 
 FAST = SupervisorPolicy(
-    start_timeout_s=30, health_interval_s=0.2, health_timeout_s=1, health_failures=2, stop_grace_s=10,
-    backoff_base_s=0.1, backoff_max_s=0.4, stable_s=60,
-)  # fmt: skip
+    start_timeout_s=30,
+    health_interval_s=0.2,
+    health_timeout_s=1,
+    health_failures=2,
+    stop_grace_s=10,
+    backoff_base_s=0.1,
+    backoff_max_s=0.4,
+    stable_s=60,
+)
 
 
 def transitions(logs: list[dict[str, Any]], engine: str = "n-e0") -> list[tuple[str, str]]:
@@ -66,16 +82,29 @@ def transitions(logs: list[dict[str, Any]], engine: str = "n-e0") -> list[tuple[
 
 def spec(tmp_path: Path, model: str, **kw: Any) -> EngineSpec:
     return EngineSpec(
-        engine_id="n-e0", model=model, model_id="tiny", n_slots=1, n_ctx=256, slot_dir=tmp_path / "slots",
-        log_path=tmp_path / "engine.log", extra_args=("-t", "1"), **kw,
-    )  # fmt: skip
+        engine_id="n-e0",
+        model=model,
+        model_id="tiny",
+        n_slots=1,
+        n_ctx=256,
+        slot_dir=tmp_path / "slots",
+        log_path=tmp_path / "engine.log",
+        extra_args=("-t", "1"),
+        **kw,
+    )
 
 
 def fake_argv(tmp_path: Path, mode: str) -> Callable[[int, str], list[str]]:
     script = tmp_path / "fake_engine.py"
     script.write_text(FAKE)
-    return lambda port, instance: [sys.executable, str(script), str(port), str(tmp_path / "sick"), mode,
-                         str(tmp_path / "child.pid")]  # fmt: skip
+    return lambda port, instance: [
+        sys.executable,
+        str(script),
+        str(port),
+        str(tmp_path / "sick"),
+        mode,
+        str(tmp_path / "child.pid"),
+    ]
 
 
 @pytest.fixture
@@ -127,10 +156,36 @@ async def test_engine_ready_killed_restarted_and_stopped(
         assert stopped.instance == ""  # no process, no instance
         assert stopped.last_exit == 0 and stopped.pid is None
     assert transitions(logs) == [
-        ("stopped", "starting"), ("starting", "ready"), ("ready", "crashed"), ("crashed", "starting"),
-        ("starting", "ready"), ("ready", "draining"), ("draining", "stopped"),
-    ]  # fmt: skip
+        ("stopped", "starting"),
+        ("starting", "ready"),
+        ("ready", "crashed"),
+        ("crashed", "starting"),
+        ("starting", "ready"),
+        ("ready", "draining"),
+        ("draining", "stopped"),
+    ]
     assert not alive(second.pid or 0)
+
+
+async def test_a_loading_engine_shows_its_progress_on_the_console(tmp_path: Path, running: Any) -> None:
+    with capture_logs() as logs:
+        sup = running(EngineSupervisor(spec(tmp_path, "unused"), FAST, argv=fake_argv(tmp_path, "loading")))
+        await sup.wait_for(State.READY, timeout_s=30)
+        await sup.stop()
+    shown = [e["percent"] for e in logs if e["event"] == "engine.loading"]
+    assert shown == [20, 50, 70, 100]
+
+
+def test_load_progress_is_read_only_from_a_loading_engines_body() -> None:
+    def answer(status: int, body: object) -> httpx.Response:
+        return httpx.Response(status, json=body)
+
+    assert load_progress(answer(503, {"error": {}, "progress": 0.4})) == 0.4
+    assert load_progress(answer(503, {"error": {}, "progress": 7})) is None  # out of range
+    assert load_progress(answer(503, {"error": {}, "progress": "half"})) is None
+    assert load_progress(answer(503, ["not", "a", "dict"])) is None
+    assert load_progress(answer(200, {"progress": 0.4})) is None
+    assert load_progress(httpx.Response(503, content=b"<html>")) is None
 
 
 async def test_a_missing_model_fails_its_starts_without_a_process_and_is_given_up(
@@ -145,9 +200,14 @@ async def test_a_missing_model_fails_its_starts_without_a_process_and_is_given_u
         await sup.stop()
     assert not [e for e in logs if e["event"] == "engine.spawned"]  # the check came first, every time
     assert transitions(logs) == [
-        ("stopped", "starting"), ("starting", "crashed"), ("crashed", "starting"), ("starting", "crashed"),
-        ("crashed", "starting"), ("starting", "failed"), ("failed", "stopped"),
-    ]  # fmt: skip
+        ("stopped", "starting"),
+        ("starting", "crashed"),
+        ("crashed", "starting"),
+        ("starting", "crashed"),
+        ("crashed", "starting"),
+        ("starting", "failed"),
+        ("failed", "stopped"),
+    ]
     moves = [e for e in logs if e["event"] == "engine.transition"]
     assert [e["retry_in_s"] for e in moves if e["to"] == "crashed"] == [0.1, 0.2]
     gave_up = [e for e in moves if e["to"] == "failed"]
@@ -212,26 +272,33 @@ async def test_a_failed_engine_starts_again_when_asked(tmp_path: Path, running: 
         assert ready.error == failed.error  # the last failure stays on record
         await sup.stop()
     assert transitions(logs)[5:] == [
-        ("starting", "failed"), ("failed", "starting"), ("starting", "ready"), ("ready", "draining"),
+        ("starting", "failed"),
+        ("failed", "starting"),
+        ("starting", "ready"),
+        ("ready", "draining"),
         ("draining", "stopped"),
-    ]  # fmt: skip
+    ]
 
 
 @pytest.mark.parametrize(
     ("output", "said"),
     [
-        ('{"event": "engine.loading", "level": "info"}\n'
-         '{"error": "the model failed to load: X", "event": "engine.load_failed", "level": "error"}\n'
-         '{"event": "Shutting down", "level": "info"}\n'
-         '{"reason": "the model failed to load: X", "event": "engine.exit", "level": "error"}',
-         "the model failed to load: X"),
-        ("Traceback (most recent call last):\n  File \"x.py\", line 1\nImportError: no libllama",
-         "ImportError: no libllama"),
+        (
+            '{"event": "engine.loading", "level": "info"}\n'
+            '{"error": "the model failed to load: X", "event": "engine.load_failed", "level": "error"}\n'
+            '{"event": "Shutting down", "level": "info"}\n'
+            '{"reason": "the model failed to load: X", "event": "engine.exit", "level": "error"}',
+            "the model failed to load: X",
+        ),
+        (
+            'Traceback (most recent call last):\n  File "x.py", line 1\nImportError: no libllama',
+            "ImportError: no libllama",
+        ),
         ('{"event": "boom", "level": "error"}', "boom"),
         ('--- slotkeeper: run 1: old\n{"error": "old", "level": "error"}\n--- slotkeeper: run 2: new\n', ""),
         ("", ""),
     ],
-)  # fmt: skip
+)
 def test_engine_error_is_the_last_error_of_this_run(tmp_path: Path, output: str, said: str) -> None:
     log = tmp_path / "engine.log"
     log.write_text(output)
@@ -278,9 +345,12 @@ async def test_failing_health_checks_get_the_engine_restarted(tmp_path: Path, ru
         assert second.pid != first.pid and second.url != first.url
         await sup.stop()
     assert transitions(logs)[:5] == [
-        ("stopped", "starting"), ("starting", "ready"), ("ready", "crashed"), ("crashed", "starting"),
+        ("stopped", "starting"),
         ("starting", "ready"),
-    ]  # fmt: skip
+        ("ready", "crashed"),
+        ("crashed", "starting"),
+        ("starting", "ready"),
+    ]
 
 
 async def test_start_deadline(tmp_path: Path, running: Any) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ..conftest import EngineProcess
+from ..conftest import EngineProcess, run_engine
 
 LIMITED_ARGS = {
     "--parallel": "1",
@@ -41,10 +41,7 @@ LIMITED_ARGS = {
 def limited_engine(
     models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EngineProcess]:
-    tmp = tmp_path_factory.mktemp("limited")
-    args = [a for kv in LIMITED_ARGS.items() for a in kv]
-    with EngineProcess(models["llama"], *args, log_path=tmp / "engine.log").running() as eng:
-        yield eng
+    yield from run_engine(tmp_path_factory, models["llama"], *[a for kv in LIMITED_ARGS.items() for a in kv])
 
 
 @pytest.fixture

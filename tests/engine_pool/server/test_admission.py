@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ..conftest import EngineProcess
+from ..conftest import EngineProcess, run_engine
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -23,24 +23,13 @@ LONG_RUN = {"prompt": "Hello world", "n_predict": 30000, "ignore_eos": True, "te
 
 @pytest.fixture(scope="module")
 def busy_engine(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    tmp = tmp_path_factory.mktemp("busy")
-    with EngineProcess(
+    yield from run_engine(
+        tmp_path_factory,
         models["llama"],
-        "-np",
-        "1",
-        "-c",
-        "40000",
-        "--queue-size",
-        "1",
-        "--slot-wait-timeout",
-        "1",
-        "--slot-save-path",
-        str(tmp / "slots"),
-        "--api-key",
-        KEY,
-        log_path=tmp / "engine.log",
-    ).running() as eng:
-        yield eng
+        *("-np", "1", "-c", "40000", "--queue-size", "1", "--slot-wait-timeout", "1"),
+        *("--slot-save-path", str(tmp_path_factory.mktemp("busy-slots"))),
+        *("--api-key", KEY),
+    )
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""engine_pool/server/app.py and sse.py in-process: 503 while loading, one error shape, stream failures."""
+"""engine_pool/server/app.py and engine_pool/protocol/sse.py in-process: 503 while loading, one error
+shape, stream failures."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ from typing import Any
 
 import httpx
 
-from engine_pool.errors import BadRequest, ContextSizeExceeded, api_error, error_payload
+from engine_pool.common.errors import BadRequest, ContextSizeExceeded, api_error, error_payload
+from engine_pool.protocol.sse import start_stream
 from engine_pool.server.app import build_app
 from engine_pool.server.runtime import Runtime
 from engine_pool.server.settings import parse_settings
-from engine_pool.server.sse import start_stream
 from native.errors import SlotBusyError, SlotFileError
 
 
@@ -32,7 +33,8 @@ async def test_everything_answers_503_while_loading() -> None:
                 "type": "unavailable_error",
                 "param": None,
                 "code": "unavailable",
-            }
+            },
+            "progress": 0.0,  # the weights loaded so far, for the supervisor's console line
         }
         for method, path in [
             ("GET", "/props"),

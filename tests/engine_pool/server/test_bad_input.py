@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ..conftest import EngineProcess
+from ..conftest import ENGINE_COMMAND, EngineProcess
 
 LONG = "word " * 3000  # far more than a slot's 1024 tokens
 CHAT = "/v1/chat/completions"
@@ -373,10 +373,9 @@ def test_engine_still_healthy_after_the_matrix(llama: httpx.Client) -> None:
 
 def test_unknown_flag_is_a_clear_error(models: dict[str, Path], tmp_path: Path) -> None:
     import subprocess
-    import sys
 
     r = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "engine", "-m", str(models["llama"]), "--bogus", "1"],
+        [*ENGINE_COMMAND, "-m", str(models["llama"]), "--bogus", "1"],
         capture_output=True,
         text=True,
         timeout=60,

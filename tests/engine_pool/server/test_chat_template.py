@@ -3,7 +3,8 @@ the hint where the next turn's re-rendered history leaves the prompt (unit, then
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -11,11 +12,11 @@ import httpx
 import pytest
 
 import native
-from engine_pool.errors import BadRequest
+from engine_pool.common.errors import BadRequest
 from engine_pool.server.builtin_templates import BUILTIN_TEMPLATES
 from engine_pool.server.chat_template import ChatTemplate, boundary_cuts
-from engine_pool.server.scheduler import common_prefix
-from native.model_gen import CHAT_TEMPLATE, write_model
+from engine_pool.server.slot_leases import common_prefix
+from native.model_gen import CHAT_TEMPLATE
 
 from ..conftest import EngineProcess
 
@@ -26,12 +27,10 @@ SYSTEM = {"role": "system", "content": "You are terse."}
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[native.Engine]:
-    path = Path(tmp_path_factory.mktemp("tpl")) / "llama.gguf"
-    write_model(path, "llama", size="tiny", seed=0)
-    eng = native.Engine(native.EngineConfig(str(path), n_slots=1, n_ctx=512, n_threads=1))
-    yield eng
-    eng.close()
+def engine(tiny_model: Callable[..., str]) -> Iterator[native.Engine]:
+    config = native.EngineConfig(tiny_model("llama"), n_slots=1, n_ctx=512, n_threads=1)
+    with closing(native.Engine(config)) as eng:
+        yield eng
 
 
 @pytest.fixture
@@ -225,8 +224,12 @@ def test_next_turn_on_a_hybrid_model_evaluates_only_the_reply_and_the_new_messag
     checkpoints, so the hint is the only checkpoint that can serve."""
     template = tmp_path / "thinking.jinja"
     template.write_text(THINKING)
-    args = ("-np", "1", "-c", "2048", "--slot-save-path", str(tmp_path / "slots"), "--chat-template-file",
-            str(template), "--checkpoint-interval", "0")  # fmt: skip
+    args = (
+        *("-np", "1", "-c", "2048"),
+        *("--slot-save-path", str(tmp_path / "slots")),
+        *("--chat-template-file", str(template)),
+        *("--checkpoint-interval", "0"),
+    )
     system = {"role": "system", "content": "You are a careful assistant who thinks first. " * 3}
     turn1 = [system, {"role": "user", "content": "What is the state of the slot cache after a restart?"}]
 
@@ -273,8 +276,10 @@ def test_the_generation_prompt_length_is_measured_from_the_template() -> None:
 
     chatml = ChatTemplate(BUILTIN_TEMPLATES["chatml"])
     assert chatml.generation_prompt_tokens(chars) == len("<|im_start|>assistant\n")
-    thinking = ChatTemplate("{% for m in messages %}{{ m.content }};{% endfor %}"
-                            "{% if add_generation_prompt %}A:<think>\n{% endif %}")  # fmt: skip
+    thinking = ChatTemplate(
+        "{% for m in messages %}{{ m.content }};{% endfor %}"
+        "{% if add_generation_prompt %}A:<think>\n{% endif %}"
+    )
     assert thinking.generation_prompt_tokens(chars) == len("A:<think>\n")
     assert ChatTemplate("{{ raise_exception('no') }}").generation_prompt_tokens(chars) == 0
 

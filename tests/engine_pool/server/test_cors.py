@@ -13,16 +13,30 @@ import httpx
 import pytest
 from support.browser_cors import preflight_admits, readable
 
-from engine_pool.cors import is_local_origin
+from engine_pool.common.cors import is_local_origin
 
-from ..conftest import EngineProcess
+from ..conftest import EngineProcess, run_engine
 
 KEY = "sk-cors-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-LOCAL = ("http://localhost", "http://localhost:8080", "http://127.0.0.1", "https://127.0.0.1:3000",
-         "http://[::1]", "http://[::1]:3000")  # fmt: skip
-NOT_LOCAL = ("http://web.mydomain.fr", "http://evil.com", "http://notlocalhost", "http://localhost.evil.com",
-             "http://localhost@evil.com", "ftp://localhost", "null", "localhost")  # fmt: skip
+LOCAL = (
+    "http://localhost",
+    "http://localhost:8080",
+    "http://127.0.0.1",
+    "https://127.0.0.1:3000",
+    "http://[::1]",
+    "http://[::1]:3000",
+)
+NOT_LOCAL = (
+    "http://web.mydomain.fr",
+    "http://evil.com",
+    "http://notlocalhost",
+    "http://localhost.evil.com",
+    "http://localhost@evil.com",
+    "ftp://localhost",
+    "null",
+    "localhost",
+)
 
 
 def preflight(
@@ -44,9 +58,7 @@ def default_engine(
     models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EngineProcess]:
     """llama-server's CORS defaults (any origin, credentials on), behind a key."""
-    tmp = tmp_path_factory.mktemp("cors-default")
-    with EngineProcess(models["llama"], "--api-key", KEY, log_path=tmp / "engine.log").running() as eng:
-        yield eng
+    yield from run_engine(tmp_path_factory, models["llama"], "--api-key", KEY)
 
 
 @pytest.fixture(scope="module")
@@ -54,22 +66,21 @@ def local_engine(
     models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EngineProcess]:
     """Only this machine's pages, which may send a key; no credentials; two methods."""
-    tmp = tmp_path_factory.mktemp("cors-local")
-    args = ("--cors-origins", "localhost", "--cors-headers", "Authorization, Content-Type",
-            "--no-cors-credentials", "--cors-methods", "GET, POST")  # fmt: skip
-    with EngineProcess(models["llama"], *args, log_path=tmp / "engine.log").running() as eng:
-        yield eng
+    yield from run_engine(
+        tmp_path_factory,
+        models["llama"],
+        *("--cors-origins", "localhost"),
+        *("--cors-headers", "Authorization, Content-Type"),
+        "--no-cors-credentials",
+        *("--cors-methods", "GET, POST"),
+    )
 
 
 @pytest.fixture(scope="module")
 def proxy_engine(
     models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EngineProcess]:
-    tmp = tmp_path_factory.mktemp("cors-proxy")
-    with EngineProcess(
-        models["llama"], "--api-key", KEY, "--ui-mcp-proxy", log_path=tmp / "engine.log"
-    ).running() as eng:
-        yield eng
+    yield from run_engine(tmp_path_factory, models["llama"], "--api-key", KEY, "--ui-mcp-proxy")
 
 
 class _Capture(BaseHTTPRequestHandler):
@@ -193,8 +204,12 @@ def test_the_proxy_forwards_only_explicit_proxy_headers(
     assert got.status_code == 200 and got.json() == {"ok": True}
     assert got.headers["x-target"] == "yes" and "set-cookie" not in got.headers
     assert "access-control-allow-origin" not in got.headers  # the target's CORS is not ours to pass on
-    posted = httpx.post(f"{proxy_engine.url}/cors-proxy", params={"url": f"{url}/created"}, headers=sent,
-                        content=b'{"jsonrpc": "2.0"}')  # fmt: skip
+    posted = httpx.post(
+        f"{proxy_engine.url}/cors-proxy",
+        params={"url": f"{url}/created"},
+        headers=sent,
+        content=b'{"jsonrpc": "2.0"}',
+    )
     assert posted.status_code == 201
     (m1, h1, _), (m2, h2, body) = seen
     assert (m1, m2, body) == ("GET", "POST", b'{"jsonrpc": "2.0"}')

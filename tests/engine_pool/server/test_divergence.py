@@ -40,8 +40,12 @@ def test_each_part_is_named() -> None:
         "message": 1,
         "role": "user",
     }
-    assert locate(render, MESSAGES, TOOLS, PROMPT, 13) == {"at": 13, "part": "message", "message": 2,
-                                                           "role": "assistant"}  # fmt: skip
+    assert locate(render, MESSAGES, TOOLS, PROMPT, 13) == {
+        "at": 13,
+        "part": "message",
+        "message": 2,
+        "role": "assistant",
+    }
     end = len(PROMPT) - 1
     assert locate(render, MESSAGES, TOOLS, PROMPT, end) == {"at": end, "part": "generation_prompt"}
     no_tools = render(MESSAGES, None) + [102]

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ..conftest import CHECKPOINT_ARGS, EngineProcess, _engine
+from ..conftest import CHECKPOINT_ARGS, EngineProcess, run_engine
 from .test_slot_scenario import complete, slot_action, tokenize
 
 PROMPT = "The model state is saved in a slot cache, then restored for the user."
@@ -20,9 +20,9 @@ PROMPT = "The model state is saved in a slot cache, then restored for the user."
 @pytest.fixture(scope="module")
 def qwen_engine(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
     """The shared qwen engine's flags plus `--metrics`: an engine serves /metrics only when asked."""
-    tmp = tmp_path_factory.mktemp("qwen-metrics")
-    args = ("-np", "2", "-c", "2048", "--slot-save-path", str(tmp / "slots"), "-a", "tiny-qwen")
-    yield from _engine(models, tmp, "qwen35", *args, "--metrics", *CHECKPOINT_ARGS)
+    slots = str(tmp_path_factory.mktemp("qwen-metrics-slots"))
+    args = ("-np", "2", "-c", "2048", "--slot-save-path", slots, "-a", "tiny-qwen")
+    yield from run_engine(tmp_path_factory, models["qwen35"], *args, "--metrics", *CHECKPOINT_ARGS)
 
 
 def _metric(text: str, name: str) -> float:

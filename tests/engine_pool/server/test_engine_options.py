@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from storage.slotfile import read_slot_file
+from storage.slotfile.reader import read_slot_file
 
 from ..conftest import EngineProcess
 
@@ -55,10 +55,12 @@ def test_kv_unified_gives_a_slot_the_whole_context(models: dict[str, Path], star
 
 def test_q8_0_kv_cache_in_slot_files(models: dict[str, Path], start, tmp_path: Path) -> None:
     slots = tmp_path / "slots"
-    q8 = start(
-        models["llama"], "-c", "1024", "--slot-save-path", str(slots),
-        SLOTKEEPER_CACHE_TYPE_K="q8_0", SLOTKEEPER_CACHE_TYPE_V="q8_0", SLOTKEEPER_FLASH_ATTN="on",
-    )  # fmt: skip
+    q8_cache = {
+        "SLOTKEEPER_CACHE_TYPE_K": "q8_0",
+        "SLOTKEEPER_CACHE_TYPE_V": "q8_0",
+        "SLOTKEEPER_FLASH_ATTN": "on",
+    }
+    q8 = start(models["llama"], "-c", "1024", "--slot-save-path", str(slots), **q8_cache)
     body = {"prompt": TEXT[:600], "n_predict": 4, "temperature": 0, "id_slot": 0}
     with httpx.Client(base_url=q8.url, timeout=60.0) as http:
         first = http.post("/completion", json=body).json()
@@ -83,10 +85,7 @@ def test_q8_0_kv_cache_in_slot_files(models: dict[str, Path], start, tmp_path: P
 
 
 def test_load_flags_start_and_serve(models: dict[str, Path], start) -> None:
-    eng = start(
-        models["qwen35"],
-        SLOTKEEPER_NO_MMAP="1", SLOTKEEPER_MLOCK="1", SLOTKEEPER_NO_WARMUP="1",
-    )  # fmt: skip
+    eng = start(models["qwen35"], SLOTKEEPER_NO_MMAP="1", SLOTKEEPER_MLOCK="1", SLOTKEEPER_NO_WARMUP="1")
     with httpx.Client(base_url=eng.url, timeout=60.0) as http:
         r = http.post("/completion", json={"prompt": "Hello there", "n_predict": 3, "temperature": 0})
         assert r.status_code == 200 and r.json()["tokens_predicted"] == 3

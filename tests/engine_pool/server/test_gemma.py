@@ -19,9 +19,9 @@ import pytest
 
 from engine_pool.server.builtin_templates import CHATML
 from engine_pool.server.chat_template import ChatTemplate
-from engine_pool.server.scheduler import common_prefix
+from engine_pool.server.slot_leases import common_prefix
 
-from ..conftest import EngineProcess
+from ..conftest import EngineProcess, run_engine
 
 pytestmark = pytest.mark.slow
 
@@ -62,9 +62,7 @@ def logged(eng: EngineProcess, event: str) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def gemma(gemma_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    tmp = tmp_path_factory.mktemp("gemma")
-    with EngineProcess(gemma_model, "-np", "1", "-c", "2048", log_path=tmp / "engine.log").running() as eng:
-        yield eng
+    yield from run_engine(tmp_path_factory, gemma_model, "-np", "1", "-c", "2048")
 
 
 def test_no_template_in_the_gguf_falls_back_to_chatml(gemma: EngineProcess) -> None:

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from contextlib import closing
 from typing import Any
 
 import jsonschema
 import pytest
 
 import native
-from engine_pool.errors import BadRequest
+from engine_pool.common.errors import BadRequest
 from engine_pool.server.grammar import (
     GrammarLimits,
     json_object_grammar,
@@ -72,14 +72,10 @@ SCHEMAS: list[dict[str, Any]] = [
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[native.Engine]:
-    from native.model_gen import write_model
-
-    path = Path(tmp_path_factory.mktemp("grammar")) / "qwen35.gguf"
-    write_model(path, "qwen35", size="tiny", seed=0)
-    eng = native.Engine(native.EngineConfig(str(path), n_slots=1, n_ctx=1024, n_threads=1))
-    yield eng
-    eng.close()
+def engine(tiny_model: Callable[..., str]) -> Iterator[native.Engine]:
+    config = native.EngineConfig(tiny_model("qwen35"), n_slots=1, n_ctx=1024, n_threads=1)
+    with closing(native.Engine(config)) as eng:
+        yield eng
 
 
 def _run(

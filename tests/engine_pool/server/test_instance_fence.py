@@ -11,31 +11,26 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ..conftest import EngineProcess
+from ..conftest import EngineProcess, run_engine
 
 KEY = "sk-fence-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def _chat(text: str) -> dict[str, object]:
-    return {"messages": [{"role": "user", "content": text}], "max_tokens": 2, "temperature": 0, "id_slot": 0,
-            "cache_prompt": True}  # fmt: skip
+    return {
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 2,
+        "temperature": 0,
+        "id_slot": 0,
+        "cache_prompt": True,
+    }
 
 
 @pytest.fixture(scope="module")
 def fenced(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    tmp = tmp_path_factory.mktemp("fenced")
-    with EngineProcess(
-        models["qwen35"],
-        "-np",
-        "2",
-        "--api-key",
-        KEY,
-        "--instance-id",
-        "run-7f3a",
-        log_path=tmp / "engine.log",
-    ).running() as eng:
-        yield eng
+    args = ("-np", "2", "--api-key", KEY, "--instance-id", "run-7f3a")
+    yield from run_engine(tmp_path_factory, models["qwen35"], *args)
 
 
 def _slot0(c: httpx.Client) -> dict[str, object]:
@@ -44,8 +39,11 @@ def _slot0(c: httpx.Client) -> dict[str, object]:
 
 def test_a_request_naming_this_process_runs(fenced: EngineProcess) -> None:
     with httpx.Client(base_url=fenced.url, timeout=60) as c:
-        r = c.post("/v1/chat/completions", json=_chat("Hello there."),
-                   headers={**AUTH, "X-Slotkeeper-Instance": "run-7f3a"})  # fmt: skip
+        r = c.post(
+            "/v1/chat/completions",
+            json=_chat("Hello there."),
+            headers={**AUTH, "X-Slotkeeper-Instance": "run-7f3a"},
+        )
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["role"] == "assistant"
 
@@ -60,13 +58,19 @@ def test_a_request_naming_another_process_is_refused_before_it_reaches_a_slot(fe
         )
         before = _slot0(c)
         for named in ("run-0000", "", "RUN-7F3A", "run-7f3a0"):
-            r = c.post("/v1/chat/completions", json=_chat("Someone else's prompt, much longer than that."),
-                       headers={**AUTH, "X-Slotkeeper-Instance": named})  # fmt: skip
+            r = c.post(
+                "/v1/chat/completions",
+                json=_chat("Someone else's prompt, much longer than that."),
+                headers={**AUTH, "X-Slotkeeper-Instance": named},
+            )
             assert r.status_code == 409, (named, r.text)
             assert r.json()["error"]["code"] == "engine_instance_changed"
         for path in ("/completion", "/v1/completions", "/v1/messages", "/v1/responses"):
-            r = c.post(path, json={"prompt": "x", "max_tokens": 1, "id_slot": 0},
-                       headers={**AUTH, "X-Slotkeeper-Instance": "run-0000"})  # fmt: skip
+            r = c.post(
+                path,
+                json={"prompt": "x", "max_tokens": 1, "id_slot": 0},
+                headers={**AUTH, "X-Slotkeeper-Instance": "run-0000"},
+            )
             assert r.status_code == 409, (path, r.text)
         assert _slot0(c)["n_tokens"] == before["n_tokens"]  # the slot was never touched
 

@@ -20,10 +20,10 @@ import httpx
 import openai
 import pytest
 
-from engine_pool.body import Body
-from engine_pool.errors import BadRequest
+from engine_pool.common.body import Body
+from engine_pool.common.errors import BadRequest
 from engine_pool.server.chat_request import continuation, continued_open, message_text
-from engine_pool.server.generation import (
+from engine_pool.server.decoding import (
     Outcome,
     TokenProb,
     completion_logprobs,
@@ -126,8 +126,16 @@ def test_rates_follow_llama_server() -> None:
 
     def timings(**kw: Any) -> Any:
         base = dict(prompt_n=0, cache_n=0, predicted_n=0, prompt_ms=0.0, predicted_ms=0.0)
-        facts = {"reuse": "none", "restored": False, "checkpoints_created": 0, "source_slot": -1,
-                 "candidate_slot": -1, "candidate_n": 0, "candidate_prompt_n": 0, "common_n": 0}  # fmt: skip
+        facts = {
+            "reuse": "none",
+            "restored": False,
+            "checkpoints_created": 0,
+            "source_slot": -1,
+            "candidate_slot": -1,
+            "candidate_n": 0,
+            "candidate_prompt_n": 0,
+            "common_n": 0,
+        }
         return SimpleNamespace(**(base | facts | kw))
 
     one = timings_dict(timings(prompt_n=4, prompt_ms=1.5, predicted_n=1, predicted_ms=0.5))
@@ -149,8 +157,16 @@ def test_rates_follow_llama_server() -> None:
         "restored": True,
         "checkpoints_created": 0,
     }
-    copied = reuse_dict(timings(reuse="checkpoint", source_slot=2, candidate_slot=2, candidate_n=90,
-                                candidate_prompt_n=80, common_n=64))  # fmt: skip
+    copied = reuse_dict(
+        timings(
+            reuse="checkpoint",
+            source_slot=2,
+            candidate_slot=2,
+            candidate_n=90,
+            candidate_prompt_n=80,
+            common_n=64,
+        )
+    )
     assert copied["source_slot"] == 2
     assert copied["prefix"] == {"slot": 2, "tokens": 90, "prompt_tokens": 80, "common": 64}
 

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from ..conftest import CHECKPOINT_ARGS, EngineProcess
+from ..conftest import CHECKPOINT_ARGS, EngineProcess, run_engine
 
 SYSTEM = "You are a careful coding agent. Read the files, run the tests, fix what fails. " * 6
 PATH = {"type": "object", "properties": {"path": {"type": "string"}}}
@@ -24,11 +24,7 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def engine(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    log = tmp_path_factory.mktemp("prefix") / "engine.log"
-    with EngineProcess(
-        models["qwen35"], "-np", "3", "-c", "3072", *CHECKPOINT_ARGS, log_path=log
-    ).running() as e:
-        yield e
+    yield from run_engine(tmp_path_factory, models["qwen35"], "-np", "3", "-c", "3072", *CHECKPOINT_ARGS)
 
 
 @pytest.fixture
@@ -40,8 +36,13 @@ def client(engine: EngineProcess) -> Iterator[httpx.Client]:
 
 
 def chat(c: httpx.Client, user: str, system: str = SYSTEM, **extra: Any) -> dict[str, Any]:
-    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
-            "tools": TOOLS, "max_tokens": 6, "temperature": 0, **extra}  # fmt: skip
+    body = {
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "tools": TOOLS,
+        "max_tokens": 6,
+        "temperature": 0,
+        **extra,
+    }
     r = c.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     out: dict[str, Any] = r.json()
@@ -89,19 +90,22 @@ def test_the_caller_names_the_slots_a_prompt_may_start_from(client: httpx.Client
 
 def test_a_miss_names_the_part_that_changed(client: httpx.Client) -> None:
     chat(client, "Fix the failing test in parser.py.", id_slot=0)
-    edited = chat(client, "Fix the failing test in parser.py.", system=SYSTEM.replace("careful", "careless"),
-                  id_slot=0)  # fmt: skip
+    edited = chat(
+        client, "Fix the failing test in parser.py.", system=SYSTEM.replace("careful", "careless"), id_slot=0
+    )
     assert edited["slotkeeper"]["diverged"]["part"] == "system"
     assert edited["timings"]["prompt_n"] > 0.8 * edited["usage"]["prompt_tokens"]
 
 
 def test_a_continued_conversation_leaves_its_state_in_the_last_reply(client: httpx.Client) -> None:
     msgs: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi."}]
-    first = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0,
-                                                     "id_slot": 0}).json()  # fmt: skip
+    first = client.post(
+        "/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0, "id_slot": 0}
+    ).json()
     msgs += [first["choices"][0]["message"], {"role": "user", "content": "Go on."}]
-    nxt = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0,
-                                                   "id_slot": 0}).json()  # fmt: skip
+    nxt = client.post(
+        "/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0, "id_slot": 0}
+    ).json()
     diverged = nxt["slotkeeper"].get("diverged")
     assert diverged is None or diverged["part"] == "reply"  # never a miss in an earlier part
     assert nxt["slotkeeper"]["prefix"]["slot"] == 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -17,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from ..conftest import REPO, EngineProcess
+from ..conftest import ENGINE_COMMAND, REPO, EngineProcess, run_engine
 
 KEY = "sk-flags-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -67,15 +66,13 @@ def locked(
     models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, sock_path: Path
 ) -> Iterator[EngineProcess]:
     """Aliases and tags, --no-slots, no --metrics, a key, two origins, -v, three listen addresses."""
-    tmp = tmp_path_factory.mktemp("locked")
-    with EngineProcess(
+    yield from run_engine(
+        tmp_path_factory,
         models["qwen35"],
         *("-a", "first,second,third", "--tags", "chat,small", "--no-slots", "--api-key", KEY),
         *("--cors-origins", f"{ORIGIN},localhost", "-v", "--offline"),
         *("--host", f"127.0.0.1,127.0.0.2,{sock_path}"),
-        log_path=tmp / "engine.log",
-    ).running() as eng:
-        yield eng
+    )
     assert not sock_path.exists()  # the engine removes its UNIX socket on the way out
 
 
@@ -83,13 +80,11 @@ def locked(
 def open_engine(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
     """llama-server's defaults (slots on, CORS for any origin) plus --metrics and the model/KV flags
     (a llama model: --context-shift is refused for hybrid ones, whose recurrent state cannot shift)."""
-    tmp = tmp_path_factory.mktemp("open")
-    with EngineProcess(
+    yield from run_engine(
+        tmp_path_factory,
         models["llama"],
         *("--metrics", "-kvu", "--no-mmap", "--no-warmup", "--context-shift", "-ctk", "f16", "-ctv", "f16"),
-        log_path=tmp / "engine.log",
-    ).running() as eng:
-        yield eng
+    )
 
 
 # -- --alias, --tags -------------------------------------------------------------------------------
@@ -169,16 +164,7 @@ def test_an_address_in_use_ends_the_engine_with_1(models: dict[str, Path], tmp_p
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        cmd = [
-            sys.executable,
-            "-m",
-            "gateway.cli",
-            "engine",
-            "-m",
-            str(models["qwen35"]),
-            "--port",
-            str(port),
-        ]
+        cmd = [*ENGINE_COMMAND, "-m", str(models["qwen35"]), "--port", str(port)]
         run = subprocess.run(cmd, cwd=REPO, capture_output=True, timeout=60)
     assert run.returncode == 1, run.stderr.decode()[-2000:]
     assert f"cannot listen on 127.0.0.1 (port {port})" in (run.stdout + run.stderr).decode()

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from engine_pool.body import BodyLimits
+from engine_pool.common.body import BodyLimits
 from engine_pool.server.engine_main import main
 from engine_pool.server.grammar import GrammarLimits
 from engine_pool.server.limits import RequestLimits
@@ -270,7 +270,11 @@ def test_aliases_tags_hosts_and_origins_are_comma_lists() -> None:
 def test_the_cors_flags_take_llama_servers_defaults_and_variables() -> None:
     d = parse_settings(["-m", "m"], {})
     assert (d.cors_methods, d.cors_headers, d.cors_credentials, d.ui_mcp_proxy) == (
-        "GET, POST, DELETE, OPTIONS", "*", True, False)  # fmt: skip
+        "GET, POST, DELETE, OPTIONS",
+        "*",
+        True,
+        False,
+    )
     s = parse_settings(
         [
             "-m",

@@ -17,14 +17,14 @@ from typing import Any
 
 import httpx
 import pytest
-from support.gemma import cache_dir
-from support.upstream import binary
-from support.upstream_suite import fetch_suite
 from support.upstream_templates import CONVERSATIONS, TOOLS, render_corpus
 
-from engine_pool.errors import BadRequest
+from engine_pool.common.errors import BadRequest
 from engine_pool.server.chat_template import ChatTemplate
 from engine_pool.server.formats import select_format
+from gateway.bench.harness.gemma import cache_dir
+from gateway.bench.harness.upstream import binary
+from gateway.bench.harness.upstream_tests import fetch_suite
 
 from ..conftest import EngineProcess
 

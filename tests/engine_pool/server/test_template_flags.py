@@ -129,13 +129,16 @@ def test_the_file_wins_over_the_name_and_the_inline_template(tmp_path: Path) -> 
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ("gemma3", r"--chat-template 'gemma3' is neither a built-in template \(chatml, command-r, gemma, "
-                   r"llama3, mistral-v7\) nor a jinja template"),
+        (
+            "gemma3",
+            r"--chat-template 'gemma3' is neither a built-in template \(chatml, command-r, gemma, "
+            r"llama3, mistral-v7\) nor a jinja template",
+        ),
         ("{% for m in messages %}", r"--chat-template: the chat template does not compile: line 1: "),
         ("{{ messages[0].content.upper( }}", "does not compile"),
         ("{{ raise_exception('no user here') }}", "cannot render a one-message conversation: .*no user here"),
     ],
-)  # fmt: skip
+)
 def test_unusable_flag_values(value: str, message: str) -> None:
     with pytest.raises(TemplateConfigError, match=message):
         template_override(value, None)
@@ -215,11 +218,19 @@ def test_flags_choose_what_the_engine_renders(models: dict[str, Path], tmp_path:
     runs = [
         ((), {}, "gguf", ChatTemplate(CHAT_TEMPLATE, "<s>", "</s>")),
         (("--chat-template", "gemma"), {}, "builtin:gemma", ChatTemplate(builtin["gemma"], "<s>", "</s>")),
-        ((), {"SLOTKEEPER_CHAT_TEMPLATE": "llama3"}, "builtin:llama3",
-         ChatTemplate(builtin["llama3"], "<s>")),
-        (("--chat-template", "gemma", "--chat-template-file", str(custom)), {}, f"file:{custom}",
-         ChatTemplate(CUSTOM)),
-    ]  # fmt: skip
+        (
+            (),
+            {"SLOTKEEPER_CHAT_TEMPLATE": "llama3"},
+            "builtin:llama3",
+            ChatTemplate(builtin["llama3"], "<s>"),
+        ),
+        (
+            ("--chat-template", "gemma", "--chat-template-file", str(custom)),
+            {},
+            f"file:{custom}",
+            ChatTemplate(CUSTOM),
+        ),
+    ]
     for i, (args, env, origin, expected) in enumerate(runs):
         eng = EngineProcess(models["llama"], *args, log_path=tmp_path / f"engine{i}.log", env=env).start()
         try:

@@ -25,7 +25,7 @@ from engine_pool.server.header_case import canonical_head, canonical_name
 from engine_pool.server.metrics import LLAMACPP, LlamaStats, llamacpp_text, llamacpp_values
 from engine_pool.server.settings import SettingsError, parse_settings
 
-from ..conftest import EngineProcess, _engine
+from ..conftest import EngineProcess, run_engine
 
 BOOK = [{"role": "system", "content": "Book"}, {"role": "user", "content": "What is the best book"}]
 RED_PIXEL = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8DwHwAFBQIAX8jx0gAAAABJRU5ErkJggg=="
@@ -35,21 +35,10 @@ DECODE_FAMILIES = {"n_decode_total", "n_busy_slots_per_decode"}  # need the core
 @pytest.fixture(scope="module")
 def engine(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
     """As upstream's `tinyllama2` preset with `--metrics`, three aliases and three tags."""
-    tmp = tmp_path_factory.mktemp("upstream")
-    args = (
-        "-np",
-        "2",
-        "-c",
-        "1024",
-        "-b",
-        "32",
-        "--metrics",
-        "-a",
-        "tinyllama-2,fim,code",
-        "--tags",
-        "chat,fim,small",
+    args = ("-np", "2", "-c", "1024", "-b", "32", "--metrics")
+    yield from run_engine(
+        tmp_path_factory, models["llama"], *args, "-a", "tinyllama-2,fim,code", "--tags", "chat,fim,small"
     )
-    yield from _engine(models, tmp, "llama", *args)
 
 
 @pytest.fixture
@@ -209,8 +198,16 @@ def test_verbose_on_streams_and_completions(c: httpx.Client) -> None:
 
 # -- test_compat_anthropic.py ---------------------------------------------------------------------------
 def test_anthropic_messages_streaming_counts_tokens(c: httpx.Client) -> None:
-    events = _sse(c, "/v1/messages", {"model": "test", "max_tokens": 30, "stream": True,
-                                      "messages": [{"role": "user", "content": "Say hello"}]})  # fmt: skip
+    events = _sse(
+        c,
+        "/v1/messages",
+        {
+            "model": "test",
+            "max_tokens": 30,
+            "stream": True,
+            "messages": [{"role": "user", "content": "Say hello"}],
+        },
+    )
     start = next(e for e in events if e["type"] == "message_start")
     delta = next(e for e in events if e["type"] == "message_delta")
     assert start["message"]["usage"]["input_tokens"] > 0
@@ -221,8 +218,12 @@ def test_anthropic_messages_streaming_counts_tokens(c: httpx.Client) -> None:
 
 
 def test_anthropic_thinking_with_a_small_budget(c: httpx.Client) -> None:
-    body = {"model": "test", "max_tokens": 100, "thinking": {"type": "enabled", "budget_tokens": 50},
-            "messages": [{"role": "user", "content": "What is 2+2?"}]}  # fmt: skip
+    body = {
+        "model": "test",
+        "max_tokens": 100,
+        "thinking": {"type": "enabled", "budget_tokens": 50},
+        "messages": [{"role": "user", "content": "What is 2+2?"}],
+    }
     assert _ok(c.post("/v1/messages", json=body))["type"] == "message"
 
 
@@ -254,11 +255,21 @@ def test_anthropic_images_are_refused_with_llama_servers_words(c: httpx.Client, 
     if where == "tool_result":
         messages = [
             {"role": "user", "content": "What is in this image?"},
-            {"role": "assistant",
-             "content": [{"type": "tool_use", "id": "tool_1", "name": "read", "input": {}}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tool_1",
-                                          "content": [{"type": "text", "text": "File: test.png"}, image]}]},
-        ]  # fmt: skip
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "tool_1", "name": "read", "input": {}}],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "tool_1",
+                        "content": [{"type": "text", "text": "File: test.png"}, image],
+                    }
+                ],
+            },
+        ]
         param = "messages[2].content[0].content[1]"
     else:
         messages = [{"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]}]
@@ -394,9 +405,11 @@ def test_gcp_predict(vertex: EngineProcess, engine: EngineProcess) -> None:
             ({"instances": []}, "instances"),
             ({"instances": [{"max_tokens": 8, "messages": BOOK}]}, "instances[0].@requestFormat"),
             ({"instances": [{**instance, "messages": BOOK, "stream": True}]}, "instances[0].stream"),
-            ({"instances": [{**instance, "messages": BOOK}, {**instance, "messages": []}]},
-             "instances[1].messages"),
-        ]  # fmt: skip
+            (
+                {"instances": [{**instance, "messages": BOOK}, {**instance, "messages": []}]},
+                "instances[1].messages",
+            ),
+        ]
         for refused, param in refusals:
             r = v.post("/v1/predict-here", json=refused)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -6,8 +6,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from support.upstream import binary
 from support.upstream_templates import CONVERSATIONS, TOOLS, template_server
+
+from gateway.bench.harness.upstream import binary
 
 pytestmark = pytest.mark.skipif(
     binary() is None, reason="upstream llama-server is not installed (bench extra)"

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from anthropic.types import ErrorResponse
 
-from engine_pool.errors import (
+from engine_pool.common.errors import (
     NotFound,
     PayloadTooLarge,
     RateLimited,
@@ -21,10 +21,10 @@ from engine_pool.errors import (
     for_status,
     render_error,
 )
+from engine_pool.protocol.sse import named_event, start_event_stream
 from engine_pool.server.app import build_app
 from engine_pool.server.runtime import Runtime
 from engine_pool.server.settings import parse_settings
-from engine_pool.server.sse import named_event, start_event_stream
 
 KEY = "k-123"
 

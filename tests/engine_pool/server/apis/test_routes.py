@@ -13,6 +13,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from support.weather_agent import weather_agent
 
 from ...conftest import EngineProcess
 from .conftest import API_KEY
@@ -132,26 +133,10 @@ def test_the_stream_helper_completes_a_forced_call(oai: openai.OpenAI) -> None:
 
 
 async def test_an_openai_agent_calls_its_tool(keyed_engine: EngineProcess) -> None:
-    agents.set_tracing_disabled(True)  # traces would go to api.openai.com
-    cities: list[str] = []
-
-    @agents.function_tool
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        cities.append(city)
-        return "sunny"
-
     async with openai.AsyncOpenAI(
         base_url=f"{keyed_engine.url}/v1", api_key=API_KEY, max_retries=0
     ) as client:
-        agent = agents.Agent(
-            name="weather",
-            instructions=SYSTEM,
-            tools=[get_weather],
-            tool_use_behavior="stop_on_first_tool",
-            model=agents.OpenAIResponsesModel(model="tiny-qwen", openai_client=client),
-            model_settings=agents.ModelSettings(tool_choice="get_weather", max_tokens=250, temperature=0),
-        )
+        agent, cities = weather_agent(client, "tiny-qwen", SYSTEM)
         result = await agents.Runner.run(agent, QUESTION, max_turns=2)
         assert result.final_output == "sunny" and len(cities) == 1
         run = agents.Runner.run_streamed(agent, QUESTION, max_turns=2)
@@ -217,14 +202,14 @@ def test_wrong_keys_are_refused(keyed_engine: EngineProcess) -> None:
 # -- Messages -----------------------------------------------------------------------------------
 def test_forced_tool_use_then_its_result_is_read_from_the_cache(claude: anthropic.Anthropic) -> None:
     question: Any = [{"role": "user", "content": QUESTION}]
+    both: Any = {
+        "model": "tiny-qwen",
+        "system": SYSTEM,
+        "tools": [ANTHROPIC_WEATHER],
+        "extra_body": {"temperature": 0, "id_slot": 1},
+    }
     first = claude.messages.create(
-        model="tiny-qwen",
-        system=SYSTEM,
-        max_tokens=250,
-        messages=question,
-        tools=[ANTHROPIC_WEATHER],
-        tool_choice={"type": "tool", "name": "get_weather"},
-        extra_body={"temperature": 0, "id_slot": 1},
+        **both, max_tokens=250, messages=question, tool_choice={"type": "tool", "name": "get_weather"}
     )
     assert first.stop_reason == "tool_use" and first.usage.cache_read_input_tokens == 0
     [use] = first.content
@@ -235,14 +220,7 @@ def test_forced_tool_use_then_its_result_is_read_from_the_cache(claude: anthropi
         {"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]},
     ]
-    follow = claude.messages.create(
-        model="tiny-qwen",
-        system=SYSTEM,
-        max_tokens=4,
-        messages=conversation,
-        tools=[ANTHROPIC_WEATHER],
-        extra_body={"temperature": 0, "id_slot": 1},
-    )
+    follow = claude.messages.create(**both, max_tokens=4, messages=conversation)
     u = follow.usage
     assert u.cache_read_input_tokens is not None and u.cache_creation_input_tokens == 0
     assert first.usage.input_tokens - 8 < u.cache_read_input_tokens and u.input_tokens > 0

@@ -12,6 +12,7 @@ import ctypes
 import math
 import random
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +20,15 @@ import llama_cpp.llama_cpp as llama
 import pytest
 
 import native
-from native.model_gen import write_model
+from engine_pool.server.formats import CallStream, ChatMessage, ChatOutput, assemble
 
 Accepts = Callable[[str, str], bool]
 Generate = Callable[..., native.Completion]
 
 
 @pytest.fixture(scope="session")
-def format_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("formats") / "qwen35.gguf"
-    write_model(path, "qwen35", size="tiny", seed=0)
-    return path
+def format_model(tiny_model: Callable[..., str]) -> Path:
+    return Path(tiny_model("qwen35"))
 
 
 @pytest.fixture(scope="session")
@@ -73,9 +72,9 @@ def accepts(format_model: Path) -> Iterator[Accepts]:
 
 @pytest.fixture(scope="session")
 def format_engine(format_model: Path) -> Iterator[native.Engine]:
-    eng = native.Engine(native.EngineConfig(str(format_model), n_slots=1, n_ctx=2048, n_threads=1))
-    yield eng
-    eng.close()
+    config = native.EngineConfig(str(format_model), n_slots=1, n_ctx=2048, n_threads=1)
+    with closing(native.Engine(config)) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="session")
@@ -89,6 +88,21 @@ def generate(format_engine: native.Engine) -> Generate:
         return format_engine.generate(0, p)
 
     return run
+
+
+def weather_schema(**more: Any) -> dict[str, Any]:
+    """get_weather's parameters in the grammar tests: `city` (at most 10 characters) and `unit` are
+    required, `days` and the properties in `more` are optional."""
+    return {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 10},
+            "unit": {"enum": ["celsius", "fahrenheit"]},
+            "days": {"type": "integer"},
+            **more,
+        },
+        "required": ["city", "unit"],
+    }
 
 
 def chunkings(text: str, seed: int, n: int = 30) -> Iterator[list[str]]:
@@ -105,10 +119,17 @@ def token_of(engine: native.Engine, text: str) -> int:
     return token
 
 
-def pieces_of(
-    feed: Callable[[str], list[Any]], finish: Callable[[], list[Any]], deltas: list[str]
-) -> list[Any]:
-    out: list[Any] = []
-    for d in deltas:
-        out += feed(d)
-    return out + finish()
+def read_whole(stream: CallStream | ChatOutput, text: str) -> ChatMessage:
+    """What `stream` makes of `text` fed in one piece."""
+    return assemble(stream.feed(text) + stream.finish())
+
+
+def assert_chunkings_read_as_whole(new_stream: Callable[[], CallStream], text: str, seed: int) -> None:
+    """`text` fed to a fresh stream in each of `chunkings(text, seed)` gives the content and calls
+    that it gives fed whole."""
+    whole = read_whole(new_stream(), text)
+    for deltas in chunkings(text, seed):
+        s = new_stream()
+        msg = assemble([piece for d in deltas for piece in s.feed(d)] + s.finish())
+        assert msg.content == whole.content
+        assert [(c.name, c.arguments) for c in msg.calls] == [(c.name, c.arguments) for c in whole.calls]

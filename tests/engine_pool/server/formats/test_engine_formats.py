@@ -21,9 +21,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from support.gemma import cache_dir
-from support.upstream_suite import fetch_suite
 
+from gateway.bench.harness.gemma import cache_dir
+from gateway.bench.harness.upstream_tests import fetch_suite
 from native import model_gen
 from native.model_gen import write_model
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 
-from engine_pool.server.formats import FORMATS, ToolCall, assemble
+from engine_pool.server.formats import FORMATS, ToolCall
 from engine_pool.server.formats.calls import CallStream
 
-from .conftest import Accepts, Generate, chunkings, pieces_of
+from .conftest import Accepts, Generate, assert_chunkings_read_as_whole, read_whole
 
 HERMES = FORMATS["hermes"]
 TEXT = (
@@ -27,8 +27,7 @@ def stream() -> CallStream:
 
 
 def parse(text: str) -> tuple[str | None, list[ToolCall]]:
-    s = stream()
-    msg = assemble(s.feed(text) + s.finish())
+    msg = read_whole(stream(), text)
     return msg.content, msg.calls
 
 
@@ -67,14 +66,7 @@ def test_plain_text_is_untouched() -> None:
 
 
 def test_random_chunkings_give_the_whole_result() -> None:
-    whole = parse(TEXT)
-    for deltas in chunkings(TEXT, seed=1):
-        s = stream()
-        msg = assemble(pieces_of(s.feed, s.finish, deltas))
-        assert (msg.content, [(c.name, c.arguments) for c in msg.calls]) == (
-            whole[0],
-            [(c.name, c.arguments) for c in whole[1]],
-        )
+    assert_chunkings_read_as_whole(stream, TEXT, seed=1)
 
 
 def test_streaming_releases_content_before_the_tag_is_complete() -> None:

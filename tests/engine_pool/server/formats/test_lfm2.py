@@ -10,10 +10,10 @@ import jsonschema
 import pytest
 
 import native
-from engine_pool.errors import BadRequest
-from engine_pool.server.formats import FORMATS, ToolCall, assemble
+from engine_pool.common.errors import BadRequest
+from engine_pool.server.formats import FORMATS, ToolCall
 
-from .conftest import Accepts, Generate, chunkings, pieces_of
+from .conftest import Accepts, Generate, assert_chunkings_read_as_whole, read_whole, weather_schema
 
 LFM2 = FORMATS["lfm2"]
 TEXT = (
@@ -21,21 +21,11 @@ TEXT = (
     "units=['c', \"f\"], opts={'deep': True, \"none\": null}, ratio=-1.5e2), "
     "get_time(tz='Europe/Paris', dst=False, note='it\\'s \\u00e9')]<|tool_call_end|>"
 )
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 10},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-        "days": {"type": "integer"},
-        "flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
-    },
-    "required": ["city", "unit"],
-}
+WEATHER = weather_schema(flags={"type": "array", "items": {"type": "boolean"}, "maxItems": 2})
 
 
 def parse(text: str) -> tuple[str | None, list[ToolCall]]:
-    s = LFM2.stream([])
-    msg = assemble(s.feed(text) + s.finish())
+    msg = read_whole(LFM2.stream([]), text)
     return msg.content, msg.calls
 
 
@@ -84,12 +74,7 @@ def test_malformed_blocks_stay_content(block: str) -> None:
 
 
 def test_random_chunkings_give_the_whole_result() -> None:
-    whole_content, whole_calls = parse(TEXT)
-    for deltas in chunkings(TEXT, seed=3):
-        s = LFM2.stream([])
-        msg = assemble(pieces_of(s.feed, s.finish, deltas))
-        assert msg.content == whole_content
-        assert [(c.name, c.arguments) for c in msg.calls] == [(c.name, c.arguments) for c in whole_calls]
+    assert_chunkings_read_as_whole(lambda: LFM2.stream([]), TEXT, seed=3)
 
 
 def test_grammar_is_the_python_call_list(accepts: Accepts) -> None:

@@ -9,10 +9,10 @@ from typing import Any
 import jsonschema
 import pytest
 
-from engine_pool.errors import BadRequest
-from engine_pool.server.formats import FORMATS, ToolCall, assemble
+from engine_pool.common.errors import BadRequest
+from engine_pool.server.formats import FORMATS, ToolCall
 
-from .conftest import Accepts, Generate, chunkings, pieces_of
+from .conftest import Accepts, Generate, assert_chunkings_read_as_whole, read_whole, weather_schema
 
 XML = FORMATS["qwen-xml"]
 WRITE: Any = {
@@ -45,21 +45,13 @@ TEXT = (
     "</function>\n</tool_call>\n<tool_call>\n<function=ping>\n</function>\n</tool_call>"
 )
 WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 10},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-        "days": {"type": "integer"},
-        "note": {"anyOf": [{"const": "x"}, {"$ref": "#/$defs/Tag"}]},
-    },
-    "required": ["city", "unit"],
+    **weather_schema(note={"anyOf": [{"const": "x"}, {"$ref": "#/$defs/Tag"}]}),
     "$defs": {"Tag": {"type": "string", "enum": ["t1", "t2"]}},
 }
 
 
 def parse(text: str, tools: list[Any] | None = None) -> tuple[str | None, list[ToolCall]]:
-    s = XML.stream(tools if tools is not None else [WRITE])
-    msg = assemble(s.feed(text) + s.finish())
+    msg = read_whole(XML.stream(tools if tools is not None else [WRITE]), text)
     return msg.content, msg.calls
 
 
@@ -106,12 +98,7 @@ def test_malformed_blocks_stay_content(block: str) -> None:
 
 
 def test_random_chunkings_give_the_whole_result() -> None:
-    whole_content, whole_calls = parse(TEXT)
-    for deltas in chunkings(TEXT, seed=2):
-        s = XML.stream([WRITE])
-        msg = assemble(pieces_of(s.feed, s.finish, deltas))
-        assert msg.content == whole_content
-        assert [(c.name, c.arguments) for c in msg.calls] == [(c.name, c.arguments) for c in whole_calls]
+    assert_chunkings_read_as_whole(lambda: XML.stream([WRITE]), TEXT, seed=2)
 
 
 def test_grammar_writes_strings_raw_and_the_rest_as_json(accepts: Accepts) -> None:

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from engine_pool.body import Body
+from engine_pool.common.body import Body
 from engine_pool.server.chat_request import constraint, parse_chat
 from engine_pool.server.formats import FORMATS, ChatMessage, ChatOutput, assemble, opened_by
 from engine_pool.server.formats.reasoning import Markup, Reasoning, ReasoningStream
@@ -16,14 +16,13 @@ from engine_pool.server.limits import RequestLimits
 from engine_pool.server.sampling import Sampling
 from native import Engine
 
-from .conftest import Accepts, Generate, chunkings, token_of
+from .conftest import Accepts, Generate, chunkings, read_whole, token_of
 
 CALL = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
 
 
 def read(text: str, *, opened: bool, mode: str = "auto", tools: bool = True) -> ChatMessage:
-    out = ChatOutput(FORMATS["hermes"].stream([]) if tools else None, mode, opened)
-    return assemble(out.feed(text) + out.finish())
+    return read_whole(ChatOutput(FORMATS["hermes"].stream([]) if tools else None, mode, opened), text)
 
 
 @pytest.mark.parametrize(
@@ -149,5 +148,4 @@ def test_a_model_under_the_prefix_reasons_then_calls(generate: Generate, format_
 
 
 def read_xml(text: str) -> ChatMessage:
-    out = ChatOutput(FORMATS["qwen-xml"].stream([]), "auto", opened=True)
-    return assemble(out.feed(text) + out.finish())
+    return read_whole(ChatOutput(FORMATS["qwen-xml"].stream([]), "auto", opened=True), text)

@@ -9,8 +9,10 @@ from typing import Any
 import pytest
 
 from engine_pool.server.chat_template import ChatTemplate
-from engine_pool.server.formats import assemble, opened_by, select_format
+from engine_pool.server.formats import opened_by, select_format
 from native.model_gen import TEMPLATES, chat_template
+
+from .conftest import read_whole
 
 TOOL: Any = {
     "type": "function",
@@ -61,8 +63,7 @@ def render(name: str, messages: list[dict[str, Any]], **kwargs: Any) -> str:
 def test_history_calls_read_back_with_the_family_parser(name: str) -> None:
     text = render(name, HISTORY)
     fmt = select_format("auto", chat_template(name))
-    stream = fmt.stream([TOOL])
-    calls = [c for c in assemble(stream.feed(text) + stream.finish()).calls if c.name == "get_weather"]
+    calls = [c for c in read_whole(fmt.stream([TOOL]), text).calls if c.name == "get_weather"]
     assert [json.loads(c.arguments) for c in calls] == [ARGS, ARGS]
     assert json.dumps(TOOL["function"]["parameters"]) in text or "<name>city</name>" in text  # tools listed
 

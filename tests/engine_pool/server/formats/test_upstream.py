@@ -12,24 +12,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from hypothesis import given
-from support.fuzz_bodies import Case, cases
-from support.fuzz_specs import ENGINE_ENDPOINTS
-from support.fuzz_verdict import FUZZ, send, verdict
+from support.fuzzing import assert_no_body_gets_a_5xx
 
 from engine_pool.server.chat_template import ChatTemplate
 from engine_pool.server.formats import ChatOutput, ToolCall, assemble, select_format
 from engine_pool.server.formats.output import Piece
 from engine_pool.server.formats.upstream import UpstreamChat, UpstreamOutput
+from gateway.bench.harness.fuzz_specs import ENGINE_ENDPOINTS
 from native.model_gen import write_model
 
-from ...conftest import CHECKPOINT_ARGS, EngineProcess
+from ...conftest import CHECKPOINT_ARGS, EngineProcess, run_engine
 from .test_engine_formats import corpus_dir, streamed
 
 SPECIAL: Any = {
@@ -189,26 +186,11 @@ ENGINE_TEMPLATES = {
 def engine(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EngineProcess]:
-    tmp = tmp_path_factory.mktemp("upstream")
-    model = Path(tmp) / "llama.gguf"
+    model = tmp_path_factory.mktemp("upstream") / "llama.gguf"
     write_model(model, "llama", size="tiny", seed=0, template="hermes")
     template = corpus_dir() / f"{request.param}.jinja"
-    args = (
-        "-np",
-        "1",
-        "-c",
-        "4096",
-        "-a",
-        request.param,
-        *CHECKPOINT_ARGS,
-        "--chat-template-file",
-        str(template),
-    )
-    proc = EngineProcess(model, *args, log_path=tmp / "engine.log").start()
-    try:
-        yield proc
-    finally:
-        assert proc.stop() == 0, proc.log()[-4000:]
+    args = ("-np", "1", "-c", "4096", "-a", request.param, *CHECKPOINT_ARGS)
+    yield from run_engine(tmp_path_factory, model, *args, "--chat-template-file", str(template))
 
 
 @pytest.fixture(scope="module")
@@ -304,13 +286,7 @@ def test_no_body_gets_a_5xx_under_llama_cpps_chat_layer(engine: EngineProcess, p
     with httpx.Client(base_url=engine.url, timeout=60) as http:
         model = http.get("/v1/models").json()["data"][0]["id"]
 
-        @FUZZ
-        @given(case=cases(endpoint, model))
-        def check(case: Case) -> None:
-            problem = verdict(endpoint, send(http, endpoint, case))
-            assert not problem, f"{case.describe()}: {problem}\nrequest body: {case.body[:3000]!r}"
-
-        check()
+        assert_no_body_gets_a_5xx(http, endpoint, model)
         ok = http.post(
             "/v1/chat/completions", json={"messages": MESSAGES, "tools": [WEATHER], "max_tokens": 2}
         )

@@ -1,0 +1,216 @@
+"""Flags ↔ settings fields ↔ SLOTKEEPER_* variables: the declarative table every process uses.
+
+Each process (engine, node, gateway) declares one `FLAGS` table of `Flag` rows and one frozen
+settings dataclass whose defaults come from those rows (`table_defaults`). A row is the one source of
+truth of its setting: flags, parser, help line, default and check; its variable is derived from the
+field (`env_name`) unless the row declares another. These functions are the only readers of such a
+table: the command line wins over the environment, which wins over the default. Nothing else reads
+the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+ENV_PREFIX = "SLOTKEEPER_"
+
+
+class _NoDefault:
+    def __repr__(self) -> str:
+        return "NO_DEFAULT"
+
+
+NO_DEFAULT: Any = _NoDefault()  # a row whose field has no default (it must be given)
+
+
+class SettingsError(ValueError):
+    """A flag or SLOTKEEPER_* variable is unknown, missing or has a bad value."""
+
+
+def env_name(field: str) -> str:
+    """The variable of a settings field: `lock_ttl_s` → `SLOTKEEPER_LOCK_TTL_S`."""
+    return ENV_PREFIX + field.upper()
+
+
+def parse_int(text: str) -> int:
+    return int(text, 0)
+
+
+def parse_bytes(text: str) -> int:
+    """`1073741824`, `512K`, `64M`, `1G`, `8Gi`, `8GiB` (powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def parse_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off", "auto", ""):
+        return False
+    raise ValueError(f"expected on/off, got {text!r}")
+
+
+def parse_list(text: str) -> tuple[str, ...]:
+    """A repeatable flag's variable: comma-separated."""
+    return tuple(p for p in (s.strip() for s in text.split(",")) if p)
+
+
+def parse_log_format(text: str) -> str:
+    if text not in ("json", "console", "auto"):
+        raise ValueError("expected json, console or auto")
+    return text
+
+
+Check = tuple[Callable[[Any], bool], str]  # predicate, what a valid value is
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One setting: its field, flags (none: variable only), parser, help line, default and check.
+
+    `variable` is declared only where the setting's variable is not `env_name(field)`: the engine
+    keeps llama-server's names (`--parallel` → SLOTKEEPER_PARALLEL), the node its short ones."""
+
+    field: str
+    flags: tuple[str, ...]
+    parse: Callable[[str], Any]
+    help: str
+    default: Any = NO_DEFAULT
+    check: Check | None = None  # checked on the built settings (`check_settings`)
+    variable: str | None = None
+    switch: bool = False  # a flag without a value (sets True); the variable still takes on/off
+    repeat: bool = False  # may be given several times; the field is a tuple
+    required: bool = False
+
+    @property
+    def env(self) -> str:
+        return self.variable or env_name(self.field)
+
+    @property
+    def name(self) -> str:
+        return (self.flags or (self.env,))[-1]
+
+    def with_help(self, help: str) -> Flag:
+        """The same setting (default, check, variable) described for another command's `--help`."""
+        return dataclasses.replace(self, help=help)
+
+
+# Every command's --log-format (one row: each settings table holds it).
+LOG_FORMAT = Flag(
+    "log_format",
+    ("--log-format",),
+    parse_log_format,
+    "json, console, or auto: console on a terminal, else json (auto)",
+    default="auto",  # console on a terminal, JSON lines otherwise
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse would print and exit; let the caller decide
+        raise SettingsError(message)
+
+
+def table_defaults(flags: Iterable[Flag]) -> dict[str, Any]:
+    """Each row's default by field: what a settings dataclass takes its field defaults from."""
+    return {f.field: f.default for f in flags if f.default is not NO_DEFAULT}
+
+
+def _with_default(text: str, default: Any) -> str:
+    """`text` saying its default, unless it says it already or there is none to say."""
+    if default in (None, "", ()) or isinstance(default, bool) or str(default) in text:
+        return text
+    return f"{text} (default {default})"
+
+
+def add_flags(parser: Any, flags: Iterable[Flag], skip: Iterable[str] = ()) -> None:
+    """`flags` on `parser` (or an argument group of it); every help line names its variable and its
+    row's default."""
+    skipped = set(skip)
+    for f in flags:
+        if not f.flags or f.field in skipped:
+            continue
+        default = None if f.default is NO_DEFAULT else f.default
+        help_text = f"{_with_default(f.help, default)} [env {f.env}]"
+        if f.switch:
+            parser.add_argument(*f.flags, dest=f.field, action="store_const", const="on", help=help_text)
+        elif f.repeat:
+            parser.add_argument(
+                *f.flags, dest=f.field, action="append", metavar=f.field.upper(), help=help_text
+            )
+        else:
+            parser.add_argument(*f.flags, dest=f.field, metavar=f.field.upper(), help=help_text)
+
+
+def build_parser(prog: str, description: str, flags: Iterable[Flag]) -> argparse.ArgumentParser:
+    parser = _Parser(prog=prog, description=description, allow_abbrev=False)
+    add_flags(parser, flags)
+    return parser
+
+
+def values_from(args: Mapping[str, Any], flags: Iterable[Flag], environ: Mapping[str, str]) -> dict[str, Any]:
+    """Parsed values of the flags given on the command line (`args`) or in the environment."""
+    values: dict[str, Any] = {}
+    for f in flags:
+        raw: Any = args.get(f.field)
+        source = f.name
+        if raw is None and f.env in environ:
+            raw, source = (parse_list(environ[f.env]) if f.repeat else environ[f.env]), f.env
+        if raw is None:
+            if f.required:
+                raise SettingsError(f"{'/'.join(f.flags) or f.env} is required (or set {f.env})")
+            continue
+        try:
+            values[f.field] = tuple(f.parse(r) for r in raw) if f.repeat else f.parse(raw)
+        except ValueError as exc:
+            raise SettingsError(f"{source}: invalid value {raw!r} ({exc})") from None
+    return values
+
+
+def read_flags(
+    argv: Sequence[str],
+    environ: Mapping[str, str],
+    flags: Sequence[Flag],
+    *,
+    prog: str,
+    description: str,
+) -> dict[str, Any]:
+    args = vars(build_parser(prog, description, flags).parse_args(list(argv)))
+    return values_from(args, flags, environ)
+
+
+S = TypeVar("S")
+
+
+def settings_or_status(
+    command: str, argv: Sequence[str], parse: Callable[[], S], parser: Callable[[], argparse.ArgumentParser]
+) -> S | int:
+    """The settings `slotkeeper {command}` runs with, or its exit status when there are none: 0 after
+    printing the help (`-h`, `--help`), 2 after saying what is wrong with the flags on stderr."""
+    if any(a in ("-h", "--help") for a in argv):
+        parser().print_help()
+        return 0
+    try:
+        return parse()
+    except SettingsError as exc:
+        print(f"slotkeeper {command}: error: {exc}\n(see `slotkeeper {command} --help`)", file=sys.stderr)
+        return 2
+
+
+def check_settings(settings: Any, flags: Iterable[Flag]) -> None:
+    """Raise SettingsError naming the flag of the first row (in table order) whose field fails its check."""
+    for f in flags:
+        if f.check is None:
+            continue
+        ok, what = f.check
+        value = getattr(settings, f.field)
+        if not ok(value):
+            raise SettingsError(f"{f.name} must be {what}, got {value!r}")

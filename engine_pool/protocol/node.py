@@ -1,0 +1,285 @@
+"""The node agent's API: its paths and each request and result, defined once for both ends.
+
+The agent (`engine_pool.pool.agent`) parses requests with `from_body` and answers with `to_json`;
+its client (`engine_pool.pool.client`) sends `to_json` and reads answers with `from_json`. Errors are
+not modelled here: they travel as the common `{"error": {...}}` body (`engine_pool.common.errors`).
+
+Invariants: `to_json` writes exactly the keys the other end reads, with optional request fields
+left out at their defaults (so an older agent reads a newer client's common requests); `from_json`
+trusts the agent's answer (the node is an internal service behind the internal key) and converts no
+more than the types; `from_body` refuses a malformed request with a 400 naming the field. Plain
+frozen dataclasses with hand-written converters: no validation layer on the hot path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..common.body import Body, check_tokens
+from ..common.errors import BadRequest
+
+HEALTH = "/health"
+ENGINES = "/v1/engines"
+METRICS = "/metrics"
+SLOT_OPERATION = "/v1/engines/{engine}/slots/{slot}/{op}"
+SESSION = "/v1/sessions/{tenant}/{session}"
+SLOT_OPS = ("spill", "fill", "erase", "cancel")
+MAX_FILL_TOKENS = 1 << 21  # a fill's prompt tokens (a context of 2M tokens)
+
+
+def slot_path(engine: str, slot: int, op: str) -> str:
+    return SLOT_OPERATION.format(engine=engine, slot=slot, op=op)
+
+
+def session_path(tenant: str, session: str) -> str:
+    return SESSION.format(tenant=tenant, session=session)
+
+
+def _generation(body: Body) -> tuple[str, str, int]:
+    """The (tenant, session, generation) every spill and fill names; each is required."""
+    for field in ("tenant", "session", "generation"):
+        if not body.has(field):
+            raise BadRequest(f"'{field}' is required", param=field)
+    return str(body.get_str("tenant")), str(body.get_str("session")), body.get_int("generation", 0, lo=1)
+
+
+# -- requests -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SpillRequest:
+    """Save a slot as (tenant, session, generation) and upload it. `route`: the session's newest
+    routing digest, kept with the object for reindexing (its format is the store's, checked by the
+    agent); `share`: its stored chunks may be shared with the tenant's other sessions."""
+
+    tenant: str
+    session: str
+    generation: int
+    route: str = ""
+    share: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"tenant": self.tenant, "session": self.session, "generation": self.generation}
+        if self.route:
+            out["route"] = self.route
+        if not self.share:
+            out["share"] = False
+        return out
+
+    @classmethod
+    def from_body(cls, body: Body) -> SpillRequest:
+        tenant, session, generation = _generation(body)
+        return cls(tenant, session, generation, body.get_str("route", "") or "", body.get_bool("share", True))
+
+
+@dataclass(frozen=True)
+class FillRequest:
+    """Restore (tenant, session, generation) into a slot. `tokens`: the prompt it is restored for
+    (a prompt leaving the generation early gets the part up to its checkpoint); `prefix`: the
+    generation is another session's, restored only when the prompt shares enough of it."""
+
+    tenant: str
+    session: str
+    generation: int
+    tokens: list[int] | None = None
+    prefix: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"tenant": self.tenant, "session": self.session, "generation": self.generation}
+        if self.tokens:
+            out["tokens"] = self.tokens
+        if self.prefix:
+            out["prefix"] = True
+        return out
+
+    @classmethod
+    def from_body(cls, body: Body) -> FillRequest:
+        tenant, session, generation = _generation(body)
+        tokens = _prompt_tokens(body.get_list("tokens"))
+        return cls(tenant, session, generation, tokens, body.get_bool("prefix", False))
+
+
+def _prompt_tokens(value: list[Any] | None) -> list[int] | None:
+    """A fill's `tokens`: at most `MAX_FILL_TOKENS` ids, each a non-negative 32-bit integer."""
+    if value is None:
+        return None
+    if len(value) > MAX_FILL_TOKENS:
+        raise BadRequest(f"'tokens' holds {len(value)} ids, more than {MAX_FILL_TOKENS}", param="tokens")
+    return check_tokens(value, 1 << 31, "tokens")  # the node does not know the vocabulary: any i32 id
+
+
+# -- results --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SpillResult:
+    """Where the spilled generation went: `uploaded` False leaves it in the node's spill cache,
+    unconfirmed, for the flush loop; `written` is what the upload added to the store (0 while pending)."""
+
+    tenant: str
+    session: str
+    generation: int
+    key: str
+    bytes: int
+    tokens: int
+    uploaded: bool
+    ms: float
+    written: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tenant": self.tenant,
+            "session": self.session,
+            "generation": self.generation,
+            "key": self.key,
+            "bytes": self.bytes,
+            "tokens": self.tokens,
+            "uploaded": self.uploaded,
+            "written": self.written,
+            "ms": self.ms,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SpillResult:
+        return cls(
+            str(data["tenant"]),
+            str(data["session"]),
+            int(data["generation"]),
+            str(data["key"]),
+            int(data["bytes"]),
+            int(data["tokens"]),
+            bool(data["uploaded"]),
+            float(data["ms"]),
+            int(data.get("written", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class FillResult:
+    """What was restored: `source` "local" (spill cache), "store", "cut" (the store's pieces up to
+    a checkpoint) or "none" (a prefix the prompt does not share: the slot left as it was)."""
+
+    tokens: int
+    bytes: int
+    source: str
+    ms: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "bytes": self.bytes, "source": self.source, "ms": self.ms}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FillResult:
+        return cls(int(data["tokens"]), int(data["bytes"]), str(data["source"]), float(data["ms"]))
+
+
+@dataclass(frozen=True)
+class EraseResult:
+    n_erased: int  # tokens the slot held
+
+    def to_json(self) -> dict[str, Any]:
+        return {"n_erased": self.n_erased}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EraseResult:
+        return cls(int(data["n_erased"]))
+
+
+@dataclass(frozen=True)
+class CancelResult:
+    cancelled: bool  # False when no generation ran on the slot
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cancelled": self.cancelled}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CancelResult:
+        return cls(bool(data["cancelled"]))
+
+
+SlotResult = SpillResult | FillResult | EraseResult | CancelResult
+
+
+@dataclass(frozen=True)
+class ForgetResult:
+    """The session's spill-cache files the node dropped (pending uploads included)."""
+
+    tenant: str
+    session: str
+    n_files: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tenant": self.tenant, "session": self.session, "n_files": self.n_files}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ForgetResult:
+        return cls(str(data["tenant"]), str(data["session"]), int(data["n_files"]))
+
+
+@dataclass(frozen=True)
+class NodeHealth:
+    """`status` "ok", or "draining" (answered with 503: a load balancer stops sending work)."""
+
+    status: str
+    node: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"status": self.status, "node": self.node}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> NodeHealth:
+        return cls(str(data["status"]), str(data.get("node", "")))
+
+
+@dataclass(frozen=True)
+class NodeEngine:
+    """One supervised engine as `GET /v1/engines` lists it."""
+
+    id: str
+    model: str
+    url: str | None
+    state: str
+    n_slots: int
+    restarts: int
+    pid: int | None
+    instance: str = ""  # the current process's instance id (new at every start)
+    error: str = ""  # one line: why it last failed (state "failed": why it was given up)
+    last_error: str = ""  # why it last crashed, with the end of its log
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "model": self.model,
+            "url": self.url,
+            "state": self.state,
+            "n_slots": self.n_slots,
+            "restarts": self.restarts,
+            "pid": self.pid,
+            "instance": self.instance,
+            "error": self.error,
+            "last_error": self.last_error,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> NodeEngine:
+        return cls(
+            str(data["id"]),
+            str(data["model"]),
+            data.get("url"),
+            str(data["state"]),
+            int(data["n_slots"]),
+            int(data["restarts"]),
+            data.get("pid"),
+            str(data.get("instance") or ""),
+            str(data.get("error") or ""),
+            str(data.get("last_error") or ""),
+        )
+
+
+@dataclass(frozen=True)
+class EngineList:
+    node: str
+    engines: tuple[NodeEngine, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node": self.node, "engines": [e.to_json() for e in self.engines]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EngineList:
+        return cls(str(data.get("node", "")), tuple(NodeEngine.from_json(e) for e in data["engines"]))

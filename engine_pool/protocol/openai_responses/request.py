@@ -1,0 +1,433 @@
+"""A Responses API request (`POST /v1/responses`), validated and normalized. Pure.
+
+`parse_request` checks every field this server acts on and refuses, with a 400 that names the field
+(`param`), what the server cannot do: non-text content (images, files, audio), hosted tools (web
+search, file search, MCP, ...), item references, `conversation`, `background`, `truncation: "auto"`
+(this server never drops input items), `max_tool_calls`, logprobs. Input items are normalized to
+Responses' own item shapes with ids (a string input is one user message), so that listing them
+(`input_item_list`) and translating them (`input_messages`) read one form.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...common.body import Body, json_type
+from ...common.errors import BadRequest
+from ..bounds import check_count
+from ..engine_options import engine_options
+from ..tools import tool_name
+
+ROLES = ("user", "system", "developer", "assistant")
+# Content part type -> the field holding its text.
+TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
+MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+ITEM_ID_PREFIX = {
+    "message": "msg_",
+    "function_call": "fc_",
+    "function_call_output": "fco_",
+    "reasoning": "rs_",
+}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+REASONING_SUMMARIES = ("auto", "concise", "detailed")
+VERBOSITIES = ("low", "medium", "high")
+# `include` values that need nothing from this server: reasoning travels as plain text in the
+# reasoning items' `content`, so there is nothing to encrypt and the text round-trips as it is.
+INCLUDES = ("reasoning.encrypted_content",)
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+
+# Fields of the API this server does not implement, refused rather than silently ignored.
+UNSUPPORTED = {
+    "conversation": "'conversation' is not supported by this server; chain responses with "
+    "'previous_response_id'",
+    "prompt": "'prompt' (reusable prompt templates) is not supported by this server",
+    "max_tool_calls": "'max_tool_calls' is not supported by this server",
+}
+
+
+@dataclass(frozen=True)
+class ResponsesRequest:
+    model: str
+    items: tuple[dict[str, Any], ...]  # the input as Responses items, ids included
+    instructions: str | None = None
+    tools: tuple[
+        dict[str, Any], ...
+    ] = ()  # function tools, flat: {type, name, description, parameters, strict}
+    tool_choice: str | dict[str, Any] = "auto"  # auto | none | required | {"type": "function", "name"}
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    parallel_tool_calls: bool = True
+    text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
+    verbosity: str | None = None
+    reasoning: dict[str, Any] | None = None
+    user: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    include: tuple[str, ...] = ()
+    engine_options: dict[str, Any] = field(default_factory=dict)  # llama-server extras, passed on
+
+
+def new_item_id(kind: str) -> str:
+    return ITEM_ID_PREFIX.get(kind, "item_") + secrets.token_hex(12)
+
+
+def parse_request(data: dict[str, Any], *, max_items: int) -> ResponsesRequest:
+    """The request in `data`, or BadRequest naming the first malformed field. `max_items` bounds the
+    input items (and the content parts of each)."""
+    body = Body(data)
+    for name, message in UNSUPPORTED.items():
+        if body.has(name):
+            raise BadRequest(message, param=name)
+    if body.get_bool("background", False):
+        raise BadRequest("'background' responses are not supported by this server", param="background")
+    if body.get_int("top_logprobs", 0, lo=0) > 0:
+        raise BadRequest("'top_logprobs' is not supported by this server", param="top_logprobs")
+    if body.get_choice("truncation", "disabled", ("disabled", "auto")) == "auto":
+        raise BadRequest(
+            "'truncation' 'auto' is not supported: this server never drops input items to fit the context; "
+            "send 'disabled' (a conversation too long for the context is refused with a 400)",
+            param="truncation",
+        )
+    # Optional, as llama-server takes it: an engine serves one model (the gateway, which picks one by
+    # name, requires it).
+    model = body.get_str("model") or ""
+    tools = _tools(body)
+    return ResponsesRequest(
+        model=model,
+        items=_input(body, max_items),
+        instructions=body.get_str("instructions"),
+        tools=tools,
+        tool_choice=_tool_choice(body, [t["name"] for t in tools]),
+        max_output_tokens=_optional_int(body, "max_output_tokens", lo=1),
+        temperature=_optional_float(body, "temperature", 0.0, 2.0),
+        top_p=_optional_float(body, "top_p", 0.0, 1.0),
+        stream=body.get_bool("stream", False),
+        store=body.get_bool("store", True),
+        previous_response_id=_optional_id(body, "previous_response_id"),
+        metadata=_metadata(body),
+        parallel_tool_calls=body.get_bool("parallel_tool_calls", True),
+        text_format=_text_format(body),
+        verbosity=_verbosity(body),
+        reasoning=_reasoning(body),
+        user=body.get_str("user"),
+        prompt_cache_key=body.get_str("prompt_cache_key"),
+        safety_identifier=body.get_str("safety_identifier"),
+        include=_include(body),
+        engine_options=engine_options(data, "responses"),
+    )
+
+
+# -- scalar fields ------------------------------------------------------------------------------
+def _optional_int(body: Body, name: str, *, lo: int) -> int | None:
+    return body.get_int(name, 0, lo=lo) if body.has(name) else None
+
+
+def _optional_float(body: Body, name: str, lo: float, hi: float) -> float | None:
+    return body.get_float(name, 0.0, lo=lo, hi=hi) if body.has(name) else None
+
+
+def _optional_id(body: Body, name: str) -> str | None:
+    value = body.get_str(name)
+    if value is not None and not value:
+        raise BadRequest(f"'{name}' must not be empty", param=name)
+    return value
+
+
+def _metadata(body: Body) -> dict[str, str]:
+    meta = body.get_object("metadata")
+    if meta is None:
+        return {}
+    if len(meta.data) > METADATA_PAIRS:
+        raise BadRequest(
+            f"'metadata' has {len(meta.data)} pairs; at most {METADATA_PAIRS} are allowed", param="metadata"
+        )
+    for key, value in meta.data.items():
+        if len(key) > METADATA_KEY_CHARS:
+            raise BadRequest(
+                f"'metadata' keys have at most {METADATA_KEY_CHARS} characters; "
+                f"{key[:20]!r}... has {len(key)}",
+                param="metadata",
+            )
+        if not isinstance(value, str) or len(value) > METADATA_VALUE_CHARS:
+            raise BadRequest(
+                f"'metadata.{key}' must be a string of at most {METADATA_VALUE_CHARS} characters",
+                param=f"metadata.{key}",
+            )
+    return dict(meta.data)
+
+
+def _include(body: Body) -> tuple[str, ...]:
+    values = body.get_list("include") or []
+    for i, value in enumerate(values):
+        if value not in INCLUDES:
+            raise BadRequest(
+                f"'include[{i}]': {value!r} is not supported by this server "
+                f"(supported: {', '.join(INCLUDES)})",
+                param=f"include[{i}]",
+            )
+    return tuple(values)
+
+
+def _reasoning(body: Body) -> dict[str, Any] | None:
+    reasoning = body.get_object("reasoning")
+    if reasoning is None:
+        return None
+    out: dict[str, Any] = {"effort": None, "summary": None}
+    if reasoning.has("effort"):
+        out["effort"] = reasoning.get_choice("effort", "medium", REASONING_EFFORTS)
+    for name in ("summary", "generate_summary"):
+        if reasoning.has(name):
+            out["summary"] = reasoning.get_choice(name, "auto", REASONING_SUMMARIES)
+    return out
+
+
+def _text(body: Body) -> Body | None:
+    return body.get_object("text")
+
+
+def _verbosity(body: Body) -> str | None:
+    text = _text(body)
+    return text.get_choice("verbosity", "medium", VERBOSITIES) if text and text.has("verbosity") else None
+
+
+def _text_format(body: Body) -> dict[str, Any]:
+    """`text.format`: text, json_object or json_schema {name, schema, strict, description}."""
+    text = _text(body)
+    fmt = text.get_object("format") if text else None
+    if fmt is None:
+        return {"type": "text"}
+    kind = fmt.get_choice("type", "text", ("text", "json_object", "json_schema"))
+    if kind != "json_schema":
+        return {"type": kind}
+    name = fmt.get_str("name")
+    if not name:
+        raise BadRequest("'text.format.name' is required for a json_schema format", param="text.format.name")
+    schema = fmt.raw("schema")
+    if not isinstance(schema, dict):
+        raise BadRequest(
+            f"'text.format.schema' must be a JSON schema object, got {json_type(schema)}",
+            param="text.format.schema",
+        )
+    out: dict[str, Any] = {"type": "json_schema", "name": name, "schema": schema}
+    if fmt.has("strict"):
+        out["strict"] = fmt.get_bool("strict", False)
+    if fmt.has("description"):
+        out["description"] = fmt.get_str("description")
+    return out
+
+
+# -- tools --------------------------------------------------------------------------------------
+def _tools(body: Body) -> tuple[dict[str, Any], ...]:
+    out: list[dict[str, Any]] = []
+    for tool in body.objects("tools"):
+        where = tool.path
+        kind = tool.get_str("type")
+        if kind != "function":
+            raise BadRequest(
+                f"'{where}': tool type {kind!r} is not supported by this server (function tools only)",
+                param=where,
+            )
+        if tool.has("function") and not tool.has("name"):
+            raise BadRequest(
+                f"'{where}' is in the Chat Completions shape; Responses tools are flat: "
+                '{"type": "function", "name": ..., "parameters": {...}}',
+                param=where,
+            )
+        name = tool_name(tool, (t["name"] for t in out), "function")
+        params = tool.get_object("parameters")
+        entry: dict[str, Any] = {
+            "type": "function",
+            "name": name,
+            "description": tool.get_str("description"),
+            "parameters": params.data if params else None,
+            "strict": tool.get_bool("strict", False) if tool.has("strict") else None,
+        }
+        out.append(entry)
+    return tuple(out)
+
+
+def _tool_choice(body: Body, names: list[str]) -> str | dict[str, Any]:
+    raw = body.raw("tool_choice", "auto")
+    if isinstance(raw, str):
+        if raw not in ("auto", "none", "required"):
+            raise BadRequest(
+                f"'tool_choice' must be auto, none, required or a function; got {raw!r}", param="tool_choice"
+            )
+        if raw == "required" and not names:
+            raise BadRequest("'tool_choice' is 'required' but no 'tools' were given", param="tool_choice")
+        return raw
+    if not isinstance(raw, dict):
+        raise BadRequest(
+            f"'tool_choice' must be a string or an object, got {json_type(raw)}", param="tool_choice"
+        )
+    if raw.get("type") != "function":
+        raise BadRequest(
+            f"'tool_choice': type {raw.get('type')!r} is not supported by this server "
+            '(auto, none, required or {"type": "function", "name": ...})',
+            param="tool_choice",
+        )
+    name = raw.get("name")
+    if not isinstance(name, str) or name not in names:
+        raise BadRequest(
+            f"'tool_choice' names function {name!r}, which is not among 'tools'", param="tool_choice"
+        )
+    return {"type": "function", "name": name}
+
+
+# -- input items --------------------------------------------------------------------------------
+def _input(body: Body, max_items: int) -> tuple[dict[str, Any], ...]:
+    raw = body.raw("input")
+    if raw is None:
+        raise BadRequest("'input' is required", param="input")
+    if isinstance(raw, str):
+        return (_message_item(None, "user", [{"type": "input_text", "text": raw}]),)
+    if not isinstance(raw, list):
+        raise BadRequest(
+            f"'input' must be a string or an array of items, got {json_type(raw)}", param="input"
+        )
+    if not raw:
+        raise BadRequest("'input' must not be an empty array", param="input")
+    check_count("input", raw, max_items, "items")
+    return tuple(_item(item, f"input[{i}]", max_items) for i, item in enumerate(raw))
+
+
+def _item(raw: Any, where: str, max_parts: int) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise BadRequest(f"'{where}' must be an object, got {json_type(raw)}", param=where)
+    kind = raw.get("type") or ("message" if "role" in raw else None)
+    if kind == "item_reference":
+        raise BadRequest(
+            f"'{where}': item_reference is not supported by this server; send the item itself, "
+            "or chain with 'previous_response_id'",
+            param=where,
+        )
+    if not isinstance(kind, str) or kind not in _ITEMS:
+        raise BadRequest(
+            f"'{where}': input item type {kind!r} is not supported by this server "
+            f"(supported: {', '.join(_ITEMS)})",
+            param=where,
+        )
+    item = Body(raw, where)
+    item_id = item.get_str("id")
+    return _ITEMS[kind](item, max_parts) | {"id": item_id or new_item_id(kind)}
+
+
+def _message_item(item_id: str | None, role: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "message", "role": role, "content": content, "id": item_id or new_item_id("message")}
+
+
+def _required_str(item: Body, name: str) -> str:
+    value = item.get_str(name)
+    if not value:
+        raise BadRequest(f"'{item.name(name)}' must be a non-empty string", param=item.name(name))
+    return value
+
+
+def _message(item: Body, max_parts: int) -> dict[str, Any]:
+    role = item.get_str("role")
+    if role not in ROLES:
+        raise BadRequest(
+            f"'{item.name('role')}' must be one of {', '.join(ROLES)}; got {role!r}", param=item.name("role")
+        )
+    text_type = "output_text" if role == "assistant" else "input_text"
+    content = item.raw("content")
+    if isinstance(content, str):
+        return {"type": "message", "role": role, "content": [_text_part(text_type, content)]}
+    where = item.name("content")
+    parts = _text_parts(content, where, max_parts)
+    return {"type": "message", "role": role, "content": [_text_part(text_type, t) for t in parts]}
+
+
+def _text_part(kind: str, text: str) -> dict[str, Any]:
+    return (
+        {"type": kind, "text": text, "annotations": []}
+        if kind == "output_text"
+        else {"type": kind, "text": text}
+    )
+
+
+def _text_parts(content: Any, where: str, max_parts: int) -> list[str]:
+    """The texts of an array of content parts; media parts are refused, naming the part."""
+    if not isinstance(content, list):
+        raise BadRequest(
+            f"'{where}' must be a string or an array of content parts, got {json_type(content)}", param=where
+        )
+    check_count(where, content, max_parts, "content parts")
+    texts = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        if not isinstance(part, dict):
+            raise BadRequest(f"'{at}' must be an object, got {json_type(part)}", param=at)
+        kind = part.get("type")
+        if kind in MEDIA_PARTS:
+            raise BadRequest(
+                f"'{at}': content part type {kind!r} is not supported by this server (text only)", param=at
+            )
+        text_field = TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+        if text_field is None:
+            raise BadRequest(f"'{at}': unknown content part type {kind!r}", param=at)
+        text = part.get(text_field)
+        if not isinstance(text, str):
+            raise BadRequest(f"'{at}.{text_field}' must be a string, got {json_type(text)}", param=at)
+        texts.append(text)
+    return texts
+
+
+def _function_call(item: Body, max_parts: int) -> dict[str, Any]:
+    arguments = item.get_str("arguments")
+    if arguments is None:
+        raise BadRequest(f"'{item.name('arguments')}' must be a JSON string", param=item.name("arguments"))
+    return {
+        "type": "function_call",
+        "call_id": _required_str(item, "call_id"),
+        "name": _required_str(item, "name"),
+        "arguments": arguments,
+    }
+
+
+def _function_call_output(item: Body, max_parts: int) -> dict[str, Any]:
+    output = item.raw("output")
+    if output is None:
+        raise BadRequest(f"'{item.name('output')}' is required", param=item.name("output"))
+    text = (
+        output if isinstance(output, str) else "\n".join(_text_parts(output, item.name("output"), max_parts))
+    )
+    return {"type": "function_call_output", "call_id": _required_str(item, "call_id"), "output": text}
+
+
+def _reasoning_item(item: Body, max_parts: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "reasoning"}
+    for name, part_type in (("summary", "summary_text"), ("content", "reasoning_text")):
+        parts = item.get_list(name)
+        if parts is None:
+            continue
+        check_count(item.name(name), parts, max_parts, "parts")
+        for j, part in enumerate(parts):
+            at = f"{item.name(name)}[{j}]"
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != part_type
+                or not isinstance(part.get("text"), str)
+            ):
+                raise BadRequest(f'\'{at}\' must be {{"type": "{part_type}", "text": ...}}', param=at)
+        out[name] = [{"type": part_type, "text": p["text"]} for p in parts]
+    out.setdefault("summary", [])
+    if item.has("encrypted_content"):
+        out["encrypted_content"] = item.get_str("encrypted_content")
+    return out
+
+
+_ITEMS: dict[str, Callable[[Body, int], dict[str, Any]]] = {
+    "message": _message,
+    "function_call": _function_call,
+    "function_call_output": _function_call_output,
+    "reasoning": _reasoning_item,
+}

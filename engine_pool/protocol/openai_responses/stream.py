@@ -1,0 +1,204 @@
+"""A chat completion stream as a Responses event stream, in the order the OpenAI SDK accumulates. Pure.
+
+Per response: `response.created`, `response.in_progress`; per output item `response.output_item.added`,
+then for a reasoning item `response.content_part.added` (reasoning_text), `response.reasoning_text.
+delta`..., `response.reasoning_text.done`, `response.content_part.done`; for a message the same with
+`output_text`; for a function call `response.function_call_arguments.delta`..., `.done`; then
+`response.output_item.done`. The stream ends with `response.completed`, or `response.incomplete`
+when the token limit cut it (both carry the whole response, usage included) — sent once the chat
+stream's usage chunk arrived (its last), or at `finish()` when a chat stream ended without one.
+Every event carries `sequence_number`, counting from 0. A failure after the start is an `error`
+event and `response.failed` (`failed`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...common.errors import ApiError
+from ..chat_result import Call, ChunkStream, Event, Usage
+from .output import (
+    call_item,
+    finalize,
+    is_incomplete,
+    mark_failed,
+    message_item,
+    new_id,
+    reasoning_item,
+    response_shell,
+    text_part,
+)
+from .request import ResponsesRequest
+
+
+class _Item:
+    """One output item while it streams: its kind, index, id and the text or arguments so far."""
+
+    def __init__(self, kind: str, index: int, item_id: str, call: Call | None = None) -> None:
+        self.kind = kind  # reasoning | message | function_call
+        self.index = index
+        self.id = item_id
+        self.call = call
+        self.text = ""
+        self.done: dict[str, Any] | None = None
+
+
+class ResponseStream(ChunkStream[_Item]):
+    """Chat chunks in (`feed`), Responses events out; `response` is the final object once complete."""
+
+    REASONING = "reasoning"
+    CONTENT = "message"
+
+    def __init__(self, req: ResponsesRequest, *, response_id: str, created_at: int) -> None:
+        super().__init__(parallel_calls=req.parallel_tool_calls)
+        self.req = req
+        self.response_id = response_id
+        self.created_at = created_at
+        self.response: dict[str, Any] | None = None
+        self._seq = 0
+        self._started = False
+        self._items: list[_Item] = []
+        self._open: _Item | None = None
+
+    # -- events -------------------------------------------------------------------------------
+    def _event(self, kind: str, **payload: Any) -> Event:
+        data = {"type": kind, "sequence_number": self._seq, **payload}
+        self._seq += 1
+        return kind, data
+
+    def _shell(self, status: str) -> dict[str, Any]:
+        return response_shell(
+            self.req,
+            response_id=self.response_id,
+            created_at=self.created_at,
+            model=self._reader.model,
+            status=status,
+        )
+
+    def _start(self) -> list[Event]:
+        if self._started:
+            return []
+        self._started = True
+        return [
+            self._event("response.created", response=self._shell("in_progress")),
+            self._event("response.in_progress", response=self._shell("in_progress")),
+        ]
+
+    def failed(self, err: ApiError) -> list[Event]:
+        """A failure after the stream started: `error` (the error's own code and message), then
+        `response.failed` with the output so far. Starts the response first if nothing was sent."""
+        out = self._start()
+        self._ended = True
+        out.append(self._event("error", code=err.code, message=err.message, param=err.param))
+        response = self._shell("in_progress")
+        mark_failed(response, [i.done or self._snapshot(i) for i in self._items], err)
+        out.append(self._event("response.failed", response=response))
+        return out
+
+    # -- items --------------------------------------------------------------------------------
+    def _snapshot(self, item: _Item) -> dict[str, Any]:
+        """An item as it stands (in progress)."""
+        if item.kind == "reasoning":
+            return reasoning_item(item.id, item.text, "in_progress")
+        if item.kind == "message":
+            return message_item(item.id, item.text, "in_progress")
+        assert item.call is not None
+        return call_item(item.id, Call(item.call.id, item.call.name, item.text), "in_progress")
+
+    def _add(self, kind: str, call: Call | None = None) -> tuple[_Item, list[Event]]:
+        out = self._close()
+        prefix = {"reasoning": "rs_", "message": "msg_", "function_call": "fc_"}[kind]
+        item = _Item(kind, len(self._items), new_id(prefix), call)
+        self._items.append(item)
+        self._open = item
+        if kind == "reasoning":
+            added = reasoning_item(item.id, "", "in_progress") | {"content": []}
+        elif kind == "message":
+            added = message_item(item.id, None, "in_progress")
+        else:
+            added = self._snapshot(item)
+        out.append(self._event("response.output_item.added", output_index=item.index, item=added))
+        if kind != "function_call":
+            out.append(self._part_event("response.content_part.added", item, ""))
+        return item, out
+
+    def _part_event(self, kind: str, item: _Item, text: str) -> Event:
+        part = text_part(text) if item.kind == "message" else {"type": "reasoning_text", "text": text}
+        return self._event(kind, item_id=item.id, output_index=item.index, content_index=0, part=part)
+
+    def _text(self, kind: str, text: str) -> list[Event]:
+        out: list[Event] = []
+        item = self._open
+        if item is None or item.kind != kind:
+            item, out = self._add(kind)
+        item.text += text
+        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+        out.append(
+            self._event(name, item_id=item.id, output_index=item.index, content_index=0, delta=text, **extra)
+        )
+        return out
+
+    def _open_call(self, call: Call) -> tuple[_Item, list[Event]]:
+        return self._add("function_call", call)
+
+    def _call_args(self, opened: _Item, fragment: str) -> list[Event]:
+        if opened.done is not None:
+            return []
+        opened.text += fragment
+        return [
+            self._event(
+                "response.function_call_arguments.delta",
+                item_id=opened.id,
+                output_index=opened.index,
+                delta=fragment,
+            )
+        ]
+
+    def _close(self) -> list[Event]:
+        """Close the open item: its done events, with its final state."""
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        out: list[Event] = []
+        if item.kind == "function_call":
+            assert item.call is not None
+            item.done = call_item(item.id, Call(item.call.id, item.call.name, item.text), "completed")
+            out.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item.id,
+                    output_index=item.index,
+                    arguments=item.text,
+                )
+            )
+        else:
+            # Closed by the finish (or by the next item): the finish reason says if it was cut.
+            status = "incomplete" if is_incomplete(self._finish) else "completed"
+            message = item.kind == "message"
+            if message:
+                item.done = message_item(item.id, item.text, status)
+            else:
+                item.done = reasoning_item(item.id, item.text, status)
+            name = "response.output_text.done" if message else "response.reasoning_text.done"
+            extra: dict[str, Any] = {"logprobs": []} if message else {}
+            out.append(
+                self._event(
+                    name, item_id=item.id, output_index=item.index, content_index=0, text=item.text, **extra
+                )
+            )
+            out.append(self._part_event("response.content_part.done", item, item.text))
+        out.append(self._event("response.output_item.done", output_index=item.index, item=item.done))
+        return out
+
+    def _end(self, usage: Usage) -> list[Event]:
+        out = self._close()
+        self._ended = True
+        response = self._shell("in_progress")
+        finalize(response, [i.done for i in self._items if i.done is not None], self._finish, usage)
+        if self._report is not None:
+            response["slotkeeper"] = self._report
+        self.response = response
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        out.append(self._event(kind, response=response))
+        return out

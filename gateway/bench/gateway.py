@@ -1,0 +1,750 @@
+"""`slotkeeper bench gateway`: what the gateway costs, measured side by side in one run (the machines
+are shared and noisy: compare the ratios, not the absolute times).
+
+1. overhead — `slotkeeper serve` on the tiny qwen35: the same small chat request (max_tokens 1)
+   through the gateway on a live session and straight to the engine on another slot, interleaved
+   so that noise hits both; p50/p99 of each and the gateway's overhead. Two gateway tenants run in
+   the same rounds: `on-evict` (the request path alone) and `after-turn` (the default durability:
+   every turn is followed by a write-behind save of the slot). A bare forwarding proxy
+   (`floor_proxy.py`: uvicorn + the gateway's engine client, nothing else) runs in the same rounds:
+   the second HTTP hop any Python gateway pays on this host, so the gateway's own work shows apart.
+2. routing — `gateway/bench/routing.py` (also `slotkeeper bench routing` alone): the gateway's decision per
+   request over 100,000 indexed sessions, in process and with a real redis-server, stage by stage.
+3. restore — the bench model (~211M params) behind `slotkeeper serve` with S3 (moto's server):
+   the TTFT of the same second turn of a ~4,000-token session served live, and served after
+   SIGTERM (drain to S3) + wiping the local spill cache, blobs and slot files + a fresh start, so
+   the state comes back from S3 through reindex and fill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from gateway.bench import routing
+from gateway.bench.harness.prompts import CHUNK, SYSTEM
+from gateway.bench.harness.report import pct, table
+from gateway.bench.harness.servers import (
+    MotoProcess,
+    free_port,
+    is_engine_process,
+    redis_server,
+    stop,
+    wait_until,
+)
+from native.model_gen import cached_model
+
+_ROOT = Path(__file__).resolve().parents[2]  # what holds the `gateway` package: checkout or site-packages
+
+AWS_ENV = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+BUCKET = "slots"  # created by MotoProcess before it listens
+INTERNAL_KEY = "bench-internal-key-0123456789"  # serve's credential for its node and engines
+INTERNAL_AUTH = {"Authorization": f"Bearer {INTERNAL_KEY}"}
+TENANTS_TOML = """
+[tenants.lazy]
+keys = ["key-lazy"]
+durability = "on-evict"
+[tenants.durable]
+keys = ["key-durable"]
+durability = "after-turn"
+"""
+
+
+# ------------------------------------------------------------------------------------ statistics
+
+
+# ------------------------------------------------------------------------- slotkeeper serve process
+@dataclass
+class Serve:
+    url: str
+    node_url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    engine_pids: set[int] = field(default_factory=set)
+
+    def engines(self) -> list[dict[str, Any]]:
+        resp = httpx.get(self.node_url + "/v1/engines", headers=INTERNAL_AUTH, timeout=5)
+        return list(resp.json()["engines"])
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        """The serve log's JSON events called `name`."""
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            if f'"{name}"' in line:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue
+        return out
+
+    def terminate(self, timeout: float) -> int:
+        """SIGTERM (the node drains: every live session is saved and uploaded), then wait."""
+        self._note_engines()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise RuntimeError(f"serve did not drain within {timeout}s:\n{self.tail()}") from None
+
+    def close(self, timeout: float = 120) -> None:
+        """Stop gracefully (the node stops its engines); SIGKILL whatever is left."""
+        try:
+            self.terminate(timeout)
+        except RuntimeError:
+            pass
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL serve and its engines: each engine leads its own process group (the supervisor
+        starts it in a new session), so killing serve's group alone would orphan them."""
+        self._note_engines()
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        for pid in self.engine_pids:
+            if is_engine_process(pid):
+                os.killpg(pid, signal.SIGKILL)
+
+    def _note_engines(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        try:
+            self.engine_pids |= {int(e["pid"]) for e in self.engines() if e.get("pid")}
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def start_serve(workdir: Path, name: str, flags: list[str], env: dict[str, str] | None = None) -> Serve:
+    port, node_port = free_port(), free_port()
+    cmd = [
+        *(sys.executable, "-m", "gateway.cli", "serve"),
+        *("--port", str(port)),
+        *("--node-port", str(node_port)),
+        *flags,
+    ]
+    log = workdir / f"{name}.log"
+    env = {**(os.environ if env is None else env), "SLOTKEEPER_INTERNAL_KEY": INTERNAL_KEY}
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
+    serve = Serve(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{node_port}", proc, log)
+    try:
+        wait_until(lambda: _ready(serve.url), proc, f"slotkeeper serve ({name})", timeout=180)
+    except RuntimeError as exc:
+        serve.kill()
+        raise RuntimeError(f"{exc}\n{serve.tail()}") from None
+    return serve
+
+
+@contextmanager
+def serving(workdir: Path, name: str, flags: list[str], env: dict[str, str] | None = None) -> Iterator[Serve]:
+    serve = start_serve(workdir, name, flags, env)
+    try:
+        yield serve
+    finally:
+        serve.close()
+
+
+# =============================================================================== 1. gateway overhead
+@dataclass
+class Target:
+    name: str
+    url: str
+    headers: dict[str, str]
+    extra: dict[str, Any]
+    latencies_ms: list[float] = field(default_factory=list)
+    prompt_n: list[int] = field(default_factory=list)
+    caches: dict[str, int] = field(default_factory=dict)
+
+    def send(self, client: httpx.Client, body: dict[str, Any], record: bool) -> None:
+        t0 = time.perf_counter()
+        resp = client.post(self.url, json={**body, **self.extra}, headers=self.headers)
+        payload = resp.json()
+        elapsed = (time.perf_counter() - t0) * 1000
+        if resp.status_code != 200:
+            raise RuntimeError(f"{self.name}: HTTP {resp.status_code}: {payload}")
+        if record:
+            self.latencies_ms.append(elapsed)
+            self.prompt_n.append(int(payload["timings"]["prompt_n"]))
+            cache = resp.headers.get("x-slotkeeper-cache", "-")
+            if resp.headers.get("x-session-id", "") != self.headers.get("X-Session-Id", ""):
+                cache += " (forked)"  # the gateway found the session busy and served a copy of it
+            self.caches[cache] = self.caches.get(cache, 0) + 1
+
+
+def overhead(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    """Once per index backend: serve's in-process Redis, and a redis-server (`--redis-url`)."""
+    model = os.path.abspath(args.tiny_model or cached_model(args.models_dir, "qwen35", size="tiny"))
+    tenants = workdir / "tenants.toml"
+    tenants.write_text(TENANTS_TOML)
+    reports = []
+    for backend in (
+        ("in-process", "redis-server") if args.overhead_index == "both" else (args.overhead_index,)
+    ):
+        with contextlib.ExitStack() as stack:
+            flags = [
+                *("--model", model),
+                *("--slots", "3"),
+                *("--ctx", "2048"),
+                *("--tenants", str(tenants)),
+                *("--log-level", args.log_level),
+            ]
+            early_start = "on" if args.early_start == "both" else args.early_start
+            serve = _overhead_serve(stack, workdir, backend, "", [*flags, "--early-start", early_start])
+            # --early-start both: a second serve without it, its after-turn tenant in the same rounds
+            other = None
+            if args.early_start == "both":
+                off = [*flags, "--early-start", "off"]
+                other = _overhead_serve(stack, workdir, backend, "-no-early", off)
+            targets, done = _overhead_rounds(serve, args, other)
+            early = _early_starts(serve.url)
+        _print_overhead(targets, done, args, backend, early)
+        reports.append({**_overhead_report(targets, done, backend), "early_starts": early})
+    return reports
+
+
+def _overhead_serve(
+    stack: contextlib.ExitStack, workdir: Path, backend: str, name: str, flags: list[str]
+) -> Serve:
+    data = workdir / f"overhead-{backend}{name}"
+    flags = [*flags, "--data-dir", str(data)]
+    if backend == "redis-server":
+        (data / "redis").mkdir(parents=True, exist_ok=True)
+        port = stack.enter_context(redis_server(data / "redis"))
+        flags += ["--redis-url", f"redis://127.0.0.1:{port}/0"]
+    return stack.enter_context(serving(workdir, f"overhead-{backend}{name}", flags))
+
+
+def _overhead_rounds(
+    serve: Serve, args: argparse.Namespace, other: Serve | None = None
+) -> tuple[list[Target], int]:
+    engine = serve.engines()[0]
+    body = {
+        "model": engine["model"],
+        "messages": [{"role": "user", "content": "Say hi."}],
+        "max_tokens": 1,
+        "temperature": 0,
+    }
+    gw = serve.url + "/v1/chat/completions"
+    targets = [
+        Target("gateway, on-evict", gw, {"Authorization": "Bearer key-lazy", "X-Session-Id": "gw-1"}, {}),
+        Target(
+            "gateway, after-turn", gw, {"Authorization": "Bearer key-durable", "X-Session-Id": "gw-2"}, {}
+        ),
+    ]
+    targets = [t for t in targets if args.overhead_tenants in ("both", t.name.split(", ")[1])]
+    extra = []
+    with httpx.Client(timeout=60) as client:  # one keep-alive pool per host:port
+        if other is not None:  # its own engine (the same model and flags), and its own direct calls
+            off = Target(
+                "no early start: gateway, after-turn",
+                other.url + "/v1/chat/completions",
+                {"Authorization": "Bearer key-durable", "X-Session-Id": "gw-3"},
+                {},
+            )
+            off.send(client, body, record=False)
+            own = other.engines()[0]
+            slot = min(set(range(int(own["n_slots"]))) - {_session_slot(other.url, off.headers)})
+            url = own["url"] + "/v1/chat/completions"
+            direct = Target(
+                f"no early start: direct engine (slot {slot})",
+                url,
+                INTERNAL_AUTH,
+                {"id_slot": slot, "cache_prompt": True},
+            )
+            extra = [direct, off]
+        for t in targets:  # places both sessions first: the direct target takes the slot left over
+            t.send(client, body, record=False)
+        used = {_session_slot(serve.url, t.headers) for t in targets}
+        free = min(set(range(int(engine["n_slots"]))) - used)
+        direct = Target(
+            f"direct engine (slot {free})",
+            engine["url"] + "/v1/chat/completions",
+            INTERNAL_AUTH,
+            {"id_slot": free, "cache_prompt": True},
+        )
+        targets.insert(0, direct)
+        with floor_proxy(engine["url"], serve.log.parent) as floor:
+            # the same slot as the direct calls (one request at a time: they never overlap)
+            targets.insert(1, Target("bare proxy (floor)", floor + "/v1/chat/completions", {}, direct.extra))
+            targets += extra
+            return targets, _rounds(client, targets, body, args)
+
+
+@contextmanager
+def floor_proxy(engine_url: str, logs: Path) -> Iterator[str]:
+    """gateway/bench/floor_proxy.py in front of the engine: the second HTTP hop any Python gateway
+    pays, measured in the same rounds (what the gateway adds beyond it is its own work)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "gateway.bench.floor_proxy", "--port", str(port), "--engine", engine_url]
+    env = {**os.environ, "SLOTKEEPER_INTERNAL_KEY": INTERNAL_KEY, "PYTHONPATH": str(_ROOT)}
+    with (logs / "floor-proxy.log").open("ab") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _listening(port), proc, "floor proxy", timeout=60)
+        yield url
+    finally:
+        stop(proc)
+
+
+def _early_starts(url: str) -> dict[str, int]:
+    """The gateway's early starts by outcome (gateway.early), from its /metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.startswith("slotkeeper_gateway_early_starts_total{"):
+            labels, value = line.rsplit(" ", 1)
+            out[labels.split('outcome="', 1)[1].split('"', 1)[0]] = int(float(value))
+    return out
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _overhead_report(targets: list[Target], rounds: int, backend: str) -> dict[str, Any]:
+    direct = targets[0]
+    d50, d99 = pct(direct.latencies_ms, 50), pct(direct.latencies_ms, 99)
+    return {
+        "index": backend,
+        "rounds": rounds,
+        "targets": [
+            {
+                "target": t.name,
+                "p50_ms": pct(t.latencies_ms, 50),
+                "p99_ms": pct(t.latencies_ms, 99),
+                "added_p50_ms": pct(t.latencies_ms, 50) - d50,
+                "added_p99_ms": pct(t.latencies_ms, 99) - d99,
+                "caches": t.caches,
+            }
+            for t in targets
+        ],
+    }
+
+
+def _session_slot(url: str, headers: dict[str, str]) -> int:
+    sid = headers["X-Session-Id"]
+    auth = {"Authorization": headers["Authorization"]}
+    return int(httpx.get(f"{url}/v1/sessions/{sid}", headers=auth, timeout=5).json()["slot"])
+
+
+def _rounds(
+    client: httpx.Client, targets: list[Target], body: dict[str, Any], args: argparse.Namespace
+) -> int:
+    """Warm-up, then rounds of one request per target (the order rotates every round)."""
+    deadline = time.monotonic() + args.overhead_time_limit
+    done = 0
+    for i in range(args.warmup + args.requests):
+        if time.monotonic() > deadline:
+            break
+        k = i % len(targets)
+        for t in targets[k:] + targets[:k]:
+            t.send(client, body, record=i >= args.warmup)
+        done += i >= args.warmup
+    return done
+
+
+def _print_overhead(
+    targets: list[Target], rounds: int, args: argparse.Namespace, backend: str, early: dict[str, int]
+) -> None:
+    direct = targets[0]
+    d50, d99 = pct(direct.latencies_ms, 50), pct(direct.latencies_ms, 99)
+    rows = []
+    for t in targets:
+        p50, p99 = pct(t.latencies_ms, 50), pct(t.latencies_ms, 99)
+        caches = ",".join(f"{k}:{v}" for k, v in sorted(t.caches.items()))
+        over = "" if t is direct else f"{p50 - d50:+.2f}"
+        over99 = "" if t is direct else f"{p99 - d99:+.2f}"
+        ratio = "" if t is direct else f"{p50 / d50:.2f}"
+        rows.append(
+            [
+                t.name,
+                f"{p50:.2f}",
+                f"{p99:.2f}",
+                over,
+                over99,
+                ratio,
+                f"{statistics.median(t.prompt_n):.0f}",
+                caches,
+            ]
+        )
+    print(
+        f"\n== 1. gateway overhead ({backend} index): {rounds} interleaved rounds (+{args.warmup} warm-up),"
+        " identical chat request, max_tokens=1, tiny qwen35, keep-alive =="
+    )
+    print(table(["target", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "p50 x", "prompt_n", "cache"], rows))
+    floor = next((t for t in targets if t.name.startswith("bare proxy")), None)
+    if floor is not None:
+        f50 = pct(floor.latencies_ms, 50)
+        own = ", ".join(
+            f"{t.name.split(', ', 1)[1]} {pct(t.latencies_ms, 50) - f50:+.2f} ms"
+            for t in targets
+            if t.name.startswith("gateway,")
+        )
+        print(f"beyond the bare proxy's second hop (+{f50 - d50:.2f} ms at p50), the gateway's own: {own}")
+    off = [t for t in targets if t.name.startswith("no early start")]
+    if len(off) == 2:
+        o50 = pct(off[0].latencies_ms, 50)
+        print(
+            f"no early start (a second serve, the same rounds): its gateway, after-turn, "
+            f"{pct(off[1].latencies_ms, 50) - o50:+.2f} ms at p50 over its own engine's direct call "
+            f"({o50:.2f} ms)"
+        )
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(early.items())) or "none"
+    print(f"early starts (--early-start {args.early_start}; turns sent beside their opening read): {counts}")
+    forked = sum(n for t in targets for k, n in t.caches.items() if "forked" in k)
+    if forked:
+        print(
+            f"WARNING: {forked} requests of this one-at-a-time client were forked: their session was still "
+            "locked although the previous response had arrived (a write-behind save releasing its lock); "
+            "a fork takes a free slot, possibly the direct target's"
+        )
+
+
+# ================================================================================ 3. restored TTFT
+@dataclass
+class TurnResult:
+    ttft_ms: float
+    total_ms: float
+    content: str
+    timings: dict[str, Any]
+    cache: str
+
+
+def stream_turn(
+    url: str, model: str, messages: list[dict[str, str]], session: str, n_predict: int
+) -> TurnResult:
+    """One streamed chat turn; TTFT = the first chunk that carries generated text."""
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": n_predict,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    content: list[str] = []
+    timings: dict[str, Any] = {}
+    ttft: float | None = None
+    t0 = time.perf_counter()
+    with httpx.stream(
+        "POST", url + "/v1/chat/completions", json=body, headers={"X-Session-Id": session}, timeout=300
+    ) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"turn failed: HTTP {resp.status_code}: {resp.read()!r}")
+        cache = resp.headers.get("x-slotkeeper-cache", "-")
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            timings = chunk.get("timings") or timings
+            for choice in chunk.get("choices") or []:
+                delta = choice.get("delta") or {}
+                text = delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
+                if text and ttft is None:
+                    ttft = time.perf_counter() - t0
+                content.append(delta.get("content") or "")
+    total = time.perf_counter() - t0
+    return TurnResult((ttft or total) * 1000, total * 1000, "".join(content), timings, cache)
+
+
+def long_prompt(serve: Serve, tokens: int) -> list[dict[str, str]]:
+    """System + a user message of about `tokens` tokens (counted with the engine's tokenizer)."""
+    engine = serve.engines()[0]["url"]
+    per_chunk = len(
+        httpx.post(engine + "/tokenize", json={"content": CHUNK}, headers=INTERNAL_AUTH, timeout=30).json()[
+            "tokens"
+        ]
+    )
+    user = "Review this code:\n" + CHUNK * max(1, (tokens - 60) // per_chunk)
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+
+
+def _wait_durable(url: str, session: str, timeout: float = 120) -> None:
+    """The write-behind save of the last turn finished (the agent's next turn comes after it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if httpx.get(f"{url}/v1/sessions/{session}", timeout=5).json().get("generation", 0) >= 1:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"session {session} was not saved within {timeout}s")
+
+
+def wipe_local(data: Path) -> int:
+    """Remove the spill cache, the local blobs and every slot file; returns the bytes removed."""
+    victims = [p for p in (data / "spill", data / "blobs") if p.exists()]
+    files = [p for v in victims for p in v.rglob("*") if p.is_file()] + list(data.rglob("*.slot"))
+    size = sum(p.stat().st_size for p in files if p.exists())
+    for v in victims:
+        shutil.rmtree(v)
+    for p in data.rglob("*.slot"):
+        p.unlink()
+    return size
+
+
+@dataclass
+class Pass:
+    turn1: TurnResult
+    turn2: TurnResult
+    messages2: list[dict[str, str]]
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+def _serve_flags(args: argparse.Namespace, model: str, data: Path, endpoint: str, prefix: str) -> list[str]:
+    return [
+        *("--data-dir", str(data)),
+        *("--model", model),
+        *("--slots", "1"),
+        *("--ctx", str(args.ctx)),
+        *("--s3-endpoint", endpoint),
+        *("--s3-bucket", BUCKET),
+        *("--s3-prefix", prefix),
+        *("--log-level", "info"),
+    ]
+
+
+def run_pass(args: argparse.Namespace, workdir: Path, endpoint: str, name: str, restart: bool) -> Pass:
+    model = os.path.abspath(args.bench_model or cached_model(args.models_dir, "qwen35", size="bench"))
+    data = workdir / name
+    flags = _serve_flags(args, model, data, endpoint, f"bench-{name}-{os.getpid()}")
+    env = {**os.environ, **AWS_ENV}
+    session = f"agent-{name}"
+    serve = start_serve(workdir, f"restore-{name}", flags, env)
+    try:
+        model_id = serve.engines()[0]["model"]
+        msgs = long_prompt(serve, args.tokens)
+        turn1 = stream_turn(serve.url, model_id, msgs, session, args.n_predict)
+        msgs2 = msgs + [
+            {"role": "assistant", "content": turn1.content},
+            {"role": "user", "content": "Fix the bug in handler and run the tests."},
+        ]
+        _wait_durable(serve.url, session)
+        notes: dict[str, Any] = {}
+        if restart:
+            serve, notes = _restart(serve, workdir, name, flags, env, data, args)
+        turn2 = stream_turn(serve.url, model_id, msgs2, session, args.n_predict)
+        fills = serve.events("node.filled")
+        if fills:
+            notes["fill"] = fills[-1]
+        return Pass(turn1, turn2, msgs2, notes)
+    finally:
+        serve.close(timeout=args.drain_timeout)
+
+
+def _restart(
+    serve: Serve,
+    workdir: Path,
+    name: str,
+    flags: list[str],
+    env: dict[str, str],
+    data: Path,
+    args: argparse.Namespace,
+) -> tuple[Serve, dict[str, Any]]:
+    t0 = time.perf_counter()
+    rc = serve.terminate(timeout=args.drain_timeout)
+    drain_s = time.perf_counter() - t0
+    if rc != 0:
+        raise RuntimeError(f"serve did not drain cleanly (exit {rc}):\n{serve.tail()}")
+    wiped = wipe_local(data)
+    t0 = time.perf_counter()
+    fresh = start_serve(workdir, f"restore-{name}-restarted", flags, env)
+    return fresh, {"drain_s": drain_s, "wiped_bytes": wiped, "start_s": time.perf_counter() - t0}
+
+
+def restore(args: argparse.Namespace, workdir: Path) -> int:
+    """`--repeat` pairs of passes in A B, B A, ... order (drift hits both cases alike)."""
+    moto = MotoProcess(workdir)
+    moto.start()
+    live: list[Pass] = []
+    back: list[Pass] = []
+    try:
+        for r in range(args.repeat):
+            order = [False, True] if r % 2 == 0 else [True, False]
+            for restart in order:
+                name = f"{'b' if restart else 'a'}{r}"
+                (back if restart else live).append(run_pass(args, workdir, moto.endpoint, name, restart))
+    finally:
+        moto.kill()
+    return _print_restore(live, back)
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _turn_row(name: str, turns: list[TurnResult]) -> list[str]:
+    ttft = [t.ttft_ms for t in turns]
+    engine_ms = [float(t.timings.get("prompt_ms", "nan")) for t in turns]
+    return [
+        name,
+        ",".join(sorted({t.cache for t in turns})),
+        ", ".join(f"{v:.0f}" for v in ttft),
+        f"{_median(ttft):.0f}",
+        ",".join(sorted({str(t.timings.get("prompt_n", "?")) for t in turns})),
+        ",".join(sorted({str(t.timings.get("cache_n", "?")) for t in turns})),
+        f"{_median(engine_ms):.0f}",
+    ]
+
+
+def _restart_line(back: list[Pass], fills: list[dict[str, Any]]) -> str:
+    def med(key: str, scale: float = 1.0) -> float:
+        return _median([float(p.notes.get(key, "nan")) / scale for p in back])
+
+    sources = ",".join(sorted({str(f.get("source")) for f in fills}))
+    fill_mib = _median([float(f.get("bytes", "nan")) / 2**20 for f in fills])
+    fill_ms = _median([float(f.get("ms", "nan")) for f in fills])
+    return (
+        f"restart (medians): drain (SIGTERM -> exit) {med('drain_s'):.1f} s, wiped "
+        f"{med('wiped_bytes', 2**20):.0f} MiB of local state, start to ready {med('start_s'):.1f} s; "
+        f"fill from {sources}: {fill_mib:.1f} MiB in {fill_ms:.0f} ms (download + restore, inside the "
+        "restored TTFT)"
+    )
+
+
+def _print_restore(live: list[Pass], back: list[Pass]) -> int:
+    passes = live + back
+    first = passes[0].turn1.timings.get("prompt_n", "?")
+    print(
+        f"\n== 3. restored vs live turn: bench qwen35, {first}-token first prompt, serve with S3 (moto), "
+        f"{len(live)} pass(es) each way =="
+    )
+    rows = [
+        _turn_row("cold turn 1", [p.turn1 for p in passes]),
+        _turn_row("live turn 2", [p.turn2 for p in live]),
+        _turn_row("restored turn 2 (restart, from S3)", [p.turn2 for p in back]),
+    ]
+    header = ["turn", "served", "TTFT ms (each)", "TTFT p50", "prompt_n", "cache_n", "engine prompt ms p50"]
+    print(table(header, rows))
+    live_ms = _median([p.turn2.ttft_ms for p in live])
+    back_ms = _median([p.turn2.ttft_ms for p in back])
+    cold_ms = _median([p.turn1.ttft_ms for p in passes])
+    print(
+        f"restored/live TTFT (medians): {back_ms / live_ms:.2f}x ({back_ms - live_ms:+.0f} ms); "
+        f"restored/cold: {back_ms / cold_ms:.3f}; live/cold: {live_ms / cold_ms:.3f}"
+    )
+    fills = [p.notes.get("fill", {}) for p in back]
+    print(_restart_line(back, fills))
+    same_turn = all(p.messages2 == passes[0].messages2 for p in passes)
+    prompt_ns = {p.turn2.timings.get("prompt_n") for p in passes}
+    same_out = len({p.turn2.content for p in passes}) == 1
+    print(
+        f"same turn-2 messages in every pass: {same_turn}; turn-2 prompt_n equal: {len(prompt_ns) == 1}; "
+        f"same turn-2 output: {same_out}"
+    )
+    restored = all(p.turn2.cache == "restored" for p in back) and all(
+        f.get("source") == "store" for f in fills
+    )
+    return 0 if same_turn and len(prompt_ns) == 1 and restored else 1
+
+
+# ========================================================================================= command
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="slotkeeper bench gateway",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--only",
+        action="append",
+        choices=["overhead", "routing", "restore"],
+        help="run only this part (repeatable; default: all three)",
+    )
+    ap.add_argument("--models-dir", default=os.path.join(".bench", "models"))
+    ap.add_argument("--workdir", help="keep logs and data here (default: a temporary directory)")
+    ap.add_argument("--json", help="also write the results here as JSON")
+    g = ap.add_argument_group("1. overhead")
+    g.add_argument("--tiny-model", help="GGUF (default: the generated tiny qwen35)")
+    g.add_argument("--requests", type=int, default=200, help="measured requests per target")
+    g.add_argument("--warmup", type=int, default=10, help="unmeasured rounds first")
+    g.add_argument("--overhead-time-limit", type=float, default=120.0, help="seconds, at most")
+    g.add_argument("--log-level", default="info", help="serve's log level (its default: info)")
+    g.add_argument(
+        "--overhead-index",
+        choices=["in-process", "redis-server", "both"],
+        default="both",
+        help="serve's index: its in-process Redis, a redis-server, or each",
+    )
+    g.add_argument(
+        "--early-start",
+        choices=["on", "off", "both"],
+        default="on",
+        help="serve's --early-start (a held session's turn sent beside its opening read); "
+        "both: a second serve without it in the same rounds",
+    )
+    g.add_argument(
+        "--overhead-tenants",
+        choices=["on-evict", "after-turn", "both"],
+        default="both",
+        help="the tenants measured (after-turn saves share the cores with all)",
+    )
+    routing.add_arguments(ap)
+    g = ap.add_argument_group("3. restore")
+    g.add_argument("--bench-model", help="GGUF (default: the generated qwen35 bench model)")
+    g.add_argument("--tokens", type=int, default=4000, help="approximate first-prompt length")
+    g.add_argument("--ctx", type=int, default=8192)
+    g.add_argument("--n-predict", type=int, default=16)
+    g.add_argument("--repeat", type=int, default=2, help="pairs of passes (each pays one cold turn)")
+    g.add_argument("--drain-timeout", type=float, default=180.0)
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    parts = args.only or ["overhead", "routing", "restore"]
+    with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
+        workdir = Path(args.workdir or tmp).resolve()
+        workdir.mkdir(parents=True, exist_ok=True)
+        rc = 0
+        t0 = time.perf_counter()
+        report: dict[str, Any] = {"bench": "gateway"}
+        if "overhead" in parts:
+            report["overhead"] = overhead(args, workdir)
+        if "routing" in parts:
+            report["routing"] = routing.routing(args, workdir)
+        if "restore" in parts:
+            rc = restore(args, workdir)
+            report["restore_ok"] = rc == 0
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2))
+        print(
+            f"\n(wall {time.perf_counter() - t0:.0f} s; logs in {workdir if args.workdir else 'a temp dir'})"
+        )
+    return rc

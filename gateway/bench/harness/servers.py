@@ -1,0 +1,224 @@
+"""Real servers for benchmarks and tests, started on free loopback ports: redis-server, moto's and
+SeaweedFS's S3. Part of the package so that `slotkeeper bench` has them where tests/ is absent; the
+test suites import them from here too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+# The internal credential every test process shares (tests/conftest.py puts it in the environment
+# that node agents, gateways and `serve` inherit); test code presents it with INTERNAL_AUTH.
+INTERNAL_KEY = "test-internal-key-0123456789"
+INTERNAL_AUTH = {"Authorization": f"Bearer {INTERNAL_KEY}"}
+
+REGION = "us-east-1"
+CREDS = {"aws_access_key_id": "test", "aws_secret_access_key": "test", "region_name": REGION}
+
+
+def is_engine_process(pid: int) -> bool:
+    """`pid` is still one of our engine processes (not a recycled pid)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"gateway.cli" in cmdline and b"engine" in cmdline
+
+
+def free_port(also_plus: int = 0) -> int:
+    """A free loopback port; with ``also_plus`` the port + that offset is free too (weed's gRPC)."""
+    for _ in range(200):
+        port = random.randint(20000, 45000) if also_plus else 0
+        socks = []
+        try:
+            for p in (port, port + also_plus) if also_plus else (port,):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return socks[0].getsockname()[1]
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port")
+
+
+def wait_until(probe: Any, proc: subprocess.Popen[bytes], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited early with {proc.returncode}")
+        try:
+            if probe():
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} not ready after {timeout}s")
+
+
+def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=1) as resp:  # noqa: S310 - loopback only
+        return bool(resp.status < 500)
+
+
+# Buckets are created in-process before the server listens, so a restarted server never answers
+# NoSuchBucket to a client that is retrying.
+_MOTO = (
+    "import sys, time\n"
+    "from moto.core import DEFAULT_ACCOUNT_ID\n"
+    "from moto.s3.models import s3_backends\n"
+    "from moto.server import ThreadedMotoServer\n"
+    "s3_backends[DEFAULT_ACCOUNT_ID]['aws'].create_bucket('slots', 'us-east-1')\n"
+    "ThreadedMotoServer(ip_address='127.0.0.1', port=int(sys.argv[1]), verbose=False).start()\n"
+    "time.sleep(10**9)\n"
+)
+
+
+class MotoProcess:
+    """moto's ThreadedMotoServer in a child process, killable and restartable on the same port."""
+
+    def __init__(self, log_dir: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.log = log_dir / f"moto-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _MOTO, str(self.port)], stdout=log, stderr=log, start_new_session=True
+            )
+        wait_until(lambda: http_ok(self.endpoint + "/moto-api/"), self.proc, "moto server")
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            stop(self.proc, signal.SIGKILL)
+
+    def client(self) -> Any:
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, **CREDS)
+
+    def exists(self, key: str, bucket: str = "slots") -> bool:
+        from botocore.exceptions import ClientError
+
+        client = self.client()
+        try:
+            client.head_object(Bucket=bucket, Key=key)
+        except ClientError:
+            return False
+        finally:
+            client.close()
+        return True
+
+
+def make_bucket(endpoint: str, bucket: str) -> None:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint, **CREDS)
+    try:
+        client.create_bucket(Bucket=bucket)
+    except client.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    finally:
+        client.close()
+
+
+@contextmanager
+def redis_server(data: Path) -> Iterator[int]:
+    """A redis-server with no persistence on a free port; yields the port."""
+    port = free_port()
+    cmd = [
+        "redis-server",
+        *("--port", str(port)),
+        *("--bind", "127.0.0.1"),
+        *("--save", ""),
+        *("--appendonly", "no"),
+        *("--dir", str(data)),
+    ]
+    with open(data / "redis.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
+
+    def ping() -> bool:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+
+    try:
+        wait_until(ping, proc, "redis-server")
+        yield port
+    finally:
+        stop(proc)
+
+
+def http_answers(url: str) -> bool:
+    """The server answers HTTP below 500 (a 403 from a server that checks credentials counts)."""
+    try:
+        return http_ok(url)
+    except urllib.error.HTTPError as exc:
+        return exc.code < 500
+
+
+@contextmanager
+def weed_mini(data: Path, s3_config: dict[str, Any] | None = None) -> Iterator[str]:
+    """SeaweedFS ``weed mini`` on free loopback ports; yields its S3 endpoint. With ``s3_config``
+    (identities) its S3 gateway checks credentials and signatures; without, it accepts any."""
+    ports = {name: free_port(also_plus=10000) for name in ("master", "volume", "filer", "s3", "admin")}
+    cmd = [
+        "weed",
+        "mini",
+        f"-dir={data}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        "-master.telemetry=false",
+        f"-master.port={ports['master']}",
+        f"-volume.port={ports['volume']}",
+        f"-filer.port={ports['filer']}",
+        f"-s3.port={ports['s3']}",
+        f"-admin.port={ports['admin']}",
+        "-admin.ui=false",
+        "-webdav=false",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        f"-s3.localSocket={data}/s3.sock",
+        f"-filer.localSocket={data}/filer.sock",
+    ]
+    if s3_config is not None:
+        (data / "s3.json").write_text(json.dumps(s3_config))
+        cmd.append(f"-s3.config={data / 's3.json'}")
+    with open(data / "weed.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, cwd=data, start_new_session=True)
+    endpoint = f"http://127.0.0.1:{ports['s3']}"
+    try:
+        wait_until(lambda: http_answers(endpoint + "/"), proc, "weed mini", timeout=90)
+        yield endpoint
+    finally:
+        stop(proc)
+        # gRPC sockets weed puts in /tmp with no flag to move them
+        for name in (f"admin-grpc-{ports['admin'] + 10000}", f"s3-grpc-{ports['s3'] + 10000}"):
+            Path(f"/tmp/seaweedfs-{name}.sock").unlink(missing_ok=True)

@@ -1,0 +1,481 @@
+"""`slotkeeper bench routing` (also part 2 of `slotkeeper bench gateway`): the gateway's routing
+decision, in process, no servers: 100,000 sessions (live in 8 engines x 4 slots, the rest spilled)
+with their message-prefix digests, indexed in the in-process index and in a real redis-server; the
+decision per request (implicit resolve by prefix digests, the record, the pool view,
+`choose_placement`) timed stage by stage, one at a time and concurrently, with the Redis commands
+each stage sends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from gateway.bench.harness.report import pct, table
+from gateway.bench.harness.servers import redis_server
+
+# what each synthetic session's system prompt opens with (bench gateway's sessions open with it too)
+SYSTEM = (
+    "You are a coding agent. You can read files, run tests and edit code. Think step by step, keep "
+    "answers short, and call tools with JSON arguments. "
+)
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The synthetic population: sessions, their digests and the request each one would send."""
+
+    model: str
+    tenants: list[str]
+    engines: list[str]
+    slots: int
+    sessions: list[tuple[str, str]]  # (tenant, session)
+    digests: list[list[str]]  # per session: the digests finish() would have recorded
+    requests: list[list[dict[str, str]]]  # per sampled request: its messages
+    request_owner: list[int]  # per sampled request: the index of the session it resumes
+
+
+def _history(tenant: str, i: int, turns: int) -> list[dict[str, str]]:
+    msgs = [{"role": "system", "content": f"You are the coding agent of {tenant}. " + SYSTEM}]
+    for j in range(turns):
+        msgs.append({"role": "user", "content": f"Session {i}, step {j}: run the tests."})
+        msgs.append({"role": "assistant", "content": f"Step {j} of session {i}: 3 passed, 1 failed."})
+    return msgs
+
+
+def build_fleet(args: argparse.Namespace, n_sessions: int) -> Fleet:
+    from gateway.prefixes import turn_digests
+
+    model = "qwen35-bench-seed0"
+    tenants = [f"tenant{t}" for t in range(args.tenants)]
+    sessions = [(tenants[i % len(tenants)], f"s-{i:07d}") for i in range(n_sessions)]
+    digests = [turn_digests(_history(t, i, args.turns), model) for i, (t, _) in enumerate(sessions)]
+    rng = random.Random(7)
+    owners = [rng.randrange(len(sessions)) for _ in range(args.request_pool)]
+    requests = [
+        _history(sessions[i][0], i, args.turns) + [{"role": "user", "content": "Next step."}] for i in owners
+    ]
+    engines = [f"bench-e{e}" for e in range(args.engines)]
+    return Fleet(model, tenants, engines, args.slots_per_engine, sessions, digests, requests, owners)
+
+
+async def load_fleet(redis: Any, fleet: Fleet, batch: int = 500) -> float:
+    """Write every record, listing, engine set, idle LRU entry and prefix route the index keeps, in
+    pipelines (the same keys SessionIndex's transactions write). Returns seconds taken."""
+    from storage.index.keyspace import member
+    from storage.index.session_index import SessionIndex, SessionRecord, SessionState
+
+    keys = SessionIndex(redis).keys
+    n_live = len(fleet.engines) * fleet.slots
+    t0 = time.perf_counter()
+    for start in range(0, len(fleet.sessions), batch):
+        async with redis.pipeline(transaction=False) as pipe:
+            for i in range(start, min(start + batch, len(fleet.sessions))):
+                tenant, session = fleet.sessions[i]
+                live = i < n_live
+                engine = fleet.engines[i // fleet.slots] if live else None
+                rec = SessionRecord(
+                    tenant,
+                    session,
+                    SessionState.LIVE if live else SessionState.SPILLED,
+                    model=fleet.model,
+                    tokens=4000,
+                    engine=engine,
+                    slot=i % fleet.slots if live else None,
+                    generation=1,
+                    blob_key=f"slotkeeper/{tenant}/{session}/{1:020d}.slot",
+                    bytes=1 << 26,
+                    last_used=1_700_000_000.0 + i,
+                )
+                pipe.hset(keys.session(tenant, session), mapping=rec.to_hash())
+                pipe.zadd(keys.sessions(tenant), {session: rec.last_used})
+                if engine is not None:
+                    pipe.sadd(keys.engine_live(engine), member(tenant, session))
+                    pipe.zadd(keys.engine_idle(engine), {member(tenant, session): rec.last_used})
+                    pipe.hset(keys.tenant_live(tenant), mapping={session: engine})
+                for d in fleet.digests[i]:
+                    pipe.set(keys.prefix_hash(tenant, d), session)
+                pipe.sadd(keys.session_prefixes(tenant, session), *fleet.digests[i])
+            await pipe.execute()
+    return time.perf_counter() - t0
+
+
+@dataclass
+class Decider:
+    """The gateway's decision path, built the way gateway.main builds it."""
+
+    runner: Any
+    cluster: Any
+    index: Any
+    tenants: dict[str, Any]
+    model: str
+
+    async def stages(self, messages: list[dict[str, str]]) -> tuple[Any, list[float]]:
+        """The decision as TurnRunner makes it: resolve by prefix digests, the record, then the
+        session's own slot if it is live there (no pool view), else a sampled pool view and
+        `choose_placement`."""
+        from gateway.placement import Placement, Serve, SessionView, choose_placement
+        from storage.index.session_index import SessionState
+
+        t = [time.perf_counter()]
+        tenant = self.tenants[_tenant_of(messages)]
+        session, source = await self.runner.resolve(tenant, {}, {"messages": messages}, self.model)
+        t.append(time.perf_counter())
+        rec = await self.index.find(tenant.name, session)
+        t.append(time.perf_counter())
+        placement = None
+        if rec.state is SessionState.LIVE and rec.engine is not None and rec.slot is not None:
+            engine = await self.cluster.engine(rec.engine)
+            if engine is not None:
+                placement = Placement(engine.engine, rec.slot, Serve.LIVE)
+        pool_view: list[Any] = []
+        if placement is None:
+            pool_view, _ = await self.cluster.pool_view(self.model, holder=(tenant.name, session))
+        t.append(time.perf_counter())
+        if placement is None:
+            view = SessionView(tenant.name, session, rec.engine, rec.slot, rec.generation)
+            placement = choose_placement(pool_view, self.model, view)
+        t.append(time.perf_counter())
+        if source != "implicit":
+            raise RuntimeError(f"request for {session} was not routed by its prefixes ({source})")
+        return placement, [b - a for a, b in zip(t, t[1:], strict=False)]
+
+
+def _tenant_of(messages: list[dict[str, str]]) -> str:
+    return messages[0]["content"].split(" of ", 1)[1].split(".", 1)[0]
+
+
+async def make_decider(
+    redis: Any, fleet: Fleet, workdir: Path, args: argparse.Namespace
+) -> tuple[Decider, Callable[[], Awaitable[None]]]:
+    from gateway.cluster import Cluster
+    from gateway.metrics import Metrics
+    from gateway.tenants import Tenant
+    from gateway.turn import TurnSettings
+    from gateway.turn_parts import TurnParts
+    from gateway.turns import TurnRunner
+    from storage.blobs.localstore import LocalStore
+    from storage.index.engines import EngineRegistry
+    from storage.index.locks import SessionLocks
+    from storage.index.session_index import SessionIndex
+
+    index, locks, registry = SessionIndex(redis), SessionLocks(redis), EngineRegistry(redis)
+    for e in fleet.engines:
+        await registry.register(
+            e, node="bench", url=f"http://127.0.0.1:1/{e}", model=fleet.model, n_slots=fleet.slots, ttl_s=3600
+        )
+    http = httpx.AsyncClient()
+    store = LocalStore(workdir / "routing-blobs")
+    cluster = Cluster(registry, index, (), http, sample=args.placement_sample)
+    settings = TurnSettings(lock_ttl_s=60, spill_wait_s=5)
+    runner = TurnRunner(TurnParts(cluster, index, locks, store, Metrics(), settings))
+
+    async def close() -> None:
+        await http.aclose()
+        await store.aclose()
+
+    return Decider(runner, cluster, index, {t: Tenant(t) for t in fleet.tenants}, fleet.model), close
+
+
+@dataclass
+class RoutingResult:
+    backend: str
+    load_s: float
+    stage_us: list[list[float]]  # per stage: microseconds of each sequential decision
+    sequential_per_s: float
+    concurrent_per_s: float
+    commands: list[float] | None  # Redis commands per stage (redis-server only)
+    serves: dict[str, int]
+    pool_view: list[Any]  # the engines as the decisions saw them (for choose_placement alone)
+
+
+async def _sequential(
+    decider: Decider, fleet: Fleet, args: argparse.Namespace
+) -> tuple[list[list[float]], float, dict[str, int]]:
+    stage_us: list[list[float]] = [[], [], [], []]
+    serves: dict[str, int] = {}
+    deadline = time.monotonic() + args.routing_time_limit
+    t0 = time.perf_counter()
+    n = 0
+    while n < args.decisions and time.monotonic() < deadline:
+        placement, times = await decider.stages(fleet.requests[n % len(fleet.requests)])
+        for k, dt in enumerate(times):
+            stage_us[k].append(dt * 1e6)
+        serves[placement.serve.value] = serves.get(placement.serve.value, 0) + 1
+        n += 1
+    return stage_us, n / (time.perf_counter() - t0), serves
+
+
+async def _concurrent(decider: Decider, fleet: Fleet, args: argparse.Namespace) -> float:
+    deadline = time.monotonic() + args.routing_time_limit
+    count = 0
+
+    async def worker(w: int) -> None:
+        nonlocal count
+        i = w
+        while count < args.decisions and time.monotonic() < deadline:
+            await decider.stages(fleet.requests[i % len(fleet.requests)])
+            count += 1
+            i += args.concurrency
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(w) for w in range(args.concurrency)))
+    return count / (time.perf_counter() - t0)
+
+
+async def _commands_per_stage(redis: Any, decider: Decider, fleet: Fleet, n: int = 50) -> list[float]:
+    """Redis commands each stage sends (INFO's counter around every stage; INFO counts itself)."""
+
+    async def counter() -> int:
+        return int((await redis.info("stats"))["total_commands_processed"])
+
+    totals = [0, 0, 0]
+    for i in range(n):
+        msgs = fleet.requests[i]
+        tenant = decider.tenants[_tenant_of(msgs)]
+        c0 = await counter()
+        session, _ = await decider.runner.resolve(tenant, {}, {"messages": msgs}, decider.model)
+        c1 = await counter()
+        await decider.index.find(tenant.name, session)
+        c2 = await counter()
+        await decider.cluster.pool_view(decider.model, holder=(tenant.name, session))  # a placement's
+        c3 = await counter()
+        for k, (a, b) in enumerate([(c0, c1), (c1, c2), (c2, c3)]):
+            totals[k] += b - a - 1
+    return [t / n for t in totals] + [0.0]
+
+
+async def measure_backend(
+    name: str, redis: Any, fleet: Fleet, args: argparse.Namespace, workdir: Path, count_commands: bool
+) -> RoutingResult:
+    load_s = await load_fleet(redis, fleet)
+    decider, close = await make_decider(redis, fleet, workdir, args)
+    try:
+        pool_view = await _sanity(decider, fleet)
+        stage_us, seq, serves = await _sequential(decider, fleet, args)
+        conc = await _concurrent(decider, fleet, args)
+        commands = await _commands_per_stage(redis, decider, fleet) if count_commands else None
+    finally:
+        await close()
+    return RoutingResult(name, load_s, stage_us, seq, conc, commands, serves, pool_view)
+
+
+async def _sanity(decider: Decider, fleet: Fleet) -> list[Any]:
+    """The loaded keys read back through the index as the gateway would see them."""
+    n_live = len(fleet.engines) * fleet.slots
+    sample, decider.cluster.sample = decider.cluster.sample, len(fleet.engines)  # the whole pool, once
+    try:
+        pool_view, _ = await decider.cluster.pool_view(fleet.model)
+    finally:
+        decider.cluster.sample = sample
+    occupied = sum(1 for e in pool_view for s in e.slots if s.session is not None)
+    if len(pool_view) != len(fleet.engines) or occupied != n_live:
+        raise RuntimeError(f"the pool view sees {len(pool_view)} engines and {occupied} live sessions")
+    tenant, session = fleet.sessions[-1]
+    if await decider.index.find(tenant, session) is None:
+        raise RuntimeError("the index does not find the loaded sessions")
+    return pool_view
+
+
+def pure_choose(fleet: Fleet, pool_view: list[Any], args: argparse.Namespace) -> float:
+    from gateway.placement import SessionView, choose_placement
+
+    views = [SessionView(t, s, None, None, 1) for t, s in fleet.sessions[: args.request_pool]]
+    pool_view = pool_view[: args.placement_sample]  # what one placement looks at
+    n, deadline = 0, time.monotonic() + min(5.0, args.routing_time_limit)
+    t0 = time.perf_counter()
+    while n < 200_000 and time.monotonic() < deadline:
+        choose_placement(pool_view, fleet.model, views[n % len(views)])
+        n += 1
+    return n / (time.perf_counter() - t0)
+
+
+async def _routing_async(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    import redis.asyncio as aioredis
+
+    from storage.index.session_index import in_process_redis
+
+    reports = []
+    for n_sessions in (int(n) for n in str(args.sessions).split(",")):
+        t0 = time.perf_counter()
+        fleet = build_fleet(args, n_sessions)
+        digests_s = time.perf_counter() - t0
+        results = []
+        if n_sessions <= 200_000:
+            fake = in_process_redis()
+            try:
+                results.append(await measure_backend("in-process", fake, fleet, args, workdir, False))
+            finally:
+                await fake.aclose()
+                del fake  # frees the in-process keyspace before the next backend
+        data = workdir / f"redis-{n_sessions}"
+        data.mkdir(exist_ok=True)
+        with redis_server(data) as port:
+            real = aioredis.from_url(f"redis://127.0.0.1:{port}", decode_responses=True)
+            try:
+                results.append(await measure_backend("redis-server", real, fleet, args, workdir, True))
+            finally:
+                await real.aclose()
+        pure = pure_choose(fleet, results[0].pool_view, args)
+        _print_routing(fleet, results, pure, digests_s, args)
+        reports.append(_routing_report(fleet, results, pure))
+        del fleet
+    return reports
+
+
+def _routing_report(fleet: Fleet, results: list[RoutingResult], pure: float) -> dict[str, Any]:
+    return {
+        "sessions": len(fleet.sessions),
+        "engines": len(fleet.engines),
+        "slots": fleet.slots,
+        "choose_placement_per_s": pure,
+        "backends": [
+            {
+                "backend": r.backend,
+                "load_s": r.load_s,
+                "decisions_per_s": r.sequential_per_s,
+                "decisions_per_s_concurrent": r.concurrent_per_s,
+                "redis_commands_per_stage": r.commands,
+                "stage_p50_us": [pct(us, 50) for us in r.stage_us],
+                "placements": r.serves,
+            }
+            for r in results
+        ],
+    }
+
+
+def routing(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    from engine_pool.common import logs
+
+    logs.configure("json", "warning")  # the index logs every registration; keep the table readable
+    return asyncio.run(_routing_async(args, workdir))
+
+
+STAGES = ["resolve (match_prefix)", "index.find", "own slot or sampled pool view", "choose_placement"]
+
+
+def _bottleneck(r: RoutingResult, n_engines: int) -> str:
+    """The stage that takes most of a decision, in words."""
+    means = [statistics.fmean(us) for us in r.stage_us]
+    k = max(range(len(means)), key=means.__getitem__)
+    line = f"{r.backend}: {STAGES[k]} takes {100 * means[k] / sum(means):.0f}% of a decision"
+    if r.commands is not None:
+        line += (
+            f" and sends {r.commands[k]:.0f} of its {sum(r.commands):.0f} Redis commands "
+            f"({r.commands[k] / n_engines:.1f} per engine)"
+        )
+    return line
+
+
+def _print_routing(
+    fleet: Fleet, results: list[RoutingResult], pure: float, digests_s: float, args: argparse.Namespace
+) -> None:
+    n_live = len(fleet.engines) * fleet.slots
+    n_digests = sum(len(d) for d in fleet.digests)
+    n_engines = len(fleet.engines)
+    print(
+        f"\n== 2. routing decisions: {len(fleet.sessions):,} sessions ({n_live} live in {n_engines} "
+        f"engines x {fleet.slots} slots, the rest spilled), {len(fleet.tenants)} tenants, "
+        f"{n_digests:,} prefix digests (computed in {digests_s:.1f} s) =="
+    )
+    rows = []
+    for r in results:
+        cmds = r.commands or [float("nan")] * 4
+        total = [sum(v) for v in zip(*r.stage_us, strict=True)]
+        for name, us, c in zip(STAGES, r.stage_us, cmds, strict=True):
+            share = 100 * statistics.fmean(us) / statistics.fmean(total)
+            rows.append(
+                [
+                    r.backend,
+                    name,
+                    f"{pct(us, 50):.0f}",
+                    f"{pct(us, 99):.0f}",
+                    f"{share:.0f}%",
+                    "" if math.isnan(c) else f"{c:.1f}",
+                ]
+            )
+        rows.append(
+            [
+                r.backend,
+                "decision (sum)",
+                f"{pct(total, 50):.0f}",
+                f"{pct(total, 99):.0f}",
+                "100%",
+                "" if r.commands is None else f"{sum(cmds):.1f}",
+            ]
+        )
+    print(table(["backend", "stage", "p50 us", "p99 us", "share", "redis cmds"], rows))
+    for r in results:
+        print(_bottleneck(r, n_engines))
+    rows = [
+        [
+            r.backend,
+            f"{r.load_s:.1f}",
+            f"{len(r.stage_us[0])}",
+            f"{r.sequential_per_s:,.0f}",
+            f"{r.concurrent_per_s:,.0f}",
+            ",".join(f"{k}:{v}" for k, v in sorted(r.serves.items())),
+        ]
+        for r in results
+    ]
+    rows.append(["choose_placement alone", "", "", f"{pure:,.0f}", "", ""])
+    print()
+    print(
+        table(
+            [
+                "backend",
+                "load s",
+                "decisions",
+                "decisions/s (1 at a time)",
+                f"decisions/s ({args.concurrency} concurrent)",
+                "placements",
+            ],
+            rows,
+        )
+    )
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The routing options, in a group of their own (this bench's and `bench gateway`'s)."""
+    g = ap.add_argument_group("2. routing")
+    g.add_argument(
+        "--sessions",
+        default="100000,1000000",
+        help="indexed sessions, comma-separated (in-process index: up to 200,000)",
+    )
+    g.add_argument("--tenants", type=int, default=10)
+    g.add_argument("--engines", type=int, default=1000, help="simulated engines in the registry")
+    g.add_argument("--placement-sample", type=int, default=8, help="engines one placement looks at")
+    g.add_argument("--slots-per-engine", type=int, default=4)
+    g.add_argument("--turns", type=int, default=3, help="complete turns (prefix digests) per session")
+    g.add_argument("--decisions", type=int, default=2000, help="decisions per measurement, at most")
+    g.add_argument("--concurrency", type=int, default=16)
+    g.add_argument("--request-pool", type=int, default=2000, help="distinct requests cycled through")
+    g.add_argument("--routing-time-limit", type=float, default=20.0, help="seconds per measurement")
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="slotkeeper bench routing", description=__doc__)
+    ap.add_argument("--workdir", help="keep the redis-server data here (default: a temporary directory)")
+    ap.add_argument("--json", help="also write the results here as JSON")
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
+        workdir = Path(args.workdir or tmp).resolve()
+        workdir.mkdir(parents=True, exist_ok=True)
+        report = {"bench": "routing", "routing": routing(args, workdir)}
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0

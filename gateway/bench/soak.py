@@ -1,0 +1,980 @@
+"""`slotkeeper bench soak`: honest load, a hostile client and engine crashes at once, for `--duration-s`
+(10 minutes by default), everything on loopback:
+
+* redis-server, moto's S3 server (bucket `slots`) and `slotkeeper serve --slots 8 --ctx 2048` on the
+  tiny qwen35, with SLOTKEEPER_INTERNAL_KEY set so that the benchmark can list the node's engines;
+* honest load — 64 sessions of two after-turn tenants (32 each, X-Session-Id), growing multi-turn
+  chats (max_tokens 8, temperature 0) sent by `--workers` workers, each taking a random idle session
+  and sending its next turn; 429/503 are retried after Retry-After. After `--max-turns` turns a
+  session is DELETEd and continues under a fresh id, so that its history fits the context;
+* chaos — a ready engine process SIGKILLed at random intervals (`--kill-min-s`..`--kill-max-s`,
+  seeded), each time waiting (with a deadline) for the node to bring a new process to ready;
+* a hostile tenant sending the inputs of KINDS in a loop, each judged against what is expected of
+  it: a 5xx other than 503, or anything but the expected 4xx, is flagged;
+* at the end, engines ready again: GET /v1/sessions/{id} and one more turn for every honest session.
+
+A session is *lost* when a turn (during the soak or the last one) is served `X-Slotkeeper-Cache:
+cold`, or its record is gone, although its state was durable: the index showed a saved generation
+of it (the chaos task lists the honest sessions right before each SIGKILL), or it had a completed
+turn whose write-behind save no SIGKILL could have cut short: none from 1 s before the answer until
+that save was certainly over — once a later turn of the session was answered `restored` or `cold`
+(its placement waits for the saves still running) or `--save-grace-s` (the gateway's 30 s wait for
+a save) had passed. Sending the next turn ends nothing: one served `live` in its slot runs beside
+the save, which a SIGKILL can still cut short then.
+Such a session served `live` or `restored` with `usage.prompt_tokens_details.cached_tokens == 0`
+kept its state but reused none of it: *re-prefilled*, counted apart (it costs what a cold turn does).
+
+Goals, each 0 (exit code 0 when all hold, else 1): honest 5xx other than 503, honest 4xx other than
+429, honest transport errors, sessions lost, sessions re-prefilled, unexpected hostile answers,
+`slotkeeper_gateway_requests` series over a bound after the random 404 paths, killed engines not
+ready again. Also reported: requests served, 429/503 counts, p50/p99 latency per honest tenant,
+engine restarts (the node's count) and SIGKILLs sent, hostile statuses per kind; `--json OUT`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from gateway.bench.harness.report import pct, table
+from gateway.bench.harness.servers import (
+    MotoProcess,
+    free_port,
+    http_ok,
+    is_engine_process,
+    redis_server,
+    wait_until,
+)
+from native.model_gen import cached_model
+
+_ROOT = Path(__file__).resolve().parents[2]  # what holds the `gateway` package: checkout or site-packages
+
+AWS_ENV = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+HONEST = {"alpha": "sk-soak-alpha", "beta": "sk-soak-beta"}  # tenant -> key
+HOSTILE_KEY, HOSTILE_INFLIGHT, HOSTILE_RPM = "sk-soak-mallory", 4, 600
+TENANTS_TOML = f"""
+[tenants.alpha]
+keys = ["{HONEST["alpha"]}"]
+durability = "after-turn"
+quotas = {{ sessions = 10000, requests_per_minute = 1000000, inflight = 32 }}
+[tenants.beta]
+keys = ["{HONEST["beta"]}"]
+durability = "after-turn"
+quotas = {{ sessions = 10000, requests_per_minute = 1000000, inflight = 32 }}
+[tenants.mallory]
+keys = ["{HOSTILE_KEY}"]
+durability = "on-evict"
+[tenants.mallory.quotas]
+sessions = 1000
+requests_per_minute = {HOSTILE_RPM}
+inflight = {HOSTILE_INFLIGHT}
+live_slots = 3
+"""
+HEADER_TIMEOUT_S = 10.0  # given to serve; a trickled request head must be cut off by then
+MAX_SERIES = 64  # slotkeeper_gateway_requests series allowed after the 404 paths (routes x statuses)
+WORDS = "tests parser handler cache retry budget schema branch commit lint deploy index".split()
+
+
+def retry_after(resp: httpx.Response) -> float | None:
+    try:
+        return float(resp.headers["retry-after"])
+    except (KeyError, ValueError):
+        return None
+
+
+# ------------------------------------------------------------------------------ shared soak state
+@dataclass
+class HonestStats:
+    served: Counter[str] = field(default_factory=Counter)  # 200s per tenant
+    throttled: Counter[int] = field(default_factory=Counter)  # 429 / 503, each retried
+    no_retry_after: int = 0
+    other: Counter[int] = field(default_factory=Counter)  # any other status (goal: none)
+    samples: list[str] = field(default_factory=list)  # bodies of those, and transport errors
+    sampled: Counter[str] = field(default_factory=Counter)
+    transport: int = 0
+    latency_ms: dict[str, list[float]] = field(default_factory=dict)  # per tenant, each 200
+    turn_ms: list[float] = field(default_factory=list)  # whole turns, Retry-After waits included
+    caches: Counter[str] = field(default_factory=Counter)
+    forked: int = 0
+    deletes: Counter[int] = field(default_factory=Counter)
+    lost: dict[str, str] = field(default_factory=dict)  # session -> why
+    reprefilled: dict[str, str] = field(default_factory=dict)  # session -> why
+
+    def sample(self, key: object, what: str) -> None:
+        """Keep the first three of each kind (a status, an exception), so that none hides another."""
+        self.sampled[str(key)] += 1
+        if self.sampled[str(key)] <= 3:
+            self.samples.append(what[:400])
+
+
+@dataclass
+class Kind:
+    """One hostile input: statuses seen, the unexpected ones, answer times."""
+
+    expect: str
+    statuses: Counter[str] = field(default_factory=Counter)
+    unexpected: list[str] = field(default_factory=list)
+    n_unexpected: int = 0
+    throttled: int = 0  # 429/503 waited out and sent again
+    ms: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Soak:
+    """What the tasks share. The chaos task alone appends to `kills`; each stats part has one writer
+    kind (honest workers, hostile tasks)."""
+
+    args: argparse.Namespace
+    url: str
+    node_url: str
+    model: str
+    engine_id: str  # the node's first engine, for the unauthenticated slot probes
+    key: str
+    deadline: float
+    kills: list[float] = field(default_factory=list)  # monotonic times of SIGKILLs
+    durable: dict[str, float] = field(default_factory=dict)  # session -> when a listing showed it saved
+    recoveries_s: list[float] = field(default_factory=list)
+    not_recovered: int = 0
+    engine_pids: set[int] = field(default_factory=set)
+    honest: HonestStats = field(default_factory=HonestStats)
+    kinds: dict[str, Kind] = field(default_factory=dict)
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def at(self) -> str:
+        """Seconds since the start, for samples."""
+        return f"[{self.args.duration_s - self.left():.0f} s]"
+
+    def kill_free(self, start: float, end: float) -> bool:
+        return not any(start <= k <= end for k in self.kills)
+
+    def note(self, kind: str, status: str, ok: bool, detail: str = "", ms: float | None = None) -> None:
+        k = self.kinds[kind]
+        k.statuses[status] += 1
+        if ms is not None:
+            k.ms.append(ms)
+        if not ok:
+            k.n_unexpected += 1
+            if len(k.unexpected) < 3:
+                k.unexpected.append(f"{self.at()} {status}: {detail}"[:300])
+
+
+# ------------------------------------------------------------------------- slotkeeper serve process
+@dataclass
+class Serve:
+    url: str
+    node_url: str
+    key: str
+    proc: subprocess.Popen[bytes]
+    engine_pids: set[int] = field(default_factory=set)
+
+    def engines(self) -> list[dict[str, Any]]:
+        r = httpx.get(
+            self.node_url + "/v1/engines", headers={"Authorization": f"Bearer {self.key}"}, timeout=5
+        )
+        r.raise_for_status()
+        engines = list(r.json()["engines"])
+        self.engine_pids |= {int(e["pid"]) for e in engines if e.get("pid")}
+        return engines
+
+    def close(self, graceful: bool) -> None:
+        """SIGTERM (the node drains and stops its engines) unless interrupted, then SIGKILL of serve's
+        group and of every engine's group (each engine leads its own, beyond serve's)."""
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+            self.engines()
+        if graceful and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(90)
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        for pid in self.engine_pids:
+            if is_engine_process(pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def serving(workdir: Path, flags: list[str], key: str, done: list[bool]) -> Iterator[Serve]:
+    """`slotkeeper serve` until ready; stopped gracefully on the way out once `done` holds True."""
+    port, node_port = free_port(), free_port()
+    cmd = [
+        *(sys.executable, "-m", "gateway.cli", "serve"),
+        *("--port", str(port)),
+        *("--node-port", str(node_port)),
+        *("--header-timeout-s", str(HEADER_TIMEOUT_S)),
+        *flags,
+    ]
+    env = {**os.environ, **AWS_ENV, "SLOTKEEPER_INTERNAL_KEY": key}
+    log = workdir / "serve.log"
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
+    serve = Serve(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{node_port}", key, proc)
+    try:
+        try:
+            wait_until(lambda: http_ok(serve.url + "/ready"), proc, "slotkeeper serve", timeout=180)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}\n{log.read_text(errors='replace')[-3000:]}") from None
+        yield serve
+    finally:
+        serve.close(graceful=any(done))
+
+
+# ------------------------------------------------------------------------------------ honest load
+@dataclass
+class Session:
+    tenant: str
+    name: str
+    rng: random.Random
+    history: list[dict[str, str]]
+    epoch: int = 0
+    done_at: list[float] = field(default_factory=list)  # answer times of this id's completed turns
+    waited: list[bool] = field(default_factory=list)  # and whether each was placed anew (not live, no fork)
+    busy: bool = False
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}-e{self.epoch}"
+
+    def protected(self, soak: Soak, before: float) -> bool:
+        """Its state was durable before `before`: a listing before a SIGKILL showed it saved, or it
+        has a completed turn answered before `before` whose write-behind save no SIGKILL could have
+        cut short: none from 1 s before the answer until the save was certainly over. That is the
+        save grace after the answer, or sooner the answer of a later turn placed anew (restored or
+        cold): the gateway places such a turn only once the saves of the session's earlier turns are
+        over. A next turn served live in its slot does not wait for them: it bounds nothing."""
+        if soak.durable.get(self.id, math.inf) < before:
+            return True
+        grace = soak.args.save_grace_s
+        for i, t in enumerate(self.done_at):
+            if t >= before:
+                break
+            over = next(
+                (a for a, w in zip(self.done_at[i + 1 :], self.waited[i + 1 :], strict=True) if w), math.inf
+            )
+            if soak.kill_free(t - 1.0, min(over, t + grace)):
+                return True
+        return False
+
+
+# An agent's system prompt is long (rules, tool descriptions): a hybrid model reuses a prefix only
+# from a checkpoint, and the engine takes none closer than --checkpoint-min-step (64) tokens apart,
+# so toy prompts of a few dozen tokens would be re-prefilled by design, not by fault.
+AGENT_RULES = (
+    "Work in small steps. Read the failing test first, then the code it exercises. Run the tests "
+    "after every change and report the command and its result. Never edit files outside the "
+    "repository. Prefer the smallest change that makes the test pass, and explain why it is right. "
+)
+
+
+def make_sessions(seed: int) -> list[Session]:
+    return [
+        Session(
+            tenant,
+            f"{tenant}-s{i:02d}",
+            random.Random(f"{seed}-{tenant}-{i}"),
+            [
+                {
+                    "role": "system",
+                    "content": f"You are the build agent of {tenant}, session {i}. " + AGENT_RULES,
+                }
+            ],
+        )
+        for tenant in HONEST
+        for i in range(32)
+    ]
+
+
+async def honest_turn(client: httpx.AsyncClient, soak: Soak, s: Session, final: bool = False) -> str:
+    """One turn of `s`, 429/503 retried after Retry-After; on a 200 the history grows. Returns how it
+    was served (live|restored|cold) or the status it ended with."""
+    h = soak.honest
+    user = {"role": "user", "content": f"Step {len(s.done_at) + 1}: " + " ".join(s.rng.sample(WORDS, 6))}
+    body = {"model": soak.model, "messages": [*s.history, user], "max_tokens": 8, "temperature": 0}
+    headers = {"Authorization": f"Bearer {HONEST[s.tenant]}", "X-Session-Id": s.id}
+    sent = time.monotonic()
+    until = sent + 180 if final else soak.deadline
+    for _ in range(60):
+        t0 = time.perf_counter()
+        try:
+            r = await client.post(soak.url + "/v1/chat/completions", json=body, headers=headers)
+        except httpx.HTTPError as exc:
+            h.transport += 1
+            h.sample(type(exc).__name__, f"{soak.at()} {s.id}: {type(exc).__name__}: {exc}")
+            return type(exc).__name__
+        ms = (time.perf_counter() - t0) * 1000
+        if r.status_code in (429, 503):
+            h.throttled[r.status_code] += 1
+            wait = retry_after(r)
+            h.no_retry_after += wait is None
+            if time.monotonic() + (wait or 1.0) > until:
+                return str(r.status_code)  # the soak ended while waiting: not a failure
+            await asyncio.sleep(min(wait or 1.0, 10.0))
+            continue
+        if r.status_code != 200:
+            h.other[r.status_code] += 1
+            h.sample(r.status_code, f"{soak.at()} {s.id}: HTTP {r.status_code}: {r.text}")
+            return str(r.status_code)
+        payload = r.json()
+        cache = r.headers.get("x-slotkeeper-cache", "-")
+        details = (payload.get("usage") or {}).get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens")  # None when missing: nothing to judge reuse by
+        h.served[s.tenant] += 1
+        h.caches[cache] += 1
+        h.latency_ms.setdefault(s.tenant, []).append(ms)
+        h.turn_ms.append((time.monotonic() - sent) * 1000)
+        forked = r.headers.get("x-session-id") != s.id
+        h.forked += forked
+        if (cache == "cold" or cached == 0) and s.protected(soak, sent):
+            why = f"{soak.at()} {'final' if final else 'soak'} turn served {cache}, cached_tokens {cached}, "
+            (h.lost if cache == "cold" else h.reprefilled)[s.id] = f"{why}after {len(s.done_at)} turns"
+        content = (payload.get("choices") or [{}])[0].get("message", {}).get("content") or ""
+        s.history += [user, {"role": "assistant", "content": content}]
+        s.done_at.append(time.monotonic())
+        s.waited.append(cache in ("restored", "cold") and not forked)
+        return cache
+    h.sample("gave up", f"{soak.at()} {s.id}: still 429/503 after 60 tries")
+    return "gave up"
+
+
+async def roll_over(client: httpx.AsyncClient, soak: Soak, s: Session) -> None:
+    """DELETE the session and continue under the next epoch's id (a failed DELETE is only counted:
+    the session is idle, its last save at most waited for)."""
+    auth = {"Authorization": f"Bearer {HONEST[s.tenant]}"}
+    try:
+        r = await client.delete(f"{soak.url}/v1/sessions/{s.id}", headers=auth)
+        soak.honest.deletes[r.status_code] += 1
+    except httpx.HTTPError as exc:
+        soak.honest.transport += 1
+        soak.honest.sample(type(exc).__name__, f"{soak.at()} DELETE {s.id}: {type(exc).__name__}: {exc}")
+    s.epoch += 1
+    s.history, s.done_at, s.waited = s.history[:1], [], []
+
+
+async def honest_worker(client: httpx.AsyncClient, soak: Soak, sessions: list[Session], seed: int) -> None:
+    rng = random.Random(seed)
+    while soak.left() > 0:
+        s = rng.choice([x for x in sessions if not x.busy])  # one turn of a session at a time
+        s.busy = True
+        try:
+            if len(s.done_at) >= soak.args.max_turns:
+                await roll_over(client, soak, s)
+            await honest_turn(client, soak, s)
+        finally:
+            s.busy = False
+
+
+# ------------------------------------------------------------------------------------------ chaos
+async def list_engines(client: httpx.AsyncClient, soak: Soak) -> list[dict[str, Any]]:
+    r = await client.get(soak.node_url + "/v1/engines", headers={"Authorization": f"Bearer {soak.key}"})
+    r.raise_for_status()
+    engines = list(r.json()["engines"])
+    soak.engine_pids |= {int(e["pid"]) for e in engines if e.get("pid")}
+    return engines
+
+
+async def engines_ready(client: httpx.AsyncClient, soak: Soak, old_pid: int, within_s: float) -> bool:
+    """Waits until every engine is ready in a process other than `old_pid` and the gateway is ready."""
+    until = time.monotonic() + within_s
+    while time.monotonic() < until:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+            engines = await list_engines(client, soak)
+            if all(e["state"] == "ready" and e.get("pid") not in (None, old_pid) for e in engines):
+                if engines and (await client.get(soak.url + "/ready")).status_code == 200:
+                    return True
+        await asyncio.sleep(0.5)
+    return False
+
+
+async def note_durable(client: httpx.AsyncClient, soak: Soak) -> None:
+    """Record which honest sessions the index shows saved (a durable generation): their state
+    outlives any SIGKILL from now on, whatever the timing of their turns says."""
+    for key in HONEST.values():
+        r = await client.get(soak.url + "/v1/sessions", headers={"Authorization": f"Bearer {key}"})
+        r.raise_for_status()
+        now = time.monotonic()  # the records were read before the answer arrived
+        for rec in r.json()["data"]:
+            if int(rec.get("generation") or 0) > 0:
+                soak.durable.setdefault(str(rec["id"]), now)
+
+
+async def chaos(client: httpx.AsyncClient, soak: Soak, rng: random.Random) -> None:
+    """SIGKILL a ready engine at random intervals; after each, wait for its replacement to be ready.
+    Right before each, the honest sessions already saved are noted (`note_durable`)."""
+    while True:
+        delay = rng.uniform(soak.args.kill_min_s, soak.args.kill_max_s)
+        if delay >= soak.left():
+            return
+        await asyncio.sleep(delay)  # deliberate pacing
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+            ready = [
+                int(e["pid"]) for e in await list_engines(client, soak) if e["state"] == "ready" and e["pid"]
+            ]
+            pid = rng.choice(ready) if ready else 0
+            if pid and is_engine_process(pid):
+                with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):  # then none is noted
+                    await note_durable(client, soak)
+                os.kill(pid, signal.SIGKILL)
+                soak.kills.append(t0 := time.monotonic())
+                print(f"  [{soak.args.duration_s - soak.left():5.0f} s] SIGKILL engine pid {pid}", flush=True)
+                if await engines_ready(client, soak, pid, within_s=120):
+                    soak.recoveries_s.append(time.monotonic() - t0)
+                else:
+                    soak.not_recovered += 1
+
+
+# ---------------------------------------------------------------------------------------- hostile
+KINDS = {  # hostile input -> what is expected of the gateway (each check is in Hostile's code)
+    "grammar: 50k nested parens": "400",
+    "json_schema: 3,000 properties": "200|400 within 30 s",
+    "60 MB body, Content-Length": "413",
+    "60 MB body, chunked": "413",
+    "JSON nested 100,000 deep": "400",
+    "messages not objects": "400",
+    "X-Session-Id ../x, 129 chars": "400",
+    "node API without the key": "401",
+    "delete, then reuse the id": "200 each, reuse cold",
+    "X-Session-Id dot2. while busy": "200 (or forked)",
+    "300 random 404 paths": "404",
+    "burst over in-flight limit": "200|429+Retry-After, some 429",
+    "burst over requests/minute": "429 + Retry-After",
+    "trickled headers": f"closed within {HEADER_TIMEOUT_S:.0f} s",
+}
+Probe = tuple[str, frozenset[int], str, str, dict[str, Any]]  # kind, good statuses, method, url, kw
+
+
+class Hostile:
+    """The hostile tenant: every input of KINDS, round after round, until the deadline."""
+
+    def __init__(self, soak: Soak, client: httpx.AsyncClient, rng: random.Random) -> None:
+        self.soak, self.client, self.rng = soak, client, rng
+        self.auth = {"Authorization": f"Bearer {HOSTILE_KEY}"}
+        self.chat = soak.url + "/v1/chat/completions"
+        parts = urlsplit(soak.url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.last_rpm_burst = -math.inf  # the first rate-limit burst ends round 2
+        self.round = 0
+        soak.kinds.update({name: Kind(expect) for name, expect in KINDS.items()})
+
+    def body(self, text: str, **extra: Any) -> dict[str, Any]:
+        msgs = [{"role": "user", "content": text}]
+        return {"model": self.soak.model, "messages": msgs, "max_tokens": 4, "temperature": 0, **extra}
+
+    def probes(self) -> list[Probe]:
+        """The inputs that are one request each, as a table."""
+        chat, node, engine = self.chat, self.soak.node_url, self.soak.engine_id
+        props = {f"field_{i}": {"type": "string"} for i in range(3000)}
+        wide = {
+            "type": "json_schema",
+            "json_schema": {"name": "wide", "schema": {"type": "object", "properties": props}},
+        }
+        parens = "(" * 50_000 + ")" * 50_000
+        deep = b'{"model": "x", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        ref, s400, s401 = {"tenant": "mallory", "session": "h-reuse", "generation": 1}, {400}, {401}
+        table: list[tuple[str, set[int], str, str, dict[str, Any]]] = [
+            (
+                "grammar: 50k nested parens",
+                s400,
+                "POST",
+                chat,
+                {"json": self.body("hi", grammar=parens), "headers": {**self.auth, "X-Session-Id": "h-gr"}},
+            ),
+            (
+                "json_schema: 3,000 properties",
+                {200, 400},
+                "POST",
+                chat,
+                {
+                    "json": self.body("fill in", response_format=wide),
+                    "headers": {**self.auth, "X-Session-Id": "h-schema"},
+                },
+            ),
+            (
+                "JSON nested 100,000 deep",
+                s400,
+                "POST",
+                chat,
+                {"content": deep, "headers": {**self.auth, "Content-Type": "application/json"}},
+            ),
+            (
+                "messages not objects",
+                s400,
+                "POST",
+                chat,
+                {
+                    "headers": self.auth,
+                    "json": {"model": self.soak.model, "messages": ["hello", 42, None], "max_tokens": 4},
+                },
+            ),
+            *(
+                (
+                    "X-Session-Id ../x, 129 chars",
+                    s400,
+                    "POST",
+                    chat,
+                    {"json": self.body("hi"), "headers": {**self.auth, "X-Session-Id": sid}},
+                )
+                for sid in ("../x", "x" * 129)
+            ),
+            *(
+                ("node API without the key", s401, method, node + path, kw)
+                for method, path, kw in [
+                    ("GET", "/v1/engines", {}),
+                    ("GET", "/metrics", {}),
+                    ("POST", f"/v1/engines/{engine}/slots/0/spill", {"json": ref}),
+                    ("POST", f"/v1/engines/{engine}/slots/0/fill", {"json": ref}),
+                    ("POST", f"/v1/engines/{engine}/slots/0/erase", {}),
+                    ("DELETE", "/v1/sessions/alpha/alpha-s00-e0", {}),
+                ]
+            ),
+        ]
+        return [(kind, frozenset(good), method, url, kw) for kind, good, method, url, kw in table]
+
+    async def run(self) -> None:
+        steps: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
+            *((p[0], lambda p=p: self.call(*p)) for p in self.probes()),
+            ("60 MB body, Content-Length", lambda: self.huge_body(chunked=False)),
+            ("60 MB body, chunked", lambda: self.huge_body(chunked=True)),
+            ("delete, then reuse the id", self.delete_reuse),
+            ("X-Session-Id dot2. while busy", self.fork_dot2),
+            ("300 random 404 paths", self.not_found),
+            ("burst over in-flight limit", self.inflight_burst),
+            ("burst over requests/minute", self.rpm_burst),
+        ]
+        while self.soak.left() > 0:
+            self.round += 1
+            for kind, step in steps:
+                if self.soak.left() <= 0:
+                    return
+                try:
+                    await step()
+                except (httpx.HTTPError, OSError, TimeoutError) as exc:
+                    self.soak.note(kind, "transport error", False, f"{type(exc).__name__}: {exc}")
+
+    async def call(
+        self, kind: str, good: frozenset[int], method: str, url: str, kw: dict[str, Any]
+    ) -> httpx.Response | None:
+        """One request of `kind`. A 429/503 outside `good` (the rate window spent, an engine
+        restarting) is waited out after its Retry-After, twice at most; the final status is judged."""
+        for attempt in range(3):
+            t0 = time.perf_counter()
+            r = await self.client.request(method, url, **kw)
+            ms = (time.perf_counter() - t0) * 1000
+            wait = retry_after(r)
+            if r.status_code in (429, 503) and r.status_code not in good and wait is not None and attempt < 2:
+                self.soak.kinds[kind].throttled += 1
+                if wait + 1 > self.soak.left():
+                    return None  # the soak ends first
+                await asyncio.sleep(wait)
+                continue
+            status, ok = str(r.status_code), r.status_code in good
+            if ok and kind.startswith("json_schema") and ms > 30_000:
+                status, ok = f"{r.status_code} after {ms / 1000:.0f} s", False
+            self.soak.note(kind, status, ok, r.text, ms)
+            return r
+        return None
+
+    async def huge_body(self, chunked: bool) -> None:
+        """60 MB from a raw socket while its answer is read: 413 (the gateway may close without
+        reading the rest; writing then fails, which is fine)."""
+        kind = f"60 MB body, {'chunked' if chunked else 'Content-Length'}"
+        total, chunk = 60 << 20, b" " * (1 << 20)
+        framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {total}"
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer "
+            f"{HOSTILE_KEY}\r\nContent-Type: application/json\r\n{framing}\r\nConnection: close\r\n\r\n"
+        )
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+
+        async def write() -> None:
+            writer.write(head.encode())
+            for _ in range(total // len(chunk)):
+                writer.write(b"100000\r\n" + chunk + b"\r\n" if chunked else chunk)
+                await writer.drain()
+            writer.write(b"0\r\n\r\n" if chunked else b"")
+            await writer.drain()
+
+        t0 = time.perf_counter()
+        sender = asyncio.create_task(write())
+        try:
+            line = await asyncio.wait_for(reader.readline(), 60)
+        except (TimeoutError, ConnectionError):
+            line = b""
+        finally:
+            sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ConnectionError, OSError):
+                await sender
+            writer.close()
+        status = line.split()[1].decode() if line.startswith(b"HTTP/") else "closed without an answer"
+        ms = (time.perf_counter() - t0) * 1000
+        self.soak.note(kind, status, status == "413", line.decode(errors="replace"), ms)
+
+    async def delete_reuse(self) -> None:
+        """A turn, DELETE, a turn with the same id: a new, cold session (the old state must not return)."""
+        kind, sid, ok = "delete, then reuse the id", "h-reuse", frozenset({200})
+        turn = {"json": self.body("remember: 7"), "headers": {**self.auth, "X-Session-Id": sid}}
+        delete = {"headers": self.auth}
+        for method, url, kw in (
+            ("POST", self.chat, turn),
+            ("DELETE", f"{self.soak.url}/v1/sessions/{sid}", delete),
+        ):
+            r = await self.call(kind, ok, method, url, kw)
+            if r is None or r.status_code != 200:
+                return
+        again = await self.call(kind, ok, "POST", self.chat, turn)
+        if again is not None and again.status_code == 200:
+            cache = again.headers.get("x-slotkeeper-cache", "-")
+            if cache != "cold" or again.headers.get("x-session-id") != sid:
+                self.soak.note(kind, f"reuse served {cache}", False, "a deleted session's state came back")
+
+    async def fork_dot2(self) -> None:
+        """Two turns of `dot2.` at once: one finds it busy and is served by a fork (deleted after)."""
+        kind, ok = "X-Session-Id dot2. while busy", frozenset({200})
+        kw = {
+            "json": self.body(f"count slowly to fifty, round {self.round}", max_tokens=48),
+            "headers": {**self.auth, "X-Session-Id": "dot2."},
+        }
+        first = asyncio.create_task(self.call(kind, ok, "POST", self.chat, kw))
+        await asyncio.sleep(0.05)
+        second = await self.call(kind, ok, "POST", self.chat, kw)
+        for r in (await first, second):
+            fork = r.headers.get("x-session-id", "") if r is not None and r.status_code == 200 else "dot2."
+            if fork != "dot2.":
+                self.soak.note(kind, "forked", fork.startswith("dot2") and ".." not in fork, fork)
+                await self.call(
+                    kind, ok, "DELETE", f"{self.soak.url}/v1/sessions/{fork}", {"headers": self.auth}
+                )
+
+    async def not_found(self) -> None:
+        for _ in range(300):
+            url = f"{self.soak.url}/h404-{secrets.token_hex(6)}/{self.rng.choice(WORDS)}"
+            await self.call("300 random 404 paths", frozenset({404}), "GET", url, {"headers": self.auth})
+
+    async def inflight_burst(self) -> None:
+        """More turns at once than the tenant's in-flight limit: the excess gets 429 + Retry-After."""
+        kind, n = "burst over in-flight limit", HOSTILE_INFLIGHT + 4
+
+        async def one(i: int) -> httpx.Response:
+            headers = {**self.auth, "X-Session-Id": f"h-burst-{i}"}
+            return await self.client.post(self.chat, json=self.body("burst", max_tokens=16), headers=headers)
+
+        for r in await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True):
+            if isinstance(r, BaseException):
+                self.soak.note(kind, "transport error", False, f"{type(r).__name__}: {r}")
+                continue
+            limited = r.status_code in (429, 503) and retry_after(r) is not None
+            self.soak.note(kind, str(r.status_code), r.status_code == 200 or limited, r.text)
+        if self.round == 3 and self.soak.kinds[kind].statuses["429"] == 0:
+            self.soak.note(kind, "no 429 in 3 bursts", False, f"{n} at once, limit {HOSTILE_INFLIGHT}")
+
+    async def rpm_burst(self) -> None:
+        """Cheap requests (refused with 400 after the rate check) until a 429, then wait it out."""
+        if self.round < 2 or time.monotonic() - self.last_rpm_burst < 90:
+            return
+        self.last_rpm_burst = time.monotonic()
+        kind, body = (
+            "burst over requests/minute",
+            {"model": self.soak.model, "messages": [7], "max_tokens": 1},
+        )
+        # Windows are calendar minutes: a burst across a boundary splits its count, so send enough
+        # that one of the two windows is over the limit whatever the timing.
+        for _ in range(2 * HOSTILE_RPM + 50):
+            try:
+                r = await self.client.post(self.chat, json=body, headers=self.auth)
+            except httpx.TransportError as exc:  # counted; the burst goes on
+                self.soak.note(kind, "transport error", False, f"{type(exc).__name__}: {exc}")
+                continue
+            if r.status_code == 429:
+                wait = retry_after(r)
+                self.soak.note(kind, "429", wait is not None and wait <= 61, r.text)
+                await asyncio.sleep(max(0.0, min(wait or 0.0, self.soak.left())))
+                return
+            wait = retry_after(r)
+            if r.status_code == 503 and wait is not None:  # the model's engine is restarting (a SIGKILL)
+                self.soak.kinds[kind].throttled += 1
+                await asyncio.sleep(max(0.0, min(wait, self.soak.left())))
+                continue
+            self.soak.note(kind, str(r.status_code), r.status_code == 400, r.text)
+        self.soak.note(kind, "never 429", False, f"{2 * HOSTILE_RPM + 50} requests, limit {HOSTILE_RPM}/min")
+
+    async def trickle(self) -> None:
+        """Slowloris, in its own task: a request head at one byte a second; how long it is held."""
+        kind, limit = "trickled headers", HEADER_TIMEOUT_S + 5
+        head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 4096
+        while self.soak.left() > limit + 15:
+            reader, writer = await asyncio.open_connection(self.host, self.port)
+            t0, outcome = time.monotonic(), "held"
+            try:
+                for i in range(int(HEADER_TIMEOUT_S) + 20):
+                    try:
+                        writer.write(head[i : i + 1])
+                        await writer.drain()
+                        data = await asyncio.wait_for(reader.read(256), 1.0)  # the pacing: 1 byte/s
+                    except TimeoutError:
+                        continue
+                    except ConnectionError:
+                        data = b""
+                    outcome = data.split(b"\r\n", 1)[0].decode(errors="replace") or "closed"
+                    break
+            finally:
+                writer.close()
+            held = time.monotonic() - t0
+            status = "held" if outcome == "held" else "closed"
+            self.soak.note(kind, status, held <= limit, f"{outcome} after {held:.1f} s", held * 1000)
+
+
+# ---------------------------------------------------------------------------------------- the soak
+async def verify(client: httpx.AsyncClient, soak: Soak, sessions: list[Session]) -> dict[str, Any]:
+    """Engines ready, then one more turn for every honest session that has completed turns."""
+    ready = await engines_ready(client, soak, old_pid=-1, within_s=180)
+    records: Counter[str] = Counter()
+    served: Counter[str] = Counter()
+    gate = asyncio.Semaphore(8)
+
+    async def one(s: Session) -> None:
+        async with gate:
+            auth = {"Authorization": f"Bearer {HONEST[s.tenant]}"}
+            try:
+                r = await client.get(f"{soak.url}/v1/sessions/{s.id}", headers=auth)
+            except httpx.HTTPError as exc:
+                soak.honest.transport += 1
+                soak.honest.sample(type(exc).__name__, f"{soak.at()} GET {s.id}: {type(exc).__name__}: {exc}")
+                return
+            records[str(r.json().get("state")) if r.status_code == 200 else str(r.status_code)] += 1
+            if r.status_code == 404 and s.protected(soak, time.monotonic()):
+                soak.honest.lost.setdefault(s.id, f"its record is gone (404) after {len(s.done_at)} turns")
+            served[await honest_turn(client, soak, s, final=True)] += 1
+
+    await asyncio.gather(*(one(s) for s in sessions if s.done_at))
+    return {"engines_ready": ready, "records": dict(records), "served": dict(served)}
+
+
+async def soak_run(args: argparse.Namespace, serve: Serve, engine: dict[str, Any]) -> dict[str, Any]:
+    deadline = time.monotonic() + args.duration_s
+    soak = Soak(args, serve.url, serve.node_url, engine["model"], engine["id"], serve.key, deadline)
+    sessions = make_sessions(args.seed)
+    # Idle connections are dropped before the gateway's keep-alive timeout (5 s) can close them under
+    # a request in flight: a transport error then is the gateway's, not the keep-alive race's.
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=32, keepalive_expiry=2.0)
+    async with (
+        httpx.AsyncClient(timeout=120, limits=limits) as honest,
+        httpx.AsyncClient(timeout=60, limits=limits) as other,
+    ):
+        hostile = Hostile(soak, other, random.Random(args.seed + 1))
+        tasks = [
+            asyncio.create_task(honest_worker(honest, soak, sessions, args.seed * 100 + w))
+            for w in range(args.workers)
+        ]
+        tasks += [
+            asyncio.create_task(chaos(other, soak, random.Random(args.seed + 2))),
+            asyncio.create_task(hostile.run()),
+            asyncio.create_task(hostile.trickle()),
+        ]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            serve.engine_pids |= soak.engine_pids
+        soak_s = args.duration_s - soak.left()
+        final = await verify(honest, soak, sessions)
+        text = (await other.get(serve.url + "/metrics")).text
+        series = sum(ln.startswith("slotkeeper_gateway_requests_total{") for ln in text.splitlines())
+        leak = "h404-" in text  # a random path became a label value
+        restarts = sum(int(e.get("restarts") or 0) for e in await list_engines(other, soak))
+    h = soak.honest
+    everyone = [x for v in h.latency_ms.values() for x in v]
+    goals = {
+        "honest 5xx other than 503": sum(n for s, n in h.other.items() if s >= 500 and s != 503),
+        "honest 4xx other than 429": sum(n for s, n in h.other.items() if s < 500),
+        "honest transport errors": h.transport,
+        "sessions lost beyond the turn in flight": len(h.lost),
+        "sessions re-prefilled (live/restored, cached_tokens 0)": len(h.reprefilled),
+        "hostile answers unexpected": sum(k.n_unexpected for k in soak.kinds.values()),
+        f"request series over {MAX_SERIES}, or a 404 path as label": int(series > MAX_SERIES or leak),
+        "engines not ready again within 120 s": soak.not_recovered + (not final["engines_ready"]),
+    }
+    kinds = {
+        n: {
+            "expect": k.expect,
+            "statuses": dict(k.statuses),
+            "throttled_then_retried": k.throttled,
+            "p99_ms": pct(k.ms, 99),
+            "unexpected": k.unexpected,
+        }
+        for n, k in soak.kinds.items()
+    }
+    latency = {
+        t: {"n": len(v), "p50": pct(v, 50), "p99": pct(v, 99)}
+        for t, v in [*sorted(h.latency_ms.items()), ("all honest", everyone)]
+    }
+    return {
+        "duration_s": round(soak_s, 1),
+        "honest": {
+            "served": sum(h.served.values()),
+            "status_429": h.throttled[429],
+            "status_503": h.throttled[503],
+            "throttled_without_retry_after": h.no_retry_after,
+            "other_statuses": dict(h.other),
+            "latency_ms": latency,
+            "turn_p99_ms_with_retries": pct(h.turn_ms, 99),
+            "served_as": dict(h.caches),
+            "forked": h.forked,
+            "rollover_deletes": dict(h.deletes),
+            "samples": h.samples,
+            "lost": h.lost,
+            "reprefilled": h.reprefilled,
+        },
+        "final_turn": final,
+        "engines": {
+            "sigkills_sent": len(soak.kills),
+            "restarts_reported": restarts,
+            "recovery_s": [round(x, 1) for x in soak.recoveries_s],
+        },
+        "hostile": {"rounds": hostile.round, "kinds": kinds},
+        "gateway_request_series": series,
+        "goals": goals,
+        "ok": not any(goals.values()),
+    }
+
+
+def print_report(r: dict[str, Any]) -> None:
+    h, e, f = r["honest"], r["engines"], r["final_turn"]
+    print(
+        f"\n== soak: {r['duration_s']} s, 64 honest sessions of 2 tenants on 8 slots, a hostile tenant, "
+        f"{e['sigkills_sent']} engine SIGKILLs =="
+    )
+    rows = [[t, str(v["n"]), f"{v['p50']:.0f}", f"{v['p99']:.0f}"] for t, v in h["latency_ms"].items()]
+    print(table(["honest tenant", "served (200)", "p50 ms", "p99 ms"], rows))
+    print(
+        f"429: {h['status_429']}, 503: {h['status_503']} (retried after Retry-After; "
+        f"{h['throttled_without_retry_after']} had none); other statuses: {h['other_statuses'] or 'none'}; "
+        f"turn p99 with retries {h['turn_p99_ms_with_retries']:.0f} ms"
+    )
+    print(f"served as {h['served_as']}, forked {h['forked']}, rollover DELETEs {h['rollover_deletes']}")
+    print(
+        f"final turn: records {f['records']}, served {f['served']}; sessions lost: {len(h['lost'])}, "
+        f"re-prefilled: {len(h['reprefilled'])}"
+    )
+    print(
+        f"engines: {e['sigkills_sent']} SIGKILLs, {e['restarts_reported']} restarts reported by the node, "
+        f"ready again after {e['recovery_s']} s"
+    )
+    lost = [f"lost {sid}: {why}" for sid, why in h["lost"].items()]
+    lost += [f"re-prefilled {sid}: {why}" for sid, why in h["reprefilled"].items()]
+    for line in h["samples"] + lost[:12]:
+        print(f"  ! {line}")
+    print(f"\n-- hostile tenant: {r['hostile']['rounds']} rounds --")
+    kinds = r["hostile"]["kinds"].items()
+    rows = [
+        [
+            n,
+            k["expect"],
+            ", ".join(f"{s}:{c}" for s, c in sorted(k["statuses"].items())) or "-",
+            str(k["throttled_then_retried"]),
+            f"{k['p99_ms']:.0f}",
+        ]
+        for n, k in kinds
+    ]
+    print(table(["input", "expected", "statuses", "429/503 waited", "p99 ms"], rows))
+    for name, k in kinds:
+        for sample in k["unexpected"]:
+            print(f"  ! {name}: {sample}")
+    print(f"gateway request series after the 404 paths: {r['gateway_request_series']}\n")
+    print(table(["goal", "value (0)"], [[g, str(v)] for g, v in r["goals"].items()]))
+    print("PASS" if r["ok"] else "FAIL")
+
+
+# ========================================================================================= command
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="slotkeeper bench soak",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--duration-s", type=float, default=600.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--workers", type=int, default=8, help="concurrent honest workers (at most 64)")
+    ap.add_argument("--max-turns", type=int, default=12, help="turns before a session rolls over")
+    ap.add_argument("--kill-min-s", type=float, default=20.0, help="shortest pause between SIGKILLs")
+    ap.add_argument("--kill-max-s", type=float, default=60.0, help="longest pause between SIGKILLs")
+    ap.add_argument("--save-grace-s", type=float, default=30.0, help="longest write-behind save")
+    ap.add_argument("--model", help="GGUF (default: the generated tiny qwen35)")
+    ap.add_argument("--models-dir", default=os.path.join(".bench", "models"))
+    ap.add_argument("--workdir", help="keep logs and data here (default: a temporary directory)")
+    ap.add_argument("--log-level", default="info", help="serve's log level")
+    return ap
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM cleans up like Ctrl-C
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    args.workers = max(1, min(args.workers, 64))
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the CLI's logging says every request
+    model = os.path.abspath(args.model or cached_model(args.models_dir, "qwen35", size="tiny"))
+    previous = signal.signal(signal.SIGTERM, _interrupted)
+    done: list[bool] = []
+    t0 = time.perf_counter()
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp:
+            workdir = Path(args.workdir or tmp).resolve()
+            workdir.mkdir(parents=True, exist_ok=True)
+            (workdir / "tenants.toml").write_text(TENANTS_TOML)
+            moto = MotoProcess(workdir)
+            moto.start()
+            try:
+                with redis_server(workdir) as redis_port:
+                    flags = [
+                        *("--model", model),
+                        *("--slots", "8"),
+                        *("--ctx", "2048"),
+                        *("--log-level", args.log_level),
+                        *("--tenants", str(workdir / "tenants.toml")),
+                        *("--data-dir", str(workdir / "data")),
+                        *("--redis-url", f"redis://127.0.0.1:{redis_port}/0"),
+                        *("--s3-endpoint", moto.endpoint),
+                        *("--s3-bucket", "slots"),
+                    ]
+                    with serving(workdir, flags, f"soak-{secrets.token_hex(16)}", done) as serve:
+                        result = asyncio.run(soak_run(args, serve, serve.engines()[0]))
+                        done.append(True)
+            finally:
+                moto.kill()
+            print_report(result)
+            where = workdir if args.workdir else "a temporary directory, removed"
+            print(f"(wall {time.perf_counter() - t0:.0f} s; logs in {where})")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if args.json:
+        plain = json.loads(json.dumps(result, default=str), parse_constant=lambda _: None)  # NaN -> null
+        Path(args.json).write_text(json.dumps(plain, indent=2) + "\n")
+    return 0 if result["ok"] else 1

@@ -1,0 +1,137 @@
+"""Finishing a turn: the record back to idle, the routing digests, the usage counters, the
+in-flight place and the lock — and, for a tenant that keeps sessions durable after every turn, a
+write-behind save (gateway.saves).
+
+`bookkeeping` decides what to write from the turn and what the engine answered (pure); `finish`
+writes it in one round trip beside the answer going out. A fault there costs durability or routing
+of this one session, never the answer already given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from gateway.holds import write_record
+from gateway.prefixes import finished_digests
+from gateway.relay import TurnOutcome
+from gateway.saves import write_behind
+from gateway.tenants import Durability
+from gateway.turn import Turn
+from gateway.turn_parts import TurnParts
+from storage.errors import LockLost, NotStored, StorageError, WriteConflict
+from storage.index.session_index import SessionIndex
+from storage.index.turnops import Ops
+
+log = structlog.get_logger("slotkeeper.gateway")
+
+
+@dataclass(frozen=True)
+class Bookkeeping:
+    """What finishing one turn writes besides the record going idle."""
+
+    tokens: int | None = None  # the session's tokens now (None: unknown, kept)
+    digests: tuple[str, ...] = ()  # the routes its next turn is found by (gateway.prefixes)
+    shared: str | None = None  # its shared prefix's digest, for sessions that start from it
+    identical: str | None = None  # this prompt's digest, for a new session that sends it again
+    usage: Mapping[str, int] = field(default_factory=dict)
+    inflight: str = ""  # the tenant's in-flight place to give back
+    release: bool = False  # the lock too (no save follows and no other user holds it)
+    save: bool = False  # a write-behind save follows
+
+    @property
+    def route(self) -> str | None:
+        return self.digests[-1] if self.digests else None
+
+    def queue(self, index: SessionIndex, ops: Ops, tenant: str, session: str) -> None:
+        """Queue the writes besides the record on the record's own round trip."""
+        if self.digests:
+            index.queue_prefixes(ops, tenant, session, list(self.digests))
+        for digest in (self.shared, self.identical):
+            if digest:
+                index.queue_shared(ops, tenant, session, digest)
+        if self.usage:
+            index.queue_usage(ops, tenant, dict(self.usage))
+        if self.inflight:
+            index.queue_release_inflight(ops, tenant, self.inflight)
+        if self.release:
+            ops.delete(index.keys.lock(tenant, session))
+
+
+def bookkeeping(
+    turn: Turn, messages: Sequence[Mapping[str, Any]], outcome: TurnOutcome, *, shares: bool, last_user: bool
+) -> Bookkeeping:
+    """What to write for a finished turn: routes, shared digests and usage only when the engine
+    answered; a save when the tenant keeps sessions durable after every turn; the lock released
+    with the record when nothing else (a pending save) still holds it (``last_user``)."""
+    save = outcome.ok and turn.tenant.durability is Durability.AFTER_TURN
+    release = not save and last_user
+    if not outcome.ok:
+        return Bookkeeping(outcome.tokens or None, inflight=turn.inflight, release=release, save=save)
+    tools = turn.prompt.tools if turn.prompt is not None else None
+    digests, identical = finished_digests(messages, outcome.assistant_message(), tools, turn.model)
+    usage = {
+        "requests": 1,
+        "prompt_tokens": int(outcome.usage.get("prompt_tokens", 0)),
+        "completion_tokens": int(outcome.usage.get("completion_tokens", 0)),
+    }
+    return Bookkeeping(
+        outcome.tokens or None,
+        tuple(digests),
+        turn.shared,
+        identical if shares else None,
+        usage,
+        turn.inflight,
+        release,
+        save,
+    )
+
+
+async def finish(
+    parts: TurnParts, turn: Turn, messages: Sequence[Mapping[str, Any]], outcome: TurnOutcome
+) -> None:
+    """Write the turn's bookkeeping (see the module doc) and let go of its hold. Never raises."""
+    t, s, hold = turn.tenant.name, turn.session, turn.hold
+    parts.holds.answered(hold)
+    books = bookkeeping(
+        turn, messages, outcome, shares=parts.shares(t), last_user=parts.holds.last_user(hold)
+    )
+    decide = parts.index.decide_idle(s, books.tokens, books.route, books.shared, books.identical)
+    written = released = False
+    try:
+        _, written = await write_record(
+            parts.index, hold, decide, idle=True, also=lambda ops: books.queue(parts.index, ops, t, s)
+        )
+        released = written and books.release
+        if not outcome.ok:
+            # A failed or timed-out request fails alone. Whether the engine died is the node's to
+            # say (process exit, failed health, re-registration drop its sessions), not ours.
+            log.warning("session.turn_failed", tenant=t, session=s, error=outcome.error)
+        if not written:  # the record changed under us: the transaction wrote it; now the rest
+            if books.digests:
+                await parts.index.add_prefixes(t, s, list(books.digests))
+            for digest in (books.shared, books.identical):
+                if digest:
+                    await parts.index.add_shared(t, s, digest)
+            if books.usage:
+                await parts.index.incr_usage(t, dict(books.usage))
+        if books.save:
+            parts.holds.saving(hold, functools.partial(write_behind, parts, turn))
+    except LockLost:
+        log.warning("session.lock_lost", tenant=t, session=s)
+    except (WriteConflict, NotStored):
+        # The node dropped the session meanwhile (its engine died) or it was deleted: nothing to keep.
+        log.info("session.gone_after_turn", tenant=t, session=s)
+    except StorageError as exc:
+        log.warning("session.finish_failed", tenant=t, session=s, error=str(exc))
+    finally:
+        if turn.inflight and not written:
+            with contextlib.suppress(StorageError):
+                await parts.index.release_inflight(t, turn.inflight)
+        parts.holds.booked(hold)
+        await parts.holds.let_go(hold, released=released)

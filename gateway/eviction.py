@@ -1,0 +1,102 @@
+"""Evicting an idle session from the slot a placement chose: spilled as its next stored generation.
+
+`eviction_step` decides from the victim's record alone (pure); `evict` takes the victim's lock,
+reads its record and carries the step out. Any failure costs the placing request only (503) and
+leaves the victim live where it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from enum import StrEnum
+
+import structlog
+
+from engine_pool.common.errors import Unavailable
+from engine_pool.pool.client import NodeClient, NodeError
+from gateway.placement import Placement
+from gateway.saves import save_slot
+from gateway.turn_parts import TurnParts
+from storage.errors import LockBusy, StorageError
+from storage.index.records import SessionRecord, SessionState
+
+log = structlog.get_logger("slotkeeper.gateway")
+
+
+class EvictionStep(StrEnum):
+    MOVED = "moved"  # it left the slot while we waited for its lock: the slot no longer holds it
+    RECORD = "record"  # its after-turn save is its current state: record it spilled, save nothing
+    SAVE = "save"  # save the slot as its next generation, then record it spilled
+
+
+def eviction_step(rec: SessionRecord, engine: str, slot: int) -> EvictionStep:
+    """What evicting the session ``rec`` from (``engine``, ``slot``) takes. A session that moved
+    (its own next turn took it elsewhere) is never saved from the slot: that would give it someone
+    else's state."""
+    if (rec.state, rec.engine, rec.slot) != (SessionState.LIVE, engine, slot):
+        return EvictionStep.MOVED
+    if rec.generation and not rec.dirty:
+        return EvictionStep.RECORD
+    return EvictionStep.SAVE
+
+
+async def evict(parts: TurnParts, engine: str, node: NodeClient, placement: Placement) -> None:
+    """Spill the placement's victim out of its slot (see the module doc)."""
+    victim = placement.evict
+    assert victim is not None and victim.tenant and victim.session
+    ttl_s, spill_wait_s = parts.settings.lock_ttl_s, parts.settings.spill_wait_s
+    try:  # an idle victim may still be saving its last turn: wait for that, not longer
+        lock = await parts.locks.acquire(victim.tenant, victim.session, ttl_s=ttl_s, wait_s=spill_wait_s)
+    except LockBusy:
+        raise Unavailable("the slot chosen for eviction stayed busy; retry", retry_after=1) from None
+    try:
+        rec = await parts.index.get(victim.tenant, victim.session)
+        step = eviction_step(rec, engine, victim.slot)
+        if step is EvictionStep.MOVED:
+            raise Unavailable("the slot chosen for eviction changed hands; retry", retry_after=1)
+        out = None
+        if step is EvictionStep.RECORD:
+            generation, key, nbytes, tokens = rec.generation, rec.blob_key, rec.bytes, None
+        else:
+            reserve = functools.partial(
+                parts.index.reserve_generation, victim.tenant, victim.session, lock=lock
+            )
+            share = parts.shares(victim.tenant)
+            out = await save_slot(
+                node, engine, victim.slot, victim.tenant, victim.session, rec, reserve, share
+            )
+            generation, key, nbytes, tokens = out.generation, out.key, out.bytes, out.tokens
+        await parts.index.mark_spilled(
+            victim.tenant,
+            victim.session,
+            generation=generation,
+            blob_key=key,
+            nbytes=nbytes,
+            tokens=tokens,
+            lock=lock,
+        )
+        parts.metrics.evictions.inc()
+        if out is not None:
+            parts.metrics.spilled("evict", out.bytes, out.ms, out.written)
+        log.info(
+            "session.evicted",
+            tenant=victim.tenant,
+            session=victim.session,
+            engine=engine,
+            slot=victim.slot,
+            generation=generation,
+            saved=out is not None,
+        )
+    except (NodeError, StorageError) as exc:
+        log.warning(
+            "session.evict_failed",
+            tenant=victim.tenant,
+            session=victim.session,
+            engine=engine,
+            error=str(exc),
+        )
+        raise Unavailable("could not make room for this session; retry", retry_after=1) from exc
+    finally:
+        with contextlib.suppress(StorageError):
+            await parts.locks.release(lock)

@@ -1,0 +1,313 @@
+"""Placing a turn: its session's live slot, or a slot chosen over a pool view, made ready for it.
+
+The choices are pure: `choose_placement` (gateway.placement) picks the slot; `refine` adds which
+of the engine's slots and which session the prompt may start from; `slot_prep` says how the slot
+is made ready (`SlotPrep`: fill the session's stored generation, fill another session's stored
+prefix, clear it, or leave it). `place` gathers what they need and carries them out: it evicts
+(gateway.eviction), fills and erases through the node agent, and asks the engine for the prompt's
+tokens where a fill can stop at the prompt's checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, replace
+
+import structlog
+
+from engine_pool.common.errors import QuotaExceeded, Unavailable
+from engine_pool.pool.client import NodeClient, NodeError
+from gateway.cluster import EngineRef
+from gateway.eviction import evict
+from gateway.holds import SessionHold
+from gateway.placement import (
+    EngineView,
+    LiveSlotsExhausted,
+    NoCapacity,
+    Placement,
+    Serve,
+    SessionView,
+    choose_placement,
+    prefix_slots,
+    reserved,
+)
+from gateway.relay import input_tokens
+from gateway.tenants import Tenant
+from gateway.turn import CHAT_PATH, RestorePrompt
+from gateway.turn_parts import TurnParts
+from storage.index.records import SessionRecord, SessionState
+
+log = structlog.get_logger("slotkeeper.gateway")
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where the turn runs: the placement as carried out, the engine's URL and its node agent."""
+
+    placement: Placement
+    engine_url: str
+    node: NodeClient
+
+
+@dataclass(frozen=True)
+class SlotPrep:
+    """How a chosen slot is made ready before the turn runs in it (`place` carries it out)."""
+
+    fill: str | None = None  # the session whose stored generation is filled into the slot
+    generation: int = 0
+    tokens: bool = False  # fill with the prompt's tokens (asked of the engine): cut at its checkpoint
+    prefix: bool = False  # `fill` is the session holding this one's shared prefix, not its own state
+    erase: bool = False  # clear the slot (a prefix fill that did not take clears it too)
+
+
+def refine(
+    placement: Placement,
+    here: EngineView,
+    tenant: str,
+    holder: SessionRecord | None,
+    forked: bool,
+    shares: bool,
+) -> Placement:
+    """The placement with the slots of its engine the prompt may start from (the tenant's own,
+    when its sessions share) and the session whose state that is (``prefix_from``). ``holder``: the
+    session this one may start from (the parent of a fork, or the one holding its shared prefix)."""
+    sources = prefix_slots(here, tenant, placement.slot) if shares else ()
+    live_here = holder is not None and holder.live and holder.engine == placement.engine
+    if forked and holder is not None and live_here:
+        # The parent's slot is on this engine: the fork starts from its live state there.
+        sources = tuple(dict.fromkeys((*sources, *(() if holder.slot is None else (holder.slot,)))))
+        placement = replace(placement, serve=Serve.COLD)
+    placement = replace(placement, prefix_slots=sources)
+    # The holder's state is in one of those slots, or in this one (evicted from it, kept).
+    if holder is not None and live_here and placement.serve is Serve.COLD:
+        victim = placement.evict
+        evicted = victim is not None and (victim.tenant, victim.session) == (tenant, holder.session)
+        if holder.slot in sources or evicted:
+            placement = replace(placement, prefix_from=holder.session)
+    return placement
+
+
+def slot_prep(
+    placement: Placement,
+    tenant: str,
+    source: str,
+    generation: int,
+    holder: SessionRecord | None,
+    cut: bool,
+    prompt: RestorePrompt | None,
+    shares: bool,
+) -> SlotPrep:
+    """How the slot is made ready. Restored: ``source``'s ``generation`` (the session's own, or the
+    parent's of a fork), cut at the prompt's checkpoint when ``cut``. Cold: filled with the stored
+    prefix of the ``holder`` of its shared prefix when that one is not live on this engine (the
+    engine continues from its checkpoint), else cleared — unless it holds the tenant's own session
+    just evicted from it, whose state the engine may start from as from any of the tenant's slots
+    (never another tenant's)."""
+    if placement.serve is Serve.RESTORE:
+        return SlotPrep(fill=source, generation=generation, tokens=cut)
+    if placement.serve is not Serve.COLD:
+        return SlotPrep()
+    victim = placement.evict
+    # A slot is never shared across tenants: clear what a dropped session left behind.
+    erase = victim is None or victim.tenant != tenant or not shares
+    live_here = holder is not None and holder.live and holder.engine == placement.engine
+    if holder is not None and not live_here and holder.generation and prompt is not None:
+        return SlotPrep(
+            fill=holder.session, generation=holder.generation, tokens=True, prefix=True, erase=erase
+        )
+    return SlotPrep(erase=erase)
+
+
+async def place(
+    parts: TurnParts,
+    tenant: Tenant,
+    record: SessionRecord,
+    model: str,
+    forked_from: str | None,
+    hold: SessionHold,
+    prompt: RestorePrompt | None = None,
+) -> Placed:
+    """The turn's slot, reserved (gateway.reservations) until the caller records the session there."""
+    if (
+        forked_from is None
+        and record.state is SessionState.LIVE
+        and record.engine
+        and record.slot is not None
+    ):
+        # Live in its slot (the common warm turn): the lock makes the slot ours, no pool view.
+        engine = await parts.cluster.engine(record.engine)
+        if engine is not None and engine.model == model and record.slot < engine.n_slots:
+            parts.reserved.hold((engine.engine, record.slot))
+            try:
+                node = await parts.node(engine.node)
+            except BaseException:
+                parts.reserved.release((engine.engine, record.slot))
+                raise
+            return Placed(Placement(engine.engine, record.slot, Serve.LIVE), engine.url, node)
+    if hold.saved is not None and not hold.saved.done():
+        # Served elsewhere: it needs the state its previous turn is saving right now.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(hold.saved), parts.settings.spill_wait_s)
+        record = await parts.index.get(record.tenant, record.session)
+        hold.record = record
+    return await _place_by_pool_view(parts, tenant, record, model, forked_from, prompt)
+
+
+async def _holder(
+    parts: TurnParts,
+    tenant: str,
+    record: SessionRecord,
+    forked_from: str | None,
+    prompt: RestorePrompt | None,
+    shares: bool,
+) -> SessionRecord | None:
+    """The session whose state this one may start from: the parent of a fork, or — a session with
+    no state of its own — the one holding its shared prefix (gateway.prefixes). (The digests are
+    the model's: a holder's stored state is of it too. A reindexed record names the model by its
+    fingerprint; the engine checks that when it restores.)"""
+    if forked_from:
+        return await parts.index.find(tenant, forked_from)
+    if record.generation or not shares or prompt is None:
+        return None
+    for digest in prompt.sources():
+        holder = await parts.index.find_shared(tenant, digest)
+        if holder is not None and holder.session != record.session:
+            return holder
+    return None
+
+
+async def _place_by_pool_view(
+    parts: TurnParts,
+    tenant: Tenant,
+    record: SessionRecord,
+    model: str,
+    forked_from: str | None,
+    prompt: RestorePrompt | None,
+) -> Placed:
+    shares = parts.shares(tenant.name)
+    holder = await _holder(parts, tenant.name, record, forked_from, prompt, shares)
+    generation = (holder.generation if holder else 0) if forked_from else record.generation
+    prefer = holder.engine if holder is not None and holder.live and holder.model == model else None
+    view = SessionView(tenant.name, record.session, record.engine, record.slot, generation)
+    reservations = parts.reserved
+    started = reservations.start_pool_view()
+    try:
+        pool_view, refs = await parts.cluster.pool_view(
+            model,
+            holder=(tenant.name, record.session),
+            with_tenant_engines=tenant.quotas.live_slots is not None,
+            also=prefer,
+        )
+        # No await from here to the reservation: what this choice sees and the slot it holds
+        # are one step for every other placement of this process (gateway.reservations).
+        views = reserved(pool_view, reservations.taken(started))
+        placement = choose_placement(views, model, view, tenant.quotas.live_slots, prefer=prefer)
+        reservations.hold((placement.engine, placement.slot))
+    except NoCapacity as exc:
+        raise Unavailable(f"no free slot for model {model!r}: {exc}", retry_after=2) from None
+    except LiveSlotsExhausted as exc:
+        raise QuotaExceeded(str(exc), retry_after=2) from None
+    finally:
+        reservations.end_pool_view(started)
+    try:
+        engine = refs[placement.engine]
+        node = await parts.node(engine.node)
+        here = next(v for v in views if v.engine == placement.engine)
+        placement = refine(placement, here, tenant.name, holder, bool(forked_from), shares)
+        if placement.evict is not None:
+            await evict(parts, engine.engine, node, placement)
+        cut = (
+            placement.serve is Serve.RESTORE
+            and prompt is not None
+            and not forked_from
+            and prompt.leaves(record)
+        )
+        prep = slot_prep(
+            placement, tenant.name, forked_from or record.session, generation, holder, cut, prompt, shares
+        )
+        placement = await _prepare(parts, engine, node, placement, prep, tenant.name, record.session, prompt)
+    except BaseException:
+        reservations.release((placement.engine, placement.slot))
+        raise
+    return Placed(placement, engine.url, node)
+
+
+async def _prepare(
+    parts: TurnParts,
+    engine: EngineRef,
+    node: NodeClient,
+    placement: Placement,
+    prep: SlotPrep,
+    tenant: str,
+    session: str,
+    prompt: RestorePrompt | None,
+) -> Placement:
+    """Carry `prep` out; the placement as served. A restore the node refuses (damaged, gone) is
+    served cold instead; a node or store that is down fails this request (the session stays)."""
+    try:
+        if placement.serve is Serve.RESTORE:
+            assert prep.fill is not None
+            tokens = await _prompt_tokens(parts, prompt, engine.url) if prep.tokens else None
+            await node.fill(
+                engine.engine,
+                placement.slot,
+                tenant=tenant,
+                session=prep.fill,
+                generation=prep.generation,
+                tokens=tokens,
+            )
+        elif placement.serve is Serve.COLD:
+            placement = await _prepare_cold(parts, engine, node, placement, prep, tenant, prompt)
+    except NodeError as exc:
+        if placement.serve is Serve.RESTORE and exc.status < 500:
+            log.warning("session.restore_failed", tenant=tenant, session=session, error=str(exc))
+            parts.metrics.restore_failures.inc()
+            await node.erase(engine.engine, placement.slot)
+            return replace(placement, serve=Serve.COLD, prefix_from=None, prefix_stored=False)
+        # the node or its store is down: this request fails, the session stays as it was
+        raise Unavailable(f"could not prepare the slot: {exc.message}", retry_after=1) from exc
+    return placement
+
+
+async def _prepare_cold(
+    parts: TurnParts,
+    engine: EngineRef,
+    node: NodeClient,
+    placement: Placement,
+    prep: SlotPrep,
+    tenant: str,
+    prompt: RestorePrompt | None,
+) -> Placement:
+    if prep.prefix and prep.fill is not None:
+        tokens = await _prompt_tokens(parts, prompt, engine.url)
+        if tokens:
+            try:
+                out = await node.fill(
+                    engine.engine,
+                    placement.slot,
+                    tenant=tenant,
+                    session=prep.fill,
+                    generation=prep.generation,
+                    tokens=tokens,
+                    prefix=True,
+                )
+            except NodeError as exc:
+                # Damaged, gone, or the store away: the prompt is evaluated in full instead (the
+                # same answer), and the slot is cleared below (a node that is down fails there).
+                log.warning("session.prefix_fill_failed", tenant=tenant, holder=prep.fill, error=str(exc))
+                parts.metrics.restore_failures.inc()
+            else:
+                if out.source != "none":
+                    return replace(placement, prefix_from=prep.fill, prefix_stored=True)
+    if prep.erase:
+        await node.erase(engine.engine, placement.slot)
+    return placement
+
+
+async def _prompt_tokens(parts: TurnParts, prompt: RestorePrompt | None, engine_url: str) -> list[int] | None:
+    """The prompt's tokens as the engine at ``engine_url`` would evaluate them; None when it
+    cannot say (asking is an optimisation)."""
+    if prompt is None or parts.engines is None:
+        return None
+    return await input_tokens(parts.engines, engine_url.rstrip("/") + CHAT_PATH, prompt.tokens_body())

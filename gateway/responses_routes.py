@@ -1,0 +1,191 @@
+"""The OpenAI Responses API on the gateway, with durable `previous_response_id`.
+
+A response is one chat turn on a session (gateway.turn_path). When stored (`store`, the default), its
+document (storage.blobs.stored_responses) keeps the session it ran on and the conversation up to its
+output, so `previous_response_id` continues that conversation on that session from any replica, after any
+restart: the engine gets the same rendered prefix and reuses the slot state (live, or restored from
+its slot file), and `usage.input_tokens_details.cached_tokens` shows it. Another tenant's id, an
+unknown one or one whose response was deleted is a 404.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from engine_pool.common.errors import BadRequest, ServerError
+from engine_pool.protocol import openai_responses as api
+from engine_pool.protocol.field_names import RESPONSES_FIELDS
+from engine_pool.protocol.sse import named_event
+from gateway.services import Services
+from gateway.tenants import Tenant
+from gateway.turn import Turn
+from gateway.turn_path import (
+    check_messages,
+    counted_if_refused,
+    json_body,
+    serve_client_turn,
+    served_model,
+    tenant_of,
+)
+from storage.blobs.stored_responses import StoredResponse, new_response_id
+
+log = structlog.get_logger("slotkeeper.gateway")
+
+_MAX_LIST = 100
+_FINAL = ("response.completed", "response.incomplete")  # the events that carry the final response
+_UNSTORED = ServerError("the response could not be stored; retry")
+
+
+def stream_failure(chunk: dict[str, Any]) -> ServerError:
+    """The error an engine chunk reported mid-stream, to be rendered in the client's API shape."""
+    err = chunk.get("error")
+    if not isinstance(err, dict):
+        err = {}
+    return ServerError(str(err.get("message") or "the engine failed mid-stream"))
+
+
+@dataclass
+class ResponsesDialect:
+    """One Responses turn: the answer in the Responses shape, stored before it completes."""
+
+    svc: Services
+    tenant: Tenant
+    req: Any  # api.ResponsesRequest
+    model: str
+    history: list[dict[str, Any]]
+    response_id: str = field(default_factory=new_response_id)
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+    async def _store(self, response: dict[str, Any], turn: Turn) -> None:
+        if not self.req.store:
+            return
+        history = self.history + api.input_messages(self.req) + api.output_messages(response)
+        stored = StoredResponse(
+            self.response_id,
+            self.tenant.name,
+            turn.session,
+            self.model,
+            response,
+            api.input_item_list(self.req),
+            history,
+        )
+        await self.svc.responses.save(stored)
+
+    async def answer(self, payload: dict[str, Any], turn: Turn) -> dict[str, Any]:
+        response = api.response_object(
+            self.req, payload, response_id=self.response_id, created_at=self.created_at
+        )
+        await self._store(response, turn)
+        return response
+
+    async def stream(self, chunks: AsyncIterator[dict[str, Any]], turn: Turn) -> AsyncIterator[bytes]:
+        events = api.ResponseStream(self.req, response_id=self.response_id, created_at=self.created_at)
+        async for chunk in chunks:
+            if "error" in chunk:
+                for name, data in events.failed(stream_failure(chunk)):
+                    yield named_event(name, data)
+                return
+            for name, data in events.feed(chunk):
+                if name in _FINAL and not await self._stored(data, turn):
+                    for failed in events.failed(_UNSTORED):
+                        yield named_event(*failed)
+                    return
+                yield named_event(name, data)
+        for name, data in events.finish():  # a stream that ended without its usage chunk
+            if name in _FINAL and not await self._stored(data, turn):
+                for failed in events.failed(_UNSTORED):
+                    yield named_event(*failed)
+                return
+            yield named_event(name, data)
+
+    async def _stored(self, event: dict[str, Any], turn: Turn) -> bool:
+        """Store the final response of a stream before the client learns it is final, so that a
+        continuation sent right after the event finds it. False (logged) when storing failed."""
+        response = event.get("response")
+        if not isinstance(response, dict):
+            return True
+        try:
+            await self._store(response, turn)
+        except Exception as exc:  # the client gets a failed response instead of a false success
+            log.error("response.store_failed", response=self.response_id, error=str(exc))
+            return False
+        return True
+
+
+async def create(request: Request) -> Response:
+    svc: Services = request.app.state.services
+    tenant = tenant_of(request)
+    async with counted_if_refused(svc, tenant):
+        data = await json_body(request)
+        req = api.parse_request(data, max_items=svc.settings.max_messages)
+        model = await served_model(svc, tenant, req.model)
+        history: list[dict[str, Any]] = []
+        session: tuple[str, str] | None = None
+        if req.previous_response_id:
+            previous = await svc.responses.load(tenant.name, req.previous_response_id)
+            history = previous.history
+            if previous.model == model:  # a session holds one model's state
+                session = (previous.session, "previous_response")
+        chat = api.chat_body(req, history)
+        if isinstance(data.get("prompt_cache_key"), str):
+            chat["prompt_cache_key"] = data["prompt_cache_key"]
+        messages = check_messages(chat, svc.settings.max_messages)
+    dialect = ResponsesDialect(svc, tenant, req, model, history)
+    return await serve_client_turn(request, tenant, chat, model, messages, dialect, RESPONSES_FIELDS, session)
+
+
+async def detail(request: Request) -> Response:
+    svc: Services = request.app.state.services
+    tenant = tenant_of(request)
+    response_id = request.path_params["response_id"]
+    if request.method == "DELETE":
+        await svc.responses.delete(tenant.name, response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+    stored = await svc.responses.load(tenant.name, response_id)
+    return JSONResponse(stored.response)
+
+
+async def input_items(request: Request) -> Response:
+    svc: Services = request.app.state.services
+    tenant = tenant_of(request)
+    stored = await svc.responses.load(tenant.name, request.path_params["response_id"])
+    items = list(stored.input_items)
+    order = request.query_params.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise BadRequest("'order' must be 'asc' or 'desc'", param="order")
+    if order == "desc":
+        items.reverse()
+    raw_limit = request.query_params.get("limit", "20")
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= _MAX_LIST:
+        raise BadRequest(f"'limit' must be an integer within 1..{_MAX_LIST}", param="limit")
+    after = request.query_params.get("after")
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise BadRequest(f"'after' names no input item of this response: {after!r}", param="after")
+        items = items[ids.index(after) + 1 :]
+    page = items[: int(raw_limit)]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0].get("id") if page else None,
+            "last_id": page[-1].get("id") if page else None,
+            "has_more": len(items) > len(page),
+        }
+    )
+
+
+ROUTES = [
+    Route("/v1/responses", create, methods=["POST"]),
+    Route("/v1/responses/{response_id}", detail, methods=["GET", "DELETE"]),
+    Route("/v1/responses/{response_id}/input_items", input_items, methods=["GET"]),
+]

@@ -1,0 +1,64 @@
+"""What every step of a turn works with, built once per process (gateway.main) and handed down.
+
+The clients (index, locks, store, cluster, engines, node agents) and the two pieces of this
+process's own state that the steps share, each with its one owner: the session locks held here
+(`Holds`) and the slots chosen here but not yet recorded (`SlotReservations`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine_pool.common.errors import Unavailable
+from engine_pool.pool.client import NodeClient
+from gateway.cluster import Cluster
+from gateway.engine_http import EngineHttp
+from gateway.holds import Holds
+from gateway.metrics import Metrics
+from gateway.reservations import SlotReservations
+from gateway.tenants import Tenants
+from gateway.turn import TurnSettings
+from storage.blobs.blobstore import BlobStore
+from storage.index.locks import SessionLocks
+from storage.index.session_index import SessionIndex
+
+
+@dataclass
+class TurnParts:
+    cluster: Cluster
+    index: SessionIndex
+    locks: SessionLocks
+    store: BlobStore
+    metrics: Metrics
+    settings: TurnSettings
+    engines: EngineHttp | None = None  # engine requests (asking an engine for a prompt's tokens)
+    tenants: Tenants | None = None
+    superseded: Callable[[str], None] | None = None  # told the tenant whose stored generations went
+    nodes: dict[str, NodeClient] = field(default_factory=dict)  # node id -> client (made on first use)
+    holds: Holds = field(init=False)  # the session locks this process holds
+    reserved: SlotReservations = field(default_factory=SlotReservations)  # chosen, not yet recorded
+
+    def __post_init__(self) -> None:
+        self.holds = Holds(self.locks, self.settings.lock_ttl_s, self.settings.save_grace_s)
+
+    async def node(self, node_id: str) -> NodeClient:
+        if node_id not in self.nodes:
+            url = await self.cluster.node_url(node_id)
+            if url is None:
+                raise Unavailable(f"node {node_id} is not reachable", retry_after=2)
+            self.nodes[node_id] = NodeClient(url, key=self.settings.internal_key)
+        return self.nodes[node_id]
+
+    async def all_nodes(self) -> list[NodeClient]:
+        await self.cluster.refresh_nodes()
+        return [await self.node(node_id) for node_id in await self.cluster.node_ids()]
+
+    def shares(self, tenant: str) -> bool:
+        """Whether the tenant's sessions share stored chunks (a tenants-file setting, default yes)."""
+        known = self.tenants.by_name.get(tenant) if self.tenants is not None else None
+        return known.share_chunks if known is not None else True
+
+    def told_superseded(self, tenant: str) -> None:
+        if self.superseded is not None:
+            self.superseded(tenant)

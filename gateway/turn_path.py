@@ -1,0 +1,387 @@
+"""One turn's path through the gateway, for any of its APIs: admit it, run it on its session, answer.
+
+Every API (Chat Completions, Completions, Responses, Anthropic Messages) is one chat turn on the
+engines: a `Dialect` says how its request becomes the engine's chat body and how the engine's
+answer (JSON or stream chunks) becomes that API's answer. Chat and completions pass through
+unchanged (byte for byte when streamed). The session machinery — resolution, locks, placement,
+restore, write-behind saves (gateway.turns) — is the same for all, so an Anthropic or Responses
+client resumes its session without re-prefill exactly like a chat client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from typing import Any, Protocol, TypeVar
+
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from engine_pool.common.body import parse_json_object, read_body
+from engine_pool.common.credentials import presented
+from engine_pool.common.errors import (
+    ApiError,
+    BadRequest,
+    ClientGone,
+    NotFound,
+    QuotaExceeded,
+    Unauthorized,
+    Unavailable,
+)
+from engine_pool.protocol.field_names import renamed
+from engine_pool.protocol.report import SERVED
+from engine_pool.protocol.volatile import apply_rules
+from gateway.access_log import note
+from gateway.early import EarlyCall, EarlyStart
+from gateway.placement import Placement, Serve
+from gateway.relay import StreamRelay, TurnOutcome, engine_body, forward_json
+from gateway.services import Services
+from gateway.tenants import Tenant
+from gateway.turn import CHAT_PATH, RestorePrompt, Turn
+from storage.errors import StorageError
+
+T = TypeVar("T")
+
+
+class Dialect(Protocol):
+    """How one API's turn maps onto the engine's chat completions (None: passed through as is)."""
+
+    async def answer(self, payload: dict[str, Any], turn: Turn) -> dict[str, Any]:
+        """The API's answer for the engine's JSON answer (and what the API keeps of it, stored
+        before the answer goes out)."""
+        ...
+
+    def stream(self, chunks: AsyncIterator[dict[str, Any]], turn: Turn) -> AsyncIterator[bytes]:
+        """The API's event stream for the engine's chunks (an `{"error": ...}` chunk ends it)."""
+        ...
+
+
+async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, unless the client disconnects first: then `work` is cancelled (closing its
+    engine connection, which is how the engine learns to stop generating: a non-streamed answer
+    nobody waits for must not keep a slot busy) and ClientGone is raised."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone("the client disconnected; the turn was cancelled")
+    finally:
+        gone.cancel()
+        task.cancel()  # (no-op once done) its cancellation closes the engine connection
+
+
+async def _disconnected(request: Request) -> None:
+    # The body was read whole before the turn: the next message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def tenant_of(request: Request) -> Tenant:
+    """The tenant of the key presented as `Authorization: Bearer KEY` or `x-api-key: KEY`."""
+    svc: Services = request.app.state.services
+    tenant = svc.tenants.authenticate(presented(request.headers) or None)
+    if tenant is None:
+        raise Unauthorized("a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)")
+    return tenant
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    return (await raw_json_body(request))[1]
+
+
+async def raw_json_body(request: Request) -> tuple[bytes, dict[str, Any]]:
+    """The request's JSON object within the gateway's limits, and the bytes it was parsed from."""
+    svc: Services = request.app.state.services
+    limits = svc.settings.body_limits()
+    raw = await read_body(request, limits)
+    return raw, parse_json_object(raw, limits)
+
+
+async def rate_limit(svc: Services, tenant: Tenant) -> None:
+    """Requests per minute: one counter per tenant and minute, expiring with its window. A turn
+    counts itself in its opening read (`TurnRunner.begin`); this is for everything else."""
+    limit = tenant.quotas.requests_per_minute
+    if limit is None:
+        return
+    count = await svc.index.incr_window(tenant.name, "rpm", 60)
+    if count > limit:
+        raise QuotaExceeded(
+            f"tenant {tenant.name} exceeded {limit} requests per minute", retry_after=60 - time.time() % 60
+        )
+
+
+@contextlib.asynccontextmanager
+async def counted_if_refused(svc: Services, tenant: Tenant) -> AsyncIterator[None]:
+    """Around a turn's validation: a request refused before its opening read (which counts it in
+    the tenant's rate window) is counted here, so that every request counts once, malformed ones
+    too (and a tenant over its rate gets 429 whatever else is wrong, as before validation)."""
+    try:
+        yield
+    except ApiError:
+        await rate_limit(svc, tenant)
+        raise
+
+
+def check_messages(body: dict[str, Any], limit: int) -> list[dict[str, Any]]:
+    """`messages` as a list of objects with a string role, at most `limit` of them (400 otherwise)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise BadRequest("'messages' must be a list", param="messages")
+    if len(messages) > limit:
+        raise BadRequest(f"'messages' has {len(messages)} messages; the limit is {limit}", param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            where = f"messages[{i}]"
+            raise BadRequest(f"'{where}' must be an object with a string 'role'", param=where)
+    return messages
+
+
+async def served_model(svc: Services, tenant: Tenant, requested: Any) -> str:
+    """The served model id a requested name means for the tenant (404 unknown, 503 not ready)."""
+    if not isinstance(requested, str) or not requested:
+        raise BadRequest("'model' is required", param="model")
+    model = tenant.model_id(requested, await svc.cluster.models())
+    if model is None:  # an engine that registered since the cached listing was read?
+        model = tenant.model_id(requested, await svc.cluster.models(fresh=True))
+    if model is not None:
+        return model
+    configured = await svc.cluster.configured_models()
+    if configured is not None and (name := tenant.model_id(requested, configured)) is not None:
+        why = (await svc.cluster.failed_models()).get(name)
+        if why is not None:  # its engines were given up: a retry cannot help until an operator acts
+            raise Unavailable(f"the model {requested!r} failed to start: {why}", param="model")
+    if configured is None or tenant.model_id(requested, configured) is not None:
+        # A node runs it but no engine of it is ready (restarting after a crash, still loading), or a
+        # node did not answer and it may be one of its models.
+        raise Unavailable(f"the model {requested!r} is not ready; retry", retry_after=2, param="model")
+    raise NotFound(f"the model {requested!r} does not exist", param="model")
+
+
+async def forward_stateless(svc: Services, model: str, path: str, data: dict[str, Any]) -> dict[str, Any]:
+    """A request that involves no session (token counting), answered by any ready engine of the model."""
+    engines = await svc.cluster.engines(model)
+    if not engines:
+        raise Unavailable(f"no engine of {model!r} is ready; retry", retry_after=2)
+    engine = engines[secrets.randbelow(len(engines))]
+    payload, _ = await forward_json(svc.engines, engine.url.rstrip("/") + path, {**data, "model": model})
+    return payload
+
+
+def _engine_fields(
+    body: dict[str, Any],
+    tenant: Tenant,
+    model: str,
+    placement: Placement | EarlyStart,
+    rules: list[str],
+    cap: int = 0,
+) -> dict[str, Any]:
+    """The gateway's fields over the tenant's: the slot, and the slots its prompt may start from
+    (the tenant's own on that engine, and only while they still are: `slot_owner`), are never
+    theirs to choose."""
+    prefix = placement.prefix_slots if isinstance(placement, Placement) else ()
+    context: dict[str, Any] = {"served": served_as(placement)}
+    if rules:
+        context["rules"] = rules
+    fields: dict[str, Any] = {
+        "id_slot": placement.slot,
+        "model": model,
+        "cache_prompt": True,
+        "prefix_slots": list(prefix),
+        "slot_owner": tenant.name,
+        "slotkeeper": context,
+    }
+    if "prompt_cache_key" in body:
+        fields["prompt_cache_key"] = None  # (the gateway's: it named the session)
+    if cap:  # the engine takes it only when the request set no max_tokens (nor an alias of it)
+        fields["max_tokens_default"] = cap
+    return fields
+
+
+def served_as(placement: Placement | EarlyStart) -> str:
+    """How the gateway served the session, as `X-Slotkeeper-Cache` and `slotkeeper.served` say
+    it: its live slot, its own stored state, the live slot of the session holding its shared prefix
+    (or of the parent it forks) on the same engine, that session's stored prefix, or nothing."""
+    if not isinstance(placement, Placement):
+        return Serve.LIVE.value  # an early start goes to the session's own slot
+    if placement.serve is Serve.COLD and placement.prefix_from is not None:
+        return "stored-prefix" if placement.prefix_stored else "prefix"
+    return placement.serve.value
+
+
+def session_headers(turn: Turn, report: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """`X-Session-Id`, and `X-Slotkeeper-Cache`: how the session was served — the engine's word when
+    its answer is in hand (`report`: a slot of the tenant it started from is `prefix`)."""
+    served = (report or {}).get("served")
+    if not isinstance(served, str) or served not in SERVED:
+        served = served_as(turn.placement)
+    return {"X-Session-Id": turn.session, "X-Slotkeeper-Cache": served}
+
+
+def normalised(
+    svc: Services, tenant: Tenant, body: dict[str, Any], messages: list[dict[str, Any]], raw: bytes | None
+) -> tuple[dict[str, Any], list[dict[str, Any]], bytes | None, list[str]]:
+    """The request with the tenant's volatile-block rules applied (engine_pool.protocol.volatile):
+    the same objects when none matched (the tenant's bytes are sent on), else new ones (encoded
+    again), and the names of the rules that changed it (counted)."""
+    if not tenant.volatile:
+        return body, messages, raw, []
+    changed, hits = apply_rules(messages, tenant.volatile)
+    if not hits:
+        return body, messages, raw, []
+    for name in hits:
+        svc.metrics.volatile_blocks.labels(name).inc()
+    return {**body, "messages": changed}, changed, None, hits
+
+
+async def serve_turn(
+    request: Request,
+    tenant: Tenant,
+    body: dict[str, Any],
+    model: str,
+    messages: list[dict[str, Any]],
+    path: str,
+    *,
+    dialect: Dialect | None = None,
+    session: tuple[str, str] | None = None,
+    raw: bytes | None = None,
+) -> Response:
+    """Admit, run and answer one turn. `body` is the engine's request body (chat completions, or
+    completions when `path` says so), `raw` the tenant's bytes it was parsed from when it is theirs
+    as it came (sent on without encoding it again); `session` is (id, how it was found) when the
+    caller already knows it (a `previous_response_id`), else the usual resolution runs. The
+    bookkeeping after the answer runs beside sending it (`TurnRunner.finish_soon`)."""
+    svc: Services = request.app.state.services
+    note(request, tenant=tenant.name)
+    body, messages, raw, rules = normalised(svc, tenant, body, messages, raw)
+    session_id, source = session or await svc.runner.resolve(tenant, request.headers, body, model)
+    # A restore for a conversation that left the stored one early is cut at the prompt's checkpoint.
+    prompt = RestorePrompt(messages, model, body, body.get("tools")) if path == CHAT_PATH else None
+    streamed = bool(body.get("stream"))
+    cap = svc.settings.default_max_tokens if tenant.default_max_tokens is None else tenant.default_max_tokens
+    early: EarlyCall[Any] | None = None
+
+    def launch(where: EarlyStart) -> EarlyCall[Any]:
+        url = where.url.rstrip("/") + path
+        data = engine_body(raw, body, _engine_fields(body, tenant, model, where, rules, cap))
+        if streamed:
+            return EarlyCall(StreamRelay.open(svc.engines, url, data, where.headers()), StreamRelay.close)
+        return EarlyCall(forward_json(svc.engines, url, data, where.headers()))
+
+    opening = await svc.runner.open(tenant, session_id, model)
+    try:  # sent to its slot before the opening read when the opening says it may be (gateway.early)
+        early = launch(opening.early) if opening.early is not None else None
+    except BaseException:
+        await svc.runner.abandon(opening)
+        raise
+    try:
+        turn = await svc.runner.begin(opening, source, prompt)
+    except BaseException:
+        if early is not None:
+            early.discard()
+            svc.metrics.early_starts.labels("abandoned").inc()
+        raise
+    if early is not None and not turn.early:  # the opening read did not confirm it: as if never made
+        early.discard()
+        svc.metrics.early_starts.labels("abandoned").inc()
+        early = None
+    data = engine_body(raw, body, _engine_fields(body, tenant, model, turn.placement, rules, cap))
+    svc.metrics.served.labels(served_as(turn.placement)).inc()
+    url = turn.engine_url.rstrip("/") + path
+    t0 = early.started if early is not None else time.perf_counter()
+
+    def counted(refused: bool) -> None:
+        svc.metrics.early_starts.labels("refused" if refused else "answered").inc()
+
+    if not streamed:
+
+        async def forwarded() -> tuple[dict[str, Any], TurnOutcome]:
+            if early is not None:
+                result, refused = await early.result(lambda: forward_json(svc.engines, url, data))
+                counted(refused)
+                return result
+            return await forward_json(svc.engines, url, data)
+
+        outcome = TurnOutcome()
+        try:
+            payload, outcome = await unless_client_leaves(request, forwarded())
+            answer = await dialect.answer(payload, turn) if dialect else None
+        except (ApiError, StorageError) as exc:
+            outcome.ok = False
+            outcome.error = str(exc)
+            svc.runner.finish_soon(turn, messages, outcome)
+            raise
+        except BaseException:  # cancelled (the client went away): the session must not stay locked
+            svc.runner.finish_soon(turn, messages, TurnOutcome(error="cancelled"))
+            raise
+        svc.metrics.ttft.observe(time.perf_counter() - t0)
+        note(request, tokens=outcome.tokens)
+        headers = session_headers(turn, outcome.report)
+        svc.metrics.turn_served(tenant.name, headers["X-Slotkeeper-Cache"], outcome.timings)
+        svc.runner.finish_soon(turn, messages, outcome)
+        if answer is None:  # passed through: the engine's bytes, not encoded again
+            return Response(outcome.body, media_type="application/json", headers=headers)
+        return JSONResponse(answer, headers=headers)
+    try:
+        if early is not None:
+            relay, refused = await early.result(lambda: StreamRelay.open(svc.engines, url, data))
+            counted(refused)
+        else:
+            relay = await StreamRelay.open(svc.engines, url, data)
+    except BaseException as exc:
+        svc.runner.finish_soon(turn, messages, TurnOutcome(error=getattr(exc, "message", "cancelled")))
+        raise
+    svc.metrics.ttft.observe(time.perf_counter() - t0)
+
+    async def relayed() -> AsyncIterator[bytes]:
+        try:
+            if dialect is None:
+                async for raw in relay.chunks():
+                    yield raw
+            else:
+                async for data in dialect.stream(relay.events(), turn):
+                    yield data
+        finally:
+            # Also when the client went away mid-stream: the session must not stay locked.
+            served = session_headers(turn, relay.outcome.report)["X-Slotkeeper-Cache"]
+            note(request, tokens=relay.outcome.tokens)
+            svc.metrics.turn_served(tenant.name, served, relay.outcome.timings)
+            svc.runner.finish_soon(turn, messages, relay.outcome)
+
+    async def settle() -> None:
+        # A client that leaves before the body is first iterated never runs `relayed`'s `finally`
+        # (an unstarted generator is not finalized); the response's background still runs.
+        svc.runner.finish_soon(turn, messages, relay.outcome)
+
+    return StreamingResponse(
+        relayed(),
+        media_type="text/event-stream",
+        headers=session_headers(turn),
+        background=BackgroundTask(settle),
+    )
+
+
+async def serve_client_turn(
+    request: Request,
+    tenant: Tenant,
+    chat: dict[str, Any],
+    model: str,
+    messages: list[dict[str, Any]],
+    dialect: Dialect,
+    fields: Mapping[str, str],
+    session: tuple[str, str] | None = None,
+) -> Response:
+    """A client API's request (Messages, Responses) translated to `chat` and served as a chat turn
+    answered in its `dialect`. The engine's chat path names its own fields in a 400: the client's
+    names (`fields`, engine -> client) replace them."""
+    try:
+        return await serve_turn(
+            request, tenant, chat, model, messages, CHAT_PATH, dialect=dialect, session=session
+        )
+    except BadRequest as err:
+        raise renamed(err, fields) from None

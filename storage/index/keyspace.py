@@ -1,0 +1,217 @@
+"""Redis key names, transactions and the in-process Redis, shared by the index, locks and engines.
+
+Every key starts with a configurable prefix; every per-tenant key continues with ``:t:{tenant}:``.
+Ids are validated by :func:`storage.ids.validate_id`, which rejects ``:``, so one tenant's key can
+never be spelled through another tenant's ids. Multi-key changes go through :func:`transact`
+(WATCH/MULTI/EXEC with retry on contention): it works the same on redis-server and on fakeredis,
+which runs no Lua without the optional ``lupa`` package.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from redis.exceptions import AuthenticationError, NoPermissionError, ReadOnlyError, RedisError, WatchError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from storage.errors import StorageError, StoreMisconfigured, StoreUnavailable, WriteConflict
+from storage.ids import validate_id
+
+T = TypeVar("T")
+IDLE, LIVE = ":idle", ":live"  # an engine's idle LRU and live set: the engine's key + suffix
+_PREFIX = re.compile(r"[A-Za-z0-9_.\-]{1,64}(:[A-Za-z0-9_.\-]{1,64})*")
+
+
+@dataclass(frozen=True)
+class Keyspace:
+    """Key names under ``prefix`` (``slotkeeper`` by default)."""
+
+    prefix: str = "slotkeeper"
+
+    def __post_init__(self) -> None:
+        if not _PREFIX.fullmatch(self.prefix):
+            raise ValueError(f"invalid Redis key prefix {self.prefix!r}")
+
+    def tenant(self, tenant: str) -> str:
+        return f"{self.prefix}:t:{validate_id(tenant, 'tenant id')}"
+
+    def tenant_prefix(self) -> str:
+        """What every tenant's keys start with, before the tenant id (Lua builds keys from it)."""
+        return f"{self.prefix}:t:"
+
+    def session(self, tenant: str, session: str) -> str:
+        return f"{self.session_prefix(tenant)}{validate_id(session, 'session id')}"
+
+    def session_prefix(self, tenant: str) -> str:
+        """What the tenant's session records' keys start with (Lua builds keys from it)."""
+        return f"{self.tenant(tenant)}:s:"
+
+    def sessions(self, tenant: str) -> str:
+        """ZSET of the tenant's session ids scored by last use."""
+        return f"{self.tenant(tenant)}:sessions"
+
+    def stored_bytes(self, tenant: str) -> str:
+        """Integer: unique bytes the store holds for the tenant (see storage.chunks.ledger)."""
+        return f"{self.tenant(tenant)}:stored_bytes"
+
+    def floor(self, tenant: str, session: str) -> str:
+        """Integer left by a deleted session: the highest generation its id has used."""
+        return f"{self.tenant(tenant)}:floor:{validate_id(session, 'session id')}"
+
+    def prefix_hash(self, tenant: str, digest: str) -> str:
+        """STRING (with a TTL): the session a message-prefix digest routes to."""
+        return f"{self.tenant(tenant)}:px:{digest}"
+
+    def shared_prefix(self, tenant: str, digest: str) -> str:
+        """STRING (with a TTL): a session holding the state of a shared prefix
+        (:mod:`storage.index.shared_prefixes`)."""
+        return f"{self.tenant(tenant)}:pp:{digest}"
+
+    def session_prefixes(self, tenant: str, session: str) -> str:
+        """SET (with a TTL) of the prefix digests pointing at a session (to delete them with it)."""
+        return f"{self.tenant(tenant)}:sx:{validate_id(session, 'session id')}"
+
+    def tenant_live(self, tenant: str) -> str:
+        """HASH session -> engine of the tenant's live sessions (its live-slot quota, sampled
+        pool views)."""
+        return f"{self.tenant(tenant)}:live"
+
+    def lock(self, tenant: str, session: str) -> str:
+        return f"{self.tenant(tenant)}:lock:{validate_id(session, 'session id')}"
+
+    def usage(self, tenant: str) -> str:
+        """HASH of lifetime usage counters."""
+        return f"{self.tenant(tenant)}:usage"
+
+    def window(self, tenant: str, name: str, window_ms: int, number: int) -> str:
+        """Integer counter of window ``number`` (``now // window``), expiring after it ends."""
+        return f"{self.tenant(tenant)}:w:{name}:{window_ms}:{number}"
+
+    def inflight(self, tenant: str) -> str:
+        """ZSET of the tenant's running requests' tokens, scored by expiry (ms)."""
+        return f"{self.tenant(tenant)}:inflight"
+
+    def engines(self) -> str:
+        """ZSET of engine ids scored by heartbeat expiry (ms)."""
+        return f"{self.prefix}:engines"
+
+    def registry_epoch(self) -> str:
+        """Integer bumped whenever an engine joins or leaves the registry (gateways cache it)."""
+        return f"{self.prefix}:engines:epoch"
+
+    def engine(self, engine_id: str) -> str:
+        return f"{self.engine_prefix()}{validate_id(engine_id, 'engine id')}"
+
+    def engine_prefix(self) -> str:
+        """What every engine's keys start with: a script that learns an engine id from a record it
+        read builds that engine's keys from it (``engine_prefix() + id + IDLE`` / ``LIVE``)."""
+        return f"{self.prefix}:e:"
+
+    def engine_idle(self, engine_id: str) -> str:
+        """ZSET of ``tenant:session`` idle on the engine, scored by last use (the LRU)."""
+        return f"{self.engine(engine_id)}{IDLE}"
+
+    def engine_live(self, engine_id: str) -> str:
+        """SET of ``tenant:session`` live (busy or idle) on the engine."""
+        return f"{self.engine(engine_id)}{LIVE}"
+
+
+def member(tenant: str, session: str) -> str:
+    """The ``tenant:session`` member of an engine's sets (unambiguous: ids have no ``:``)."""
+    return f"{validate_id(tenant, 'tenant id')}:{validate_id(session, 'session id')}"
+
+
+def parse_member(value: str) -> tuple[str, str]:
+    tenant, _, session = value.partition(":")
+    return tenant, session
+
+
+def text(value: Any) -> str:
+    """A Redis reply as str, whether the client decodes responses or not."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def text_map(reply: dict[Any, Any]) -> dict[str, str]:
+    return {text(k): text(v) for k, v in reply.items()}
+
+
+# redis-py exceptions that no retry fixes, with the code StoreMisconfigured reports
+_REDIS_CONFIG_ERRORS = (
+    (AuthenticationError, "AUTH"),
+    (NoPermissionError, "NOPERM"),
+    (ReadOnlyError, "READONLY"),
+)
+
+
+def redis_address(redis: Any) -> str:
+    """``host:port/db`` (or the socket path) of a redis-py client, for error messages; the
+    in-process index (fakeredis: its "host" is a random server name) says that it is one."""
+    if type(redis).__module__.startswith("fakeredis"):
+        return "the in-process index (no Redis server)"
+    kwargs = getattr(getattr(redis, "connection_pool", None), "connection_kwargs", {}) or {}
+    if kwargs.get("path"):
+        return f"redis at {kwargs['path']}/{kwargs.get('db', 0)}"
+    if "host" in kwargs or "port" in kwargs:
+        return f"redis at {kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
+    return "redis (in-process)"
+
+
+def redis_error(exc: Exception, where: str = "redis") -> StorageError:
+    """The storage error a redis-py exception stands for: refused credentials or permissions and
+    read-only replicas are :class:`StoreMisconfigured`, connection failures, timeouts and a full
+    server (``OOM``) :class:`StoreUnavailable`, anything else a plain :class:`StorageError`."""
+    for cls, code in _REDIS_CONFIG_ERRORS:
+        if isinstance(exc, cls):
+            return StoreMisconfigured(f"{where}: {exc}", service="redis", error_code=code, where=where)
+    if isinstance(exc, RedisConnectionError | RedisTimeoutError) or str(exc).startswith("OOM"):
+        return StoreUnavailable(f"{where}: {exc}")
+    return StorageError(f"{where}: {exc}")
+
+
+@asynccontextmanager
+async def redis_errors() -> AsyncIterator[None]:
+    """redis-py exceptions leave as storage errors (see :func:`redis_error`)."""
+    try:
+        yield
+    except RedisError as exc:  # WatchError never gets here: transact() handles it inside
+        raise redis_error(exc) from exc
+
+
+async def transact(
+    redis: Any, watch: Sequence[str], body: Callable[[Any], Awaitable[T]], *, attempts: int = 64
+) -> T:
+    """Run ``body(pipe)`` as an optimistic transaction over the ``watch``ed keys.
+
+    ``body`` reads in immediate mode, then calls ``pipe.multi()`` and queues its writes; it is
+    rerun when a watched key changed before EXEC. Raising inside ``body`` aborts with no writes.
+    """
+    async with redis_errors():
+        for attempt in range(attempts):
+            async with redis.pipeline(transaction=True) as pipe:
+                try:
+                    await pipe.watch(*watch)
+                    result = await body(pipe)
+                    await pipe.execute()
+                    return result
+                except WatchError:
+                    await asyncio.sleep(0.001 * min(attempt, 10))
+    raise WriteConflict(f"too much contention on {list(watch)}")
+
+
+def in_process_redis(server: Any = None) -> Any:
+    """The in-process default for a single machine: a fakeredis client with its own server.
+
+    Behaves like redis-server for everything the index uses (TTLs included) but lives in this
+    process only: nothing survives a restart, so the single-machine setup runs ``reindex`` at
+    start-up to rebuild it from the blob store. Pass a ``fakeredis.FakeServer`` to share one
+    in-process server between several clients.
+    """
+    import fakeredis
+
+    return fakeredis.FakeAsyncRedis(server=server or fakeredis.FakeServer(), decode_responses=True)

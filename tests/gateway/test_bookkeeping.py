@@ -1,0 +1,58 @@
+"""gateway.bookkeeping's pure decision: what finishing a turn writes."""
+
+from __future__ import annotations
+
+from gateway.bookkeeping import bookkeeping
+from gateway.placement import Placement, Serve
+from gateway.relay import TurnOutcome
+from gateway.tenants import Durability, Tenant
+from gateway.turn import RestorePrompt, Turn
+
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+
+
+def _turn(durability: Durability = Durability.AFTER_TURN) -> Turn:
+    prompt = RestorePrompt(MESSAGES, "m", {})
+    tenant = Tenant("t", durability=durability)
+    placement = Placement("e1", 0, Serve.LIVE)
+    hold = node = None  # (finishing decides without them)
+    return Turn(
+        tenant,
+        "s",
+        "m",
+        hold,
+        placement,
+        "http://e1",
+        node,
+        "header",
+        inflight="place-1",  # type: ignore[arg-type]
+        shared="shared-digest",
+        prompt=prompt,
+    )
+
+
+def test_an_answered_turn_records_routes_usage_and_a_save() -> None:
+    outcome = TurnOutcome(ok=True, content="hello", usage={"prompt_tokens": 7, "completion_tokens": 2})
+    books = bookkeeping(_turn(), MESSAGES, outcome, shares=True, last_user=True)
+    assert books.save and not books.release  # the save holds the lock on
+    assert books.tokens == 9 and books.route == books.digests[-1] and books.identical
+    assert (books.shared, books.inflight) == ("shared-digest", "place-1")
+    assert books.usage == {"requests": 1, "prompt_tokens": 7, "completion_tokens": 2}
+    alone = bookkeeping(_turn(), MESSAGES, outcome, shares=False, last_user=True)
+    assert alone.identical is None  # a tenant whose sessions do not share names no prompt to others
+    on_evict = bookkeeping(_turn(Durability.ON_EVICT), MESSAGES, outcome, shares=True, last_user=True)
+    assert not on_evict.save and on_evict.release
+
+
+def test_a_failed_turn_records_nothing_but_gives_its_place_and_lock_back() -> None:
+    books = bookkeeping(_turn(), MESSAGES, TurnOutcome(error="timeout"), shares=True, last_user=True)
+    assert (books.save, books.release, books.inflight) == (False, True, "place-1")
+    assert (books.digests, books.shared, books.identical, dict(books.usage), books.tokens) == (
+        (),
+        None,
+        None,
+        {},
+        None,
+    )
+    held = bookkeeping(_turn(), MESSAGES, TurnOutcome(error="timeout"), shares=True, last_user=False)
+    assert not held.release  # a pending save of the previous turn still holds the lock
