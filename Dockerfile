@@ -4,14 +4,16 @@
 #   docker build -t slotkeeper:0.1.0 .
 #   docker run --rm -p 8000:8000 -v $PWD/models:/models slotkeeper:0.1.0 serve --model /models/m.gguf
 #
-# NEVER BUILT YET: written where no Docker daemon was reachable (see README, "Container image").
-# llama.cpp is compiled for x86-64-v3 (AVX2/FMA/F16C), not for the build machine's CPU, so the
-# image runs on any such machine; pass CMAKE_ARGS to change that (a CUDA variant: README).
+# Without Docker, .ci/build-image builds it with buildah on a stand-in BASE made from Debian's
+# python3.11 (tests/helm/test_image.py runs the result). llama.cpp is compiled for x86-64-v3
+# (AVX2/FMA/F16C), not for the build machine's CPU, so the image runs on any such machine; pass
+# CMAKE_ARGS to change that (a CUDA variant: docs/container.md).
 
-ARG PYTHON=3.11
+# Both stages start from BASE: a Debian bookworm with python3.11, and `python` and `pip` on PATH.
+ARG BASE=python:3.11-slim-bookworm
 
 # -- build: wheels for llama-cpp-python (compiled once) and for slotkeeper (its native module) ----
-FROM python:${PYTHON}-slim-bookworm AS build
+FROM ${BASE} AS build
 RUN apt-get update \
  && apt-get install -y --no-install-recommends build-essential cmake zlib1g-dev \
  && rm -rf /var/lib/apt/lists/*
@@ -31,7 +33,7 @@ COPY storage storage
 RUN pip wheel --wheel-dir /wheels .
 
 # -- runtime: slim, non-root, state and models on volumes -------------------------------------------
-FROM python:${PYTHON}-slim-bookworm
+FROM ${BASE}
 RUN apt-get update \
  && apt-get install -y --no-install-recommends libgomp1 zlib1g \
  && rm -rf /var/lib/apt/lists/* \

@@ -35,11 +35,10 @@ from gateway.turn_path import (
     check_messages,
     counted_if_refused,
     forward_stateless,
-    json_body,
-    rate_limit,
     raw_json_body,
     serve_turn,
     served_model,
+    stateless_request,
     tenant_of,
 )
 from storage.errors import StorageError
@@ -48,9 +47,7 @@ log = structlog.get_logger("slotkeeper.gateway")
 
 
 async def _turn(request: Request, path: str) -> Response:
-    svc: Services = request.app.state.services
-    tenant = tenant_of(request)
-    async with counted_if_refused(svc, tenant):
+    async with counted_if_refused(request) as (svc, tenant):
         raw, body = await raw_json_body(request)
         model = await served_model(svc, tenant, body.get("model"))
         messages = check_messages(body, svc.settings.max_messages) if path == "/v1/chat/completions" else []
@@ -59,11 +56,7 @@ async def _turn(request: Request, path: str) -> Response:
 
 async def input_tokens(request: Request) -> Response:
     """How many prompt tokens a chat request would take (llama-server's /chat/completions/input_tokens)."""
-    svc: Services = request.app.state.services
-    tenant = tenant_of(request)
-    body = await json_body(request)
-    await rate_limit(svc, tenant)
-    model = await served_model(svc, tenant, body.get("model"))
+    svc, body, model = await stateless_request(request)
     check_messages(body, svc.settings.max_messages)
     payload = await forward_stateless(svc, model, "/v1/chat/completions/input_tokens", body)
     return JSONResponse(payload)

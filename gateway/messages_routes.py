@@ -21,18 +21,16 @@ from starlette.routing import Route
 from engine_pool.protocol import anthropic_messages as api
 from engine_pool.protocol.field_names import MESSAGES_FIELDS
 from engine_pool.protocol.sse import named_event
-from gateway.responses_routes import stream_failure
-from gateway.services import Services
 from gateway.turn import Turn
 from gateway.turn_path import (
     check_messages,
+    client_events,
     counted_if_refused,
     forward_stateless,
     json_body,
-    rate_limit,
     serve_client_turn,
     served_model,
-    tenant_of,
+    stateless_request,
 )
 
 
@@ -46,21 +44,12 @@ class MessagesDialect:
 
     async def stream(self, chunks: AsyncIterator[dict[str, Any]], turn: Turn) -> AsyncIterator[bytes]:
         events = api.MessageStream(self.req, message_id=self.message_id)
-        async for chunk in chunks:
-            if "error" in chunk:
-                for name, data in events.failed(stream_failure(chunk)):
-                    yield named_event(name, data)
-                return
-            for name, data in events.feed(chunk):
-                yield named_event(name, data)
-        for name, data in events.finish():
+        async for name, data in client_events(events, chunks):
             yield named_event(name, data)
 
 
 async def create(request: Request) -> Response:
-    svc: Services = request.app.state.services
-    tenant = tenant_of(request)
-    async with counted_if_refused(svc, tenant):
+    async with counted_if_refused(request) as (svc, tenant):
         data = await json_body(request)
         req = api.parse_request(data, max_messages=svc.settings.max_messages)
         model = await served_model(svc, tenant, req.model)
@@ -73,11 +62,7 @@ async def create(request: Request) -> Response:
 
 async def count_tokens(request: Request) -> Response:
     """Counted by an engine of the model (its template and tokenizer); no session is involved."""
-    svc: Services = request.app.state.services
-    tenant = tenant_of(request)
-    data = await json_body(request)
-    await rate_limit(svc, tenant)
-    model = await served_model(svc, tenant, data.get("model"))
+    svc, data, model = await stateless_request(request)
     payload = await forward_stateless(svc, model, "/v1/messages/count_tokens", data)
     return JSONResponse({"input_tokens": int(payload.get("input_tokens", 0))})
 

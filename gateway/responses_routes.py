@@ -10,6 +10,7 @@ unknown one or one whose response was deleted is a 404.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from gateway.tenants import Tenant
 from gateway.turn import Turn
 from gateway.turn_path import (
     check_messages,
+    client_events,
     counted_if_refused,
     json_body,
     serve_client_turn,
@@ -42,14 +44,6 @@ log = structlog.get_logger("slotkeeper.gateway")
 _MAX_LIST = 100
 _FINAL = ("response.completed", "response.incomplete")  # the events that carry the final response
 _UNSTORED = ServerError("the response could not be stored; retry")
-
-
-def stream_failure(chunk: dict[str, Any]) -> ServerError:
-    """The error an engine chunk reported mid-stream, to be rendered in the client's API shape."""
-    err = chunk.get("error")
-    if not isinstance(err, dict):
-        err = {}
-    return ServerError(str(err.get("message") or "the engine failed mid-stream"))
 
 
 @dataclass
@@ -88,23 +82,13 @@ class ResponsesDialect:
 
     async def stream(self, chunks: AsyncIterator[dict[str, Any]], turn: Turn) -> AsyncIterator[bytes]:
         events = api.ResponseStream(self.req, response_id=self.response_id, created_at=self.created_at)
-        async for chunk in chunks:
-            if "error" in chunk:
-                for name, data in events.failed(stream_failure(chunk)):
-                    yield named_event(name, data)
-                return
-            for name, data in events.feed(chunk):
+        async with contextlib.aclosing(client_events(events, chunks)) as translated:
+            async for name, data in translated:  # (a failure's events are never final ones)
                 if name in _FINAL and not await self._stored(data, turn):
                     for failed in events.failed(_UNSTORED):
                         yield named_event(*failed)
                     return
                 yield named_event(name, data)
-        for name, data in events.finish():  # a stream that ended without its usage chunk
-            if name in _FINAL and not await self._stored(data, turn):
-                for failed in events.failed(_UNSTORED):
-                    yield named_event(*failed)
-                return
-            yield named_event(name, data)
 
     async def _stored(self, event: dict[str, Any], turn: Turn) -> bool:
         """Store the final response of a stream before the client learns it is final, so that a
@@ -121,9 +105,7 @@ class ResponsesDialect:
 
 
 async def create(request: Request) -> Response:
-    svc: Services = request.app.state.services
-    tenant = tenant_of(request)
-    async with counted_if_refused(svc, tenant):
+    async with counted_if_refused(request) as (svc, tenant):
         data = await json_body(request)
         req = api.parse_request(data, max_items=svc.settings.max_messages)
         model = await served_model(svc, tenant, req.model)

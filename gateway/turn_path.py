@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from typing import Any, Protocol, TypeVar
 
 from starlette.background import BackgroundTask
@@ -29,11 +29,13 @@ from engine_pool.common.errors import (
     ClientGone,
     NotFound,
     QuotaExceeded,
+    ServerError,
     Unauthorized,
     Unavailable,
 )
 from engine_pool.protocol.field_names import renamed
 from engine_pool.protocol.report import SERVED
+from engine_pool.protocol.sse import NamedEvent
 from engine_pool.protocol.volatile import apply_rules
 from gateway.access_log import note
 from gateway.early import EarlyCall, EarlyStart
@@ -58,6 +60,38 @@ class Dialect(Protocol):
     def stream(self, chunks: AsyncIterator[dict[str, Any]], turn: Turn) -> AsyncIterator[bytes]:
         """The API's event stream for the engine's chunks (an `{"error": ...}` chunk ends it)."""
         ...
+
+
+class ClientStream(Protocol):
+    """A client API's stream translator (`engine_pool.protocol`'s `MessageStream`, `ResponseStream`)."""
+
+    def feed(self, chunk: dict[str, Any]) -> list[NamedEvent]: ...
+    def finish(self) -> list[NamedEvent]: ...
+    def failed(self, err: ApiError) -> list[NamedEvent]: ...
+
+
+async def client_events(
+    events: ClientStream, chunks: AsyncIterator[dict[str, Any]]
+) -> AsyncGenerator[NamedEvent, None]:
+    """The client API's events for the engine's chunks; an `{"error": ...}` chunk ends them with the
+    API's failure events, and a stream that ended without its usage chunk is closed by `finish`."""
+    async for chunk in chunks:
+        if "error" in chunk:
+            for event in events.failed(stream_failure(chunk)):
+                yield event
+            return
+        for event in events.feed(chunk):
+            yield event
+    for event in events.finish():
+        yield event
+
+
+def stream_failure(chunk: dict[str, Any]) -> ServerError:
+    """The error an engine chunk reported mid-stream, to be rendered in the client's API shape."""
+    err = chunk.get("error")
+    if not isinstance(err, dict):
+        err = {}
+    return ServerError(str(err.get("message") or "the engine failed mid-stream"))
 
 
 async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
@@ -117,12 +151,15 @@ async def rate_limit(svc: Services, tenant: Tenant) -> None:
 
 
 @contextlib.asynccontextmanager
-async def counted_if_refused(svc: Services, tenant: Tenant) -> AsyncIterator[None]:
-    """Around a turn's validation: a request refused before its opening read (which counts it in
-    the tenant's rate window) is counted here, so that every request counts once, malformed ones
-    too (and a tenant over its rate gets 429 whatever else is wrong, as before validation)."""
+async def counted_if_refused(request: Request) -> AsyncIterator[tuple[Services, Tenant]]:
+    """Around a turn's validation, with the request's services and tenant: a request refused before
+    its opening read (which counts it in the tenant's rate window) is counted here, so that every
+    request counts once, malformed ones too (and a tenant over its rate gets 429 whatever else is
+    wrong, as before validation)."""
+    svc: Services = request.app.state.services
+    tenant = tenant_of(request)
     try:
-        yield
+        yield svc, tenant
     except ApiError:
         await rate_limit(svc, tenant)
         raise
@@ -161,6 +198,16 @@ async def served_model(svc: Services, tenant: Tenant, requested: Any) -> str:
         # node did not answer and it may be one of its models.
         raise Unavailable(f"the model {requested!r} is not ready; retry", retry_after=2, param="model")
     raise NotFound(f"the model {requested!r} does not exist", param="model")
+
+
+async def stateless_request(request: Request) -> tuple[Services, dict[str, Any], str]:
+    """The services, JSON body and served model of a request that involves no session (token
+    counting); counted in the tenant's rate window here, as it has no opening read to count it."""
+    svc: Services = request.app.state.services
+    tenant = tenant_of(request)
+    body = await json_body(request)
+    await rate_limit(svc, tenant)
+    return svc, body, await served_model(svc, tenant, body.get("model"))
 
 
 async def forward_stateless(svc: Services, model: str, path: str, data: dict[str, Any]) -> dict[str, Any]:

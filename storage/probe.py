@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 import uuid
+import zlib
 from typing import Any
 
 import structlog
@@ -36,6 +37,13 @@ async def probe_store(store: BlobStore) -> None:
     store needs (PutObject, GetObject, ListBucket, DeleteObject, multipart) is exercised once.
     """
     await store.probe()
+
+
+def check_read_back(written: bytes, got: bytes, said: str, *, service: str, where: str) -> None:
+    """A store probe's last check: :class:`StoreMisconfigured` saying ``said`` unless what it read
+    back is what it wrote."""
+    if zlib.crc32(got) != zlib.crc32(written) or len(got) != len(written):
+        raise StoreMisconfigured(said, service=service, error_code="ChecksumMismatch", where=where)
 
 
 async def probe_redis(redis: Any, *, prefix: str = "slotkeeper") -> None:

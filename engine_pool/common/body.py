@@ -14,12 +14,14 @@ import re
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 
 from .errors import BadRequest, PayloadTooLarge, RequestTimeout
 from .limit_flags import BODY_TIMEOUT_S, MAX_BODY_BYTES, MAX_JSON_DEPTH
+
+T = TypeVar("T")
 
 _JSON_TYPE = {
     dict: "object",
@@ -239,21 +241,20 @@ class Body:
             )
             raise BadRequest(f"'{self.name(field)}' must be {bounds}, got {value}", param=self.name(field))
 
-    def get_bool(self, field: str, default: bool) -> bool:
+    def _typed(self, field: str, kind: type[T], what: str) -> T | None:
+        """The field's value (None when absent or null), refused unless it is a `kind`."""
         value = self.data.get(field)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise self._bad(field, "a boolean", value)
-        return value
+        if value is None or isinstance(value, kind):
+            return value
+        raise self._bad(field, what, value)
+
+    def get_bool(self, field: str, default: bool) -> bool:
+        value = self._typed(field, bool, "a boolean")
+        return default if value is None else value
 
     def get_str(self, field: str, default: str | None = None) -> str | None:
-        value = self.data.get(field)
-        if value is None:
-            return default
-        if not isinstance(value, str):
-            raise self._bad(field, "a string", value)
-        return value
+        value = self._typed(field, str, "a string")
+        return default if value is None else value
 
     def get_choice(self, field: str, default: str, choices: Sequence[str]) -> str:
         value = self.get_str(field, default)
@@ -266,20 +267,11 @@ class Body:
         return value
 
     def get_list(self, field: str) -> list[Any] | None:
-        value = self.data.get(field)
-        if value is None:
-            return None
-        if not isinstance(value, list):
-            raise self._bad(field, "an array", value)
-        return value
+        return self._typed(field, list, "an array")
 
     def get_object(self, field: str) -> Body | None:
-        value = self.data.get(field)
-        if value is None:
-            return None
-        if not isinstance(value, dict):
-            raise self._bad(field, "an object", value)
-        return Body(value, self.name(field))
+        value = self._typed(field, dict, "an object")
+        return None if value is None else Body(value, self.name(field))
 
     def objects(self, field: str) -> Iterator[Body]:
         """Each entry of the array `field` (none when absent) as a Body named `field[i]`, in order; an

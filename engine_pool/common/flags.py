@@ -73,6 +73,19 @@ def parse_log_format(text: str) -> str:
 Check = tuple[Callable[[Any], bool], str]  # predicate, what a valid value is
 
 
+# The usual checks, each worded as the error message says it ("--port must be within 0..65535").
+def at_least(low: float) -> Check:
+    return (lambda v: v >= low, f">= {low}")
+
+
+def above(low: float) -> Check:
+    return (lambda v: v > low, f"> {low}")
+
+
+def within(low: int, high: int) -> Check:
+    return (lambda v: low <= v <= high, f"within {low}..{high}")
+
+
 @dataclass(frozen=True)
 class Flag:
     """One setting: its field, flags (none: variable only), parser, help line, default and check.

@@ -8,7 +8,7 @@ defaults from these rows too.
 
 from __future__ import annotations
 
-from .flags import Flag, parse_bytes, parse_int
+from .flags import Flag, above, at_least, parse_bytes, parse_int, within
 
 MAX_BODY_BYTES = Flag(
     "max_body_bytes",
@@ -16,7 +16,7 @@ MAX_BODY_BYTES = Flag(
     parse_bytes,
     "largest request body; larger ones get 413",
     default=16 << 20,
-    check=(lambda v: v >= 1024, ">= 1024"),
+    check=at_least(1024),
 )
 MAX_JSON_DEPTH = Flag(
     "max_json_depth",
@@ -24,7 +24,7 @@ MAX_JSON_DEPTH = Flag(
     parse_int,
     "deepest JSON nesting of a request body",
     default=64,
-    check=(lambda v: 4 <= v <= 512, "within 4..512"),
+    check=within(4, 512),
 )
 BODY_TIMEOUT_S = Flag(
     "body_timeout_s",
@@ -32,7 +32,7 @@ BODY_TIMEOUT_S = Flag(
     float,
     "seconds a client may take to send its request body; slower ones get 408",
     default=60.0,
-    check=(lambda v: v > 0, "> 0"),
+    check=above(0),
 )
 MAX_MESSAGES = Flag(
     "max_messages",
@@ -40,5 +40,5 @@ MAX_MESSAGES = Flag(
     parse_int,
     "messages per request",
     default=4096,
-    check=(lambda v: v >= 1, ">= 1"),
+    check=at_least(1),
 )

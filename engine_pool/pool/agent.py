@@ -374,13 +374,7 @@ class NodeAgent:
                 await cache.discard(ref)
                 raise
         if deferred is not None:
-            log.warning(
-                "node.upload_deferred",
-                tenant=ref.tenant,
-                session=ref.session,
-                generation=ref.generation,
-                error=deferred,
-            )
+            log.warning("node.upload_deferred", **_ref_fields(ref), error=deferred)
             return None
         await cache.mark_uploaded(ref)
         return written
@@ -415,15 +409,7 @@ class NodeAgent:
         await cache.evict()  # with a budget of 0 (one machine, local store) the copy goes now
         ms = round((time.monotonic() - t0) * 1000, 2)
         result = FillResult(int(out["n_restored"]), int(out["n_read"]), source, ms)
-        log.info(
-            "node.filled",
-            engine=sup.spec.engine_id,
-            slot=slot,
-            tenant=ref.tenant,
-            session=ref.session,
-            generation=ref.generation,
-            **result.to_json(),
-        )
+        log.info("node.filled", **_slot_fields(sup, slot, ref), **result.to_json())
         return result
 
     async def _restore_cut(
@@ -440,15 +426,7 @@ class NodeAgent:
         except ApiError as err:
             if err.extra.get("kind") not in DAMAGED:
                 raise
-            log.warning(
-                "node.cut_refused",
-                engine=sup.spec.engine_id,
-                slot=slot,
-                tenant=ref.tenant,
-                session=ref.session,
-                generation=ref.generation,
-                error=err.message,
-            )
+            log.warning("node.cut_refused", **_slot_fields(sup, slot, ref), error=err.message)
             return None
         finally:
             await asyncio.to_thread(dest.unlink, missing_ok=True)
@@ -463,16 +441,7 @@ class NodeAgent:
         except ApiError as err:
             if err.extra.get("kind") not in DAMAGED or (ref in cache and not cache.is_uploaded(ref)):
                 raise  # not damage, or the only copy there is (not uploaded yet)
-            log.warning(
-                "node.fill_damaged",
-                engine=sup.spec.engine_id,
-                slot=slot,
-                tenant=ref.tenant,
-                session=ref.session,
-                generation=ref.generation,
-                source=source,
-                error=err.message,
-            )
+            log.warning("node.fill_damaged", **_slot_fields(sup, slot, ref), source=source, error=err.message)
             if ref in cache:
                 await cache.discard(ref)
             return await self._restore(sup, slot, ref, verify=True), "store"
@@ -595,6 +564,16 @@ class NodeAgent:
             except Exception as exc:  # a bug or a local fault (a file gone): logged, and tried again
                 delay = min(delay * 2, base * 16)
                 log.exception("node.flush_error", error=repr(exc), retry_in_s=delay)
+
+
+def _ref_fields(ref: SlotRef) -> dict[str, Any]:
+    """A generation's fields of a log event."""
+    return {"tenant": ref.tenant, "session": ref.session, "generation": ref.generation}
+
+
+def _slot_fields(sup: EngineSupervisor, slot: int, ref: SlotRef) -> dict[str, Any]:
+    """The fields of a log event about one generation in one engine's slot."""
+    return {"engine": sup.spec.engine_id, "slot": slot, **_ref_fields(ref)}
 
 
 def _clear_dir(path: Path) -> None:

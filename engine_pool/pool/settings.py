@@ -30,12 +30,15 @@ from ..common.flags import (
     LOG_FORMAT,
     Flag,
     SettingsError,
+    above,
+    at_least,
     check_settings,
     env_name,
     parse_bytes,
     parse_int,
     read_flags,
     table_defaults,
+    within,
 )
 from ..common.flags import build_parser as _build_parser
 from .supervisor import EngineSpec, SupervisorPolicy
@@ -85,21 +88,14 @@ FLAGS: tuple[Flag, ...] = (
         check=(lambda v: _ids((v,)), "a valid id (letters, digits, '-_.~@+=')"),
     ),
     Flag("host", ("--host",), str, "address of the node API (127.0.0.1)", default="127.0.0.1"),
-    Flag(
-        "port",
-        ("--port",),
-        parse_int,
-        "port of the node API (8070)",
-        default=8070,
-        check=(lambda v: 0 <= v <= 65535, "within 0..65535"),
-    ),
+    Flag("port", ("--port",), parse_int, "port of the node API (8070)", default=8070, check=within(0, 65535)),
     Flag(
         "n_slots",
         ("--slots",),
         parse_int,
         "slots per engine (1)",
         default=1,
-        check=(lambda v: 1 <= v <= 256, "within 1..256"),
+        check=within(1, 256),
         variable="SLOTKEEPER_SLOTS",
     ),
     Flag(
@@ -134,7 +130,7 @@ FLAGS: tuple[Flag, ...] = (
         parse_bytes,
         "spill cache budget (8G)",
         default=8 << 30,
-        check=(lambda v: v >= 0, ">= 0"),
+        check=at_least(0),
     ),
     Flag(
         "store_compression",
@@ -153,21 +149,14 @@ FLAGS: tuple[Flag, ...] = (
         repeat=True,
     ),
     Flag("engine_host", ("--engine-host",), str, "engines listen here", default="127.0.0.1"),
-    Flag(
-        "drain_grace_s",
-        ("--drain-grace-s",),
-        float,
-        "SIGTERM drain limit",
-        default=60.0,
-        check=(lambda v: v > 0, "> 0"),
-    ),
+    Flag("drain_grace_s", ("--drain-grace-s",), float, "SIGTERM drain limit", default=60.0, check=above(0)),
     Flag(
         "heartbeat_ttl_s",
         ("--heartbeat-ttl",),
         float,
         "registry TTL (10)",
         default=10.0,
-        check=(lambda v: v >= 1, ">= 1"),
+        check=at_least(1),
         variable="SLOTKEEPER_HEARTBEAT_TTL",
     ),
     Flag(
@@ -176,7 +165,7 @@ FLAGS: tuple[Flag, ...] = (
         float,
         "seconds an engine may take to become healthy (120)",
         default=120.0,
-        check=(lambda v: v > 0, "> 0"),
+        check=above(0),
         variable="SLOTKEEPER_ENGINE_START_TIMEOUT",
     ),
     Flag(
@@ -185,7 +174,7 @@ FLAGS: tuple[Flag, ...] = (
         float,
         "seconds between SIGTERM and SIGKILL of an engine (20)",
         default=20.0,
-        check=(lambda v: v >= 0, ">= 0"),
+        check=at_least(0),
         variable="SLOTKEEPER_ENGINE_STOP_GRACE",
     ),
     Flag(
@@ -194,7 +183,7 @@ FLAGS: tuple[Flag, ...] = (
         parse_int,
         "failed starts in a row with the same error that leave an engine failed; 0: never (3)",
         default=3,
-        check=(lambda v: v >= 0, ">= 0"),
+        check=at_least(0),
     ),
     Flag(
         "health_interval_s",
@@ -202,7 +191,7 @@ FLAGS: tuple[Flag, ...] = (
         float,
         "seconds (5)",
         default=5.0,
-        check=(lambda v: v > 0, "> 0"),
+        check=above(0),
         variable="SLOTKEEPER_HEALTH_INTERVAL",
     ),
     Flag(
@@ -211,7 +200,7 @@ FLAGS: tuple[Flag, ...] = (
         float,
         "first retry of failed uploads, doubling to 16× while the store stays down (2)",
         default=2.0,
-        check=(lambda v: v > 0, "> 0"),
+        check=above(0),
         variable="SLOTKEEPER_FLUSH_INTERVAL",
     ),
     Flag(

@@ -26,12 +26,14 @@ from ..common.flags import (
     LOG_FORMAT,
     Flag,
     SettingsError,
+    at_least,
     check_settings,
     parse_bool,
     parse_bytes,
     parse_int,
     table_defaults,
     values_from,
+    within,
 )
 from ..common.flags import build_parser as _build_parser
 from ..common.limit_flags import BODY_TIMEOUT_S, MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_MESSAGES
@@ -84,21 +86,14 @@ FLAGS: tuple[Flag, ...] = (
         default="127.0.0.1",
         check=(lambda v: bool(_csv(v)), "one or more addresses"),
     ),
-    Flag(
-        "port",
-        ("--port",),
-        parse_int,
-        "port to listen on (8080)",
-        default=8080,
-        check=(lambda v: 0 <= v <= 65535, "within 0..65535"),
-    ),
+    Flag("port", ("--port",), parse_int, "port to listen on (8080)", default=8080, check=within(0, 65535)),
     Flag(
         "n_slots",
         ("-np", "--parallel"),
         parse_int,
         "number of slots (1)",
         default=1,
-        check=(lambda v: 1 <= v <= 256, "within 1..256"),
+        check=within(1, 256),
         variable="SLOTKEEPER_PARALLEL",
     ),
     Flag(
@@ -150,7 +145,7 @@ FLAGS: tuple[Flag, ...] = (
         float,
         "default temperature (0.8)",
         default=0.8,
-        check=(lambda v: v >= 0, ">= 0"),
+        check=at_least(0),
         variable="SLOTKEEPER_TEMP",
     ),
     Flag(
@@ -159,7 +154,7 @@ FLAGS: tuple[Flag, ...] = (
         parse_int,
         "default tokens to predict (-1: until a stop or the slot's context is full)",
         default=-1,
-        check=(lambda v: v >= -1, ">= -1"),
+        check=at_least(-1),
     ),
     Flag(
         "alias",
@@ -188,7 +183,7 @@ FLAGS: tuple[Flag, ...] = (
         parse_int,
         "checkpoints kept per slot (32; 0 disables them)",
         default=32,
-        check=(lambda v: v >= 0, ">= 0"),
+        check=at_least(0),
         variable="SLOTKEEPER_CTX_CHECKPOINTS",
     ),
     Flag(
@@ -197,7 +192,7 @@ FLAGS: tuple[Flag, ...] = (
         parse_int,
         "minimum distance in tokens between checkpoints (64)",
         default=64,
-        check=(lambda v: v >= 0, ">= 0"),
+        check=at_least(0),
     ),
     Flag(
         "checkpoint_interval",
@@ -205,7 +200,7 @@ FLAGS: tuple[Flag, ...] = (
         parse_int,
         "checkpoint every this many tokens inside long prompts (2048; 0: off)",
         default=2048,
-        check=(lambda v: v >= 0, ">= 0"),
+        check=at_least(0),
     ),
     Flag(
         "max_checkpoint_bytes",
@@ -213,7 +208,7 @@ FLAGS: tuple[Flag, ...] = (
         parse_bytes,
         "checkpoint memory per slot, e.g. 512M (1G)",
         default=1 << 30,
-        check=(lambda v: v >= 0, ">= 0"),
+        check=at_least(0),
     ),
     Flag(
         "max_slot_file_bytes",
@@ -221,7 +216,7 @@ FLAGS: tuple[Flag, ...] = (
         parse_bytes,
         "refuse to restore larger slot files (0: no limit)",
         default=0,
-        check=(lambda v: v >= 0, ">= 0"),
+        check=at_least(0),
     ),
     Flag("swa_full", ("--swa-full",), parse_bool, "full-size SWA cache", default=False, switch=True),
     Flag("flash_attn", ("-fa", "--flash-attn"), parse_bool, "flash attention: on|off|auto", default=False),
@@ -232,7 +227,7 @@ FLAGS: tuple[Flag, ...] = (
         parse_int,
         "requests that may wait for a busy slot; more get 503 + Retry-After (16)",
         default=16,
-        check=(lambda v: v >= 0, ">= 0"),
+        check=at_least(0),
     ),
     Flag(
         "slot_wait_s",
@@ -240,7 +235,7 @@ FLAGS: tuple[Flag, ...] = (
         float,
         "seconds a slot save/restore/erase waits for a busy slot (30)",
         default=30.0,
-        check=(lambda v: v >= 0, ">= 0"),
+        check=at_least(0),
         variable="SLOTKEEPER_SLOT_WAIT_TIMEOUT",
     ),
     Flag(
@@ -257,7 +252,7 @@ FLAGS: tuple[Flag, ...] = (
         float,
         "seconds in-flight requests may finish after SIGTERM before they are aborted (10)",
         default=10.0,
-        check=(lambda v: v >= 0, ">= 0"),
+        check=at_least(0),
         variable="SLOTKEEPER_SHUTDOWN_GRACE",
     ),
     Flag(
@@ -412,29 +407,17 @@ FLAGS: tuple[Flag, ...] = (
     MAX_JSON_DEPTH.with_help("deepest JSON nesting of a request body (64)"),
     BODY_TIMEOUT_S.with_help("seconds a client may take to send its request body; slower ones get 408 (60)"),
     MAX_MESSAGES.with_help("messages per request (4096)"),
-    Flag(
-        "max_tools",
-        ("--max-tools",),
-        parse_int,
-        "tools per request (512)",
-        default=512,
-        check=(lambda v: v >= 0, ">= 0"),
-    ),
+    Flag("max_tools", ("--max-tools",), parse_int, "tools per request (512)", default=512, check=at_least(0)),
     Flag(
         "max_text_chars",
         ("--max-text-chars",),
         parse_bytes,
         "characters of text in one request's messages or prompts, e.g. 4M (1M)",
         default=1 << 20,
-        check=(lambda v: v >= 1, ">= 1"),
+        check=at_least(1),
     ),
     Flag(
-        "max_stop",
-        ("--max-stop",),
-        parse_int,
-        "stop strings per request (16)",
-        default=16,
-        check=(lambda v: v >= 0, ">= 0"),
+        "max_stop", ("--max-stop",), parse_int, "stop strings per request (16)", default=16, check=at_least(0)
     ),
     Flag(
         "max_stop_chars",
@@ -442,7 +425,7 @@ FLAGS: tuple[Flag, ...] = (
         parse_int,
         "characters per stop string (256)",
         default=256,
-        check=(lambda v: v >= 1, ">= 1"),
+        check=at_least(1),
     ),
     Flag(
         "max_logit_bias",
@@ -450,7 +433,7 @@ FLAGS: tuple[Flag, ...] = (
         parse_int,
         "logit_bias entries (2048)",
         default=2048,
-        check=(lambda v: v >= 0, ">= 0"),
+        check=at_least(0),
     ),
     Flag(
         "max_grammar_bytes",
@@ -458,7 +441,7 @@ FLAGS: tuple[Flag, ...] = (
         parse_bytes,
         "size of a request's raw GBNF `grammar` (64K)",
         default=64 << 10,
-        check=(lambda v: v >= 0, ">= 0"),
+        check=at_least(0),
     ),
     # llama.cpp parses GBNF recursively (one C++ frame chain per parenthesis) on the event loop's
     # thread: a few thousand levels crash the process, so this bound is not the operator's to lift.
@@ -468,7 +451,7 @@ FLAGS: tuple[Flag, ...] = (
         parse_int,
         "parenthesis nesting of a raw GBNF `grammar` (64; llama.cpp parses it recursively)",
         default=64,
-        check=(lambda v: 1 <= v <= 1024, "within 1..1024"),
+        check=within(1, 1024),
     ),
     # The schema walk recurses in Python (a few frames per level, under the interpreter's 1000).
     Flag(
@@ -477,7 +460,7 @@ FLAGS: tuple[Flag, ...] = (
         parse_int,
         "nesting of a JSON schema (response_format, json_schema, tool parameters), $refs included (32)",
         default=_SCHEMA.max_depth,
-        check=(lambda v: 1 <= v <= 128, "within 1..128"),
+        check=within(1, 128),
     ),
     Flag(
         "max_schema_grammar_bytes",
@@ -485,7 +468,7 @@ FLAGS: tuple[Flag, ...] = (
         parse_bytes,
         "size of the grammar built from a request's JSON schemas and tools (2M)",
         default=_SCHEMA.max_bytes,
-        check=(lambda v: v >= 1024, ">= 1024"),
+        check=at_least(1024),
     ),
     Flag(
         "max_schema_grammar_rules",
@@ -493,7 +476,7 @@ FLAGS: tuple[Flag, ...] = (
         parse_int,
         "rules in the grammar built from a request's JSON schemas and tools (32768)",
         default=_SCHEMA.max_rules,
-        check=(lambda v: v >= 16, ">= 16"),
+        check=at_least(16),
     ),
     Flag(
         "chat_template",

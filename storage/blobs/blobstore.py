@@ -21,20 +21,23 @@ from __future__ import annotations
 import asyncio
 import builtins
 import mmap
-import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Self
 
-from storage.checksum import format_checksum, parse_checksum
-from storage.errors import StorageError
-from storage.ids import SlotRef, blob_key, tenant_prefix, validate_generation, validate_id, validate_prefix
-from storage.index.prefix_digests import STORED_ROUTES
-
-_FINGERPRINT_MAX = 256
+from storage.checksum import format_checksum
+from storage.errors import NotStored
+from storage.ids import (
+    SlotRef,
+    blob_key,
+    document_key,
+    tenant_prefix,
+    validate_generation,
+    validate_id,
+    validate_prefix,
+)
 
 
 @dataclass(frozen=True)
@@ -78,64 +81,15 @@ class BlobMeta:
         return None if self.crc32 is None else format_checksum(self.crc32)
 
 
-def encode_metadata(
-    ref: SlotRef, *, size: int, crc32: int, model: str, n_tokens: int, writer: str, route: str = ""
-) -> dict[str, str]:
-    """The object metadata (all ASCII strings, as S3 user metadata requires)."""
-    if not model.isascii() or len(model) > _FINGERPRINT_MAX or not model.isprintable():
-        raise StorageError(f"model fingerprint must be printable ASCII of at most {_FINGERPRINT_MAX} chars")
-    if n_tokens < 0:
-        raise StorageError("n_tokens must be >= 0")
-    if route and not STORED_ROUTES.fullmatch(route):
-        raise StorageError("route must be lowercase hex digests of 16..128 characters (route[.shared])")
-    md = {
-        "tenant": ref.tenant,
-        "session": ref.session,
-        "generation": str(ref.generation),
-        "model": model,
-        "tokens": str(n_tokens),
-        "size": str(size),
-        "checksum": format_checksum(crc32),
-        "writer": writer,
-    }
-    if route:
-        md["route"] = route
-    return md
+@dataclass(frozen=True)
+class PutOptions:
+    """What a caller of :meth:`BlobStore.put_file` says about the file (see there)."""
 
-
-def decode_metadata(
-    ref: SlotRef, key: str, size: int, last_modified: float, etag: str, md: Mapping[str, str]
-) -> BlobMeta:
-    """Metadata as stored; identity always comes from the key, and must agree with the metadata."""
-    for name, value in (
-        ("tenant", ref.tenant),
-        ("session", ref.session),
-        ("generation", str(ref.generation)),
-    ):
-        if name in md and md[name] != value:
-            raise StorageError(f"object {key}: metadata {name}={md[name]!r} disagrees with its key")
-    crc = parse_checksum(md["checksum"]) if "checksum" in md else None
-    try:
-        n_tokens = int(md.get("tokens", "0"))
-    except ValueError as exc:
-        raise StorageError(f"object {key}: bad tokens metadata {md.get('tokens')!r}") from exc
-    return BlobMeta(
-        ref=ref,
-        key=key,
-        size=size,
-        crc32=crc,
-        model=md.get("model", ""),
-        n_tokens=n_tokens,
-        last_modified=last_modified,
-        etag=etag,
-        writer=md.get("writer", ""),
-        route=md.get("route", "") if STORED_ROUTES.fullmatch(md.get("route", "")) else "",
-    )
-
-
-def new_writer_id() -> str:
-    """A unique id stamped into each write, to tell our own object from a concurrent writer's."""
-    return uuid.uuid4().hex
+    model: str
+    n_tokens: int
+    crc32: int | None = None
+    route: str = ""
+    share: bool = True
 
 
 def temp_beside(dest: Path, writer: str) -> Path:
@@ -152,7 +106,6 @@ class BlobStore(ABC):
     def key_for(self, ref: SlotRef) -> str:
         return blob_key(self.prefix, ref)
 
-    @abstractmethod
     async def put_file(
         self,
         ref: SlotRef,
@@ -174,6 +127,11 @@ class BlobStore(ABC):
         Transient failures are retried; when they persist
         :class:`StoreUnavailable` is raised and nothing is left half-visible.
         """
+        return await self._put_file(ref, Path(path), PutOptions(model, n_tokens, crc32, route, share))
+
+    @abstractmethod
+    async def _put_file(self, ref: SlotRef, path: Path, opts: PutOptions) -> BlobMeta:
+        """:meth:`put_file`, as this store carries it out."""
 
     @abstractmethod
     async def get_to_file(self, ref: SlotRef, dest: str | Path, *, verify: bool = True) -> BlobMeta:
@@ -222,18 +180,22 @@ class BlobStore(ABC):
         namespace (``{prefix}/.probe/``); :class:`StoreMisconfigured` when the store refuses,
         :class:`StoreUnavailable` when it cannot be reached."""
 
-    @abstractmethod
+    # Documents are raw objects at keys of their own (storage.ids.document_key).
     async def put_document(self, tenant: str, kind: str, name: str, data: bytes) -> None:
         """Write (or replace) one small document of a tenant atomically: a reader sees the old bytes
         or the new ones, never a part. Documents are not slot files: listings never include them."""
+        await self.put_object(document_key(self.prefix, tenant, kind, name), data)
 
-    @abstractmethod
     async def get_document(self, tenant: str, kind: str, name: str) -> bytes:
         """One document's bytes; :class:`NotStored` if absent."""
+        try:
+            return await self.get_object(document_key(self.prefix, tenant, kind, name))
+        except NotStored:
+            raise NotStored(f"{kind} document {name} not found") from None
 
-    @abstractmethod
     async def delete_document(self, tenant: str, kind: str, name: str) -> None:
         """Remove one document; an absent one is not an error."""
+        await self.delete_object(document_key(self.prefix, tenant, kind, name))
 
     # Raw objects: keys come only from storage.ids (piece_key, manifest_key), never from a tenant.
     @abstractmethod
@@ -308,9 +270,7 @@ class BlobStore(ABC):
     async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
 

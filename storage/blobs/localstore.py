@@ -26,19 +26,12 @@ from pathlib import Path
 
 import structlog
 
-from storage.blobs.blobstore import (
-    BlobInfo,
-    BlobMeta,
-    BlobStore,
-    ObjectInfo,
-    decode_metadata,
-    encode_metadata,
-    new_writer_id,
-    temp_beside,
-)
+from storage.blobs.blobstore import BlobInfo, BlobMeta, BlobStore, ObjectInfo, PutOptions, temp_beside
+from storage.blobs.metadata import decode_metadata, encode_metadata, new_writer_id
 from storage.checksum import crc32_of_parts
 from storage.errors import ChecksumError, NotStored, StorageError, StoreMisconfigured, WriteConflict
-from storage.ids import SlotRef, document_key, parse_blob_key, tenant_prefix, validate_id
+from storage.ids import SlotRef, parse_blob_key, tenant_prefix, validate_id
+from storage.probe import check_read_back
 
 log = structlog.get_logger("slotkeeper.storage")
 _META_SUFFIX = ".meta.json"
@@ -71,25 +64,13 @@ class LocalStore(BlobStore):
     def _path(self, ref: SlotRef) -> Path:
         return self.root / self.key_for(ref)
 
-    async def put_file(
-        self,
-        ref: SlotRef,
-        path: str | Path,
-        *,
-        model: str,
-        n_tokens: int,
-        crc32: int | None = None,
-        route: str = "",
-        share: bool = True,
-    ) -> BlobMeta:
-        meta = await asyncio.to_thread(self._put, ref, Path(path), model, n_tokens, crc32, route)
+    async def _put_file(self, ref: SlotRef, path: Path, opts: PutOptions) -> BlobMeta:
+        meta = await asyncio.to_thread(self._put, ref, path, opts)
         log.info("storage.upload", store="local", key=meta.key, bytes=meta.size, checksum=meta.checksum)
         return meta
 
-    def _put(
-        self, ref: SlotRef, src: Path, model: str, n_tokens: int, expected: int | None, route: str
-    ) -> BlobMeta:
-        dest = self._path(ref)
+    def _put(self, ref: SlotRef, src: Path, opts: PutOptions) -> BlobMeta:
+        expected, dest = opts.crc32, self._path(ref)
         meta_path = dest.with_name(dest.name + _META_SUFFIX)
         if dest.exists() or meta_path.exists():
             raise WriteConflict(f"generation {ref.generation} of session {ref.session} exists")
@@ -102,9 +83,7 @@ class LocalStore(BlobStore):
                 raise ChecksumError(
                     f"{src}: crc32 {crc:08x}, expected {expected:08x}", expected=expected, actual=crc
                 )
-            md = encode_metadata(
-                ref, size=size, crc32=crc, model=model, n_tokens=n_tokens, writer=writer, route=route
-            )
+            md = encode_metadata(ref, opts, size=size, crc32=crc, writer=writer)
             with open(meta_tmp, "x") as f:
                 json.dump(md, f)
                 f.flush()
@@ -259,9 +238,6 @@ class LocalStore(BlobStore):
         except OSError:
             pass  # not empty, or gone
 
-    async def put_document(self, tenant: str, kind: str, name: str, data: bytes) -> None:
-        await self.put_object(document_key(self.prefix, tenant, kind, name), data)
-
     def _put_document(self, dest: Path, data: bytes) -> None:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = temp_beside(dest, new_writer_id())
@@ -274,15 +250,6 @@ class LocalStore(BlobStore):
             self._sync_dir(dest.parent)
         finally:
             tmp.unlink(missing_ok=True)
-
-    async def get_document(self, tenant: str, kind: str, name: str) -> bytes:
-        try:
-            return await self.get_object(document_key(self.prefix, tenant, kind, name))
-        except NotStored:
-            raise NotStored(f"{kind} document {name} not found") from None
-
-    async def delete_document(self, tenant: str, kind: str, name: str) -> None:
-        await self.delete_object(document_key(self.prefix, tenant, kind, name))
 
     async def put_object(self, key: str, data: bytes) -> None:
         await asyncio.to_thread(self._put_document, self.root / key, data)
@@ -388,13 +355,8 @@ class LocalStore(BlobStore):
                 error_code=code,
                 where=where,
             ) from exc
-        if zlib.crc32(got) != zlib.crc32(data) or len(got) != len(data):
-            raise StoreMisconfigured(
-                f"local store in {where} returned other bytes than were written",
-                service="local",
-                error_code="ChecksumMismatch",
-                where=where,
-            )
+        said = f"local store in {where} returned other bytes than were written"
+        check_read_back(data, got, said, service="local", where=where)
 
 
 def _copy_chunk(fin: int, fout: int, offset: int, length: int) -> int:

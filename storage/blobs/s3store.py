@@ -48,16 +48,8 @@ from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 import structlog
 from botocore.exceptions import ClientError
 
-from storage.blobs.blobstore import (
-    BlobInfo,
-    BlobMeta,
-    BlobStore,
-    ObjectInfo,
-    decode_metadata,
-    encode_metadata,
-    new_writer_id,
-    temp_beside,
-)
+from storage.blobs.blobstore import BlobInfo, BlobMeta, BlobStore, ObjectInfo, PutOptions, temp_beside
+from storage.blobs.metadata import decode_metadata, encode_metadata, new_writer_id
 from storage.blobs.retry import RetryPolicy, retrying
 from storage.blobs.s3client import (
     is_missing,
@@ -69,7 +61,8 @@ from storage.blobs.s3client import (
 from storage.blobs.s3upload import Upload
 from storage.checksum import composite_crc32_b64, crc32_b64, crc32_of_parts, file_crc32
 from storage.errors import ChecksumError, NotStored, StorageError, StoreMisconfigured, WriteConflict
-from storage.ids import SlotRef, document_key, parse_blob_key, tenant_prefix, validate_id
+from storage.ids import SlotRef, parse_blob_key, tenant_prefix, validate_id
+from storage.probe import check_read_back
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -133,16 +126,14 @@ class S3Store(BlobStore):
             self._pool, functools.partial(fn, *args, **kwargs)
         )
 
+    async def retried(self, op: str, fn: Callable[[], T], /, **log_context: object) -> T:
+        """``fn()`` in the store's pool, retried with backoff while it fails transiently."""
+        return await retrying(op, lambda: self.thread(fn), self.retry, is_transient_s3, **log_context)
+
     async def _s3(self, op: str, **kwargs: Any) -> Any:
         """One S3 API call in the pool, retried with backoff on transient errors."""
-        method = getattr(self.client, op)
-        return await retrying(
-            op,
-            lambda: self.thread(method, Bucket=self.bucket, **kwargs),
-            self.retry,
-            is_transient_s3,
-            key=kwargs.get("Key"),
-        )
+        method = functools.partial(getattr(self.client, op), Bucket=self.bucket, **kwargs)
+        return await self.retried(op, method, key=kwargs.get("Key"))
 
     async def run_parts(self, jobs: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
         """Run part transfers, ``concurrency`` at a time; the first failure cancels the rest."""
@@ -165,43 +156,31 @@ class S3Store(BlobStore):
         return [(off, min(part, size - off)) for off in range(0, size, part)]
 
     # -------------------------------------------------------------------------------------- upload
-    @_boundary
-    async def put_file(
-        self,
-        ref: SlotRef,
-        path: str | Path,
-        *,
-        model: str,
-        n_tokens: int,
-        crc32: int | None = None,
-        route: str = "",
-        share: bool = True,
-    ) -> BlobMeta:
-        key, path, started = self.key_for(ref), Path(path), time.monotonic()
-        size = (await asyncio.to_thread(os.stat, path)).st_size
-        if crc32 is None:  # metadata is fixed at create time, so the CRC is needed before the parts
-            crc32 = await asyncio.to_thread(file_crc32, path)
-        native = await self.native_conditional_writes()
-        if await self.writer_of(ref) is not None:
-            raise WriteConflict(f"generation {ref.generation} of session {ref.session} exists")
-        writer = new_writer_id()
-        md = encode_metadata(
-            ref, size=size, crc32=crc32, model=model, n_tokens=n_tokens, writer=writer, route=route
-        )
-        part_crcs = await Upload(self, ref, path, size, crc32, md, writer, native).run()
-        meta = await self._verify_upload(ref, key, size, crc32, writer, part_crcs)
-        seconds = round(time.monotonic() - started, 3)
-        log.info(
-            "storage.upload",
-            store="s3",
-            key=key,
-            bytes=size,
-            parts=len(part_crcs),
-            seconds=seconds,
-            checksum=meta.checksum,
-            native_conditional=native,
-        )
-        return meta
+    async def _put_file(self, ref: SlotRef, path: Path, opts: PutOptions) -> BlobMeta:
+        with s3_errors("put_file", self.bucket, self.endpoint):  # errors name the public method
+            key, crc32, started = self.key_for(ref), opts.crc32, time.monotonic()
+            size = (await asyncio.to_thread(os.stat, path)).st_size
+            if crc32 is None:  # metadata is fixed at create time, so the CRC is needed before the parts
+                crc32 = await asyncio.to_thread(file_crc32, path)
+            native = await self.native_conditional_writes()
+            if await self.writer_of(ref) is not None:
+                raise WriteConflict(f"generation {ref.generation} of session {ref.session} exists")
+            writer = new_writer_id()
+            md = encode_metadata(ref, opts, size=size, crc32=crc32, writer=writer)
+            part_crcs = await Upload(self, ref, path, size, crc32, md, writer, native).run()
+            meta = await self._verify_upload(ref, key, size, crc32, writer, part_crcs)
+            seconds = round(time.monotonic() - started, 3)
+            log.info(
+                "storage.upload",
+                store="s3",
+                key=key,
+                bytes=size,
+                parts=len(part_crcs),
+                seconds=seconds,
+                checksum=meta.checksum,
+                native_conditional=native,
+            )
+            return meta
 
     async def _verify_upload(
         self, ref: SlotRef, key: str, size: int, crc: int, writer: str, part_crcs: list[int]
@@ -299,14 +278,7 @@ class S3Store(BlobStore):
             return crc, length
 
         try:
-            return await retrying(
-                "get_object",
-                lambda: self.thread(fetch),
-                self.retry,
-                is_transient_s3,
-                key=meta.key,
-                offset=offset,
-            )
+            return await self.retried("get_object", fetch, key=meta.key, offset=offset)
         except ClientError as exc:
             if is_precondition_failed(exc):
                 raise WriteConflict(f"{meta.key} changed during the download") from exc
@@ -373,23 +345,10 @@ class S3Store(BlobStore):
                 raise
         log.info("storage.delete", store="s3", key=key)
 
-    # ----------------------------------------------------------------------------------- documents
-    async def put_document(self, tenant: str, kind: str, name: str, data: bytes) -> None:
-        # One PUT is atomic in S3: readers see the old object or the new one.
-        await self.put_object(document_key(self.prefix, tenant, kind, name), data)
-
-    async def get_document(self, tenant: str, kind: str, name: str) -> bytes:
-        try:
-            return await self.get_object(document_key(self.prefix, tenant, kind, name))
-        except NotStored:
-            raise NotStored(f"{kind} document {name} not found") from None
-
-    async def delete_document(self, tenant: str, kind: str, name: str) -> None:
-        await self.delete_object(document_key(self.prefix, tenant, kind, name))
-
-    # --------------------------------------------------------------------------------- raw objects
+    # ------------------------------------------------------------------ raw objects (and documents)
     @_boundary
     async def put_object(self, key: str, data: bytes) -> None:
+        # One PUT is atomic in S3: readers see the old object or the new one (documents rely on it).
         await self._s3("put_object", Key=key, Body=data, ChecksumCRC32=crc32_b64(zlib.crc32(data)))
 
     @_boundary
@@ -408,7 +367,7 @@ class S3Store(BlobStore):
         def get() -> bytes:
             return _read_body(self.client.get_object(Bucket=self.bucket, Key=key)["Body"])
 
-        return await retrying("get_object", lambda: self.thread(get), self.retry, is_transient_s3, key=key)
+        return await self.retried("get_object", get, key=key)
 
     @_boundary
     async def object_size(self, key: str) -> int | None:
@@ -447,13 +406,8 @@ class S3Store(BlobStore):
             got = await self._get_bytes(key)
         finally:
             await self._s3("delete_object", Key=key)
-        if zlib.crc32(got) != zlib.crc32(data) or len(got) != len(data):
-            raise StoreMisconfigured(
-                f"{where} returned other bytes than were written to {key}",
-                service="s3",
-                error_code="ChecksumMismatch",
-                where=where,
-            )
+        said = f"{where} returned other bytes than were written to {key}"
+        check_read_back(data, got, said, service="s3", where=where)
         if [o.get("Key") for o in listed.get("Contents", []) or []] != [key]:
             raise StoreMisconfigured(
                 f"{where} does not list the object just written ({key})",

@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from botocore.exceptions import ClientError
 
-from storage.blobs.retry import retrying
-from storage.blobs.s3client import is_precondition_failed, is_transient_s3, s3_error_code, s3_status
+from storage.blobs.s3client import is_precondition_failed, s3_error_code, s3_status
 from storage.checksum import crc32_b64, crc32_of_parts
 from storage.errors import ChecksumError, StorageError, StoreUnavailable, WriteConflict
 from storage.ids import SlotRef
@@ -137,14 +136,7 @@ class Upload:
             return {"PartNumber": number, "ETag": resp["ETag"], **sums}, crc, length
 
         try:
-            return await retrying(
-                "upload_part",
-                lambda: store.thread(send),
-                store.retry,
-                is_transient_s3,
-                key=self.key,
-                part=number,
-            )
+            return await store.retried("upload_part", send, key=self.key, part=number)
         except ClientError as exc:
             if s3_error_code(exc) == "NoSuchUpload":
                 raise UploadLost() from exc

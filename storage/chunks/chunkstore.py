@@ -48,7 +48,8 @@ import numpy as np
 import structlog
 
 from storage.background import in_background
-from storage.blobs.blobstore import BlobInfo, BlobMeta, BlobStore, ObjectInfo, new_writer_id, temp_beside
+from storage.blobs.blobstore import BlobInfo, BlobMeta, BlobStore, ObjectInfo, PutOptions, temp_beside
+from storage.blobs.metadata import new_writer_id
 from storage.chunks.chunking import (
     CHUNK_TOKENS,
     Piece,
@@ -133,27 +134,17 @@ class ChunkedStore(BlobStore):
         return piece_key(self.prefix, tenant, ns, name, kind)
 
     # -- save -------------------------------------------------------------------------------------
-    async def put_file(
-        self,
-        ref: SlotRef,
-        path: str | Path,
-        *,
-        model: str,
-        n_tokens: int,
-        crc32: int | None = None,
-        route: str = "",
-        share: bool = True,
-    ) -> BlobMeta:
+    async def _put_file(self, ref: SlotRef, path: Path, opts: PutOptions) -> BlobMeta:
         t0 = time.monotonic()
-        s = await in_background(self._split, Path(path), ref, share)  # a save: below the engine
-        if crc32 is not None and s.crc32 != crc32:
-            raise ChecksumError(f"{path}: crc32 {s.crc32:08x}, expected {crc32:08x}")
+        s = await in_background(self._split, path, ref, opts.share)  # a save: below the engine
+        if opts.crc32 is not None and s.crc32 != opts.crc32:
+            raise ChecksumError(f"{path}: crc32 {s.crc32:08x}, expected {opts.crc32:08x}")
         key = self._manifest(ref)
         token = await self.ledger.claim_write(ref.tenant, key)
         if token is None:
             raise WriteConflict(f"generation {ref.generation} of session {ref.session} is being stored")
         try:
-            return await self._put(ref, s, key, model, route, t0)
+            return await self._put(ref, s, key, opts.model, opts.route, t0)
         finally:
             await self.ledger.release_write(ref.tenant, key, token)
 

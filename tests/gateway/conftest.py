@@ -11,11 +11,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import httpx
 import openai
 import pytest
+from support.ready import wait_ready
 
 from gateway.bench.harness.servers import INTERNAL_AUTH
 
@@ -41,6 +43,58 @@ def anthropic_client(url: str, key: str = "none") -> anthropic.Anthropic:
     client = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=60)
     _CLIENTS.append(client)
     return client
+
+
+def eventually(what: str, check: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+    """`check()`'s first true value, polled until `timeout_s`; fails naming `what` after that."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{what}: not within {timeout_s} s")
+
+
+# The coding agent of the gateway tests: its system prompt and its one Anthropic tool.
+AGENT_SYSTEM = "You are a coding agent. Read files, run tests, fix bugs, and report briefly. " * 4
+READ_FILE = {
+    "name": "read_file",
+    "description": "Read a file of the repository.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"path": {"type": "string", "maxLength": 16}},
+        "required": ["path"],
+        "additionalProperties": False,
+    },
+}
+
+
+def read_file_turn(
+    client: anthropic.Anthropic, messages: list[dict], *, forced: bool, headers: dict[str, str] | None = None
+) -> Any:
+    """A greedy Messages turn of that agent on `messages`, the raw response: forced to call
+    read_file (up to 250 tokens), or free to answer its result (up to 8)."""
+    choice = {"tool_choice": {"type": "tool", "name": "read_file"}} if forced else {}
+    return client.messages.with_raw_response.create(
+        model="claude-test-agent",
+        system=AGENT_SYSTEM,
+        max_tokens=250 if forced else 8,
+        extra_body={"temperature": 0},
+        messages=messages,  # type: ignore[arg-type]
+        tools=[READ_FILE],  # type: ignore[list-item]
+        extra_headers=headers or {},
+        **choice,
+    )
+
+
+def add_tool_result(messages: list[dict], response: Any, content: str) -> None:
+    """Appends the assistant's `response` to `messages`, then `content` as its first tool_use's result."""
+    use = next(b for b in response.content if b.type == "tool_use")
+    messages.append({"role": "assistant", "content": [b.model_dump() for b in response.content]})
+    messages.append(
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": content}]}
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -71,6 +125,18 @@ class Serve:
     node_url: str = ""
 
 
+def serve_argv(model: str, data_dir: Path, port: int, node_port: int, *args: str) -> list[str]:
+    """The command line of `slotkeeper serve` on `model` with `args`."""
+    return [
+        *(sys.executable, "-m", "gateway.cli", "serve"),
+        *("--model", model),
+        *("--port", str(port)),
+        *("--node-port", str(node_port)),
+        *("--data-dir", str(data_dir)),
+        *args,
+    ]
+
+
 def start_serve(
     model: str,
     data_dir: Path,
@@ -85,17 +151,8 @@ def start_serve(
     """Start `slotkeeper serve` (its own process group) and wait for /ready."""
     port = port or _free_port()
     node_port = _free_port()
-    cmd = [
-        *(sys.executable, "-m", "gateway.cli", "serve"),
-        *("--port", str(port)),
-        *("--node-port", str(node_port)),
-        *("--data-dir", str(data_dir)),
-        *("--model", model),
-        *("--slots", str(slots)),
-        *("--ctx", "2048"),
-        *("--log-level", "warning"),
-        *args,
-    ]
+    cmd = serve_argv(model, data_dir, port, node_port, "--slots", str(slots), "--ctx", "2048")
+    cmd += ["--log-level", "warning", *args]
     if tenants is not None:
         cmd += ["--tenants", str(tenants)]
     with log.open("wb") as out:
@@ -104,18 +161,12 @@ def start_serve(
             cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=full_env
         )
     s = Serve(f"http://127.0.0.1:{port}", proc, log, node_url=f"http://127.0.0.1:{node_port}")
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(s.url + "/ready", timeout=2).status_code == 200:
-                return s
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    s.stop(signal.SIGKILL)
-    raise RuntimeError(f"serve did not become ready:\n{log.read_text()[-3000:]}")
+    try:
+        wait_ready(s.url, proc, log, timeout=90)
+    except AssertionError:
+        s.stop(signal.SIGKILL)
+        raise
+    return s
 
 
 @pytest.fixture
@@ -123,18 +174,9 @@ def serve(tiny_model: Callable[..., str], tmp_path: Path) -> Iterator[Callable[.
     """`serve(data_dir, slots=2, tenants=None, args=(), env=None)` starts `slotkeeper serve`."""
     started: list[Serve] = []
 
-    def start(
-        data_dir: Path,
-        slots: int = 2,
-        tenants: Path | None = None,
-        port: int | None = None,
-        args: Sequence[str] = (),
-        env: dict[str, str] | None = None,
-    ) -> Serve:
-        log = tmp_path / f"serve-{port}-{len(started)}.log"
-        s = start_serve(
-            tiny_model("qwen35"), data_dir, log, slots=slots, tenants=tenants, port=port, args=args, env=env
-        )
+    def start(data_dir: Path, **options: Any) -> Serve:
+        log = tmp_path / f"serve-{options.get('port')}-{len(started)}.log"
+        s = start_serve(tiny_model("qwen35"), data_dir, log, **options)
         started.append(s)
         return s
 

@@ -27,10 +27,12 @@ needs_upstream = pytest.mark.skipif(
 )
 
 
-def bench(name: str, *args: str, timeout: float = 600) -> str:
-    """`slotkeeper bench NAME ARGS` from the checkout; its output (it must exit 0)."""
+def bench(command: str, *args: str, timeout: float = 600) -> str:
+    """`slotkeeper bench COMMAND ARGS` from the checkout (COMMAND: the suite and its flags, split at
+    spaces; ARGS: paths and names, as they are); its output (it must exit 0)."""
+    name = command.split()[0]
     proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "bench", name, *args],
+        [sys.executable, "-m", "gateway.cli", "bench", *command.split(), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -72,20 +74,10 @@ def test_bench_runs_outside_the_checkout(tmp_path: Path) -> None:
 def test_gateway_suites(tiny_model, tmp_path: Path) -> None:
     out_json = tmp_path / "gateway.json"
     out = bench(
-        "gateway",
+        "gateway --requests 5 --warmup 1 --sessions 3000 --engines 20 --decisions 40 --request-pool 50"
+        " --routing-time-limit 2 --tokens 300 --ctx 1024 --n-predict 2 --repeat 1",
         *("--tiny-model", tiny_model("qwen35")),
         *("--bench-model", tiny_model("qwen35")),
-        *("--requests", "5"),
-        *("--warmup", "1"),
-        *("--sessions", "3000"),
-        *("--engines", "20"),
-        *("--decisions", "40"),
-        *("--request-pool", "50"),
-        *("--routing-time-limit", "2"),
-        *("--tokens", "300"),
-        *("--ctx", "1024"),
-        *("--n-predict", "2"),
-        *("--repeat", "1"),
         *("--models-dir", str(tmp_path / "models")),
         *("--json", str(out_json)),
     )
@@ -107,13 +99,8 @@ def test_gateway_suites(tiny_model, tmp_path: Path) -> None:
 def test_resume_side_by_side_and_curve(tiny_model, tmp_path: Path) -> None:
     out_json, svg = tmp_path / "resume.json", tmp_path / "ttft.svg"
     bench(
-        "resume",
+        "resume --tokens 400 --ctx 2048 --n-predict 4 --upstream --curve 200,500",
         *("--model", tiny_model("qwen35")),
-        *("--tokens", "400"),
-        *("--ctx", "2048"),
-        *("--n-predict", "4"),
-        "--upstream",
-        *("--curve", "200,500"),
         *("--plot", str(svg)),
         *("--workdir", str(tmp_path / "work")),
         *("--json", str(out_json)),
@@ -134,13 +121,8 @@ def test_resume_side_by_side_and_curve(tiny_model, tmp_path: Path) -> None:
 def test_throughput_side_by_side(tiny_model, tmp_path: Path) -> None:
     out_json = tmp_path / "throughput.json"
     bench(
-        "throughput",
+        "throughput --slots 1,2 --prompt-tokens 32 --n-predict 4 --upstream --repeat 1",
         *("--model", tiny_model("qwen35")),
-        *("--slots", "1,2"),
-        *("--prompt-tokens", "32"),
-        *("--n-predict", "4"),
-        "--upstream",
-        *("--repeat", "1"),
         *("--json", str(out_json)),
     )
     report = _json(out_json)
@@ -153,16 +135,9 @@ def test_throughput_side_by_side(tiny_model, tmp_path: Path) -> None:
 
 def test_storage_suites(tiny_model, tmp_path: Path) -> None:
     out = bench(
-        "storage",
+        "storage --size tiny --turns 3 --system-repeat 4 --ctx 2048 --backend local --size-mib 4 --json",
         *("--model", tiny_model("qwen35")),
-        *("--size", "tiny"),
-        *("--turns", "3"),
-        *("--system-repeat", "4"),
-        *("--ctx", "2048"),
-        *("--backend", "local"),
-        *("--size-mib", "4"),
         *("--dir", str(tmp_path)),
-        "--json",
     )
     report = json.loads(out.strip().splitlines()[-1])
     assert set(report) >= {"transfer", "session", "restore", "ttft"}
@@ -172,21 +147,9 @@ def test_storage_suites(tiny_model, tmp_path: Path) -> None:
 def test_soak(tiny_model, tmp_path: Path) -> None:
     out_json = tmp_path / "soak.json"
     bench(
-        "soak",
-        "--model",
-        tiny_model("qwen35"),
-        "--duration-s",
-        "20",
-        "--workers",
-        "2",
-        "--kill-min-s",
-        "8",
-        "--kill-max-s",
-        "12",
-        "--save-grace-s",
-        "10",
-        "--json",
-        str(out_json),
+        "soak --duration-s 20 --workers 2 --kill-min-s 8 --kill-max-s 12 --save-grace-s 10",
+        *("--model", tiny_model("qwen35")),
+        *("--json", str(out_json)),
         timeout=900,
     )
     assert _json(out_json)["ok"] is True
@@ -196,23 +159,10 @@ def test_soak(tiny_model, tmp_path: Path) -> None:
 def test_prefix_side_by_side(tiny_model, tmp_path: Path) -> None:
     out_json = tmp_path / "prefix.json"
     bench(
-        "prefix",
-        "--model",
-        tiny_model("qwen35"),
-        "--system-tokens",
-        "600",
-        "--tools",
-        "4",
-        "--sessions",
-        "3",
-        "--slots",
-        "2",
-        "--ctx",
-        "2048",
-        "--workdir",
-        str(tmp_path / "work"),
-        "--json",
-        str(out_json),
+        "prefix --system-tokens 600 --tools 4 --sessions 3 --slots 2 --ctx 2048",
+        *("--model", tiny_model("qwen35")),
+        *("--workdir", str(tmp_path / "work")),
+        *("--json", str(out_json)),
         timeout=900,
     )
     report = _json(out_json)

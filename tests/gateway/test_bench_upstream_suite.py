@@ -47,43 +47,32 @@ def test_the_wrapper_execs_the_command_with_mapped_arguments(tmp_path: Path) -> 
     assert out.stdout.strip() == str(["-m", "/m/g.gguf", "--port", "9"])
 
 
-def _junit(path: Path, cases: str) -> Path:
+# (module, test, its result upstream, its result on ours): the element inside its <testcase> ("":
+# passed), None where that report does not have it.
+CASES = (
+    ("unit.test_a", "test_ok", "", ""),
+    ("unit.test_a", "test_regressed[x]", "", '<failure message="RuntimeError: died&#10;more"/>'),
+    ("unit.test_a", "test_both_fail", '<failure message="AssertionError: no"/>', '<failure message="x"/>'),
+    ("unit.test_b", "test_skipped", '<skipped message="needs GPU"/>', None),
+    ("unit.test_b", "test_not_run", "", None),
+)
+
+
+def _report(path: Path, side: int) -> dict[str, Outcome]:
+    """The JUnit report of one side of CASES (0: upstream, 1: ours), written to `path` and read back."""
+    cases = "".join(
+        f'<testcase classname="{module}" name="{name}">{results[side]}</testcase>'
+        for module, name, *results in CASES
+        if results[side] is not None
+    )
     path.write_text(
         f'<?xml version="1.0"?><testsuites><testsuite name="pytest">{cases}</testsuite></testsuites>'
     )
-    return path
+    return read_junit(path)
 
 
 def test_the_verdict_names_what_passes_upstream_and_fails_on_ours(tmp_path: Path) -> None:
-    upstream = read_junit(
-        _junit(
-            tmp_path / "u.xml",
-            """
-        <testcase classname="unit.test_a"
-        name="test_ok"/>
-        <testcase classname="unit.test_a"
-        name="test_regressed[x]"/>
-        <testcase classname="unit.test_a"
-        name="test_both_fail"><failure message="AssertionError: no"/></testcase>
-        <testcase classname="unit.test_b"
-        name="test_skipped"><skipped message="needs GPU"/></testcase>
-        <testcase classname="unit.test_b"
-        name="test_not_run"/>""",
-        )
-    )
-    ours = read_junit(
-        _junit(
-            tmp_path / "o.xml",
-            """
-        <testcase classname="unit.test_a"
-        name="test_ok"/>
-        <testcase classname="unit.test_a"
-        name="test_regressed[x]">
-        <failure message="RuntimeError: died&#10;more"/></testcase>
-        <testcase classname="unit.test_a"
-        name="test_both_fail"><failure message="x"/></testcase>""",
-        )
-    )
+    upstream, ours = _report(tmp_path / "u.xml", 0), _report(tmp_path / "o.xml", 1)
     assert upstream["unit/test_b.py::test_skipped"] == Outcome("skipped", "needs GPU")
     verdict = compare(upstream, ours)
     assert verdict.upstream_passing == [

@@ -5,7 +5,6 @@ after the whole process is SIGKILLed."""
 from __future__ import annotations
 
 import signal
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import pytest
 
 from gateway.bench.harness.served import ServedStore
 
-from .conftest import openai_client
+from .conftest import eventually, openai_client
 
 MODEL = "qwen35-seed0"
 SESSION = "agent-20"
@@ -33,16 +32,6 @@ def _written(url: str) -> float:
         if line.startswith('slotkeeper_gateway_store_written_bytes_total{why="after-turn"}'):
             return float(line.split()[-1])
     return 0.0
-
-
-def _wait(what: str, check: Any, timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {timeout_s} s")
 
 
 def _generation(url: str) -> int:
@@ -67,12 +56,12 @@ def _conversation(
         answer, timings = done.choices[0].message.content or "", done.model_extra["timings"]
         answers.append((answer, int(timings["prompt_n"])))
         msgs.append({"role": "assistant", "content": answer})
-        _wait(f"turn {turn} durable", lambda t=turn, u=s.url: _generation(u) >= t + 1)
+        eventually(f"turn {turn} durable", lambda t=turn, u=s.url: _generation(u) >= t + 1)
         if kill_every == 0:
             full = int(where.newest(SESSION)[1]["plan"]["size"])
             written = _written(s.url) - before
             # the superseded generation's garbage goes right after the save (no listing needed)
-            _wait("storage follows the session", lambda f=full: where.stored_bytes() <= 1.5 * f)
+            eventually("storage follows the session", lambda f=full: where.stored_bytes() <= 1.5 * f)
             measured.append(
                 {
                     "turn": turn,

@@ -18,12 +18,14 @@ import httpx
 import openai
 import pytest
 import redis as redis_sync
+from support.weather_agent import weather_agent
 
 from gateway.bench.harness.servers import free_port, stop, wait_until
 from gateway.cluster import failed_models
 
+from .conftest import AGENT_SYSTEM, add_tool_result, read_file_turn
+
 MODEL = "qwen35-seed0"
-SYSTEM = "You are a coding agent. Read files, run tests, fix bugs, and report briefly. " * 4
 ENV = {
     **os.environ,
     "AWS_ACCESS_KEY_ID": "test",
@@ -137,7 +139,7 @@ def _node_of(gw_url: str, session: str) -> str:
 
 def test_node_sigterm_moves_sessions_and_redis_flush_is_reindexed(cluster):
     gw = cluster["gateway"]
-    msgs = [{"role": "system", "content": SYSTEM}]
+    msgs = [{"role": "system", "content": AGENT_SYSTEM}]
     for turn in range(2):
         msgs.append({"role": "user", "content": f"Step {turn}: run the tests."})
         done, headers, _ = _turn(gw.url, msgs, "agent-7")
@@ -188,32 +190,15 @@ def test_agent_apis_continue_on_another_node(cluster, procs_to_stop):
     with openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=2, timeout=60) as client:
         raw = client.responses.with_raw_response.create(
             model="gpt-5",
-            instructions=SYSTEM,
+            instructions=AGENT_SYSTEM,
             input="Step 1: list files.",
             max_output_tokens=8,
             temperature=0,
         )
         first, session = raw.parse(), raw.headers["x-session-id"]
-    tool = {
-        "name": "read_file",
-        "description": "Read a file.",
-        "input_schema": {
-            "type": "object",
-            "properties": {"path": {"type": "string", "maxLength": 12}},
-            "required": ["path"],
-        },
-    }
     with anthropic.Anthropic(base_url=gw.url, api_key="none", max_retries=2, timeout=60) as claude:
         msgs: list[dict] = [{"role": "user", "content": "Open the README."}]
-        raw_a = claude.messages.with_raw_response.create(
-            model="claude-test-agent",
-            system=SYSTEM,
-            max_tokens=250,
-            messages=msgs,  # type: ignore[arg-type]
-            tools=[tool],
-            tool_choice={"type": "tool", "name": "read_file"},  # type: ignore[list-item]
-            extra_body={"temperature": 0},
-        )
+        raw_a = read_file_turn(claude, msgs, forced=True)
         use, a_session = raw_a.parse(), raw_a.headers["x-session-id"]
 
     def drain(name: str) -> None:
@@ -226,7 +211,7 @@ def test_agent_apis_continue_on_another_node(cluster, procs_to_stop):
     with openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=2, timeout=60) as client:
         raw = client.responses.with_raw_response.create(
             model="gpt-5",
-            instructions=SYSTEM,
+            instructions=AGENT_SYSTEM,
             input="Step 2: run tests.",
             previous_response_id=first.id,
             max_output_tokens=8,
@@ -247,19 +232,9 @@ def test_agent_apis_continue_on_another_node(cluster, procs_to_stop):
         time.sleep(0.2)
     a_home = _node_of(gw.url, a_session)
     drain(a_home)
-    call = next(b for b in use.content if b.type == "tool_use")
-    msgs.append({"role": "assistant", "content": [b.model_dump() for b in use.content]})
-    result = {"type": "tool_result", "tool_use_id": call.id, "content": "ok"}
-    msgs.append({"role": "user", "content": [result]})
+    add_tool_result(msgs, use, "ok")
     with anthropic.Anthropic(base_url=gw.url, api_key="none", max_retries=2, timeout=60) as claude:
-        raw_b = claude.messages.with_raw_response.create(
-            model="claude-test-agent",
-            system=SYSTEM,
-            max_tokens=8,
-            messages=msgs,  # type: ignore[arg-type]
-            tools=[tool],
-            extra_body={"temperature": 0},  # type: ignore[list-item]
-        )
+        raw_b = read_file_turn(claude, msgs, forced=False)
         follow = raw_b.parse()
     assert raw_b.headers["x-session-id"] == a_session and raw_b.headers["x-slotkeeper-cache"] == "restored"
     assert _node_of(gw.url, a_session) != a_home
@@ -268,29 +243,14 @@ def test_agent_apis_continue_on_another_node(cluster, procs_to_stop):
 
     # The Agents SDK continues the Responses chain there too (its session now restored on the other
     # node once more): its tool runs and the run completes.
-    agents.set_tracing_disabled(True)  # traces would go to api.openai.com
-    cities: list[str] = []
-
-    @agents.function_tool
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        cities.append(city)
-        return "sunny"
-
-    async def run_agent() -> str:
+    async def run_agent() -> tuple[str, list[str]]:
         async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=2) as client:
-            agent = agents.Agent(
-                name="weather",
-                instructions=SYSTEM,
-                tools=[get_weather],
-                tool_use_behavior="stop_on_first_tool",
-                model=agents.OpenAIResponsesModel(model="gpt-5", openai_client=client),
-                model_settings=agents.ModelSettings(tool_choice="get_weather", max_tokens=250, temperature=0),
-            )
+            agent, cities = weather_agent(client, "gpt-5", AGENT_SYSTEM)
             result = await agents.Runner.run(agent, "Weather?", max_turns=2, previous_response_id=second.id)
-            return str(result.final_output)
+            return str(result.final_output), cities
 
-    assert asyncio.run(run_agent()) == "sunny" and len(cities) == 1
+    final, cities = asyncio.run(run_agent())
+    assert final == "sunny" and len(cities) == 1
 
 
 def test_a_model_is_failed_only_when_every_engine_of_it_was_given_up() -> None:

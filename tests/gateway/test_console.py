@@ -20,8 +20,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support.ready import wait_ready_while
 
 from gateway.bench.harness.servers import free_port
+
+from .conftest import serve_argv
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +34,7 @@ def test_serve_on_a_terminal_logs_for_a_person(tiny_model: Callable[..., str], t
     url = f"http://127.0.0.1:{port}"
     main, terminal = pty.openpty()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTKEEPER_")}
-    argv = serve_argv(tiny_model("qwen35"), port, node_port, tmp_path / "data")
+    argv = serve_argv(tiny_model("qwen35"), tmp_path / "data", port, node_port)
     proc = subprocess.Popen(
         argv, stdin=subprocess.DEVNULL, stdout=terminal, stderr=terminal, start_new_session=True, env=env
     )
@@ -62,22 +65,9 @@ def test_serve_on_a_terminal_logs_for_a_person(tiny_model: Callable[..., str], t
     assert_lines_for_a_person(b"".join(chunks).decode("utf-8", errors="replace"))
 
 
-def serve_argv(model: str, port: int, node_port: int, data: Path) -> list[str]:
-    argv = [sys.executable, "-m", "gateway.cli", "serve", "--model", model]
-    return argv + ["--port", str(port), "--node-port", str(node_port), "--data-dir", str(data)]
-
-
 def chat_once_when_ready(url: str, alive: Callable[[], bool], said: Callable[[], str]) -> None:
     """Waits for /ready while the process lives, then one chat in session `console` and three health polls."""
-    deadline = time.monotonic() + 90
-    while True:
-        assert alive() and time.monotonic() < deadline, said()
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    wait_ready_while(url, alive, said, timeout=90)
     hi = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     r = httpx.post(url + "/v1/chat/completions", timeout=60, headers={"X-Session-Id": "console"}, json=hi)
     assert r.status_code == 200, r.text
@@ -115,7 +105,7 @@ def test_serve_in_tmux_logs_for_a_person_and_stops_on_ctrl_c(
     url, log, socket = f"http://127.0.0.1:{port}", tmp_path / "pane.log", tmp_path / "tmux.sock"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTKEEPER_")}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    argv = serve_argv(tiny_model("qwen35"), port, node_port, tmp_path / "data")
+    argv = serve_argv(tiny_model("qwen35"), tmp_path / "data", port, node_port)
     tmux = ["tmux", "-S", str(socket), "-f", "/dev/null"]
 
     def pane_alive() -> bool:

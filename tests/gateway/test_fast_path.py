@@ -29,6 +29,7 @@ import uvicorn
 from redis.asyncio.connection import Connection
 
 from gateway.app import build_app
+from gateway.bench.gateway import TENANTS_TOML
 from gateway.bench.harness.servers import INTERNAL_KEY, free_port, stop, wait_until
 from gateway.main import services
 from gateway.metrics import Metrics
@@ -36,19 +37,15 @@ from gateway.services import Services
 from gateway.settings import GatewaySettings
 from storage.index.records import SessionState
 
-TENANTS = """
-[tenants.lazy]
-keys = ["key-lazy"]
-durability = "on-evict"
-[tenants.durable]
-keys = ["key-durable"]
-durability = "after-turn"
+LIMITED = """
 [tenants.limited]
 keys = ["key-limited"]
 durability = "after-turn"
 [tenants.limited.quotas]
 requests_per_minute = 1000
 """
+# The benchmark's tenants (lazy and durable saves), and one with a request quota.
+TENANTS = TENANTS_TOML + LIMITED
 
 pytestmark = pytest.mark.slow
 

@@ -10,56 +10,19 @@ import anthropic
 import httpx
 import pytest
 
-from .conftest import anthropic_client
-
-SYSTEM = "You are a coding agent. Read files, run tests, fix bugs, and report briefly. " * 4
-READ_FILE = {
-    "name": "read_file",
-    "description": "Read a file of the repository.",
-    "input_schema": {
-        "type": "object",
-        "properties": {"path": {"type": "string", "maxLength": 16}},
-        "required": ["path"],
-        "additionalProperties": False,
-    },
-}
+from .conftest import AGENT_SYSTEM, READ_FILE, add_tool_result, anthropic_client, read_file_turn
 
 
 def tool_round_trip(client: anthropic.Anthropic, session: str | None = None) -> tuple[list, list]:
     """A forced tool call, then its tool_result: (the two responses, the messages sent)."""
     headers = {"X-Session-Id": session} if session else {}
     messages: list[dict] = [{"role": "user", "content": "Open the README, please."}]
-    first = client.messages.create(
-        model="claude-test-agent",
-        system=SYSTEM,
-        max_tokens=250,
-        extra_body={"temperature": 0},
-        messages=messages,  # type: ignore[arg-type]
-        tools=[READ_FILE],  # type: ignore[list-item]
-        tool_choice={"type": "tool", "name": "read_file"},
-        extra_headers=headers,
-    )
+    first = read_file_turn(client, messages, forced=True, headers=headers).parse()
     uses = [b for b in first.content if b.type == "tool_use"]
     assert first.stop_reason == "tool_use" and uses and uses[0].name == "read_file"
     assert isinstance(uses[0].input, dict) and isinstance(uses[0].input["path"], str)
-    messages.append({"role": "assistant", "content": [b.model_dump() for b in first.content]})
-    messages.append(
-        {
-            "role": "user",
-            "content": [
-                {"type": "tool_result", "tool_use_id": uses[0].id, "content": "# Slotkeeper\nIt saves slots."}
-            ],
-        }
-    )
-    second = client.messages.create(
-        model="claude-test-agent",
-        system=SYSTEM,
-        max_tokens=8,
-        extra_body={"temperature": 0},
-        messages=messages,  # type: ignore[arg-type]
-        tools=[READ_FILE],  # type: ignore[list-item]
-        extra_headers=headers,
-    )
+    add_tool_result(messages, first, "# Slotkeeper\nIt saves slots.")
+    second = read_file_turn(client, messages, forced=False, headers=headers).parse()
     return [first, second], messages
 
 
@@ -73,7 +36,7 @@ def test_a_forced_tool_then_its_result_reuses_the_prefix(serve, tmp_path: Path):
 
     count = client.messages.count_tokens(
         model="claude-test-agent",
-        system=SYSTEM,
+        system=AGENT_SYSTEM,
         messages=messages,
         tools=[READ_FILE],  # type: ignore[arg-type,list-item]
     )
@@ -82,7 +45,7 @@ def test_a_forced_tool_then_its_result_reuses_the_prefix(serve, tmp_path: Path):
     # Streamed: the SDK's accumulator rebuilds the same message as the non-streamed call.
     with client.messages.stream(
         model="claude-test-agent",
-        system=SYSTEM,
+        system=AGENT_SYSTEM,
         max_tokens=8,
         extra_body={"temperature": 0},
         messages=messages,

@@ -143,12 +143,15 @@ def test_function_call_and_its_output_continue_the_session(serve, tmp_path: Path
     assert again.usage.input_tokens_details.cached_tokens > final.usage.input_tokens // 2
 
 
+# Tenant a's gpt-* models are the served model; b has no model of its own.
+TWO_TENANTS = (
+    '[tenants.a]\nkeys = ["key-a"]\nmodels = { "gpt-*" = "qwen35-seed0" }\n[tenants.b]\nkeys = ["key-b"]\n'
+)
+
+
 def test_stored_responses_belong_to_their_tenant_and_bad_input_is_precise(serve, tmp_path: Path):
     tenants = tmp_path / "tenants.toml"
-    tenants.write_text(
-        '[tenants.a]\nkeys = ["key-a"]\nmodels = { "gpt-*" = "qwen35-seed0" }\n'
-        '[tenants.b]\nkeys = ["key-b"]\n'
-    )
+    tenants.write_text(TWO_TENANTS)
     s = serve(tmp_path / "data", tenants=tenants)
     a, b = openai_client(s.url, "key-a"), openai_client(s.url, "key-b")
     r = a.responses.create(model="gpt-4.1", input="hello", max_output_tokens=4, temperature=0)
@@ -201,8 +204,9 @@ def test_stored_responses_belong_to_their_tenant_and_bad_input_is_precise(serve,
         a.responses.retrieve(unstored.id)
 
 
-def weather_tool(seen: list[str]) -> Any:
-    """The Agents SDK function tool the runs call: it records each city it is asked about."""
+def weather_agent(client: openai.AsyncOpenAI, seen: list[str], **behaviour: Any) -> Agent:
+    """An Agents SDK agent on the gateway's gpt-4.1, its first turn forced to call `get_weather`,
+    which records each city it is asked about in `seen`; `behaviour`: how a run ends."""
 
     @function_tool
     def get_weather(city: str) -> str:
@@ -210,7 +214,14 @@ def weather_tool(seen: list[str]) -> Any:
         seen.append(city)
         return f"Sunny in {city}"
 
-    return get_weather
+    return Agent(
+        name="weather",
+        instructions="Answer with the weather.",
+        tools=[get_weather],
+        model=OpenAIResponsesModel(model="gpt-4.1", openai_client=client),
+        model_settings=ModelSettings(tool_choice="get_weather", max_tokens=250, temperature=0),
+        **behaviour,
+    )
 
 
 def test_the_openai_agents_sdk_runs_a_function_tool_to_completion(serve, tmp_path: Path):
@@ -222,18 +233,10 @@ def test_the_openai_agents_sdk_runs_a_function_tool_to_completion(serve, tmp_pat
     agents.set_tracing_disabled(True)  # traces would go to api.openai.com
     s = serve(tmp_path / "data")
     seen: list[str] = []
-    get_weather = weather_tool(seen)
 
     async def run() -> None:
         async with openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0) as client:
-            agent = Agent(
-                name="weather",
-                instructions="Answer with the weather.",
-                tools=[get_weather],
-                tool_use_behavior="stop_on_first_tool",
-                model=OpenAIResponsesModel(model="gpt-4.1", openai_client=client),
-                model_settings=ModelSettings(tool_choice="get_weather", max_tokens=250, temperature=0),
-            )
+            agent = weather_agent(client, seen, tool_use_behavior="stop_on_first_tool")
             first = await Runner.run(agent, "Weather in Oslo?", max_turns=2)
             assert first.final_output == f"Sunny in {seen[-1]}" and len(seen) == 1
             streamed = Runner.run_streamed(agent, "Weather in Oslo?", max_turns=2)
@@ -262,21 +265,13 @@ def test_the_openai_agents_sdk_runs_a_tool_then_a_second_model_turn(serve, tmp_p
     agents.set_tracing_disabled(True)
     s = serve(tmp_path / "data")
     seen: list[str] = []
-    get_weather = weather_tool(seen)
 
     class Report(BaseModel):
         sky: Literal["sunny", "rainy"]
 
     async def run() -> None:
         async with openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0) as client:
-            agent = Agent(
-                name="weather",
-                instructions="Answer with the weather.",
-                tools=[get_weather],
-                output_type=Report,
-                model=OpenAIResponsesModel(model="gpt-4.1", openai_client=client),
-                model_settings=ModelSettings(tool_choice="get_weather", max_tokens=250, temperature=0),
-            )
+            agent = weather_agent(client, seen, output_type=Report)
             result = await Runner.run(agent, "Weather in Oslo?", max_turns=3)
             assert isinstance(result.final_output, Report) and len(seen) == 1
             assert len(result.raw_responses) == 2  # the call, then the answer after its result

@@ -5,11 +5,12 @@ one-machine spill cache keeps no second copy of what the local store holds."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from .conftest import eventually
 
 MODEL = "qwen35-seed0"
 SYSTEM = "You are a coding agent. Read files, run tests, fix bugs, and report briefly. " * 30
@@ -30,13 +31,15 @@ def _files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file()] if root.exists() else []
 
 
-def _wait(what: str, check: Any, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {timeout_s} s")
+def _tenants(tmp_path: Path, plain: str, other: str, storage: str) -> Path:
+    """A tenants file of `plain` and `other` (each with the key `key-<name>`), `other` with the
+    storage setting `storage`."""
+    path = tmp_path / "tenants.toml"
+    path.write_text(
+        f'[tenants.{plain}]\nkeys = ["key-{plain}"]\n'
+        f'[tenants.{other}]\nkeys = ["key-{other}"]\n[tenants.{other}.storage]\n{storage}\n'
+    )
+    return path
 
 
 def _durable(url: str, key: str, session: str) -> bool:
@@ -45,19 +48,15 @@ def _durable(url: str, key: str, session: str) -> bool:
 
 
 def test_delete_frees_its_own_chunks_and_idle_sessions_expire(serve: Any, tmp_path: Path) -> None:
-    tenants = tmp_path / "tenants.toml"
-    tenants.write_text(
-        '[tenants.keep]\nkeys = ["key-keep"]\n'
-        '[tenants.brief]\nkeys = ["key-brief"]\n[tenants.brief.storage]\nidle_ttl_s = 2\n'
-    )
+    tenants = _tenants(tmp_path, "keep", "brief", "idle_ttl_s = 2")
     data = tmp_path / "data"
     s = serve(data, tenants=tenants, args=("--collect-interval-s", "1"))
     blobs = data / "blobs" / "slotkeeper"
     for session in ("a", "b"):
         assert _chat(s.url, "key-keep", session, f"Task {session}: list the files.").status_code == 200
-        _wait(f"{session} durable", lambda x=session: _durable(s.url, "key-keep", x))
+        eventually(f"{session} durable", lambda x=session: _durable(s.url, "key-keep", x))
     # the one machine's spill cache holds no copy of what the local store has
-    _wait("spill cache emptied", lambda: not [p for p in _files(data / "spill") if p.suffix == ".slot"])
+    eventually("spill cache emptied", lambda: not [p for p in _files(data / "spill") if p.suffix == ".slot"])
     chunks = blobs / "keep" / ".chunks"
     before = {p.name for p in _files(chunks)}
     assert before
@@ -71,15 +70,15 @@ def test_delete_frees_its_own_chunks_and_idle_sessions_expire(serve: Any, tmp_pa
         names = {p.name.rsplit(".", 1)[0] for p in _files(chunks)}
         return not (blobs / "keep" / "a").exists() and all(n in b_manifest for n in names)
 
-    _wait("a's own chunks collected", only_b_left)
+    eventually("a's own chunks collected", only_b_left)
     after = {p.name for p in _files(chunks)}
     assert after and after < before  # b's pieces (the shared system prompt among them) stayed
     assert _chat(s.url, "key-keep", "b", "Task b: list the files.").status_code == 200  # b still whole
 
     # a tenant with an idle TTL: its session goes by itself, every stored byte with it
     assert _chat(s.url, "key-brief", "short", "Quick question.").status_code == 200
-    _wait("short durable", lambda: _durable(s.url, "key-brief", "short"))
-    _wait(
+    eventually("short durable", lambda: _durable(s.url, "key-brief", "short"))
+    eventually(
         "idle session expired",
         lambda: (
             httpx.get(
@@ -90,7 +89,7 @@ def test_delete_frees_its_own_chunks_and_idle_sessions_expire(serve: Any, tmp_pa
         ),
         timeout_s=60,
     )
-    _wait(
+    eventually(
         "its chunks collected", lambda: not [p for p in _files(blobs / "brief") if p.suffix in (".kv", ".ck")]
     )
     assert _durable(s.url, "key-keep", "b")  # the other tenant's session is untouched
@@ -102,7 +101,7 @@ def test_the_stored_bytes_quota_counts_unique_bytes(serve: Any, tmp_path: Path) 
     probe = tmp_path / "probe"
     s = serve(probe)
     assert _chat(s.url, "none", "s0", "Task 0.").status_code == 200
-    _wait("s0 durable", lambda: _durable(s.url, "none", "s0"))
+    eventually("s0 durable", lambda: _durable(s.url, "none", "s0"))
     manifest = next((probe / "blobs" / "slotkeeper" / "default" / "s0").glob("*.manifest"))
     full = int(json.loads(manifest.read_text())["plan"]["size"])
 
@@ -112,7 +111,7 @@ def test_the_stored_bytes_quota_counts_unique_bytes(serve: Any, tmp_path: Path) 
     s = serve(data, tenants=tenants)
     for i in range(6):
         assert _chat(s.url, "key-t", f"s{i}", f"Task {i}.").status_code == 200, i
-        _wait(f"s{i} durable", lambda x=i: _durable(s.url, "key-t", f"s{x}"))
+        eventually(f"s{i} durable", lambda x=i: _durable(s.url, "key-t", f"s{x}"))
     stored = sum(p.stat().st_size for p in _files(data / "blobs" / "slotkeeper" / "t"))
     assert stored < 3 * full
     # and the quota is enforced on those bytes: a tenant over it gets no new session
@@ -125,17 +124,13 @@ def test_the_stored_bytes_quota_counts_unique_bytes(serve: Any, tmp_path: Path) 
 
 
 def test_a_tenant_that_does_not_share_keeps_each_sessions_chunks(serve: Any, tmp_path: Path) -> None:
-    tenants = tmp_path / "tenants.toml"
-    tenants.write_text(
-        '[tenants.open]\nkeys = ["key-open"]\n'
-        '[tenants.apart]\nkeys = ["key-apart"]\n[tenants.apart.storage]\nshare_chunks = false\n'
-    )
+    tenants = _tenants(tmp_path, "open", "apart", "share_chunks = false")
     data = tmp_path / "data"
     s = serve(data, tenants=tenants)
     for key in ("key-open", "key-apart"):
         for session in ("x", "y"):  # the same system prompt in both sessions
             assert _chat(s.url, key, session, f"Task {session}.").status_code == 200
-            _wait(f"{session} durable", lambda k=key, x=session: _durable(s.url, k, x))
+            eventually(f"{session} durable", lambda k=key, x=session: _durable(s.url, k, x))
     blobs = data / "blobs" / "slotkeeper"
 
     def namespaces(tenant: str) -> set[str]:

@@ -16,10 +16,11 @@ import httpx
 import openai
 import pytest
 from support.bad_models import unloadable_model
+from support.ready import wait_ready
 
-from gateway.bench.harness.servers import INTERNAL_AUTH, free_port, http_ok, wait_until
+from gateway.bench.harness.servers import INTERNAL_AUTH, free_port, wait_until
 
-from .conftest import Serve, openai_client
+from .conftest import Serve, openai_client, serve_argv
 
 MODEL = "qwen35-seed0"
 SYSTEM = "You are a coding agent. Read files, run tests, fix bugs, and report briefly. " * 4
@@ -61,19 +62,15 @@ def test_streaming_passes_through_with_usage(serve, tmp_path: Path):
     s = serve(tmp_path / "data")
     client = openai_client(s.url)
     msgs = [{"role": "user", "content": "Say something."}]
+    request: Any = {"model": MODEL, "messages": msgs, "max_tokens": 6, "temperature": 0}  # streamed and not
     with client.chat.completions.with_streaming_response.create(
-        model=MODEL,
-        messages=msgs,
-        max_tokens=6,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
+        **request, stream=True, stream_options={"include_usage": True}
     ) as raw:
         assert raw.headers["x-slotkeeper-cache"] == "cold"
         chunks = list(raw.parse())
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0)
+    plain = client.chat.completions.create(**request)
     assert plain.choices[0].message.content == text
 
 
@@ -213,54 +210,55 @@ def test_bad_requests_get_openai_errors(serve, tmp_path: Path):
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
 
 
-def test_engine_killed_mid_stream_resumes_from_the_last_durable_turn(serve, tmp_path: Path):
-    s = serve(tmp_path / "data", slots=1)
-    client = openai_client(s.url)
-    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "First step."}]
-    done, headers, _ = _turn(client, msgs, session="agent-9")
+def _a_saved_first_turn(s: Serve, client: openai.OpenAI, session: str, text: str) -> list[dict]:
+    """The first turn of `session` (the system prompt, then `text`), answered and durable: its
+    messages, the answer included."""
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
+    done, _, _ = _turn(client, msgs, session=session)
     msgs.append({"role": "assistant", "content": done.choices[0].message.content})
-    for _ in range(100):  # the write-behind save of turn 1
-        if httpx.get(f"{s.url}/v1/sessions/agent-9").json()["generation"] >= 1:
-            break
-        time.sleep(0.05)
-    msgs.append({"role": "user", "content": "Second step, a long answer please."})
-    pid = s.engines()[0]["pid"]
-    stream = client.chat.completions.create(
+    _wait_durable(s.url, session, 0)  # its write-behind save
+    return msgs
+
+
+def _long_stream(client: openai.OpenAI, msgs: list[dict], session: str) -> Any:
+    """A greedy streamed answer in `session` that runs long (up to 1900 tokens, EOS ignored)."""
+    return client.chat.completions.create(
         model=MODEL,
         messages=msgs,
         max_tokens=1900,
         temperature=0,
         stream=True,
         extra_body={"ignore_eos": True},
-        extra_headers={"X-Session-Id": "agent-9"},
+        extra_headers={"X-Session-Id": session},
     )
+
+
+def test_engine_killed_mid_stream_resumes_from_the_last_durable_turn(serve, tmp_path: Path):
+    s = serve(tmp_path / "data", slots=1)
+    client = openai_client(s.url)
+    msgs = _a_saved_first_turn(s, client, "agent-9", "First step.")
+    msgs.append({"role": "user", "content": "Second step, a long answer please."})
+    pid = s.engines()[0]["pid"]
+    stream = _long_stream(client, msgs, "agent-9")
     with pytest.raises(openai.APIError):
         for i, _chunk in enumerate(stream):
             if i == 0:
                 os.kill(pid, 9)
-    deadline = time.monotonic() + 60  # the supervisor restarts the engine
-    while time.monotonic() < deadline:
-        engines = s.engines()
-        if engines[0]["state"] == "ready" and engines[0]["pid"] != pid:
-            break
-        time.sleep(0.2)
-    else:
-        raise AssertionError(f"engine not restarted: {s.engines()}")
-    for _ in range(100):
-        if httpx.get(s.url + "/ready").status_code == 200:
-            break
-        time.sleep(0.1)
+    _wait_engine_restarted(s, pid)  # the supervisor restarts the engine
     done, headers, timings = _turn(client, msgs, session="agent-9")
     assert headers["x-slotkeeper-cache"] == "restored"
     assert done.model_extra["slotkeeper"]["restored"] and timings["cache_n"] > done.usage.prompt_tokens // 2
 
 
+QUOTAS = (
+    '[tenants.a]\nkeys = ["key-a"]\n[tenants.a.quotas]\nrequests_per_minute = 3\n'
+    '[tenants.b]\nkeys = ["key-b"]\n[tenants.b.quotas]\nsessions = 1\n'
+)
+
+
 def test_quotas_answer_429_with_retry_after(serve, tmp_path: Path):
     tenants = tmp_path / "tenants.toml"
-    tenants.write_text(
-        '[tenants.a]\nkeys = ["key-a"]\n[tenants.a.quotas]\nrequests_per_minute = 3\n'
-        '[tenants.b]\nkeys = ["key-b"]\n[tenants.b.quotas]\nsessions = 1\n'
-    )
+    tenants.write_text(QUOTAS)
     s = serve(tmp_path / "data", tenants=tenants)
     msgs = [{"role": "user", "content": "hi"}]
     for _ in range(3):
@@ -278,19 +276,8 @@ def test_quotas_answer_429_with_retry_after(serve, tmp_path: Path):
 def test_a_busy_session_is_forked_not_waited_for(serve, tmp_path: Path):
     s = serve(tmp_path / "data", slots=2)
     client = openai_client(s.url)
-    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "First."}]
-    first, _, _ = _turn(client, msgs, session="main")
-    msgs.append({"role": "assistant", "content": first.choices[0].message.content})
-    _wait_durable(s.url, "main", 0)
-    long = client.chat.completions.create(
-        model=MODEL,
-        messages=msgs + [{"role": "user", "content": "Long."}],
-        max_tokens=1900,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
-        extra_headers={"X-Session-Id": "main"},
-    )
+    msgs = _a_saved_first_turn(s, client, "main", "First.")
+    long = _long_stream(client, msgs + [{"role": "user", "content": "Long."}], "main")
     next(iter(long))  # "main" is now busy generating
     done, headers, timings = _turn(client, msgs + [{"role": "user", "content": "Meanwhile?"}], session="main")
     assert headers["x-session-id"].startswith("main.f")
@@ -393,16 +380,7 @@ def test_an_edited_earlier_message_restores_only_up_to_where_it_diverges(serve, 
     assert timings["prompt_n"] == done.usage.prompt_tokens - timings["cache_n"]
 
 
-def _serve_argv(model: str, data: Path, port: int, node_port: int) -> list[str]:
-    return [
-        *(sys.executable, "-m", "gateway.cli", "serve"),
-        *("--model", model),
-        *("--port", str(port)),
-        *("--node-port", str(node_port)),
-        *("--data-dir", str(data)),
-        *("--slots", "1"),
-        *("--ctx", "256"),
-    ]
+ONE_SMALL_SLOT = ("--slots", "1", "--ctx", "256")
 
 
 def _bad_model(kind: str, tmp_path: Path, tiny: bytes) -> tuple[str, str]:
@@ -438,7 +416,7 @@ def test_a_bad_model_stops_serve_at_once_saying_why(kind: str, tiny_model, tmp_p
     path, problem = _bad_model(kind, tmp_path, Path(tiny_model("llama")).read_bytes())
     t0 = time.monotonic()
     done = subprocess.run(
-        _serve_argv(path, tmp_path / "data", 1, 2), capture_output=True, text=True, timeout=30
+        serve_argv(path, tmp_path / "data", 1, 2, *ONE_SMALL_SLOT), capture_output=True, text=True, timeout=30
     )
     assert time.monotonic() - t0 < 5
     assert done.returncode == 2
@@ -454,7 +432,7 @@ def test_a_model_that_never_loads_is_given_up_and_models_says_why(tmp_path: Path
     log = tmp_path / "serve.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            _serve_argv(model, tmp_path / "data", port, node_port),
+            serve_argv(model, tmp_path / "data", port, node_port, *ONE_SMALL_SLOT),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -518,7 +496,7 @@ def test_serve_reads_its_own_flags_from_the_environment(tiny_model: Any, tmp_pat
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     s = Serve(f"http://127.0.0.1:{port}", proc, log, node_url=f"http://127.0.0.1:{node_port}")
     try:
-        wait_until(lambda: http_ok(s.url + "/ready"), proc, "serve ready", timeout=90)
+        wait_ready(s.url, proc, log, timeout=90)
         engines = s.engines()
         assert [(e["n_slots"], e["model"]) for e in engines] == [(3, "llama-seed0")], engines
     finally:

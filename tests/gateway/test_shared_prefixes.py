@@ -258,34 +258,26 @@ def test_claude_code_turns_reuse_the_whole_previous_turn_despite_its_nonce(claud
 def test_an_edited_earlier_message_is_named_as_the_miss(claude):
     s, client = claude
     headers = {"x-claude-code-session-id": "edit-test"}
+
+    def send(nonce: str, messages: list[dict[str, Any]], **extra: Any) -> Any:
+        return client.messages.create(
+            model="claude-x",
+            max_tokens=4,
+            system=_claude_code_system(nonce),
+            messages=messages,
+            extra_headers=headers,
+            **extra,
+        )
+
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Fix the build."}]
-    first = client.messages.create(
-        model="claude-x",
-        max_tokens=4,
-        system=_claude_code_system("1"),
-        messages=messages,
-        extra_headers=headers,
-    )
+    first = send("1", messages)
     messages += [
         {"role": "assistant", "content": first.content[0].text if first.content else "ok"},
         {"role": "user", "content": "And the docs."},
     ]
-    second = client.messages.create(
-        model="claude-x",
-        max_tokens=4,
-        system=_claude_code_system("2"),
-        messages=messages,
-        extra_headers=headers,
-    )
+    second = send("2", messages)
     edited = [{"role": "user", "content": "Fix the build, then the tests."}, *messages[1:]]
-    again = client.messages.create(
-        model="claude-x",
-        max_tokens=4,
-        system=_claude_code_system("3"),
-        messages=edited,
-        extra_headers=headers,
-        diagnostics={"previous_message_id": second.id},
-    )
+    again = send("3", edited, diagnostics={"previous_message_id": second.id})
     diverged = (again.model_extra or {})["slotkeeper"]["diverged"]
     assert diverged["part"] == "message" and diverged["message"] == 1 and diverged["role"] == "user"
     # Anthropic's own shape of it, as its SDK reads it.

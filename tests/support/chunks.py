@@ -146,6 +146,14 @@ async def assert_counter_exact(store: ChunkedStore, tenant: str = "acme") -> Non
     assert await counter(store, tenant) == await store.stored_bytes(tenant)
 
 
+async def assert_intact(store: ChunkedStore, saved: dict[SlotRef, Path], into: Path) -> None:
+    """Every generation in `saved` reads back (into `into`) byte for byte the file it was saved from,
+    and the tenant's byte counter agrees with the store."""
+    for ref, source in saved.items():
+        await restores(store, ref, source, into / f"{ref.tenant}-{ref.session}-{ref.generation}.slot")
+    await assert_counter_exact(store)
+
+
 def files_under(root: Path, *suffixes: str) -> set[str]:
     """Keys of the objects on disk (relative to the store root) ending in one of ``suffixes``."""
     return {

@@ -12,6 +12,21 @@ def tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
+def weather_lookup(
+    ids: tuple[str, str], content: str, reasoning: str, results: tuple[str, str]
+) -> list[dict[str, Any]]:
+    """An assistant turn in chat messages: `content` and `reasoning` with two get_weather calls
+    (Paris, then Rome; ids `ids`), followed by the tools' `results`."""
+    calls = [
+        tool_call(ids[0], "get_weather", '{"city": "Paris"}'),
+        tool_call(ids[1], "get_weather", '{"city": "Rome"}'),
+    ]
+    return [
+        {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": calls},
+        *({"role": "tool", "tool_call_id": i, "content": r} for i, r in zip(ids, results, strict=True)),
+    ]
+
+
 def completion(
     content: str | None = None,
     *,

@@ -22,6 +22,7 @@ from support.chunks import (
     Faulty,
     Slots,
     assert_counter_exact,
+    assert_intact,
     counter,
     files_under,
     kv_names,
@@ -269,9 +270,8 @@ async def test_a_grown_session_writes_only_what_is_new(
     assert all(starts[name] >= before.tail_start for name in new)
     assert sum(len(p.data) for p in after.chunks if p.name in new) < 0.05 * meta.size
     assert first.written + meta.written == await store.stored_bytes("acme")
-    await restores(store, SlotRef("acme", "s1", 1), slots.grow[-1], tmp_path / "a.slot")
-    await restores(store, SlotRef("acme", "s1", 2), slots.grow_more, tmp_path / "b.slot")
-    await assert_counter_exact(store)
+    saved = {SlotRef("acme", "s1", 1): slots.grow[-1], SlotRef("acme", "s1", 2): slots.grow_more}
+    await assert_intact(store, saved, tmp_path)
 
 
 async def test_every_turn_writes_less_than_its_file(
@@ -342,9 +342,8 @@ async def test_a_fork_at_a_checkpoint_writes_no_kv_up_to_it(
     assert new == {p.name for p in bs.chunks[i:]}  # begins at cut or later
     own_kv = sum(len(p.data) for p in bs.chunks[i:])
     assert 0 < meta.written < own_kv + 0.2 * meta.size < parent.written
-    await restores(store, SlotRef("acme", "s1", 1), slots.grow[-1], tmp_path / "s1.slot")
-    await restores(store, SlotRef("acme", "b1", 1), slots.branch, tmp_path / "b1.slot")
-    await assert_counter_exact(store)
+    saved = {SlotRef("acme", "s1", 1): slots.grow[-1], SlotRef("acme", "b1", 1): slots.branch}
+    await assert_intact(store, saved, tmp_path)
 
 
 async def test_tenants_never_share_pieces(
@@ -466,6 +465,19 @@ async def test_stored_bytes_and_documents(store: ChunkedStore, slots: Slots) -> 
 
 
 # ---------------------------------------------------------------------------------- crash consistency
+async def put_dying_before_its_manifest(store: ChunkedStore, inner: Faulty, ref: SlotRef, src: Path) -> None:
+    """A save of `src` whose process dies at its manifest put: what comes before it is written."""
+
+    async def die(key: str) -> None:
+        if key.endswith(".manifest"):
+            raise StoreUnavailable("injected: the process died before the manifest")
+
+    inner.hooks["put_object"] = die
+    with pytest.raises(StoreUnavailable):
+        await put(store, ref, src)
+    del inner.hooks["put_object"]
+
+
 async def test_a_save_that_dies_before_its_manifest(
     redis_client: Any, inner: Faulty, slots: Slots, tmp_path: Path
 ) -> None:
@@ -476,15 +488,7 @@ async def test_a_save_that_dies_before_its_manifest(
     good, bad = SlotRef("acme", "s1", 1), SlotRef("acme", "s1", 2)
     await put(store, good, slots.grow[1])
     before = pieces_and_tails(inner.root, "acme")
-
-    async def die(key: str) -> None:
-        if key.endswith(".manifest"):
-            raise StoreUnavailable("injected: the process died before the manifest")
-
-    inner.hooks["put_object"] = die
-    with pytest.raises(StoreUnavailable):
-        await put(store, bad, slots.grow[3])
-    del inner.hooks["put_object"]
+    await put_dying_before_its_manifest(store, inner, bad, slots.grow[3])
     orphans = pieces_and_tails(inner.root, "acme") - before
     assert any(k.endswith(".kv") for k in orphans) and f"{PREFIX}/acme/s1/{2:020d}.tail" in orphans
     assert [i.ref async for i in store.list("acme")] == [good]
@@ -513,15 +517,7 @@ async def test_a_save_retried_after_a_crash_before_collection(
     store: ChunkedStore, inner: Faulty, slots: Slots, tmp_path: Path
 ) -> None:
     ref = SlotRef("acme", "s1", 1)
-
-    async def die(key: str) -> None:
-        if key.endswith(".manifest"):
-            raise StoreUnavailable("injected")
-
-    inner.hooks["put_object"] = die
-    with pytest.raises(StoreUnavailable):
-        await put(store, ref, slots.grow[2])
-    del inner.hooks["put_object"]
+    await put_dying_before_its_manifest(store, inner, ref, slots.grow[2])
     meta = await put(store, ref, slots.grow[2])  # not a WriteConflict: nothing was committed
     assert meta.written < 0.5 * meta.size  # the pieces were there already
     await restores(store, ref, slots.grow[2], tmp_path / "a.slot")

@@ -10,7 +10,7 @@ import pytest
 from engine_pool.common.errors import BadRequest
 from engine_pool.protocol import anthropic_messages as api
 
-from ..conftest import tool_call
+from ..conftest import tool_call, weather_lookup
 
 WEATHER = {
     "name": "get_weather",
@@ -78,17 +78,7 @@ def test_the_conversation_as_chat_messages() -> None:
     assert req.system == "Be brief.\nReally."
     assert list(req.messages) == [
         {"role": "user", "content": "Weather in Paris?"},
-        {
-            "role": "assistant",
-            "content": "Checking.",
-            "reasoning_content": "Use the tool.",
-            "tool_calls": [
-                tool_call("toolu_1", "get_weather", '{"city": "Paris"}'),
-                tool_call("toolu_2", "get_weather", '{"city": "Rome"}'),
-            ],
-        },
-        {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
-        {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: down"},
+        *weather_lookup(("toolu_1", "toolu_2"), "Checking.", "Use the tool.", ("sunny", "Error: down")),
         {"role": "user", "content": "And tomorrow?"},
     ]
 

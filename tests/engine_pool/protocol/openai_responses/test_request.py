@@ -11,7 +11,7 @@ from openai.types.responses import ResponseItemList
 from engine_pool.common.errors import BadRequest
 from engine_pool.protocol import openai_responses as api
 
-from ..conftest import tool_call
+from ..conftest import weather_lookup
 
 WEATHER = {
     "type": "function",
@@ -56,17 +56,7 @@ def test_items_fold_into_chat_turns() -> None:
     assert api.input_messages(req) == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "a\nb"},
-        {
-            "role": "assistant",
-            "content": "Let me look.",
-            "reasoning_content": "sum",
-            "tool_calls": [
-                tool_call("call_a", "get_weather", '{"city": "Paris"}'),
-                tool_call("call_b", "get_weather", '{"city": "Rome"}'),
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_a", "content": "sunny"},
-        {"role": "tool", "tool_call_id": "call_b", "content": "rain"},
+        *weather_lookup(("call_a", "call_b"), "Let me look.", "sum", ("sunny", "rain")),
         {"role": "assistant", "content": "Sunny and rain.", "reasoning_content": "both known"},
         {"role": "user", "content": "Thanks"},
     ]

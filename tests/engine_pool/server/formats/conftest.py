@@ -9,9 +9,10 @@ what the grammar admits is also what a model writes.
 from __future__ import annotations
 
 import ctypes
+import json
 import math
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,17 @@ def weather_schema(**more: Any) -> dict[str, Any]:
     }
 
 
+def function_tool(
+    name: str, properties: dict[str, Any], required: Sequence[str], description: str | None = None
+) -> dict[str, Any]:
+    """A chat request's `tools` entry: the function `name` taking an object of `properties`."""
+    function: dict[str, Any] = {"name": name}
+    if description is not None:
+        function["description"] = description
+    function["parameters"] = {"type": "object", "properties": properties, "required": list(required)}
+    return {"type": "function", "function": function}
+
+
 def chunkings(text: str, seed: int, n: int = 30) -> Iterator[list[str]]:
     """`n` random ways to cut `text` into deltas (single characters and empty deltas included)."""
     rng = random.Random(seed)
@@ -122,6 +134,11 @@ def token_of(engine: native.Engine, text: str) -> int:
 def read_whole(stream: CallStream | ChatOutput, text: str) -> ChatMessage:
     """What `stream` makes of `text` fed in one piece."""
     return assemble(stream.feed(text) + stream.finish())
+
+
+def named_arguments(msg: ChatMessage) -> list[tuple[str, Any]]:
+    """Each call of `msg` as (name, its arguments decoded from JSON)."""
+    return [(c.name, json.loads(c.arguments)) for c in msg.calls]
 
 
 def assert_chunkings_read_as_whole(new_stream: Callable[[], CallStream], text: str, seed: int) -> None:

@@ -28,6 +28,7 @@ from native import model_gen
 from native.model_gen import write_model
 
 from ...conftest import CHECKPOINT_ARGS, EngineProcess
+from .conftest import function_tool
 
 
 def corpus_dir() -> Path:
@@ -88,13 +89,7 @@ PARAMS: dict[str, Any] = {
     "required": ["city", "unit"],
 }
 WEATHER: Any = {"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}}
-TIME: Any = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]},
-    },
-}
+TIME = function_tool("get_time", {"tz": {"type": "string"}}, required=["tz"])
 MESSAGES: list[Any] = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "What is the weather in Paris?"},

@@ -13,7 +13,14 @@ import native
 from engine_pool.common.errors import BadRequest
 from engine_pool.server.formats import FORMATS, ToolCall
 
-from .conftest import Accepts, Generate, assert_chunkings_read_as_whole, read_whole, weather_schema
+from .conftest import (
+    Accepts,
+    Generate,
+    assert_chunkings_read_as_whole,
+    named_arguments,
+    read_whole,
+    weather_schema,
+)
 
 LFM2 = FORMATS["lfm2"]
 TEXT = (
@@ -30,17 +37,21 @@ def parse(text: str) -> tuple[str | None, list[ToolCall]]:
 
 
 def test_python_and_json_literals() -> None:
-    content, calls = parse(TEXT)
-    assert content == "Checking both."
-    assert [c.name for c in calls] == ["get_weather", "get_time"]
-    assert json.loads(calls[0].arguments) == {
-        "city": 'Paris "Centre"',
-        "days": 3,
-        "units": ["c", "f"],
-        "opts": {"deep": True, "none": None},
-        "ratio": -150.0,
-    }
-    assert json.loads(calls[1].arguments) == {"tz": "Europe/Paris", "dst": False, "note": "it's é"}
+    msg = read_whole(LFM2.stream([]), TEXT)
+    assert msg.content == "Checking both."
+    assert named_arguments(msg) == [
+        (
+            "get_weather",
+            {
+                "city": 'Paris "Centre"',
+                "days": 3,
+                "units": ["c", "f"],
+                "opts": {"deep": True, "none": None},
+                "ratio": -150.0,
+            },
+        ),
+        ("get_time", {"tz": "Europe/Paris", "dst": False, "note": "it's é"}),
+    ]
 
 
 def test_a_json_string_keeps_json_escapes() -> None:

@@ -12,29 +12,34 @@ import pytest
 from engine_pool.common.errors import BadRequest
 from engine_pool.server.formats import FORMATS, ToolCall
 
-from .conftest import Accepts, Generate, assert_chunkings_read_as_whole, read_whole, weather_schema
+from .conftest import (
+    Accepts,
+    Generate,
+    assert_chunkings_read_as_whole,
+    function_tool,
+    named_arguments,
+    read_whole,
+    weather_schema,
+)
 
 XML = FORMATS["qwen-xml"]
-WRITE: Any = {
-    "type": "function",
-    "function": {
-        "name": "write",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "path": {"type": "string"},
-                "count": {"type": "integer"},
-                "ratio": {"type": "number"},
-                "enabled": {"type": "boolean"},
-                "data": {"type": "object"},
-                "items": {"type": "array"},
-                "maybe": {"type": ["string", "null"]},
-                "mode": {"enum": ["a", "b"]},
-            },
-            "required": ["path"],
-        },
-    },
+PARAMETER_TYPES = {
+    "path": "string",
+    "count": "integer",
+    "ratio": "number",
+    "enabled": "boolean",
+    "data": "object",
+    "items": "array",
 }
+WRITE = function_tool(
+    "write",
+    {
+        **{name: {"type": kind} for name, kind in PARAMETER_TYPES.items()},
+        "maybe": {"type": ["string", "null"]},
+        "mode": {"enum": ["a", "b"]},
+    },
+    required=["path"],
+)
 TEXT = (
     "I will write it.\n\n<tool_call>\n<function=write>\n"
     "<parameter=path>\n a <b> & 001\nsecond line \n</parameter>\n"
@@ -56,21 +61,25 @@ def parse(text: str, tools: list[Any] | None = None) -> tuple[str | None, list[T
 
 
 def test_arguments_are_typed_by_the_schema() -> None:
-    content, calls = parse(TEXT)
-    assert content == "I will write it."
-    assert [c.name for c in calls] == ["write", "ping"]
-    assert json.loads(calls[0].arguments) == {
-        "path": " a <b> & 001\nsecond line ",  # raw: one newline on each side is the format's
-        "count": 2,
-        "ratio": 0.5,
-        "enabled": True,
-        "data": {"k": [1]},
-        "items": [1, "é"],
-        "maybe": None,
-        "mode": "b",
-        "extra": "3",  # undeclared: its type is unknown, the text is kept
-    }
-    assert json.loads(calls[1].arguments) == {}
+    msg = read_whole(XML.stream([WRITE]), TEXT)
+    assert msg.content == "I will write it."
+    assert named_arguments(msg) == [
+        (
+            "write",
+            {
+                "path": " a <b> & 001\nsecond line ",  # raw: one newline on each side is the format's
+                "count": 2,
+                "ratio": 0.5,
+                "enabled": True,
+                "data": {"k": [1]},
+                "items": [1, "é"],
+                "maybe": None,
+                "mode": "b",
+                "extra": "3",  # undeclared: its type is unknown, the text is kept
+            },
+        ),
+        ("ping", {}),
+    ]
 
 
 def test_values_that_are_not_json_keep_their_text() -> None:

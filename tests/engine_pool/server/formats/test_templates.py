@@ -12,24 +12,14 @@ from engine_pool.server.chat_template import ChatTemplate
 from engine_pool.server.formats import opened_by, select_format
 from native.model_gen import TEMPLATES, chat_template
 
-from .conftest import read_whole
+from .conftest import function_tool, read_whole
 
-TOOL: Any = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string"},
-                "days": {"type": "integer"},
-                "hot": {"type": "boolean"},
-            },
-            "required": ["city"],
-        },
-    },
-}
+TOOL = function_tool(
+    "get_weather",
+    {"city": {"type": "string"}, "days": {"type": "integer"}, "hot": {"type": "boolean"}},
+    required=["city"],
+    description="Current weather",
+)
 ARGS = {"city": "São Paulo\nBR", "days": 3, "hot": False}
 
 

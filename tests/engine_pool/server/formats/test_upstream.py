@@ -27,20 +27,15 @@ from gateway.bench.harness.fuzz_specs import ENGINE_ENDPOINTS
 from native.model_gen import write_model
 
 from ...conftest import CHECKPOINT_ARGS, EngineProcess, run_engine
+from .conftest import function_tool
 from .test_engine_formats import corpus_dir, streamed
 
-SPECIAL: Any = {
-    "type": "function",
-    "function": {
-        "name": "special_function",
-        "description": "I'm special",
-        "parameters": {
-            "type": "object",
-            "properties": {"arg1": {"type": "integer", "description": "The arg."}},
-            "required": ["arg1"],
-        },
-    },
-}
+SPECIAL = function_tool(
+    "special_function",
+    {"arg1": {"type": "integer", "description": "The arg."}},
+    required=["arg1"],
+    description="I'm special",
+)
 USER = [{"role": "user", "content": "Hey there!"}]
 CALL = ("special_function", {"arg1": 1})
 
@@ -160,17 +155,11 @@ def test_output_llama_cpp_cannot_read_comes_back_as_content(corpus: dict[str, st
 
 # --- a real engine on templates only llama.cpp reads ---------------------------------------------
 
-WEATHER: Any = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
-            "required": ["city"],
-        },
-    },
-}
+WEATHER = function_tool(
+    "get_weather",
+    {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
+    required=["city"],
+)
 MESSAGES: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
 # template -> a call to get_weather(city="Oslo") as its family writes it. Llama 3.1's generation
 # prompt is prefilled into its forced-call grammar; Mistral Nemo's free calls have a lazy grammar.
