@@ -148,6 +148,22 @@ FLAGS: tuple[Flag, ...] = (
         default=(),
         repeat=True,
     ),
+    Flag(
+        "n_gpu_layers",
+        ("-ngl", "--n-gpu-layers"),
+        int,
+        "layers every engine offloads to the GPU (llama-server's -ngl; 0: none, CPU only)",
+        default=0,
+        check=at_least(0),
+    ),
+    Flag(
+        "flash_attn",
+        ("-fa", "--flash-attn"),
+        str,
+        "flash attention in every engine: on, off, or auto (the engine's own default)",
+        default="auto",
+        check=(lambda v: v in ("on", "off", "auto"), "on, off or auto"),
+    ),
     Flag("engine_host", ("--engine-host",), str, "engines listen here", default="127.0.0.1"),
     Flag("drain_grace_s", ("--drain-grace-s",), float, "SIGTERM drain limit", default=60.0, check=above(0)),
     Flag(
@@ -253,6 +269,8 @@ class NodeSettings:
         "store_compression"
     ]  # recurrent states and tails compressed: on, off, auto (in S3 only)
     engine_args: tuple[str, ...] = _DEFAULT["engine_args"]
+    n_gpu_layers: int = _DEFAULT["n_gpu_layers"]
+    flash_attn: str = _DEFAULT["flash_attn"]
     engine_host: str = _DEFAULT["engine_host"]
     drain_grace_s: float = _DEFAULT["drain_grace_s"]
     heartbeat_ttl_s: float = _DEFAULT["heartbeat_ttl_s"]
@@ -311,6 +329,8 @@ class NodeSettings:
                 log_path=root / self.engine_id(i) / "engine.log",
                 host=self.engine_host,
                 extra_args=self.engine_args,
+                n_gpu_layers=self.n_gpu_layers,
+                flash_attn=self.flash_attn,
                 env=env,
             )
             for i, model in enumerate(self.models)

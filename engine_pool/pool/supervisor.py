@@ -86,6 +86,8 @@ class EngineSpec:
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free port for every process
     extra_args: tuple[str, ...] = ()
+    n_gpu_layers: int = 0  # llama-server's -ngl: layers offloaded to the GPU (a CUDA build)
+    flash_attn: str = "auto"  # on | off | auto: auto leaves the engine's own default
     # The process environment (credentials.engine_environment: the node's, less its settings and
     # secrets, plus the engine's API key); None inherits the supervisor's (tests).
     env: tuple[tuple[str, str], ...] | None = None
@@ -173,6 +175,10 @@ def engine_argv(spec: EngineSpec, port: int, instance: str) -> list[str]:
         ("--slot-save-path", str(spec.slot_dir)),
         ("-a", spec.model_id),
     ]
+    if spec.n_gpu_layers:
+        options.append(("-ngl", str(spec.n_gpu_layers)))
+    if spec.flash_attn != "auto":
+        options.append(("-fa", spec.flash_attn))
     return [
         *(sys.executable, "-m", "gateway.cli", "engine"),
         *(arg for option in options for arg in option),

@@ -28,6 +28,7 @@ import yaml
 
 from engine_pool.pool.settings import FLAGS as NODE_FLAGS
 from engine_pool.pool.settings import parse_node_settings
+from engine_pool.pool.supervisor import engine_argv
 from gateway.bench.harness.servers import free_port, wait_until
 from gateway.metrics import Metrics
 from gateway.settings import FLAGS as GATEWAY_FLAGS
@@ -206,6 +207,29 @@ def test_rendered_environment_parses_with_the_real_settings(values: tuple[str, .
     assert all(m.startswith("/") for m in node.models)
     # the default: states stored as they are, even in S3 (a bare YAML `off` would render "false")
     assert node.store_compression == "off" and not node.compresses_states
+
+
+def test_gpus_reach_the_engines_and_the_node_pods_limits() -> None:
+    plain = render("demo-values.yaml")
+    node_pod = pod_spec(plain, "StatefulSet", "sk-slotkeeper-node")
+    assert "nvidia.com/gpu" not in node_pod["containers"][0]["resources"].get("limits", {})
+    node = parse_node_settings([], container_env(plain, "StatefulSet", "sk-slotkeeper-node", FAKE)[0])
+    assert node.n_gpu_layers == 0 and node.flash_attn == "auto"
+    assert "-ngl" not in engine_argv(node.engine_specs()[0], 9000, "i")
+
+    gpus = render(
+        "demo-values.yaml",
+        sets=("node.gpus=2", "node.gpuLayers=99", "node.flashAttn=on", "node.nodeSelector.gpu=h200"),
+    )
+    node_pod = pod_spec(gpus, "StatefulSet", "sk-slotkeeper-node")
+    limits = node_pod["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == 2 and limits["memory"] == "16Gi"  # added to, not replacing
+    assert node_pod["nodeSelector"] == {"gpu": "h200"}
+    kubernetes_validate.validate(gpus[("StatefulSet", "sk-slotkeeper-node")], "1.30.0", strict=True)
+    node = parse_node_settings([], container_env(gpus, "StatefulSet", "sk-slotkeeper-node", FAKE)[0])
+    argv = engine_argv(node.engine_specs()[0], 9000, "i")
+    assert argv[argv.index("-ngl") + 1] == "99" and argv[argv.index("-fa") + 1] == "on"
+    assert "nvidia.com/gpu" not in str(pod_spec(gpus, "Deployment", "sk-slotkeeper-gateway"))
 
 
 @pytest.mark.parametrize("values", VALUE_SETS)
@@ -434,6 +458,8 @@ def test_every_rendered_manifest_validates_strictly_against_the_kubernetes_schem
         (("gateway.maxBodyBytes=lots",), "/gateway/maxBodyBytes"),
         (("node.models[0].alias=x",), "/node/models/0"),
         (("image.pullPolicy=Sometimes",), "/image/pullPolicy"),
+        (("node.gpus=-1",), "/node/gpus"),
+        (("node.flashAttn=true",), "/node/flashAttn"),  # a bare YAML `on` is a boolean
     ],
 )
 def test_the_values_schema_refuses_bad_values(sets: tuple[str, ...], where: str) -> None:
