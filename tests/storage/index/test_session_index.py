@@ -182,7 +182,7 @@ async def test_redis_down_is_store_unavailable() -> None:
     await client.aclose()
 
 
-async def test_one_script_reads_every_occupant_of_a_placement_snapshot(index: SessionIndex) -> None:
+async def test_one_script_reads_every_occupant_of_a_pool_view(index: SessionIndex) -> None:
     await index.mark_live("acme", "a", engine="e1", slot=0, tokens=1)
     await index.mark_live("acme", "b", engine="e2", slot=1, tokens=2)
     await index.mark_live("beta", "a", engine="e2", slot=0, tokens=3)
