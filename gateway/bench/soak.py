@@ -9,8 +9,8 @@
   session is DELETEd and continues under a fresh id, so that its history fits the context;
 * chaos — a ready engine process SIGKILLed at random intervals (`--kill-min-s`..`--kill-max-s`,
   seeded), each time waiting (with a deadline) for the node to bring a new process to ready;
-* a hostile tenant sending the inputs of KINDS in a loop, each judged against what is expected of
-  it: a 5xx other than 503, or anything but the expected 4xx, is flagged;
+* a hostile tenant (soak_hostile.py) sending the inputs of KINDS in a loop, each judged against what
+  is expected of it: a 5xx other than 503, or anything but the expected 4xx, is flagged;
 * at the end, engines ready again: GET /v1/sessions/{id} and one more turn for every honest session.
 
 A session is *lost* when a turn (during the soak or the last one) is served `X-Slotkeeper-Cache:
@@ -48,11 +48,10 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 
@@ -65,13 +64,23 @@ from gateway.bench.harness.servers import (
     redis_server,
     wait_until,
 )
+from gateway.bench.soak_hostile import Hostile
+from gateway.bench.soak_state import (
+    HEADER_TIMEOUT_S,
+    HOSTILE_INFLIGHT,
+    HOSTILE_KEY,
+    HOSTILE_RPM,
+    MAX_SERIES,
+    WORDS,
+    Soak,
+    retry_after,
+)
 from native.model_gen import cached_model
 
 _ROOT = Path(__file__).resolve().parents[2]  # what holds the `gateway` package: checkout or site-packages
 
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 HONEST = {"alpha": "sk-soak-alpha", "beta": "sk-soak-beta"}  # tenant -> key
-HOSTILE_KEY, HOSTILE_INFLIGHT, HOSTILE_RPM = "sk-soak-mallory", 4, 600
 TENANTS_TOML = f"""
 [tenants.alpha]
 keys = ["{HONEST["alpha"]}"]
@@ -90,94 +99,6 @@ requests_per_minute = {HOSTILE_RPM}
 inflight = {HOSTILE_INFLIGHT}
 live_slots = 3
 """
-HEADER_TIMEOUT_S = 10.0  # given to serve; a trickled request head must be cut off by then
-MAX_SERIES = 64  # slotkeeper_gateway_requests series allowed after the 404 paths (routes x statuses)
-WORDS = "tests parser handler cache retry budget schema branch commit lint deploy index".split()
-
-
-def retry_after(resp: httpx.Response) -> float | None:
-    try:
-        return float(resp.headers["retry-after"])
-    except (KeyError, ValueError):
-        return None
-
-
-# ------------------------------------------------------------------------------ shared soak state
-@dataclass
-class HonestStats:
-    served: Counter[str] = field(default_factory=Counter)  # 200s per tenant
-    throttled: Counter[int] = field(default_factory=Counter)  # 429 / 503, each retried
-    no_retry_after: int = 0
-    other: Counter[int] = field(default_factory=Counter)  # any other status (goal: none)
-    samples: list[str] = field(default_factory=list)  # bodies of those, and transport errors
-    sampled: Counter[str] = field(default_factory=Counter)
-    transport: int = 0
-    latency_ms: dict[str, list[float]] = field(default_factory=dict)  # per tenant, each 200
-    turn_ms: list[float] = field(default_factory=list)  # whole turns, Retry-After waits included
-    caches: Counter[str] = field(default_factory=Counter)
-    forked: int = 0
-    deletes: Counter[int] = field(default_factory=Counter)
-    lost: dict[str, str] = field(default_factory=dict)  # session -> why
-    reprefilled: dict[str, str] = field(default_factory=dict)  # session -> why
-
-    def sample(self, key: object, what: str) -> None:
-        """Keep the first three of each kind (a status, an exception), so that none hides another."""
-        self.sampled[str(key)] += 1
-        if self.sampled[str(key)] <= 3:
-            self.samples.append(what[:400])
-
-
-@dataclass
-class Kind:
-    """One hostile input: statuses seen, the unexpected ones, answer times."""
-
-    expect: str
-    statuses: Counter[str] = field(default_factory=Counter)
-    unexpected: list[str] = field(default_factory=list)
-    n_unexpected: int = 0
-    throttled: int = 0  # 429/503 waited out and sent again
-    ms: list[float] = field(default_factory=list)
-
-
-@dataclass
-class Soak:
-    """What the tasks share. The chaos task alone appends to `kills`; each stats part has one writer
-    kind (honest workers, hostile tasks)."""
-
-    args: argparse.Namespace
-    url: str
-    node_url: str
-    model: str
-    engine_id: str  # the node's first engine, for the unauthenticated slot probes
-    key: str
-    deadline: float
-    kills: list[float] = field(default_factory=list)  # monotonic times of SIGKILLs
-    durable: dict[str, float] = field(default_factory=dict)  # session -> when a listing showed it saved
-    recoveries_s: list[float] = field(default_factory=list)
-    not_recovered: int = 0
-    engine_pids: set[int] = field(default_factory=set)
-    honest: HonestStats = field(default_factory=HonestStats)
-    kinds: dict[str, Kind] = field(default_factory=dict)
-
-    def left(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def at(self) -> str:
-        """Seconds since the start, for samples."""
-        return f"[{self.args.duration_s - self.left():.0f} s]"
-
-    def kill_free(self, start: float, end: float) -> bool:
-        return not any(start <= k <= end for k in self.kills)
-
-    def note(self, kind: str, status: str, ok: bool, detail: str = "", ms: float | None = None) -> None:
-        k = self.kinds[kind]
-        k.statuses[status] += 1
-        if ms is not None:
-            k.ms.append(ms)
-        if not ok:
-            k.n_unexpected += 1
-            if len(k.unexpected) < 3:
-                k.unexpected.append(f"{self.at()} {status}: {detail}"[:300])
 
 
 # ------------------------------------------------------------------------- slotkeeper serve process
@@ -445,306 +366,6 @@ async def chaos(client: httpx.AsyncClient, soak: Soak, rng: random.Random) -> No
                     soak.recoveries_s.append(time.monotonic() - t0)
                 else:
                     soak.not_recovered += 1
-
-
-# ---------------------------------------------------------------------------------------- hostile
-KINDS = {  # hostile input -> what is expected of the gateway (each check is in Hostile's code)
-    "grammar: 50k nested parens": "400",
-    "json_schema: 3,000 properties": "200|400 within 30 s",
-    "60 MB body, Content-Length": "413",
-    "60 MB body, chunked": "413",
-    "JSON nested 100,000 deep": "400",
-    "messages not objects": "400",
-    "X-Session-Id ../x, 129 chars": "400",
-    "node API without the key": "401",
-    "delete, then reuse the id": "200 each, reuse cold",
-    "X-Session-Id dot2. while busy": "200 (or forked)",
-    "300 random 404 paths": "404",
-    "burst over in-flight limit": "200|429+Retry-After, some 429",
-    "burst over requests/minute": "429 + Retry-After",
-    "trickled headers": f"closed within {HEADER_TIMEOUT_S:.0f} s",
-}
-Probe = tuple[str, frozenset[int], str, str, dict[str, Any]]  # kind, good statuses, method, url, kw
-
-
-class Hostile:
-    """The hostile tenant: every input of KINDS, round after round, until the deadline."""
-
-    def __init__(self, soak: Soak, client: httpx.AsyncClient, rng: random.Random) -> None:
-        self.soak, self.client, self.rng = soak, client, rng
-        self.auth = {"Authorization": f"Bearer {HOSTILE_KEY}"}
-        self.chat = soak.url + "/v1/chat/completions"
-        parts = urlsplit(soak.url)
-        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
-        self.last_rpm_burst = -math.inf  # the first rate-limit burst ends round 2
-        self.round = 0
-        soak.kinds.update({name: Kind(expect) for name, expect in KINDS.items()})
-
-    def body(self, text: str, **extra: Any) -> dict[str, Any]:
-        msgs = [{"role": "user", "content": text}]
-        return {"model": self.soak.model, "messages": msgs, "max_tokens": 4, "temperature": 0, **extra}
-
-    def probes(self) -> list[Probe]:
-        """The inputs that are one request each, as a table."""
-        chat, node, engine = self.chat, self.soak.node_url, self.soak.engine_id
-        props = {f"field_{i}": {"type": "string"} for i in range(3000)}
-        wide = {
-            "type": "json_schema",
-            "json_schema": {"name": "wide", "schema": {"type": "object", "properties": props}},
-        }
-        parens = "(" * 50_000 + ")" * 50_000
-        deep = b'{"model": "x", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-        ref, s400, s401 = {"tenant": "mallory", "session": "h-reuse", "generation": 1}, {400}, {401}
-        table: list[tuple[str, set[int], str, str, dict[str, Any]]] = [
-            (
-                "grammar: 50k nested parens",
-                s400,
-                "POST",
-                chat,
-                {"json": self.body("hi", grammar=parens), "headers": {**self.auth, "X-Session-Id": "h-gr"}},
-            ),
-            (
-                "json_schema: 3,000 properties",
-                {200, 400},
-                "POST",
-                chat,
-                {
-                    "json": self.body("fill in", response_format=wide),
-                    "headers": {**self.auth, "X-Session-Id": "h-schema"},
-                },
-            ),
-            (
-                "JSON nested 100,000 deep",
-                s400,
-                "POST",
-                chat,
-                {"content": deep, "headers": {**self.auth, "Content-Type": "application/json"}},
-            ),
-            (
-                "messages not objects",
-                s400,
-                "POST",
-                chat,
-                {
-                    "headers": self.auth,
-                    "json": {"model": self.soak.model, "messages": ["hello", 42, None], "max_tokens": 4},
-                },
-            ),
-            *(
-                (
-                    "X-Session-Id ../x, 129 chars",
-                    s400,
-                    "POST",
-                    chat,
-                    {"json": self.body("hi"), "headers": {**self.auth, "X-Session-Id": sid}},
-                )
-                for sid in ("../x", "x" * 129)
-            ),
-            *(
-                ("node API without the key", s401, method, node + path, kw)
-                for method, path, kw in [
-                    ("GET", "/v1/engines", {}),
-                    ("GET", "/metrics", {}),
-                    ("POST", f"/v1/engines/{engine}/slots/0/spill", {"json": ref}),
-                    ("POST", f"/v1/engines/{engine}/slots/0/fill", {"json": ref}),
-                    ("POST", f"/v1/engines/{engine}/slots/0/erase", {}),
-                    ("DELETE", "/v1/sessions/alpha/alpha-s00-e0", {}),
-                ]
-            ),
-        ]
-        return [(kind, frozenset(good), method, url, kw) for kind, good, method, url, kw in table]
-
-    async def run(self) -> None:
-        steps: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
-            *((p[0], lambda p=p: self.call(*p)) for p in self.probes()),
-            ("60 MB body, Content-Length", lambda: self.huge_body(chunked=False)),
-            ("60 MB body, chunked", lambda: self.huge_body(chunked=True)),
-            ("delete, then reuse the id", self.delete_reuse),
-            ("X-Session-Id dot2. while busy", self.fork_dot2),
-            ("300 random 404 paths", self.not_found),
-            ("burst over in-flight limit", self.inflight_burst),
-            ("burst over requests/minute", self.rpm_burst),
-        ]
-        while self.soak.left() > 0:
-            self.round += 1
-            for kind, step in steps:
-                if self.soak.left() <= 0:
-                    return
-                try:
-                    await step()
-                except (httpx.HTTPError, OSError, TimeoutError) as exc:
-                    self.soak.note(kind, "transport error", False, f"{type(exc).__name__}: {exc}")
-
-    async def call(
-        self, kind: str, good: frozenset[int], method: str, url: str, kw: dict[str, Any]
-    ) -> httpx.Response | None:
-        """One request of `kind`. A 429/503 outside `good` (the rate window spent, an engine
-        restarting) is waited out after its Retry-After, twice at most; the final status is judged."""
-        for attempt in range(3):
-            t0 = time.perf_counter()
-            r = await self.client.request(method, url, **kw)
-            ms = (time.perf_counter() - t0) * 1000
-            wait = retry_after(r)
-            if r.status_code in (429, 503) and r.status_code not in good and wait is not None and attempt < 2:
-                self.soak.kinds[kind].throttled += 1
-                if wait + 1 > self.soak.left():
-                    return None  # the soak ends first
-                await asyncio.sleep(wait)
-                continue
-            status, ok = str(r.status_code), r.status_code in good
-            if ok and kind.startswith("json_schema") and ms > 30_000:
-                status, ok = f"{r.status_code} after {ms / 1000:.0f} s", False
-            self.soak.note(kind, status, ok, r.text, ms)
-            return r
-        return None
-
-    async def huge_body(self, chunked: bool) -> None:
-        """60 MB from a raw socket while its answer is read: 413 (the gateway may close without
-        reading the rest; writing then fails, which is fine)."""
-        kind = f"60 MB body, {'chunked' if chunked else 'Content-Length'}"
-        total, chunk = 60 << 20, b" " * (1 << 20)
-        framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {total}"
-        head = (
-            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer "
-            f"{HOSTILE_KEY}\r\nContent-Type: application/json\r\n{framing}\r\nConnection: close\r\n\r\n"
-        )
-        reader, writer = await asyncio.open_connection(self.host, self.port)
-
-        async def write() -> None:
-            writer.write(head.encode())
-            for _ in range(total // len(chunk)):
-                writer.write(b"100000\r\n" + chunk + b"\r\n" if chunked else chunk)
-                await writer.drain()
-            writer.write(b"0\r\n\r\n" if chunked else b"")
-            await writer.drain()
-
-        t0 = time.perf_counter()
-        sender = asyncio.create_task(write())
-        try:
-            line = await asyncio.wait_for(reader.readline(), 60)
-        except (TimeoutError, ConnectionError):
-            line = b""
-        finally:
-            sender.cancel()
-            with contextlib.suppress(asyncio.CancelledError, ConnectionError, OSError):
-                await sender
-            writer.close()
-        status = line.split()[1].decode() if line.startswith(b"HTTP/") else "closed without an answer"
-        ms = (time.perf_counter() - t0) * 1000
-        self.soak.note(kind, status, status == "413", line.decode(errors="replace"), ms)
-
-    async def delete_reuse(self) -> None:
-        """A turn, DELETE, a turn with the same id: a new, cold session (the old state must not return)."""
-        kind, sid, ok = "delete, then reuse the id", "h-reuse", frozenset({200})
-        turn = {"json": self.body("remember: 7"), "headers": {**self.auth, "X-Session-Id": sid}}
-        delete = {"headers": self.auth}
-        for method, url, kw in (
-            ("POST", self.chat, turn),
-            ("DELETE", f"{self.soak.url}/v1/sessions/{sid}", delete),
-        ):
-            r = await self.call(kind, ok, method, url, kw)
-            if r is None or r.status_code != 200:
-                return
-        again = await self.call(kind, ok, "POST", self.chat, turn)
-        if again is not None and again.status_code == 200:
-            cache = again.headers.get("x-slotkeeper-cache", "-")
-            if cache != "cold" or again.headers.get("x-session-id") != sid:
-                self.soak.note(kind, f"reuse served {cache}", False, "a deleted session's state came back")
-
-    async def fork_dot2(self) -> None:
-        """Two turns of `dot2.` at once: one finds it busy and is served by a fork (deleted after)."""
-        kind, ok = "X-Session-Id dot2. while busy", frozenset({200})
-        kw = {
-            "json": self.body(f"count slowly to fifty, round {self.round}", max_tokens=48),
-            "headers": {**self.auth, "X-Session-Id": "dot2."},
-        }
-        first = asyncio.create_task(self.call(kind, ok, "POST", self.chat, kw))
-        await asyncio.sleep(0.05)
-        second = await self.call(kind, ok, "POST", self.chat, kw)
-        for r in (await first, second):
-            fork = r.headers.get("x-session-id", "") if r is not None and r.status_code == 200 else "dot2."
-            if fork != "dot2.":
-                self.soak.note(kind, "forked", fork.startswith("dot2") and ".." not in fork, fork)
-                await self.call(
-                    kind, ok, "DELETE", f"{self.soak.url}/v1/sessions/{fork}", {"headers": self.auth}
-                )
-
-    async def not_found(self) -> None:
-        for _ in range(300):
-            url = f"{self.soak.url}/h404-{secrets.token_hex(6)}/{self.rng.choice(WORDS)}"
-            await self.call("300 random 404 paths", frozenset({404}), "GET", url, {"headers": self.auth})
-
-    async def inflight_burst(self) -> None:
-        """More turns at once than the tenant's in-flight limit: the excess gets 429 + Retry-After."""
-        kind, n = "burst over in-flight limit", HOSTILE_INFLIGHT + 4
-
-        async def one(i: int) -> httpx.Response:
-            headers = {**self.auth, "X-Session-Id": f"h-burst-{i}"}
-            return await self.client.post(self.chat, json=self.body("burst", max_tokens=16), headers=headers)
-
-        for r in await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True):
-            if isinstance(r, BaseException):
-                self.soak.note(kind, "transport error", False, f"{type(r).__name__}: {r}")
-                continue
-            limited = r.status_code in (429, 503) and retry_after(r) is not None
-            self.soak.note(kind, str(r.status_code), r.status_code == 200 or limited, r.text)
-        if self.round == 3 and self.soak.kinds[kind].statuses["429"] == 0:
-            self.soak.note(kind, "no 429 in 3 bursts", False, f"{n} at once, limit {HOSTILE_INFLIGHT}")
-
-    async def rpm_burst(self) -> None:
-        """Cheap requests (refused with 400 after the rate check) until a 429, then wait it out."""
-        if self.round < 2 or time.monotonic() - self.last_rpm_burst < 90:
-            return
-        self.last_rpm_burst = time.monotonic()
-        kind, body = (
-            "burst over requests/minute",
-            {"model": self.soak.model, "messages": [7], "max_tokens": 1},
-        )
-        # Windows are calendar minutes: a burst across a boundary splits its count, so send enough
-        # that one of the two windows is over the limit whatever the timing.
-        for _ in range(2 * HOSTILE_RPM + 50):
-            try:
-                r = await self.client.post(self.chat, json=body, headers=self.auth)
-            except httpx.TransportError as exc:  # counted; the burst goes on
-                self.soak.note(kind, "transport error", False, f"{type(exc).__name__}: {exc}")
-                continue
-            if r.status_code == 429:
-                wait = retry_after(r)
-                self.soak.note(kind, "429", wait is not None and wait <= 61, r.text)
-                await asyncio.sleep(max(0.0, min(wait or 0.0, self.soak.left())))
-                return
-            wait = retry_after(r)
-            if r.status_code == 503 and wait is not None:  # the model's engine is restarting (a SIGKILL)
-                self.soak.kinds[kind].throttled += 1
-                await asyncio.sleep(max(0.0, min(wait, self.soak.left())))
-                continue
-            self.soak.note(kind, str(r.status_code), r.status_code == 400, r.text)
-        self.soak.note(kind, "never 429", False, f"{2 * HOSTILE_RPM + 50} requests, limit {HOSTILE_RPM}/min")
-
-    async def trickle(self) -> None:
-        """Slowloris, in its own task: a request head at one byte a second; how long it is held."""
-        kind, limit = "trickled headers", HEADER_TIMEOUT_S + 5
-        head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 4096
-        while self.soak.left() > limit + 15:
-            reader, writer = await asyncio.open_connection(self.host, self.port)
-            t0, outcome = time.monotonic(), "held"
-            try:
-                for i in range(int(HEADER_TIMEOUT_S) + 20):
-                    try:
-                        writer.write(head[i : i + 1])
-                        await writer.drain()
-                        data = await asyncio.wait_for(reader.read(256), 1.0)  # the pacing: 1 byte/s
-                    except TimeoutError:
-                        continue
-                    except ConnectionError:
-                        data = b""
-                    outcome = data.split(b"\r\n", 1)[0].decode(errors="replace") or "closed"
-                    break
-            finally:
-                writer.close()
-            held = time.monotonic() - t0
-            status = "held" if outcome == "held" else "closed"
-            self.soak.note(kind, status, held <= limit, f"{outcome} after {held:.1f} s", held * 1000)
 
 
 # ---------------------------------------------------------------------------------------- the soak

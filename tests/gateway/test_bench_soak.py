@@ -10,13 +10,14 @@ import random
 from typing import Any
 
 from gateway.bench import soak as soak_bench
+from gateway.bench.soak_state import Soak
 
 GRACE_S = 10.0  # --save-grace-s: the longest write-behind save
 
 
 def soak(kills: list[float]) -> Any:
     args = argparse.Namespace(save_grace_s=GRACE_S, duration_s=20.0)
-    return soak_bench.Soak(args, "http://gw", "http://node", "tiny", "e0", "key", deadline=1e9, kills=kills)
+    return Soak(args, "http://gw", "http://node", "tiny", "e0", "key", deadline=1e9, kills=kills)
 
 
 def session(*turns: tuple[float, str]) -> Any:
