@@ -13,7 +13,9 @@ from typing import Any
 
 import structlog
 from starlette.requests import Request
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
+
+from engine_pool.common.http_middleware import HttpMiddleware
 
 log = structlog.get_logger("gateway.access")
 
@@ -28,17 +30,11 @@ def note(request: Request, **fields: Any) -> None:
     state.setdefault(_KEY, {}).update(fields)
 
 
-class AccessLog:
+class AccessLog(HttpMiddleware):
     """ASGI middleware writing the access line once the response is over (a stream: its end, or
     the client's disconnect; a request that raised: as it passes on to the error handler, 500)."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         t0 = time.perf_counter()
         answer: dict[str, Any] = {"status": 500}
 

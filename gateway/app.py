@@ -54,20 +54,21 @@ async def _turn(request: Request, path: str) -> Response:
     return await serve_turn(request, tenant, body, model, messages, path, raw=raw)
 
 
+def _turn_route(path: str) -> Route:
+    """A turn's endpoint, at the engine's path that it forwards the turn to."""
+
+    async def turn(request: Request) -> Response:
+        return await _turn(request, path)
+
+    return Route(path, turn, methods=["POST"])
+
+
 async def input_tokens(request: Request) -> Response:
     """How many prompt tokens a chat request would take (llama-server's /chat/completions/input_tokens)."""
     svc, body, model = await stateless_request(request)
     check_messages(body, svc.settings.max_messages)
     payload = await forward_stateless(svc, model, "/v1/chat/completions/input_tokens", body)
     return JSONResponse(payload)
-
-
-async def chat(request: Request) -> Response:
-    return await _turn(request, "/v1/chat/completions")
-
-
-async def completions(request: Request) -> Response:
-    return await _turn(request, "/v1/completions")
 
 
 async def models(request: Request) -> Response:
@@ -170,9 +171,9 @@ def build_app(
             await services.runner.drain()
 
     routes = [
-        Route("/v1/chat/completions", chat, methods=["POST"]),
+        _turn_route("/v1/chat/completions"),
         Route("/v1/chat/completions/input_tokens", input_tokens, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
+        _turn_route("/v1/completions"),
         Route("/v1/models", models, methods=["GET"]),
         *responses_routes.ROUTES,
         *messages_routes.ROUTES,

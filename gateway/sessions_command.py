@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from engine_pool.common.answer_body import answer_json, error_object
 from storage.blobs.blobstore import delete_generations
 from storage.blobs.localstore import LocalStore
 from storage.blobs.spillcache import SpillCache
@@ -68,13 +69,12 @@ def _via_gateway(url: str, key: str | None, action: str, session: str | None) ->
         r = httpx.request(method, url.rstrip("/") + path, headers=headers, timeout=30)
     except httpx.HTTPError as exc:
         raise OSError(f"cannot reach the gateway at {url}: {type(exc).__name__}: {exc}") from exc
-    try:
-        body = r.json()
-    except ValueError:
-        body = {}
+    body = answer_json(r)
     if r.status_code != 200:
-        message = (body.get("error") or {}).get("message") if isinstance(body, dict) else None
+        message = (error_object(body) or {}).get("message")
         raise Refused(f"{r.status_code}: {message or r.text[:200]}")
+    if body is None:
+        body = {}
     return body.get("data", body) if action == "list" else body
 
 

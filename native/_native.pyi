@@ -5,7 +5,7 @@ exactly one libllama is loaded in the process.
 """
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Final, Literal
 
 STATE_SEQ_VERSION: int
 """LLAMA_STATE_SEQ_VERSION of the linked llama.cpp (3 for llama-cpp-python 0.3.36)."""
@@ -45,7 +45,7 @@ class ModelInfo:
     meta: dict[str, str]
 
 class EngineConfig:
-    """Built once, by keyword; every field is read-only afterwards."""
+    """Built once, by keyword; every field is read-only (Final) afterwards."""
 
     def __init__(
         self,
@@ -73,71 +73,49 @@ class EngineConfig:
         warmup: bool = True,
         context_shift: bool = False,
     ) -> None: ...
-    @property
-    def model_path(self) -> str: ...
-    @property
-    def n_slots(self) -> int: ...
-    @property
-    def n_ctx(self) -> int:
-        """Total KV cells (one unified stream); every slot may use n_ctx // n_slots of them, or all
-        of them with kv_unified."""
-    @property
-    def n_batch(self) -> int: ...
-    @property
-    def n_ubatch(self) -> int: ...
-    @property
-    def n_threads(self) -> int:
-        """0 = all hardware threads."""
-    @property
-    def n_gpu_layers(self) -> int: ...
-    @property
-    def checkpoint_interval(self) -> int:
-        """Checkpoint every this many prompt tokens inside long prompts (0 = off)."""
-    @property
-    def checkpoint_min_step(self) -> int:
-        """Hinted/interval checkpoints closer than this to another planned one are skipped."""
-    @property
-    def max_checkpoints(self) -> int:
-        """Per slot. 0 disables checkpoints (hybrid/recurrent reuse then needs the exact end)."""
-    @property
-    def max_checkpoint_bytes(self) -> int:
-        """Per slot, the sum of checkpoint state blobs and their logits."""
-    @property
-    def max_slot_file_bytes(self) -> int:
-        """Refuse to restore larger slot files (0 = no limit beyond the bounds checks)."""
-    @property
-    def swa_full(self) -> bool: ...
-    @property
-    def flash_attn(self) -> bool: ...
-    @property
-    def repack(self) -> bool: ...
-    @property
-    def kv_unified(self) -> bool:
-        """llama-server's --kv-unified: a slot may grow into the whole pool (Engine.n_ctx_slot ==
-        n_ctx). When the shared cells run out, idle slots' cached sessions are dropped (least
-        recently used first); then a prompt still being evaluated fails ("the KV cache is full"),
-        else the longest generation shifts (context_shift) or stops with stop_reason "context"."""
-    @property
-    def cache_type_k(self) -> str:
-        """KV cache type of K (KV_CACHE_TYPES). Unknown names raise InvalidRequestError."""
-    @property
-    def cache_type_v(self) -> str:
-        """KV cache type of V; a quantized one needs flash_attn (InvalidRequestError otherwise). Slot
-        files record both types and restore only into an engine with the same."""
-    @property
-    def use_mmap(self) -> bool:
-        """False = --no-mmap: read the weights into memory instead of mapping the file."""
-    @property
-    def use_mlock(self) -> bool:
-        """--mlock: lock the weights in RAM (llama.cpp warns and goes on when the limit is too low)."""
-    @property
-    def warmup(self) -> bool:
-        """Decode BOS+EOS once at start and forget it, as llama-server does (--no-warmup: skip)."""
-    @property
-    def context_shift(self) -> bool:
-        """--context-shift: a generating slot that reaches n_ctx_slot drops tokens after its
-        request's n_keep and goes on. Refused at start (InvalidRequestError) for recurrent and
-        hybrid models, and where llama.cpp cannot shift the cache (SWA without swa_full)."""
+    model_path: Final[str]
+    n_slots: Final[int]
+    n_ctx: Final[int]
+    """Total KV cells (one unified stream); every slot may use n_ctx // n_slots of them, or all
+    of them with kv_unified."""
+    n_batch: Final[int]
+    n_ubatch: Final[int]
+    n_threads: Final[int]
+    """0 = all hardware threads."""
+    n_gpu_layers: Final[int]
+    checkpoint_interval: Final[int]
+    """Checkpoint every this many prompt tokens inside long prompts (0 = off)."""
+    checkpoint_min_step: Final[int]
+    """Hinted/interval checkpoints closer than this to another planned one are skipped."""
+    max_checkpoints: Final[int]
+    """Per slot. 0 disables checkpoints (hybrid/recurrent reuse then needs the exact end)."""
+    max_checkpoint_bytes: Final[int]
+    """Per slot, the sum of checkpoint state blobs and their logits."""
+    max_slot_file_bytes: Final[int]
+    """Refuse to restore larger slot files (0 = no limit beyond the bounds checks)."""
+    swa_full: Final[bool]
+    flash_attn: Final[bool]
+    repack: Final[bool]
+    kv_unified: Final[bool]
+    """llama-server's --kv-unified: a slot may grow into the whole pool (Engine.n_ctx_slot ==
+    n_ctx). When the shared cells run out, idle slots' cached sessions are dropped (least
+    recently used first); then a prompt still being evaluated fails ("the KV cache is full"),
+    else the longest generation shifts (context_shift) or stops with stop_reason "context"."""
+    cache_type_k: Final[str]
+    """KV cache type of K (KV_CACHE_TYPES). Unknown names raise InvalidRequestError."""
+    cache_type_v: Final[str]
+    """KV cache type of V; a quantized one needs flash_attn (InvalidRequestError otherwise). Slot
+    files record both types and restore only into an engine with the same."""
+    use_mmap: Final[bool]
+    """False = --no-mmap: read the weights into memory instead of mapping the file."""
+    use_mlock: Final[bool]
+    """--mlock: lock the weights in RAM (llama.cpp warns and goes on when the limit is too low)."""
+    warmup: Final[bool]
+    """Decode BOS+EOS once at start and forget it, as llama-server does (--no-warmup: skip)."""
+    context_shift: Final[bool]
+    """--context-shift: a generating slot that reaches n_ctx_slot drops tokens after its
+    request's n_keep and goes on. Refused at start (InvalidRequestError) for recurrent and
+    hybrid models, and where llama.cpp cannot shift the cache (SWA without swa_full)."""
 
 class RequestParams:
     def __init__(self, prompt: list[int] = ...) -> None: ...

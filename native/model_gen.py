@@ -40,6 +40,17 @@ RMS_EPS = 1e-6
 
 
 @dataclass(frozen=True)
+class Ssm:
+    """Hyperparameters of the recurrent layers (the `ssm.*` keys). Those a family does not use stay 0."""
+
+    conv: int = 0  # conv kernel width (lfm2: shortconv.l_cache)
+    state: int = 0  # mamba2 d_state; qwen35 head dim of the Gated DeltaNet
+    heads: int = 0  # mamba2 heads; qwen35 value heads (ssm.time_step_rank)
+    groups: int = 0  # mamba2 B/C groups; qwen35 key heads (ssm.group_count)
+    inner: int = 0  # mamba2 d_inner
+
+
+@dataclass(frozen=True)
 class Dims:
     """Hyperparameters of one model. Fields an architecture does not use stay 0."""
 
@@ -55,11 +66,7 @@ class Dims:
     attn_every: int = 1
     n_ctx_train: int = 4096
     sliding_window: int = 0
-    ssm_conv: int = 0  # conv kernel width (lfm2: shortconv.l_cache)
-    ssm_state: int = 0  # mamba2 d_state; qwen35 head dim of the Gated DeltaNet
-    ssm_heads: int = 0  # mamba2 heads; qwen35 value heads (ssm.time_step_rank)
-    ssm_groups: int = 0  # mamba2 B/C groups; qwen35 key heads (ssm.group_count)
-    ssm_inner: int = 0  # mamba2 d_inner
+    ssm: Ssm = Ssm()
     f16: bool = False  # store weight matrices as f16 (norms, biases and conv kernels stay f32)
 
     def is_attention(self, il: int) -> bool:
@@ -144,60 +151,71 @@ def _gemma2_block(d: Dims, il: int) -> list[Tensor]:
 
 
 def _mamba2_block(d: Dims, il: int) -> list[Tensor]:
-    conv_dim = d.ssm_inner + 2 * d.ssm_groups * d.ssm_state
-    in_proj = d.ssm_inner + conv_dim + d.ssm_heads  # z, xBC, dt
+    conv_dim = d.ssm.inner + 2 * d.ssm.groups * d.ssm.state
+    in_proj = d.ssm.inner + conv_dim + d.ssm.heads  # z, xBC, dt
     return [
         _norm(f"blk.{il}.attn_norm.weight", d.n_embd),
         Tensor(f"blk.{il}.ssm_in.weight", (d.n_embd, in_proj)),
-        Tensor(f"blk.{il}.ssm_conv1d.weight", (d.ssm_conv, conv_dim), "conv"),
+        Tensor(f"blk.{il}.ssm_conv1d.weight", (d.ssm.conv, conv_dim), "conv"),
         Tensor(f"blk.{il}.ssm_conv1d.bias", (conv_dim,)),
-        Tensor(f"blk.{il}.ssm_dt.bias", (d.ssm_heads,)),
-        Tensor(f"blk.{il}.ssm_a", (1, d.ssm_heads), "decay"),
-        Tensor(f"blk.{il}.ssm_d", (1, d.ssm_heads), "ones"),
-        Tensor(f"blk.{il}.ssm_norm.weight", (d.ssm_inner // d.ssm_groups, d.ssm_groups), "ones"),
-        Tensor(f"blk.{il}.ssm_out.weight", (d.ssm_inner, d.n_embd)),
+        Tensor(f"blk.{il}.ssm_dt.bias", (d.ssm.heads,)),
+        Tensor(f"blk.{il}.ssm_a", (1, d.ssm.heads), "decay"),
+        Tensor(f"blk.{il}.ssm_d", (1, d.ssm.heads), "ones"),
+        Tensor(f"blk.{il}.ssm_norm.weight", (d.ssm.inner // d.ssm.groups, d.ssm.groups), "ones"),
+        Tensor(f"blk.{il}.ssm_out.weight", (d.ssm.inner, d.n_embd)),
     ]
 
 
-def _lfm2_block(d: Dims, il: int) -> list[Tensor]:
-    common = [
-        _norm(f"blk.{il}.ffn_norm.weight", d.n_embd),
-        *_ffn(d, il),
-        _norm(f"blk.{il}.attn_norm.weight", d.n_embd),
-    ]
+# The hybrid families: each layer's mixer is attention or recurrent (`Dims.is_attention`), between
+# tensors every layer has.
+
+
+def _lfm2_mixer(d: Dims, il: int) -> list[Tensor]:
     if d.is_attention(il):
-        return [*common, *_qk_norms(d, il), *_attn(d, il, q_rows=d.n_embd)]
+        return [*_qk_norms(d, il), *_attn(d, il, q_rows=d.n_embd)]
     return [
-        *common,
-        Tensor(f"blk.{il}.shortconv.conv.weight", (d.ssm_conv, d.n_embd), "conv"),
+        Tensor(f"blk.{il}.shortconv.conv.weight", (d.ssm.conv, d.n_embd), "conv"),
         Tensor(f"blk.{il}.shortconv.in_proj.weight", (d.n_embd, 3 * d.n_embd)),
         Tensor(f"blk.{il}.shortconv.out_proj.weight", (d.n_embd, d.n_embd)),
     ]
 
 
-def _qwen35_block(d: Dims, il: int) -> list[Tensor]:
-    # post_attention_norm is the FFN pre-norm; there is no ffn_norm.
-    common = [
+def _lfm2_block(d: Dims, il: int) -> list[Tensor]:
+    return [
+        _norm(f"blk.{il}.ffn_norm.weight", d.n_embd),
+        *_ffn(d, il),
         _norm(f"blk.{il}.attn_norm.weight", d.n_embd),
-        _norm(f"blk.{il}.post_attention_norm.weight", d.n_embd),
+        *_lfm2_mixer(d, il),
     ]
+
+
+def _qwen35_mixer(d: Dims, il: int) -> list[Tensor]:
     if d.is_attention(il):
         # attn_q holds the query and the output gate of every head.
-        return [*common, *_attn(d, il, q_rows=2 * d.head_dim * d.n_head), *_qk_norms(d, il), *_ffn(d, il)]
-    key_dim = d.ssm_state * d.ssm_groups
-    value_dim = d.ssm_state * d.ssm_heads
+        return [*_attn(d, il, q_rows=2 * d.head_dim * d.n_head), *_qk_norms(d, il)]
+    # A Gated DeltaNet.
+    key_dim = d.ssm.state * d.ssm.groups
+    value_dim = d.ssm.state * d.ssm.heads
     conv_dim = 2 * key_dim + value_dim
     return [
-        *common,
         Tensor(f"blk.{il}.attn_qkv.weight", (d.n_embd, conv_dim)),
         Tensor(f"blk.{il}.attn_gate.weight", (d.n_embd, value_dim)),
-        Tensor(f"blk.{il}.ssm_conv1d.weight", (d.ssm_conv, conv_dim), "conv"),
-        Tensor(f"blk.{il}.ssm_dt.bias", (d.ssm_heads,)),
-        Tensor(f"blk.{il}.ssm_a", (d.ssm_heads,), "decay"),
-        Tensor(f"blk.{il}.ssm_beta.weight", (d.n_embd, d.ssm_heads)),
-        Tensor(f"blk.{il}.ssm_alpha.weight", (d.n_embd, d.ssm_heads)),
-        Tensor(f"blk.{il}.ssm_norm.weight", (d.ssm_state,), "ones"),
+        Tensor(f"blk.{il}.ssm_conv1d.weight", (d.ssm.conv, conv_dim), "conv"),
+        Tensor(f"blk.{il}.ssm_dt.bias", (d.ssm.heads,)),
+        Tensor(f"blk.{il}.ssm_a", (d.ssm.heads,), "decay"),
+        Tensor(f"blk.{il}.ssm_beta.weight", (d.n_embd, d.ssm.heads)),
+        Tensor(f"blk.{il}.ssm_alpha.weight", (d.n_embd, d.ssm.heads)),
+        Tensor(f"blk.{il}.ssm_norm.weight", (d.ssm.state,), "ones"),
         Tensor(f"blk.{il}.ssm_out.weight", (value_dim, d.n_embd)),
+    ]
+
+
+def _qwen35_block(d: Dims, il: int) -> list[Tensor]:
+    # post_attention_norm is the FFN pre-norm; there is no ffn_norm.
+    return [
+        _norm(f"blk.{il}.attn_norm.weight", d.n_embd),
+        _norm(f"blk.{il}.post_attention_norm.weight", d.n_embd),
+        *_qwen35_mixer(d, il),
         *_ffn(d, il),
     ]
 
@@ -223,18 +241,18 @@ def _gemma2_meta(d: Dims) -> dict[str, Any]:
 
 def _mamba2_meta(d: Dims) -> dict[str, Any]:
     return {
-        "ssm.conv_kernel": d.ssm_conv,
-        "ssm.inner_size": d.ssm_inner,
-        "ssm.state_size": d.ssm_state,
-        "ssm.time_step_rank": d.ssm_heads,
-        "ssm.group_count": d.ssm_groups,
+        "ssm.conv_kernel": d.ssm.conv,
+        "ssm.inner_size": d.ssm.inner,
+        "ssm.state_size": d.ssm.state,
+        "ssm.time_step_rank": d.ssm.heads,
+        "ssm.group_count": d.ssm.groups,
     }
 
 
 def _lfm2_meta(d: Dims) -> dict[str, Any]:
     # head_count_kv == 0 is what marks a shortconv layer.
     kv = [d.n_head_kv if d.is_attention(il) else 0 for il in range(d.n_layer)]
-    return {"shortconv.l_cache": d.ssm_conv, "attention.head_count_kv": kv}
+    return {"shortconv.l_cache": d.ssm.conv, "attention.head_count_kv": kv}
 
 
 def _qwen35_meta(d: Dims) -> dict[str, Any]:
@@ -249,11 +267,11 @@ def _qwen35_meta(d: Dims) -> dict[str, Any]:
         "attention.value_length": d.head_dim,
         "rope.dimension_count": n_rot,
         "rope.dimension_sections": sections,
-        "ssm.conv_kernel": d.ssm_conv,
-        "ssm.state_size": d.ssm_state,
-        "ssm.group_count": d.ssm_groups,
-        "ssm.time_step_rank": d.ssm_heads,
-        "ssm.inner_size": d.ssm_state * d.ssm_heads,
+        "ssm.conv_kernel": d.ssm.conv,
+        "ssm.state_size": d.ssm.state,
+        "ssm.group_count": d.ssm.groups,
+        "ssm.time_step_rank": d.ssm.heads,
+        "ssm.inner_size": d.ssm.state * d.ssm.heads,
     }
 
 
@@ -285,11 +303,7 @@ ARCH_SPECS: dict[str, ArchSpec] = {
                 n_embd=128,
                 n_layer=2,
                 attn_every=0,
-                ssm_conv=4,
-                ssm_state=32,
-                ssm_heads=8,
-                ssm_groups=1,
-                ssm_inner=256,
+                ssm=Ssm(conv=4, state=32, heads=8, groups=1, inner=256),
             ),
         },
         block=_mamba2_block,
@@ -297,7 +311,7 @@ ARCH_SPECS: dict[str, ArchSpec] = {
     ),
     "lfm2": ArchSpec(
         # shortconv, attention, shortconv, attention
-        sizes={"tiny": replace(_TINY, n_layer=4, attn_every=2, ssm_conv=3)},
+        sizes={"tiny": replace(_TINY, n_layer=4, attn_every=2, ssm=Ssm(conv=3))},
         block=_lfm2_block,
         metadata=_lfm2_meta,
         output_norm="token_embd_norm",
@@ -305,9 +319,7 @@ ARCH_SPECS: dict[str, ArchSpec] = {
     "qwen35": ArchSpec(
         sizes={
             # 3 Gated DeltaNet layers, then 1 attention layer: the ratio of the real family.
-            "tiny": replace(
-                _TINY, n_layer=4, attn_every=4, ssm_conv=4, ssm_state=32, ssm_heads=4, ssm_groups=2
-            ),
+            "tiny": replace(_TINY, n_layer=4, attn_every=4, ssm=Ssm(conv=4, state=32, heads=4, groups=2)),
             # ~211M parameters in Qwen3.5-0.8B-like proportions, fewer layers: 12 GDN + 4 attention.
             "bench": Dims(
                 n_vocab=32000,
@@ -319,10 +331,7 @@ ARCH_SPECS: dict[str, ArchSpec] = {
                 head_dim=128,
                 attn_every=4,
                 n_ctx_train=32768,
-                ssm_conv=4,
-                ssm_state=128,
-                ssm_heads=8,
-                ssm_groups=8,
+                ssm=Ssm(conv=4, state=128, heads=8, groups=8),
                 f16=True,
             ),
         },

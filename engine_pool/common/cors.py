@@ -29,6 +29,8 @@ from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .http_middleware import HttpMiddleware
+
 DEFAULT_METHODS = "GET, POST, DELETE, OPTIONS"  # llama-server's --cors-methods default
 DEFAULT_HEADERS = "*"  # llama-server's --cors-headers default
 MIRROR = None  # `CorsPolicy.headers`: allow exactly the headers the preflight asks for
@@ -100,18 +102,15 @@ def policy_from(origins: Sequence[str], methods: str, headers: str | None, crede
     return CorsPolicy(tuple(origins), methods, headers, credentials)
 
 
-class CorsMiddleware:
+class CorsMiddleware(HttpMiddleware):
     """ASGI middleware (outermost): answers every OPTIONS request itself, adds the CORS headers to
     every other response. Header names keep llama-server's capitalisation on the wire."""
 
     def __init__(self, app: ASGIApp, policy: CorsPolicy) -> None:
-        self.app = app
+        super().__init__(app)
         self.policy = policy
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         seen = {k.lower(): v for k, v in scope["headers"]}
         origin = seen.get(b"origin", b"").decode("latin-1") or None
         if scope["method"] == "OPTIONS":

@@ -25,11 +25,20 @@ _UNSET: Any = object()
 
 
 class ApiError(Exception):
-    """Base: an HTTP status, an OpenAI/llama-server error `type`, a string `code` and a precise message."""
+    """Base: an HTTP status, an OpenAI/llama-server error `type`, a string `code` and a precise message.
+
+    A subclass names what it answers with in its header (`class NotFound(ApiError, status=404, ...)`),
+    inheriting what it leaves out; one error may replace any of the three where it is raised."""
 
     status: int = 500
     type: str = "server_error"
     code: str | None = "internal_error"
+
+    def __init_subclass__(
+        cls, *, status: int | None = None, type: str | None = None, code: str | None = _UNSET
+    ) -> None:
+        super().__init_subclass__()
+        _answer_with(cls, status, type, code)
 
     def __init__(
         self,
@@ -43,26 +52,31 @@ class ApiError(Exception):
         code: str | None = _UNSET,
     ) -> None:
         super().__init__(message)
-        if status is not None:
-            self.status = status
-        if type is not None:
-            self.type = type
-        if code is not _UNSET:
-            self.code = code
+        _answer_with(self, status, type, code)
         self.message = message
         self.param = param
         self.retry_after = retry_after
         self.extra = extra or {}
 
 
-class BadRequest(ApiError):
-    status, type, code = 400, "invalid_request_error", "invalid_request"
+def _answer_with(
+    target: ApiError | type[ApiError], status: int | None, type: str | None, code: str | None
+) -> None:
+    """Set the status, type and code `target` (an error class, or one error) answers with; a None
+    status or type, or an unset code, leaves that one as it is."""
+    if status is not None:
+        target.status = status
+    if type is not None:
+        target.type = type
+    if code is not _UNSET:
+        target.code = code
 
 
-class ContextSizeExceeded(BadRequest):
+class BadRequest(ApiError, status=400, type="invalid_request_error", code="invalid_request"): ...
+
+
+class ContextSizeExceeded(BadRequest, type="exceed_context_size_error", code="context_length_exceeded"):
     """The prompt does not fit the slot's context (llama-server's exceed_context_size_error)."""
-
-    type, code = "exceed_context_size_error", "context_length_exceeded"
 
     def __init__(self, n_prompt_tokens: int, n_ctx: int) -> None:
         super().__init__(
@@ -72,92 +86,67 @@ class ContextSizeExceeded(BadRequest):
         )
 
 
-class Unauthorized(ApiError):
-    status, type, code = 401, "authentication_error", "invalid_api_key"
+class Unauthorized(ApiError, status=401, type="authentication_error", code="invalid_api_key"): ...
 
 
-class Forbidden(ApiError):
-    status, type, code = 403, "permission_error", "forbidden"
+class Forbidden(ApiError, status=403, type="permission_error", code="forbidden"): ...
 
 
-class NotFound(ApiError):
-    status, type, code = 404, "not_found_error", "not_found"
+class NotFound(ApiError, status=404, type="not_found_error", code="not_found"): ...
 
 
-class MethodNotAllowed(ApiError):
-    status, type, code = 405, "invalid_request_error", "method_not_allowed"
+class MethodNotAllowed(ApiError, status=405, type="invalid_request_error", code="method_not_allowed"): ...
 
 
-class RequestTimeout(ApiError):
+class RequestTimeout(ApiError, status=408, type="invalid_request_error", code="request_timeout"):
     """The client was too slow to send its request (headers or body)."""
 
-    status, type, code = 408, "invalid_request_error", "request_timeout"
 
-
-class Conflict(ApiError):
-    status, type, code = 409, "conflict_error", "conflict"
+class Conflict(ApiError, status=409, type="conflict_error", code="conflict"): ...
 
 
 INSTANCE_HEADER = "x-slotkeeper-instance"  # a request's engine process: see InstanceChanged
 
 
-class InstanceChanged(Conflict):
+class InstanceChanged(Conflict, code="engine_instance_changed"):
     """A request named another engine process (X-Slotkeeper-Instance) than the one answering: the
     engine restarted since its caller looked, and its slots no longer hold what the caller thinks."""
 
-    code = "engine_instance_changed"
 
-
-class SlotBusy(Conflict):
+class SlotBusy(Conflict, type="slot_busy_error", code="slot_busy"):
     """A slot operation waited its bounded time and the slot was still serving requests."""
 
-    type, code = "slot_busy_error", "slot_busy"
+
+class PayloadTooLarge(ApiError, status=413, type="invalid_request_error", code="payload_too_large"): ...
 
 
-class PayloadTooLarge(ApiError):
-    status, type, code = 413, "invalid_request_error", "payload_too_large"
-
-
-class RateLimited(ApiError):
+class RateLimited(ApiError, status=429, type="rate_limit_error", code="rate_limit_exceeded"):
     """A quota or an admission limit: retry after `retry_after` seconds."""
 
-    status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
+
+class QuotaExceeded(RateLimited, code="quota_exceeded"): ...
 
 
-class QuotaExceeded(RateLimited):
-    code = "quota_exceeded"
-
-
-class ClientGone(ApiError):
+class ClientGone(ApiError, status=499, type="client_closed_request", code="client_closed_request"):
     """The client disconnected before the response; nobody reads this one (nginx's 499)."""
 
-    status, type, code = 499, "client_closed_request", "client_closed_request"
+
+class ServerError(ApiError, status=500, type="server_error", code="internal_error"): ...
 
 
-class ServerError(ApiError):
-    status, type, code = 500, "server_error", "internal_error"
+class NotSupported(ApiError, status=501, type="not_supported_error", code="not_supported"): ...
 
 
-class NotSupported(ApiError):
-    status, type, code = 501, "not_supported_error", "not_supported"
-
-
-class Upstream(ApiError):
+class Upstream(ApiError, status=502, type="upstream_error", code="upstream_error"):
     """An engine, a node or the store failed in a way the caller cannot fix by changing its request."""
 
-    status, type, code = 502, "upstream_error", "upstream_error"
 
-
-class GatewayTimeout(ApiError):
+class GatewayTimeout(ApiError, status=504, type="timeout_error", code="engine_timeout"):
     """An engine did not answer within the request timeout: this request fails, nothing else."""
 
-    status, type, code = 504, "timeout_error", "engine_timeout"
 
-
-class Unavailable(ApiError):
+class Unavailable(ApiError, status=503, type="unavailable_error", code="unavailable"):
     """Loading, shutting down, no capacity, or every slot busy with a full queue: retry later."""
-
-    status, type, code = 503, "unavailable_error", "unavailable"
 
 
 _BY_STATUS: dict[int, type[ApiError]] = {

@@ -2,8 +2,10 @@
 
 Each process (engine, node, gateway) declares one `FLAGS` table of `Flag` rows and one frozen
 settings dataclass whose defaults come from those rows (`table_defaults`). A row is the one source of
-truth of its setting: flags, parser, help line, default and check; its variable is derived from the
-field (`env_name`) unless the row declares another. These functions are the only readers of such a
+truth of its setting: flags, parser, help line, default and check; its variable is derived from its
+first long flag (`--ctx-size` → SLOTKEEPER_CTX_SIZE), or from its field where it has none or repeats
+(`--model` → SLOTKEEPER_MODELS, a list), unless the row declares another. The constructors (`flag`,
+`int_flag`, `switch`, ...) write a row on a line. These functions are the only readers of such a
 table: the command line wins over the environment, which wins over the default. Nothing else reads
 the environment.
 """
@@ -15,6 +17,7 @@ import dataclasses
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 ENV_PREFIX = "SLOTKEEPER_"
@@ -86,12 +89,16 @@ def within(low: int, high: int) -> Check:
     return (lambda v: low <= v <= high, f"within {low}..{high}")
 
 
+def one_of(*values: str) -> Check:
+    """`one_of("on", "off", "auto")` → "on, off or auto"."""
+    return (lambda v: v in values, f"{', '.join(values[:-1])} or {values[-1]}")
+
+
 @dataclass(frozen=True)
 class Flag:
     """One setting: its field, flags (none: variable only), parser, help line, default and check.
 
-    `variable` is declared only where the setting's variable is not `env_name(field)`: the engine
-    keeps llama-server's names (`--parallel` → SLOTKEEPER_PARALLEL), the node its short ones."""
+    `variable` is declared only where the setting's variable is not the derived one (`env`)."""
 
     field: str
     flags: tuple[str, ...]
@@ -106,7 +113,15 @@ class Flag:
 
     @property
     def env(self) -> str:
-        return self.variable or env_name(self.field)
+        """SLOTKEEPER_ + the first long flag (`-np/--parallel` → SLOTKEEPER_PARALLEL, llama-server's
+        name); + the field for a variable-only row or a repeatable one (`--model` → SLOTKEEPER_MODELS:
+        the variable holds the whole list)."""
+        if self.variable:
+            return self.variable
+        long = [f for f in self.flags if f.startswith("--")]
+        if self.repeat or not long:
+            return env_name(self.field)
+        return env_name(long[0].removeprefix("--").replace("-", "_"))
 
     @property
     def name(self) -> str:
@@ -117,13 +132,54 @@ class Flag:
         return dataclasses.replace(self, help=help)
 
 
-# Every command's --log-format (one row: each settings table holds it).
-LOG_FORMAT = Flag(
+def flag(
+    field: str,
+    flags: str,
+    default: Any,
+    help: str,
+    check: Check | None = None,
+    *,
+    parse: Callable[[str], Any] = str,
+    variable: str | None = None,
+    required: bool = False,
+) -> Flag:
+    """A row on a line: `flags` space-separated ("-c --ctx-size"; "" for a variable-only setting)."""
+    return Flag(field, tuple(flags.split()), parse, help, default, check, variable, required=required)
+
+
+# The typed rows: `int_flag("port", "--port", 8080, "port (8080)", within(0, 65535))`.
+str_flag = partial(flag, parse=str)
+int_flag = partial(flag, parse=parse_int)
+float_flag = partial(flag, parse=float)
+bytes_flag = partial(flag, parse=parse_bytes)  # 512M, 1G, a number of bytes
+bool_flag = partial(flag, parse=parse_bool)  # takes on/off: `-fa on`
+
+
+def switch(field: str, flags: str, help: str, *, default: bool = False, variable: str | None = None) -> Flag:
+    """A flag without a value, that sets True; its variable still takes on/off."""
+    return Flag(field, tuple(flags.split()), parse_bool, help, default, variable=variable, switch=True)
+
+
+def list_flag(field: str, flags: str, help: str, check: Check | None = None, *, default: Any = ()) -> Flag:
+    """A repeatable flag: its field is a tuple, its variable comma-separated."""
+    return Flag(field, tuple(flags.split()), str, help, default, check, repeat=True)
+
+
+# Every command's --log-format and --log-level (one row each: every settings table holds them; a
+# command may word the help line of --log-level its own way, `Flag.with_help`).
+LOG_FORMAT = flag(
     "log_format",
-    ("--log-format",),
-    parse_log_format,
+    "--log-format",
+    "auto",  # console on a terminal, JSON lines otherwise
     "json, console, or auto: console on a terminal, else json (auto)",
-    default="auto",  # console on a terminal, JSON lines otherwise
+    parse=parse_log_format,
+)
+LOG_LEVEL = str_flag(
+    "log_level",
+    "--log-level",
+    "info",
+    "debug, info, warning, error",
+    one_of("debug", "info", "warning", "error"),
 )
 
 

@@ -8,37 +8,23 @@ defaults from these rows too.
 
 from __future__ import annotations
 
-from .flags import Flag, above, at_least, parse_bytes, parse_int, within
+from .flags import above, at_least, bytes_flag, float_flag, int_flag, within
 
-MAX_BODY_BYTES = Flag(
+MAX_BODY_BYTES = bytes_flag(
     "max_body_bytes",
-    ("--max-body-bytes",),
-    parse_bytes,
+    "--max-body-bytes",
+    16 << 20,
     "largest request body; larger ones get 413",
-    default=16 << 20,
-    check=at_least(1024),
+    at_least(1024),
 )
-MAX_JSON_DEPTH = Flag(
-    "max_json_depth",
-    ("--max-json-depth",),
-    parse_int,
-    "deepest JSON nesting of a request body",
-    default=64,
-    check=within(4, 512),
+MAX_JSON_DEPTH = int_flag(
+    "max_json_depth", "--max-json-depth", 64, "deepest JSON nesting of a request body", within(4, 512)
 )
-BODY_TIMEOUT_S = Flag(
+BODY_TIMEOUT_S = float_flag(
     "body_timeout_s",
-    ("--body-timeout-s",),
-    float,
+    "--body-timeout-s",
+    60.0,
     "seconds a client may take to send its request body; slower ones get 408",
-    default=60.0,
-    check=above(0),
+    above(0),
 )
-MAX_MESSAGES = Flag(
-    "max_messages",
-    ("--max-messages",),
-    parse_int,
-    "messages per request",
-    default=4096,
-    check=at_least(1),
-)
+MAX_MESSAGES = int_flag("max_messages", "--max-messages", 4096, "messages per request", at_least(1))

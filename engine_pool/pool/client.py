@@ -20,24 +20,10 @@ from typing import Any, Self
 
 import httpx
 
+from ..common.answer_body import answer_json, error_object
 from ..common.credentials import auth_headers
 from ..common.errors import ApiError
-from ..protocol.node import (
-    ENGINES,
-    HEALTH,
-    CancelResult,
-    EngineList,
-    EraseResult,
-    FillRequest,
-    FillResult,
-    ForgetResult,
-    NodeEngine,
-    NodeHealth,
-    SpillRequest,
-    SpillResult,
-    session_path,
-    slot_path,
-)
+from ..protocol import node
 
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 _NO_RESPONSE = (*_NOT_SENT, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ReadTimeout)
@@ -46,16 +32,7 @@ _NO_RESPONSE = (*_NOT_SENT, httpx.RemoteProtocolError, httpx.ReadError, httpx.Wr
 class NodeError(ApiError):
     """The node answered with an error (or could not be reached): its status, type, code and message."""
 
-    def __init__(
-        self,
-        status: int,
-        type: str,
-        message: str,
-        *,
-        code: str | None = None,
-        retry_after: float | None = None,
-    ) -> None:
-        super().__init__(message, status=status, type=type, code=code, retry_after=retry_after)
+    code = None  # the node's, when it named one
 
     def __str__(self) -> str:
         return f"{self.status} {self.type}: {self.message}"
@@ -89,17 +66,14 @@ class NodeClient:
         await self.aclose()
 
     # -- the API -------------------------------------------------------------------------------------
-    async def health(self) -> NodeHealth:
+    async def health(self) -> node.NodeHealth:
         """Status "ok" or "draining" (a draining node answers 503 with the same body)."""
-        r = await self._send("GET", HEALTH, retry_on=_NO_RESPONSE)
-        body = _json(r)
-        if r.status_code in (200, 503) and isinstance(body, dict) and "status" in body:
-            return NodeHealth.from_json(body)
-        raise _error(r, body)
+        body = await self._call("GET", node.HEALTH, retry_on=_NO_RESPONSE, ok=(200, 503), keys=("status",))
+        return node.NodeHealth.from_json(body)
 
-    async def engines(self) -> list[NodeEngine]:
-        body = await self._call("GET", ENGINES, retry_on=_NO_RESPONSE)
-        return list(EngineList.from_json(body).engines)
+    async def engines(self) -> list[node.NodeEngine]:
+        body = await self._call("GET", node.ENGINES, retry_on=_NO_RESPONSE)
+        return list(node.EngineList.from_json(body).engines)
 
     async def spill(
         self,
@@ -111,13 +85,13 @@ class NodeClient:
         generation: int,
         route: str = "",
         share: bool = True,
-    ) -> SpillResult:
+    ) -> node.SpillResult:
         """Save the slot as (tenant, session, generation) and upload it; see `SpillResult.uploaded`.
         `route` is the session's newest routing digest, kept with the object for reindexing;
         `share` lets its stored chunks be shared with the tenant's other sessions."""
-        body = SpillRequest(tenant, session, generation, route, share).to_json()
-        out = await self._call("POST", slot_path(engine, slot, "spill"), body, retry_on=_NOT_SENT)
-        return SpillResult.from_json(out)
+        body = node.SpillRequest(tenant, session, generation, route, share).to_json()
+        out = await self._call("POST", node.slot_path(engine, slot, "spill"), body, retry_on=_NOT_SENT)
+        return node.SpillResult.from_json(out)
 
     async def fill(
         self,
@@ -129,30 +103,30 @@ class NodeClient:
         generation: int,
         tokens: list[int] | None = None,
         prefix: bool = False,
-    ) -> FillResult:
+    ) -> node.FillResult:
         """Restore (tenant, session, generation) into the slot, from the node's cache or the store.
         ``tokens``: the prompt the slot is restored for; when it leaves the generation early, only
         the part up to the checkpoint it continues from is restored (`FillResult.source` "cut").
         ``prefix``: the generation is another session's, whose prefix the prompt may start from:
         nothing is restored (source "none") when the prompt shares too little of it."""
-        body = FillRequest(tenant, session, generation, tokens, prefix).to_json()
-        out = await self._call("POST", slot_path(engine, slot, "fill"), body, retry_on=_NO_RESPONSE)
-        return FillResult.from_json(out)
+        body = node.FillRequest(tenant, session, generation, tokens, prefix).to_json()
+        out = await self._call("POST", node.slot_path(engine, slot, "fill"), body, retry_on=_NO_RESPONSE)
+        return node.FillResult.from_json(out)
 
     async def forget(self, tenant: str, session: str) -> int:
         """Drop every spill-cache file of the session on this node (pending uploads too)."""
-        out = await self._call("DELETE", session_path(tenant, session), retry_on=_NO_RESPONSE)
-        return ForgetResult.from_json(out).n_files
+        out = await self._call("DELETE", node.session_path(tenant, session), retry_on=_NO_RESPONSE)
+        return node.ForgetResult.from_json(out).n_files
 
     async def cancel(self, engine: str, slot: int) -> bool:
         """End the generation running on the slot; False when none ran there."""
-        out = await self._call("POST", slot_path(engine, slot, "cancel"), retry_on=_NO_RESPONSE)
-        return CancelResult.from_json(out).cancelled
+        out = await self._call("POST", node.slot_path(engine, slot, "cancel"), retry_on=_NO_RESPONSE)
+        return node.CancelResult.from_json(out).cancelled
 
     async def erase(self, engine: str, slot: int) -> int:
         """Empty the slot; returns the number of tokens it held."""
-        out = await self._call("POST", slot_path(engine, slot, "erase"), retry_on=_NO_RESPONSE)
-        return EraseResult.from_json(out).n_erased
+        out = await self._call("POST", node.slot_path(engine, slot, "erase"), retry_on=_NO_RESPONSE)
+        return node.EraseResult.from_json(out).n_erased
 
     # -- plumbing -----------------------------------------------------------------------------------
     async def _call(
@@ -162,20 +136,19 @@ class NodeClient:
         body: dict[str, Any] | None = None,
         *,
         retry_on: tuple[type[Exception], ...],
+        ok: tuple[int, ...] = (200,),
+        keys: tuple[str, ...] = (),
     ) -> dict[str, Any]:
-        r = await self._send(method, path, body, retry_on=retry_on)
-        data = _json(r)
-        if r.status_code != 200 or not isinstance(data, dict):
+        """The JSON object the node answered with a status in ``ok`` and holding ``keys``; any
+        other answer is its `NodeError`. Retried once on ``retry_on`` (see the module doc)."""
+        r = await self._answer(method, path, body, retry_on)
+        data = answer_json(r)
+        if r.status_code not in ok or not isinstance(data, dict) or not all(k in data for k in keys):
             raise _error(r, data)
         return data
 
-    async def _send(
-        self,
-        method: str,
-        path: str,
-        body: dict[str, Any] | None = None,
-        *,
-        retry_on: tuple[type[Exception], ...],
+    async def _answer(
+        self, method: str, path: str, body: dict[str, Any] | None, retry_on: tuple[type[Exception], ...]
     ) -> httpx.Response:
         try:
             return await self._once(self._http, method, path, body)
@@ -205,30 +178,23 @@ class NodeClient:
         return response
 
 
-def _json(r: httpx.Response) -> Any:
-    try:
-        return r.json()
-    except ValueError:
-        return None
-
-
 def _error(r: httpx.Response, body: Any) -> NodeError:
-    err = body.get("error") if isinstance(body, dict) else None
+    err = error_object(body)
     retry = r.headers.get("retry-after")
     retry_after = float(retry) if retry and retry.replace(".", "", 1).isdigit() else None
-    if isinstance(err, dict):
+    if err is not None:
         code = err.get("code")
         return NodeError(
-            r.status_code,
-            str(err.get("type", "error")),
             str(err.get("message", "")),
+            status=r.status_code,
+            type=str(err.get("type", "error")),
             code=code if isinstance(code, str) else None,
             retry_after=retry_after,
         )
-    return NodeError(r.status_code, "http_error", r.text[:500] or r.reason_phrase, retry_after=retry_after)
+    text = r.text[:500] or r.reason_phrase
+    return NodeError(text, status=r.status_code, type="http_error", retry_after=retry_after)
 
 
 def _unreachable(method: str, path: str, exc: Exception) -> NodeError:
-    return NodeError(
-        502, "node_unreachable", f"{method} {path}: {type(exc).__name__}: {exc}", code="node_unreachable"
-    )
+    what = f"{method} {path}: {type(exc).__name__}: {exc}"
+    return NodeError(what, status=502, type="node_unreachable", code="node_unreachable")

@@ -31,8 +31,7 @@ import structlog
 import uvicorn
 from starlette.applications import Starlette
 
-from storage.blobs.blobstore import BlobStore
-from storage.blobs.localstore import LocalStore
+from storage.blobs.location import open_blob_store
 from storage.blobs.retry import RetryPolicy
 from storage.blobs.spillcache import SpillCache
 from storage.chunks.chunkstore import ChunkedStore
@@ -58,21 +57,7 @@ async def open_parts(s: NodeSettings, stack: AsyncExitStack, redis: Any = None) 
     """The node's clients and stores, each closed by `stack` in reverse order. `redis` shares an
     index client owned by the caller (`slotkeeper serve` runs gateway and node in one process)."""
     await asyncio.to_thread(s.data_path.mkdir, parents=True, exist_ok=True)
-    store: BlobStore
-    if s.s3_bucket:
-        from storage.blobs.s3client import make_s3_client
-        from storage.blobs.s3store import S3Store
-
-        client = make_s3_client(
-            endpoint_url=s.s3_endpoint,
-            region=s.s3_region,
-            access_key=s.s3_access_key,
-            secret_key=s.s3_secret_key,
-        )
-        stack.callback(client.close)
-        store = S3Store(client, s.s3_bucket, prefix=s.s3_prefix, retry=UPLOAD_RETRY)
-    else:
-        store = LocalStore(s.data_path / "blobs", prefix=s.s3_prefix)
+    store = open_blob_store(s, s.data_path / "blobs", retry=UPLOAD_RETRY)
     stack.push_async_callback(store.aclose)
     cache = await SpillCache.open(s.data_path / "spill", max_bytes=s.spill_bytes)
     shared = redis is not None

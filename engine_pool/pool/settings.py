@@ -1,10 +1,10 @@
 """Settings of one node agent (`slotkeeper node`): flags, their SLOTKEEPER_* variables, one frozen object.
 
 `FLAGS` is the single table mapping each flag to its field, variable, default and check (command
-line > environment > default); a variable is SLOTKEEPER_ + the field's name unless its row declares
-a shorter one (`--slots` → SLOTKEEPER_SLOTS); `parse_node_settings(argv, environ)` is its only
-reader and `node_main` hands it `os.environ`. Repeatable flags (`--model`, `--alias`,
-`--engine-arg`) take their variable as a comma-separated list. S3 credentials have variables only (a
+line > environment > default); a variable is SLOTKEEPER_ + the long flag's name (`--slots` →
+SLOTKEEPER_SLOTS); `parse_node_settings(argv, environ)` is its only reader and `node_main` hands it
+`os.environ`. Repeatable flags (`--model`, `--alias`, `--engine-arg`) take their variable, named
+after the field (SLOTKEEPER_MODELS), as a comma-separated list. S3 credentials have variables only (a
 secret on a command line shows in `ps`); without them boto3's usual chain (AWS_* variables, ~/.aws,
 instance roles) applies.
 
@@ -28,15 +28,22 @@ from storage.ids import validate_id, validate_prefix
 from ..common.credentials import engine_environment
 from ..common.flags import (
     LOG_FORMAT,
+    LOG_LEVEL,
+    NO_DEFAULT,
     Flag,
     SettingsError,
     above,
     at_least,
+    bytes_flag,
     check_settings,
     env_name,
-    parse_bytes,
-    parse_int,
+    flag,
+    float_flag,
+    int_flag,
+    list_flag,
+    one_of,
     read_flags,
+    str_flag,
     table_defaults,
     within,
 )
@@ -61,181 +68,115 @@ def _prefix(value: str) -> bool:
     return True
 
 
+_ON_OFF_AUTO = one_of("on", "off", "auto")
+
 FLAGS: tuple[Flag, ...] = (
-    Flag(
+    list_flag(
         "models",
-        ("-m", "--model"),
-        str,
+        "-m --model",
         "GGUF model; one engine each",
-        check=(lambda v: len(v) >= 1, "given at least once"),
-        repeat=True,
+        (lambda v: len(v) >= 1, "given at least once"),
+        default=NO_DEFAULT,
     ),
-    Flag(
-        "aliases",
-        ("--alias",),
-        str,
-        "model id of the Nth --model",
-        default=(),
-        check=(_ids, "valid ids (letters, digits, '-_.~@+=')"),
-        repeat=True,
+    list_flag(
+        "aliases", "--alias", "model id of the Nth --model", (_ids, "valid ids (letters, digits, '-_.~@+=')")
     ),
-    Flag(
+    str_flag(
         "node_id",
-        ("--node-id",),
-        str,
+        "--node-id",
+        "",
         "id of this node (host name)",
-        default="",
-        check=(lambda v: _ids((v,)), "a valid id (letters, digits, '-_.~@+=')"),
+        (lambda v: _ids((v,)), "a valid id (letters, digits, '-_.~@+=')"),
     ),
-    Flag("host", ("--host",), str, "address of the node API (127.0.0.1)", default="127.0.0.1"),
-    Flag("port", ("--port",), parse_int, "port of the node API (8070)", default=8070, check=within(0, 65535)),
-    Flag(
-        "n_slots",
-        ("--slots",),
-        parse_int,
-        "slots per engine (1)",
-        default=1,
-        check=within(1, 256),
-        variable="SLOTKEEPER_SLOTS",
-    ),
-    Flag(
+    str_flag("host", "--host", "127.0.0.1", "address of the node API (127.0.0.1)"),
+    int_flag("port", "--port", 8070, "port of the node API (8070)", within(0, 65535)),
+    int_flag("n_slots", "--slots", 1, "slots per engine (1)", within(1, 256)),
+    int_flag(
         "ctx_per_slot",
-        ("--ctx",),
-        parse_int,
+        "--ctx",
+        4096,
         "context of one slot in tokens (4096)",
-        default=4096,
-        check=(lambda v: v >= 16, "at least 16"),
-        variable="SLOTKEEPER_CTX",
+        (lambda v: v >= 16, "at least 16"),
     ),
-    Flag("data_dir", ("--data-dir",), str, "engine slot dirs, spill cache, logs", default="slotkeeper-data"),
-    Flag("redis_url", ("--redis-url",), str, "Redis (omitted: in-process index)", default=None),
-    Flag("redis_prefix", ("--redis-prefix",), str, "Redis key prefix", default="slotkeeper"),
-    Flag("s3_endpoint", ("--s3-endpoint",), str, "S3 endpoint URL", default=None),
-    Flag("s3_bucket", ("--s3-bucket",), str, "S3 bucket (omitted: local store)", default=None),
-    Flag(
+    str_flag("data_dir", "--data-dir", "slotkeeper-data", "engine slot dirs, spill cache, logs"),
+    str_flag("redis_url", "--redis-url", None, "Redis (omitted: in-process index)"),
+    str_flag("redis_prefix", "--redis-prefix", "slotkeeper", "Redis key prefix"),
+    str_flag("s3_endpoint", "--s3-endpoint", None, "S3 endpoint URL"),
+    str_flag("s3_bucket", "--s3-bucket", None, "S3 bucket (omitted: local store)"),
+    str_flag(
         "s3_prefix",
-        ("--s3-prefix",),
-        str,
+        "--s3-prefix",
+        "slotkeeper",
         "blob key prefix (slotkeeper)",
-        default="slotkeeper",
-        check=(_prefix, "'/'-separated valid ids"),
+        (_prefix, "'/'-separated valid ids"),
     ),
-    Flag("s3_region", ("--s3-region",), str, "S3 region (us-east-1)", default="us-east-1"),
-    Flag("s3_access_key", (), str, "S3 access key", default=None),
-    Flag("s3_secret_key", (), str, "S3 secret key", default=None),
-    Flag("internal_key", (), str, "the credential the gateway presents (required)", default=None),
-    Flag(
-        "spill_bytes",
-        ("--spill-bytes",),
-        parse_bytes,
-        "spill cache budget (8G)",
-        default=8 << 30,
-        check=at_least(0),
-    ),
-    Flag(
+    str_flag("s3_region", "--s3-region", "us-east-1", "S3 region (us-east-1)"),
+    str_flag("s3_access_key", "", None, "S3 access key"),
+    str_flag("s3_secret_key", "", None, "S3 secret key"),
+    str_flag("internal_key", "", None, "the credential the gateway presents (required)"),
+    bytes_flag("spill_bytes", "--spill-bytes", 8 << 30, "spill cache budget (8G)", at_least(0)),
+    str_flag(
         "store_compression",
-        ("--store-compression",),
-        str,
+        "--store-compression",
+        "off",
         "store recurrent states compressed: on, off (default), auto (on in S3, off on a local disk)",
-        default="off",
-        check=(lambda v: v in ("on", "off", "auto"), "on, off or auto"),
+        _ON_OFF_AUTO,
     ),
-    Flag(
+    list_flag(
         "engine_args",
-        ("--engine-arg",),
-        str,
+        "--engine-arg",
         "one more argument for every engine, e.g. --engine-arg=--ctx-checkpoints --engine-arg=8",
-        default=(),
-        repeat=True,
     ),
-    Flag(
+    flag(
         "n_gpu_layers",
-        ("-ngl", "--n-gpu-layers"),
-        int,
+        "-ngl --n-gpu-layers",
+        0,
         "layers every engine offloads to the GPU (llama-server's -ngl; 0: none, CPU only)",
-        default=0,
-        check=at_least(0),
+        at_least(0),
+        parse=int,
     ),
-    Flag(
+    str_flag(
         "flash_attn",
-        ("-fa", "--flash-attn"),
-        str,
+        "-fa --flash-attn",
+        "auto",
         "flash attention in every engine: on, off, or auto (the engine's own default)",
-        default="auto",
-        check=(lambda v: v in ("on", "off", "auto"), "on, off or auto"),
+        _ON_OFF_AUTO,
     ),
-    Flag("engine_host", ("--engine-host",), str, "engines listen here", default="127.0.0.1"),
-    Flag("drain_grace_s", ("--drain-grace-s",), float, "SIGTERM drain limit", default=60.0, check=above(0)),
-    Flag(
-        "heartbeat_ttl_s",
-        ("--heartbeat-ttl",),
-        float,
-        "registry TTL (10)",
-        default=10.0,
-        check=at_least(1),
-        variable="SLOTKEEPER_HEARTBEAT_TTL",
-    ),
-    Flag(
+    str_flag("engine_host", "--engine-host", "127.0.0.1", "engines listen here"),
+    float_flag("drain_grace_s", "--drain-grace-s", 60.0, "SIGTERM drain limit", above(0)),
+    float_flag("heartbeat_ttl_s", "--heartbeat-ttl", 10.0, "registry TTL (10)", at_least(1)),
+    float_flag(
         "engine_start_timeout_s",
-        ("--engine-start-timeout",),
-        float,
+        "--engine-start-timeout",
+        120.0,
         "seconds an engine may take to become healthy (120)",
-        default=120.0,
-        check=above(0),
-        variable="SLOTKEEPER_ENGINE_START_TIMEOUT",
+        above(0),
     ),
-    Flag(
+    float_flag(
         "engine_stop_grace_s",
-        ("--engine-stop-grace",),
-        float,
+        "--engine-stop-grace",
+        20.0,
         "seconds between SIGTERM and SIGKILL of an engine (20)",
-        default=20.0,
-        check=at_least(0),
-        variable="SLOTKEEPER_ENGINE_STOP_GRACE",
+        at_least(0),
     ),
-    Flag(
+    int_flag(
         "engine_give_up_after",
-        ("--engine-give-up-after",),
-        parse_int,
+        "--engine-give-up-after",
+        3,
         "failed starts in a row with the same error that leave an engine failed; 0: never (3)",
-        default=3,
-        check=at_least(0),
+        at_least(0),
     ),
-    Flag(
-        "health_interval_s",
-        ("--health-interval",),
-        float,
-        "seconds (5)",
-        default=5.0,
-        check=above(0),
-        variable="SLOTKEEPER_HEALTH_INTERVAL",
-    ),
-    Flag(
+    float_flag("health_interval_s", "--health-interval", 5.0, "seconds (5)", above(0)),
+    float_flag(
         "flush_interval_s",
-        ("--flush-interval",),
-        float,
+        "--flush-interval",
+        2.0,
         "first retry of failed uploads, doubling to 16× while the store stays down (2)",
-        default=2.0,
-        check=above(0),
-        variable="SLOTKEEPER_FLUSH_INTERVAL",
+        above(0),
     ),
-    Flag(
-        "retry_after_s",
-        ("--retry-after",),
-        parse_int,
-        "Retry-After on 503s (1)",
-        default=1,
-        variable="SLOTKEEPER_RETRY_AFTER",
-    ),
+    int_flag("retry_after_s", "--retry-after", 1, "Retry-After on 503s (1)"),
     LOG_FORMAT,
-    Flag(
-        "log_level",
-        ("--log-level",),
-        str,
-        "debug, info, warning, error",
-        default="info",
-        check=(lambda v: v in ("debug", "info", "warning", "error"), "debug, info, warning or error"),
-    ),
+    LOG_LEVEL,
 )
 
 _DEFAULT = table_defaults(FLAGS)

@@ -198,7 +198,8 @@ class ChunkStream(ABC, Generic[Open]):
     and content text go to `_text` with the API's kind for each, a tool call opens through
     `_open_call` (only the first one when parallel calls are off; the others are dropped, their
     fragments too) and collects its fragments in `_call_args`, the finish closes what is open
-    (`_close`), and the usage chunk (the chat stream's last) ends the stream (`_end`).
+    (`_close`, which `_closing` says the events of), and the usage chunk (the chat stream's last)
+    ends the stream (`_end`). `_open` is the block or item being streamed, if any.
     """
 
     REASONING: str  # the API's kind for reasoning text
@@ -208,6 +209,7 @@ class ChunkStream(ABC, Generic[Open]):
         self._reader = ChunkReader()
         self._parallel_calls = parallel_calls
         self._calls: dict[int, Open | None] = {}  # chat call index -> what it opened (None: dropped)
+        self._open: Open | None = None
         self._ended = False
         self._finish: str | None = None
         self._stopping_word = ""
@@ -265,9 +267,14 @@ class ChunkStream(ABC, Generic[Open]):
     @abstractmethod
     def _call_args(self, opened: Open, fragment: str) -> list[Event]: ...
 
-    @abstractmethod
     def _close(self) -> list[Event]:
-        """Close the open block or item (none when nothing is open)."""
+        """Close the open block or item (no events when nothing is open)."""
+        opened, self._open = self._open, None
+        return [] if opened is None else self._closing(opened)
+
+    @abstractmethod
+    def _closing(self, opened: Open) -> list[Event]:
+        """The events that close `opened`, with its final state."""
 
     @abstractmethod
     def _end(self, usage: Usage) -> list[Event]:

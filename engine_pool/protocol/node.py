@@ -8,12 +8,13 @@ Invariants: `to_json` writes exactly the keys the other end reads, with optional
 left out at their defaults (so an older agent reads a newer client's common requests); `from_json`
 trusts the agent's answer (the node is an internal service behind the internal key) and converts no
 more than the types; `from_body` refuses a malformed request with a 400 naming the field. Plain
-frozen dataclasses with hand-written converters: no validation layer on the hot path.
+frozen dataclasses: a result's JSON is its fields, each under its name; the rest is converted by
+hand, with no validation layer on the hot path.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..common.body import Body, check_tokens
@@ -109,7 +110,15 @@ def _prompt_tokens(value: list[Any] | None) -> list[int] | None:
 
 # -- results --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class SpillResult:
+class _Fields:
+    """A result whose JSON is its fields, each under its name."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class SpillResult(_Fields):
     """Where the spilled generation went: `uploaded` False leaves it in the node's spill cache,
     unconfirmed, for the flush loop; `written` is what the upload added to the store (0 while pending)."""
 
@@ -122,19 +131,6 @@ class SpillResult:
     uploaded: bool
     ms: float
     written: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "tenant": self.tenant,
-            "session": self.session,
-            "generation": self.generation,
-            "key": self.key,
-            "bytes": self.bytes,
-            "tokens": self.tokens,
-            "uploaded": self.uploaded,
-            "written": self.written,
-            "ms": self.ms,
-        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SpillResult:
@@ -152,7 +148,7 @@ class SpillResult:
 
 
 @dataclass(frozen=True)
-class FillResult:
+class FillResult(_Fields):
     """What was restored: `source` "local" (spill cache), "store", "cut" (the store's pieces up to
     a checkpoint) or "none" (a prefix the prompt does not share: the slot left as it was)."""
 
@@ -161,20 +157,14 @@ class FillResult:
     source: str
     ms: float
 
-    def to_json(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "bytes": self.bytes, "source": self.source, "ms": self.ms}
-
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FillResult:
         return cls(int(data["tokens"]), int(data["bytes"]), str(data["source"]), float(data["ms"]))
 
 
 @dataclass(frozen=True)
-class EraseResult:
+class EraseResult(_Fields):
     n_erased: int  # tokens the slot held
-
-    def to_json(self) -> dict[str, Any]:
-        return {"n_erased": self.n_erased}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> EraseResult:
@@ -182,11 +172,8 @@ class EraseResult:
 
 
 @dataclass(frozen=True)
-class CancelResult:
+class CancelResult(_Fields):
     cancelled: bool  # False when no generation ran on the slot
-
-    def to_json(self) -> dict[str, Any]:
-        return {"cancelled": self.cancelled}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CancelResult:
@@ -197,15 +184,12 @@ SlotResult = SpillResult | FillResult | EraseResult | CancelResult
 
 
 @dataclass(frozen=True)
-class ForgetResult:
+class ForgetResult(_Fields):
     """The session's spill-cache files the node dropped (pending uploads included)."""
 
     tenant: str
     session: str
     n_files: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"tenant": self.tenant, "session": self.session, "n_files": self.n_files}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ForgetResult:
@@ -213,14 +197,11 @@ class ForgetResult:
 
 
 @dataclass(frozen=True)
-class NodeHealth:
+class NodeHealth(_Fields):
     """`status` "ok", or "draining" (answered with 503: a load balancer stops sending work)."""
 
     status: str
     node: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"status": self.status, "node": self.node}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> NodeHealth:
@@ -228,7 +209,7 @@ class NodeHealth:
 
 
 @dataclass(frozen=True)
-class NodeEngine:
+class NodeEngine(_Fields):
     """One supervised engine as `GET /v1/engines` lists it."""
 
     id: str
@@ -241,20 +222,6 @@ class NodeEngine:
     instance: str = ""  # the current process's instance id (new at every start)
     error: str = ""  # one line: why it last failed (state "failed": why it was given up)
     last_error: str = ""  # why it last crashed, with the end of its log
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "model": self.model,
-            "url": self.url,
-            "state": self.state,
-            "n_slots": self.n_slots,
-            "restarts": self.restarts,
-            "pid": self.pid,
-            "instance": self.instance,
-            "error": self.error,
-            "last_error": self.last_error,
-        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> NodeEngine:

@@ -1,9 +1,11 @@
-"""What the Responses and Messages tool lists share: a tool's name is a non-empty string that no
-earlier tool of the list has taken. Pure."""
+"""What the tool fields of the chat, Responses and Messages requests share: a tool's name is a
+non-empty string that no earlier tool of the list has taken; a `tool_choice` given as a string is
+one of the API's modes, and "required" needs tools; a tool is of the one type the API's tools
+must be here. Pure."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 
 from ..common.body import Body
 from ..common.errors import BadRequest
@@ -19,3 +21,25 @@ def tool_name(tool: Body, taken: Iterable[str], noun: str) -> str:
     if name in taken:
         raise BadRequest(f"'{where}': {noun} {name!r} is defined twice", param=where)
     return name
+
+
+def tools_of_type(body: Body, kind: str, default: str | None, refusal: str) -> Iterator[Body]:
+    """Each entry of the array `tools` (none when absent), refused (400) unless its `type` (`default`
+    when absent) is `kind`, the one this API's tools must be here: `refusal` ends that message."""
+    for tool in body.objects("tools"):
+        got = tool.get_str("type", default)
+        if got != kind:
+            raise BadRequest(f"'{tool.path}': tool type {got!r} {refusal}", param=tool.path)
+        yield tool
+
+
+def tool_choice_mode(raw: str, modes: tuple[str, ...], names: Sequence[str]) -> str:
+    """`raw`, a string `tool_choice`, refused (400) unless it is one of `modes` (listed in the API's
+    order) or when it is "required" and there are no tools (`names`: theirs)."""
+    if raw not in modes:
+        raise BadRequest(
+            f"'tool_choice' must be {', '.join(modes)} or a function; got {raw!r}", param="tool_choice"
+        )
+    if raw == "required" and not names:
+        raise BadRequest("'tool_choice' is 'required' but no 'tools' were given", param="tool_choice")
+    return raw

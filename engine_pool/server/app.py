@@ -39,6 +39,7 @@ from ..common.errors import (
     is_expected,
     render_error,
 )
+from ..common.http_middleware import HttpMiddleware
 from ..protocol.metric_labels import route_label
 from . import cors_proxy, routes_llama, routes_openai
 from .apis import routes as routes_apis
@@ -62,7 +63,7 @@ async def handle_error(request: Request, exc: Exception) -> Response:
     return render_error(err, error_style(request.url.path))
 
 
-class EdgeMiddleware:
+class EdgeMiddleware(HttpMiddleware):
     """Per request: a request id bound to the logs, the API key check, the instance fence, HTTP
     metrics and one log line.
 
@@ -76,13 +77,10 @@ class EdgeMiddleware:
     (`http.body`, debug, the first `VERBOSE_BODY_BYTES` of each), as llama-server's verbose log does."""
 
     def __init__(self, app: ASGIApp, runtime: Runtime) -> None:
-        self.app = app
+        super().__init__(app)
         self.runtime = runtime
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         request_id = headers.get("x-request-id") or secrets.token_hex(8)
         path = scope["path"]

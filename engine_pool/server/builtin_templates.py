@@ -41,9 +41,16 @@ def _no_tools(name: str) -> str:
     )
 
 
-CHATML = (
-    _TEXT
-    + r"""{%- if tools -%}
+def _builtin(name: str, body: str, reply_opening: str = "", *, tools: bool = False) -> str:
+    """The template `name`: the `text` macro; unless it has a tool-call format (`tools`), the
+    refusal of a request with tools; `body`, which renders the conversation; and, when the request
+    asks for the generation prompt, `reply_opening` (jinja string text: `\\n` is a newline)."""
+    prompt = "{%- if add_generation_prompt -%}\n    {{- '" + reply_opening + "' -}}\n{%- endif -%}\n"
+    return _TEXT + ("" if tools else _no_tools(name)) + body + (prompt if reply_opening else "")
+
+
+# Each format's turns: the conversation, which `_builtin` makes a whole template.
+_CHATML_TURNS = r"""{%- if tools -%}
     {{- '<|im_start|>system\n' -}}
     {%- if messages and messages[0].role == 'system' -%}
         {{- text(messages[0].content) + '\n\n' -}}
@@ -83,16 +90,9 @@ CHATML = (
         {{- '<|im_start|>' + message.role + '\n' + text(message.content) + '<|im_end|>\n' -}}
     {%- endif -%}
 {%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|im_start|>assistant\n' -}}
-{%- endif -%}
 """
-)
 
-GEMMA = (
-    _TEXT
-    + _no_tools("gemma")
-    + r"""{{- bos_token -}}
+_GEMMA_TURNS = r"""{{- bos_token -}}
 {%- set ns = namespace(system='') -%}
 {%- for message in messages -%}
     {%- if message.role in ('system', 'developer') -%}
@@ -107,30 +107,16 @@ GEMMA = (
         {{- (text(message.content) | trim) + '<end_of_turn>\n' -}}
     {%- endif -%}
 {%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<start_of_turn>model\n' -}}
-{%- endif -%}
 """
-)
 
-LLAMA3 = (
-    _TEXT
-    + _no_tools("llama3")
-    + r"""{{- bos_token -}}
+_LLAMA3_TURNS = r"""{{- bos_token -}}
 {%- for message in messages -%}
     {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' -}}
     {{- (text(message.content) | trim) + '<|eot_id|>' -}}
 {%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
-{%- endif -%}
 """
-)
 
-MISTRAL_V7 = (
-    _TEXT
-    + _no_tools("mistral-v7")
-    + r"""{{- bos_token -}}
+_MISTRAL_V7_TURNS = r"""{{- bos_token -}}
 {%- for message in messages -%}
     {%- if message.role == 'system' -%}
         {{- '[SYSTEM_PROMPT] ' + text(message.content) + '[/SYSTEM_PROMPT]' -}}
@@ -143,12 +129,8 @@ MISTRAL_V7 = (
     {%- endif -%}
 {%- endfor -%}
 """
-)
 
-COMMAND_R = (
-    _TEXT
-    + _no_tools("command-r")
-    + r"""{%- set tags = {'system': 'SYSTEM', 'developer': 'SYSTEM',
+_COMMAND_R_TURNS = r"""{%- set tags = {'system': 'SYSTEM', 'developer': 'SYSTEM',
                      'user': 'USER', 'assistant': 'CHATBOT'} -%}
 {%- for message in messages -%}
     {%- if message.role in tags -%}
@@ -158,11 +140,13 @@ COMMAND_R = (
         {{- raise_exception("the built-in 'command-r' chat template has no role " + message.role) -}}
     {%- endif -%}
 {%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' -}}
-{%- endif -%}
 """
-)
+
+CHATML = _builtin("chatml", _CHATML_TURNS, r"<|im_start|>assistant\n", tools=True)
+GEMMA = _builtin("gemma", _GEMMA_TURNS, r"<start_of_turn>model\n")
+LLAMA3 = _builtin("llama3", _LLAMA3_TURNS, r"<|start_header_id|>assistant<|end_header_id|>\n\n")
+MISTRAL_V7 = _builtin("mistral-v7", _MISTRAL_V7_TURNS)
+COMMAND_R = _builtin("command-r", _COMMAND_R_TURNS, "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>")
 
 # name -> jinja source; `--chat-template NAME` looks names up here.
 BUILTIN_TEMPLATES: dict[str, str] = {

@@ -21,7 +21,8 @@ from typing import Any
 
 from ..common.body import Body, json_type
 from ..common.errors import BadRequest
-from ..protocol.bounds import check_count
+from ..protocol.bounds import array_form, check_count
+from ..protocol.tools import tool_choice_mode
 from .formats import FORMATS, ChatFormat
 from .formats.reasoning import THINK_OPEN, opened_by
 from .gbnf import check_grammar
@@ -69,10 +70,8 @@ def parse_messages(body: Body, limits: RequestLimits, *, empty_ok: bool = False)
     # Everything a template may render counts: content, names, tool call arguments, extras.
     check_text("messages", raw, limits.max_text_chars)
     out = []
-    for i, m in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise BadRequest(f"'{where}' must be an object, got {json_type(m)}", param=where)
+    for message in body.objects("messages"):
+        where, m = message.path, message.data
         role = m.get("role")
         if not isinstance(role, str) or not role:
             raise BadRequest(f"'{where}.role' must be a non-empty string", param=f"{where}.role")
@@ -93,12 +92,8 @@ def parse_messages(body: Body, limits: RequestLimits, *, empty_ok: bool = False)
 
 
 def _check_parts(content: Any, where: str, max_parts: int) -> None:
-    if not isinstance(content, list):
-        raise BadRequest(
-            f"'{where}' must be a string or an array of content parts, got {json_type(content)}", param=where
-        )
-    check_count(where, content, max_parts, "content parts")  # no more parts than messages
-    for j, part in enumerate(content):
+    parts = array_form(content, where, max_parts, "content parts")  # no more parts than messages
+    for j, part in enumerate(parts):
         if not isinstance(part, dict):
             raise BadRequest(f"'{where}[{j}]' must be an object", param=where)
         if part.get("type") != _TEXT_PART:
@@ -292,13 +287,7 @@ def continued_open(head: str, prefill: str) -> bool:
 def _tool_choice(body: Body, names: list[str]) -> tuple[str, str | None]:
     raw = body.raw("tool_choice", "auto" if names else "none")
     if isinstance(raw, str):
-        if raw not in ("none", "auto", "required"):
-            raise BadRequest(
-                f"'tool_choice' must be none, auto, required or a function; got {raw!r}", param="tool_choice"
-            )
-        if raw == "required" and not names:
-            raise BadRequest("'tool_choice' is 'required' but no 'tools' were given", param="tool_choice")
-        return raw, None
+        return tool_choice_mode(raw, ("none", "auto", "required"), names), None
     fn = raw.get("function") if isinstance(raw, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise BadRequest(

@@ -27,6 +27,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..common.metric_families import Families
+
 if TYPE_CHECKING:
     from .decoding import Outcome
 
@@ -165,31 +167,33 @@ class LlamaStats:
         self.n_tokens_max = max(self.n_tokens_max, n_tokens)
 
 
-# llama-server's families: name (after `llamacpp:`), type, help — in its order.
-LLAMACPP: tuple[tuple[str, str, str], ...] = (
-    ("prompt_tokens_total", "counter", "Number of prompt tokens processed, excluding cached tokens"),
-    ("prompt_tokens_cached_total", "counter", "Number of prompt tokens reused from the cache"),
-    ("prompt_seconds_total", "counter", "Total time spent processing prompts"),
-    ("tokens_predicted_total", "counter", "Number of generation tokens processed"),
-    ("tokens_predicted_seconds_total", "counter", "Total time spent generating tokens"),
-    (
-        "n_decode_total",
-        "counter",
-        "Total number of llama_decode() calls, excluding speculative decoding and multimodal decoding",
+# llama-server's families, in its order: name (after `llamacpp:`) -> help; its counters, then its gauges.
+_LLAMACPP_COUNTERS = {
+    "prompt_tokens_total": "Number of prompt tokens processed, excluding cached tokens",
+    "prompt_tokens_cached_total": "Number of prompt tokens reused from the cache",
+    "prompt_seconds_total": "Total time spent processing prompts",
+    "tokens_predicted_total": "Number of generation tokens processed",
+    "tokens_predicted_seconds_total": "Total time spent generating tokens",
+    "n_decode_total": (
+        "Total number of llama_decode() calls, excluding speculative decoding and multimodal decoding"
     ),
-    ("n_tokens_max", "counter", "Largest observed sequence length (prompt + generation)"),
-    ("spec_decode_num_draft_tokens_total", "counter", "Speculative: Total draft tokens generated"),
-    (
-        "spec_decode_num_accepted_tokens_total",
-        "counter",
-        "Speculative: Total draft tokens accepted by the target model",
-    ),
-    ("spec_decode_num_drafts_total", "counter", "Speculative: Total speculative decoding verification steps"),
-    ("prompt_tokens_seconds", "gauge", "Average prompt throughput in tokens/s"),
-    ("predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s"),
-    ("requests_processing", "gauge", "Number of requests processing"),
-    ("requests_deferred", "gauge", "Number of requests deferred"),
-    ("n_busy_slots_per_decode", "gauge", "Average number of busy slots per llama_decode() call"),
+    "n_tokens_max": "Largest observed sequence length (prompt + generation)",
+    "spec_decode_num_draft_tokens_total": "Speculative: Total draft tokens generated",
+    "spec_decode_num_accepted_tokens_total": "Speculative: Total draft tokens accepted by the target model",
+    "spec_decode_num_drafts_total": "Speculative: Total speculative decoding verification steps",
+}
+_LLAMACPP_GAUGES = {
+    "prompt_tokens_seconds": "Average prompt throughput in tokens/s",
+    "predicted_tokens_seconds": "Average generation throughput in tokens/s",
+    "requests_processing": "Number of requests processing",
+    "requests_deferred": "Number of requests deferred",
+    "n_busy_slots_per_decode": "Average number of busy slots per llama_decode() call",
+}
+# (name, type, help) of each family, in llama-server's order.
+LLAMACPP: tuple[tuple[str, str, str], ...] = tuple(
+    (name, kind, help_text)
+    for kind, families in (("counter", _LLAMACPP_COUNTERS), ("gauge", _LLAMACPP_GAUGES))
+    for name, help_text in families.items()
 )
 
 
@@ -242,32 +246,23 @@ class EngineMetrics:
         self, read_core: Callable[[], dict[str, int] | None], gauges: Callable[[], dict[str, float]]
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.http_requests = Counter(
-            "slotkeeper_http_requests",
-            "HTTP requests by route and status",
-            ["route", "status"],
-            registry=self.registry,
+        family = Families(self.registry, "slotkeeper_")
+        self.http_requests = family(
+            Counter, "http_requests", "HTTP requests by route and status", "route", "status"
         )
-        self.decode_runs = Counter(
-            "slotkeeper_generations",
-            "Finished generations by endpoint and stop type",
-            ["endpoint", "stop_type"],
-            registry=self.registry,
+        self.decode_runs = family(
+            Counter, "generations", "Finished generations by endpoint and stop type", "endpoint", "stop_type"
         )
-        self.prompt_tokens = Counter(
-            "slotkeeper_prompt_tokens", "Prompt tokens of finished generations", registry=self.registry
+        self.prompt_tokens = family(Counter, "prompt_tokens", "Prompt tokens of finished generations")
+        self.cached_tokens = family(Counter, "cached_tokens", "Prompt tokens served from the slot (cache_n)")
+        self.completion_tokens = family(
+            Counter, "completion_tokens", "Tokens generated by finished generations"
         )
-        self.cached_tokens = Counter(
-            "slotkeeper_cached_tokens", "Prompt tokens served from the slot (cache_n)", registry=self.registry
-        )
-        self.completion_tokens = Counter(
-            "slotkeeper_completion_tokens", "Tokens generated by finished generations", registry=self.registry
-        )
-        self.ttft = Histogram(
-            "slotkeeper_ttft_seconds",
+        self.ttft = family(
+            Histogram,
+            "ttft_seconds",
             "Time to first token, including the wait for a slot",
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-            registry=self.registry,
         )
         self.registry.register(_CoreCollector(read_core, gauges))
         ProcessCollector(registry=self.registry)

@@ -7,7 +7,7 @@ a prefix was reused) are extra fields a llama-server client ignores.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -39,6 +39,8 @@ from .metrics import CONTENT_TYPE
 from .runtime import Runtime
 from .sampling import Sampling, generation_settings, read_sampling
 
+Endpoint = Callable[[Request], Awaitable[Response]]
+
 
 def runtime(request: Request) -> Runtime:
     rt: Runtime = request.app.state.runtime
@@ -49,6 +51,18 @@ def limits(request: Request) -> RequestLimits:
     """The engine's request limits, built once from its settings by `app.build_app`."""
     lim: RequestLimits = request.app.state.limits
     return lim
+
+
+async def limits_and_body(request: Request) -> tuple[RequestLimits, Body]:
+    """The engine's request limits and the request's JSON body, read within them."""
+    lim = limits(request)
+    return lim, await read_json(request, lim.body)
+
+
+def aliased(endpoint: Endpoint, methods: list[str], *paths: str) -> list[Route]:
+    """`endpoint` at each of `paths`: llama-server answers much of its API under two names (`/health`
+    and `/v1/health`, `/completion` and `/completions`)."""
+    return [Route(path, endpoint, methods=methods) for path in paths]
 
 
 async def health(request: Request) -> Response:
@@ -290,8 +304,7 @@ def select_fields(result: dict[str, Any], paths: list[str]) -> dict[str, Any]:
 async def completion(request: Request) -> Response:
     rt = runtime(request)
     engine = rt.require()
-    lim = limits(request)
-    body = await read_json(request, lim.body)
+    lim, body = await limits_and_body(request)
     if not body.has("prompt"):
         raise BadRequest("'prompt' is required", param="prompt")
     # Cheap checks first: a refused request must not cost a tokenization or a grammar build.
@@ -421,10 +434,8 @@ def _completion_final(
 
 
 async def tokenize(request: Request) -> Response:
-    rt = runtime(request)
-    engine = rt.require()
-    lim = limits(request)
-    body = await read_json(request, lim.body)
+    engine = runtime(request).require()
+    lim, body = await limits_and_body(request)
     content = body.get_str("content")
     if content is None:
         raise BadRequest("'content' is required and must be a string", param="content")
@@ -446,10 +457,8 @@ async def tokenize(request: Request) -> Response:
 
 
 async def detokenize(request: Request) -> Response:
-    rt = runtime(request)
-    engine = rt.require()
-    lim = limits(request)
-    body = await read_json(request, lim.body)
+    engine = runtime(request).require()
+    lim, body = await limits_and_body(request)
     raw = body.get_list("tokens")
     if raw is None:
         raise BadRequest("'tokens' is required (an array of token ids)", param="tokens")
@@ -461,8 +470,7 @@ async def detokenize(request: Request) -> Response:
 async def apply_template(request: Request) -> Response:
     rt = runtime(request)
     rt.require()
-    lim = limits(request)
-    body = await read_json(request, lim.body)
+    lim, body = await limits_and_body(request)
     kwargs = body.get_object("chat_template_kwargs")
     messages, tools = parse_messages(body, lim), parse_tools(body, lim)
     cont, generation_prompt = continuation(
@@ -494,13 +502,11 @@ async def metrics(request: Request) -> Response:
 
 
 ROUTES = [
-    Route("/health", health, methods=["GET"]),
-    Route("/v1/health", health, methods=["GET"]),
+    *aliased(health, ["GET"], "/health", "/v1/health"),
     Route("/props", props, methods=["GET"]),
     Route("/slots", slots, methods=["GET"]),
     Route("/slots/{id_slot}", slot_action, methods=["POST"]),
-    Route("/completion", completion, methods=["POST"]),
-    Route("/completions", completion, methods=["POST"]),
+    *aliased(completion, ["POST"], "/completion", "/completions"),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/apply-template", apply_template, methods=["POST"]),

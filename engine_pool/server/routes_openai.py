@@ -17,7 +17,7 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import structlog
@@ -66,9 +66,11 @@ from .formats.reasoning import THINK_CLOSE, THINK_OPEN
 from .formats.upstream import UpstreamOutput, UpstreamPlan
 from .grammar import GrammarTriggers
 from .routes_llama import (
+    aliased,
     check_prompts,
     completion_prompt,
     limits,
+    limits_and_body,
     prompt_field,
     prompt_text,
     runtime,
@@ -94,13 +96,7 @@ class Meta:
     model: str
 
     def head(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": self.object,
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": f"slotkeeper-{native.ENGINE_VERSION}",
-        }
+        return {**asdict(self), "system_fingerprint": f"slotkeeper-{native.ENGINE_VERSION}"}
 
 
 def usage(outcomes: list[Outcome], n: int = 1) -> dict[str, Any]:
@@ -125,8 +121,7 @@ def extras(o: Outcome) -> dict[str, Any]:
 
 # -- chat ---------------------------------------------------------------------------------------
 async def chat_completions(request: Request) -> Response:
-    lim = limits(request)
-    body = await read_json(request, lim.body)
+    body = await read_json(request, limits(request).body)
     result = await run_chat(request, body)
     if isinstance(result, dict):
         return JSONResponse(result)
@@ -140,8 +135,7 @@ async def chat_input_tokens(request: Request) -> Response:
     them: a prompt that leaves it early needs only the part up to its checkpoint)."""
     rt = runtime(request)
     engine = rt.require()
-    lim = limits(request)
-    body = await read_json(request, lim.body)
+    lim, body = await limits_and_body(request)
     req = parse_chat(body, rt.defaults, lim, n_vocab=engine.model.n_vocab, n_ctx=engine.n_ctx_slot)
     prompt, _ = await asyncio.to_thread(chat_prompt, rt, req)
     if body.get_bool("with_tokens", False):
@@ -507,8 +501,7 @@ async def _chat_chunks(
 async def completions(request: Request) -> Response:
     rt = runtime(request)
     engine = rt.require()
-    lim = limits(request)
-    body = await read_json(request, lim.body)
+    lim, body = await limits_and_body(request)
     if body.has("suffix"):
         raise BadRequest("'suffix' is not supported by this engine", param="suffix")
     if body.get_bool("echo", False):
@@ -631,11 +624,10 @@ async def models(request: Request) -> Response:
 
 
 ROUTES = [
-    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    Route("/chat/completions", chat_completions, methods=["POST"]),
-    Route("/v1/chat/completions/input_tokens", chat_input_tokens, methods=["POST"]),
-    Route("/chat/completions/input_tokens", chat_input_tokens, methods=["POST"]),
+    *aliased(chat_completions, ["POST"], "/v1/chat/completions", "/chat/completions"),
+    *aliased(
+        chat_input_tokens, ["POST"], "/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"
+    ),
     Route("/v1/completions", completions, methods=["POST"]),
-    Route("/v1/models", models, methods=["GET"]),
-    Route("/models", models, methods=["GET"]),
+    *aliased(models, ["GET"], "/v1/models", "/models"),
 ]

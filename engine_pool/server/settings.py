@@ -2,7 +2,7 @@
 
 `FLAGS` is the single table that maps every command-line flag to its settings field, its environment
 variable, its default and its check (command line > environment > default); the variable is
-SLOTKEEPER_ + the field's name unless a row declares llama-server's (`--parallel` →
+SLOTKEEPER_ + the long flag's name, as llama-server's LLAMA_ARG_* (`--parallel` →
 SLOTKEEPER_PARALLEL). Limits the gateway shares are rows of `common.limit_flags`. `SWITCHES_OFF`
 adds the other half of llama-server's `--x/--no-x` pairs. `parse_settings(argv, environ)` is the
 only reader of the tables; `engine_main` hands it `os.environ`, nothing else reads the environment.
@@ -24,13 +24,21 @@ import native
 
 from ..common.flags import (
     LOG_FORMAT,
+    LOG_LEVEL,
+    NO_DEFAULT,
     Flag,
     SettingsError,
     at_least,
+    bool_flag,
+    bytes_flag,
     check_settings,
-    parse_bool,
-    parse_bytes,
+    flag,
+    float_flag,
+    int_flag,
+    one_of,
     parse_int,
+    str_flag,
+    switch,
     table_defaults,
     values_from,
     within,
@@ -62,9 +70,12 @@ def _csv(text: str) -> tuple[str, ...]:
 CACHE_TYPES = native.KV_CACHE_TYPES  # llama-server's names, as the core accepts them
 
 
+_CACHE_TYPE_LIST = ", ".join(CACHE_TYPES)
+
+
 def _cache_type(text: str) -> str:
     if text not in CACHE_TYPES:
-        raise ValueError(f"allowed values: {', '.join(CACHE_TYPES)}")
+        raise ValueError(f"allowed values: {_CACHE_TYPE_LIST}")
     return text
 
 
@@ -75,458 +86,310 @@ def _threads(text: str) -> int:
 
 _SCHEMA = GrammarLimits()  # the schema-grammar bounds' defaults live with the grammar builder
 
+_POSITIVE = (lambda v: v >= 1, "positive")
+
 FLAGS: tuple[Flag, ...] = (
-    Flag("model", ("-m", "--model"), str, "GGUF model file", required=True),
-    Flag(
+    flag("model", "-m --model", NO_DEFAULT, "GGUF model file", required=True),
+    str_flag(
         "host",
-        ("--host",),
-        str,
+        "--host",
+        "127.0.0.1",
         "addresses to listen on, comma-separated; one ending in .sock is a UNIX socket path; with several "
         "TCP addresses :: binds IPv6 only (127.0.0.1)",
-        default="127.0.0.1",
-        check=(lambda v: bool(_csv(v)), "one or more addresses"),
+        (lambda v: bool(_csv(v)), "one or more addresses"),
     ),
-    Flag("port", ("--port",), parse_int, "port to listen on (8080)", default=8080, check=within(0, 65535)),
-    Flag(
-        "n_slots",
-        ("-np", "--parallel"),
-        parse_int,
-        "number of slots (1)",
-        default=1,
-        check=within(1, 256),
-        variable="SLOTKEEPER_PARALLEL",
-    ),
-    Flag(
+    int_flag("port", "--port", 8080, "port to listen on (8080)", within(0, 65535)),
+    int_flag("n_slots", "-np --parallel", 1, "number of slots (1)", within(1, 256)),
+    int_flag(
         "n_ctx",
-        ("-c", "--ctx-size"),
-        parse_int,
+        "-c --ctx-size",
+        4096,
         "total context (KV cells) shared by the slots; each slot gets ctx-size / parallel (4096)",
-        default=4096,
-        check=(lambda v: v >= 16, "at least 16"),
-        variable="SLOTKEEPER_CTX_SIZE",
+        (lambda v: v >= 16, "at least 16"),
     ),
-    Flag(
-        "n_batch",
-        ("-b", "--batch-size"),
-        parse_int,
-        "logical batch size (2048)",
-        default=2048,
-        check=(lambda v: v >= 1, "positive"),
-        variable="SLOTKEEPER_BATCH_SIZE",
-    ),
-    Flag(
-        "n_ubatch",
-        ("-ub", "--ubatch-size"),
-        parse_int,
-        "physical batch size (512)",
-        default=512,
-        check=(lambda v: v >= 1, "positive"),
-        variable="SLOTKEEPER_UBATCH_SIZE",
-    ),
-    Flag(
-        "n_threads",
-        ("-t", "--threads"),
-        _threads,
-        "CPU threads (-1/0: all)",
-        default=0,
-        variable="SLOTKEEPER_THREADS",
-    ),
-    Flag(
-        "n_gpu_layers",
-        ("-ngl", "--n-gpu-layers", "--gpu-layers"),
-        parse_int,
-        "layers to offload to the GPU (0)",
-        default=0,
-    ),
-    Flag("seed", ("-s", "--seed"), parse_int, "default sampling seed (-1: random)", default=-1),
-    Flag(
-        "temperature",
-        ("--temp",),
-        float,
-        "default temperature (0.8)",
-        default=0.8,
-        check=at_least(0),
-        variable="SLOTKEEPER_TEMP",
-    ),
-    Flag(
+    int_flag("n_batch", "-b --batch-size", 2048, "logical batch size (2048)", _POSITIVE),
+    int_flag("n_ubatch", "-ub --ubatch-size", 512, "physical batch size (512)", _POSITIVE),
+    flag("n_threads", "-t --threads", 0, "CPU threads (-1/0: all)", parse=_threads),
+    int_flag("n_gpu_layers", "-ngl --n-gpu-layers --gpu-layers", 0, "layers to offload to the GPU (0)"),
+    int_flag("seed", "-s --seed", -1, "default sampling seed (-1: random)"),
+    float_flag("temperature", "--temp", 0.8, "default temperature (0.8)", at_least(0)),
+    int_flag(
         "n_predict",
-        ("-n", "--n-predict"),
-        parse_int,
+        "-n --n-predict",
+        -1,
         "default tokens to predict (-1: until a stop or the slot's context is full)",
-        default=-1,
-        check=at_least(-1),
+        at_least(-1),
     ),
-    Flag(
+    str_flag(
         "alias",
-        ("-a", "--alias"),
-        str,
+        "-a --alias",
+        None,
         "model names, comma-separated, listed by /v1/models; the first is the model id (file name)",
-        default=None,
     ),
-    Flag(
+    str_flag(
         "tags",
-        ("--tags",),
-        str,
+        "--tags",
+        "",
         "model tags, comma-separated, listed by /v1/models (informational, never used to route)",
-        default="",
     ),
-    Flag(
+    str_flag(
         "slot_save_path",
-        ("--slot-save-path",),
-        str,
+        "--slot-save-path",
+        None,
         "directory of slot files for /slots/{id}?action=save|restore (disabled without it)",
-        default=None,
     ),
-    Flag(
+    int_flag(
         "max_checkpoints",
-        ("--ctx-checkpoints", "--swa-checkpoints"),
-        parse_int,
+        "--ctx-checkpoints --swa-checkpoints",
+        32,
         "checkpoints kept per slot (32; 0 disables them)",
-        default=32,
-        check=at_least(0),
-        variable="SLOTKEEPER_CTX_CHECKPOINTS",
+        at_least(0),
     ),
-    Flag(
+    int_flag(
         "checkpoint_min_step",
-        ("--checkpoint-min-step",),
-        parse_int,
+        "--checkpoint-min-step",
+        64,
         "minimum distance in tokens between checkpoints (64)",
-        default=64,
-        check=at_least(0),
+        at_least(0),
     ),
-    Flag(
+    int_flag(
         "checkpoint_interval",
-        ("--checkpoint-interval",),
-        parse_int,
+        "--checkpoint-interval",
+        2048,
         "checkpoint every this many tokens inside long prompts (2048; 0: off)",
-        default=2048,
-        check=at_least(0),
+        at_least(0),
     ),
-    Flag(
+    bytes_flag(
         "max_checkpoint_bytes",
-        ("--max-checkpoint-bytes",),
-        parse_bytes,
+        "--max-checkpoint-bytes",
+        1 << 30,
         "checkpoint memory per slot, e.g. 512M (1G)",
-        default=1 << 30,
-        check=at_least(0),
+        at_least(0),
     ),
-    Flag(
+    bytes_flag(
         "max_slot_file_bytes",
-        ("--max-slot-file-bytes",),
-        parse_bytes,
+        "--max-slot-file-bytes",
+        0,
         "refuse to restore larger slot files (0: no limit)",
-        default=0,
-        check=at_least(0),
+        at_least(0),
     ),
-    Flag("swa_full", ("--swa-full",), parse_bool, "full-size SWA cache", default=False, switch=True),
-    Flag("flash_attn", ("-fa", "--flash-attn"), parse_bool, "flash attention: on|off|auto", default=False),
-    Flag("api_key", ("--api-key",), str, "require this key (Authorization: Bearer)", default=None),
-    Flag(
+    switch("swa_full", "--swa-full", "full-size SWA cache"),
+    bool_flag("flash_attn", "-fa --flash-attn", False, "flash attention: on|off|auto"),
+    str_flag("api_key", "--api-key", None, "require this key (Authorization: Bearer)"),
+    int_flag(
         "queue_size",
-        ("--queue-size",),
-        parse_int,
+        "--queue-size",
+        16,
         "requests that may wait for a busy slot; more get 503 + Retry-After (16)",
-        default=16,
-        check=at_least(0),
+        at_least(0),
     ),
-    Flag(
+    float_flag(
         "slot_wait_s",
-        ("--slot-wait-timeout",),
-        float,
+        "--slot-wait-timeout",
+        30.0,
         "seconds a slot save/restore/erase waits for a busy slot (30)",
-        default=30.0,
-        check=at_least(0),
-        variable="SLOTKEEPER_SLOT_WAIT_TIMEOUT",
+        at_least(0),
     ),
-    Flag(
-        "retry_after_s",
-        ("--retry-after",),
-        parse_int,
-        "Retry-After seconds on 503 responses (1)",
-        default=1,
-        variable="SLOTKEEPER_RETRY_AFTER",
-    ),
-    Flag(
+    int_flag("retry_after_s", "--retry-after", 1, "Retry-After seconds on 503 responses (1)"),
+    float_flag(
         "shutdown_grace_s",
-        ("--shutdown-grace",),
-        float,
+        "--shutdown-grace",
+        10.0,
         "seconds in-flight requests may finish after SIGTERM before they are aborted (10)",
-        default=10.0,
-        check=at_least(0),
-        variable="SLOTKEEPER_SHUTDOWN_GRACE",
+        at_least(0),
     ),
-    Flag(
+    switch(
         "exit_with_parent",
-        ("--exit-with-parent",),
-        parse_bool,
+        "--exit-with-parent",
         "stop (as on SIGTERM) when the process that started this one dies (Linux; set by the node agent)",
-        default=False,
-        switch=True,
     ),
-    Flag(
+    str_flag(
         "instance_id",
-        ("--instance-id",),
-        str,
+        "--instance-id",
+        None,
         "this process's name, new at every start (set by the node agent): a request naming another "
         "one in X-Slotkeeper-Instance is refused with 409 before it reaches a slot",
-        default=None,
     ),
     LOG_FORMAT,
-    Flag(
-        "log_level",
-        ("--log-level",),
-        str,
-        "debug, info, warning, error (info)",
-        default="info",
-        check=(lambda v: v in ("debug", "info", "warning", "error"), "debug, info, warning or error"),
-    ),
-    Flag(
+    LOG_LEVEL.with_help("debug, info, warning, error (info)"),
+    switch(
         "verbose",
-        ("-v", "--log-verbose", "--verbose"),
-        parse_bool,
+        "-v --log-verbose --verbose",
         "log everything: --log-level debug, plus every request and response body (first 64 KiB)",
-        default=False,
-        switch=True,
+        variable="SLOTKEEPER_VERBOSE",
     ),
     # -- llama-server's endpoints and its CORS ---------------------------------------------------------
-    Flag(
-        "metrics",
-        ("--metrics",),
-        parse_bool,
-        "serve Prometheus metrics on /metrics (without it: 501, as llama-server)",
-        default=False,
-        switch=True,
-    ),
-    Flag(
+    switch("metrics", "--metrics", "serve Prometheus metrics on /metrics (without it: 501, as llama-server)"),
+    switch(
         "no_slots",
-        ("--no-slots",),
-        parse_bool,
+        "--no-slots",
         "answer GET /slots and POST /slots/{id} with 501 (--slots: serve them, the default)",
-        default=False,
-        switch=True,
     ),
-    Flag(
+    str_flag(
         "cors_origins",
-        ("--cors-origins",),
-        str,
+        "--cors-origins",
+        None,
         "origins whose pages may call this API, comma-separated; * any (with credentials, the Origin is "
         "echoed), localhost only pages served from this machine (*; localhost with --ui-mcp-proxy)",
-        default=None,
-        check=(lambda v: v is None or bool(_csv(v)), "*, localhost or one or more origins"),
+        (lambda v: v is None or bool(_csv(v)), "*, localhost or one or more origins"),
     ),
-    Flag(
+    str_flag(
         "cors_methods",
-        ("--cors-methods",),
-        str,
+        "--cors-methods",
+        "GET, POST, DELETE, OPTIONS",
         "Access-Control-Allow-Methods of a preflight's answer (GET, POST, DELETE, OPTIONS)",
-        default="GET, POST, DELETE, OPTIONS",
-        check=(lambda v: bool(_csv(v)), "one or more methods"),
+        (lambda v: bool(_csv(v)), "one or more methods"),
     ),
-    Flag(
+    str_flag(
         "cors_headers",
-        ("--cors-headers",),
-        str,
+        "--cors-headers",
+        "*",
         "Access-Control-Allow-Headers of a preflight's answer (*; in a browser * never covers Authorization)",
-        default="*",
     ),
-    Flag(
+    switch(
         "cors_credentials",
-        ("--cors-credentials",),
-        parse_bool,
+        "--cors-credentials",
         "allow credentialed requests; with --cors-origins * the Origin is echoed (on; --no-cors-credentials)",
         default=True,
-        switch=True,
     ),
-    Flag(
+    switch(
         "ui_mcp_proxy",
-        ("--ui-mcp-proxy", "--webui-mcp-proxy"),
-        parse_bool,
+        "--ui-mcp-proxy --webui-mcp-proxy",
         "serve /cors-proxy?url=URL: forwards GET/POST to URL with only the x-llama-server-proxy-header-* "
         "headers; do not enable in untrusted environments (off: 403)",
-        default=False,
-        switch=True,
     ),
-    Flag(
+    switch(
         "offline",
-        ("--offline",),
-        parse_bool,
+        "--offline",
         "accepted for llama-server command lines: this engine never downloads anything",
-        default=False,
-        switch=True,
     ),
     # -- the model and its KV cache (llama-server's flags; wired in runtime.py) -------------------------
-    Flag(
+    switch(
         "kv_unified",
-        ("-kvu", "--kv-unified"),
-        parse_bool,
+        "-kvu --kv-unified",
         "one KV buffer shared by all slots (-no-kvu/--no-kv-unified: off, the default)",
-        default=False,
-        switch=True,
     ),
-    Flag(
+    flag(
         "cache_type_k",
-        ("-ctk", "--cache-type-k"),
-        _cache_type,
-        f"KV cache type of K: {', '.join(CACHE_TYPES)} (f16)",
-        default="f16",
+        "-ctk --cache-type-k",
+        "f16",
+        f"KV cache type of K: {_CACHE_TYPE_LIST} (f16)",
+        parse=_cache_type,
     ),
-    Flag(
+    flag(
         "cache_type_v",
-        ("-ctv", "--cache-type-v"),
-        _cache_type,
-        f"KV cache type of V: {', '.join(CACHE_TYPES)} (f16)",
-        default="f16",
+        "-ctv --cache-type-v",
+        "f16",
+        f"KV cache type of V: {_CACHE_TYPE_LIST} (f16)",
+        parse=_cache_type,
     ),
-    Flag(
+    switch(
         "no_mmap",
-        ("--no-mmap",),
-        parse_bool,
+        "--no-mmap",
         "read the model into memory instead of mapping it (--mmap: map it, the default)",
-        default=False,
-        switch=True,
     ),
-    Flag("mlock", ("--mlock",), parse_bool, "keep the model in RAM (no swap)", default=False, switch=True),
-    Flag(
-        "no_warmup",
-        ("--no-warmup",),
-        parse_bool,
-        "skip the empty warm-up run at load (--warmup: run it, the default)",
-        default=False,
-        switch=True,
-    ),
-    Flag(
+    switch("mlock", "--mlock", "keep the model in RAM (no swap)"),
+    switch("no_warmup", "--no-warmup", "skip the empty warm-up run at load (--warmup: run it, the default)"),
+    switch(
         "context_shift",
-        ("--context-shift",),
-        parse_bool,
+        "--context-shift",
         "shift the context when a generation fills it (--no-context-shift: stop instead, the default)",
-        default=False,
-        switch=True,
     ),
     # -- request limits (the gateway uses the same names for its own edge limits) --------------------
     MAX_BODY_BYTES.with_help("largest request body, e.g. 16M; larger ones get 413 (16M)"),
     MAX_JSON_DEPTH.with_help("deepest JSON nesting of a request body (64)"),
     BODY_TIMEOUT_S.with_help("seconds a client may take to send its request body; slower ones get 408 (60)"),
     MAX_MESSAGES.with_help("messages per request (4096)"),
-    Flag("max_tools", ("--max-tools",), parse_int, "tools per request (512)", default=512, check=at_least(0)),
-    Flag(
+    int_flag("max_tools", "--max-tools", 512, "tools per request (512)", at_least(0)),
+    bytes_flag(
         "max_text_chars",
-        ("--max-text-chars",),
-        parse_bytes,
+        "--max-text-chars",
+        1 << 20,
         "characters of text in one request's messages or prompts, e.g. 4M (1M)",
-        default=1 << 20,
-        check=at_least(1),
+        at_least(1),
     ),
-    Flag(
-        "max_stop", ("--max-stop",), parse_int, "stop strings per request (16)", default=16, check=at_least(0)
-    ),
-    Flag(
-        "max_stop_chars",
-        ("--max-stop-chars",),
-        parse_int,
-        "characters per stop string (256)",
-        default=256,
-        check=at_least(1),
-    ),
-    Flag(
-        "max_logit_bias",
-        ("--max-logit-bias",),
-        parse_int,
-        "logit_bias entries (2048)",
-        default=2048,
-        check=at_least(0),
-    ),
-    Flag(
+    int_flag("max_stop", "--max-stop", 16, "stop strings per request (16)", at_least(0)),
+    int_flag("max_stop_chars", "--max-stop-chars", 256, "characters per stop string (256)", at_least(1)),
+    int_flag("max_logit_bias", "--max-logit-bias", 2048, "logit_bias entries (2048)", at_least(0)),
+    bytes_flag(
         "max_grammar_bytes",
-        ("--max-grammar-bytes",),
-        parse_bytes,
+        "--max-grammar-bytes",
+        64 << 10,
         "size of a request's raw GBNF `grammar` (64K)",
-        default=64 << 10,
-        check=at_least(0),
+        at_least(0),
     ),
     # llama.cpp parses GBNF recursively (one C++ frame chain per parenthesis) on the event loop's
     # thread: a few thousand levels crash the process, so this bound is not the operator's to lift.
-    Flag(
+    int_flag(
         "max_grammar_depth",
-        ("--max-grammar-depth",),
-        parse_int,
+        "--max-grammar-depth",
+        64,
         "parenthesis nesting of a raw GBNF `grammar` (64; llama.cpp parses it recursively)",
-        default=64,
-        check=within(1, 1024),
+        within(1, 1024),
     ),
     # The schema walk recurses in Python (a few frames per level, under the interpreter's 1000).
-    Flag(
+    int_flag(
         "max_schema_depth",
-        ("--max-schema-depth",),
-        parse_int,
+        "--max-schema-depth",
+        _SCHEMA.max_depth,
         "nesting of a JSON schema (response_format, json_schema, tool parameters), $refs included (32)",
-        default=_SCHEMA.max_depth,
-        check=within(1, 128),
+        within(1, 128),
     ),
-    Flag(
+    bytes_flag(
         "max_schema_grammar_bytes",
-        ("--max-schema-grammar-bytes",),
-        parse_bytes,
+        "--max-schema-grammar-bytes",
+        _SCHEMA.max_bytes,
         "size of the grammar built from a request's JSON schemas and tools (2M)",
-        default=_SCHEMA.max_bytes,
-        check=at_least(1024),
+        at_least(1024),
     ),
-    Flag(
+    int_flag(
         "max_schema_grammar_rules",
-        ("--max-schema-grammar-rules",),
-        parse_int,
+        "--max-schema-grammar-rules",
+        _SCHEMA.max_rules,
         "rules in the grammar built from a request's JSON schemas and tools (32768)",
-        default=_SCHEMA.max_rules,
-        check=at_least(16),
+        at_least(16),
     ),
-    Flag(
+    str_flag(
         "chat_template",
-        ("--chat-template",),
-        str,
+        "--chat-template",
+        None,
         "chat template: a built-in name (chatml, ...) or a jinja template; overrides the GGUF's",
-        default=None,
     ),
-    Flag(
+    str_flag(
         "chat_template_file",
-        ("--chat-template-file",),
-        str,
+        "--chat-template-file",
+        None,
         "read the chat template (jinja) from this file; overrides the GGUF's",
-        default=None,
     ),
-    Flag(
+    switch(
         "no_repack",
-        ("-nr", "--no-repack"),
-        parse_bool,
+        "-nr --no-repack",
         "no weight repacking (llama.cpp extra buffer types); always off on CPUs with AMX",
-        default=False,
-        switch=True,
     ),
-    Flag("jinja", ("--jinja",), parse_bool, "jinja chat templates (always on)", default=True, switch=True),
-    Flag(
+    switch("jinja", "--jinja", "jinja chat templates (always on)", default=True),
+    str_flag(
         "reasoning",
-        ("-rea", "--reasoning"),
-        str,
+        "-rea --reasoning",
+        "auto",
         "whether the model reasons: on, off (enable_thinking false for the template, and a reasoning "
         "block the prompt still opens is closed), auto: the template's default (auto)",
-        default="auto",
-        check=(lambda v: v in ("on", "off", "auto"), "on, off or auto"),
+        one_of("on", "off", "auto"),
     ),
-    Flag(
+    str_flag(
         "reasoning_format",
-        ("--reasoning-format",),
-        str,
+        "--reasoning-format",
+        "auto",
         "where reasoning goes: none (left in content), deepseek / auto (reasoning_content), "
         "deepseek-legacy (both) (auto)",
-        default="auto",
-        check=(lambda v: v in REASONING_FORMATS, f"one of {', '.join(REASONING_FORMATS)}"),
+        (lambda v: v in REASONING_FORMATS, f"one of {', '.join(REASONING_FORMATS)}"),
     ),
-    Flag(
+    str_flag(
         "chat_format",
-        ("--chat-format",),
-        str,
+        "--chat-format",
+        "auto",
         "tool-call format: auto (detected from the template: a family's own, else llama.cpp's chat "
         "layer), hermes, qwen-xml, lfm2, nemotron-h, llama.cpp (auto)",
-        default="auto",
-        check=(lambda v: v in CHAT_FORMATS, f"one of {', '.join(CHAT_FORMATS)}"),
+        (lambda v: v in CHAT_FORMATS, f"one of {', '.join(CHAT_FORMATS)}"),
     ),
 )
 

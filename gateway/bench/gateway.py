@@ -41,6 +41,8 @@ from gateway.bench import routing
 from gateway.bench.harness.prompts import CHUNK, SYSTEM
 from gateway.bench.harness.report import pct, table
 from gateway.bench.harness.servers import (
+    AWS_ENV,
+    PACKAGE_ROOT,
     MotoProcess,
     free_port,
     is_engine_process,
@@ -50,9 +52,6 @@ from gateway.bench.harness.servers import (
 )
 from native.model_gen import cached_model
 
-_ROOT = Path(__file__).resolve().parents[2]  # what holds the `gateway` package: checkout or site-packages
-
-AWS_ENV = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 BUCKET = "slots"  # created by MotoProcess before it listens
 INTERNAL_KEY = "bench-internal-key-0123456789"  # serve's credential for its node and engines
 INTERNAL_AUTH = {"Authorization": f"Bearer {INTERNAL_KEY}"}
@@ -154,7 +153,7 @@ def start_serve(workdir: Path, name: str, flags: list[str], env: dict[str, str] 
     env = {**(os.environ if env is None else env), "SLOTKEEPER_INTERNAL_KEY": INTERNAL_KEY}
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            cmd, cwd=_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+            cmd, cwd=PACKAGE_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
     serve = Serve(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{node_port}", proc, log)
     try:
@@ -306,10 +305,10 @@ def floor_proxy(engine_url: str, logs: Path) -> Iterator[str]:
     pays, measured in the same rounds (what the gateway adds beyond it is its own work)."""
     port = free_port()
     cmd = [sys.executable, "-m", "gateway.bench.floor_proxy", "--port", str(port), "--engine", engine_url]
-    env = {**os.environ, "SLOTKEEPER_INTERNAL_KEY": INTERNAL_KEY, "PYTHONPATH": str(_ROOT)}
+    env = {**os.environ, "SLOTKEEPER_INTERNAL_KEY": INTERNAL_KEY, "PYTHONPATH": str(PACKAGE_ROOT)}
     with (logs / "floor-proxy.log").open("ab") as out:
         proc = subprocess.Popen(
-            cmd, cwd=_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            cmd, cwd=PACKAGE_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
     url = f"http://127.0.0.1:{port}"
     try:

@@ -363,9 +363,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument(
         "--system-tokens", type=int, default=8000, help="the shared prefix (system + tools), about"
     )
-    ap.add_argument("--tools", type=int, default=20)
-    ap.add_argument("--sessions", type=int, default=16)
-    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--tools", type=int, default=20, help="tools in the shared prefix")
+    ap.add_argument("--sessions", type=int, default=16, help="new sessions per phase")
+    ap.add_argument("--slots", type=int, default=4, help="slots of each server")
     ap.add_argument("--ctx", type=int, default=10240, help="context per slot")
     ap.add_argument("--no-upstream", action="store_true", help="ours only")
     ap.add_argument("--no-s3", action="store_true", help="the local store (no second-node phase)")

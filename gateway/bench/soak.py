@@ -57,6 +57,8 @@ import httpx
 
 from gateway.bench.harness.report import pct, table
 from gateway.bench.harness.servers import (
+    AWS_ENV,
+    PACKAGE_ROOT,
     MotoProcess,
     free_port,
     http_ok,
@@ -77,9 +79,6 @@ from gateway.bench.soak_state import (
 )
 from native.model_gen import cached_model
 
-_ROOT = Path(__file__).resolve().parents[2]  # what holds the `gateway` package: checkout or site-packages
-
-AWS_ENV = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 HONEST = {"alpha": "sk-soak-alpha", "beta": "sk-soak-beta"}  # tenant -> key
 TENANTS_TOML = f"""
 [tenants.alpha]
@@ -152,7 +151,7 @@ def serving(workdir: Path, flags: list[str], key: str, done: list[bool]) -> Iter
     log = workdir / "serve.log"
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            cmd, cwd=_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+            cmd, cwd=PACKAGE_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
     serve = Serve(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{node_port}", key, proc)
     try:

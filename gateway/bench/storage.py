@@ -51,6 +51,7 @@ import httpx
 
 from gateway.bench import gateway as gateway_bench
 from gateway.bench.harness.served import ServedStore
+from gateway.bench.harness.servers import eventually
 
 if TYPE_CHECKING:
     from storage.blobs.blobstore import BlobStore
@@ -270,16 +271,6 @@ def _metric(url: str, name: str) -> float:
     return 0.0
 
 
-def _wait(what: str, check: Callable[[], Any], timeout: float = 300.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise RuntimeError(f"{what}: not within {timeout} s")
-
-
 SESSION = "bench-agent"
 SYSTEM = (
     "You are a coding agent with tools: read_file(path), write_file(path, text), run(cmd). "
@@ -339,10 +330,10 @@ def session_suite(
                 rec = httpx.get(f"{serve.url}/v1/sessions/{SESSION}", timeout=10).json()
                 return int(rec.get("generation", 0)) >= t + 1
 
-            _wait(f"turn {turn} durable", durable)
+            eventually(f"turn {turn} durable", durable, timeout_s=300)
             _, manifest = store.newest(SESSION)
             full = int(manifest["plan"]["size"])
-            stored = _wait("collection settled", lambda: _settled(store))
+            stored = eventually("collection settled", lambda: _settled(store), timeout_s=300)
             written = _metric(serve.url, written_metric) - before
             rows.append(
                 {
@@ -468,7 +459,7 @@ def ttft_suite(
                 def restored_durable(g: int = before) -> bool:
                     return _generation(serve.url, session) > g
 
-                _wait("the restored turn durable", restored_durable)
+                eventually("the restored turn durable", restored_durable, timeout_s=300)
             before = _generation(serve.url, session)
             msgs.append({"role": "user", "content": f"Step {turn}: run the tests and fix what fails."})
             res = gw.stream_turn(serve.url, "any", msgs, session, 8)
@@ -496,39 +487,62 @@ def _print_session(rep: dict[str, Any]) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``slotkeeper bench storage``; ``argv`` excludes the program name."""
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slotkeeper bench storage", description=__doc__.split("\n")[0])
-    p.add_argument("--suite", choices=["all", "transfer", "session", "restore", "ttft"], default="all")
     p.add_argument(
-        "--next-turn-at-once",
-        action="store_true",
-        help="ttft: send the live turn right after the restored one, beside its save",
+        "--suite",
+        choices=["all", "transfer", "session", "restore", "ttft"],
+        default="all",
+        help="what to measure (restore runs the session suite first)",
     )
-    p.add_argument(
+    p.add_argument("--repeat", type=int, default=1, help="runs; the best of each is reported")
+    p.add_argument("--dir", type=Path, help="work directory (default: a temporary one)")
+    p.add_argument("--json", action="store_true", help="also print the whole report as JSON")
+    g = p.add_argument_group("store")
+    g.add_argument(
+        "--backend",
+        choices=["moto", "seaweedfs", "endpoint", "local"],
+        default="seaweedfs",
+        help="an S3 server started for the run, an existing one (--endpoint), or the local store",
+    )
+    g.add_argument("--endpoint", help="S3 endpoint for --backend endpoint")
+    g.add_argument("--bucket", default="bench", help="created when missing")
+    g.add_argument("--access-key", default="bench")
+    g.add_argument("--secret-key", default="bench")
+    g = p.add_argument_group("transfer")
+    g.add_argument("--size-mib", type=int, default=512, help="the slot file's size")
+    g.add_argument("--part-size-mib", type=int, default=8, help="S3 part size, ours and raw")
+    g.add_argument(
+        "--concurrency",
+        type=int,
+        default=8,
+        help="parts in flight, ours and raw (local: at most one per CPU)",
+    )
+    g.add_argument("--no-fsync", action="store_true", help="no fsync of written files (ours or raw)")
+    g.add_argument("--no-crc-hint", action="store_true", help="let put_file compute the CRC in a first pass")
+    g = p.add_argument_group("session, restore, ttft")
+    g.add_argument("--model", help="GGUF (default: the generated qwen35 of --size)")
+    g.add_argument("--size", choices=["tiny", "bench"], default="tiny", help="generated model size")
+    g.add_argument("--turns", type=int, default=50, help="session: turns")
+    g.add_argument("--system-repeat", type=int, default=60, help="system prompt: sentence repeats")
+    g.add_argument("--ctx", type=int, default=16384, help="serve's --ctx")
+    g.add_argument(
         "--store-compression",
         choices=["on", "off", "auto"],
         default="off",
         help="serve's: recurrent states stored compressed (auto: in S3 only)",
     )
-    p.add_argument("--model", help="GGUF for session/restore/ttft (default: the generated qwen35 of --size)")
-    p.add_argument("--size", choices=["tiny", "bench"], default="tiny", help="generated model size")
-    p.add_argument("--turns", type=int, default=50, help="session: turns")
-    p.add_argument("--system-repeat", type=int, default=60, help="system prompt: sentence repeats")
-    p.add_argument("--ctx", type=int, default=16384)
-    p.add_argument("--backend", choices=["moto", "seaweedfs", "endpoint", "local"], default="seaweedfs")
-    p.add_argument("--endpoint", help="S3 endpoint for --backend endpoint")
-    p.add_argument("--bucket", default="bench")
-    p.add_argument("--access-key", default="bench")
-    p.add_argument("--secret-key", default="bench")
-    p.add_argument("--size-mib", type=int, default=512)
-    p.add_argument("--part-size-mib", type=int, default=8)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--repeat", type=int, default=1, help="runs; the best of each is reported")
-    p.add_argument("--no-fsync", action="store_true", help="no fsync of written files (ours or raw)")
-    p.add_argument("--no-crc-hint", action="store_true", help="let put_file compute the CRC in a first pass")
-    p.add_argument("--dir", type=Path, help="work directory (default: a temporary one)")
-    p.add_argument("--json", action="store_true")
+    g.add_argument(
+        "--next-turn-at-once",
+        action="store_true",
+        help="ttft: send the live turn right after the restored one, beside its save",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``slotkeeper bench storage``; ``argv`` excludes the program name."""
+    p = _parser()
     args = p.parse_args(argv)
     if args.backend == "endpoint" and not args.endpoint:
         p.error("--endpoint is required with --backend endpoint")

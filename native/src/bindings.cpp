@@ -82,6 +82,8 @@ PYBIND11_MODULE(_native, m) {
         .def_readonly("fingerprint", &ModelInfo::fingerprint)
         .def_readonly("meta", &ModelInfo::meta);
 
+    // The keyword defaults are EngineConfig's own (engine_config.h), read off a default one.
+    const EngineConfig defaults;
     py::class_<EngineConfig>(m, "EngineConfig")
         .def(py::init([](std::string model_path, int n_slots, int n_ctx, int n_batch, int n_ubatch, int n_threads,
                          int n_gpu_layers, int checkpoint_interval, int checkpoint_min_step, int max_checkpoints,
@@ -89,13 +91,12 @@ PYBIND11_MODULE(_native, m) {
                          bool repack, bool kv_unified, std::string cache_type_k, std::string cache_type_v,
                          bool use_mmap, bool use_mlock, bool warmup, bool context_shift) {
                  EngineConfig c;
-                 c.model_path = std::move(model_path);
+                 c.model = ModelLoad{std::move(model_path), n_gpu_layers, repack, use_mmap, use_mlock};
                  c.n_slots = n_slots;
                  c.n_ctx = n_ctx;
                  c.n_batch = n_batch;
                  c.n_ubatch = n_ubatch;
                  c.n_threads = n_threads;
-                 c.n_gpu_layers = n_gpu_layers;
                  c.checkpoint_interval = checkpoint_interval;
                  c.checkpoint_min_step = checkpoint_min_step;
                  c.max_checkpoints = max_checkpoints;
@@ -103,34 +104,36 @@ PYBIND11_MODULE(_native, m) {
                  c.max_slot_file_bytes = max_slot_file_bytes;
                  c.swa_full = swa_full;
                  c.flash_attn = flash_attn;
-                 c.repack = repack;
                  c.kv_unified = kv_unified;
                  c.cache_type_k = std::move(cache_type_k);
                  c.cache_type_v = std::move(cache_type_v);
-                 c.use_mmap = use_mmap;
-                 c.use_mlock = use_mlock;
                  c.warmup = warmup;
                  c.context_shift = context_shift;
                  return c;
              }),
-             py::arg("model_path"), py::kw_only(), py::arg("n_slots") = 1, py::arg("n_ctx") = 4096,
-             py::arg("n_batch") = 512, py::arg("n_ubatch") = 512, py::arg("n_threads") = 0,
-             py::arg("n_gpu_layers") = 0, py::arg("checkpoint_interval") = 2048,
-             py::arg("checkpoint_min_step") = 64, py::arg("max_checkpoints") = 32,
-             py::arg("max_checkpoint_bytes") = uint64_t(1) << 30, py::arg("max_slot_file_bytes") = 0,
-             py::arg("swa_full") = false, py::arg("flash_attn") = false, py::arg("repack") = true,
-             py::arg("kv_unified") = false, py::arg("cache_type_k") = "f16", py::arg("cache_type_v") = "f16",
-             py::arg("use_mmap") = true, py::arg("use_mlock") = false, py::arg("warmup") = true,
-             py::arg("context_shift") = false)
+             py::arg("model_path"), py::kw_only(), py::arg("n_slots") = defaults.n_slots,
+             py::arg("n_ctx") = defaults.n_ctx, py::arg("n_batch") = defaults.n_batch,
+             py::arg("n_ubatch") = defaults.n_ubatch, py::arg("n_threads") = defaults.n_threads,
+             py::arg("n_gpu_layers") = defaults.model.n_gpu_layers,
+             py::arg("checkpoint_interval") = defaults.checkpoint_interval,
+             py::arg("checkpoint_min_step") = defaults.checkpoint_min_step,
+             py::arg("max_checkpoints") = defaults.max_checkpoints,
+             py::arg("max_checkpoint_bytes") = defaults.max_checkpoint_bytes,
+             py::arg("max_slot_file_bytes") = defaults.max_slot_file_bytes, py::arg("swa_full") = defaults.swa_full,
+             py::arg("flash_attn") = defaults.flash_attn, py::arg("repack") = defaults.model.repack,
+             py::arg("kv_unified") = defaults.kv_unified, py::arg("cache_type_k") = defaults.cache_type_k,
+             py::arg("cache_type_v") = defaults.cache_type_v, py::arg("use_mmap") = defaults.model.use_mmap,
+             py::arg("use_mlock") = defaults.model.use_mlock, py::arg("warmup") = defaults.warmup,
+             py::arg("context_shift") = defaults.context_shift)
         // Read-only: a configuration is built once by the constructor above; the engine keeps its own
         // copy (Engine.config hands out another), so nothing in Python can reach the running one.
-        .def_readonly("model_path", &EngineConfig::model_path)
+        .def_property_readonly("model_path", [](const EngineConfig & c) { return c.model.path; })
         .def_readonly("n_slots", &EngineConfig::n_slots)
         .def_readonly("n_ctx", &EngineConfig::n_ctx)
         .def_readonly("n_batch", &EngineConfig::n_batch)
         .def_readonly("n_ubatch", &EngineConfig::n_ubatch)
         .def_readonly("n_threads", &EngineConfig::n_threads)
-        .def_readonly("n_gpu_layers", &EngineConfig::n_gpu_layers)
+        .def_property_readonly("n_gpu_layers", [](const EngineConfig & c) { return c.model.n_gpu_layers; })
         .def_readonly("checkpoint_interval", &EngineConfig::checkpoint_interval)
         .def_readonly("checkpoint_min_step", &EngineConfig::checkpoint_min_step)
         .def_readonly("max_checkpoints", &EngineConfig::max_checkpoints)
@@ -138,12 +141,12 @@ PYBIND11_MODULE(_native, m) {
         .def_readonly("max_slot_file_bytes", &EngineConfig::max_slot_file_bytes)
         .def_readonly("swa_full", &EngineConfig::swa_full)
         .def_readonly("flash_attn", &EngineConfig::flash_attn)
-        .def_readonly("repack", &EngineConfig::repack)
+        .def_property_readonly("repack", [](const EngineConfig & c) { return c.model.repack; })
         .def_readonly("kv_unified", &EngineConfig::kv_unified)
         .def_readonly("cache_type_k", &EngineConfig::cache_type_k)
         .def_readonly("cache_type_v", &EngineConfig::cache_type_v)
-        .def_readonly("use_mmap", &EngineConfig::use_mmap)
-        .def_readonly("use_mlock", &EngineConfig::use_mlock)
+        .def_property_readonly("use_mmap", [](const EngineConfig & c) { return c.model.use_mmap; })
+        .def_property_readonly("use_mlock", [](const EngineConfig & c) { return c.model.use_mlock; })
         .def_readonly("warmup", &EngineConfig::warmup)
         .def_readonly("context_shift", &EngineConfig::context_shift);
 

@@ -5,6 +5,7 @@
 // (a "fault"): every request gets an error event, every waiting caller an EngineClosedError.
 #pragma once
 
+#include "engine_config.h"
 #include "model.h"
 #include "request.h"
 #include "reuse.h"
@@ -25,48 +26,6 @@
 #include <vector>
 
 namespace sk {
-
-struct EngineConfig {
-    std::string model_path;
-    int n_slots = 1;
-    int n_ctx = 4096;
-    int n_batch = 512;
-    int n_ubatch = 512;
-    int n_threads = 0;
-    int n_gpu_layers = 0;
-    int checkpoint_interval = 2048;
-    int checkpoint_min_step = 64;
-    int max_checkpoints = 32;
-    uint64_t max_checkpoint_bytes = uint64_t(1) << 30;
-    uint64_t max_slot_file_bytes = 0;
-    bool swa_full = false;
-    bool flash_attn = false;
-    // llama.cpp's extra weight buffer types (CPU repacking, AMX). llama-server's --no-repack turns
-    // them off; on CPUs with AMX, multi-token batches over quantized weights crash in the AMX
-    // kernels (llama.cpp #20824), so the engine process turns them off there.
-    bool repack = true;
-    // llama-server's --kv-unified: every slot may grow into the whole KV pool (n_ctx cells shared
-    // by all slots) instead of n_ctx / n_slots. The llama_context has one unified stream either
-    // way; this only changes each slot's limit and what happens when the shared cells run out.
-    bool kv_unified = false;
-    // -ctk / -ctv: KV cache data types (f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1). A
-    // quantized V cache needs flash attention. Recorded in slot files: a file restores only into
-    // an engine with the same types.
-    std::string cache_type_k = "f16";
-    std::string cache_type_v = "f16";
-    bool use_mmap = true;    // --no-mmap turns it off (read the weights into memory)
-    bool use_mlock = false;  // --mlock: keep the weights resident
-    bool warmup = true;      // one throwaway decode at start, as llama-server does (--no-warmup)
-    // --context-shift: a generating slot that reaches its context drops the older half of what
-    // follows its request's n_keep tokens and goes on (attention-only models; refused at start for
-    // recurrent/hybrid models and wherever llama.cpp cannot shift the KV cache).
-    bool context_shift = false;
-};
-
-// The KV cache types llama-server's -ctk/-ctv accept, by name. Throws InvalidRequestError naming
-// `flag` for any other name.
-ggml_type kv_cache_type(const std::string & name, const char * flag);
-const std::vector<std::string> & kv_cache_type_names();
 
 struct SlotFileInfo {
     std::string path;

@@ -58,15 +58,7 @@ SlotFileInfo Engine::write_snapshot(const SlotSnapshot & snap, const std::string
     const int slot = snap.slot;
     check_slot_id(slot);
     SlotFileMeta meta;
-    const ModelInfo & mi = model();
-    meta.fingerprint = mi.fingerprint;
-    meta.arch = mi.arch;
-    meta.n_vocab = mi.n_vocab;
-    meta.n_embd = mi.n_embd;
-    meta.n_layer = mi.n_layer;
-    meta.recurrent = mi.recurrent;
-    meta.hybrid = mi.hybrid;
-    meta.n_swa = mi.n_swa;
+    meta.model = model();  // its ModelIdentity part
     meta.n_ctx = n_ctx_;
     meta.n_slots = cfg_.n_slots;
     meta.n_ctx_slot = n_ctx_slot_;

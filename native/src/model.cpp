@@ -92,18 +92,18 @@ struct ProgressTenths {
 
 }  // namespace
 
-Model::Model(const std::string & path, int n_gpu_layers, bool repack, bool use_mmap, bool use_mlock,
-             const LoadProgress & on_progress) {
+Model::Model(const ModelLoad & load, const LoadProgress & on_progress) {
+    const std::string & path = load.path;
     // Read the fingerprint first: it also rejects non-GGUF files before llama.cpp sees them.
     std::string fp = model_fingerprint(path);
 
     llama_model_params mp = llama_model_default_params();
-    mp.n_gpu_layers = n_gpu_layers;
-    mp.use_extra_bufts = repack;
+    mp.n_gpu_layers = load.n_gpu_layers;
+    mp.use_extra_bufts = load.repack;
     // This llama.cpp takes one load mode instead of use_mmap/use_mlock. Its default (AUTO) maps the
     // file where every device can; --no-mmap reads it instead, --mlock locks what was loaded.
-    if (!use_mmap) mp.load_mode = use_mlock ? LLAMA_LOAD_MODE_MLOCK : LLAMA_LOAD_MODE_NONE;
-    else if (use_mlock) mp.load_mode = LLAMA_LOAD_MODE_MMAP_MLOCK;
+    if (!load.use_mmap) mp.load_mode = load.use_mlock ? LLAMA_LOAD_MODE_MLOCK : LLAMA_LOAD_MODE_NONE;
+    else if (load.use_mlock) mp.load_mode = LLAMA_LOAD_MODE_MMAP_MLOCK;
     ProgressTenths tenths{on_progress};
     if (on_progress) {
         mp.progress_callback = &ProgressTenths::call;

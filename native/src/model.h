@@ -10,25 +10,42 @@
 
 namespace sk {
 
-struct ModelInfo {
+// How to load a GGUF: llama-server's -m, -ngl, --no-repack, --no-mmap and --mlock.
+struct ModelLoad {
     std::string path;
+    int n_gpu_layers = 0;
+    // llama.cpp's extra weight buffer types (CPU repacking, AMX). llama-server's --no-repack turns
+    // them off; on CPUs with AMX, multi-token batches over quantized weights crash in the AMX
+    // kernels (llama.cpp #20824), so the engine process turns them off there.
+    bool repack = true;
+    bool use_mmap = true;    // --no-mmap turns it off (read the weights into memory)
+    bool use_mlock = false;  // --mlock: keep the weights resident
+};
+
+// What a sequence state depends on: the model (its fingerprint) and the shape of its memory. Every
+// slot file records it (slotfile.h), so that a foreign file is named as such before it is loaded.
+struct ModelIdentity {
+    std::string fingerprint;
     std::string arch;
-    std::string description;
     int n_vocab = 0;
-    int n_ctx_train = 0;
     int n_embd = 0;
     int n_layer = 0;
-    uint64_t n_params = 0;
-    uint64_t size_bytes = 0;
     bool recurrent = false;
     bool hybrid = false;
     int n_swa = 0;
+};
+
+struct ModelInfo : ModelIdentity {
+    std::string path;
+    std::string description;
+    int n_ctx_train = 0;
+    uint64_t n_params = 0;
+    uint64_t size_bytes = 0;
     std::string chat_template;
     llama_token bos = -1;
     llama_token eos = -1;
     llama_token eot = -1;
     bool add_bos = false;
-    std::string fingerprint;
     std::map<std::string, std::string> meta;
 
     // Recurrent or hybrid memory: a sequence cannot be trimmed, only continued or rolled back.
@@ -49,8 +66,7 @@ using LoadProgress = std::function<void(float)>;
 class Model {
 public:
     // Throws ModelLoadError.
-    Model(const std::string & path, int n_gpu_layers, bool repack = true, bool use_mmap = true, bool use_mlock = false,
-          const LoadProgress & on_progress = {});
+    explicit Model(const ModelLoad & load, const LoadProgress & on_progress = {});
 
     llama_model * get() const { return model_.get(); }
     const llama_vocab * vocab() const { return llama_model_get_vocab(model_.get()); }

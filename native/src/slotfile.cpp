@@ -137,16 +137,17 @@ std::string json_escape(const std::string & s) {
 }
 
 std::string meta_json(const SlotFileMeta & m, size_t n_tokens, const std::vector<Checkpoint> & ckpts) {
+    const ModelIdentity & id = m.model;
     const double now =
         std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
     std::ostringstream o;
     o.precision(17);
     o << "{\"format\":1,\"engine_version\":\"" << SK_ENGINE_VERSION << "\",\"created\":" << now
       << ",\"n_tokens\":" << n_tokens << ",\"source_slot\":" << m.source_slot << ",\"model\":{\"fingerprint\":\""
-      << json_escape(m.fingerprint) << "\",\"arch\":\"" << json_escape(m.arch) << "\",\"n_vocab\":" << m.n_vocab
-      << ",\"n_embd\":" << m.n_embd << ",\"n_layer\":" << m.n_layer
-      << ",\"recurrent\":" << (m.recurrent ? "true" : "false") << ",\"hybrid\":" << (m.hybrid ? "true" : "false")
-      << ",\"n_swa\":" << m.n_swa << "},\"llama\":{\"state_seq_version\":" << LLAMA_STATE_SEQ_VERSION
+      << json_escape(id.fingerprint) << "\",\"arch\":\"" << json_escape(id.arch) << "\",\"n_vocab\":" << id.n_vocab
+      << ",\"n_embd\":" << id.n_embd << ",\"n_layer\":" << id.n_layer
+      << ",\"recurrent\":" << (id.recurrent ? "true" : "false") << ",\"hybrid\":" << (id.hybrid ? "true" : "false")
+      << ",\"n_swa\":" << id.n_swa << "},\"llama\":{\"state_seq_version\":" << LLAMA_STATE_SEQ_VERSION
       << ",\"build\":\"" << json_escape(SK_LLAMA_BUILD) << "\"},\"context\":{\"n_ctx\":" << m.n_ctx
       << ",\"n_slots\":" << m.n_slots << ",\"n_ctx_slot\":" << m.n_ctx_slot
       << ",\"kv_unified\":true,\"type_k\":\"" << json_escape(m.type_k)
@@ -222,6 +223,32 @@ private:
     size_t pos_;
     size_t end_;
 };
+
+// A Slotkeeper section (the records, the checkpoints) opens with its magic, version 1 and an entry
+// count. No entry is smaller than min_entry_bytes, so a count that cannot fit is refused up front.
+struct SectionHeader {
+    uint32_t magic;
+    const char * name;        // in errors: "<name> magic 'SCKP' missing", "<name> version 2"
+    const char * magic_text;
+    const char * entry;       // "<entry> count larger than the section"
+    uint64_t min_entry_bytes;
+};
+constexpr SectionHeader kRecordsHeader{kSkmd, "slotkeeper section", "'SKMD'", "record", 16};  // tag, flags, length
+constexpr SectionHeader kCheckpointsHeader{kSckp, "checkpoint section", "'SCKP'", "checkpoint", 40};  // n_tokens, pos range, 3 lengths
+
+// Reads the header `h` at the cursor; returns its entry count.
+uint32_t read_section_header(Cursor & c, const SectionHeader & h) {
+    const std::string name = h.name;
+    const std::string entry = h.entry;
+    if (c.get<uint32_t>((name + " magic").c_str()) != h.magic) {
+        throw SlotFileError("bad_magic", name + " magic " + h.magic_text + " missing");
+    }
+    const uint32_t version = c.get<uint32_t>((name + " version").c_str());
+    if (version != 1) throw SlotFileError("unsupported_version", name + " version " + std::to_string(version));
+    const uint32_t count = c.get<uint32_t>((entry + " count").c_str());
+    if (uint64_t(count) * h.min_entry_bytes > c.left()) throw SlotFileError("truncated", entry + " count larger than the section");
+    return count;
+}
 
 }  // namespace
 
@@ -427,11 +454,7 @@ SlotImage read_slot_file(const std::string & path, const ReadLimits & lim) {
 
     // Slotkeeper records: identity first, so a foreign file is named as such.
     Cursor md(b, size_t(meta_off), size_t(meta_off + meta_len));
-    if (md.get<uint32_t>("records magic") != kSkmd) throw SlotFileError("bad_magic", "slotkeeper section magic 'SKMD' missing");
-    const uint32_t md_version = md.get<uint32_t>("records version");
-    if (md_version != 1) throw SlotFileError("unsupported_version", "slotkeeper section version " + std::to_string(md_version));
-    const uint32_t n_records = md.get<uint32_t>("record count");
-    if (uint64_t(n_records) * 16 > md.left()) throw SlotFileError("truncated", "record count larger than the section");
+    const uint32_t n_records = read_section_header(md, kRecordsHeader);
     std::string doc;
     std::vector<std::pair<uint32_t, std::vector<float>>> ckpt_logits;
     const uint64_t logits_bytes = uint64_t(lim.n_vocab) * sizeof(float);
@@ -476,11 +499,7 @@ SlotImage read_slot_file(const std::string & path, const ReadLimits & lim) {
     // Checkpoints.
     if (has_ckpt) {
         Cursor ck(b, size_t(ckpt_off), size_t(ckpt_off + ckpt_len));
-        if (ck.get<uint32_t>("checkpoint magic") != kSckp) throw SlotFileError("bad_magic", "checkpoint section magic 'SCKP' missing");
-        const uint32_t ck_version = ck.get<uint32_t>("checkpoint version");
-        if (ck_version != 1) throw SlotFileError("unsupported_version", "checkpoint section version " + std::to_string(ck_version));
-        const uint32_t count = ck.get<uint32_t>("checkpoint count");
-        if (uint64_t(count) * 40 > ck.left()) throw SlotFileError("truncated", "checkpoint count larger than the section");
+        const uint32_t count = read_section_header(ck, kCheckpointsHeader);
         const auto kinds = checkpoint_kinds(doc);
         // Parse every entry (bounds), keep the newest max_checkpoints.
         const size_t first_kept = count > lim.max_checkpoints ? count - lim.max_checkpoints : 0;

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "model.h"
 #include "seqstate.h"
 
 namespace sk {
@@ -56,14 +57,7 @@ struct Checkpoint {
 
 // What identifies the writer; checked against the reader before any state is loaded.
 struct SlotFileMeta {
-    std::string fingerprint;
-    std::string arch;
-    int n_vocab = 0;
-    int n_embd = 0;
-    int n_layer = 0;
-    bool recurrent = false;
-    bool hybrid = false;
-    int n_swa = 0;
+    ModelIdentity model;
     int n_ctx = 0;
     int n_slots = 0;
     int n_ctx_slot = 0;

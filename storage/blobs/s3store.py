@@ -100,7 +100,10 @@ class S3Store(BlobStore):
         conditional_writes: Literal["auto", "native", "emulated"] = "auto",
         s3_checksums: bool = True,
         fsync: bool = True,
+        close_client: bool = False,
     ) -> None:
+        """``close_client``: :meth:`aclose` closes ``client`` too (one made for this store alone,
+        :func:`storage.blobs.location.open_blob_store`); otherwise the caller owns it."""
         super().__init__(prefix)
         if part_size < MIN_PART:
             raise ValueError(f"part_size must be at least {MIN_PART} bytes (S3 minimum)")
@@ -111,6 +114,7 @@ class S3Store(BlobStore):
         self.part_size, self.concurrency = part_size, concurrency
         self.retry = retry or RetryPolicy()
         self.s3_checksums, self.fsync = s3_checksums, fsync
+        self._close_client = close_client
         self._native: bool | None = {"auto": None, "native": True, "emulated": False}[conditional_writes]
         self._probe_lock = asyncio.Lock()
         # +2 threads so heads and listings are not queued behind a full set of part transfers
@@ -118,6 +122,8 @@ class S3Store(BlobStore):
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self._pool.shutdown, wait=True)
+        if self._close_client:
+            self.client.close()
 
     # ------------------------------------------------------------------------------------ plumbing
     async def thread(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:

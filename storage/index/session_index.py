@@ -93,10 +93,7 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
         return SessionRecord.from_hash(tenant, session, raw) if raw else None
 
     async def get(self, tenant: str, session: str) -> SessionRecord:
-        record = await self.find(tenant, session)
-        if record is None:
-            raise NotStored(f"session {session} not found")
-        return record
+        return _found(await self.find(tenant, session), session)
 
     async def list_sessions(self, tenant: str) -> list[str]:
         """The tenant's session ids, least recently used first."""
@@ -298,34 +295,10 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
 
     async def mark_busy(self, tenant: str, session: str, *, lock: SessionLock | None = None) -> SessionRecord:
         """A request started on the live session: it leaves its engine's idle LRU."""
-        busy = self._touch_live(session)
+        busy = self.decide_idle(session)  # the same touch of a live record, leaving the idle LRU
         return await self._required(
             tenant, session, lambda old: replace(busy(old), dirty=True), lock, idle=False
         )
-
-    def _touch_live(
-        self,
-        session: str,
-        tokens: int | None = None,
-        route: str | None = None,
-        shared: str | None = None,
-        prompt: str | None = None,
-    ) -> Decide:
-        now = self._clock()
-
-        def decide(old: SessionRecord | None) -> SessionRecord:
-            if old is None or old.state is not SessionState.LIVE or not old.engine:
-                raise WriteConflict(f"session {session} is not live")
-            return replace(
-                old,
-                tokens=old.tokens if tokens is None else tokens,
-                last_used=now,
-                route=old.route if route is None else validate_digest(route),
-                shared=old.shared if shared is None else validate_digest(shared),
-                prompt=old.prompt if prompt is None else validate_digest(prompt),
-            )
-
-        return decide
 
     async def mark_idle(
         self,
@@ -353,7 +326,21 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
         """:meth:`mark_idle`'s transition (for :meth:`apply` with ``idle=True``); ``shared`` and
         ``prompt`` are the digests of its shared prefix and its last prompt
         (:mod:`storage.index.shared_prefixes`), kept to be stored beside the route."""
-        return self._touch_live(session, tokens, route, shared, prompt)
+        now = self._clock()
+
+        def decide(old: SessionRecord | None) -> SessionRecord:
+            if old is None or old.state is not SessionState.LIVE or not old.engine:
+                raise WriteConflict(f"session {session} is not live")
+            return replace(
+                old,
+                tokens=old.tokens if tokens is None else tokens,
+                last_used=now,
+                route=old.route if route is None else validate_digest(route),
+                shared=old.shared if shared is None else validate_digest(shared),
+                prompt=old.prompt if prompt is None else validate_digest(prompt),
+            )
+
+        return decide
 
     async def mark_spilled(
         self,
@@ -366,24 +353,19 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
         tokens: int | None = None,
         lock: SessionLock | None = None,
     ) -> SessionRecord:
-        """Evicted from its slot; the state lives on as durable ``generation``."""
-        validate_generation(generation)
+        """Evicted from its slot; the state lives on as durable ``generation`` (recorded as
+        :meth:`set_durable` records it)."""
+        durable = self.decide_durable(session, generation=generation, blob_key=blob_key, nbytes=nbytes)
 
         def decide(old: SessionRecord | None) -> SessionRecord:
-            if old is None:
-                raise NotStored(f"session {session} not found")
-            self._forward(old, generation)
+            new = durable(old)
             return replace(
-                old,
+                new,
                 state=SessionState.SPILLED,
                 engine=None,
                 slot=None,
-                generation=generation,
-                blob_key=blob_key,
-                bytes=nbytes,
-                tokens=old.tokens if tokens is None else tokens,
+                tokens=new.tokens if tokens is None else tokens,
                 last_used=self._clock(),
-                dirty=False,
             )
 
         return await self._required(tenant, session, decide, lock)
@@ -424,8 +406,7 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
         validate_generation(generation)
 
         def decide(old: SessionRecord | None) -> SessionRecord:
-            if old is None:
-                raise NotStored(f"session {session} not found")
+            old = _found(old, session)
             if slot is not None and (old.state is not SessionState.LIVE or (old.engine, old.slot) != slot):
                 raise WriteConflict(f"session {session} left the slot it was saved from")
             self._forward(old, generation)
@@ -445,8 +426,7 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
         """:meth:`reserve_generation`'s transition (the number is the new record's ``reserved``)."""
 
         def decide(old: SessionRecord | None) -> SessionRecord:
-            if old is None:
-                raise NotStored(f"session {session} not found")
+            old = _found(old, session)
             return replace(old, reserved=old.next_generation)
 
         return decide
@@ -547,3 +527,10 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
         record = await self._change(tenant, session, decide, lock, idle)
         assert record is not None
         return record
+
+
+def _found(record: SessionRecord | None, session: str) -> SessionRecord:
+    """The record, or :class:`NotStored` when there is none."""
+    if record is None:
+        raise NotStored(f"session {session} not found")
+    return record

@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 from support.ready import wait_ready
 
 from gateway.bench.harness.servers import INTERNAL_AUTH
+from gateway.bench.harness.servers import eventually as eventually  # the gateway tests' polling
 
 
 def _free_port() -> int:
@@ -43,17 +43,6 @@ def anthropic_client(url: str, key: str = "none") -> anthropic.Anthropic:
     client = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=60)
     _CLIENTS.append(client)
     return client
-
-
-def eventually(what: str, check: Callable[[], Any], timeout_s: float = 30.0) -> Any:
-    """`check()`'s first true value, polled until `timeout_s`; fails naming `what` after that."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {timeout_s} s")
 
 
 # The coding agent of the gateway tests: its system prompt and its one Anthropic tool.

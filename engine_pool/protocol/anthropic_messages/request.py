@@ -27,9 +27,9 @@ from typing import Any
 
 from ...common.body import Body, json_type
 from ...common.errors import BadRequest
-from ..bounds import check_count
+from ..bounds import array_form, check_count
 from ..engine_options import engine_options, merge_template_kwargs
-from ..tools import tool_name
+from ..tools import tool_name, tools_of_type
 
 # Block types by the role that may send them.
 USER_BLOCKS = ("text", "tool_result")
@@ -218,17 +218,15 @@ def _output_schema(body: Body) -> dict[str, Any] | None:
 
 
 # -- tools --------------------------------------------------------------------------------------
+_SERVER_TOOL = (
+    "is a server tool, which this server does not run (client tools only: {name, description, input_schema})"
+)
+
+
 def _tools(body: Body) -> tuple[dict[str, Any], ...]:
     out: list[dict[str, Any]] = []
-    for tool in body.objects("tools"):
+    for tool in tools_of_type(body, "custom", "custom", _SERVER_TOOL):
         where = tool.path
-        kind = tool.get_str("type", "custom")
-        if kind != "custom":
-            raise BadRequest(
-                f"'{where}': tool type {kind!r} is a server tool, which this server does not run "
-                "(client tools only: {name, description, input_schema})",
-                param=where,
-            )
         name = tool_name(tool, (t["name"] for t in out), "tool")
         schema = tool.get_object("input_schema")
         if schema is None:
@@ -274,13 +272,8 @@ NO_IMAGES = "image input is not supported: this engine serves a text-only model"
 
 def _texts(blocks: Any, where: str, max_blocks: int) -> str:
     """The text of an array of text blocks (a tool result's content, the system prompt)."""
-    if not isinstance(blocks, list):
-        raise BadRequest(
-            f"'{where}' must be a string or an array of text blocks, got {json_type(blocks)}", param=where
-        )
-    check_count(where, blocks, max_blocks, "blocks")
     texts = []
-    for j, block in enumerate(blocks):
+    for j, block in enumerate(array_form(blocks, where, max_blocks, "text blocks", "blocks")):
         at = f"{where}[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "image":
@@ -308,29 +301,21 @@ def _messages(body: Body, max_messages: int) -> tuple[dict[str, Any], ...]:
         raise BadRequest("'messages' is required (an array of messages)", param="messages")
     check_count("messages", raw, max_messages, "messages")
     out: list[dict[str, Any]] = []
-    for i, m in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise BadRequest(f"'{where}' must be an object, got {json_type(m)}", param=where)
-        msg = Body(m, where)
+    for msg in body.objects("messages"):
+        where = msg.path
         role = msg.get_str("role")
         if role not in ("user", "assistant"):
             raise BadRequest(
                 f"'{where}.role' must be user or assistant; got {role!r} (the system prompt is 'system')",
                 param=f"{where}.role",
             )
-        content = m.get("content")
+        content = msg.raw("content")
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
-        if not isinstance(content, list):
-            raise BadRequest(
-                f"'{where}.content' must be a string or an array of content blocks, got {json_type(content)}",
-                param=f"{where}.content",
-            )
-        check_count(f"{where}.content", content, max_messages, "blocks")
+        array_form(content, msg.name("content"), max_messages, "content blocks", "blocks")
         convert = _user if role == "user" else _assistant
-        out.extend(convert(content, f"{where}.content", max_messages))
+        out.extend(convert(msg, max_messages))
     if out and out[-1]["role"] == "assistant":
         raise BadRequest(
             f"'messages[{len(raw) - 1}]': a conversation ending with an assistant message (prefill) is "
@@ -341,14 +326,13 @@ def _messages(body: Body, max_messages: int) -> tuple[dict[str, Any], ...]:
 
 
 def _blocks(
-    content: list[Any], where: str, allowed: tuple[str, ...], other: tuple[str, ...]
+    msg: Body, allowed: tuple[str, ...], other: tuple[str, ...]
 ) -> list[tuple[str, dict[str, Any], str]]:
-    """(type, block, where) of each block, refusing types this role cannot send or this server cannot read."""
+    """(type, block, where) of each block of the message's content, refusing types this role cannot
+    send or this server cannot read."""
     out = []
-    for j, block in enumerate(content):
-        at = f"{where}[{j}]"
-        if not isinstance(block, dict):
-            raise BadRequest(f"'{at}' must be an object, got {json_type(block)}", param=at)
+    for entry in msg.objects("content"):
+        block, at = entry.data, entry.path
         kind = block.get("type")
         if kind == "image":
             raise BadRequest(f"'{at}': {NO_IMAGES}", param=at)
@@ -360,10 +344,10 @@ def _blocks(
     return out
 
 
-def _user(content: list[Any], where: str, max_blocks: int) -> list[dict[str, Any]]:
+def _user(msg: Body, max_blocks: int) -> list[dict[str, Any]]:
     """Tool results first (as `tool` messages), then the user's text."""
     tools, texts = [], []
-    for kind, block, at in _blocks(content, where, USER_BLOCKS, ASSISTANT_BLOCKS):
+    for kind, block, at in _blocks(msg, USER_BLOCKS, ASSISTANT_BLOCKS):
         if kind == "text":
             texts.append(_block_text(block, at, "text"))
             continue
@@ -381,9 +365,9 @@ def _user(content: list[Any], where: str, max_blocks: int) -> list[dict[str, Any
     return tools
 
 
-def _assistant(content: list[Any], where: str, max_blocks: int) -> list[dict[str, Any]]:
+def _assistant(msg: Body, max_blocks: int) -> list[dict[str, Any]]:
     texts, thoughts, calls = [], [], []
-    for kind, block, at in _blocks(content, where, ASSISTANT_BLOCKS, USER_BLOCKS):
+    for kind, block, at in _blocks(msg, ASSISTANT_BLOCKS, USER_BLOCKS):
         if kind == "text":
             texts.append(_block_text(block, at, "text"))
         elif kind == "thinking":

@@ -44,7 +44,6 @@ class MessageStream(ChunkStream[_Block]):
         self.message_id = message_id
         self._started = False
         self._blocks: list[_Block] = []
-        self._open: _Block | None = None
 
     def _start(self) -> list[Event]:
         if self._started:
@@ -107,10 +106,7 @@ class MessageStream(ChunkStream[_Block]):
         opened.arguments += fragment  # sent whole when the block closes
         return []
 
-    def _close(self) -> list[Event]:
-        block, self._open = self._open, None
-        if block is None:
-            return []
+    def _closing(self, block: _Block) -> list[Event]:
         out: list[Event] = []
         if block.kind == "tool_use":
             partial = json.dumps(tool_input(block.arguments), ensure_ascii=False)

@@ -17,9 +17,9 @@ from typing import Any
 
 from ...common.body import Body, json_type
 from ...common.errors import BadRequest
-from ..bounds import check_count
+from ..bounds import array_form, check_count
 from ..engine_options import engine_options
-from ..tools import tool_name
+from ..tools import tool_choice_mode, tool_name, tools_of_type
 
 ROLES = ("user", "system", "developer", "assistant")
 # Content part type -> the field holding its text.
@@ -225,16 +225,13 @@ def _text_format(body: Body) -> dict[str, Any]:
 
 
 # -- tools --------------------------------------------------------------------------------------
+_FUNCTION_TOOLS_ONLY = "is not supported by this server (function tools only)"
+
+
 def _tools(body: Body) -> tuple[dict[str, Any], ...]:
     out: list[dict[str, Any]] = []
-    for tool in body.objects("tools"):
+    for tool in tools_of_type(body, "function", None, _FUNCTION_TOOLS_ONLY):
         where = tool.path
-        kind = tool.get_str("type")
-        if kind != "function":
-            raise BadRequest(
-                f"'{where}': tool type {kind!r} is not supported by this server (function tools only)",
-                param=where,
-            )
         if tool.has("function") and not tool.has("name"):
             raise BadRequest(
                 f"'{where}' is in the Chat Completions shape; Responses tools are flat: "
@@ -257,13 +254,7 @@ def _tools(body: Body) -> tuple[dict[str, Any], ...]:
 def _tool_choice(body: Body, names: list[str]) -> str | dict[str, Any]:
     raw = body.raw("tool_choice", "auto")
     if isinstance(raw, str):
-        if raw not in ("auto", "none", "required"):
-            raise BadRequest(
-                f"'tool_choice' must be auto, none, required or a function; got {raw!r}", param="tool_choice"
-            )
-        if raw == "required" and not names:
-            raise BadRequest("'tool_choice' is 'required' but no 'tools' were given", param="tool_choice")
-        return raw
+        return tool_choice_mode(raw, ("auto", "none", "required"), names)
     if not isinstance(raw, dict):
         raise BadRequest(
             f"'tool_choice' must be a string or an object, got {json_type(raw)}", param="tool_choice"
@@ -289,14 +280,10 @@ def _input(body: Body, max_items: int) -> tuple[dict[str, Any], ...]:
         raise BadRequest("'input' is required", param="input")
     if isinstance(raw, str):
         return (_message_item(None, "user", [{"type": "input_text", "text": raw}]),)
-    if not isinstance(raw, list):
-        raise BadRequest(
-            f"'input' must be a string or an array of items, got {json_type(raw)}", param="input"
-        )
-    if not raw:
+    items = array_form(raw, "input", max_items, "items")
+    if not items:
         raise BadRequest("'input' must not be an empty array", param="input")
-    check_count("input", raw, max_items, "items")
-    return tuple(_item(item, f"input[{i}]", max_items) for i, item in enumerate(raw))
+    return tuple(_item(item, f"input[{i}]", max_items) for i, item in enumerate(items))
 
 
 def _item(raw: Any, where: str, max_parts: int) -> dict[str, Any]:
@@ -341,8 +328,7 @@ def _message(item: Body, max_parts: int) -> dict[str, Any]:
     content = item.raw("content")
     if isinstance(content, str):
         return {"type": "message", "role": role, "content": [_text_part(text_type, content)]}
-    where = item.name("content")
-    parts = _text_parts(content, where, max_parts)
+    parts = _text_parts(item, "content", max_parts)
     return {"type": "message", "role": role, "content": [_text_part(text_type, t) for t in parts]}
 
 
@@ -354,18 +340,12 @@ def _text_part(kind: str, text: str) -> dict[str, Any]:
     )
 
 
-def _text_parts(content: Any, where: str, max_parts: int) -> list[str]:
-    """The texts of an array of content parts; media parts are refused, naming the part."""
-    if not isinstance(content, list):
-        raise BadRequest(
-            f"'{where}' must be a string or an array of content parts, got {json_type(content)}", param=where
-        )
-    check_count(where, content, max_parts, "content parts")
+def _text_parts(item: Body, field: str, max_parts: int) -> list[str]:
+    """The texts of the item's array of content parts `field`; media parts are refused, naming the part."""
+    array_form(item.raw(field), item.name(field), max_parts, "content parts")
     texts = []
-    for j, part in enumerate(content):
-        at = f"{where}[{j}]"
-        if not isinstance(part, dict):
-            raise BadRequest(f"'{at}' must be an object, got {json_type(part)}", param=at)
+    for entry in item.objects(field):
+        part, at = entry.data, entry.path
         kind = part.get("type")
         if kind in MEDIA_PARTS:
             raise BadRequest(
@@ -397,9 +377,7 @@ def _function_call_output(item: Body, max_parts: int) -> dict[str, Any]:
     output = item.raw("output")
     if output is None:
         raise BadRequest(f"'{item.name('output')}' is required", param=item.name("output"))
-    text = (
-        output if isinstance(output, str) else "\n".join(_text_parts(output, item.name("output"), max_parts))
-    )
+    text = output if isinstance(output, str) else "\n".join(_text_parts(item, "output", max_parts))
     return {"type": "function_call_output", "call_id": _required_str(item, "call_id"), "output": text}
 
 

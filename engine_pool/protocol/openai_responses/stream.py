@@ -58,7 +58,6 @@ class ResponseStream(ChunkStream[_Item]):
         self._seq = 0
         self._started = False
         self._items: list[_Item] = []
-        self._open: _Item | None = None
 
     # -- events -------------------------------------------------------------------------------
     def _event(self, kind: str, **payload: Any) -> Event:
@@ -155,11 +154,7 @@ class ResponseStream(ChunkStream[_Item]):
             )
         ]
 
-    def _close(self) -> list[Event]:
-        """Close the open item: its done events, with its final state."""
-        item, self._open = self._open, None
-        if item is None:
-            return []
+    def _closing(self, item: _Item) -> list[Event]:
         out: list[Event] = []
         if item.kind == "function_call":
             assert item.call is not None

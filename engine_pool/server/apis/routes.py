@@ -21,13 +21,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ...common.body import Body, read_json
+from ...common.body import Body
 from ...common.errors import ApiError, BadRequest, NotFound
 from ...protocol import anthropic_messages, openai_responses
 from ...protocol.field_names import MESSAGES_FIELDS, RESPONSES_FIELDS, renamed
 from ...protocol.sse import NamedEvent, start_event_stream
 from ..chat_request import parse_chat
-from ..routes_llama import limits, runtime
+from ..routes_llama import aliased, limits_and_body, runtime
 from ..routes_openai import run_chat
 
 NO_STORE = (
@@ -64,8 +64,7 @@ async def _events(
 
 # -- Responses ----------------------------------------------------------------------------------
 async def create_response(request: Request) -> Response:
-    lim = limits(request)
-    body = await read_json(request, lim.body)
+    lim, body = await limits_and_body(request)
     req = openai_responses.parse_request(body.data, max_items=lim.max_messages)
     if req.previous_response_id:
         raise NotFound(
@@ -93,8 +92,7 @@ async def stored_response(request: Request) -> Response:
 
 # -- Messages -----------------------------------------------------------------------------------
 async def create_message(request: Request) -> Response:
-    lim = limits(request)
-    body = await read_json(request, lim.body)
+    lim, body = await limits_and_body(request)
     req = anthropic_messages.parse_request(body.data, max_messages=lim.max_messages)
     result = await _chat(request, anthropic_messages.chat_body(req), MESSAGES_FIELDS, empty_ok=True)
     message_id = "msg_" + secrets.token_hex(12)
@@ -109,8 +107,7 @@ async def count_tokens(request: Request) -> Response:
     and tokenized, as the chat path does before generating."""
     rt = runtime(request)
     engine = rt.require()
-    lim = limits(request)
-    body = await read_json(request, lim.body)
+    lim, body = await limits_and_body(request)
     req = anthropic_messages.parse_count_request(body.data, max_messages=lim.max_messages)
     try:
         chat = parse_chat(
@@ -134,12 +131,9 @@ async def count_tokens(request: Request) -> Response:
 
 
 ROUTES = [
-    Route("/v1/responses", create_response, methods=["POST"]),
-    Route("/responses", create_response, methods=["POST"]),
+    *aliased(create_response, ["POST"], "/v1/responses", "/responses"),
     Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
     Route("/v1/responses/{response_id}/input_items", stored_response, methods=["GET"]),
-    Route("/v1/messages", create_message, methods=["POST"]),
-    Route("/messages", create_message, methods=["POST"]),
-    Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
-    Route("/messages/count_tokens", count_tokens, methods=["POST"]),
+    *aliased(create_message, ["POST"], "/v1/messages", "/messages"),
+    *aliased(count_tokens, ["POST"], "/v1/messages/count_tokens", "/messages/count_tokens"),
 ]

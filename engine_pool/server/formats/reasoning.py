@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...protocol.chat_result import Reasoning  # one piece type for reasoning: our output, chat streams
 from ..grammar import THINK_CLOSE  # one spelling for this reader and the grammars' reasoning prefix
 from .calls import partial_suffix
 
@@ -29,11 +30,6 @@ _START, _THINKING, _AFTER, _CONTENT = "start", "thinking", "after", "content"
 def opened_by(prompt: str) -> bool:
     """Whether the rendered prompt leaves a reasoning block open for the model to continue."""
     return prompt.rstrip().endswith(THINK_OPEN)
-
-
-@dataclass(frozen=True)
-class Reasoning:
-    text: str
 
 
 @dataclass(frozen=True)

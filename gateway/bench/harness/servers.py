@@ -15,7 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,16 @@ INTERNAL_AUTH = {"Authorization": f"Bearer {INTERNAL_KEY}"}
 
 REGION = "us-east-1"
 CREDS = {"aws_access_key_id": "test", "aws_secret_access_key": "test", "region_name": REGION}
+# The same account for a process that reads it from its environment (boto3's variables).
+AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": CREDS["aws_access_key_id"],
+    "AWS_SECRET_ACCESS_KEY": CREDS["aws_secret_access_key"],
+    "AWS_DEFAULT_REGION": REGION,
+}
+
+# What holds the `gateway` package (a checkout or site-packages): the working directory of the
+# servers a benchmark starts with `python -m`.
+PACKAGE_ROOT = Path(__file__).resolve().parents[3]
 
 
 def is_engine_process(pid: int) -> bool:
@@ -69,6 +79,17 @@ def wait_until(probe: Any, proc: subprocess.Popen[bytes], what: str, timeout: fl
             pass
         time.sleep(0.1)
     raise RuntimeError(f"{what} not ready after {timeout}s")
+
+
+def eventually(what: str, check: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+    """`check()`'s first true value, polled until `timeout_s`; TimeoutError naming `what` after that."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise TimeoutError(f"{what}: not within {timeout_s} s")
 
 
 def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
@@ -149,31 +170,55 @@ def make_bucket(endpoint: str, bucket: str) -> None:
         client.close()
 
 
+class RedisProcess:
+    """A redis-server that keeps nothing on disk (the chart's default), killable and restartable on
+    the same port: back empty, as after a crash."""
+
+    def __init__(self, data: Path, port: int | None = None, host: str = "127.0.0.1") -> None:
+        self.port, self.host, self.data = port or free_port(), host, data
+        self.url = f"redis://{host}:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def argv(self) -> list[str]:
+        return [
+            "redis-server",
+            *("--port", str(self.port)),
+            *("--bind", self.host),
+            *("--save", ""),
+            *("--appendonly", "no"),
+            *("--dir", str(self.data)),
+        ]
+
+    def start(self, launch: Callable[[list[str], Path], subprocess.Popen[bytes]] | None = None) -> None:
+        """Start it (``launch``: how, e.g. inside a network namespace; default: here) and wait for PONG."""
+        if launch is not None:
+            self.proc = launch(self.argv(), self.data / "redis.log")
+        else:
+            with open(self.data / "redis.log", "ab") as log:
+                self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=log, start_new_session=True)
+        wait_until(lambda: self.command("PING") == b"+PONG", self.proc, "redis-server")
+
+    def command(self, *words: str) -> bytes:
+        """One command over RESP, its first reply line (``+OK``, ``+PONG``, ``:1``...)."""
+        wire = f"*{len(words)}\r\n" + "".join(f"${len(w.encode())}\r\n{w}\r\n" for w in words)
+        with socket.create_connection((self.host, self.port), timeout=5) as s:
+            s.sendall(wire.encode())
+            return s.recv(4096).split(b"\r\n", 1)[0]
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            stop(self.proc, signal.SIGKILL)
+
+
 @contextmanager
 def redis_server(data: Path) -> Iterator[int]:
     """A redis-server with no persistence on a free port; yields the port."""
-    port = free_port()
-    cmd = [
-        "redis-server",
-        *("--port", str(port)),
-        *("--bind", "127.0.0.1"),
-        *("--save", ""),
-        *("--appendonly", "no"),
-        *("--dir", str(data)),
-    ]
-    with open(data / "redis.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
-
-    def ping() -> bool:
-        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-
+    server = RedisProcess(data)
+    server.start()
     try:
-        wait_until(ping, proc, "redis-server")
-        yield port
+        yield server.port
     finally:
-        stop(proc)
+        server.kill()
 
 
 def http_answers(url: str) -> bool:

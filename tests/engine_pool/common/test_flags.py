@@ -44,12 +44,47 @@ def test_errors_name_the_flag_or_variable() -> None:
         read(["--port", "1", "--secret", "s"], {})
 
 
-def test_a_variable_is_derived_from_its_field_unless_declared() -> None:
+def test_a_variable_is_derived_from_its_first_long_flag_unless_declared() -> None:
     assert flags.env_name("lock_ttl_s") == "SLOTKEEPER_LOCK_TTL_S"
     derived = flags.Flag("lock_ttl_s", ("--lock-ttl-s",), float, "ttl", default=15.0)
     assert derived.env == "SLOTKEEPER_LOCK_TTL_S"
     assert read([], {"SLOTKEEPER_LOCK_TTL_S": "2.5"}, (derived,)) == {"lock_ttl_s": 2.5}
     assert TABLE[0].env == "X_PORT"
+    # llama-server's names: the first long flag, not the field nor a later alias
+    assert flags.int_flag("n_ctx", "-c --ctx-size --context", 1, "ctx").env == "SLOTKEEPER_CTX_SIZE"
+    # a list is named after its field; a variable-only row too
+    assert flags.list_flag("models", "-m --model", "models").env == "SLOTKEEPER_MODELS"
+    assert flags.str_flag("internal_key", "", None, "key").env == "SLOTKEEPER_INTERNAL_KEY"
+    assert flags.switch("verbose", "-v --log-verbose", "all", variable="SLOTKEEPER_VERBOSE").env == (
+        "SLOTKEEPER_VERBOSE"
+    )
+
+
+def test_the_constructors_write_the_same_rows() -> None:
+    port = flags.within(0, 65535)
+    assert flags.int_flag("port", "-p --port", 80, "port", port) == flags.Flag(
+        "port", ("-p", "--port"), flags.parse_int, "port", 80, port
+    )
+    assert flags.bytes_flag("size", "--size", 1 << 20, "size").parse is flags.parse_bytes
+    assert flags.float_flag("ttl", "--ttl", 1.0, "ttl").parse is float
+    assert flags.bool_flag("fa", "-fa", False, "on/off") == flags.Flag(
+        "fa", ("-fa",), flags.parse_bool, "on/off", False
+    )
+    assert flags.str_flag("secret", "", None, "only a variable").flags == ()
+    assert flags.flag("model", "-m", flags.NO_DEFAULT, "model", required=True).required
+    on = flags.switch("metrics", "--metrics", "serve /metrics")
+    assert (on.switch, on.default, on.parse) == (True, False, flags.parse_bool)
+    many = flags.list_flag("names", "--name", "names")
+    assert (many.repeat, many.default, read(["--name", "a", "--name", "b"], {}, (many,))) == (
+        True,
+        (),
+        {"names": ("a", "b")},
+    )
+
+
+def test_one_of_names_the_choices_as_the_error_says_them() -> None:
+    ok, what = flags.one_of("on", "off", "auto")
+    assert (ok("off"), ok("maybe"), what) == (True, False, "on, off or auto")
 
 
 def test_a_row_carries_its_default_and_its_check() -> None:

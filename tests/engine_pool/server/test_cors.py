@@ -8,6 +8,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -53,34 +54,26 @@ def admits(r: httpx.Response, origin: str, headers: tuple[str, ...], *, credenti
     return preflight_admits(r.status_code, r.headers, origin, "POST", headers, credentials=credentials)
 
 
-@pytest.fixture(scope="module")
-def default_engine(
-    models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EngineProcess]:
-    """llama-server's CORS defaults (any origin, credentials on), behind a key."""
-    yield from run_engine(tmp_path_factory, models["llama"], "--api-key", KEY)
+def _llama_engine(*args: str) -> Any:
+    """A module-scoped fixture: an engine on the tiny llama model, started with `args`."""
+
+    @pytest.fixture(scope="module")
+    def engine(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+        yield from run_engine(tmp_path_factory, models["llama"], *args)
+
+    return engine
 
 
-@pytest.fixture(scope="module")
-def local_engine(
-    models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EngineProcess]:
-    """Only this machine's pages, which may send a key; no credentials; two methods."""
-    yield from run_engine(
-        tmp_path_factory,
-        models["llama"],
-        *("--cors-origins", "localhost"),
-        *("--cors-headers", "Authorization, Content-Type"),
-        "--no-cors-credentials",
-        *("--cors-methods", "GET, POST"),
-    )
-
-
-@pytest.fixture(scope="module")
-def proxy_engine(
-    models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EngineProcess]:
-    yield from run_engine(tmp_path_factory, models["llama"], "--api-key", KEY, "--ui-mcp-proxy")
+# llama-server's CORS defaults (any origin, credentials on), behind a key.
+default_engine = _llama_engine("--api-key", KEY)
+# Only this machine's pages, which may send a key; no credentials; two methods.
+local_engine = _llama_engine(
+    *("--cors-origins", "localhost"),
+    *("--cors-headers", "Authorization, Content-Type"),
+    "--no-cors-credentials",
+    *("--cors-methods", "GET, POST"),
+)
+proxy_engine = _llama_engine("--api-key", KEY, "--ui-mcp-proxy")
 
 
 class _Capture(BaseHTTPRequestHandler):

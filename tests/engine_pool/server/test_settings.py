@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from support.variables import slotkeeper_env
 
 from engine_pool.common.body import BodyLimits
 from engine_pool.server.engine_main import main
@@ -83,12 +84,7 @@ def test_llama_server_flags_keep_their_meaning() -> None:
 
 
 def test_environment_fills_in_and_the_command_line_wins() -> None:
-    env = {
-        "SLOTKEEPER_MODEL": "env.gguf",
-        "SLOTKEEPER_PARALLEL": "3",
-        "SLOTKEEPER_PORT": "7000",
-        "SLOTKEEPER_SWA_FULL": "yes",
-    }
+    env = slotkeeper_env(model="env.gguf", parallel="3", port="7000", swa_full="yes")
     s = parse_settings(["--port", "7001"], env)
     assert (s.model, s.n_slots, s.port, s.swa_full) == ("env.gguf", 3, 7001, True)
     assert parse_settings(["-m", "x"], {}).model_id == "x"
@@ -139,6 +135,29 @@ def test_every_field_has_exactly_one_row() -> None:
     assert len(flags) == len(set(flags))
     switches = {f.field for f in FLAGS if f.switch}
     assert {field for field, _ in SWITCHES_OFF} <= switches  # only a switch can be turned off again
+
+
+# The variables keep llama-server's names (LLAMA_ARG_CTX_SIZE → SLOTKEEPER_CTX_SIZE), not the fields'.
+LLAMA_SERVER_VARIABLES = {
+    "n_slots": "PARALLEL",
+    "n_ctx": "CTX_SIZE",
+    "n_batch": "BATCH_SIZE",
+    "n_ubatch": "UBATCH_SIZE",
+    "n_threads": "THREADS",
+    "n_gpu_layers": "N_GPU_LAYERS",
+    "temperature": "TEMP",
+    "max_checkpoints": "CTX_CHECKPOINTS",
+    "slot_wait_s": "SLOT_WAIT_TIMEOUT",
+    "retry_after_s": "RETRY_AFTER",
+    "shutdown_grace_s": "SHUTDOWN_GRACE",
+    "verbose": "VERBOSE",
+    "ui_mcp_proxy": "UI_MCP_PROXY",
+}
+
+
+def test_variables_keep_llama_servers_names() -> None:
+    env = {f.field: f.env.removeprefix("SLOTKEEPER_") for f in FLAGS if f.field in LLAMA_SERVER_VARIABLES}
+    assert env == LLAMA_SERVER_VARIABLES
 
 
 def test_main_returns_2_on_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
@@ -218,17 +237,17 @@ def test_drop_in_switches_and_their_opposites() -> None:
 
 
 def test_drop_in_variables_and_the_command_line_over_them() -> None:
-    env = {
-        "SLOTKEEPER_CONTEXT_SHIFT": "on",
-        "SLOTKEEPER_NO_SLOTS": "1",
-        "SLOTKEEPER_METRICS": "yes",
-        "SLOTKEEPER_KV_UNIFIED": "on",
-        "SLOTKEEPER_CACHE_TYPE_K": "q8_0",
-        "SLOTKEEPER_CACHE_TYPE_V": "q4_0",
-        "SLOTKEEPER_TAGS": "a,b",
-        "SLOTKEEPER_CORS_ORIGINS": "https://x.example",
-        "SLOTKEEPER_VERBOSE": "on",
-    }
+    env = slotkeeper_env(
+        context_shift="on",
+        no_slots="1",
+        metrics="yes",
+        kv_unified="on",
+        cache_type_k="q8_0",
+        cache_type_v="q4_0",
+        tags="a,b",
+        cors_origins="https://x.example",
+        verbose="on",
+    )
     s = parse_settings(["-m", "m"], env)
     assert (s.context_shift, s.no_slots, s.metrics, s.kv_unified, s.verbose) == (True,) * 5
     assert (s.cache_type_k, s.cache_type_v, s.model_tags, s.cors_origin_list) == (
