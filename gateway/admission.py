@@ -138,4 +138,6 @@ async def admit(parts: TurnParts, admissions: dict[str, Admission], opening: Ope
     if refused is not None:
         raise refused
     parts.cluster.saw_epoch(start.registry_epoch)
+    if parts.healing is not None:
+        parts.healing.saw(start.index_epoch, start.index_built)
     return Admitted(start, own)

@@ -25,6 +25,7 @@ from engine_pool.common.flags import env_name
 from engine_pool.common.http_deadlines import header_deadline
 from gateway.app import build_app
 from gateway.cluster import Cluster
+from gateway.healing import IndexHealing
 from gateway.metrics import Metrics
 from gateway.relay import engine_session
 from gateway.retention import Retention
@@ -35,15 +36,13 @@ from gateway.turn import TurnSettings
 from gateway.turn_parts import TurnParts
 from gateway.turns import TurnRunner
 from storage.blobs.blobstore import BlobStore
-from storage.blobs.localstore import LocalStore
-from storage.blobs.s3client import make_s3_client
-from storage.blobs.s3store import S3Store
+from storage.blobs.location import open_blob_store
 from storage.blobs.stored_responses import ResponseStore
 from storage.chunks.chunkstore import ChunkedStore
 from storage.chunks.ledger import ChunkLedger
 from storage.index.engines import EngineRegistry
+from storage.index.epoch import IndexEpoch
 from storage.index.locks import SessionLocks
-from storage.index.reindex import reindex
 from storage.index.session_index import SessionIndex, in_process_redis
 from storage.probe import check_backends
 
@@ -51,19 +50,9 @@ log = structlog.get_logger("slotkeeper.gateway")
 
 
 def make_store(settings: GatewaySettings, redis: Any) -> ChunkedStore:
-    """S3 when an endpoint or bucket is configured, else a directory under --data-dir; sessions are
+    """S3 when a bucket is configured, else a directory under --data-dir; sessions are
     stored in chunks (storage.chunks.chunkstore), shared pieces accounted on `redis`."""
-    inner: BlobStore
-    if settings.s3_bucket:
-        client = make_s3_client(
-            endpoint_url=settings.s3_endpoint,
-            region=settings.s3_region,
-            access_key=settings.s3_access_key,
-            secret_key=settings.s3_secret_key,
-        )
-        inner = S3Store(client, settings.s3_bucket, prefix=settings.s3_prefix)
-    else:
-        inner = LocalStore(Path(settings.data_dir) / "blobs", prefix=settings.s3_prefix)
+    inner = open_blob_store(settings, Path(settings.data_dir) / "blobs")
     return ChunkedStore(inner, ChunkLedger(redis, prefix=settings.redis_prefix))
 
 
@@ -88,15 +77,10 @@ async def services(
         headers=auth_headers(settings.internal_key),
     )
     engines = engine_session(auth_headers(settings.internal_key), settings.request_timeout_s)
-    if settings.redis_url is None:
-        # The in-process index starts empty: storage is the source of truth for spilled sessions.
-        report = await reindex(store, index)
-        log.info(
-            "gateway.reindexed",
-            sessions=report.sessions,
-            restored=report.restored,
-            skipped=len(report.skipped),
-        )
+    # A lost index is noticed and rebuilt from the store (gateway.healing). The in-process index
+    # starts empty every time: it is built before the gateway serves.
+    healing = IndexHealing(IndexEpoch(redis, prefix=settings.redis_prefix), store, index, metrics)
+    await healing.start(wait=settings.redis_url is None)
     cluster = Cluster(registry, index, settings.nodes, http, sample=settings.placement_sample)
     retention = None
     if isinstance(store, ChunkedStore):
@@ -112,11 +96,13 @@ async def services(
         inflight_ttl_s=settings.request_timeout_s + 60,
     )
     superseded = retention.collect_soon if retention is not None else None
-    parts = TurnParts(cluster, index, locks, store, metrics, turn_settings, engines, tenants, superseded)
+    parts = TurnParts(
+        cluster, index, locks, store, metrics, turn_settings, engines, tenants, superseded, healing
+    )
     runner = TurnRunner(parts)
-    task = None
+    tasks = [asyncio.create_task(healing.watch(), name="index-watch")]
     if retention is not None:
-        task = asyncio.create_task(retention.run(runner.delete), name="retention")
+        tasks.append(asyncio.create_task(retention.run(runner.delete), name="retention"))
     try:
         yield Services(
             settings,
@@ -134,8 +120,9 @@ async def services(
             retention,
         )
     finally:
-        if task is not None:
+        for task in tasks:
             await event_loop.cancel_and_wait(task)
+        await healing.close()
         await http.aclose()
         await engines.aclose()
         for node in parts.nodes.values():

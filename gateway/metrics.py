@@ -8,6 +8,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine_pool.common.http_middleware import HttpMiddleware
+from engine_pool.common.metric_families import Families
 from engine_pool.protocol.metric_labels import route_label
 
 # Routes that are not load: probes and scrapes stay out of `requests_in_flight`, which the chart's
@@ -17,71 +19,68 @@ NOT_LOAD = frozenset({"/health", "/ready", "/metrics"})
 
 class Metrics:
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "slotkeeper_gateway_requests", "Requests by path and status", ["path", "status"], registry=r
-        )
-        self.served = Counter(
-            "slotkeeper_gateway_sessions_served", "Turns by how the session was served", ["cache"], registry=r
-        )
-        self.prompt_tokens = Counter(
-            "slotkeeper_gateway_prompt_tokens", "Prompt tokens evaluated vs reused", ["kind"], registry=r
-        )
-        self.tenant_prompt_tokens = Counter(
-            "slotkeeper_gateway_tenant_prompt_tokens",
+        self.registry = CollectorRegistry()
+        family = Families(self.registry, "slotkeeper_gateway_")
+        self.requests = family(Counter, "requests", "Requests by path and status", "path", "status")
+        self.served = family(Counter, "sessions_served", "Turns by how the session was served", "cache")
+        self.prompt_tokens = family(Counter, "prompt_tokens", "Prompt tokens evaluated vs reused", "kind")
+        self.tenant_prompt_tokens = family(
+            Counter,
+            "tenant_prompt_tokens",
             "Prompt tokens evaluated vs reused, by tenant and how the session was served (live, restored, "
             "prefix: from a slot of the tenant sharing its prefix, stored-prefix, cold)",
-            ["tenant", "kind", "served"],
-            registry=r,
+            "tenant",
+            "kind",
+            "served",
         )
-        self.volatile_blocks = Counter(
-            "slotkeeper_gateway_volatile_blocks",
+        self.volatile_blocks = family(
+            Counter,
+            "volatile_blocks",
             "Requests a volatile-block rule changed before rendering, by rule",
-            ["rule"],
-            registry=r,
+            "rule",
         )
-        self.restores_reprefilled = Counter(
-            "slotkeeper_gateway_restores_reprefilled",
+        self.restores_reprefilled = family(
+            Counter,
+            "restores_reprefilled",
             "Restored turns that still re-evaluated the whole prompt (alert on this)",
-            registry=r,
         )
-        self.restore_failures = Counter(
-            "slotkeeper_gateway_restore_failures",
-            "Fills refused (damaged/foreign file): served cold",
-            registry=r,
+        self.restore_failures = family(
+            Counter, "restore_failures", "Fills refused (damaged/foreign file): served cold"
         )
-        self.evictions = Counter("slotkeeper_gateway_evictions", "Idle sessions spilled for room", registry=r)
-        self.spill_bytes = Counter(
-            "slotkeeper_gateway_spill_bytes", "Bytes of slot files saved", ["why"], registry=r
+        self.store_outage_reprefills = family(
+            Counter,
+            "store_outage_reprefills",
+            "Turns of stored sessions served from the whole prompt while the store was down (the "
+            "tenant's on_store_outage = reprefill)",
         )
-        self.store_written = Counter(
-            "slotkeeper_gateway_store_written_bytes",
+        self.evictions = family(Counter, "evictions", "Idle sessions spilled for room")
+        self.index_rebuilds = family(Counter, "index_rebuilds", "Lost indexes rebuilt here from the store")
+        self.index_recovered = family(Counter, "index_recovered", "Sessions found in the store while healing")
+        self.spill_bytes = family(Counter, "spill_bytes", "Bytes of slot files saved", "why")
+        self.store_written = family(
+            Counter,
+            "store_written_bytes",
             "Bytes saves added to the store (only chunks it lacked, the tail and the manifest)",
-            ["why"],
-            registry=r,
+            "why",
         )
-        self.spill_seconds = Histogram(
-            "slotkeeper_gateway_spill_seconds", "Save + upload time of a slot", ["why"], registry=r
+        self.spill_seconds = family(Histogram, "spill_seconds", "Save + upload time of a slot", "why")
+        self.saves_skipped = family(
+            Counter, "saves_skipped", "After-turn saves not made, by reason", "reason"
         )
-        self.saves_skipped = Counter(
-            "slotkeeper_gateway_saves_skipped", "After-turn saves not made, by reason", ["reason"], registry=r
-        )
-        self.early_starts = Counter(
-            "slotkeeper_gateway_early_starts",
+        self.early_starts = family(
+            Counter,
+            "early_starts",
             "Warm turns sent to their slot before the opening read, by outcome: answered (the read "
             "confirmed it), abandoned (not confirmed: sent again as usual, or refused), refused (the "
             "engine had restarted: sent again as usual)",
-            ["outcome"],
-            registry=r,
+            "outcome",
         )
-        self.ttft = Histogram(
-            "slotkeeper_gateway_ttft_seconds", "Time to the engine's first byte", registry=r
-        )
-        self.in_flight = Gauge(
-            "slotkeeper_gateway_requests_in_flight",
+        self.ttft = family(Histogram, "ttft_seconds", "Time to the engine's first byte")
+        self.in_flight = family(
+            Gauge,
+            "requests_in_flight",
             "Requests being answered now, streams until their last byte or the client's disconnect"
             " (probes and scrapes excluded)",
-            registry=r,
         )
 
     def turn_served(self, tenant: str, cache: str, timings: dict[str, Any]) -> None:
@@ -102,7 +101,7 @@ class Metrics:
         self.spill_seconds.labels(why).observe(ms / 1000)
 
 
-class RequestCounter:
+class RequestCounter(HttpMiddleware):
     """ASGI middleware: one count per response, by route template and status (streams included),
     and the requests in flight: from the request's arrival until the app returns — for a stream,
     after its last chunk or the client's disconnect; for a request that raised, when the exception
@@ -110,14 +109,11 @@ class RequestCounter:
     `other`: a client cannot mint series."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics, routes: Sequence[Any]) -> None:
-        self.app = app
+        super().__init__(app)
         self.metrics = metrics
         self.routes = routes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = route_label(scope["path"], self.routes)
 
         async def counted(message: Message) -> None:

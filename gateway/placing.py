@@ -18,7 +18,7 @@ import structlog
 
 from engine_pool.common.errors import QuotaExceeded, Unavailable
 from engine_pool.pool.client import NodeClient, NodeError
-from gateway.cluster import EngineRef
+from engine_pool.protocol.node import FillResult
 from gateway.eviction import evict
 from gateway.holds import SessionHold
 from gateway.placement import (
@@ -226,72 +226,52 @@ async def _place_by_pool_view(
         prep = slot_prep(
             placement, tenant.name, forked_from or record.session, generation, holder, cut, prompt, shares
         )
-        placement = await _prepare(parts, engine, node, placement, prep, tenant.name, record.session, prompt)
+        placed = Placed(placement, engine.url, node)
+        return await _prepare(parts, placed, prep, tenant.name, record.session, prompt)
     except BaseException:
         reservations.release((placement.engine, placement.slot))
         raise
-    return Placed(placement, engine.url, node)
 
 
 async def _prepare(
-    parts: TurnParts,
-    engine: EngineRef,
-    node: NodeClient,
-    placement: Placement,
-    prep: SlotPrep,
-    tenant: str,
-    session: str,
-    prompt: RestorePrompt | None,
-) -> Placement:
-    """Carry `prep` out; the placement as served. A restore the node refuses (damaged, gone) is
-    served cold instead; a node or store that is down fails this request (the session stays)."""
+    parts: TurnParts, placed: Placed, prep: SlotPrep, tenant: str, session: str, prompt: RestorePrompt | None
+) -> Placed:
+    """Carry `prep` out in the slot `placed` names; as served. A restore the node refuses (damaged,
+    gone) is served cold instead; a node or store that is down fails this request (the session
+    stays), unless the store is down and the tenant's policy says to re-prefill (`on_store_outage`)."""
+    placement, node = placed.placement, placed.node
     try:
         if placement.serve is Serve.RESTORE:
-            assert prep.fill is not None
-            tokens = await _prompt_tokens(parts, prompt, engine.url) if prep.tokens else None
-            await node.fill(
-                engine.engine,
-                placement.slot,
-                tenant=tenant,
-                session=prep.fill,
-                generation=prep.generation,
-                tokens=tokens,
-            )
+            tokens = await _prompt_tokens(parts, prompt, placed.engine_url) if prep.tokens else None
+            await _fill(placed, tenant, prep, tokens)
         elif placement.serve is Serve.COLD:
-            placement = await _prepare_cold(parts, engine, node, placement, prep, tenant, prompt)
+            return await _prepare_cold(parts, placed, prep, tenant, prompt)
     except NodeError as exc:
+        store_down = exc.code == "store_unavailable"
         if placement.serve is Serve.RESTORE and exc.status < 500:
             log.warning("session.restore_failed", tenant=tenant, session=session, error=str(exc))
             parts.metrics.restore_failures.inc()
-            await node.erase(engine.engine, placement.slot)
-            return replace(placement, serve=Serve.COLD, prefix_from=None, prefix_stored=False)
-        # the node or its store is down: this request fails, the session stays as it was
-        raise Unavailable(f"could not prepare the slot: {exc.message}", retry_after=1) from exc
-    return placement
+        elif placement.serve is Serve.RESTORE and store_down and parts.reprefills(tenant):
+            # The store is down and the tenant would rather pay a full prefill than wait for it.
+            log.warning("session.restore_deferred", tenant=tenant, session=session, error=str(exc))
+            parts.metrics.store_outage_reprefills.inc()
+        else:  # the node or its store is down: this request fails, the session stays as it was
+            raise Unavailable(f"could not prepare the slot: {exc.message}", retry_after=1) from exc
+        await node.erase(placement.engine, placement.slot)
+        cold = replace(placement, serve=Serve.COLD, prefix_from=None, prefix_stored=False)
+        return replace(placed, placement=cold)
+    return placed
 
 
 async def _prepare_cold(
-    parts: TurnParts,
-    engine: EngineRef,
-    node: NodeClient,
-    placement: Placement,
-    prep: SlotPrep,
-    tenant: str,
-    prompt: RestorePrompt | None,
-) -> Placement:
+    parts: TurnParts, placed: Placed, prep: SlotPrep, tenant: str, prompt: RestorePrompt | None
+) -> Placed:
+    placement = placed.placement
     if prep.prefix and prep.fill is not None:
-        tokens = await _prompt_tokens(parts, prompt, engine.url)
+        tokens = await _prompt_tokens(parts, prompt, placed.engine_url)
         if tokens:
             try:
-                out = await node.fill(
-                    engine.engine,
-                    placement.slot,
-                    tenant=tenant,
-                    session=prep.fill,
-                    generation=prep.generation,
-                    tokens=tokens,
-                    prefix=True,
-                )
+                out = await _fill(placed, tenant, prep, tokens)
             except NodeError as exc:
                 # Damaged, gone, or the store away: the prompt is evaluated in full instead (the
                 # same answer), and the slot is cleared below (a node that is down fails there).
@@ -299,10 +279,26 @@ async def _prepare_cold(
                 parts.metrics.restore_failures.inc()
             else:
                 if out.source != "none":
-                    return replace(placement, prefix_from=prep.fill, prefix_stored=True)
+                    started = replace(placement, prefix_from=prep.fill, prefix_stored=True)
+                    return replace(placed, placement=started)
     if prep.erase:
-        await node.erase(engine.engine, placement.slot)
-    return placement
+        await placed.node.erase(placement.engine, placement.slot)
+    return placed
+
+
+async def _fill(placed: Placed, tenant: str, prep: SlotPrep, tokens: list[int] | None) -> FillResult:
+    """Fill the slot with the stored generation `prep` names (a shared prefix when `prep.prefix`)."""
+    assert prep.fill is not None
+    where = placed.placement
+    return await placed.node.fill(
+        where.engine,
+        where.slot,
+        tenant=tenant,
+        session=prep.fill,
+        generation=prep.generation,
+        tokens=tokens,
+        prefix=prep.prefix,
+    )
 
 
 async def _prompt_tokens(parts: TurnParts, prompt: RestorePrompt | None, engine_url: str) -> list[int] | None:

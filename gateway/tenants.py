@@ -25,6 +25,10 @@ The tenants file is TOML:
                                          # starts from another's system prompt and tools); false
                                          # keeps each session's state its own
     idle_ttl_s = 2592000                 # a session unused this long is deleted (default: never)
+    on_store_outage = "wait"             # a session only the store holds, while the store is down:
+                                         # "wait" answers 503 + Retry-After (its state comes back
+                                         # with the store); "reprefill" serves the turn at once
+                                         # from the whole prompt (the same answer, at full cost)
 
     [[tenants.acme.volatile]]            # a volatile block (engine_pool/protocol/volatile.py):
     name = "request-stamp"               # lines matching `pattern` are dropped or moved to the end
@@ -59,6 +63,13 @@ class Durability(StrEnum):
     ON_EVICT = "on-evict"
 
 
+class StoreOutage(StrEnum):
+    """What a turn does whose session's state only the store holds while the store is down."""
+
+    WAIT = "wait"  # 503 + Retry-After
+    REPREFILL = "reprefill"  # served from the whole prompt
+
+
 @dataclass(frozen=True)
 class Quotas:
     sessions: int | None = None
@@ -80,6 +91,7 @@ class Tenant:
     any_name: bool = False  # any model name means the one served model (no tenants file)
     volatile: tuple[VolatileRule, ...] = BUILTIN_RULES  # applied to every request, in order
     default_max_tokens: int | None = None  # output cap without max_tokens (None: --default-max-tokens)
+    store_outage: StoreOutage = StoreOutage.WAIT
 
     def model_id(self, requested: str, served: set[str]) -> str | None:
         """The served model a requested name means for this tenant, else None: an exact alias, the
@@ -141,10 +153,10 @@ def _int_or_none(raw: dict[str, Any], name: str, where: str) -> int | None:
     return value
 
 
-def _storage(raw: Any, where: str) -> tuple[bool, float | None]:
+def _storage(raw: Any, where: str) -> tuple[bool, float | None, StoreOutage]:
     if not isinstance(raw, dict):
         raise TenantConfigError(f"{where}.storage must be a table")
-    unknown = set(raw) - {"share_chunks", "idle_ttl_s"}
+    unknown = set(raw) - {"share_chunks", "idle_ttl_s", "on_store_outage"}
     if unknown:
         raise TenantConfigError(f"{where}.storage has unknown keys: {', '.join(sorted(unknown))}")
     share = raw.get("share_chunks", True)
@@ -153,7 +165,11 @@ def _storage(raw: Any, where: str) -> tuple[bool, float | None]:
     ttl = raw.get("idle_ttl_s")
     if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0):
         raise TenantConfigError(f"{where}.storage.idle_ttl_s must be a positive number of seconds")
-    return share, None if ttl is None else float(ttl)
+    try:
+        outage = StoreOutage(raw.get("on_store_outage", StoreOutage.WAIT.value))
+    except ValueError:
+        raise TenantConfigError(f"{where}.storage.on_store_outage must be 'wait' or 'reprefill'") from None
+    return share, None if ttl is None else float(ttl), outage
 
 
 def _volatile(raw: dict[str, Any], where: str) -> tuple[VolatileRule, ...]:
@@ -215,7 +231,7 @@ def parse_tenants(doc: dict[str, Any]) -> Tenants:
         if not isinstance(q, dict):
             raise TenantConfigError(f"{where}.quotas must be a table")
         quotas = Quotas(**{f: _int_or_none(q, f, where) for f in Quotas.__dataclass_fields__})
-        share, ttl = _storage(raw.get("storage", {}), where)
+        share, ttl, outage = _storage(raw.get("storage", {}), where)
         cap = raw.get("default_max_tokens")
         if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or not 0 <= cap < 2**31):
             raise TenantConfigError(
@@ -231,6 +247,7 @@ def parse_tenants(doc: dict[str, Any]) -> Tenants:
             ttl,
             volatile=_volatile(raw, where),
             default_max_tokens=cap,
+            store_outage=outage,
         )
     return Tenants(out, open_access=False)
 

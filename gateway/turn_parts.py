@@ -14,10 +14,11 @@ from engine_pool.common.errors import Unavailable
 from engine_pool.pool.client import NodeClient
 from gateway.cluster import Cluster
 from gateway.engine_http import EngineHttp
+from gateway.healing import IndexHealing
 from gateway.holds import Holds
 from gateway.metrics import Metrics
 from gateway.reservations import SlotReservations
-from gateway.tenants import Tenants
+from gateway.tenants import StoreOutage, Tenants
 from gateway.turn import TurnSettings
 from storage.blobs.blobstore import BlobStore
 from storage.index.locks import SessionLocks
@@ -35,6 +36,7 @@ class TurnParts:
     engines: EngineHttp | None = None  # engine requests (asking an engine for a prompt's tokens)
     tenants: Tenants | None = None
     superseded: Callable[[str], None] | None = None  # told the tenant whose stored generations went
+    healing: IndexHealing | None = None  # a lost index noticed and rebuilt (gateway.healing)
     nodes: dict[str, NodeClient] = field(default_factory=dict)  # node id -> client (made on first use)
     holds: Holds = field(init=False)  # the session locks this process holds
     reserved: SlotReservations = field(default_factory=SlotReservations)  # chosen, not yet recorded
@@ -58,6 +60,12 @@ class TurnParts:
         """Whether the tenant's sessions share stored chunks (a tenants-file setting, default yes)."""
         known = self.tenants.by_name.get(tenant) if self.tenants is not None else None
         return known.share_chunks if known is not None else True
+
+    def reprefills(self, tenant: str) -> bool:
+        """Whether the tenant's turns re-prefill rather than wait while the store is down (its
+        `on_store_outage`; default: wait, 503 + Retry-After)."""
+        known = self.tenants.by_name.get(tenant) if self.tenants is not None else None
+        return known is not None and known.store_outage is StoreOutage.REPREFILL
 
     def told_superseded(self, tenant: str) -> None:
         if self.superseded is not None:

@@ -104,6 +104,9 @@ class TurnRunner:
             record = hold.record
             if record is None and hold.lock is not start.lock:  # the opening read's record is current
                 record = await parts.index.find(tenant.name, session)
+            if record is None and parts.healing is not None and source not in ("new", "fork"):
+                record = await parts.healing.recover(tenant.name, session)  # a lost record, found again
+                hold.record = record
             if record is None:
                 refused = new_session_refusal(tenant, start)
                 if refused is not None:

@@ -79,12 +79,24 @@ def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     server.kill()
 
 
+def _own(server: Any) -> Iterator[Any]:
+    """``server`` started for one test, which may kill it and start it again; killed after."""
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def restartable_redis(tmp_path: Path) -> Iterator[Any]:
+    """A redis-server of this test's own that keeps nothing on disk: restarted, it is back empty."""
+    from gateway.bench.harness.servers import RedisProcess
+
+    yield from _own(RedisProcess(tmp_path))
+
+
 @pytest.fixture
 def restartable_moto(tmp_path: Path) -> Iterator[Any]:
     """A moto server of this test's own, bucket ``slots`` created, that the test may kill."""
     from gateway.bench.harness.servers import MotoProcess
 
-    server = MotoProcess(tmp_path)
-    server.start()
-    yield server
-    server.kill()
+    yield from _own(MotoProcess(tmp_path))

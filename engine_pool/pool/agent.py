@@ -40,14 +40,23 @@ from starlette.routing import Route
 
 from storage.blobs.blobstore import BlobStore
 from storage.blobs.spillcache import SpillCache, stored_as
-from storage.errors import LockBusy, LockLost, StorageError, StoreUnavailable, WriteConflict
+from storage.errors import (
+    ChecksumError,
+    LockBusy,
+    LockLost,
+    SlotFileError,
+    StorageError,
+    StoreUnavailable,
+    WriteConflict,
+)
 from storage.ids import SlotRef, validate_id
 from storage.index.engines import EngineRegistry
 from storage.index.generations import save_as_next_generation
 from storage.index.prefix_digests import STORED_ROUTES
 from storage.index.session_index import SessionIndex, SessionState
-from storage.slotfile.reader import read_slot_file, whole_file_crc32
+from storage.slotfile.reader import SlotFile, read_slot_file, whole_file_crc32
 
+from ..common.answer_body import answer_json, error_object
 from ..common.body import read_json
 from ..common.credentials import RequireKey
 from ..common.errors import (
@@ -307,7 +316,7 @@ class NodeAgent:
         except StorageError as exc:
             await asyncio.to_thread(src.unlink, missing_ok=True)
             raise Upstream(f"engine {sup.spec.engine_id} wrote an unreadable slot file: {exc}") from exc
-        written = await self._keep(ref, src, sf.fingerprint or "", sf.n_tokens, crc, sf.size, route, share)
+        written = await self._keep(ref, src, sf, crc, route, share)
         await cache.evict()
         out = SpillResult(
             ref.tenant,
@@ -324,50 +333,38 @@ class NodeAgent:
         return out
 
     async def _keep(
-        self,
-        ref: SlotRef,
-        src: Path,
-        model: str,
-        tokens: int,
-        crc: int,
-        size: int,
-        route: str = "",
-        share: bool = True,
+        self, ref: SlotRef, src: Path, sf: SlotFile, crc: int, route: str = "", share: bool = True
     ) -> int | None:
-        """Adopt a saved file into the spill cache and upload it (see :meth:`_upload`). The flush
-        loop keeps off it meanwhile: two uploads of one generation would race for its claim, and
-        the loser could not yet see the winner's object."""
+        """Adopt the saved file ``sf`` (at ``src``) into the spill cache and upload it (see
+        :meth:`_upload`). The flush loop keeps off it meanwhile: two uploads of one generation would
+        race for its claim, and the loser could not yet see the winner's object."""
         cache = self.parts.cache
         path = await cache.add(ref, src, pin=True, uploading=True)
         try:
-            return await self._upload(ref, path, model, tokens, crc, size, route, share)
+            return await self._upload(ref, path, sf, crc, route, share)
         finally:
             cache.upload_ended(ref)
             cache.unpin(ref)
 
     async def _upload(
-        self, ref: SlotRef, path: Path, model: str, tokens: int, crc: int, size: int, route: str, share: bool
+        self, ref: SlotRef, path: Path, sf: SlotFile, crc: int, route: str, share: bool
     ) -> int | None:
-        """Upload; the bytes it added to the store, or None when it stays pending (store down,
-        another writer storing the same generation)."""
+        """Upload, with the model fingerprint and token count ``sf`` names; the bytes it added to
+        the store, or None when it stays pending (store down, another writer storing the same
+        generation)."""
         store, cache = self.parts.store, self.parts.cache
         written = 0
         deferred: str | None = None  # why it stays pending
         try:
+            model, tokens = sf.fingerprint or "", sf.n_tokens
             meta = await store.put_file(
-                ref,
-                path,
-                model=model,
-                n_tokens=tokens,
-                crc32=crc,
-                route=route,
-                share=share,
+                ref, path, model=model, n_tokens=tokens, crc32=crc, route=route, share=share
             )
             written = meta.written
         except (StoreUnavailable, LockBusy, LockLost) as exc:
             deferred = str(exc)
         except WriteConflict:
-            held = await stored_as(store, ref, crc, size)  # another writer stored it a moment ago?
+            held = await stored_as(store, ref, crc, sf.size)  # another writer stored it a moment ago?
             if held is None:  # or is storing it now: it stays pending, the flush confirms it later
                 deferred = "being stored by another writer"
             elif not held:
@@ -444,7 +441,11 @@ class NodeAgent:
             log.warning("node.fill_damaged", **_slot_fields(sup, slot, ref), source=source, error=err.message)
             if ref in cache:
                 await cache.discard(ref)
+        try:
             return await self._restore(sup, slot, ref, verify=True), "store"
+        except ChecksumError as exc:  # the store's own copy is damaged: no retry brings it back
+            log.error("node.stored_copy_damaged", **_slot_fields(sup, slot, ref), error=str(exc))
+            raise SlotFileError("checksum_mismatch", str(exc)) from exc
 
     async def _restore(
         self, sup: EngineSupervisor, slot: int, ref: SlotRef, *, verify: bool
@@ -474,14 +475,12 @@ class NodeAgent:
             )
         except httpx.HTTPError as exc:
             raise Upstream(f"engine {engine_id}: slot {action} failed: {type(exc).__name__}: {exc}") from exc
-        try:
-            body = r.json()
-        except ValueError:
-            body = {}
+        body = answer_json(r)
         if r.status_code == 200 and isinstance(body, dict):
             return body
-        error = body.get("error") if isinstance(body, dict) else None
-        error = error if isinstance(error, dict) else {"message": r.text[:500]}
+        error = error_object(body)
+        if error is None:
+            error = {"message": r.text[:500]}
         status = r.status_code if r.status_code < 500 or r.status_code == 503 else 502
         extra = {k: v for k, v in error.items() if k not in ("message", "type", "param", "code")}
         code = error.get("code")

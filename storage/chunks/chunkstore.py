@@ -254,8 +254,12 @@ class ChunkedStore(BlobStore):
         raw = await self.inner.get_object(self._manifest(ref))
         try:
             doc = json.loads(raw)
-            if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
+            if not isinstance(doc, dict):
                 raise ValueError("not a slotkeeper manifest")
+            if doc.get("format") != MANIFEST_FORMAT:  # a later release's, or no manifest at all
+                raise ValueError(
+                    f"manifest format {doc.get('format')!r}, this release reads {MANIFEST_FORMAT!r}"
+                )
             if [doc["tenant"], doc["session"], doc["generation"]] != [
                 ref.tenant,
                 ref.session,

@@ -105,6 +105,18 @@ class Keyspace:
         """Integer bumped whenever an engine joins or leaves the registry (gateways cache it)."""
         return f"{self.prefix}:engines:epoch"
 
+    def index_epoch(self) -> str:
+        """STRING: the index's epoch, a random token (storage.index.epoch): gone with a lost index."""
+        return f"{self.prefix}:index:epoch"
+
+    def index_built(self) -> str:
+        """STRING: the epoch whose index was rebuilt from the store (storage.index.epoch)."""
+        return f"{self.prefix}:index:built"
+
+    def index_lease(self) -> str:
+        """STRING (with a TTL): the lease of the one process rebuilding the index."""
+        return f"{self.prefix}:index:rebuilding"
+
     def engine(self, engine_id: str) -> str:
         return f"{self.engine_prefix()}{validate_id(engine_id, 'engine id')}"
 

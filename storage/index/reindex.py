@@ -21,7 +21,7 @@ from typing import Any
 
 import structlog
 
-from storage.blobs.blobstore import BlobInfo, BlobStore
+from storage.blobs.blobstore import BlobInfo, BlobMeta, BlobStore
 from storage.errors import StorageError
 from storage.index.prefix_digests import split_routes
 from storage.index.session_index import SessionIndex, SessionRecord, SessionState
@@ -60,21 +60,8 @@ async def reindex(
                 log.warning("reindex.skipped", key=info.key, error=str(exc))
                 report.skipped.append(info.key)
                 return
-            route, shared, prompt = split_routes(meta.route)
-            record = SessionRecord(
-                info.ref.tenant,
-                info.ref.session,
-                SessionState.SPILLED,
-                model=meta.model,
-                tokens=meta.n_tokens,
-                generation=info.ref.generation,
-                blob_key=meta.key,
-                bytes=meta.size,
-                last_used=meta.last_modified,
-                route=route,
-                shared=shared,
-                prompt=prompt,
-            )
+            record = stored_record(info, meta)
+            route, shared, prompt = record.route, record.shared, record.prompt
             changed = False
             if dry_run:
                 known = await index.find(record.tenant, record.session)
@@ -109,6 +96,41 @@ async def reindex(
         skipped=len(report.skipped),
     )
     return report
+
+
+def stored_record(info: BlobInfo, meta: BlobMeta) -> SessionRecord:
+    """The record of a session spilled at the stored generation ``info`` (its metadata ``meta``)."""
+    route, shared, prompt = split_routes(meta.route)
+    return SessionRecord(
+        info.ref.tenant,
+        info.ref.session,
+        SessionState.SPILLED,
+        model=meta.model,
+        tokens=meta.n_tokens,
+        generation=info.ref.generation,
+        blob_key=meta.key,
+        bytes=meta.size,
+        last_used=meta.last_modified,
+        route=route,
+        shared=shared,
+        prompt=prompt,
+    )
+
+
+async def reindex_session(store: BlobStore, index: SessionIndex, tenant: str, session: str) -> bool:
+    """One session's newest stored generation recorded in ``index`` (with its implicit route), as
+    :func:`reindex` records every session: what a turn does while the index heals, before it
+    treats a session without a record as new. True when the index learned something."""
+    info = await store.latest(tenant, session)
+    if info is None:
+        return False
+    record = stored_record(info, await store.head(info.ref))
+    changed = await index.restore_spilled(record)
+    if changed and record.route:
+        await index.add_prefixes(tenant, session, [record.route])
+    if changed:
+        log.info("reindex.session", tenant=tenant, session=session, generation=record.generation)
+    return changed
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -3,11 +3,11 @@
 1. :meth:`TurnOps.start_turn` — one script: count the request in the tenant's rate window, take
    one of its in-flight places, try the session's lock (or confirm the caller's own, a lock this
    process kept from the session's previous turn), and read the session record, the tenant's
-   session count and stored bytes and the engine registry's epoch (what admission, quotas and
-   placement decide on). A session live in its slot, whose lock the request now holds, is marked
-   busy in the same script (out of its engine's idle LRU, last used now, dirty): what
-   :meth:`storage.index.session_index.SessionIndex.decide_live` would write for the same engine and slot, so a
-   turn served on its live slot writes nothing more before it runs.
+   session count and stored bytes, the engine registry's epoch and the index's epochs (what
+   admission, quotas, placement and healing decide on). A session live in its slot, whose lock the
+   request now holds, is marked busy in the same script (out of its engine's idle LRU, last used
+   now, dirty): what :meth:`storage.index.session_index.SessionIndex.decide_live` would write for
+   the same engine and slot, so a turn served on its live slot writes nothing more before it runs.
 2. :meth:`TurnOps.apply` — one script: a record transition decided in Python (the same pure
    ``decide`` functions as :meth:`storage.index.session_index.SessionIndex._change`) against the record the
    caller read, written with its index updates only if the record is still exactly that one and
@@ -40,10 +40,10 @@ from storage.index.locks import SessionLock
 from storage.index.records import SessionRecord
 
 # KEYS: rate window ('' slot unused when no limit), in-flight zset, lock, record, sessions zset,
-# stored bytes, registry epoch. ARGV: rate limit (-1: none), window keep ms, now ms, in-flight
-# token, in-flight limit, in-flight ttl ms, lock token, lock ttl ms, the caller's own lock token
-# ('' none), then for the busy mark ('' as ARGV[10]: none): last used, the engine key prefix, the
-# idle and live suffixes, the engines' member, the session id.
+# stored bytes, registry epoch, index epoch, index built epoch. ARGV: rate limit (-1: none), window
+# keep ms, now ms, in-flight token, in-flight limit, in-flight ttl ms, lock token, lock ttl ms, the
+# caller's own lock token ('' none), then for the busy mark ('' as ARGV[10]: none): last used, the
+# engine key prefix, the idle and live suffixes, the engines' member, the session id.
 _START = """
 local rate = -1
 local limit = tonumber(ARGV[1])
@@ -79,7 +79,8 @@ if (locked == 1 or kept == 1) and ARGV[10] ~= '' then
   end
 end
 return {'ok', rate, locked, left, redis.call('HGETALL', KEYS[4]), redis.call('ZCARD', KEYS[5]),
-        redis.call('GET', KEYS[6]) or '0', redis.call('GET', KEYS[7]) or '0', kept, busy, count}
+        redis.call('GET', KEYS[6]) or '0', redis.call('GET', KEYS[7]) or '0', kept, busy, count,
+        redis.call('GET', KEYS[8]) or '', redis.call('GET', KEYS[9]) or ''}
 """
 
 # KEYS[1] lock, KEYS[2] record, then every key the ops touch. ARGV: lock token ('' = no lock),
@@ -179,6 +180,8 @@ class TurnStart:
     sessions: int = 0  # the tenant's sessions
     stored_bytes: int = 0
     registry_epoch: int = 0
+    index_epoch: str = ""  # the index's epoch and built epoch ('' missing: storage.index.epoch)
+    index_built: str = ""
 
 
 def _ms(seconds: float) -> int:
@@ -240,6 +243,8 @@ class TurnOps:
             self.keys.sessions(tenant),
             self.keys.stored_bytes(tenant),
             self.keys.registry_epoch(),
+            self.keys.index_epoch(),
+            self.keys.index_built(),
         ]
         if own_lock is not None and (own_lock.tenant, own_lock.session) != (tenant, session):
             raise ValueError("the lock belongs to another session")
@@ -263,7 +268,7 @@ class TurnOps:
         status = text(reply[0])
         if status != "ok":
             return TurnStart(refused=status, count=int(reply[1]))
-        _, rate, locked, left_ms, raw, sessions, stored, epoch, kept, busy, inflight = reply
+        _, rate, locked, left_ms, raw, sessions, stored, epoch, kept, busy, inflight, index, built = reply
         flat = [text(x) for x in raw]
         fields = dict(zip(flat[::2], flat[1::2], strict=True))
         left = None if int(left_ms) == -2 else (math.inf if int(left_ms) == -1 else int(left_ms) / 1000)
@@ -279,6 +284,8 @@ class TurnOps:
             sessions=int(sessions),
             stored_bytes=int(text(stored)),
             registry_epoch=int(text(epoch)),
+            index_epoch=text(index),
+            index_built=text(built),
         )
 
     async def apply(

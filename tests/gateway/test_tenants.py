@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.tenants import Durability, TenantConfigError, key_digest, load_tenants, parse_tenants
+from gateway.tenants import (
+    Durability,
+    StoreOutage,
+    TenantConfigError,
+    key_digest,
+    load_tenants,
+    parse_tenants,
+)
 from storage.errors import InvalidId
 
 
@@ -41,6 +48,7 @@ def test_keys_are_hashed_and_authenticate_their_tenant(tmp_path):
         ({"tenants": {"a": {"keys": ["k"], "storage": {"share_chunks": "no"}}}}, "share_chunks"),
         ({"tenants": {"a": {"keys": ["k"], "storage": {"idle_ttl_s": 0}}}}, "idle_ttl_s"),
         ({"tenants": {"a": {"keys": ["k"], "storage": {"idle_ttl_s": True}}}}, "idle_ttl_s"),
+        ({"tenants": {"a": {"keys": ["k"], "storage": {"on_store_outage": "drop"}}}}, "on_store_outage"),
         (
             {"tenants": {"a": {"keys": ["k"], "volatile": [{"name": "all", "pattern": ".*"}]}}},
             "matches every line",
@@ -79,14 +87,18 @@ def test_storage_settings_per_tenant():
     tenants = parse_tenants(
         {
             "tenants": {
-                "a": {"keys": ["ka"], "storage": {"share_chunks": False, "idle_ttl_s": 86400}},
+                "a": {
+                    "keys": ["ka"],
+                    "storage": {"share_chunks": False, "idle_ttl_s": 86400, "on_store_outage": "reprefill"},
+                },
                 "b": {"keys": ["kb"]},
             }
         }
     )
     a, b = tenants.by_name["a"], tenants.by_name["b"]
-    assert (a.share_chunks, a.idle_ttl_s) == (False, 86400.0)
-    assert (b.share_chunks, b.idle_ttl_s) == (True, None)  # shared, kept until deleted
+    assert (a.share_chunks, a.idle_ttl_s, a.store_outage) == (False, 86400.0, StoreOutage.REPREFILL)
+    # shared, kept until deleted, waited for while the store is down
+    assert (b.share_chunks, b.idle_ttl_s, b.store_outage) == (True, None, StoreOutage.WAIT)
 
 
 def test_tenant_names_are_ids():

@@ -711,3 +711,23 @@ def test_security_contexts_are_the_operators_to_change() -> None:
     for doc in docs.values():
         if doc["kind"] != "ServiceMonitor":
             kubernetes_validate.validate(doc, "1.30.0", strict=True)
+
+
+@pytest.mark.parametrize("persist", [False, True])
+def test_the_in_chart_redis_keeps_its_index_on_a_volume_only_when_asked(persist: bool) -> None:
+    sets = ("redis.enabled=true", KEY, "s3.bucket=b", f"redis.persistence.enabled={str(persist).lower()}")
+    docs = render(sets=(*sets, "redis.persistence.appendfsync=always", "redis.persistence.size=2Gi"))
+    spec = pod_spec(docs, "Deployment", "sk-slotkeeper-redis")
+    args = spec["containers"][0]["args"]
+    (data,) = [v for v in spec["volumes"] if v["name"] == "data"]
+    if persist:
+        assert args == ["--save", "", "--appendonly", "yes", "--appendfsync", "always"]
+        claim = docs[("PersistentVolumeClaim", "sk-slotkeeper-redis-data")]
+        assert claim["spec"]["resources"]["requests"]["storage"] == "2Gi"
+        assert data == {"name": "data", "persistentVolumeClaim": {"claimName": "sk-slotkeeper-redis-data"}}
+    else:
+        assert args == ["--save", "", "--appendonly", "no"]
+        assert data == {"name": "data", "emptyDir": {}} and not any(
+            k == "PersistentVolumeClaim" for k, _ in docs
+        )
+    assert "/redis/persistence/appendfsync" in render_error(*sets, "redis.persistence.appendfsync=sometimes")

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 from structlog.testing import capture_logs
+from support.variables import slotkeeper_env
 
 from engine_pool.common.loop import cancel_and_wait
 from engine_pool.pool import supervisor
@@ -464,12 +465,7 @@ async def test_client_retries_only_before_the_first_byte() -> None:
 
 
 def test_node_settings_from_flags_and_environment() -> None:
-    env = {
-        "SLOTKEEPER_MODELS": "/m/a.gguf, /m/b.gguf",
-        "SLOTKEEPER_ALIASES": "alpha",
-        "SLOTKEEPER_SLOTS": "4",
-        "SLOTKEEPER_INTERNAL_KEY": "k-1",
-    }
+    env = slotkeeper_env(models="/m/a.gguf, /m/b.gguf", aliases="alpha", slots="4", internal_key="k-1")
     s = parse_node_settings(["--node-id", "n9", "--ctx", "1024", "--engine-arg=-t", "--engine-arg", "2"], env)
     assert s.models == ("/m/a.gguf", "/m/b.gguf") and s.model_ids == ("alpha", "b")
     specs = s.engine_specs()
@@ -510,14 +506,8 @@ def test_recurrent_states_are_stored_as_they_are_unless_told(argv: list[str], co
 
 
 def test_engines_get_the_key_but_not_the_node_settings_or_store_secrets() -> None:
-    node_env = {
-        "PATH": "/bin",
-        "SLOTKEEPER_INTERNAL_KEY": "k-2",
-        "SLOTKEEPER_S3_SECRET_KEY": "s3-secret",
-        "SLOTKEEPER_PORT": "8070",
-        "AWS_SECRET_ACCESS_KEY": "aws-secret",
-        "HOME": "/h",
-    }
+    ours = slotkeeper_env(internal_key="k-2", s3_secret_key="s3-secret", port="8070")
+    node_env = {"PATH": "/bin", "HOME": "/h", "AWS_SECRET_ACCESS_KEY": "aws-secret", **ours}
     s = parse_node_settings(["-m", "x.gguf"], node_env)
     env = dict(s.engine_specs(node_env)[0].env or ())
     assert env == {"PATH": "/bin", "HOME": "/h", "SLOTKEEPER_API_KEY": "k-2"}
@@ -600,6 +590,10 @@ async def test_the_flush_loop_outlives_any_failure_of_a_flush() -> None:
     ]
 
 
+# What `read_slot_file` says of the file these tests save (1000 bytes, not a slot file).
+SAVED: Any = SimpleNamespace(fingerprint="m", n_tokens=6, size=1000)
+
+
 class _ClaimingStore:
     """Puts of one generation claim it for as long as they run (as the chunked store's do): a put
     while another runs is a WriteConflict, and the object is not visible until the first has finished."""
@@ -637,7 +631,7 @@ async def test_the_flush_loop_keeps_off_a_spill_while_it_uploads(tmp_path: Path)
     with capture_logs() as logs:
         loop = asyncio.create_task(agent._flush_loop())
         try:
-            keep = asyncio.create_task(agent._keep(ref, src, "m", 6, 0, 1000))
+            keep = asyncio.create_task(agent._keep(ref, src, SAVED, 0))
             await asyncio.wait_for(store.running.wait(), 10)
             flushes = sum(e["event"] == "node.flushing" for e in logs)
             await asyncio.sleep(0.05)  # ten flush intervals while the spill uploads: none takes it up
@@ -658,7 +652,7 @@ async def test_a_spill_another_writer_is_storing_stays_pending(tmp_path: Path) -
     src.write_bytes(b"x" * 1000)
     store.running.set()  # someone else holds the generation's claim, its object not visible yet
     with capture_logs() as logs:
-        assert await agent._keep(ref, src, "m", 6, 0, 1000) is None  # deferred, not failed
+        assert await agent._keep(ref, src, SAVED, 0) is None  # deferred, not failed
     assert cache.pending() == [ref] and not cache.is_uploaded(ref)  # the flush's to confirm
     deferred = [e["error"] for e in logs if e["event"] == "node.upload_deferred"]
     assert deferred == ["being stored by another writer"]

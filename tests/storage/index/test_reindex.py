@@ -17,7 +17,7 @@ from storage.blobs.s3store import S3Store
 from storage.errors import StorageError
 from storage.ids import SlotRef
 from storage.index.prefix_digests import join_routes, split_routes
-from storage.index.reindex import main, reindex
+from storage.index.reindex import main, reindex, reindex_session
 from storage.index.session_index import SessionIndex, SessionState
 
 
@@ -80,6 +80,22 @@ async def test_flushed_redis_is_rebuilt(
         newest = [b for (t, _), b in ((k, v.bytes) for k, v in before.items()) if t == tenant]
         assert await index.stored_bytes(tenant) == await store.stored_bytes(tenant) >= sum(newest) > 0
         assert await index.count_sessions(tenant) == len(newest)
+
+
+async def test_one_session_is_found_again_in_the_store(
+    store: BlobStore, redis_client: Any, tmp_path: Path, slot_writer: Any
+) -> None:
+    """What a turn does while a lost index heals: its own session, from the store, before the rest."""
+    index = SessionIndex(redis_client, prefix="sk")
+    latest = await populate(store, index, tmp_path, slot_writer)
+    await redis_client.flushdb()
+    assert await reindex_session(store, index, "acme", "s1")
+    got = await index.get("acme", "s1")
+    assert (got.state, got.generation, got.tokens) == (SessionState.SPILLED, latest[("acme", "s1")], 6)
+    assert await index.find("acme", "s2") is None  # only the one asked for
+    assert not await reindex_session(store, index, "acme", "s1")  # known now: nothing to learn
+    assert not await reindex_session(store, index, "acme", "never-stored")
+    assert await index.find("acme", "never-stored") is None
 
 
 async def test_live_sessions_stay_live(

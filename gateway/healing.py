@@ -1,0 +1,147 @@
+"""Index healing: a lost or flushed index is noticed and rebuilt while turns go on.
+
+A redis-server restarted empty (the chart's default keeps nothing on disk) or a ``FLUSHALL`` takes
+every session record away, although the sessions' states are still in the engines' slots, the
+nodes' spill caches and the store. Without healing each of them would be served as new: a full
+re-prefill, and saves whose generation numbers the store already holds.
+
+How it heals (storage.index.epoch has the keys):
+
+1. **Noticed.** Every turn's opening read returns the index's epoch and its built epoch
+   (`saw`); a watcher reads them every ``interval_s`` too, so an idle gateway heals before the
+   next turn comes. A missing epoch, or one this process did not know, starts step 2.
+2. **Rebuilt, once.** The process claims a new epoch (the first claim wins; everyone adopts it)
+   and takes the rebuilding lease; the one that holds it rebuilds the index from the store's
+   manifests (storage.index.reindex) and records the epoch as built. The others wait for that.
+3. **Meanwhile**, a turn whose session has no record looks the session up in the store before it
+   treats it as new (`recover`): its next turn restores instead of re-prefilling.
+
+One owner: the healing task and the state it learns live here, changed only on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from engine_pool.common import loop as event_loop
+from gateway.metrics import Metrics
+from storage.blobs.blobstore import BlobStore
+from storage.errors import StorageError
+from storage.index.epoch import IndexEpoch, IndexState, index_state
+from storage.index.records import SessionRecord
+from storage.index.reindex import reindex, reindex_session
+from storage.index.session_index import SessionIndex
+
+log = structlog.get_logger("slotkeeper.gateway")
+
+
+class IndexHealing:
+    """Watches the index's epoch and heals a lost index (see the module doc)."""
+
+    def __init__(
+        self,
+        epoch: IndexEpoch,
+        store: BlobStore,
+        index: SessionIndex,
+        metrics: Metrics,
+        *,
+        interval_s: float = 2.0,
+        lease_ttl_s: float = 600.0,
+    ) -> None:
+        """``lease_ttl_s``: how long a rebuilding process that died holds the others back."""
+        self._epoch = epoch
+        self._store, self._index, self._metrics = store, index, metrics
+        self._interval_s = interval_s
+        self._lease_ttl_s = lease_ttl_s
+        self.known: str | None = None  # the epoch this process holds the index to be in
+        self.healing = False  # records may be missing: look sessions up before calling them new
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self, *, wait: bool) -> None:
+        """Claim the epoch at start-up. A fresh epoch (an empty Redis, or a first start) means the
+        index must be built from the store: before the process serves with ``wait`` (the in-process
+        index: nothing else fills it), else in the background like any loss."""
+        epoch, created = await self._epoch.claim()
+        self.known = epoch
+        if created and wait:
+            await self._heal()
+        else:
+            self.saw(*await self._epoch.read())
+
+    async def recover(self, tenant: str, session: str) -> SessionRecord | None:
+        """While the index heals: the record of a session the index lacks, from its newest stored
+        generation; None when it is not stored (new, or never saved) or the store cannot say."""
+        if not self.healing:
+            return None
+        try:
+            if not await reindex_session(self._store, self._index, tenant, session):
+                return None
+            record = await self._index.find(tenant, session)
+        except StorageError as exc:  # the store away too: the turn goes on as a new session's
+            log.warning("index.recover_failed", tenant=tenant, session=session, error=str(exc))
+            return None
+        self._metrics.index_recovered.inc()
+        return record
+
+    def saw(self, epoch: str, built: str) -> None:
+        """The epoch and built epoch as a read found them: a lost, changed or unbuilt index starts
+        the healing task unless it runs already."""
+        state = index_state(self.known, epoch, built)
+        if state is IndexState.READY:
+            return
+        self.healing = True
+        if self._task is None or self._task.done():
+            log.warning(
+                "index.lost" if state is not IndexState.HEALING else "index.healing", state=state.value
+            )
+            self._task = asyncio.create_task(self._heal(), name="index-healing")
+
+    async def watch(self) -> None:
+        """Read the epoch every ``interval_s`` (a loop to run as a task; a Redis away is retried)."""
+        while True:
+            await asyncio.sleep(self._interval_s)
+            try:
+                self.saw(*await self._epoch.read())
+            except StorageError as exc:
+                log.debug("index.watch_failed", error=str(exc))
+
+    async def close(self) -> None:
+        if self._task is not None:
+            await event_loop.cancel_and_wait(self._task)
+
+    async def _heal(self) -> None:
+        """Steps 2 and 3 of the module doc, until the epoch this process knows is built. A Redis away
+        ends the attempt (the next read that finds it back starts another)."""
+        self.healing = True
+        try:
+            while True:
+                epoch, _ = await self._epoch.claim()
+                self.known = epoch
+                current, built = await self._epoch.read()
+                if current == epoch and built == epoch:
+                    break
+                lease = await self._epoch.take_lease(self._lease_ttl_s)
+                if lease is None:  # another process rebuilds: wait for it (or for its lease to lapse)
+                    await asyncio.sleep(min(self._interval_s, 0.5))
+                    continue
+                log.info("index.rebuilding", epoch=epoch)
+                try:
+                    report = await reindex(self._store, self._index)
+                except BaseException:
+                    await self._epoch.give_lease(lease)
+                    raise
+                if await self._epoch.mark_built(epoch, lease):
+                    log.info(
+                        "index.rebuilt",
+                        epoch=epoch,
+                        sessions=report.sessions,
+                        restored=report.restored,
+                        skipped=len(report.skipped),
+                    )
+                    self._metrics.index_rebuilds.inc()
+                    break
+            self.healing = False
+        except StorageError as exc:
+            log.warning("index.heal_failed", error=str(exc))

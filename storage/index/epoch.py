@@ -1,0 +1,102 @@
+"""The index's epoch: how a lost or flushed index is noticed, and who rebuilds it.
+
+Three keys under the prefix:
+
+* ``index:epoch`` — a random token, written by the first process to find none (``SET NX``). A
+  redis-server restarted empty, or a ``FLUSHALL``, takes it away with everything else, so a reader
+  that finds it missing, or different from the one it knew, knows the index it relied on is gone.
+* ``index:built`` — the epoch whose index has been rebuilt from the store: while it differs from
+  ``index:epoch`` the index is *healing* (records may still be missing).
+* ``index:rebuilding`` — a lease (``SET NX PX``) held by the one process that rebuilds.
+
+The opening read of every turn (:mod:`storage.index.turnops`) returns the first two, so noticing
+costs no round trip of its own; :func:`index_state` is the verdict on them.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from typing import Any
+
+from storage.index.keyspace import Keyspace, redis_errors, text
+
+# Set ``index:built`` to the epoch only while the epoch is still that one (not lost again meanwhile)
+# and the rebuilding lease is still ours, then give the lease back.
+_BUILT = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], ARGV[1])
+if redis.call('GET', KEYS[3]) == ARGV[2] then redis.call('DEL', KEYS[3]) end
+return 1
+"""
+_GIVE_BACK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 1
+"""
+
+
+class IndexState(enum.Enum):
+    READY = "ready"  # the epoch this process knows, rebuilt
+    LOST = "lost"  # no epoch: the index was emptied since it was last read
+    CHANGED = "changed"  # another epoch than the one this process knows: another process saw a loss
+    HEALING = "healing"  # the known epoch, not yet rebuilt
+
+
+def index_state(known: str | None, epoch: str, built: str) -> IndexState:
+    """The verdict on an epoch read (``''``: the key is missing) by a process that knows ``known``."""
+    if not epoch:
+        return IndexState.LOST
+    if epoch != known:
+        return IndexState.CHANGED
+    return IndexState.READY if built == epoch else IndexState.HEALING
+
+
+class IndexEpoch:
+    """The three keys of the module doc, on one Redis client (share it: it keeps no state)."""
+
+    def __init__(self, redis: Any, *, prefix: str = "slotkeeper") -> None:
+        self._redis = redis
+        keys = Keyspace(prefix)
+        self.epoch_key, self.built_key = keys.index_epoch(), keys.index_built()
+        self.lease_key = keys.index_lease()
+        self._built: Any = None  # the scripts, registered on first use
+        self._give_back: Any = None
+
+    async def read(self) -> tuple[str, str]:
+        """The epoch and the built epoch, ``''`` for a missing key."""
+        async with redis_errors():
+            epoch, built = await self._redis.mget(self.epoch_key, self.built_key)
+        return text(epoch) if epoch else "", text(built) if built else ""
+
+    async def claim(self) -> tuple[str, bool]:
+        """The current epoch, written first when there is none; and whether this call wrote it."""
+        token = secrets.token_hex(16)
+        async with redis_errors():
+            created = bool(await self._redis.set(self.epoch_key, token, nx=True))
+            current = token if created else await self._redis.get(self.epoch_key)
+        return (text(current) if current else ""), created
+
+    async def take_lease(self, ttl_s: float) -> str | None:
+        """The rebuilding lease's token when this call took it, None when another process holds it."""
+        token = secrets.token_hex(16)
+        async with redis_errors():
+            taken = await self._redis.set(self.lease_key, token, nx=True, px=max(1, round(ttl_s * 1000)))
+        return token if taken else None
+
+    async def mark_built(self, epoch: str, lease: str) -> bool:
+        """Record ``epoch`` as rebuilt and give ``lease`` back, in one step; False when the epoch is
+        no longer the index's (it was lost again during the rebuild: the caller starts over)."""
+        if self._built is None:
+            self._built = self._redis.register_script(_BUILT)
+        async with redis_errors():
+            done = await self._built(
+                keys=[self.epoch_key, self.built_key, self.lease_key], args=[epoch, lease]
+            )
+        return bool(int(done))
+
+    async def give_lease(self, lease: str) -> None:
+        """Give the rebuilding lease back unbuilt (the rebuild failed), if it is still ours."""
+        if self._give_back is None:
+            self._give_back = self._redis.register_script(_GIVE_BACK)
+        async with redis_errors():
+            await self._give_back(keys=[self.lease_key], args=[lease])

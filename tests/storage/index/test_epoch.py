@@ -1,0 +1,60 @@
+"""The index's epoch: a lost index is noticed, and exactly one process rebuilds it."""
+
+from __future__ import annotations
+
+import pytest
+
+from storage.index.epoch import IndexEpoch, IndexState, index_state
+from storage.index.keyspace import in_process_redis
+
+
+@pytest.mark.parametrize(
+    ("known", "epoch", "built", "state"),
+    [
+        ("e1", "e1", "e1", IndexState.READY),
+        ("e1", "", "", IndexState.LOST),
+        ("e1", "", "e1", IndexState.LOST),  # only the built key survived: still lost
+        ("e1", "e2", "e2", IndexState.CHANGED),  # another process healed a loss this one missed
+        (None, "e1", "e1", IndexState.CHANGED),
+        ("e1", "e1", "", IndexState.HEALING),
+        ("e2", "e2", "e1", IndexState.HEALING),
+    ],
+)
+def test_the_verdict_on_an_epoch_read(known: str | None, epoch: str, built: str, state: IndexState) -> None:
+    assert index_state(known, epoch, built) is state
+
+
+async def test_the_first_claim_wins_and_a_flush_takes_the_epoch_away() -> None:
+    redis = in_process_redis()
+    a, b = IndexEpoch(redis, prefix="sk"), IndexEpoch(redis, prefix="sk")
+    first, created = await a.claim()
+    second, again = await b.claim()
+    assert created and not again and first == second
+    assert await a.read() == (first, "")
+    await redis.flushall()
+    assert await a.read() == ("", "")
+    fresh, created = await b.claim()
+    assert created and fresh != first
+
+
+async def test_one_lease_at_a_time_and_built_only_for_the_current_epoch() -> None:
+    redis = in_process_redis()
+    epoch = IndexEpoch(redis, prefix="sk")
+    token, _ = await epoch.claim()
+    lease = await epoch.take_lease(60)
+    assert lease is not None and await epoch.take_lease(60) is None
+    assert await epoch.mark_built(token, lease)
+    assert await epoch.read() == (token, token)
+    assert await epoch.take_lease(60) is not None  # given back with the mark
+
+    # Lost again during a rebuild: the old epoch is not marked built over the new one.
+    await redis.flushall()
+    newer, _ = await epoch.claim()
+    lease = await epoch.take_lease(60)
+    assert lease is not None
+    assert not await epoch.mark_built(token, lease)
+    assert await epoch.read() == (newer, "")
+    await epoch.give_lease("someone-else")  # not ours: kept
+    assert await epoch.take_lease(60) is None
+    await epoch.give_lease(lease)
+    assert await epoch.take_lease(60) is not None
