@@ -10,11 +10,12 @@ chunked, or ending with the connection, read whole or piece by piece as it arriv
 relayed without buffering).
 
 - **Connections**: per host and port, the most recently used idle one first, opened within
-  ``connect_timeout_s``. A connection goes back to the pool only after a complete answer the
-  engine lets it keep alive; an answer left early (the client went away) closes it, which is how
-  the engine learns to stop generating.
+  ``connect_timeout_s`` (else :class:`EngineDown`). A connection goes back to the pool only after
+  a complete answer the engine lets it keep alive; an answer left early (the client went away)
+  closes it, which is how the engine learns to stop generating.
 - **Timeouts**: the answer's head and every later piece must arrive within ``read_timeout_s`` of
-  the previous one (a stream may last long; a silent engine may not): :class:`EngineTimeout`.
+  the previous one (a stream may last long; a silent engine may not): :class:`EngineTimeout`. A
+  host the network cut off is noticed by TCP itself (`watch_peer`) well before that.
 - **Failures**: refused or broken connections and malformed answers are :class:`EngineDown`; a
   request sent on a pooled connection that the engine had closed meanwhile (its keep-alive timeout
   racing our reuse) is sent once more on a new connection, but only when not one byte of an answer
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import socket
 from collections.abc import AsyncGenerator, Mapping
 from urllib.parse import urlsplit
 
@@ -36,14 +38,32 @@ class EngineHttpError(Exception):
 
 
 class EngineDown(EngineHttpError):
-    """Refused, reset or closed connection, or an answer that is not HTTP."""
+    """Refused, reset, closed or never made connection (or one TCP gave up on: `watch_peer`), or
+    an answer that is not HTTP."""
 
 
 class EngineTimeout(EngineHttpError, TimeoutError):
-    """Nothing arrived within the timeout (connecting, or the next piece of an answer)."""
+    """The answer's head or its next piece did not arrive within the read timeout."""
 
 
 _MAX_HEAD = 64 * 1024  # an engine's answer head is a few hundred bytes
+# A peer cut off by the network (a partition, a host gone without a reset) is given up on after
+# this long without an answer to TCP's keepalive probes or an acknowledgement of what was sent: an
+# engine that computes for minutes still acknowledges at the TCP level.
+PEER_SILENCE_S = 11
+
+
+def watch_peer(sock: socket.socket, silence_s: int = PEER_SILENCE_S) -> None:
+    """TCP keepalive (probes after 5 s idle, every 2 s) and a user timeout on ``sock``: a silent
+    peer breaks the connection within ``silence_s`` instead of the kernel's quarter of an hour."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle, interval = 5, 2
+    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, (silence_s - idle) // interval))
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, silence_s * 1000)
 
 
 def _header_lines(headers: Mapping[str, str]) -> bytes:
@@ -75,6 +95,9 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # (uvloop's are not asyncio.Transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            watch_peer(sock)
 
     def data_received(self, data: bytes) -> None:
         self.received = True
@@ -315,8 +338,8 @@ class EngineHttp:
         try:
             opening = loop.create_connection(_Connection, *key)
             _, conn = await asyncio.wait_for(opening, self.connect_timeout_s)
-        except TimeoutError as exc:
-            raise EngineTimeout(f"could not connect to {key[0]}:{key[1]} in time") from exc
+        except TimeoutError as exc:  # a host the network lost: unreachable, as a refusal is
+            raise EngineDown(f"could not connect to {key[0]}:{key[1]} in time") from exc
         except OSError as exc:
             raise EngineDown(f"could not connect to {key[0]}:{key[1]} ({exc.strerror or exc})") from exc
         return conn

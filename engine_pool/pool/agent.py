@@ -307,6 +307,13 @@ class NodeAgent:
             raise WriteConflict(
                 f"generation {ref.generation} of session {ref.session} was already spilled here"
             )
+        waiting = cache.pending_bytes()
+        if waiting >= self.settings.spill_pending_bytes:  # the store has been away for a while
+            log.warning("node.saves_held", pending_bytes=waiting, limit=self.settings.spill_pending_bytes)
+            raise Unavailable(
+                f"{waiting} bytes of saves are waiting for the store; no more are taken until it is back",
+                retry_after=self.settings.retry_after_s,
+            )
         name = f"spill-{uuid.uuid4().hex}.slot"
         src = sup.spec.slot_dir / name
         await self._slot_call(sup, slot, "save", name)
@@ -632,6 +639,7 @@ async def metrics(request: Request) -> Response:
         (sup.snapshot() for sup in a.engines.values()),
         a.parts.cache.total_bytes,
         len(a.parts.cache.pending()),
+        a.parts.cache.pending_bytes(),
     )
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 

@@ -30,6 +30,9 @@ class NodeMetrics:
         )
         self.cache_bytes = Gauge("slotkeeper_node_spill_cache_bytes", "Bytes in the spill cache", registry=r)
         self.pending = Gauge("slotkeeper_node_uploads_pending", "Spilled files not yet uploaded", registry=r)
+        self.pending_bytes = Gauge(
+            "slotkeeper_node_uploads_pending_bytes", "Bytes of spilled files not yet uploaded", registry=r
+        )
 
     def observe(self, op: str, seconds: float, result: SlotResult | None) -> None:
         """One finished operation (`result` None when it failed)."""
@@ -41,7 +44,9 @@ class NodeMetrics:
         nbytes = result.bytes if isinstance(result, SpillResult | FillResult) else 0
         self.bytes.labels(op, source).inc(nbytes)
 
-    def render(self, snaps: Iterable[EngineSnapshot], cache_bytes: int, pending: int) -> bytes:
+    def render(
+        self, snaps: Iterable[EngineSnapshot], cache_bytes: int, pending: int, pending_bytes: int
+    ) -> bytes:
         counts = dict.fromkeys((s.value for s in State), 0)
         for snap in snaps:
             counts[snap.state.value] += 1
@@ -50,4 +55,5 @@ class NodeMetrics:
             self.engines.labels(state).set(n)
         self.cache_bytes.set(cache_bytes)
         self.pending.set(pending)
+        self.pending_bytes.set(pending_bytes)
         return generate_latest(self.registry)

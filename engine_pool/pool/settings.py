@@ -115,6 +115,13 @@ FLAGS: tuple[Flag, ...] = (
     str_flag("s3_secret_key", "", None, "S3 secret key"),
     str_flag("internal_key", "", None, "the credential the gateway presents (required)"),
     bytes_flag("spill_bytes", "--spill-bytes", 8 << 30, "spill cache budget (8G)", at_least(0)),
+    bytes_flag(
+        "spill_pending_bytes",
+        "--spill-pending-bytes",
+        32 << 30,
+        "saves kept on disk while the store is down; past it a save answers 503 (32G)",
+        at_least(0),
+    ),
     str_flag(
         "store_compression",
         "--store-compression",
@@ -206,6 +213,7 @@ class NodeSettings:
         "internal_key"
     ]  # the credential every caller of the node API (and engines) presents
     spill_bytes: int = _DEFAULT["spill_bytes"]
+    spill_pending_bytes: int = _DEFAULT["spill_pending_bytes"]
     store_compression: str = _DEFAULT[
         "store_compression"
     ]  # recurrent states and tails compressed: on, off, auto (in S3 only)

@@ -99,6 +99,10 @@ class SpillCache:
         entries = sorted(self._entries.items(), key=lambda i: i[1].last_used)
         return [r for r, e in entries if not e.uploaded and not e.uploading]
 
+    def pending_bytes(self) -> int:
+        """Bytes of files whose upload is not confirmed (uploading now or waiting for the store)."""
+        return sum(e.size for e in self._entries.values() if not e.uploaded)
+
     def is_uploaded(self, ref: SlotRef) -> bool:
         return self._entries[ref].uploaded
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from gateway.engine_http import EngineDown, EngineHttp, EngineTimeout
+from gateway.engine_http import EngineDown, EngineHttp, EngineTimeout, watch_peer
 
 Handler = Callable[[int, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -159,6 +160,40 @@ async def test_a_stream_that_stalls_times_out_between_pieces() -> None:
         with pytest.raises(EngineTimeout):
             await resp.read()
         await asyncio.wait_for(srv.closed.wait(), 5)
+
+
+async def test_a_host_that_never_answers_the_connect_is_engine_down() -> None:
+    with socket.socket() as listener:  # a backlog of 0, filled: the next SYN is never answered
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/x"
+        fillers = []
+        for _ in range(4):  # until the queue is full: a connect that is not answered
+            filler = socket.socket()
+            filler.settimeout(0.3)
+            fillers.append(filler)
+            try:
+                filler.connect(listener.getsockname())
+            except TimeoutError:
+                break
+        try:
+            async with EngineHttp(read_timeout_s=5, connect_timeout_s=0.3) as client:
+                with pytest.raises(EngineDown, match="could not connect"):
+                    await client.post(url, b"{}")
+        finally:
+            for f in fillers:
+                f.close()
+
+
+def test_connections_give_up_on_a_silent_peer_within_seconds() -> None:
+    with socket.socket() as sock:
+        watch_peer(sock, silence_s=11)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        idle = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)
+        every = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL)
+        probes = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)
+        assert idle + every * probes <= 11
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 11_000
 
 
 async def test_refused_broken_and_garbled_answers_are_engine_down() -> None:

@@ -60,10 +60,10 @@ class Sends:
         return Counter(name.split(":")[0] for name, _ in self.log)
 
     def request_path(self, since: int) -> list[str]:
-        """Sends from `since` on (task: command), except those of the write-behind saves and of the
-        retention loop (the collection a superseded generation asks for): work after the turn,
-        coalesced across turns, not per turn."""
-        background = ("write-behind", "retention")
+        """Sends from `since` on (task: command), except those of the write-behind saves, of the
+        retention loop (the collection a superseded generation asks for) and of the index's epoch
+        watcher (a timer's, whatever the traffic): work after or beside the turn, not per turn."""
+        background = ("write-behind", "retention", "index-watch")
         sent = self.log[since:]
         return [f"{name}: {_command(cmd)}" for name, cmd in sent if not name.startswith(background)]
 

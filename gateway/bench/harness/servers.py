@@ -115,7 +115,7 @@ _MOTO = (
     "from moto.s3.models import s3_backends\n"
     "from moto.server import ThreadedMotoServer\n"
     "s3_backends[DEFAULT_ACCOUNT_ID]['aws'].create_bucket('slots', 'us-east-1')\n"
-    "ThreadedMotoServer(ip_address='127.0.0.1', port=int(sys.argv[1]), verbose=False).start()\n"
+    "ThreadedMotoServer(ip_address=sys.argv[2], port=int(sys.argv[1]), verbose=False).start()\n"
     "time.sleep(10**9)\n"
 )
 
@@ -123,17 +123,20 @@ _MOTO = (
 class MotoProcess:
     """moto's ThreadedMotoServer in a child process, killable and restartable on the same port."""
 
-    def __init__(self, log_dir: Path, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+    def __init__(self, log_dir: Path, port: int | None = None, host: str = "127.0.0.1") -> None:
+        self.port, self.host = port or free_port(), host
+        self.endpoint = f"http://{host}:{self.port}"
         self.log = log_dir / f"moto-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", _MOTO, str(self.port)], stdout=log, stderr=log, start_new_session=True
-            )
+    def start(self, launch: Callable[[list[str], Path], subprocess.Popen[bytes]] | None = None) -> None:
+        """Start it (``launch``: how, e.g. inside a network namespace; default: here) and wait for it."""
+        argv = [sys.executable, "-c", _MOTO, str(self.port), self.host]
+        if launch is not None:
+            self.proc = launch(argv, self.log)
+        else:
+            with open(self.log, "ab") as log:
+                self.proc = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True)
         wait_until(lambda: http_ok(self.endpoint + "/moto-api/"), self.proc, "moto server")
 
     def kill(self) -> None:
@@ -184,6 +187,7 @@ class RedisProcess:
             "redis-server",
             *("--port", str(self.port)),
             *("--bind", self.host),
+            *("--protected-mode", "no"),  # no password: it listens only where the test says
             *("--save", ""),
             *("--appendonly", "no"),
             *("--dir", str(self.data)),

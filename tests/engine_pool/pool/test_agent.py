@@ -367,6 +367,32 @@ async def test_s3_store_down_during_spill_then_flushed(
     s3.close()
 
 
+async def test_saves_waiting_for_the_store_are_bounded(
+    start_node: Callable[..., NodeProcess], restartable_moto: MotoProcess, prefix: str
+) -> None:
+    node = start_node(
+        *("--s3-endpoint", restartable_moto.endpoint, "--s3-bucket", "slots", "--s3-prefix", prefix),
+        *("--spill-bytes", "0", "--spill-pending-bytes", "1", "--flush-interval", "0.3"),
+        env=S3_ENV,
+    )
+    eng, url = node.engine["id"], node.engine["url"]
+    await chat(url, 0)
+    async with NodeClient(node.url, key=INTERNAL_KEY) as client:
+        restartable_moto.kill()
+        first = await client.spill(eng, 0, tenant="t1", session="s1", generation=1)
+        assert not first.uploaded  # kept on disk for the store
+        with pytest.raises(NodeError) as held:  # the bound is reached: no more until the store is back
+            await client.spill(eng, 0, tenant="t1", session="s1", generation=2)
+        assert held.value.status == 503 and "waiting for the store" in held.value.message
+        async with httpx.AsyncClient(headers=INTERNAL_AUTH, timeout=10) as http:
+            shown = (await http.get(node.url + "/metrics")).text
+        assert f"slotkeeper_node_uploads_pending_bytes {float(first.bytes)}" in shown
+        restartable_moto.start()
+        wait_for(lambda: restartable_moto.exists(first.key), "flush after the store is back", timeout=20)
+        again = await client.spill(eng, 0, tenant="t1", session="s1", generation=2)
+        assert again.uploaded
+
+
 async def test_sigterm_drains_live_sessions(
     start_node: Callable[..., NodeProcess], redis_url: str, redis: Any, prefix: str
 ) -> None:
