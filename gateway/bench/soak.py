@@ -1,4 +1,4 @@
-"""`slotkeeper bench soak`: honest load, a hostile client and engine crashes at once, for `--duration-s`
+"""`slotkeeper bench soak`: honest load, a hostile client and faults at once, for `--duration-s`
 (10 minutes by default), everything on loopback:
 
 * redis-server, moto's S3 server (bucket `slots`) and `slotkeeper serve --slots 8 --ctx 2048` on the
@@ -7,20 +7,22 @@
   chats (max_tokens 8, temperature 0) sent by `--workers` workers, each taking a random idle session
   and sending its next turn; 429/503 are retried after Retry-After. After `--max-turns` turns a
   session is DELETEd and continues under a fresh id, so that its history fits the context;
-* chaos — a ready engine process SIGKILLed at random intervals (`--kill-min-s`..`--kill-max-s`,
-  seeded), each time waiting (with a deadline) for the node to bring a new process to ready;
+* faults (soak_faults.py) at random intervals (`--fault-min-s`..`--fault-max-s`, seeded), of the
+  `--faults` kinds: `engine` (a ready engine SIGKILLed, the default), `redis` (SIGKILLed, back
+  empty), `store` (the S3 link down), `partition` (the Redis link down); outages last
+  `--outage-min-s`..`--outage-max-s`;
 * a hostile tenant (soak_hostile.py) sending the inputs of KINDS in a loop, each judged against what
   is expected of it: a 5xx other than 503, or anything but the expected 4xx, is flagged;
 * at the end, engines ready again: GET /v1/sessions/{id} and one more turn for every honest session.
 
 A session is *lost* when a turn (during the soak or the last one) is served `X-Slotkeeper-Cache:
 cold`, or its record is gone, although its state was durable: the index showed a saved generation
-of it (the chaos task lists the honest sessions right before each SIGKILL), or it had a completed
-turn whose write-behind save no SIGKILL could have cut short: none from 1 s before the answer until
+of it (the faults task lists the honest sessions right before each fault), or it had a completed
+turn whose write-behind save no fault could have cut short: none from 1 s before the answer until
 that save was certainly over — once a later turn of the session was answered `restored` or `cold`
 (its placement waits for the saves still running) or `--save-grace-s` (the gateway's 30 s wait for
 a save) had passed. Sending the next turn ends nothing: one served `live` in its slot runs beside
-the save, which a SIGKILL can still cut short then.
+the save, which a fault can still cut short then.
 Such a session served `live` or `restored` with `usage.prompt_tokens_details.cached_tokens == 0`
 kept its state but reused none of it: *re-prefilled*, counted apart (it costs what a cold turn does).
 
@@ -60,15 +62,18 @@ from gateway.bench.harness.servers import (
     AWS_ENV,
     PACKAGE_ROOT,
     MotoProcess,
+    RedisProcess,
     free_port,
     http_ok,
     is_engine_process,
-    redis_server,
     wait_until,
 )
+from gateway.bench.harness.slow_link import SlowLink
+from gateway.bench.soak_faults import Backends, engines_ready, fault_kinds, list_engines, run_faults
 from gateway.bench.soak_hostile import Hostile
 from gateway.bench.soak_state import (
     HEADER_TIMEOUT_S,
+    HONEST,
     HOSTILE_INFLIGHT,
     HOSTILE_KEY,
     HOSTILE_RPM,
@@ -79,7 +84,6 @@ from gateway.bench.soak_state import (
 )
 from native.model_gen import cached_model
 
-HONEST = {"alpha": "sk-soak-alpha", "beta": "sk-soak-beta"}  # tenant -> key
 TENANTS_TOML = f"""
 [tenants.alpha]
 keys = ["{HONEST["alpha"]}"]
@@ -308,65 +312,6 @@ async def honest_worker(client: httpx.AsyncClient, soak: Soak, sessions: list[Se
             s.busy = False
 
 
-# ------------------------------------------------------------------------------------------ chaos
-async def list_engines(client: httpx.AsyncClient, soak: Soak) -> list[dict[str, Any]]:
-    r = await client.get(soak.node_url + "/v1/engines", headers={"Authorization": f"Bearer {soak.key}"})
-    r.raise_for_status()
-    engines = list(r.json()["engines"])
-    soak.engine_pids |= {int(e["pid"]) for e in engines if e.get("pid")}
-    return engines
-
-
-async def engines_ready(client: httpx.AsyncClient, soak: Soak, old_pid: int, within_s: float) -> bool:
-    """Waits until every engine is ready in a process other than `old_pid` and the gateway is ready."""
-    until = time.monotonic() + within_s
-    while time.monotonic() < until:
-        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-            engines = await list_engines(client, soak)
-            if all(e["state"] == "ready" and e.get("pid") not in (None, old_pid) for e in engines):
-                if engines and (await client.get(soak.url + "/ready")).status_code == 200:
-                    return True
-        await asyncio.sleep(0.5)
-    return False
-
-
-async def note_durable(client: httpx.AsyncClient, soak: Soak) -> None:
-    """Record which honest sessions the index shows saved (a durable generation): their state
-    outlives any SIGKILL from now on, whatever the timing of their turns says."""
-    for key in HONEST.values():
-        r = await client.get(soak.url + "/v1/sessions", headers={"Authorization": f"Bearer {key}"})
-        r.raise_for_status()
-        now = time.monotonic()  # the records were read before the answer arrived
-        for rec in r.json()["data"]:
-            if int(rec.get("generation") or 0) > 0:
-                soak.durable.setdefault(str(rec["id"]), now)
-
-
-async def chaos(client: httpx.AsyncClient, soak: Soak, rng: random.Random) -> None:
-    """SIGKILL a ready engine at random intervals; after each, wait for its replacement to be ready.
-    Right before each, the honest sessions already saved are noted (`note_durable`)."""
-    while True:
-        delay = rng.uniform(soak.args.kill_min_s, soak.args.kill_max_s)
-        if delay >= soak.left():
-            return
-        await asyncio.sleep(delay)  # deliberate pacing
-        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-            ready = [
-                int(e["pid"]) for e in await list_engines(client, soak) if e["state"] == "ready" and e["pid"]
-            ]
-            pid = rng.choice(ready) if ready else 0
-            if pid and is_engine_process(pid):
-                with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):  # then none is noted
-                    await note_durable(client, soak)
-                os.kill(pid, signal.SIGKILL)
-                soak.kills.append(t0 := time.monotonic())
-                print(f"  [{soak.args.duration_s - soak.left():5.0f} s] SIGKILL engine pid {pid}", flush=True)
-                if await engines_ready(client, soak, pid, within_s=120):
-                    soak.recoveries_s.append(time.monotonic() - t0)
-                else:
-                    soak.not_recovered += 1
-
-
 # ---------------------------------------------------------------------------------------- the soak
 async def verify(client: httpx.AsyncClient, soak: Soak, sessions: list[Session]) -> dict[str, Any]:
     """Engines ready, then one more turn for every honest session that has completed turns."""
@@ -393,7 +338,9 @@ async def verify(client: httpx.AsyncClient, soak: Soak, sessions: list[Session])
     return {"engines_ready": ready, "records": dict(records), "served": dict(served)}
 
 
-async def soak_run(args: argparse.Namespace, serve: Serve, engine: dict[str, Any]) -> dict[str, Any]:
+async def soak_run(
+    args: argparse.Namespace, serve: Serve, engine: dict[str, Any], backends: Backends
+) -> dict[str, Any]:
     deadline = time.monotonic() + args.duration_s
     soak = Soak(args, serve.url, serve.node_url, engine["model"], engine["id"], serve.key, deadline)
     sessions = make_sessions(args.seed)
@@ -410,7 +357,9 @@ async def soak_run(args: argparse.Namespace, serve: Serve, engine: dict[str, Any
             for w in range(args.workers)
         ]
         tasks += [
-            asyncio.create_task(chaos(other, soak, random.Random(args.seed + 2))),
+            asyncio.create_task(
+                run_faults(other, soak, random.Random(args.seed + 2), args.fault_kinds, backends)
+            ),
             asyncio.create_task(hostile.run()),
             asyncio.create_task(hostile.trickle()),
         ]
@@ -471,6 +420,14 @@ async def soak_run(args: argparse.Namespace, serve: Serve, engine: dict[str, Any
             "reprefilled": h.reprefilled,
         },
         "final_turn": final,
+        "faults": {
+            kind: {
+                "n": sum(1 for k, _, _ in soak.faults if k == kind),
+                "seconds": round(sum(t1 - t0 for k, t0, t1 in soak.faults if k == kind), 1),
+            }
+            for kind in args.fault_kinds
+            if kind != "engine"
+        },
         "engines": {
             "sigkills_sent": len(soak.kills),
             "restarts_reported": restarts,
@@ -489,6 +446,8 @@ def print_report(r: dict[str, Any]) -> None:
         f"\n== soak: {r['duration_s']} s, 64 honest sessions of 2 tenants on 8 slots, a hostile tenant, "
         f"{e['sigkills_sent']} engine SIGKILLs =="
     )
+    outages = ", ".join(f"{k}: {v['n']} ({v['seconds']:.0f} s)" for k, v in r["faults"].items())
+    print(f"outages: {outages or 'none'}")
     rows = [[t, str(v["n"]), f"{v['p50']:.0f}", f"{v['p99']:.0f}"] for t, v in h["latency_ms"].items()]
     print(table(["honest tenant", "served (200)", "p50 ms", "p99 ms"], rows))
     print(
@@ -542,8 +501,15 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--workers", type=int, default=8, help="concurrent honest workers (at most 64)")
     ap.add_argument("--max-turns", type=int, default=12, help="turns before a session rolls over")
-    ap.add_argument("--kill-min-s", type=float, default=20.0, help="shortest pause between SIGKILLs")
-    ap.add_argument("--kill-max-s", type=float, default=60.0, help="longest pause between SIGKILLs")
+    ap.add_argument(
+        "--faults",
+        default="engine",
+        help="what goes wrong, comma-separated: engine, redis, store, partition, or all (engine)",
+    )
+    ap.add_argument("--fault-min-s", "--kill-min-s", type=float, default=20.0, help="shortest pause, faults")
+    ap.add_argument("--fault-max-s", "--kill-max-s", type=float, default=60.0, help="longest pause, faults")
+    ap.add_argument("--outage-min-s", type=float, default=5.0, help="shortest redis/store/partition outage")
+    ap.add_argument("--outage-max-s", type=float, default=20.0, help="longest redis/store/partition outage")
     ap.add_argument("--save-grace-s", type=float, default=30.0, help="longest write-behind save")
     ap.add_argument("--model", help="GGUF (default: the generated tiny qwen35)")
     ap.add_argument("--models-dir", default=os.path.join(".bench", "models"))
@@ -557,7 +523,12 @@ def _interrupted(signum: int, frame: Any) -> None:
 
 
 def main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        args.fault_kinds = fault_kinds(args.faults)
+    except ValueError as exc:
+        parser.error(str(exc))
     args.workers = max(1, min(args.workers, 64))
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the CLI's logging says every request
     model = os.path.abspath(args.model or cached_model(args.models_dir, "qwen35", size="tiny"))
@@ -569,25 +540,32 @@ def main(argv: list[str]) -> int:
             workdir = Path(args.workdir or tmp).resolve()
             workdir.mkdir(parents=True, exist_ok=True)
             (workdir / "tenants.toml").write_text(TENANTS_TOML)
-            moto = MotoProcess(workdir)
+            moto, redis = MotoProcess(workdir), RedisProcess(workdir)
             moto.start()
+            redis.start()
+            # serve reaches both through relays, which the store and partition faults take down.
+            redis_link = SlowLink(("127.0.0.1", 0), ("127.0.0.1", redis.port))
+            store_link = SlowLink(("127.0.0.1", 0), ("127.0.0.1", moto.port))
             try:
-                with redis_server(workdir) as redis_port:
-                    flags = [
-                        *("--model", model),
-                        *("--slots", "8"),
-                        *("--ctx", "2048"),
-                        *("--log-level", args.log_level),
-                        *("--tenants", str(workdir / "tenants.toml")),
-                        *("--data-dir", str(workdir / "data")),
-                        *("--redis-url", f"redis://127.0.0.1:{redis_port}/0"),
-                        *("--s3-endpoint", moto.endpoint),
-                        *("--s3-bucket", "slots"),
-                    ]
-                    with serving(workdir, flags, f"soak-{secrets.token_hex(16)}", done) as serve:
-                        result = asyncio.run(soak_run(args, serve, serve.engines()[0]))
-                        done.append(True)
+                flags = [
+                    *("--model", model),
+                    *("--slots", "8"),
+                    *("--ctx", "2048"),
+                    *("--log-level", args.log_level),
+                    *("--tenants", str(workdir / "tenants.toml")),
+                    *("--data-dir", str(workdir / "data")),
+                    *("--redis-url", f"redis://127.0.0.1:{redis_link.port}/0"),
+                    *("--s3-endpoint", f"http://127.0.0.1:{store_link.port}"),
+                    *("--s3-bucket", "slots"),
+                ]
+                backends = Backends(redis, redis_link, store_link)
+                with serving(workdir, flags, f"soak-{secrets.token_hex(16)}", done) as serve:
+                    result = asyncio.run(soak_run(args, serve, serve.engines()[0], backends))
+                    done.append(True)
             finally:
+                redis_link.close()
+                store_link.close()
+                redis.kill()
                 moto.kill()
             print_report(result)
             where = workdir if args.workdir else "a temporary directory, removed"

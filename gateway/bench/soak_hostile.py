@@ -156,17 +156,18 @@ class Hostile:
     async def call(
         self, kind: str, good: frozenset[int], method: str, url: str, kw: dict[str, Any]
     ) -> httpx.Response | None:
-        """One request of `kind`. A 429/503 outside `good` (the rate window spent, an engine
-        restarting) is waited out after its Retry-After, twice at most; the final status is judged."""
+        """One request of `kind`. A 429/503 with Retry-After outside `good` (the rate window spent, an
+        engine restarting, a backend away) is waited out, twice at most, and then counted as what it
+        is — a legitimate "come back later", never against the input; any other status is judged."""
         for attempt in range(3):
             t0 = time.perf_counter()
             r = await self.client.request(method, url, **kw)
             ms = (time.perf_counter() - t0) * 1000
             wait = retry_after(r)
-            if r.status_code in (429, 503) and r.status_code not in good and wait is not None and attempt < 2:
+            if r.status_code in (429, 503) and r.status_code not in good and wait is not None:
                 self.soak.kinds[kind].throttled += 1
-                if wait + 1 > self.soak.left():
-                    return None  # the soak ends first
+                if attempt == 2 or wait + 1 > self.soak.left():
+                    return None  # still unavailable (or the soak ends first): nothing to judge
                 await asyncio.sleep(wait)
                 continue
             status, ok = str(r.status_code), r.status_code in good

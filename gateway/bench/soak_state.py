@@ -1,5 +1,5 @@
 """What a `slotkeeper bench soak` run shares between its tasks: the honest tenants' counts, each
-hostile input's outcomes, the kills, and the constants both the run and the hostile tenant use."""
+hostile input's outcomes, the faults, and the constants both the run and the hostile tenant use."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import httpx
 
 HOSTILE_KEY, HOSTILE_INFLIGHT, HOSTILE_RPM = "sk-soak-mallory", 4, 600
+HONEST = {"alpha": "sk-soak-alpha", "beta": "sk-soak-beta"}  # tenant -> key
 HEADER_TIMEOUT_S = 10.0  # given to serve; a trickled request head must be cut off by then
 MAX_SERIES = 64  # slotkeeper_gateway_requests series allowed after the 404 paths (routes x statuses)
 WORDS = "tests parser handler cache retry budget schema branch commit lint deploy index".split()
@@ -62,8 +63,8 @@ class Kind:
 
 @dataclass
 class Soak:
-    """What the tasks share. The chaos task alone appends to `kills`; each stats part has one writer
-    kind (honest workers, hostile tasks)."""
+    """What the tasks share. The faults task alone appends to `kills` and `faults`; each stats part
+    has one writer kind (honest workers, hostile tasks)."""
 
     args: argparse.Namespace
     url: str
@@ -72,7 +73,8 @@ class Soak:
     engine_id: str  # the node's first engine, for the unauthenticated slot probes
     key: str
     deadline: float
-    kills: list[float] = field(default_factory=list)  # monotonic times of SIGKILLs
+    kills: list[float] = field(default_factory=list)  # monotonic times of engine SIGKILLs
+    faults: list[tuple[str, float, float]] = field(default_factory=list)  # kind, start, end (monotonic)
     durable: dict[str, float] = field(default_factory=dict)  # session -> when a listing showed it saved
     recoveries_s: list[float] = field(default_factory=list)
     not_recovered: int = 0
@@ -88,7 +90,10 @@ class Soak:
         return f"[{self.args.duration_s - self.left():.0f} s]"
 
     def kill_free(self, start: float, end: float) -> bool:
-        return not any(start <= k <= end for k in self.kills)
+        """No fault between ``start`` and ``end``: no SIGKILL, no outage that overlaps them."""
+        return not any(start <= k <= end for k in self.kills) and not any(
+            f0 <= end and start <= f1 for _, f0, f1 in self.faults
+        )
 
     def note(self, kind: str, status: str, ok: bool, detail: str = "", ms: float | None = None) -> None:
         k = self.kinds[kind]

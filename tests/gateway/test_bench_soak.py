@@ -9,6 +9,8 @@ import argparse
 import random
 from typing import Any
 
+import pytest
+
 from gateway.bench import soak as soak_bench
 from gateway.bench.soak_state import Soak
 
@@ -58,3 +60,22 @@ def test_a_save_the_index_showed_durable_protects() -> None:
     sk.durable[s.id] = 10.39  # the listing right before the SIGKILL showed a saved generation
     assert s.protected(sk, before=21.0)
     assert not s.protected(sk, before=10.3)  # not yet known durable then
+
+
+def test_fault_kinds_are_named_or_all() -> None:
+    from gateway.bench.soak_faults import FAULT_KINDS, fault_kinds
+
+    assert fault_kinds("all") == FAULT_KINDS
+    assert fault_kinds("redis, engine,redis") == ("redis", "engine")
+    for bad in ("", "disk", "engine,network"):
+        with pytest.raises(ValueError, match="--faults takes"):
+            fault_kinds(bad)
+
+
+def test_an_outage_window_protects_a_save_it_overlaps() -> None:
+    sk = soak([])
+    sk.faults.append(("redis", 12.0, 20.0))
+    s = session((10.0, "live"))
+    assert not s.protected(sk, before=40.0)  # its save may have met the outage
+    sk.faults[:] = [("store", 50.0, 60.0)]
+    assert s.protected(sk, before=40.0)

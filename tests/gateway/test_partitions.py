@@ -4,8 +4,8 @@ own (a network namespace on one bridge, support.netns), the test's client outsid
 - A node cut off for 30 s while its sessions are active: the gateway routes around it (its
   registrations lapse), every session goes on with its stored state on the other node, no session is
   ever placed twice, and when the node returns the sessions keep reusing their state.
-- The store behind a link with 50 ms each way and 2 % loss (support.slow_link: this kernel has no
-  netem): turns succeed and saves catch up.
+- The store behind a link with 50 ms each way and 2 % loss (a relay: this kernel has no netem,
+  gateway.bench.harness.slow_link): turns succeed and saves catch up.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from typing import Any
 import httpx
 import pytest
 from support import netns
-from support.slow_link import SlowLink
 
 from gateway.bench.harness.servers import (
     AWS_ENV,
@@ -31,6 +30,7 @@ from gateway.bench.harness.servers import (
     RedisProcess,
     eventually,
 )
+from gateway.bench.harness.slow_link import SlowLink
 
 MODEL = "qwen35-seed0"
 SYSTEM = "You are a coding agent. Read files, run tests, fix bugs, and report briefly. " * 4

@@ -2,8 +2,9 @@
 it is back; a session only the store holds answers 503 + Retry-After, or is served from its whole
 prompt when its tenant says so; nothing is lost, nothing answers 500.
 
-The store is a real S3 server (moto's) behind a relay the test can take down (support.slow_link): to
-the node, the endpoint resets and refuses connections, as a store outage does.
+The store is a real S3 server (moto's) behind a relay the test can take down
+(gateway.bench.harness.slow_link): to the node, the endpoint resets and refuses connections, as a
+store outage does.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from typing import Any
 
 import httpx
 import pytest
-from support.slow_link import SlowLink
 
 from gateway.bench.harness.servers import AWS_ENV, INTERNAL_AUTH, eventually, free_port
+from gateway.bench.harness.slow_link import SlowLink
 
 MODEL = "qwen35-seed0"
 OUTAGE_S = 60.0

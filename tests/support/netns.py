@@ -1,7 +1,7 @@
 """A small network of test hosts on this machine: one network namespace per host, each wired by a
 veth pair to a bridge in the test's own namespace, so that a host can be cut off (its link down) and
 put back while its processes keep running, exactly as a partition does to them. (A slow or lossy
-link is `support.slow_link`: this kernel has no ``sch_netem``.)
+link is `gateway.bench.harness.slow_link`: this kernel has no ``sch_netem``.)
 
 Needs root (``ip netns``); `available` says whether this machine lets us.
 """

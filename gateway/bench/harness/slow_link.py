@@ -1,4 +1,4 @@
-"""A slow, lossy or broken link in front of a TCP service, for tests.
+"""A slow, lossy or broken link in front of a TCP service, for tests and `bench soak`'s faults.
 
 This kernel has no ``sch_netem`` (``tc qdisc add ... netem`` answers "Specified qdisc kind is
 unknown"), so delay and loss are a relay's: it delivers every chunk the link's delay after it
@@ -17,7 +17,7 @@ RTO_S = 0.2  # Linux's minimum TCP retransmission timeout: what one lost segment
 
 
 class SlowLink:
-    """A TCP relay with a link's delay and loss (see the module doc), run on a thread of the test.
+    """A TCP relay with a link's delay and loss (see the module doc), run on a thread of its own.
 
     It listens on ``listen`` (host, port; port 0: a free one, then ``port``) and forwards to
     ``target``; set ``delay_s``/``loss`` at any time (0/0: a plain relay). ``down()`` is an outage:
