@@ -29,7 +29,7 @@ from enum import StrEnum
 
 import structlog
 
-from storage.errors import LockLost, StorageError
+from storage.errors import LockLost, StorageError, StoreUnavailable
 from storage.index.locks import SessionLock, SessionLocks
 from storage.index.records import SessionRecord
 from storage.index.session_index import Decide, SessionIndex
@@ -111,6 +111,7 @@ class Holds:
         self._grace_s = save_grace_s
         self._sleep = sleep  # the grace's (tests may inject it)
         self._holds: dict[tuple[str, str], SessionHold] = {}
+        self._releasing: set[asyncio.Task[None]] = set()  # releases waiting for Redis to answer
 
     def get(self, tenant: str, session: str) -> SessionHold | None:
         return self._holds.get((tenant, session))
@@ -194,12 +195,33 @@ class Holds:
         try:
             if not released:
                 await self._locks.release(hold.lock)
-        except StorageError as exc:  # lost (expired and taken over) or Redis down: it lapses by itself
+        except StoreUnavailable as exc:  # Redis away: released when it answers (or it lapses)
+            log.warning("session.release_failed", tenant=key[0], session=key[1], error=str(exc))
+            task = asyncio.create_task(self._release_later(hold.lock), name=f"release:{key}")
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
+        except StorageError as exc:  # lost: expired and taken over
             log.warning("session.release_failed", tenant=key[0], session=key[1], error=str(exc))
         finally:
             hold.booked.set()
             if not hold.released.done():
                 hold.released.set_result(None)
+
+    async def _release_later(self, lock: SessionLock, every_s: float = 0.5) -> None:
+        """Release ``lock`` once Redis answers again, so that the session's next turn need not wait
+        out the lock's TTL after a blip; given up when the lock lapses by itself (a token that is
+        no longer ours is never deleted: the release compares it)."""
+        deadline = asyncio.get_running_loop().time() + self._ttl_s
+        while asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(every_s)  # a retry's pace: Redis gives no signal when it is back
+            try:
+                await self._locks.release(lock)
+            except StoreUnavailable:
+                continue
+            except StorageError:  # lapsed and taken over meanwhile: nothing of ours to release
+                return
+            log.info("session.released_late", tenant=lock.tenant, session=lock.session)
+            return
 
     def last_user(self, hold: SessionHold) -> bool:
         """Whether letting go now would release the lock (no save pending)."""

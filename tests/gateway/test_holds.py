@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from typing import Any
 
 from gateway.holds import Holds
+from storage.errors import StoreUnavailable
 from storage.index.keyspace import in_process_redis
 from storage.index.locks import SessionLocks
 
@@ -89,4 +91,29 @@ async def test_in_a_burst_of_turns_only_one_save_in_a_row_gives_way() -> None:
     await hold.saved
     assert ran == ["turn 0", "turn 1", "turn 2"] and graces == [0.5, 0.5]  # the grace is back
     await asyncio.wait_for(hold.released, 10)
+    await redis.aclose()
+
+
+async def test_a_release_redis_missed_is_made_when_it_answers_again() -> None:
+    redis = in_process_redis()
+    locks = SessionLocks(redis)
+    holds = Holds(locks, lock_ttl_s=15.0)
+    lock = await locks.try_acquire("acme", "s1", ttl_s=15.0)
+    assert lock is not None
+    hold = holds.start(lock, None)
+    real, failures = locks.release, [StoreUnavailable("redis: connection reset")] * 3
+
+    async def flaky(lock: Any) -> None:
+        if failures:
+            raise failures.pop()
+        await real(lock)
+
+    locks.release = flaky  # type: ignore[method-assign]
+    await holds.let_go(hold)  # Redis is away: the lock stays for now
+    assert await locks.try_acquire("acme", "s1", ttl_s=15.0) is None
+    deadline = asyncio.get_running_loop().time() + 5  # well within the lock's 15 s
+    while await locks.try_acquire("acme", "s1", ttl_s=15.0) is None:
+        assert asyncio.get_running_loop().time() < deadline, "not released once Redis answered"
+        await asyncio.sleep(0.05)
+    assert not failures
     await redis.aclose()

@@ -332,15 +332,19 @@ async def test_a_prompt_that_leaves_the_session_early_is_restored_only_up_to_its
         assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
 
 
+def s3_node(start: Callable[..., NodeProcess], moto: MotoProcess, prefix: str, *flags: str) -> NodeProcess:
+    """A node on `moto`'s S3 that keeps no copy of what it uploaded and retries uploads quickly."""
+    return start(
+        *("--s3-endpoint", moto.endpoint, "--s3-bucket", "slots", "--s3-prefix", prefix),
+        *("--spill-bytes", "0", "--flush-interval", "0.3", *flags),
+        env=S3_ENV,
+    )
+
+
 async def test_s3_store_down_during_spill_then_flushed(
     start_node: Callable[..., NodeProcess], restartable_moto: MotoProcess, prefix: str
 ) -> None:
-    node = start_node(
-        *("--s3-endpoint", restartable_moto.endpoint, "--s3-bucket", "slots", "--s3-prefix", prefix),
-        *("--spill-bytes", "0"),
-        *("--flush-interval", "0.3"),
-        env=S3_ENV,
-    )
+    node = s3_node(start_node, restartable_moto, prefix)
     eng, url = node.engine["id"], node.engine["url"]
     s3 = restartable_moto.client()
     await chat(url, 0)
@@ -370,11 +374,7 @@ async def test_s3_store_down_during_spill_then_flushed(
 async def test_saves_waiting_for_the_store_are_bounded(
     start_node: Callable[..., NodeProcess], restartable_moto: MotoProcess, prefix: str
 ) -> None:
-    node = start_node(
-        *("--s3-endpoint", restartable_moto.endpoint, "--s3-bucket", "slots", "--s3-prefix", prefix),
-        *("--spill-bytes", "0", "--spill-pending-bytes", "1", "--flush-interval", "0.3"),
-        env=S3_ENV,
-    )
+    node = s3_node(start_node, restartable_moto, prefix, "--spill-pending-bytes", "1")
     eng, url = node.engine["id"], node.engine["url"]
     await chat(url, 0)
     async with NodeClient(node.url, key=INTERNAL_KEY) as client:
