@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -54,6 +54,18 @@ class _Listing:
         for ref in refs.values():
             by_model.setdefault(ref.model, []).append(ref)
         return cls(refs, by_model, min((i.expires for i in infos), default=float("inf")))
+
+
+@dataclass(frozen=True)
+class LabelledSlot:
+    """A slot whose engine says it holds a session's state (the label the gateway gave it)."""
+
+    engine: str
+    slot: int
+    tenant: str
+    session: str
+    tokens: int
+    model: str = ""
 
 
 def failed_models(engines: list[dict[str, Any]]) -> dict[str, str]:
@@ -142,11 +154,11 @@ class Cluster:
         engines, _ = await self._node_engines()
         return failed_models(engines)
 
-    async def _node_engines(self) -> tuple[list[dict[str, Any]], bool]:
+    async def _node_engines(self, fresh: bool = False) -> tuple[list[dict[str, Any]], bool]:
         """Every engine the node agents run, ready or not, as their /v1/engines lists it, and whether
-        every node answered. A complete answer is kept a few seconds; an incomplete one is asked
-        again next time."""
-        if time.monotonic() - self._configured_at <= _CONFIGURED_TTL_S:
+        every node answered. A complete answer is kept a few seconds (``fresh``: ask anyway); an
+        incomplete one is asked again next time."""
+        if not fresh and time.monotonic() - self._configured_at <= _CONFIGURED_TTL_S:
             return self._configured, True
 
         async def listed(url: str) -> list[dict[str, Any]] | None:
@@ -163,6 +175,33 @@ class Cluster:
             return engines, False
         self._configured, self._configured_at = engines, time.monotonic()
         return engines, True
+
+    async def labelled_slots(self) -> list[LabelledSlot]:
+        """The slots the ready engines say whose session they hold (their labels, as the gateway
+        set them: GET /slots), asked of every engine the node agents run; an engine that does not
+        answer is left out. What a lost index is rebuilt from, beside the store: asked afresh (a
+        listing kept from before may show an engine still starting)."""
+        engines, _ = await self._node_engines(fresh=True)
+
+        async def labelled(engine: dict[str, Any]) -> list[LabelledSlot]:
+            try:
+                resp = await self._http.get(str(engine["url"]).rstrip("/") + "/slots", timeout=5.0)
+                return [
+                    LabelledSlot(
+                        str(engine["id"]), int(s["id"]), s["owner"], s["session"], int(s["n_tokens"])
+                    )
+                    for s in resp.json()
+                    if isinstance(s.get("session"), str)
+                    and isinstance(s.get("owner"), str)
+                    and s["n_tokens"] > 0
+                ]
+            except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+                return []
+
+        ready = [e for e in engines if e.get("state") == "ready" and e.get("url")]
+        found = await asyncio.gather(*(labelled(e) for e in ready))
+        models = {str(e["id"]): str(e["model"]) for e in ready}
+        return [replace(s, model=models[s.engine]) for listing in found for s in listing]
 
     async def engine(self, engine_id: str) -> EngineRef | None:
         return (await self._listing(False)).refs.get(engine_id)

@@ -12,9 +12,13 @@ How it heals (storage.index.epoch has the keys):
    next turn comes. A missing epoch, or one this process did not know, starts step 2.
 2. **Rebuilt, once.** The process claims a new epoch (the first claim wins; everyone adopts it)
    and takes the rebuilding lease; the one that holds it rebuilds the index from the store's
-   manifests (storage.index.reindex) and records the epoch as built. The others wait for that.
-3. **Meanwhile**, a turn whose session has no record looks the session up in the store before it
-   treats it as new (`recover`): its next turn restores instead of re-prefilling.
+   manifests (storage.index.reindex), then from the engines' slots: each slot says whose session
+   it holds (the label every turn gives it), and a session the store has no newer copy of is
+   recorded live there (gateway.cluster's `labelled_slots`) — an `on-evict` tenant's sessions were
+   never stored. Then it records the epoch as built; the others wait for that.
+3. **Meanwhile**, a turn whose session has no record waits a few seconds for this process's
+   rebuild, then looks the session up in the store before it treats it as new (`recover`): it
+   restores, or goes on in its slot, instead of re-prefilling.
 
 One owner: the healing task and the state it learns live here, changed only on the event loop.
 """
@@ -22,15 +26,18 @@ One owner: the healing task and the state it learns live here, changed only on t
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
 
 import structlog
 
 from engine_pool.common import loop as event_loop
+from gateway.cluster import LabelledSlot
 from gateway.metrics import Metrics
 from storage.blobs.blobstore import BlobStore
 from storage.errors import StorageError
 from storage.index.epoch import IndexEpoch, IndexState, index_state
-from storage.index.records import SessionRecord
+from storage.index.records import SessionRecord, SessionState
 from storage.index.reindex import reindex, reindex_session
 from storage.index.session_index import SessionIndex
 
@@ -47,12 +54,18 @@ class IndexHealing:
         index: SessionIndex,
         metrics: Metrics,
         *,
+        slots: Callable[[], Awaitable[list[LabelledSlot]]] | None = None,
         interval_s: float = 2.0,
         lease_ttl_s: float = 600.0,
+        wait_s: float = 10.0,
     ) -> None:
-        """``lease_ttl_s``: how long a rebuilding process that died holds the others back."""
+        """``slots``: the engines' labelled slots (gateway.cluster); ``lease_ttl_s``: how long a
+        rebuilding process that died holds the others back; ``wait_s``: how long a turn without a
+        record waits for the rebuild before it looks in the store itself."""
         self._epoch = epoch
         self._store, self._index, self._metrics = store, index, metrics
+        self._slots = slots
+        self._wait_s = wait_s
         self._interval_s = interval_s
         self._lease_ttl_s = lease_ttl_s
         self.known: str | None = None  # the epoch this process holds the index to be in
@@ -76,9 +89,11 @@ class IndexHealing:
         if not self.healing:
             return None
         try:
-            if not await reindex_session(self._store, self._index, tenant, session):
+            record = await self._rebuilt(tenant, session)
+            if record is None and await reindex_session(self._store, self._index, tenant, session):
+                record = await self._index.find(tenant, session)
+            if record is None:
                 return None
-            record = await self._index.find(tenant, session)
         except StorageError as exc:  # the store away too: the turn goes on as a new session's
             log.warning("index.recover_failed", tenant=tenant, session=session, error=str(exc))
             return None
@@ -107,6 +122,38 @@ class IndexHealing:
             except StorageError as exc:
                 log.debug("index.watch_failed", error=str(exc))
 
+    async def _rebuilt(self, tenant: str, session: str) -> SessionRecord | None:
+        """The session's record once this process's rebuild is over (at most ``wait_s``)."""
+        task = self._task
+        if task is not None and not task.done():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(task), self._wait_s)
+        return await self._index.find(tenant, session)
+
+    async def _adopt_live(self) -> int:
+        """Record the sessions the engines' slots hold (most tokens first: a session named by two
+        slots is the fuller one's) in slots nobody in the index occupies; how many were adopted."""
+        if self._slots is None:
+            return 0
+        labelled = sorted(await self._slots(), key=lambda s: -s.tokens)
+        taken: set[tuple[str, int]] = set()  # slots the index already places a session in
+        for engine in {s.engine for s in labelled}:
+            for tenant, session in await self._index.engine_sessions(engine):
+                record = await self._index.find(tenant, session)
+                if record is not None and record.state is SessionState.LIVE and record.slot is not None:
+                    taken.add((engine, record.slot))
+        adopted = 0
+        for s in labelled:
+            if (s.engine, s.slot) in taken:
+                continue
+            if await self._index.adopt_live(
+                s.tenant, s.session, engine=s.engine, slot=s.slot, tokens=s.tokens, model=s.model
+            ):
+                adopted += 1
+                taken.add((s.engine, s.slot))
+        self._metrics.index_live_adopted.inc(adopted)
+        return adopted
+
     async def close(self) -> None:
         if self._task is not None:
             await event_loop.cancel_and_wait(self._task)
@@ -129,6 +176,7 @@ class IndexHealing:
                 log.info("index.rebuilding", epoch=epoch)
                 try:
                     report = await reindex(self._store, self._index)
+                    live = await self._adopt_live()
                 except BaseException:
                     await self._epoch.give_lease(lease)
                     raise
@@ -139,6 +187,7 @@ class IndexHealing:
                         sessions=report.sessions,
                         restored=report.restored,
                         skipped=len(report.skipped),
+                        live=live,
                     )
                     self._metrics.index_rebuilds.inc()
                     break

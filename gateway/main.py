@@ -79,9 +79,10 @@ async def services(
     engines = engine_session(auth_headers(settings.internal_key), settings.request_timeout_s)
     # A lost index is noticed and rebuilt from the store (gateway.healing). The in-process index
     # starts empty every time: it is built before the gateway serves.
-    healing = IndexHealing(IndexEpoch(redis, prefix=settings.redis_prefix), store, index, metrics)
-    await healing.start(wait=settings.redis_url is None)
     cluster = Cluster(registry, index, settings.nodes, http, sample=settings.placement_sample)
+    epoch = IndexEpoch(redis, prefix=settings.redis_prefix)
+    healing = IndexHealing(epoch, store, index, metrics, slots=cluster.labelled_slots)
+    await healing.start(wait=settings.redis_url is None)
     retention = None
     if isinstance(store, ChunkedStore):
         retention = Retention(store, index, tenants, interval_s=settings.collect_interval_s)

@@ -56,6 +56,7 @@ class Metrics:
         self.evictions = family(Counter, "evictions", "Idle sessions spilled for room")
         self.index_rebuilds = family(Counter, "index_rebuilds", "Lost indexes rebuilt here from the store")
         self.index_recovered = family(Counter, "index_recovered", "Sessions found in the store while healing")
+        self.index_live_adopted = family(Counter, "index_live_adopted", "Sessions found live by healing")
         self.spill_bytes = family(Counter, "spill_bytes", "Bytes of slot files saved", "why")
         self.store_written = family(
             Counter,

@@ -223,6 +223,7 @@ async def forward_stateless(svc: Services, model: str, path: str, data: dict[str
 def _engine_fields(
     body: dict[str, Any],
     tenant: Tenant,
+    session: str,
     model: str,
     placement: Placement | EarlyStart,
     rules: list[str],
@@ -230,7 +231,8 @@ def _engine_fields(
 ) -> dict[str, Any]:
     """The gateway's fields over the tenant's: the slot, and the slots its prompt may start from
     (the tenant's own on that engine, and only while they still are: `slot_owner`), are never
-    theirs to choose."""
+    theirs to choose. `slot_session` labels the slot with the session (gateway.healing reads the
+    labels back when the index is lost)."""
     prefix = placement.prefix_slots if isinstance(placement, Placement) else ()
     context: dict[str, Any] = {"served": served_as(placement)}
     if rules:
@@ -241,6 +243,7 @@ def _engine_fields(
         "cache_prompt": True,
         "prefix_slots": list(prefix),
         "slot_owner": tenant.name,
+        "slot_session": session,
         "slotkeeper": context,
     }
     if "prompt_cache_key" in body:
@@ -315,7 +318,7 @@ async def serve_turn(
 
     def launch(where: EarlyStart) -> EarlyCall[Any]:
         url = where.url.rstrip("/") + path
-        data = engine_body(raw, body, _engine_fields(body, tenant, model, where, rules, cap))
+        data = engine_body(raw, body, _engine_fields(body, tenant, session_id, model, where, rules, cap))
         if streamed:
             return EarlyCall(StreamRelay.open(svc.engines, url, data, where.headers()), StreamRelay.close)
         return EarlyCall(forward_json(svc.engines, url, data, where.headers()))
@@ -337,7 +340,8 @@ async def serve_turn(
         early.discard()
         svc.metrics.early_starts.labels("abandoned").inc()
         early = None
-    data = engine_body(raw, body, _engine_fields(body, tenant, model, turn.placement, rules, cap))
+    fields = _engine_fields(body, tenant, turn.session, model, turn.placement, rules, cap)
+    data = engine_body(raw, body, fields)
     svc.metrics.served.labels(served_as(turn.placement)).inc()
     url = turn.engine_url.rstrip("/") + path
     t0 = early.started if early is not None else time.perf_counter()

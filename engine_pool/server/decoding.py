@@ -211,6 +211,7 @@ async def decode_on_slot(
     )
     t0 = time.monotonic()
     slot = await rt.leases.acquire(sampling.id_slot, prompt)
+    rt.leases.label(slot, sampling.slot_owner, sampling.slot_session)
     held_tokens = rt.leases.n_tokens(slot)
     text = TextStream(sampling.stop)
     tokens: list[int] = []

@@ -148,12 +148,18 @@ async def slots(request: Request) -> Response:
             "n_checkpoints": s.n_checkpoints,
             "checkpoint_bytes": s.checkpoint_bytes,
             "restored": s.restored,
+            **_labelled(leases.label_of(s.id)),
         }
         for s in infos
     ]
     if request.query_params.get("fail_on_no_slot") and all(s["is_processing"] for s in out):
         raise Unavailable("no slot available", retry_after=rt.settings.retry_after_s)
     return JSONResponse(out)
+
+
+def _labelled(label: tuple[str, str] | None) -> dict[str, str]:
+    """A slot's `owner` and `session` (the gateway's names for whose state it holds), when known."""
+    return {"owner": label[0], "session": label[1]} if label is not None else {}
 
 
 _SLOT_ACTIONS = ("save", "restore", "erase", "cancel")

@@ -44,6 +44,7 @@ class Sampling:
     # always names them (one tenant's slots), so no tenant reaches another's state.
     prefix_slots: tuple[int, ...] | None = None
     slot_owner: str = ""  # who it runs for: its slot takes it, and it starts only from slots of it
+    slot_session: str = ""  # the session it runs for (the gateway's): the slot's label (SlotLeases)
     stop: tuple[str, ...] = ()
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Biases keyed by text, applied to every token of the text's tokenization once it is tokenized
@@ -128,12 +129,11 @@ def read_sampling(
             f"'id_slot' {id_slot} does not exist (this engine has slots 0..{n_slots - 1})", param="id_slot"
         )
     values["prefix_slots"] = read_prefix_slots(body, n_slots)
-    owner = body.get_str("slot_owner", "") or ""
-    if len(owner) > _MAX_OWNER:
-        raise BadRequest(
-            f"'slot_owner' has {len(owner)} characters; the limit is {_MAX_OWNER}", param="slot_owner"
-        )
-    values["slot_owner"] = owner
+    for name in ("slot_owner", "slot_session"):
+        value = body.get_str(name, "") or ""
+        if len(value) > _MAX_OWNER:
+            raise BadRequest(f"'{name}' has {len(value)} characters; the limit is {_MAX_OWNER}", param=name)
+        values[name] = value
     by_id, by_text = read_logit_bias(body, n_vocab, limits.max_logit_bias, limits.max_text_chars)
     return Sampling(
         **{

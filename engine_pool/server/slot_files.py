@@ -60,6 +60,8 @@ async def _on_slot(rt: Runtime, slot: int, purpose: str, fn: Callable[[], T]) ->
     """Run `fn` in a thread under a lease on `slot`. The lease ends when `fn` does, even if the
     caller is cancelled first, so nothing else starts on the slot while the file is in use."""
     await rt.leases.acquire(slot, purpose=purpose, wait_s=rt.settings.slot_wait_s)
+    if purpose != "save":  # a restore or an erase: the slot holds nobody's named state now
+        rt.leases.label(slot)
     task = asyncio.ensure_future(asyncio.to_thread(fn))
     task.add_done_callback(lambda _: rt.leases.release(slot))
     return await asyncio.shield(task)

@@ -86,6 +86,7 @@ class _Slot:
     last_used: float = 0.0
     purpose: str = ""
     prompt_n: int = 0  # the prompt of its last request (0: unknown, e.g. after a restore)
+    label: tuple[str, str] | None = None  # (owner, session) its last request ran for, if it said
 
 
 @dataclass
@@ -242,6 +243,15 @@ class SlotLeases:
 
     def n_tokens(self, slot: int) -> int:
         return len(self._slots[slot].tokens)
+
+    def label(self, slot: int, owner: str = "", session: str = "") -> None:
+        """Whose state the slot holds now: the (owner, session) a request ran for, or nobody's that
+        anyone named (a request without them, a restore, an erase). The gateway reads it back from
+        ``GET /slots`` when it rebuilds a lost index."""
+        self._slots[slot].label = (owner, session) if owner and session else None
+
+    def label_of(self, slot: int) -> tuple[str, str] | None:
+        return self._slots[slot].label
 
     def close(self) -> None:
         """Refuse new leases and fail every waiter (the engine is shutting down)."""

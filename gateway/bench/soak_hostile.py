@@ -199,18 +199,26 @@ class Hostile:
 
         t0 = time.perf_counter()
         sender = asyncio.create_task(write())
+        answer: list[bytes] = []  # its status line and headers
         try:
-            line = await asyncio.wait_for(reader.readline(), 60)
+            async with asyncio.timeout(60):
+                while (line := await reader.readline()) not in (b"", b"\r\n") and len(answer) < 64:
+                    answer.append(line)
         except (TimeoutError, ConnectionError):
-            line = b""
+            pass
         finally:
             sender.cancel()
             with contextlib.suppress(asyncio.CancelledError, ConnectionError, OSError):
                 await sender
             writer.close()
-        status = line.split()[1].decode() if line.startswith(b"HTTP/") else "closed without an answer"
+        first = answer[0] if answer else b""
+        status = first.split()[1].decode() if first.startswith(b"HTTP/") else "closed without an answer"
         ms = (time.perf_counter() - t0) * 1000
-        self.soak.note(kind, status, status == "413", line.decode(errors="replace"), ms)
+        later = any(h.lower().startswith(b"retry-after:") for h in answer[1:])
+        if status == "503" and later:  # a backend away: "come back later" is a legitimate answer
+            self.soak.kinds[kind].throttled += 1
+            return
+        self.soak.note(kind, status, status == "413", first.decode(errors="replace"), ms)
 
     async def delete_reuse(self) -> None:
         """A turn, DELETE, a turn with the same id: a new, cold session (the old state must not return)."""

@@ -481,6 +481,33 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
             await self._redis.delete(self.keys.engine_idle(engine), self.keys.engine_live(engine))
         return dropped
 
+    async def adopt_live(
+        self, tenant: str, session: str, *, engine: str, slot: int, tokens: int, model: str
+    ) -> bool:
+        """Healing a lost index: the session an engine's slot says it holds (its label) recorded live
+        and idle there, unless the index knows it live already (newer than any label) or stored with
+        more tokens than the slot holds (a label older than the store's copy). True when adopted."""
+        validate_id(engine, "engine id")
+
+        def decide(old: SessionRecord | None) -> SessionRecord:
+            if old is not None and (old.state is SessionState.LIVE or old.tokens > tokens):
+                return old
+            base = old or SessionRecord(tenant, session, SessionState.NEW, model=model)
+            return replace(
+                base,
+                state=SessionState.LIVE,
+                engine=engine,
+                slot=slot,
+                tokens=tokens,
+                model=model or base.model,
+                last_used=self._clock(),
+                dirty=True,  # the slot may hold more than any stored generation: save it when it goes
+            )
+
+        before = await self.find(tenant, session)
+        after = await self._change(tenant, session, decide, None, idle=True)
+        return after is not None and after.state is SessionState.LIVE and after != before
+
     async def restore_spilled(self, record: SessionRecord) -> bool:
         """Reindex: adopt a durable generation from storage unless the index knows a newer state,
         or the generation is at or below the id's floor (a leftover of a deleted namesake)."""

@@ -172,13 +172,15 @@ def test_node_sigterm_moves_sessions_and_redis_flush_is_reindexed(cluster):
     reindex += ["--redis-prefix", cluster["prefix"], *cluster["s3"]]
     rc = subprocess.run(reindex, env=ENV, capture_output=True, text=True, timeout=60)
     assert rc.returncode == 0, rc.stdout + rc.stderr
-    assert httpx.get(f"{gw.url}/v1/sessions/agent-7").json()["state"] == "spilled"
+    # Stored (the hand-run reindex), or live in its slot: the gateway noticed the loss itself and
+    # found the session in the slot its last turn ran in (gateway.healing), whichever came first.
+    assert httpx.get(f"{gw.url}/v1/sessions/agent-7").json()["state"] in ("spilled", "live")
     deadline = time.monotonic() + 30  # the surviving node re-registers its engine on its next heartbeat
     while httpx.get(gw.url + "/ready").status_code != 200 and time.monotonic() < deadline:
         time.sleep(0.3)
     msgs.append({"role": "user", "content": "Step 3: finish."})
     done, headers, timings = _turn(gw.url, msgs, "agent-7")
-    assert headers["x-slotkeeper-cache"] == "restored" and timings["cache_n"] > 0
+    assert headers["x-slotkeeper-cache"] in ("restored", "live") and timings["cache_n"] > 0
 
 
 def test_agent_apis_continue_on_another_node(cluster, procs_to_stop):

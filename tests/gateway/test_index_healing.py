@@ -125,3 +125,39 @@ def test_every_session_reuses_its_prefix_after_the_index_is_lost(
     # The rebuilt index lists every session again, at its stored generation or a newer one.
     listed = {d["id"] for d in httpx.get(s.url + "/v1/sessions", timeout=10).json()["data"]}
     assert set(SESSIONS) <= listed
+
+
+def test_sessions_never_saved_are_found_live_in_their_slots(
+    serve, restartable_redis: RedisProcess, tmp_path: Path
+) -> None:
+    """An on-evict tenant's sessions are in no store: the rebuilt index finds them by the labels of
+    the slots that hold them, and their next turns are served live there."""
+    (tmp_path / "tenants.toml").write_text('[tenants.lazy]\nkeys = ["key-lazy"]\ndurability = "on-evict"\n')
+    redis = restartable_redis
+    s = serve(
+        tmp_path / "data",
+        slots=4,
+        tenants=tmp_path / "tenants.toml",
+        args=["--redis-url", redis.url, "--log-level", "info"],
+    )
+    client = openai_client(s.url, key="key-lazy")
+    convs = {f"lazy-{i}": [{"role": "system", "content": SYSTEM + f" You are lazy-{i}."}] for i in range(4)}
+    live_gap: dict[str, int] = {}
+    for step in range(2):
+        for sid, msgs in convs.items():
+            msgs.append({"role": "user", "content": f"Step {step}: continue."})
+            answer, cache, reused, prompt = turn(client, sid, msgs)
+            live_gap[sid] = prompt - reused
+            msgs.append({"role": "assistant", "content": answer})
+    auth = {"Authorization": "Bearer key-lazy"}
+    for sid in convs:  # never saved: only the slot holds it
+        record = httpx.get(f"{s.url}/v1/sessions/{sid}", headers=auth, timeout=10).json()
+        assert int(record["generation"]) == 0
+
+    assert redis.command("FLUSHALL") == b"+OK"
+    back = time.monotonic()
+    for sid, msgs in convs.items():
+        msgs.append({"role": "user", "content": "Step 2: continue."})
+        _, cache, reused, prompt = retried(lambda sid=sid, msgs=msgs: turn(client, sid, msgs), back + 30)
+        assert cache == "live" and prompt - reused <= live_gap[sid], (sid, cache, reused, prompt)
+    assert metric(s.url, "slotkeeper_gateway_index_live_adopted_total") == len(convs)

@@ -88,6 +88,20 @@ def test_the_caller_names_the_slots_a_prompt_may_start_from(client: httpx.Client
     assert again["timings"]["cache_n"] == 0  # acme's state in beta's slot: cleared first
 
 
+def test_a_slot_is_labelled_with_the_session_its_last_request_ran_for(client: httpx.Client) -> None:
+    def labels() -> dict[int, tuple[str, str] | None]:
+        listed = client.get("/slots").json()
+        return {s["id"]: (s["owner"], s["session"]) if "session" in s else None for s in listed}
+
+    chat(client, "Fix the failing test in parser.py.", id_slot=0, slot_owner="acme", slot_session="s-1")
+    chat(client, "Another task.", id_slot=1, slot_owner="acme", slot_session="s-2")
+    assert labels()[0] == ("acme", "s-1") and labels()[1] == ("acme", "s-2")
+    chat(client, "An unnamed request.", id_slot=1)  # its state is nobody's the gateway named
+    assert labels()[1] is None
+    client.post("/slots/0", params={"action": "erase"})  # nor is an erased slot's
+    assert labels()[0] is None
+
+
 def test_a_miss_names_the_part_that_changed(client: httpx.Client) -> None:
     chat(client, "Fix the failing test in parser.py.", id_slot=0)
     edited = chat(
@@ -124,6 +138,7 @@ def test_a_continued_conversation_leaves_its_state_in_the_last_reply(client: htt
         ({"slotkeeper": []}, "slotkeeper"),
         ({"slot_owner": "o" * 129}, "slot_owner"),
         ({"slot_owner": 7}, "slot_owner"),
+        ({"slot_session": "s" * 129}, "slot_session"),
     ],
 )
 def test_bad_prefix_fields_are_refused_precisely(

@@ -151,6 +151,26 @@ async def test_restore_spilled(index: SessionIndex) -> None:
     assert (got.state, got.generation, got.engine) == (SessionState.LIVE, 6, "e1")
 
 
+async def test_adopt_live_takes_a_slot_label_only_over_what_is_older(index: SessionIndex) -> None:
+    # No record: the label's session is recorded live and idle in its slot, dirty (never saved).
+    assert await index.adopt_live("acme", "s1", engine="e1", slot=2, tokens=300, model="m")
+    got = await index.get("acme", "s1")
+    assert (got.state, got.engine, got.slot, got.tokens, got.dirty) == (SessionState.LIVE, "e1", 2, 300, True)
+    assert [s for _, s in await index.idle_sessions("e1")] == ["s1"]
+    # Live already: the index is newer than any label.
+    assert not await index.adopt_live("acme", "s1", engine="e2", slot=0, tokens=900, model="m")
+    # Stored with fewer tokens than the slot holds: the slot is newer, live there.
+    stored = SessionRecord("acme", "s2", SessionState.SPILLED, model="m", tokens=100, generation=3)
+    assert await index.restore_spilled(stored)  # as the rebuild from the store found it
+    assert await index.adopt_live("acme", "s2", engine="e1", slot=1, tokens=120, model="m")
+    got = await index.get("acme", "s2")
+    assert (got.state, got.slot, got.generation) == (SessionState.LIVE, 1, 3)  # its stored copy stays known
+    # Stored with more tokens than the slot holds: a label older than the store's copy.
+    assert await index.restore_spilled(replace(stored, session="s3", tokens=500))
+    assert not await index.adopt_live("acme", "s3", engine="e1", slot=3, tokens=200, model="m")
+    assert (await index.get("acme", "s3")).state is SessionState.SPILLED
+
+
 async def test_tenant_scoping_and_key_names(index: SessionIndex, redis_client: Any) -> None:
     await index.mark_live("tenantA", "secret", engine="e1", slot=0, tokens=1, model="fp")
     await index.mark_idle("tenantA", "secret")
