@@ -84,8 +84,9 @@ class IndexHealing:
             self.saw(*await self._epoch.read())
 
     async def recover(self, tenant: str, session: str) -> SessionRecord | None:
-        """While the index heals: the record of a session the index lacks, from its newest stored
-        generation; None when it is not stored (new, or never saved) or the store cannot say."""
+        """While the index heals: the record of a session the index lacks, once this process's rebuild
+        is over (it may find the session live in its slot), else from its newest stored generation;
+        None when neither knows it (a new session) or the store cannot say."""
         if not self.healing:
             return None
         try:
