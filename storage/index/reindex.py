@@ -61,16 +61,13 @@ async def reindex(
                 report.skipped.append(info.key)
                 return
             record = stored_record(info, meta)
-            route, shared, prompt = record.route, record.shared, record.prompt
             changed = False
             if dry_run:
                 known = await index.find(record.tenant, record.session)
                 changed = known is None or known.generation < record.generation
             else:
-                changed = await index.restore_spilled(record)
-                if changed and route:  # implicit routing finds the session again
-                    await index.add_prefixes(record.tenant, record.session, [route])
-                for digest in (shared, prompt) if changed else ():
+                changed = await adopt_stored(index, record)
+                for digest in (record.shared, record.prompt) if changed else ():
                     # and a new session its shared prefix or its very prompt: the newest holder's
                     newest = holders.get((record.tenant, digest))
                     if digest and (newest is None or newest.last_used < record.last_used):
@@ -117,6 +114,15 @@ def stored_record(info: BlobInfo, meta: BlobMeta) -> SessionRecord:
     )
 
 
+async def adopt_stored(index: SessionIndex, record: SessionRecord) -> bool:
+    """Record a stored generation (``index.restore_spilled``) and, when the index learned it, its
+    implicit route, so that a resent history finds the session again."""
+    changed = await index.restore_spilled(record)
+    if changed and record.route:
+        await index.add_prefixes(record.tenant, record.session, [record.route])
+    return changed
+
+
 async def reindex_session(store: BlobStore, index: SessionIndex, tenant: str, session: str) -> bool:
     """One session's newest stored generation recorded in ``index`` (with its implicit route), as
     :func:`reindex` records every session: what a turn does while the index heals, before it
@@ -125,9 +131,7 @@ async def reindex_session(store: BlobStore, index: SessionIndex, tenant: str, se
     if info is None:
         return False
     record = stored_record(info, await store.head(info.ref))
-    changed = await index.restore_spilled(record)
-    if changed and record.route:
-        await index.add_prefixes(tenant, session, [record.route])
+    changed = await adopt_stored(index, record)
     if changed:
         log.info("reindex.session", tenant=tenant, session=session, generation=record.generation)
     return changed

@@ -487,22 +487,12 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
         """Healing a lost index: the session an engine's slot says it holds (its label) recorded live
         and idle there, unless the index knows it live already (newer than any label) or stored with
         more tokens than the slot holds (a label older than the store's copy). True when adopted."""
-        validate_id(engine, "engine id")
+        live = self.decide_live(tenant, session, engine=engine, slot=slot, tokens=tokens, model=model)
 
         def decide(old: SessionRecord | None) -> SessionRecord:
             if old is not None and (old.state is SessionState.LIVE or old.tokens > tokens):
                 return old
-            base = old or SessionRecord(tenant, session, SessionState.NEW, model=model)
-            return replace(
-                base,
-                state=SessionState.LIVE,
-                engine=engine,
-                slot=slot,
-                tokens=tokens,
-                model=model or base.model,
-                last_used=self._clock(),
-                dirty=True,  # the slot may hold more than any stored generation: save it when it goes
-            )
+            return live(old)  # dirty: the slot may hold more than any stored generation
 
         before = await self.find(tenant, session)
         after = await self._change(tenant, session, decide, None, idle=True)
