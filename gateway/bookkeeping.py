@@ -102,10 +102,15 @@ async def finish(
         turn, messages, outcome, shares=parts.shares(t), last_user=parts.holds.last_user(hold)
     )
     decide = parts.index.decide_idle(s, books.tokens, books.route, books.shared, books.identical)
+    idle: bool | None = True
+    if outcome.moved:  # its slot holds someone else's state: it is recorded as its stored state
+        decide, idle = parts.index.decide_unplaced(turn.placement.engine, turn.placement.slot), None
+        log.warning("session.slot_changed", tenant=t, session=s, engine=turn.placement.engine)
+        parts.metrics.slot_changed.inc()
     written = released = False
     try:
         _, written = await write_record(
-            parts.index, hold, decide, idle=True, also=lambda ops: books.queue(parts.index, ops, t, s)
+            parts.index, hold, decide, idle=idle, also=lambda ops: books.queue(parts.index, ops, t, s)
         )
         released = written and books.release
         if not outcome.ok:

@@ -16,7 +16,7 @@ import structlog
 from engine_pool.common.errors import Unavailable
 from engine_pool.pool.client import NodeClient, NodeError
 from gateway.placement import Placement
-from gateway.saves import save_slot
+from gateway.saves import save_slot, slot_changed
 from gateway.turn_parts import TurnParts
 from storage.errors import LockBusy, StorageError
 from storage.index.records import SessionRecord, SessionState
@@ -96,6 +96,11 @@ async def evict(parts: TurnParts, engine: str, node: NodeClient, placement: Plac
             engine=engine,
             error=str(exc),
         )
+        if slot_changed(exc):  # a stale record: the slot holds someone else's state, or nobody's
+            with contextlib.suppress(StorageError):
+                unplaced = parts.index.decide_unplaced(engine, victim.slot)
+                await parts.index.transition(victim.tenant, victim.session, unplaced, lock=lock)
+            parts.metrics.slot_changed.inc()
         raise Unavailable("could not make room for this session; retry", retry_after=1) from exc
     finally:
         with contextlib.suppress(StorageError):

@@ -54,6 +54,12 @@ class Metrics:
             "tenant's on_store_outage = reprefill)",
         )
         self.evictions = family(Counter, "evictions", "Idle sessions spilled for room")
+        self.slot_changed = family(
+            Counter,
+            "slot_changed",
+            "Sessions the index placed in a slot that held another's state (an engine restarted, a "
+            "stale record): placed again from their stored state",
+        )
         self.index_rebuilds = family(Counter, "index_rebuilds", "Lost indexes rebuilt here from the store")
         self.index_recovered = family(Counter, "index_recovered", "Sessions found in the store while healing")
         self.index_live_adopted = family(Counter, "index_live_adopted", "Sessions found live by healing")

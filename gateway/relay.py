@@ -44,6 +44,7 @@ class TurnOutcome:
     report: dict[str, Any] = field(default_factory=dict)  # the engine's `slotkeeper` (how it reused)
     error: str = ""
     body: bytes = b""  # a non-streamed answer's bytes as the engine sent them
+    moved: bool = False  # refused: the slot holds another session's state (engine SlotChanged)
 
     def assistant_message(self) -> dict[str, Any]:
         msg: dict[str, Any] = {"role": "assistant", "content": self.content}

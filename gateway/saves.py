@@ -8,17 +8,19 @@ follows; here it is the node agent's 409 ``conflict`` that says a generation is 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable
 
 import structlog
 
-from engine_pool.common.errors import Unavailable
+from engine_pool.common.errors import SlotChanged, Unavailable
 from engine_pool.pool.client import NodeClient, NodeError
 from engine_pool.protocol.node import SpillResult
 from gateway.holds import write_record
 from gateway.turn import Turn
 from gateway.turn_parts import TurnParts
 from storage.blobs.blobstore import delete_generations
+from storage.errors import StorageError
 from storage.index.generations import GenerationsTaken, save_as_next_generation
 from storage.index.records import SessionRecord, SessionState
 
@@ -43,7 +45,8 @@ async def save_slot(
     """Save the slot as the session's next generation, a number the index hands out once per
     session id (``reserve``); ``share`` lets its stored chunks be shared with the tenant's other
     sessions. A generation the node or the store holds already is skipped for the next one, never
-    overwritten (storage.index.generations)."""
+    overwritten (storage.index.generations). Only while the slot holds the session (its label):
+    else NodeError 409 slot_changed (`slot_changed`), and nothing is saved."""
 
     async def spill(generation: int) -> SpillResult:
         return await node.spill(
@@ -54,12 +57,18 @@ async def save_slot(
             generation=generation,
             route=rec.stored_routes,
             share=share,
+            fenced=True,
         )
 
     try:
         return await save_as_next_generation(session, reserve, spill, _taken)
     except GenerationsTaken as exc:
         raise Unavailable(str(exc), retry_after=1) from None
+
+
+def slot_changed(exc: BaseException) -> bool:
+    """The node refused a save: the slot holds another session's state, or nobody's."""
+    return isinstance(exc, NodeError) and exc.status == 409 and exc.code == SlotChanged.code
 
 
 def left_slot(rec: SessionRecord, where: tuple[str, int]) -> bool:
@@ -113,3 +122,7 @@ async def write_behind(parts: TurnParts, turn: Turn) -> None:
             parts.told_superseded(t)
     except Exception as exc:  # the turn was answered; a failed save only costs durability
         log.warning("session.write_behind_failed", tenant=t, session=s, error=str(exc))
+        if slot_changed(exc):  # its slot holds another's state now: it is what it last stored
+            with contextlib.suppress(StorageError):
+                await write_record(parts.index, hold, parts.index.decide_unplaced(*where))
+            parts.metrics.slot_changed.inc()

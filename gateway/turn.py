@@ -27,7 +27,7 @@ CHAT_PATH = "/v1/chat/completions"  # the engine's chat completions path
 # What the gateway sets in an engine body (never the tenant's: gateway.turn_path), and the tenant's
 # own session key: a tokenization for the prompt sends none of them.
 GATEWAY_FIELDS = frozenset(
-    {"prompt_cache_key", "id_slot", "prefix_slots", "slot_owner", "slot_session", "slotkeeper"}
+    {"prompt_cache_key", "id_slot", "prefix_slots", "slot_owner", "slot_session", "slot_expect", "slotkeeper"}
 )
 
 

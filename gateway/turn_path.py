@@ -15,6 +15,7 @@ import contextlib
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from starlette.background import BackgroundTask
@@ -30,6 +31,7 @@ from engine_pool.common.errors import (
     NotFound,
     QuotaExceeded,
     ServerError,
+    SlotChanged,
     Unauthorized,
     Unavailable,
 )
@@ -232,7 +234,9 @@ def _engine_fields(
     """The gateway's fields over the tenant's: the slot, and the slots its prompt may start from
     (the tenant's own on that engine, and only while they still are: `slot_owner`), are never
     theirs to choose. `slot_session` labels the slot with the session (gateway.healing reads the
-    labels back when the index is lost)."""
+    labels back when the index is lost); a turn on its live slot also says the slot must hold the
+    session already (`slot_expect`: a restarted engine's slot, or one a stale record shares with
+    another session, is refused with 409 slot_changed, and the turn is placed again)."""
     prefix = placement.prefix_slots if isinstance(placement, Placement) else ()
     context: dict[str, Any] = {"served": served_as(placement)}
     if rules:
@@ -246,6 +250,10 @@ def _engine_fields(
         "slot_session": session,
         "slotkeeper": context,
     }
+    if served_as(placement) == Serve.LIVE.value:
+        fields["slot_expect"] = session
+    elif "slot_expect" in body:
+        fields["slot_expect"] = None
     if "prompt_cache_key" in body:
         fields["prompt_cache_key"] = None  # (the gateway's: it named the session)
     if cap:  # the engine takes it only when the request set no max_tokens (nor an alias of it)
@@ -309,7 +317,47 @@ async def serve_turn(
     svc: Services = request.app.state.services
     note(request, tenant=tenant.name)
     body, messages, raw, rules = normalised(svc, tenant, body, messages, raw)
-    session_id, source = session or await svc.runner.resolve(tenant, request.headers, body, model)
+    found = session or await svc.runner.resolve(tenant, request.headers, body, model)
+    asked = _TurnRequest(svc, tenant, body, model, messages, path, dialect, raw, rules)
+    try:
+        return await _serve_once(request, asked, *found)
+    except _SlotChanged:  # its record placed it in a slot that holds another's state: once more
+        pass
+    try:
+        return await _serve_once(request, asked, *found)
+    except _SlotChanged:
+        raise Unavailable(
+            "the session's slot changed hands while it was placed; retry", retry_after=1
+        ) from None
+
+
+class _SlotChanged(Exception):
+    """The engine refused a turn on the session's live slot (SlotChanged); its record now says it is
+    stored (or new), and the turn may be placed again."""
+
+
+def slot_changed(exc: BaseException) -> bool:
+    return isinstance(exc, ApiError) and exc.status == 409 and exc.code == SlotChanged.code
+
+
+@dataclass(frozen=True)
+class _TurnRequest:
+    """What one turn request serves, whichever attempt serves it (`serve_turn`)."""
+
+    svc: Services
+    tenant: Tenant
+    body: dict[str, Any]
+    model: str
+    messages: list[dict[str, Any]]
+    path: str
+    dialect: Dialect | None
+    raw: bytes | None
+    rules: list[str]
+
+
+async def _serve_once(request: Request, asked: _TurnRequest, session_id: str, source: str) -> Response:
+    svc, tenant, body, model, path = asked.svc, asked.tenant, asked.body, asked.model, asked.path
+    messages, dialect, raw, rules = asked.messages, asked.dialect, asked.raw, asked.rules
     # A restore for a conversation that left the stored one early is cut at the prompt's checkpoint.
     prompt = RestorePrompt(messages, model, body, body.get("tools")) if path == CHAT_PATH else None
     streamed = bool(body.get("stream"))
@@ -365,6 +413,10 @@ async def serve_turn(
         except (ApiError, StorageError) as exc:
             outcome.ok = False
             outcome.error = str(exc)
+            if slot_changed(exc):
+                outcome.moved = True
+                await svc.runner.finish_now(turn, messages, outcome)
+                raise _SlotChanged() from exc
             svc.runner.finish_soon(turn, messages, outcome)
             raise
         except BaseException:  # cancelled (the client went away): the session must not stay locked
@@ -385,7 +437,11 @@ async def serve_turn(
         else:
             relay = await StreamRelay.open(svc.engines, url, data)
     except BaseException as exc:
-        svc.runner.finish_soon(turn, messages, TurnOutcome(error=getattr(exc, "message", "cancelled")))
+        failed = TurnOutcome(error=getattr(exc, "message", "cancelled"), moved=slot_changed(exc))
+        if failed.moved:
+            await svc.runner.finish_now(turn, messages, failed)
+            raise _SlotChanged() from exc
+        svc.runner.finish_soon(turn, messages, failed)
         raise
     svc.metrics.ttft.observe(time.perf_counter() - t0)
 

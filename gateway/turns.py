@@ -199,6 +199,17 @@ class TurnRunner:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def finish_now(
+        self, turn: Turn, messages: Sequence[Mapping[str, Any]], outcome: TurnOutcome
+    ) -> None:
+        """`finish`, awaited here (once per turn, as `finish_soon`): for a turn placed again at once,
+        which must find its session's record as this one leaves it."""
+        if turn.settled:
+            return
+        turn.settled = True
+        self.answered(turn)
+        await self.finish(turn, messages, outcome)
+
     async def finish(self, turn: Turn, messages: Sequence[Mapping[str, Any]], outcome: TurnOutcome) -> None:
         """Bookkeeping after the engine answered (or failed), in one round trip (gateway.bookkeeping).
         Never raises."""

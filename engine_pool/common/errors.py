@@ -113,6 +113,12 @@ class InstanceChanged(Conflict, code="engine_instance_changed"):
     engine restarted since its caller looked, and its slots no longer hold what the caller thinks."""
 
 
+class SlotChanged(Conflict, code="slot_changed"):
+    """A request or save named the session it expects its slot to hold (`slot_expect`), and the
+    slot's label names another, or nobody: the slot's state is not that session's (an engine
+    restarted, or a stale record placed two sessions in one slot)."""
+
+
 class SlotBusy(Conflict, type="slot_busy_error", code="slot_busy"):
     """A slot operation waited its bounded time and the slot was still serving requests."""
 

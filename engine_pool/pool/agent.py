@@ -262,6 +262,7 @@ class NodeAgent:
         share: bool = True,
         tokens: list[int] | None = None,
         prefix: bool = False,
+        fenced: bool = False,
     ) -> SlotResult:
         sup, n = self._engine(engine_id, slot)
         self._inflight += 1
@@ -277,7 +278,7 @@ class NodeAgent:
                 assert ref is not None
                 spill = op == "spill"
                 result = await (
-                    self._spill(sup, n, ref, route, share)
+                    self._spill(sup, n, ref, route, share, fenced)
                     if spill
                     else self._fill(sup, n, ref, tokens, prefix)
                 )
@@ -297,11 +298,18 @@ class NodeAgent:
         return len(refs)
 
     async def _spill(
-        self, sup: EngineSupervisor, slot: int, ref: SlotRef, route: str = "", share: bool = True
+        self,
+        sup: EngineSupervisor,
+        slot: int,
+        ref: SlotRef,
+        route: str = "",
+        share: bool = True,
+        fenced: bool = False,
     ) -> SpillResult:
         """Save, cache and upload; `route` (the session's newest routing digest) travels in the
         object's metadata so that a reindex restores implicit routing too; `share` lets the stored
-        chunks be shared with the tenant's other sessions."""
+        chunks be shared with the tenant's other sessions; `fenced`: the engine saves only while
+        the slot's label names the session (else 409 slot_changed)."""
         cache, t0 = self.parts.cache, time.monotonic()
         if ref in cache:
             raise WriteConflict(
@@ -316,7 +324,8 @@ class NodeAgent:
             )
         name = f"spill-{uuid.uuid4().hex}.slot"
         src = sup.spec.slot_dir / name
-        await self._slot_call(sup, slot, "save", name)
+        label = {"slot_owner": ref.tenant, "slot_expect": ref.session} if fenced else {}
+        await self._slot_call(sup, slot, "save", name, label)
         try:
             sf = await asyncio.to_thread(read_slot_file, src, checksum=False)
             crc = await asyncio.to_thread(whole_file_crc32, src)
@@ -469,15 +478,21 @@ class NodeAgent:
             cache.unpin(ref)
 
     async def _slot_call(
-        self, sup: EngineSupervisor, slot: int, action: str, filename: str | None = None
+        self,
+        sup: EngineSupervisor,
+        slot: int,
+        action: str,
+        filename: str | None = None,
+        label: dict[str, str] | None = None,
     ) -> dict[str, Any]:
-        """One llama-server slot action; the engine's own errors keep their status, type and message."""
+        """One llama-server slot action (``label``: the save's expected slot label); the engine's
+        own errors keep their status, type and message."""
         engine_id = sup.spec.engine_id
         try:
             r = await self.parts.http.post(
                 f"{sup.url}/slots/{slot}",
                 params={"action": action},
-                json={"filename": filename} if filename else None,
+                json={"filename": filename, **(label or {})} if filename else None,
                 timeout=SLOT_TIMEOUT,
             )
         except httpx.HTTPError as exc:
@@ -658,7 +673,9 @@ async def slot_operation(request: Request) -> Response:
                 "'route' must be lowercase hex digests of 16..128 characters (route[.shared][+prompt])",
                 param="route",
             )
-        result = await a.operation(op, p["engine"], p["slot"], ref, route=spill.route, share=spill.share)
+        result = await a.operation(
+            op, p["engine"], p["slot"], ref, route=spill.route, share=spill.share, fenced=spill.fenced
+        )
     elif op == "fill":
         fill = FillRequest.from_body(await read_json(request))
         ref = SlotRef(fill.tenant, fill.session, fill.generation)

@@ -85,11 +85,13 @@ class NodeClient:
         generation: int,
         route: str = "",
         share: bool = True,
+        fenced: bool = False,
     ) -> node.SpillResult:
         """Save the slot as (tenant, session, generation) and upload it; see `SpillResult.uploaded`.
         `route` is the session's newest routing digest, kept with the object for reindexing;
-        `share` lets its stored chunks be shared with the tenant's other sessions."""
-        body = node.SpillRequest(tenant, session, generation, route, share).to_json()
+        `share` lets its stored chunks be shared with the tenant's other sessions; `fenced`: only
+        when the slot holds the session (its label), else 409 slot_changed."""
+        body = node.SpillRequest(tenant, session, generation, route, share, fenced).to_json()
         out = await self._call("POST", node.slot_path(engine, slot, "spill"), body, retry_on=_NOT_SENT)
         return node.SpillResult.from_json(out)
 

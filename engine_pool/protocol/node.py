@@ -50,13 +50,15 @@ def _generation(body: Body) -> tuple[str, str, int]:
 class SpillRequest:
     """Save a slot as (tenant, session, generation) and upload it. `route`: the session's newest
     routing digest, kept with the object for reindexing (its format is the store's, checked by the
-    agent); `share`: its stored chunks may be shared with the tenant's other sessions."""
+    agent); `share`: its stored chunks may be shared with the tenant's other sessions; `fenced`:
+    the slot must hold the session (its label says so), else nothing is saved (409 slot_changed)."""
 
     tenant: str
     session: str
     generation: int
     route: str = ""
     share: bool = True
+    fenced: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"tenant": self.tenant, "session": self.session, "generation": self.generation}
@@ -64,12 +66,15 @@ class SpillRequest:
             out["route"] = self.route
         if not self.share:
             out["share"] = False
+        if self.fenced:
+            out["fenced"] = True
         return out
 
     @classmethod
     def from_body(cls, body: Body) -> SpillRequest:
         tenant, session, generation = _generation(body)
-        return cls(tenant, session, generation, body.get_str("route", "") or "", body.get_bool("share", True))
+        route, share = body.get_str("route", "") or "", body.get_bool("share", True)
+        return cls(tenant, session, generation, route, share, body.get_bool("fenced", False))
 
 
 @dataclass(frozen=True)

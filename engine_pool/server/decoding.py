@@ -29,7 +29,7 @@ from starlette.requests import Request
 
 import native
 
-from ..common.errors import ClientGone, ContextSizeExceeded, ServerError, Unavailable
+from ..common.errors import ClientGone, ContextSizeExceeded, ServerError, SlotChanged, Unavailable
 from .grammar import GrammarTriggers
 from .runtime import Runtime
 from .sampling import Sampling, ban_end_of_generation, resolve_text_bias, to_native
@@ -211,6 +211,10 @@ async def decode_on_slot(
     )
     t0 = time.monotonic()
     slot = await rt.leases.acquire(sampling.id_slot, prompt)
+    expected = (sampling.slot_owner, sampling.slot_expect)
+    if sampling.slot_expect and rt.leases.label_of(slot) != expected:
+        rt.leases.release(slot)  # the gateway places the session again (from its stored state)
+        raise SlotChanged(f"slot {slot} does not hold the session {sampling.slot_expect!r}")
     rt.leases.label(slot, sampling.slot_owner, sampling.slot_session)
     held_tokens = rt.leases.n_tokens(slot)
     text = TextStream(sampling.stop)

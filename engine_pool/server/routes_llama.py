@@ -37,7 +37,7 @@ from .grammar import built_off_loop, schema_grammar
 from .limits import RequestLimits, check_text
 from .metrics import CONTENT_TYPE
 from .runtime import Runtime
-from .sampling import Sampling, generation_settings, read_sampling
+from .sampling import Sampling, generation_settings, read_label, read_sampling
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -165,6 +165,15 @@ def _labelled(label: tuple[str, str] | None) -> dict[str, str]:
 _SLOT_ACTIONS = ("save", "restore", "erase", "cancel")
 
 
+def _expected(body: Body) -> tuple[str, str] | None:
+    """A save's `slot_owner` and `slot_expect`: whose state the caller means to save (ours:
+    llama-server saves whatever the slot holds), or None when it names nobody."""
+    owner, session = read_label(body, "slot_owner"), read_label(body, "slot_expect")
+    if bool(owner) != bool(session):
+        raise BadRequest("'slot_owner' and 'slot_expect' go together", param="slot_expect")
+    return (owner, session) if owner else None
+
+
 async def slot_action(request: Request) -> Response:
     rt = runtime(request)
     if rt.settings.no_slots:  # llama-server gates only GET /slots; a node never passes --no-slots
@@ -186,7 +195,7 @@ async def slot_action(request: Request) -> Response:
         return JSONResponse({"id_slot": slot, "cancelled": await rt.cancel_slot(slot)})
     body = await read_json(request, limits(request).body)
     if action == "save":
-        return JSONResponse(await slot_files.save(rt, slot, body.raw("filename")))
+        return JSONResponse(await slot_files.save(rt, slot, body.raw("filename"), _expected(body)))
     return JSONResponse(await slot_files.restore(rt, slot, body.raw("filename")))
 
 

@@ -45,6 +45,7 @@ class Sampling:
     prefix_slots: tuple[int, ...] | None = None
     slot_owner: str = ""  # who it runs for: its slot takes it, and it starts only from slots of it
     slot_session: str = ""  # the session it runs for (the gateway's): the slot's label (SlotLeases)
+    slot_expect: str = ""  # the session the slot must hold already (its label), else 409 SlotChanged
     stop: tuple[str, ...] = ()
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Biases keyed by text, applied to every token of the text's tokenization once it is tokenized
@@ -64,7 +65,7 @@ class FieldSpec:
     hi: float | None = None
 
 
-_MAX_OWNER = 128
+MAX_LABEL = 128  # characters of a slot label's owner or session
 # The core's integers are C ints: a larger value would fail inside the binding (a 500), not here.
 _INT32_MAX = 2**31 - 1
 
@@ -83,6 +84,15 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec(("cache_prompt",), "cache_prompt", "bool"),
     FieldSpec(("id_slot", "slot_id"), "id_slot", "int", -1, _INT32_MAX),
 )
+
+
+def read_label(body: Body, name: str) -> str:
+    """A slot-label field (`slot_owner`, `slot_session`, `slot_expect`: the gateway's names for a
+    slot's tenant and session); '' when absent."""
+    value = body.get_str(name, "") or ""
+    if len(value) > MAX_LABEL:
+        raise BadRequest(f"'{name}' has {len(value)} characters; the limit is {MAX_LABEL}", param=name)
+    return value
 
 
 def read_sampling(
@@ -129,11 +139,10 @@ def read_sampling(
             f"'id_slot' {id_slot} does not exist (this engine has slots 0..{n_slots - 1})", param="id_slot"
         )
     values["prefix_slots"] = read_prefix_slots(body, n_slots)
-    for name in ("slot_owner", "slot_session"):
-        value = body.get_str(name, "") or ""
-        if len(value) > _MAX_OWNER:
-            raise BadRequest(f"'{name}' has {len(value)} characters; the limit is {_MAX_OWNER}", param=name)
-        values[name] = value
+    for name in ("slot_owner", "slot_session", "slot_expect"):
+        values[name] = read_label(body, name)
+    if values["slot_expect"] and (id_slot < 0 or not values["slot_owner"]):
+        raise BadRequest("'slot_expect' needs 'id_slot' and 'slot_owner'", param="slot_expect")
     by_id, by_text = read_logit_bias(body, n_vocab, limits.max_logit_bias, limits.max_text_chars)
     return Sampling(
         **{

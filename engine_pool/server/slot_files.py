@@ -20,7 +20,7 @@ import structlog
 import native
 from storage.background import in_background
 
-from ..common.errors import BadRequest, NotFound, NotSupported
+from ..common.errors import BadRequest, NotFound, NotSupported, SlotChanged
 from .runtime import Runtime
 
 log = structlog.get_logger("engine.slots")
@@ -56,10 +56,16 @@ def slot_file_path(slot_dir: Path | None, filename: Any) -> Path:
     return path
 
 
-async def _on_slot(rt: Runtime, slot: int, purpose: str, fn: Callable[[], T]) -> T:
+async def _on_slot(
+    rt: Runtime, slot: int, purpose: str, fn: Callable[[], T], expect: tuple[str, str] | None = None
+) -> T:
     """Run `fn` in a thread under a lease on `slot`. The lease ends when `fn` does, even if the
-    caller is cancelled first, so nothing else starts on the slot while the file is in use."""
+    caller is cancelled first, so nothing else starts on the slot while the file is in use.
+    `expect`: the (owner, session) label the slot must carry, else SlotChanged (409)."""
     await rt.leases.acquire(slot, purpose=purpose, wait_s=rt.settings.slot_wait_s)
+    if expect is not None and rt.leases.label_of(slot) != expect:
+        rt.leases.release(slot)
+        raise SlotChanged(f"slot {slot} does not hold the session {expect[1]!r}")
     if purpose != "save":  # a restore or an erase: the slot holds nobody's named state now
         rt.leases.label(slot)
     task = asyncio.ensure_future(asyncio.to_thread(fn))
@@ -96,13 +102,17 @@ def _report(action: str, slot: int, filename: Any, info: native.SlotFileInfo) ->
     }
 
 
-async def save(rt: Runtime, slot: int, filename: Any) -> dict[str, Any]:
+async def save(
+    rt: Runtime, slot: int, filename: Any, expect: tuple[str, str] | None = None
+) -> dict[str, Any]:
     """The slot's state is copied under the slot's lease (memory speed) and written to its file
     after the lease: the session's next turn starts on the slot while the file is written (a
-    write-behind save of a long session writes hundreds of MB and syncs them)."""
+    write-behind save of a long session writes hundreds of MB and syncs them). ``expect``: the
+    (owner, session) whose state the caller means to save (the slot's label), checked under the
+    lease."""
     engine = rt.require()
     path = slot_file_path(rt.slot_dir, filename)
-    snapshot = await _on_slot(rt, slot, "save", lambda: engine.snapshot_slot(slot))
+    snapshot = await _on_slot(rt, slot, "save", lambda: engine.snapshot_slot(slot), expect)
     info = await in_background(engine.write_snapshot, snapshot, str(path))
     return _report("save", slot, filename, info)
 

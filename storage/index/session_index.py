@@ -465,21 +465,39 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
         log.info("session.deleted", tenant=tenant, session=session)
 
     async def drop_engine(self, engine: str) -> list[tuple[str, str]]:
-        """The engine died: its live sessions fall back to their durable generation (or ``new``)."""
+        """The engine died: its live sessions fall back to their durable generation (or ``new``).
+        Only the members dropped, or whose record no longer places them there, leave the engine's
+        sets: a session recorded live on it meanwhile (its restarted process) stays."""
         dropped = []
+        unplaced = self.decide_unplaced(engine)
         for tenant, session in await self.engine_sessions(engine):
-
-            def decide(old: SessionRecord | None) -> SessionRecord | None:
-                if old is None or old.engine != engine:
-                    return old
-                state = SessionState.SPILLED if old.generation else SessionState.NEW
-                return replace(old, state=state, engine=None, slot=None)
-
-            await self._change(tenant, session, decide, None)
+            new = await self._change(tenant, session, lambda old: old if old is None else unplaced(old), None)
+            if new is not None and new.engine == engine:
+                continue
+            if new is None:  # a member without a record: nothing keeps it in the sets
+                async with redis_errors():
+                    m = member(tenant, session)
+                    await self._redis.srem(self.keys.engine_live(engine), m)
+                    await self._redis.zrem(self.keys.engine_idle(engine), m)
             dropped.append((tenant, session))
-        async with redis_errors():
-            await self._redis.delete(self.keys.engine_idle(engine), self.keys.engine_live(engine))
         return dropped
+
+    @staticmethod
+    def decide_unplaced(engine: str, slot: int | None = None) -> Decide:
+        """The session no longer holds its slot on ``engine`` (``slot``: that one only): it falls
+        back to its durable generation (or ``new``), as if spilled there. Its slot's newer state,
+        if any, is gone (the engine died, or the slot holds another session's state). A record
+        placed elsewhere is left as it is."""
+
+        def decide(old: SessionRecord | None) -> SessionRecord:
+            if old is None:
+                raise NotStored("the session has no record")
+            if old.state is not SessionState.LIVE or old.engine != engine or slot not in (None, old.slot):
+                return old
+            state = SessionState.SPILLED if old.generation else SessionState.NEW
+            return replace(old, state=state, engine=None, slot=None, dirty=False)
+
+        return decide
 
     async def adopt_live(
         self, tenant: str, session: str, *, engine: str, slot: int, tokens: int, model: str

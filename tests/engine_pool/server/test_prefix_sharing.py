@@ -24,7 +24,18 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def engine(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    yield from run_engine(tmp_path_factory, models["qwen35"], "-np", "3", "-c", "3072", *CHECKPOINT_ARGS)
+    slots = str(tmp_path_factory.mktemp("slots"))
+    yield from run_engine(
+        tmp_path_factory,
+        models["qwen35"],
+        "-np",
+        "3",
+        "-c",
+        "3072",
+        "--slot-save-path",
+        slots,
+        *CHECKPOINT_ARGS,
+    )
 
 
 @pytest.fixture
@@ -102,6 +113,55 @@ def test_a_slot_is_labelled_with_the_session_its_last_request_ran_for(client: ht
     assert labels()[0] is None
 
 
+def test_a_request_expecting_its_session_in_the_slot_is_refused_when_another_is_there(
+    client: httpx.Client, engine: EngineProcess
+) -> None:
+    chat(client, "Fix the failing test in parser.py.", id_slot=0, slot_owner="acme", slot_session="s-1")
+    chat(client, "Another task.", id_slot=1, slot_owner="beta", slot_session="s-1")
+    # Its own label: served, from the slot's state.
+    kept = chat(
+        client,
+        "Fix the failing test in parser.py.",
+        id_slot=0,
+        slot_owner="acme",
+        slot_session="s-1",
+        slot_expect="s-1",
+    )
+    assert kept["timings"]["cache_n"] > 0
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "id_slot": 1}
+    for label, stream in ((("acme", "s-1"), False), (("acme", "s-1"), True), (("beta", "s-2"), False)):
+        r = client.post(
+            "/v1/chat/completions",
+            json={
+                **body,
+                "slot_owner": label[0],
+                "slot_session": label[1],
+                "slot_expect": label[1],
+                "stream": stream,
+            },
+        )
+        assert r.status_code == 409, r.text
+        assert r.json()["error"]["code"] == "slot_changed"
+    # Nothing ran: the slot still holds beta's s-1, its label unchanged.
+    listed = {s["id"]: s for s in client.get("/slots").json()}
+    assert (listed[1]["owner"], listed[1]["session"]) == ("beta", "s-1")
+    # A save that names whose state it means: refused unless the label says so.
+    for owner, session, status in (("acme", "s-1", 409), ("beta", "s-1", 200)):
+        r = client.post(
+            "/slots/1",
+            params={"action": "save"},
+            json={"filename": "fenced.slot", "slot_owner": owner, "slot_expect": session},
+        )
+        assert r.status_code == status, r.text
+    assert r.json()["n_saved"] > 0
+    client.post("/slots/1", params={"action": "erase"})  # an erased slot holds nobody's
+    r = client.post(
+        "/v1/chat/completions",
+        json={**body, "slot_owner": "beta", "slot_session": "s-1", "slot_expect": "s-1"},
+    )
+    assert r.status_code == 409 and r.json()["error"]["code"] == "slot_changed"
+
+
 def test_a_miss_names_the_part_that_changed(client: httpx.Client) -> None:
     chat(client, "Fix the failing test in parser.py.", id_slot=0)
     edited = chat(
@@ -139,6 +199,9 @@ def test_a_continued_conversation_leaves_its_state_in_the_last_reply(client: htt
         ({"slot_owner": "o" * 129}, "slot_owner"),
         ({"slot_owner": 7}, "slot_owner"),
         ({"slot_session": "s" * 129}, "slot_session"),
+        ({"slot_expect": "s" * 129}, "slot_expect"),
+        ({"slot_expect": "s-1", "id_slot": 0}, "slot_expect"),  # without its owner
+        ({"slot_expect": "s-1", "slot_owner": "acme"}, "slot_expect"),  # without its slot
     ],
 )
 def test_bad_prefix_fields_are_refused_precisely(

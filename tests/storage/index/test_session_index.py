@@ -82,6 +82,48 @@ async def test_idle_lru_order_and_engine_moves(index: SessionIndex) -> None:
     assert await index.idle_sessions("e1") == [] and await index.engine_sessions("e1") == []
 
 
+async def test_a_dropped_engine_keeps_sessions_recorded_live_on_its_new_process(
+    index: SessionIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await index.mark_live("acme", "old", engine="e1", slot=0, tokens=1, model="fp")
+    await index.mark_idle("acme", "old")
+    stale = await index.engine_sessions("e1")
+    # The restarted process serves a session after the drop listed the old ones.
+    await index.mark_live("acme", "new", engine="e1", slot=1, tokens=1, model="fp")
+    await index.mark_idle("acme", "new")
+
+    async def listed_before(engine: str) -> list[tuple[str, str]]:
+        return stale
+
+    monkeypatch.setattr(index, "engine_sessions", listed_before)
+    assert await index.drop_engine("e1") == [("acme", "old")]
+    monkeypatch.undo()
+    assert await index.engine_sessions("e1") == [("acme", "new")]  # still seen by pool views
+    assert await index.idle_sessions("e1") == [("acme", "new")]
+
+
+async def test_a_session_unplaced_from_its_slot_is_what_it_last_stored(index: SessionIndex) -> None:
+    await index.mark_live("acme", "s", engine="e1", slot=2, tokens=9, model="fp")
+    await index.set_durable("acme", "s", generation=3, blob_key="k3", nbytes=7)
+    await index.mark_live("acme", "s", engine="e1", slot=2, tokens=12, model="fp")  # newer than stored
+    assert (await index.get("acme", "s")).dirty
+    # Another slot, or another engine: not this record's claim, left as it is.
+    for engine, slot in (("e1", 1), ("e2", 2)):
+        kept = await index.transition("acme", "s", index.decide_unplaced(engine, slot))
+        assert (kept.state, kept.engine, kept.slot) == (SessionState.LIVE, "e1", 2)
+    out = await index.transition("acme", "s", index.decide_unplaced("e1", 2))
+    assert (out.state, out.engine, out.slot, out.generation, out.dirty) == (
+        SessionState.SPILLED,
+        None,
+        None,
+        3,
+        False,
+    )
+    assert await index.engine_sessions("e1") == []
+    await index.mark_live("acme", "n", engine="e1", slot=0, tokens=1, model="fp")  # never stored
+    assert (await index.transition("acme", "n", index.decide_unplaced("e1"))).state is SessionState.NEW
+
+
 async def test_prefix_routing(index: SessionIndex) -> None:
     await index.create("acme", "s1", model="fp")
     await index.create("acme", "s2", model="fp")
