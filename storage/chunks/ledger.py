@@ -102,13 +102,18 @@ class ChunkLedger:
         prefix: str = "slotkeeper",
         lease_s: float = 600.0,
         collect_s: float = 600.0,
-        wait_s: float = 120.0,
+        wait_s: float = 15.0,
+        drain_s: float = 10.0,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
+        """``wait_s``: how long a save waits for a collector before it gives way (:class:`LockBusy`:
+        the node keeps the file and uploads it later); ``drain_s``: how long a collector holds new
+        saves back waiting for those running to end before it gives way itself (a saver that died
+        with its lease unreleased must not hold a tenant's saves back for the lease's length)."""
         self._redis, self._k = redis, LedgerKeys(Keyspace(prefix))
         self.keys = self._k.keys
-        self.lease_s, self.collect_s, self.wait_s = lease_s, collect_s, wait_s
+        self.lease_s, self.collect_s, self.wait_s, self.drain_s = lease_s, collect_s, wait_s, drain_s
         self._clock, self._sleep = clock, sleep
 
     def _now_ms(self) -> int:
@@ -171,7 +176,7 @@ class ChunkLedger:
             if not await self._redis.set(key, token, nx=True, px=int(self.collect_s * 1000)):
                 raise LockBusy(f"tenant {tenant}: another collector is running")
         claim = CollectorClaim(self, tenant, token)
-        deadline, delay = self._clock() + self.wait_s, 0.005
+        deadline, delay = self._clock() + self.drain_s, 0.005
         try:
             while True:
                 async with redis_errors():
@@ -180,7 +185,7 @@ class ChunkLedger:
                     if not await self._redis.zcard(savers):
                         return claim
                 if self._clock() > deadline:
-                    raise LockBusy(f"tenant {tenant}: saves still running after {self.wait_s:.0f} s")
+                    raise LockBusy(f"tenant {tenant}: saves still running after {self.drain_s:.0f} s")
                 await self._sleep(delay)
                 delay = min(delay * 2, 0.5)
         except BaseException:

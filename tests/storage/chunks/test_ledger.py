@@ -123,7 +123,7 @@ async def test_the_collector_waits_for_live_saves(redis_client: Any, t: FakeTime
 async def test_the_collector_gives_up_with_lock_busy_and_lets_saves_in(
     redis_client: Any, t: FakeTime
 ) -> None:
-    ledger = make_ledger(redis_client, t, wait_s=3.0)
+    ledger = make_ledger(redis_client, t, drain_s=3.0)
     async with ledger.saving("acme") as lease:
         start = t.now
         with pytest.raises(LockBusy):
@@ -180,8 +180,8 @@ async def test_an_expired_lease_does_not_block_the_collector(redis_client: Any, 
 
 
 async def test_a_live_lease_blocks_the_collector_until_it_lapses(redis_client: Any, t: FakeTime) -> None:
-    ledger = make_ledger(redis_client, t, lease_s=10.0, wait_s=2.0)
-    patient = make_ledger(redis_client, t, lease_s=10.0, wait_s=30.0)
+    ledger = make_ledger(redis_client, t, lease_s=10.0, drain_s=2.0)
+    patient = make_ledger(redis_client, t, lease_s=10.0, drain_s=30.0)
     start = t.now
     async with ledger.saving("acme") as lease:
         t.now += 5.0
