@@ -2,7 +2,10 @@
 
 `eviction_step` decides from the victim's record alone (pure); `evict` takes the victim's lock,
 reads its record and carries the step out. Any failure costs the placing request only (503) and
-leaves the victim live where it was.
+leaves the victim live where it was — except a victim that was not there: deleted meanwhile, or
+recorded in a slot whose label names someone else (the slot fence: its save is refused, as a turn
+that failed before it ran, or a stale record, leaves). Its claim is dropped and the slot is the
+placement's, its contents unknown (`evict` returns False: the slot is cleared before use).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from engine_pool.pool.client import NodeClient, NodeError
 from gateway.placement import Placement
 from gateway.saves import save_slot, slot_changed
 from gateway.turn_parts import TurnParts
-from storage.errors import LockBusy, StorageError
+from storage.errors import LockBusy, NotStored, StorageError
 from storage.index.records import SessionRecord, SessionState
 
 log = structlog.get_logger("slotkeeper.gateway")
@@ -41,8 +44,9 @@ def eviction_step(rec: SessionRecord, engine: str, slot: int) -> EvictionStep:
     return EvictionStep.SAVE
 
 
-async def evict(parts: TurnParts, engine: str, node: NodeClient, placement: Placement) -> None:
-    """Spill the placement's victim out of its slot (see the module doc)."""
+async def evict(parts: TurnParts, engine: str, node: NodeClient, placement: Placement) -> bool:
+    """Spill the placement's victim out of its slot; False when it was not there (see the module
+    doc)."""
     victim = placement.evict
     assert victim is not None and victim.tenant and victim.session
     ttl_s, spill_wait_s = parts.settings.lock_ttl_s, parts.settings.spill_wait_s
@@ -51,7 +55,10 @@ async def evict(parts: TurnParts, engine: str, node: NodeClient, placement: Plac
     except LockBusy:
         raise Unavailable("the slot chosen for eviction stayed busy; retry", retry_after=1) from None
     try:
-        rec = await parts.index.get(victim.tenant, victim.session)
+        try:
+            rec = await parts.index.get(victim.tenant, victim.session)
+        except NotStored:  # deleted meanwhile: whatever it left in the slot is nobody's now
+            return False
         step = eviction_step(rec, engine, victim.slot)
         if step is EvictionStep.MOVED:
             raise Unavailable("the slot chosen for eviction changed hands; retry", retry_after=1)
@@ -88,7 +95,17 @@ async def evict(parts: TurnParts, engine: str, node: NodeClient, placement: Plac
             generation=generation,
             saved=out is not None,
         )
+        return True
     except (NodeError, StorageError) as exc:
+        if slot_changed(exc):  # the slot holds someone else's state, or nobody's: not the victim's
+            unplaced = parts.index.decide_unplaced(engine, victim.slot)
+            with contextlib.suppress(StorageError):
+                await parts.index.transition(victim.tenant, victim.session, unplaced, lock=lock)
+                parts.metrics.slot_changed.inc()
+                log.warning(
+                    "session.slot_changed", tenant=victim.tenant, session=victim.session, engine=engine
+                )
+                return False
         log.warning(
             "session.evict_failed",
             tenant=victim.tenant,
@@ -96,11 +113,6 @@ async def evict(parts: TurnParts, engine: str, node: NodeClient, placement: Plac
             engine=engine,
             error=str(exc),
         )
-        if slot_changed(exc):  # a stale record: the slot holds someone else's state, or nobody's
-            with contextlib.suppress(StorageError):
-                unplaced = parts.index.decide_unplaced(engine, victim.slot)
-                await parts.index.transition(victim.tenant, victim.session, unplaced, lock=lock)
-            parts.metrics.slot_changed.inc()
         raise Unavailable("could not make room for this session; retry", retry_after=1) from exc
     finally:
         with contextlib.suppress(StorageError):

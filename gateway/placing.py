@@ -215,8 +215,11 @@ async def _place_by_pool_view(
         node = await parts.node(engine.node)
         here = next(v for v in views if v.engine == placement.engine)
         placement = refine(placement, here, tenant.name, holder, bool(forked_from), shares)
-        if placement.evict is not None:
-            await evict(parts, engine.engine, node, placement)
+        victim = placement.evict
+        if victim is not None and not await evict(parts, engine.engine, node, placement):
+            # It was not there: the slot is free, and what it holds is nobody's to start from.
+            kept = None if placement.prefix_from == victim.session else placement.prefix_from
+            placement = replace(placement, evict=None, prefix_from=kept)
         cut = (
             placement.serve is Serve.RESTORE
             and prompt is not None

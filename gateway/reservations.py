@@ -6,6 +6,9 @@ this process must not choose it too, or both would fill one slot and one session
 other's state. And a reservation may only be forgotten once no placement can still be deciding
 from a pool view read before that record was written, so every pool view is numbered when it starts
 and a reservation keeps counting as taken for every pool view that started before its release.
+Two placements may hold one slot at once — a turn on its live slot holds it without a pool view (its
+session's lock makes the slot its own), while another placement may have chosen that slot to evict
+the session — so holds are counted: the slot stays taken until the last holder releases it.
 
 One owner (the process's `TurnParts`, gateway.turn_parts), event-loop only, no awaits inside:
 what a choice sees and the reservation it makes happen in one step. Between gateway processes
@@ -24,7 +27,8 @@ Slot = tuple[str, int]  # (engine id, slot number)
 class SlotReservations:
     def __init__(self) -> None:
         self._clock = itertools.count(1)
-        self._held: dict[Slot, int | None] = {}  # slot -> None while held, else when it was released
+        self._holders: Counter[Slot] = Counter()  # slot -> how many placements hold it now
+        self._released: dict[Slot, int] = {}  # slot -> when it was last released
         self._reading: Counter[int] = Counter()  # start numbers of the pool views being read
 
     def start_pool_view(self) -> int:
@@ -42,19 +46,23 @@ class SlotReservations:
     def taken(self, started: int) -> set[Slot]:
         """The slots a pool view started at `started` must treat as busy: those held now, and those
         released after it started (its reading may predate their record)."""
-        return {slot for slot, released in self._held.items() if released is None or released > started}
+        return set(self._holders) | {slot for slot, released in self._released.items() if released > started}
 
     def hold(self, slot: Slot) -> None:
-        self._held[slot] = None
+        self._holders[slot] += 1
 
     def release(self, slot: Slot) -> None:
-        """The session is recorded in the slot now (or the placement failed)."""
-        if slot in self._held:
-            self._held[slot] = next(self._clock)
-            self._forget_released()
+        """One holder's session is recorded in the slot now (or its placement failed)."""
+        if slot not in self._holders:
+            return
+        self._holders[slot] -= 1
+        if not self._holders[slot]:
+            del self._holders[slot]
+        self._released[slot] = next(self._clock)
+        self._forget_released()
 
     def _forget_released(self) -> None:
         oldest = min(self._reading, default=None)
-        for slot, released in list(self._held.items()):
-            if released is not None and (oldest is None or released < oldest):
-                del self._held[slot]
+        for slot, released in list(self._released.items()):
+            if oldest is None or released < oldest:
+                del self._released[slot]

@@ -7,7 +7,9 @@ rebuilds their reference counts. In between, a tenant whose generations were sup
 (:meth:`Retention.collect_soon`) gets :meth:`ChunkedStore.collect_unnamed`: the pieces whose count
 fell to 0 go at once, without listing the tenant, so storage follows the sessions turn by turn.
 Several gateway replicas may run it at once: the chunk ledger lets one collector per tenant in and
-the others skip (``LockBusy``). A failure costs one tenant's turn of the loop, never the loop.
+the others skip (``LockBusy``). A tenant whose collection was skipped so is not tried again for
+``hold_off_s``: every try holds the tenant's saves back while it waits for those running. A failure
+costs one tenant's turn of the loop, never the loop.
 """
 
 from __future__ import annotations
@@ -38,11 +40,13 @@ class Retention:
         tenants: Tenants,
         *,
         interval_s: float,
+        hold_off_s: float = 30.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.store, self.index, self.tenants = store, index, tenants
-        self.interval_s, self._clock = interval_s, clock
+        self.interval_s, self.hold_off_s, self._clock = interval_s, hold_off_s, clock
         self._soon: set[str] = set()
+        self._held_off: dict[str, float] = {}  # tenant -> when its next collection may be tried
         self._wake = asyncio.Event()
 
     def collect_soon(self, tenant: str) -> None:
@@ -58,10 +62,16 @@ class Retention:
                 for name in sorted({t async for t in self.store.list_tenants()}):
                     await self.tend(name, delete)
             self._wake.clear()  # before draining: a request meanwhile wakes the next round
-            while self._soon:
-                name = self._soon.pop()
-                await self._quietly(name, self.store.collect_unnamed(name))
-            wait = max(0.0, next_full - self._clock()) if self.interval_s > 0 else None
+            for name in sorted(self._soon):
+                if self._held_off.get(name, 0.0) > self._clock():
+                    continue  # stays asked for
+                self._soon.discard(name)
+                if not await self._quietly(name, self.store.collect_unnamed(name)):
+                    self._held_off[name] = self._clock() + self.hold_off_s
+            now = self._clock()
+            waits = [next_full - now] if self.interval_s > 0 else []
+            waits += [self._held_off[name] - now for name in self._soon if name in self._held_off]
+            wait = max(0.0, min(waits)) if waits else None
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait):
                     await self._wake.wait()
@@ -73,13 +83,16 @@ class Retention:
             await self._quietly(tenant_name, self.expire(tenant, delete))
         await self._quietly(tenant_name, self.store.collect(tenant_name))
 
-    async def _quietly(self, tenant: str, work: Awaitable[object]) -> None:
+    async def _quietly(self, tenant: str, work: Awaitable[object]) -> bool:
+        """Run ``work``; False when it was skipped (another collector, or saves held on)."""
         try:
             await work
-        except LockBusy as exc:  # another collector has the tenant, or saves held on
+        except LockBusy as exc:
             log.info("retention.skipped", tenant=tenant, reason=str(exc))
+            return False
         except (StorageError, ApiError) as exc:
             log.warning("retention.failed", tenant=tenant, error=str(exc))
+        return True
 
     async def expire(self, tenant: Tenant, delete: Callable[[Tenant, str], Awaitable[object]]) -> int:
         """Delete the sessions unused for longer than the tenant's idle TTL; returns how many."""

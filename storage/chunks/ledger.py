@@ -37,7 +37,7 @@ from typing import Any
 
 import structlog
 
-from storage.errors import LockBusy, LockLost
+from storage.errors import LockBusy, LockLost, StoreUnavailable
 from storage.index.keyspace import Keyspace, redis_errors, text, text_map, transact
 
 log = structlog.get_logger("slotkeeper.storage")
@@ -115,6 +115,7 @@ class ChunkLedger:
         self.keys = self._k.keys
         self.lease_s, self.collect_s, self.wait_s, self.drain_s = lease_s, collect_s, wait_s, drain_s
         self._clock, self._sleep = clock, sleep
+        self._releasing: set[asyncio.Task[None]] = set()  # leases whose end Redis missed
 
     def _now_ms(self) -> int:
         return int(self._clock() * 1000)
@@ -127,8 +128,27 @@ class ChunkLedger:
         try:
             yield lease
         finally:
-            async with redis_errors():
-                await self._redis.zrem(self._k.savers(tenant), lease.saver)
+            try:
+                async with redis_errors():
+                    await self._redis.zrem(self._k.savers(tenant), lease.saver)
+            except StoreUnavailable:
+                task = asyncio.create_task(self._end_later(lease), name=f"lease-end:{tenant}")
+                self._releasing.add(task)
+                task.add_done_callback(self._releasing.discard)
+                raise
+
+    async def _end_later(self, lease: SaveLease, every_s: float = 0.5) -> None:
+        """End a lease once Redis answers again: until it lapses by itself, it would keep every
+        collector of the tenant waiting (and, meanwhile, the tenant's saves held back)."""
+        while self._now_ms() < lease.expires_ms:
+            await self._sleep(every_s)  # a retry's pace: Redis gives no signal when it is back
+            try:
+                async with redis_errors():
+                    await self._redis.zrem(self._k.savers(lease.tenant), lease.saver)
+            except StoreUnavailable:
+                continue
+            log.info("chunks.lease_ended_late", tenant=lease.tenant)
+            return
 
     async def _begin_save(self, tenant: str) -> SaveLease:
         saver, savers, collector = uuid.uuid4().hex, self._k.savers(tenant), self._k.collector(tenant)

@@ -4,11 +4,16 @@ one-machine spill cache keeps no second copy of what the local store holds."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from gateway.retention import Retention
+from storage.errors import LockBusy
 
 from .conftest import eventually
 
@@ -138,3 +143,47 @@ def test_a_tenant_that_does_not_share_keeps_each_sessions_chunks(serve: Any, tmp
 
     assert len(namespaces("open")) == 1  # one copy of the shared prefix for both sessions
     assert len(namespaces("apart")) == 2  # each session its own
+
+
+class _HeldStore:
+    """A store whose tenant collection is refused (LockBusy) while `busy`, as when saves hold on."""
+
+    def __init__(self) -> None:
+        self.busy = True
+        self.tried: list[str] = []
+        self.tries: asyncio.Queue[str] = asyncio.Queue()
+
+    async def collect_unnamed(self, tenant: str) -> None:
+        self.tried.append(tenant)
+        self.tries.put_nowait(tenant)
+        if self.busy:
+            raise LockBusy(f"tenant {tenant}: saves still running after 10 s")
+
+
+async def test_a_skipped_collection_is_not_tried_again_until_its_hold_off_passes() -> None:
+    now = [1_000.0]
+    store = _HeldStore()
+    retention = Retention(store, None, None, interval_s=0, hold_off_s=30.0, clock=lambda: now[0])  # type: ignore[arg-type]
+
+    async def next_try() -> str:
+        return await asyncio.wait_for(store.tries.get(), 10)
+
+    async def delete(tenant: Any, session: str) -> None:
+        raise AssertionError("nothing expires here")
+
+    task = asyncio.create_task(retention.run(delete))
+    try:
+        retention.collect_soon("acme")
+        assert await next_try() == "acme"
+        for _ in range(20):  # saves ask again and again: each try would hold the tenant's saves back
+            retention.collect_soon("acme")
+            await asyncio.sleep(0)
+        assert store.tried == ["acme"]
+        now[0] += 30.0
+        store.busy = False
+        retention.collect_soon("globex")  # any wake-up after the hold-off tries it again
+        assert {await next_try(), await next_try()} == {"acme", "globex"}
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -12,9 +12,10 @@ from contextlib import AsyncExitStack
 from typing import Any, TypeVar
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from storage.chunks.ledger import ChunkLedger, LedgerKeys
-from storage.errors import LockBusy, LockLost
+from storage.errors import LockBusy, LockLost, StoreUnavailable
 from storage.index.keyspace import Keyspace
 
 T = TypeVar("T")
@@ -166,6 +167,28 @@ async def test_tenants_and_prefixes_are_independent(redis_client: Any, t: FakeTi
 
 
 # -------------------------------------------------------------------------------------- lapsed leases
+async def test_a_lease_whose_end_redis_missed_ends_once_it_answers(
+    redis_client: Any, t: FakeTime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ledger = make_ledger(redis_client, t)
+    real, tries = redis_client.zrem, []
+
+    async def cut_off_twice(*args: Any) -> Any:
+        tries.append(t.now)
+        if len(tries) <= 2:
+            raise RedisConnectionError("cut off")
+        return await real(*args)
+
+    monkeypatch.setattr(redis_client, "zrem", cut_off_twice)
+    with pytest.raises(StoreUnavailable):
+        async with ledger.saving("acme"):
+            pass
+    assert await savers(redis_client) == 1  # left behind, it would hold every collector back
+    await within(asyncio.gather(*ledger._releasing), "the lease's late end")
+    assert await savers(redis_client) == 0 and len(tries) == 3
+    assert tries[-1] - tries[0] < ledger.lease_s  # long before it would have lapsed
+
+
 async def test_an_expired_lease_does_not_block_the_collector(redis_client: Any, t: FakeTime) -> None:
     ledger = make_ledger(redis_client, t, lease_s=10.0)
     async with AsyncExitStack() as dead:
