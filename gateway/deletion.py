@@ -39,6 +39,12 @@ async def delete(parts: TurnParts, tenant: Tenant, session: str) -> SessionRecor
         except LockBusy:
             raise Conflict(f"session {session} is busy with a request; retry", retry_after=1) from None
     try:
+        # Where it is now: the record read before the lock may predate an eviction, after which its
+        # old slot holds another session's state.
+        found = await parts.index.find(tenant.name, session)
+        if found is None:
+            raise NotFound(f"session {session} not found")
+        rec = found
         if rec.state is SessionState.LIVE and rec.engine is not None and rec.slot is not None:
             engine = await parts.cluster.engine(rec.engine)
             if engine is not None:
