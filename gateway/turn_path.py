@@ -230,13 +230,15 @@ def _engine_fields(
     placement: Placement | EarlyStart,
     rules: list[str],
     cap: int = 0,
+    own_restore: bool = False,
 ) -> dict[str, Any]:
     """The gateway's fields over the tenant's: the slot, and the slots its prompt may start from
     (the tenant's own on that engine, and only while they still are: `slot_owner`), are never
     theirs to choose. `slot_session` labels the slot with the session (gateway.healing reads the
-    labels back when the index is lost); a turn on its live slot also says the slot must hold the
-    session already (`slot_expect`: a restarted engine's slot, or one a stale record shares with
-    another session, is refused with 409 slot_changed, and the turn is placed again)."""
+    labels back when the index is lost); a turn on its live slot, or on its own state just restored,
+    also says the slot must hold the session already (`slot_expect`: a restarted engine's slot, or
+    one another placement took meanwhile, is refused with 409 slot_changed, and the turn is placed
+    again)."""
     prefix = placement.prefix_slots if isinstance(placement, Placement) else ()
     context: dict[str, Any] = {"served": served_as(placement)}
     if rules:
@@ -250,7 +252,7 @@ def _engine_fields(
         "slot_session": session,
         "slotkeeper": context,
     }
-    if served_as(placement) == Serve.LIVE.value:
+    if holds_own_state(placement, own_restore):
         fields["slot_expect"] = session
     elif "slot_expect" in body:
         fields["slot_expect"] = None
@@ -259,6 +261,15 @@ def _engine_fields(
     if cap:  # the engine takes it only when the request set no max_tokens (nor an alias of it)
         fields["max_tokens_default"] = cap
     return fields
+
+
+def holds_own_state(placement: Placement | EarlyStart, own_restore: bool) -> bool:
+    """Whether the turn's slot holds its session's own state, labelled so, before it runs: its live
+    slot, or — ``own_restore`` — its own stored state restored there (the node labels the slot
+    with it; a fork restores its parent's)."""
+    if not isinstance(placement, Placement):
+        return True  # an early start goes to the session's own slot
+    return placement.serve is Serve.LIVE or (placement.serve is Serve.RESTORE and own_restore)
 
 
 def served_as(placement: Placement | EarlyStart) -> str:
@@ -323,8 +334,8 @@ async def serve_turn(
         return await _serve_once(request, asked, *found)
     except _SlotChanged:  # its record placed it in a slot that holds another's state: once more
         pass
-    try:
-        return await _serve_once(request, asked, *found)
+    try:  # (a restore there is not checked: a node of the previous release labels no restore)
+        return await _serve_once(request, asked, *found, check_restore=False)
     except _SlotChanged:
         raise Unavailable(
             "the session's slot changed hands while it was placed; retry", retry_after=1
@@ -355,7 +366,9 @@ class _TurnRequest:
     rules: list[str]
 
 
-async def _serve_once(request: Request, asked: _TurnRequest, session_id: str, source: str) -> Response:
+async def _serve_once(
+    request: Request, asked: _TurnRequest, session_id: str, source: str, *, check_restore: bool = True
+) -> Response:
     svc, tenant, body, model, path = asked.svc, asked.tenant, asked.body, asked.model, asked.path
     messages, dialect, raw, rules = asked.messages, asked.dialect, asked.raw, asked.rules
     # A restore for a conversation that left the stored one early is cut at the prompt's checkpoint.
@@ -388,7 +401,8 @@ async def _serve_once(request: Request, asked: _TurnRequest, session_id: str, so
         early.discard()
         svc.metrics.early_starts.labels("abandoned").inc()
         early = None
-    fields = _engine_fields(body, tenant, turn.session, model, turn.placement, rules, cap)
+    own = check_restore and turn.forked_from is None  # a restore of its own state, labelled with it
+    fields = _engine_fields(body, tenant, turn.session, model, turn.placement, rules, cap, own)
     data = engine_body(raw, body, fields)
     svc.metrics.served.labels(served_as(turn.placement)).inc()
     url = turn.engine_url.rstrip("/") + path

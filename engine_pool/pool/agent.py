@@ -409,16 +409,19 @@ class NodeAgent:
         gets only the part up to the checkpoint it continues from (:mod:`storage.chunks.prefixcut`).
         ``prefix``: ``ref`` is another session's generation the prompt may start from (a shared
         prefix): restored up to its checkpoint, else whole when the prompt repeats its first chunk,
-        else not at all (``source`` "none", the slot left as it was)."""
+        else not at all (``source`` "none", the slot left as it was). The session's own generation
+        labels the slot with it (the gateway's turn then names it: the slot fence); a prefix is
+        nobody's there."""
         cache, t0 = self.parts.cache, time.monotonic()
         source = "local" if ref in cache else "store"
-        out = await self._restore_cut(sup, slot, ref, tokens) if tokens and source == "store" else None
+        label = None if prefix else {"slot_owner": ref.tenant, "slot_session": ref.session}
+        out = await self._restore_cut(sup, slot, ref, tokens, label) if tokens and source == "store" else None
         if out is not None:
             source = "cut"
         elif prefix and source == "store" and not await self.parts.store.shares_prefix(ref, tokens or []):
             out, source = {"n_restored": 0, "n_read": 0}, "none"
         else:
-            out, source = await self._restore_whole(sup, slot, ref, source)
+            out, source = await self._restore_whole(sup, slot, ref, source, label)
         await cache.evict()  # with a budget of 0 (one machine, local store) the copy goes now
         ms = round((time.monotonic() - t0) * 1000, 2)
         result = FillResult(int(out["n_restored"]), int(out["n_read"]), source, ms)
@@ -426,7 +429,7 @@ class NodeAgent:
         return result
 
     async def _restore_cut(
-        self, sup: EngineSupervisor, slot: int, ref: SlotRef, tokens: list[int]
+        self, sup: EngineSupervisor, slot: int, ref: SlotRef, tokens: list[int], label: dict[str, str] | None
     ) -> dict[str, Any] | None:
         """The generation up to the prompt's checkpoint, restored; None when there is no such cut
         (or the engine refused it: the whole generation is restored then)."""
@@ -435,7 +438,7 @@ class NodeAgent:
         try:
             if await self.parts.store.get_prefix_to_file(ref, dest, tokens) is None:
                 return None
-            return await self._slot_call(sup, slot, "restore", name)
+            return await self._slot_call(sup, slot, "restore", name, label)
         except ApiError as err:
             if err.extra.get("kind") not in DAMAGED:
                 raise
@@ -445,12 +448,12 @@ class NodeAgent:
             await asyncio.to_thread(dest.unlink, missing_ok=True)
 
     async def _restore_whole(
-        self, sup: EngineSupervisor, slot: int, ref: SlotRef, source: str
+        self, sup: EngineSupervisor, slot: int, ref: SlotRef, source: str, label: dict[str, str] | None
     ) -> tuple[dict[str, Any], str]:
         """The whole generation restored, and where it came from in the end (see :meth:`_fill`)."""
         cache = self.parts.cache
         try:
-            return await self._restore(sup, slot, ref, verify=False), source
+            return await self._restore(sup, slot, ref, label, verify=False), source
         except ApiError as err:
             if err.extra.get("kind") not in DAMAGED or (ref in cache and not cache.is_uploaded(ref)):
                 raise  # not damage, or the only copy there is (not uploaded yet)
@@ -458,13 +461,13 @@ class NodeAgent:
             if ref in cache:
                 await cache.discard(ref)
         try:
-            return await self._restore(sup, slot, ref, verify=True), "store"
+            return await self._restore(sup, slot, ref, label, verify=True), "store"
         except ChecksumError as exc:  # the store's own copy is damaged: no retry brings it back
             log.error("node.stored_copy_damaged", **_slot_fields(sup, slot, ref), error=str(exc))
             raise SlotFileError("checksum_mismatch", str(exc)) from exc
 
     async def _restore(
-        self, sup: EngineSupervisor, slot: int, ref: SlotRef, *, verify: bool
+        self, sup: EngineSupervisor, slot: int, ref: SlotRef, label: dict[str, str] | None, *, verify: bool
     ) -> dict[str, Any]:
         cache = self.parts.cache
         path = await cache.fill(self.parts.store, ref, verify=verify)  # pinned
@@ -472,7 +475,7 @@ class NodeAgent:
         link = sup.spec.slot_dir / name
         try:
             await asyncio.to_thread(_link_or_copy, path, link)
-            return await self._slot_call(sup, slot, "restore", name)
+            return await self._slot_call(sup, slot, "restore", name, label)
         finally:
             await asyncio.to_thread(link.unlink, missing_ok=True)
             cache.unpin(ref)
@@ -485,8 +488,8 @@ class NodeAgent:
         filename: str | None = None,
         label: dict[str, str] | None = None,
     ) -> dict[str, Any]:
-        """One llama-server slot action (``label``: the save's expected slot label); the engine's
-        own errors keep their status, type and message."""
+        """One llama-server slot action (``label``: the slot label a save expects, or a restore
+        gives); the engine's own errors keep their status, type and message."""
         engine_id = sup.spec.engine_id
         try:
             r = await self.parts.http.post(

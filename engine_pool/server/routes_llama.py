@@ -165,12 +165,13 @@ def _labelled(label: tuple[str, str] | None) -> dict[str, str]:
 _SLOT_ACTIONS = ("save", "restore", "erase", "cancel")
 
 
-def _expected(body: Body) -> tuple[str, str] | None:
-    """A save's `slot_owner` and `slot_expect`: whose state the caller means to save (ours:
-    llama-server saves whatever the slot holds), or None when it names nobody."""
-    owner, session = read_label(body, "slot_owner"), read_label(body, "slot_expect")
+def _named(body: Body, field: str) -> tuple[str, str] | None:
+    """`slot_owner` and `field` (ours: llama-server has neither): a save's `slot_expect`, whose
+    state the caller means to save; a restore's `slot_session`, whose state it loads (the slot's
+    label after it). None when the body names nobody."""
+    owner, session = read_label(body, "slot_owner"), read_label(body, field)
     if bool(owner) != bool(session):
-        raise BadRequest("'slot_owner' and 'slot_expect' go together", param="slot_expect")
+        raise BadRequest(f"'slot_owner' and '{field}' go together", param=field)
     return (owner, session) if owner else None
 
 
@@ -195,8 +196,12 @@ async def slot_action(request: Request) -> Response:
         return JSONResponse({"id_slot": slot, "cancelled": await rt.cancel_slot(slot)})
     body = await read_json(request, limits(request).body)
     if action == "save":
-        return JSONResponse(await slot_files.save(rt, slot, body.raw("filename"), _expected(body)))
-    return JSONResponse(await slot_files.restore(rt, slot, body.raw("filename")))
+        return JSONResponse(
+            await slot_files.save(rt, slot, body.raw("filename"), _named(body, "slot_expect"))
+        )
+    return JSONResponse(
+        await slot_files.restore(rt, slot, body.raw("filename"), _named(body, "slot_session"))
+    )
 
 
 def split_prompts(value: Any) -> list[Any]:

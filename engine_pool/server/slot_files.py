@@ -57,19 +57,31 @@ def slot_file_path(slot_dir: Path | None, filename: Any) -> Path:
 
 
 async def _on_slot(
-    rt: Runtime, slot: int, purpose: str, fn: Callable[[], T], expect: tuple[str, str] | None = None
+    rt: Runtime,
+    slot: int,
+    purpose: str,
+    fn: Callable[[], T],
+    expect: tuple[str, str] | None = None,
+    label: tuple[str, str] | None = None,
 ) -> T:
     """Run `fn` in a thread under a lease on `slot`. The lease ends when `fn` does, even if the
     caller is cancelled first, so nothing else starts on the slot while the file is in use.
-    `expect`: the (owner, session) label the slot must carry, else SlotChanged (409)."""
+    `expect`: the (owner, session) label the slot must carry, else SlotChanged (409); `label`:
+    the slot's label once `fn` succeeded (a restore of that session's state)."""
     await rt.leases.acquire(slot, purpose=purpose, wait_s=rt.settings.slot_wait_s)
     if expect is not None and rt.leases.label_of(slot) != expect:
         rt.leases.release(slot)
         raise SlotChanged(f"slot {slot} does not hold the session {expect[1]!r}")
     if purpose != "save":  # a restore or an erase: the slot holds nobody's named state now
         rt.leases.label(slot)
+
+    def done(task: asyncio.Future[T]) -> None:
+        if label is not None and not task.cancelled() and task.exception() is None:
+            rt.leases.label(slot, *label)  # before the lease ends: no request sees it unlabelled
+        rt.leases.release(slot)
+
     task = asyncio.ensure_future(asyncio.to_thread(fn))
-    task.add_done_callback(lambda _: rt.leases.release(slot))
+    task.add_done_callback(done)
     return await asyncio.shield(task)
 
 
@@ -117,7 +129,10 @@ async def save(
     return _report("save", slot, filename, info)
 
 
-async def restore(rt: Runtime, slot: int, filename: Any) -> dict[str, Any]:
+async def restore(
+    rt: Runtime, slot: int, filename: Any, label: tuple[str, str] | None = None
+) -> dict[str, Any]:
+    """Load the file into the slot; ``label``: the (owner, session) whose state it is."""
     engine = rt.require()
     path = slot_file_path(rt.slot_dir, filename)
     if not path.is_file():
@@ -132,7 +147,7 @@ async def restore(rt: Runtime, slot: int, filename: Any) -> dict[str, Any]:
             raise
 
     try:
-        info = await _on_slot(rt, slot, "restore", restore_or_empty)
+        info = await _on_slot(rt, slot, "restore", restore_or_empty, label=label)
     except native.SlotFileError as exc:
         log.warning("slot.restore_failed", slot=slot, filename=filename, kind=exc.kind, error=str(exc))
         raise BadRequest(

@@ -154,6 +154,22 @@ def test_a_request_expecting_its_session_in_the_slot_is_refused_when_another_is_
         )
         assert r.status_code == status, r.text
     assert r.json()["n_saved"] > 0
+    # A restore that names whose state it loads labels the slot with it: a turn expecting that
+    # session there goes on from it.
+    r = client.post(
+        "/slots/2",
+        params={"action": "restore"},
+        json={"filename": "fenced.slot", "slot_owner": "beta", "slot_session": "s-1"},
+    )
+    assert r.status_code == 200, r.text
+    listed = {s["id"]: s for s in client.get("/slots").json()}
+    assert (listed[2]["owner"], listed[2]["session"]) == ("beta", "s-1")
+    resumed = chat(
+        client, "Another task.", id_slot=2, slot_owner="beta", slot_session="s-1", slot_expect="s-1"
+    )
+    assert resumed["timings"]["cache_n"] > 0
+    r = client.post("/slots/2", params={"action": "restore"}, json={"filename": "fenced.slot"})
+    assert r.status_code == 200 and "session" not in client.get("/slots").json()[2]  # nobody's
     client.post("/slots/1", params={"action": "erase"})  # an erased slot holds nobody's
     r = client.post(
         "/v1/chat/completions",
