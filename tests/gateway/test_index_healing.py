@@ -46,6 +46,21 @@ def turn(client: openai.OpenAI, session: str, messages: list[dict]) -> tuple[str
     )
 
 
+def two_turns(client: openai.OpenAI, convs: dict[str, list[dict]]) -> dict[str, int]:
+    """Two turns of each conversation, the second on its live slot; for each, the tokens that
+    second turn prefilled (its new message: what a turn that reuses the whole prefix costs)."""
+    live_gap: dict[str, int] = {}
+    for step in range(2):
+        for sid, msgs in convs.items():
+            msgs.append({"role": "user", "content": f"Step {step}: continue."})
+            answer, cache, reused, prompt = turn(client, sid, msgs)
+            if step == 1:
+                assert cache == "live", (sid, cache)
+                live_gap[sid] = prompt - reused
+            msgs.append({"role": "assistant", "content": answer})
+    return live_gap
+
+
 def retried(call: Callable[[], T], deadline: float) -> T:
     """``call()``, retried on 503 + Retry-After as the agents' clients do, until ``deadline``: the
     node registers its engines again within a heartbeat of Redis coming back."""
@@ -81,15 +96,7 @@ def test_every_session_reuses_its_prefix_after_the_index_is_lost(
     s = serve(tmp_path / "data", slots=len(SESSIONS), args=["--redis-url", redis.url, "--log-level", "info"])
     client = openai_client(s.url)
     convs = {sid: [{"role": "system", "content": SYSTEM + f" You are agent {sid}."}] for sid in SESSIONS}
-    live_gap: dict[str, int] = {}  # tokens a turn on the live slot prefilled: its new message
-    for step in range(2):
-        for sid, msgs in convs.items():
-            msgs.append({"role": "user", "content": f"Step {step}: continue."})
-            answer, cache, reused, prompt = turn(client, sid, msgs)
-            if step == 1:
-                assert cache == "live"
-                live_gap[sid] = prompt - reused
-            msgs.append({"role": "assistant", "content": answer})
+    live_gap = two_turns(client, convs)
     # Every session's second turn is in the store (a write-behind save), as the index says.
     for sid in SESSIONS:
         try:
@@ -142,13 +149,7 @@ def test_sessions_never_saved_are_found_live_in_their_slots(
     )
     client = openai_client(s.url, key="key-lazy")
     convs = {f"lazy-{i}": [{"role": "system", "content": SYSTEM + f" You are lazy-{i}."}] for i in range(4)}
-    live_gap: dict[str, int] = {}
-    for step in range(2):
-        for sid, msgs in convs.items():
-            msgs.append({"role": "user", "content": f"Step {step}: continue."})
-            answer, cache, reused, prompt = turn(client, sid, msgs)
-            live_gap[sid] = prompt - reused
-            msgs.append({"role": "assistant", "content": answer})
+    live_gap = two_turns(client, convs)
     auth = {"Authorization": "Bearer key-lazy"}
     for sid in convs:  # never saved: only the slot holds it
         record = httpx.get(f"{s.url}/v1/sessions/{sid}", headers=auth, timeout=10).json()

@@ -23,7 +23,7 @@ import redis
 from gateway.bench.harness.servers import RedisProcess, eventually
 
 from .conftest import openai_client
-from .test_index_healing import SYSTEM, metric, retried, saved, turn
+from .test_index_healing import SYSTEM, metric, retried, saved, turn, two_turns
 
 
 def record(url: str, session: str) -> dict:
@@ -38,13 +38,7 @@ def test_sessions_whose_records_swapped_slots_are_restored_not_reprefilled(
     s = serve(tmp_path / "data", slots=2, args=["--redis-url", restartable_redis.url, "--log-level", "info"])
     client = openai_client(s.url)
     convs = {sid: [{"role": "system", "content": SYSTEM + f" You are agent {sid}."}] for sid in ("a", "b")}
-    live_gap: dict[str, int] = {}
-    for step in range(2):
-        for sid, msgs in convs.items():
-            msgs.append({"role": "user", "content": f"Step {step}: continue."})
-            answer, cache, reused, prompt = turn(client, sid, msgs)
-            live_gap[sid] = prompt - reused
-            msgs.append({"role": "assistant", "content": answer})
+    live_gap = two_turns(client, convs)
     for sid in convs:
         eventually(f"{sid}'s save", lambda sid=sid: saved(s.url, sid), timeout_s=60)
     a, b = record(s.url, "a"), record(s.url, "b")
