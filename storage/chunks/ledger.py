@@ -128,26 +128,43 @@ class ChunkLedger:
         try:
             yield lease
         finally:
-            try:
-                async with redis_errors():
-                    await self._redis.zrem(self._k.savers(tenant), lease.saver)
-            except StoreUnavailable:
-                task = asyncio.create_task(self._end_later(lease), name=f"lease-end:{tenant}")
-                self._releasing.add(task)
-                task.add_done_callback(self._releasing.discard)
-                raise
+            await self._or_later(
+                lambda: self._end_save(lease), lease.expires_ms, "chunks.lease_ended_late", tenant
+            )
 
-    async def _end_later(self, lease: SaveLease, every_s: float = 0.5) -> None:
-        """End a lease once Redis answers again: until it lapses by itself, it would keep every
-        collector of the tenant waiting (and, meanwhile, the tenant's saves held back)."""
-        while self._now_ms() < lease.expires_ms:
+    async def _end_save(self, lease: SaveLease) -> None:
+        async with redis_errors():
+            await self._redis.zrem(self._k.savers(lease.tenant), lease.saver)
+
+    async def _or_later(
+        self, step: Callable[[], Awaitable[None]], until_ms: int, event: str, tenant: str
+    ) -> None:
+        """``step()`` (ending a save's lease, or a collector's claim); when Redis is away, raise, and
+        take the step once it answers again (until ``until_ms``, when the key lapses by itself):
+        left in place, it would hold the tenant's collectors — or saves — back for its whole TTL."""
+        try:
+            await step()
+        except StoreUnavailable:
+            task = asyncio.create_task(self._later(step, until_ms, event, tenant), name=f"{event}:{tenant}")
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
+            raise
+
+    async def _later(
+        self,
+        step: Callable[[], Awaitable[None]],
+        until_ms: int,
+        event: str,
+        tenant: str,
+        every_s: float = 0.5,
+    ) -> None:
+        while self._now_ms() < until_ms:
             await self._sleep(every_s)  # a retry's pace: Redis gives no signal when it is back
             try:
-                async with redis_errors():
-                    await self._redis.zrem(self._k.savers(lease.tenant), lease.saver)
+                await step()
             except StoreUnavailable:
                 continue
-            log.info("chunks.lease_ended_late", tenant=lease.tenant)
+            log.info(event, tenant=tenant)
             return
 
     async def _begin_save(self, tenant: str) -> SaveLease:
@@ -188,7 +205,13 @@ class ChunkLedger:
         try:
             yield claim
         finally:
-            await self._release(claim)
+            await self._release_or_later(claim)
+
+    async def _release_or_later(self, claim: CollectorClaim, bump: bool = True) -> None:
+        until = self._now_ms() + int(self.collect_s * 1000)  # (at the latest: renewals move it on)
+        await self._or_later(
+            lambda: self._release(claim, bump), until, "chunks.collector_released_late", claim.tenant
+        )
 
     async def _claim(self, tenant: str) -> CollectorClaim:
         token, key = uuid.uuid4().hex, self._k.collector(tenant)
@@ -209,7 +232,7 @@ class ChunkLedger:
                 await self._sleep(delay)
                 delay = min(delay * 2, 0.5)
         except BaseException:
-            await self._release(claim, bump=False)
+            await self._release_or_later(claim, bump=False)
             raise
 
     async def _release(self, claim: CollectorClaim, bump: bool = True) -> None:

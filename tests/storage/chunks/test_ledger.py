@@ -166,6 +166,29 @@ async def test_tenants_and_prefixes_are_independent(redis_client: Any, t: FakeTi
     ]
 
 
+async def test_a_collector_claim_whose_release_redis_missed_is_released_once_it_answers(
+    redis_client: Any, t: FakeTime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ledger = make_ledger(redis_client, t)
+    real, tries = ledger._release, []
+
+    async def cut_off_twice(claim: Any, bump: bool = True) -> None:
+        tries.append(t.now)
+        if len(tries) <= 2:
+            raise StoreUnavailable("redis: cut off")
+        await real(claim, bump)
+
+    monkeypatch.setattr(ledger, "_release", cut_off_twice)
+    with pytest.raises(StoreUnavailable):
+        async with ledger.collecting("acme"):
+            pass
+    assert await redis_client.exists(KEYS.collector("acme"))  # left, it would hold saves back
+    await within(asyncio.gather(*ledger._releasing), "the claim's late release")
+    assert not await redis_client.exists(KEYS.collector("acme")) and len(tries) == 3
+    async with ledger.saving("acme"):  # saves go in again at once
+        pass
+
+
 # -------------------------------------------------------------------------------------- lapsed leases
 async def test_a_lease_whose_end_redis_missed_ends_once_it_answers(
     redis_client: Any, t: FakeTime, monkeypatch: pytest.MonkeyPatch
