@@ -16,10 +16,10 @@ from enum import StrEnum
 
 import structlog
 
-from engine_pool.common.errors import Unavailable
+from engine_pool.common.errors import Unavailable, slot_changed
 from engine_pool.pool.client import NodeClient, NodeError
 from gateway.placement import Placement
-from gateway.saves import save_slot, slot_changed
+from gateway.saves import save_slot
 from gateway.turn_parts import TurnParts
 from storage.errors import LockBusy, NotStored, StorageError
 from storage.index.records import SessionRecord, SessionState

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from engine_pool.common.errors import SlotChanged, Unavailable
+from engine_pool.common.errors import Unavailable, slot_changed
 from engine_pool.pool.client import NodeClient, NodeError
 from engine_pool.protocol.node import SpillResult
 from gateway.holds import write_record
@@ -46,7 +46,7 @@ async def save_slot(
     session id (``reserve``); ``share`` lets its stored chunks be shared with the tenant's other
     sessions. A generation the node or the store holds already is skipped for the next one, never
     overwritten (storage.index.generations). Only while the slot holds the session (its label):
-    else NodeError 409 slot_changed (`slot_changed`), and nothing is saved."""
+    else NodeError 409 slot_changed, and nothing is saved."""
 
     async def spill(generation: int) -> SpillResult:
         return await node.spill(
@@ -64,11 +64,6 @@ async def save_slot(
         return await save_as_next_generation(session, reserve, spill, _taken)
     except GenerationsTaken as exc:
         raise Unavailable(str(exc), retry_after=1) from None
-
-
-def slot_changed(exc: BaseException) -> bool:
-    """The node refused a save: the slot holds another session's state, or nobody's."""
-    return isinstance(exc, NodeError) and exc.status == 409 and exc.code == SlotChanged.code
 
 
 def left_slot(rec: SessionRecord, where: tuple[str, int]) -> bool:

@@ -31,9 +31,9 @@ from engine_pool.common.errors import (
     NotFound,
     QuotaExceeded,
     ServerError,
-    SlotChanged,
     Unauthorized,
     Unavailable,
+    slot_changed,
 )
 from engine_pool.protocol.field_names import renamed
 from engine_pool.protocol.report import SERVED
@@ -345,10 +345,6 @@ async def serve_turn(
 class _SlotChanged(Exception):
     """The engine refused a turn on the session's live slot (SlotChanged); its record now says it is
     stored (or new), and the turn may be placed again."""
-
-
-def slot_changed(exc: BaseException) -> bool:
-    return isinstance(exc, ApiError) and exc.status == 409 and exc.code == SlotChanged.code
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,11 @@ class SlotChanged(Conflict, code="slot_changed"):
     restarted, or a stale record placed two sessions in one slot)."""
 
 
+def slot_changed(exc: BaseException) -> bool:
+    """An engine (or a node passing its answer on) refused with :class:`SlotChanged`."""
+    return isinstance(exc, ApiError) and exc.status == 409 and exc.code == SlotChanged.code
+
+
 class SlotBusy(Conflict, type="slot_busy_error", code="slot_busy"):
     """A slot operation waited its bounded time and the slot was still serving requests."""
 
