@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from engine_pool.protocol.node import UNSTORED, UnstoredCopy, UnstoredList
 from gateway.placement import EngineView, SlotView
 from storage.index.engines import EngineInfo, EngineRegistry
 from storage.index.session_index import SessionIndex
@@ -202,6 +203,22 @@ class Cluster:
         found = await asyncio.gather(*(labelled(e) for e in ready))
         models = {str(e["id"]): str(e["model"]) for e in ready}
         return [replace(s, model=models[s.engine]) for listing in found for s in listing]
+
+    async def unstored_copies(self) -> list[UnstoredCopy]:
+        """The generations only a node's spill cache holds (saved while the store was away, not
+        flushed yet), asked of every configured node agent; one that does not answer is left out.
+        What a lost index is rebuilt from beside the store and the slots."""
+
+        async def listed(url: str) -> tuple[UnstoredCopy, ...]:
+            try:
+                resp = await self._http.get(url.rstrip("/") + UNSTORED, timeout=5.0)
+                resp.raise_for_status()
+                return UnstoredList.from_json(resp.json()).copies
+            except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+                return ()
+
+        found = await asyncio.gather(*(listed(u) for u in self._node_urls))
+        return [c for copies in found for c in copies]
 
     async def engine(self, engine_id: str) -> EngineRef | None:
         return (await self._listing(False)).refs.get(engine_id)

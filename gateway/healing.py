@@ -12,13 +12,20 @@ How it heals (storage.index.epoch has the keys):
    next turn comes. A missing epoch, or one this process did not know, starts step 2.
 2. **Rebuilt, once.** The process claims a new epoch (the first claim wins; everyone adopts it)
    and takes the rebuilding lease; the one that holds it rebuilds the index from the store's
-   manifests (storage.index.reindex), then from the engines' slots: each slot says whose session
-   it holds (the label every turn gives it), and a session the store has no newer copy of is
-   recorded live there (gateway.cluster's `labelled_slots`) — an `on-evict` tenant's sessions were
-   never stored. Then it records the epoch as built; the others wait for that.
+   manifests (storage.index.reindex), then from the nodes' spill caches (a generation saved while
+   the store was away is only there until the flush: gateway.cluster's `unstored_copies`), then
+   from the engines' slots: each slot says whose session it holds (the label every turn gives
+   it), and a session no copy of which is newer is recorded live there (`labelled_slots`) — an
+   `on-evict` tenant's sessions were never stored. Then it records the epoch as built; the others
+   wait for that.
 3. **Meanwhile**, a turn whose session has no record waits a few seconds for this process's
-   rebuild, then looks the session up in the store before it treats it as new (`recover`): it
-   restores, or goes on in its slot, instead of re-prefilling.
+   rebuild, then looks the session up in the store and the spill caches before it treats it as
+   new (`recover`): it restores, or goes on in its slot, instead of re-prefilling.
+
+A record can also fall behind without a loss: a save finished but Redis was away when it would
+have recorded the generation (a partition), and the engine died before the next save. The record
+then names an older generation (or none) than one its save was handed (`reserved`); `catch_up`
+looks for that copy before the turn is placed (`behind`).
 
 One owner: the healing task and the state it learns live here, changed only on the event loop.
 """
@@ -32,13 +39,14 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from engine_pool.common import loop as event_loop
+from engine_pool.protocol.node import UnstoredCopy
 from gateway.cluster import LabelledSlot
 from gateway.metrics import Metrics
 from storage.blobs.blobstore import BlobStore
 from storage.errors import StorageError
 from storage.index.epoch import IndexEpoch, IndexState, index_state
 from storage.index.records import SessionRecord, SessionState
-from storage.index.reindex import reindex, reindex_session
+from storage.index.reindex import adopt_stored, reindex, reindex_session
 from storage.index.session_index import SessionIndex
 
 log = structlog.get_logger("slotkeeper.gateway")
@@ -55,16 +63,18 @@ class IndexHealing:
         metrics: Metrics,
         *,
         slots: Callable[[], Awaitable[list[LabelledSlot]]] | None = None,
+        unstored: Callable[[], Awaitable[list[UnstoredCopy]]] | None = None,
         interval_s: float = 2.0,
         lease_ttl_s: float = 600.0,
         wait_s: float = 10.0,
     ) -> None:
-        """``slots``: the engines' labelled slots (gateway.cluster); ``lease_ttl_s``: how long a
+        """``slots``: the engines' labelled slots, ``unstored``: the generations only the nodes'
+        spill caches hold (both gateway.cluster); ``lease_ttl_s``: how long a
         rebuilding process that died holds the others back; ``wait_s``: how long a turn without a
         record waits for the rebuild before it looks in the store itself."""
         self._epoch = epoch
         self._store, self._index, self._metrics = store, index, metrics
-        self._slots = slots
+        self._slots, self._unstored = slots, unstored
         self._wait_s = wait_s
         self._interval_s = interval_s
         self._lease_ttl_s = lease_ttl_s
@@ -86,20 +96,68 @@ class IndexHealing:
     async def recover(self, tenant: str, session: str) -> SessionRecord | None:
         """While the index heals: the record of a session the index lacks, once this process's rebuild
         is over (it may find the session live in its slot), else from its newest stored generation;
-        None when neither knows it (a new session) or the store cannot say."""
+        else from a node's spill cache; None when none knows it (a new session) or none can say."""
         if not self.healing:
             return None
         try:
             record = await self._rebuilt(tenant, session)
-            if record is None and await reindex_session(self._store, self._index, tenant, session):
+            if record is None and await self._look_up(tenant, session):
                 record = await self._index.find(tenant, session)
             if record is None:
                 return None
-        except StorageError as exc:  # the store away too: the turn goes on as a new session's
+        except StorageError as exc:  # Redis away again: the turn goes on as a new session's
             log.warning("index.recover_failed", tenant=tenant, session=session, error=str(exc))
             return None
         self._metrics.index_recovered.inc()
         return record
+
+    async def catch_up(self, record: SessionRecord) -> SessionRecord:
+        """The record of a session placed anew, caught up with a copy newer than it names (see
+        the module doc): the record as it is when it is not `behind`, or nothing newer is found,
+        or nothing can say."""
+        if not behind(record):
+            return record
+        tenant, session = record.tenant, record.session
+        try:
+            if not await self._look_up(tenant, session):
+                return record
+            found = await self._index.find(tenant, session)
+        except StorageError as exc:
+            log.warning("index.catch_up_failed", tenant=tenant, session=session, error=str(exc))
+            return record
+        if found is None:
+            return record
+        log.warning(
+            "index.caught_up", tenant=tenant, session=session, was=record.generation, now=found.generation
+        )
+        self._metrics.index_recovered.inc()
+        return found
+
+    async def _look_up(self, tenant: str, session: str) -> bool:
+        """The session's newest stored generation and its newest in a node's spill cache (a save
+        made while the store was away), each recorded unless the index knows a newer state; True
+        when the index learned something. A store that is away is passed over."""
+        learned = False
+        try:
+            learned = await reindex_session(self._store, self._index, tenant, session)
+        except StorageError as exc:
+            log.info("index.look_up_store_failed", tenant=tenant, session=session, error=str(exc))
+        return await self._adopt_unstored(lambda c: (c.tenant, c.session) == (tenant, session)) > 0 or learned
+
+    async def _adopt_unstored(self, which: Callable[[UnstoredCopy], bool] = lambda _: True) -> int:
+        """Record the generations only the nodes' spill caches hold (those ``which`` picks), newest
+        per session, unless the index knows newer; how many it learned."""
+        if self._unstored is None:
+            return 0
+        newest: dict[tuple[str, str], UnstoredCopy] = {}
+        for c in await self._unstored():
+            had = newest.get((c.tenant, c.session))
+            if which(c) and (had is None or had.generation < c.generation):
+                newest[(c.tenant, c.session)] = c
+        learned = 0
+        for c in newest.values():
+            learned += await adopt_stored(self._index, unstored_record(c))
+        return learned
 
     def saw(self, epoch: str, built: str) -> None:
         """The epoch and built epoch as a read found them: a lost, changed or unbuilt index starts
@@ -177,6 +235,7 @@ class IndexHealing:
                 log.info("index.rebuilding", epoch=epoch)
                 try:
                     report = await reindex(self._store, self._index)
+                    unstored = await self._adopt_unstored()
                     live = await self._adopt_live()
                 except BaseException:
                     await self._epoch.give_lease(lease)
@@ -188,6 +247,7 @@ class IndexHealing:
                         sessions=report.sessions,
                         restored=report.restored,
                         skipped=len(report.skipped),
+                        unstored=unstored,
                         live=live,
                     )
                     self._metrics.index_rebuilds.inc()
@@ -195,3 +255,25 @@ class IndexHealing:
             self.healing = False
         except StorageError as exc:
             log.warning("index.heal_failed", error=str(exc))
+
+
+def behind(record: SessionRecord) -> bool:
+    """Whether a save was handed a generation the record never learned the end of (a copy newer
+    than the record names may exist), while the session is not live in a slot (a slot is newer
+    than any copy). Pure."""
+    return record.state is not SessionState.LIVE and record.reserved > max(record.generation, record.floor)
+
+
+def unstored_record(copy: UnstoredCopy) -> SessionRecord:
+    """The record of a session spilled at a generation only a node's spill cache holds. Pure."""
+    return SessionRecord(
+        copy.tenant,
+        copy.session,
+        SessionState.SPILLED,
+        model=copy.model,
+        tokens=copy.tokens,
+        generation=copy.generation,
+        blob_key=copy.key,
+        bytes=copy.bytes,
+        last_used=copy.saved_at,
+    )

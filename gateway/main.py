@@ -81,7 +81,9 @@ async def services(
     # starts empty every time: it is built before the gateway serves.
     cluster = Cluster(registry, index, settings.nodes, http, sample=settings.placement_sample)
     epoch = IndexEpoch(redis, prefix=settings.redis_prefix)
-    healing = IndexHealing(epoch, store, index, metrics, slots=cluster.labelled_slots)
+    healing = IndexHealing(
+        epoch, store, index, metrics, slots=cluster.labelled_slots, unstored=cluster.unstored_copies
+    )
     await healing.start(wait=settings.redis_url is None)
     retention = None
     if isinstance(store, ChunkedStore):

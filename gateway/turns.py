@@ -21,6 +21,7 @@ import structlog
 from gateway import bookkeeping, deletion
 from gateway.admission import Admitted, Opening, abandon, admit, new_session_refusal, open_turn
 from gateway.early import Admission
+from gateway.healing import behind
 from gateway.holds import Phase, write_record
 from gateway.locking import fork, hold_for_turn
 from gateway.placement import Placement, Serve
@@ -107,6 +108,8 @@ class TurnRunner:
             if record is None and parts.healing is not None and source not in ("new", "fork"):
                 record = await parts.healing.recover(tenant.name, session)  # a lost record, found again
                 hold.record = record
+            elif record is not None and parts.healing is not None and behind(record):
+                record = hold.record = await parts.healing.catch_up(record)  # a save it never learned of
             if record is None:
                 refused = new_session_refusal(tenant, start)
                 if refused is not None:

@@ -77,6 +77,7 @@ from ..protocol.node import (
     SESSION,
     SLOT_OPERATION,
     SLOT_OPS,
+    UNSTORED,
     CancelResult,
     EngineList,
     EraseResult,
@@ -88,6 +89,8 @@ from ..protocol.node import (
     SlotResult,
     SpillRequest,
     SpillResult,
+    UnstoredCopy,
+    UnstoredList,
 )
 from .metrics import NodeMetrics
 from .settings import NodeSettings
@@ -296,6 +299,18 @@ class NodeAgent:
             await self.parts.cache.discard(ref)
         log.info("node.forgot", tenant=tenant, session=session, files=len(refs))
         return len(refs)
+
+    async def unstored(self) -> list[UnstoredCopy]:
+        """The generations only this node's spill cache holds (the store does not yet); a file gone
+        or unreadable meanwhile is left out (the flush deals with it)."""
+        cache, store = self.parts.cache, self.parts.store
+        refs = cache.unconfirmed()
+        found = await asyncio.to_thread(_describe, [cache.path_for(r) for r in refs])
+        return [
+            UnstoredCopy(r.tenant, r.session, r.generation, store.key_for(r), *f)
+            for r, f in zip(refs, found, strict=True)
+            if f is not None
+        ]
 
     async def _spill(
         self,
@@ -583,10 +598,10 @@ class NodeAgent:
                 log.info("node.flushed", files=len(done), ms=round((time.monotonic() - t0) * 1000, 1))
                 delay = base
             except StorageError as exc:  # down (StoreUnavailable), or a conflicting object
-                delay = min(delay * 2, base * 16)
+                delay = min(delay * 2, base * 4)
                 log.warning("node.flush_failed", error=str(exc), retry_in_s=delay)
             except Exception as exc:  # a bug or a local fault (a file gone): logged, and tried again
-                delay = min(delay * 2, base * 16)
+                delay = min(delay * 2, base * 4)
                 log.exception("node.flush_error", error=repr(exc), retry_in_s=delay)
 
 
@@ -598,6 +613,18 @@ def _ref_fields(ref: SlotRef) -> dict[str, Any]:
 def _slot_fields(sup: EngineSupervisor, slot: int, ref: SlotRef) -> dict[str, Any]:
     """The fields of a log event about one generation in one engine's slot."""
     return {"engine": sup.spec.engine_id, "slot": slot, **_ref_fields(ref)}
+
+
+def _describe(paths: list[Path]) -> list[tuple[int, int, str, float] | None]:
+    """Size, tokens, model fingerprint and save time of each slot file (None: gone or unreadable)."""
+    out: list[tuple[int, int, str, float] | None] = []
+    for path in paths:
+        try:
+            sf = read_slot_file(path, checksum=False)
+            out.append((sf.size, sf.n_tokens, sf.fingerprint or "", path.stat().st_mtime))
+        except (OSError, StorageError):
+            out.append(None)
+    return out
 
 
 def _clear_dir(path: Path) -> None:
@@ -704,6 +731,12 @@ async def forget_session(request: Request) -> Response:
     return JSONResponse(ForgetResult(tenant, session, dropped).to_json())
 
 
+async def unstored(request: Request) -> Response:
+    """The spill cache's generations the store does not hold yet (UnstoredList)."""
+    a = agent(request)
+    return JSONResponse(UnstoredList(a.settings.node_id, tuple(await a.unstored())).to_json())
+
+
 def build_node_app(lifespan: Any, internal_key: str | None) -> Starlette:
     """The node API; `lifespan` creates the parts and the agent and puts it in `app.state.agent`.
     Everything but `/health` requires `internal_key` (see engine_pool.common.credentials)."""
@@ -714,6 +747,7 @@ def build_node_app(lifespan: Any, internal_key: str | None) -> Starlette:
             Route(METRICS, metrics, methods=["GET"]),
             Route(SLOT_OPERATION, slot_operation, methods=["POST"]),
             Route(SESSION, forget_session, methods=["DELETE"]),
+            Route(UNSTORED, unstored, methods=["GET"]),
         ],
         lifespan=lifespan,
         exception_handlers={e: handle_error for e in (ApiError, StorageError, HTTPException, Exception)},

@@ -178,7 +178,7 @@ FLAGS: tuple[Flag, ...] = (
         "flush_interval_s",
         "--flush-interval",
         2.0,
-        "first retry of failed uploads, doubling to 16× while the store stays down (2)",
+        "first retry of failed uploads, doubling to 4× while the store stays down (2)",
         above(0),
     ),
     int_flag("retry_after_s", "--retry-after", 1, "Retry-After on 503s (1)"),

@@ -25,6 +25,7 @@ ENGINES = "/v1/engines"
 METRICS = "/metrics"
 SLOT_OPERATION = "/v1/engines/{engine}/slots/{slot}/{op}"
 SESSION = "/v1/sessions/{tenant}/{session}"
+UNSTORED = "/v1/unstored"  # the spill cache's files the store does not hold yet
 SLOT_OPS = ("spill", "fill", "erase", "cancel")
 MAX_FILL_TOKENS = 1 << 21  # a fill's prompt tokens (a context of 2M tokens)
 
@@ -199,6 +200,47 @@ class ForgetResult(_Fields):
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ForgetResult:
         return cls(str(data["tenant"]), str(data["session"]), int(data["n_files"]))
+
+
+@dataclass(frozen=True)
+class UnstoredCopy(_Fields):
+    """A generation only this node's spill cache holds (its upload not confirmed yet: the store
+    was away, or it is being uploaded now). What a lost index is rebuilt from beside the store."""
+
+    tenant: str
+    session: str
+    generation: int
+    key: str  # the blob key it will be stored under
+    bytes: int
+    tokens: int
+    model: str  # the model fingerprint the slot file names
+    saved_at: float  # unix time the file was saved
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> UnstoredCopy:
+        return cls(
+            str(data["tenant"]),
+            str(data["session"]),
+            int(data["generation"]),
+            str(data["key"]),
+            int(data["bytes"]),
+            int(data["tokens"]),
+            str(data["model"]),
+            float(data["saved_at"]),
+        )
+
+
+@dataclass(frozen=True)
+class UnstoredList:
+    node: str
+    copies: tuple[UnstoredCopy, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node": self.node, "copies": [c.to_json() for c in self.copies]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> UnstoredList:
+        return cls(str(data.get("node", "")), tuple(UnstoredCopy.from_json(c) for c in data["copies"]))
 
 
 @dataclass(frozen=True)

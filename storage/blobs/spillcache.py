@@ -99,6 +99,10 @@ class SpillCache:
         entries = sorted(self._entries.items(), key=lambda i: i[1].last_used)
         return [r for r, e in entries if not e.uploaded and not e.uploading]
 
+    def unconfirmed(self) -> list[SlotRef]:
+        """Files whose upload is not confirmed, being uploaded now or not: what only this node holds."""
+        return [r for r, e in self._entries.items() if not e.uploaded]
+
     def pending_bytes(self) -> int:
         """Bytes of files whose upload is not confirmed (uploading now or waiting for the store)."""
         return sum(e.size for e in self._entries.values() if not e.uploaded)

@@ -7,21 +7,49 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from gateway.healing import IndexHealing
+from engine_pool.protocol.node import UnstoredCopy
+from gateway.healing import IndexHealing, behind
 from gateway.metrics import Metrics
 from storage.blobs.localstore import LocalStore
+from storage.errors import StoreUnavailable
+from storage.ids import SlotRef
 from storage.index.epoch import IndexEpoch
 from storage.index.keyspace import in_process_redis
-from storage.index.session_index import SessionIndex
+from storage.index.session_index import SessionIndex, SessionState
 
 
-def healer(redis: Any, store: LocalStore) -> tuple[IndexHealing, Metrics]:
+def healer(
+    redis: Any, store: LocalStore, unstored: list[UnstoredCopy] | None = None
+) -> tuple[IndexHealing, Metrics]:
     metrics = Metrics()
     index = SessionIndex(redis, prefix="sk")
-    return IndexHealing(IndexEpoch(redis, prefix="sk"), store, index, metrics, interval_s=0.01), metrics
+
+    async def listed() -> list[UnstoredCopy]:
+        return list(unstored or ())
+
+    epoch = IndexEpoch(redis, prefix="sk")
+    return IndexHealing(epoch, store, index, metrics, interval_s=0.01, unstored=listed, wait_s=0.5), metrics
+
+
+class DownStore(LocalStore):
+    """A store that is away: every listing fails as S3 unreachable does."""
+
+    async def latest(self, tenant: str, session: str) -> Any:
+        raise StoreUnavailable("the store is down")
+
+    async def list_tenants(self) -> Any:  # type: ignore[override]
+        raise StoreUnavailable("the store is down")
+        yield  # an async generator, as the store's own
+
+
+def copy(session: str, generation: int, tokens: int) -> UnstoredCopy:
+    """A generation only a node's spill cache holds."""
+    key = f"sk/acme/{session}/{generation}"
+    return UnstoredCopy("acme", session, generation, key, 4096, tokens, "m", 1.0)
 
 
 def rebuilds(metrics: Metrics) -> float:
@@ -82,3 +110,73 @@ async def test_no_store_lookup_unless_healing(tmp_path: Path) -> None:
     a, metrics = healer(redis, store)
     await a.start(wait=True)
     assert await a.recover("acme", "s1") is None and metrics.index_recovered._value.get() == 0  # type: ignore[attr-defined]
+
+
+async def test_a_lost_index_learns_the_saves_only_a_node_holds(tmp_path: Path) -> None:
+    """Saved while the store was away and not flushed yet: only the node's spill cache holds them."""
+    redis, store = in_process_redis(), LocalStore(tmp_path / "store", prefix="sk")
+    a, _ = healer(redis, store, [copy("s2", 2, 40), copy("s2", 3, 42), copy("s3", 1, 7)])
+    await a.start(wait=True)
+    index = SessionIndex(redis, prefix="sk")
+    s2, s3 = await index.find("acme", "s2"), await index.find("acme", "s3")
+    assert s2 is not None and (s2.state, s2.generation, s2.tokens) == (SessionState.SPILLED, 3, 42)
+    assert s3 is not None and (s3.state, s3.generation, s3.tokens) == (SessionState.SPILLED, 1, 7)
+
+
+async def test_while_the_store_is_away_too_a_turn_finds_its_session_on_a_node(tmp_path: Path) -> None:
+    """The index lost while the store is down: the rebuild cannot list the store and is tried
+    again, but a turn finds its session's save in a node's spill cache instead of starting anew."""
+    redis, store = in_process_redis(), DownStore(tmp_path / "store", prefix="sk")
+    a, metrics = healer(redis, store, [copy("s2", 2, 40)])
+    epoch = IndexEpoch(redis, prefix="sk")
+    await epoch.claim()  # another gateway built it once; then it was lost
+    a.saw(*await epoch.read())
+    assert a.healing
+    found = await a.recover("acme", "s2")
+    assert found is not None and (found.state, found.generation) == (SessionState.SPILLED, 2)
+    assert await a.recover("acme", "nobody") is None  # a new session stays new
+    assert a.healing and rebuilds(metrics) == 0  # the store's sessions are still to be rebuilt
+    await a.close()
+
+
+async def test_a_record_behind_its_save_catches_up_with_the_copy(tmp_path: Path) -> None:
+    """A save finished but Redis was away when it would have recorded it, and the slot is gone:
+    the record names no generation although one is stored. It catches up before the turn."""
+    redis, store = in_process_redis(), LocalStore(tmp_path / "store", prefix="sk")
+    on_nodes: list[UnstoredCopy] = []  # what the nodes' spill caches hold, as the test goes
+    a, metrics = healer(redis, store, on_nodes)
+    await a.start(wait=True)
+    index = SessionIndex(redis, prefix="sk")
+    await index.create("acme", "s1", model="m")
+    first = await index.reserve_generation("acme", "s1")  # handed out, stored, never recorded
+    src = tmp_path / "saved.slot"
+    src.write_bytes(b"slot file" * 64)
+    await store.put_file(SlotRef("acme", "s1", first), src, model="m", n_tokens=30)
+    record = await index.find("acme", "s1")
+    assert record is not None and record.state is SessionState.NEW and behind(record)
+    caught = await a.catch_up(record)
+    assert (caught.state, caught.generation, caught.tokens) == (SessionState.SPILLED, first, 30)
+    assert not behind(caught) and await a.catch_up(caught) is caught
+    assert metrics.index_recovered._value.get() == 1  # type: ignore[attr-defined]
+
+    # Two more saves handed out, the second kept only on a node (the store away): that copy is newer.
+    await index.reserve_generation("acme", "s1")
+    on_nodes.append(copy("s1", await index.reserve_generation("acme", "s1"), 50))
+    behind_again = await index.find("acme", "s1")
+    assert behind_again is not None and behind(behind_again)
+    newest = await a.catch_up(behind_again)
+    assert (newest.generation, newest.tokens) == (3, 50)
+
+
+async def test_a_record_not_behind_is_not_looked_up(tmp_path: Path) -> None:
+    redis, store = in_process_redis(), DownStore(tmp_path / "store", prefix="sk")
+    a, metrics = healer(redis, store)
+    index = SessionIndex(redis, prefix="sk")
+    record = await index.create("acme", "s1", model="m")
+    assert not behind(record) and await a.catch_up(record) is record
+    await index.reserve_generation("acme", "s1")  # a save that failed: nothing anywhere
+    failed = await index.find("acme", "s1")
+    assert failed is not None and behind(failed)
+    assert await a.catch_up(failed) is failed  # the store away and no node copy: as it was
+    assert not behind(replace(failed, state=SessionState.LIVE, engine="e", slot=0))  # its slot is newer
+    assert metrics.index_recovered._value.get() == 0  # type: ignore[attr-defined]

@@ -160,3 +160,55 @@ def test_a_store_outage_of_a_minute_queues_saves_and_loses_nothing(
     assert all(code in (200, 503) for a in everyone for code in a.statuses)  # never a 500
     log = s.log.read_text()
     assert "node.upload_deferred" in log and "node.flushed" in log
+
+
+def test_an_index_lost_while_saves_wait_for_the_store_finds_them_on_the_node(
+    serve: Any, link: SlowLink, restartable_redis: Any, tmp_path: Path
+) -> None:
+    """Redis loses the index while the store is away: a session's newest save is on the node's disk
+    only (the store holds an older one, and the rebuild cannot list the store yet). Its next turn is
+    restored from the node's copy, not started anew."""
+    (tmp_path / "tenants.toml").write_text(TENANTS)
+    s = serve(
+        tmp_path / "data",
+        slots=2,
+        tenants=tmp_path / "tenants.toml",
+        args=[
+            *("--s3-endpoint", f"http://127.0.0.1:{link.listen[1]}"),
+            *("--s3-bucket", "slots"),
+            *("--s3-prefix", "lost-" + uuid.uuid4().hex[:8]),
+            *("--redis-url", restartable_redis.url),
+            *("--log-level", "info"),
+            *("--ctx", "4096"),
+        ],
+        env={**AWS_ENV, "SLOTKEEPER_FLUSH_INTERVAL": "1"},
+    )
+    first, second, third = (Agent(s.url, "waits", f"w-{i}") for i in range(1, 4))
+    for agent in (first, second):
+        assert agent.turn().status_code == 200
+        eventually(f"{agent.session} saved", agent.saved, timeout_s=60)
+
+    link.down()
+    for agent in (first, second):  # saved again, as generation 2, on the node's disk only
+        assert agent.turn().headers["x-slotkeeper-cache"] == "live"
+        eventually(f"{agent.session} saved", lambda a=agent: a.saved() and a.record()["generation"] == 2)
+    assert third.turn().status_code == 200  # a new session takes the least recently used slot
+    assert first.record()["state"] == "spilled"
+    eventually("saves waiting", lambda: node_metric(s.node_url, "slotkeeper_node_uploads_pending") >= 2)
+
+    assert restartable_redis.command("FLUSHALL") == b"+OK"
+    deadline = time.monotonic() + 30
+    while (back := first.turn()).status_code == 503 and time.monotonic() < deadline:
+        time.sleep(float(back.headers.get("retry-after", "1")))  # the node registers its engines again
+    assert back.status_code == 200, back.text
+    assert back.headers["x-slotkeeper-cache"] == "restored", back.headers
+    assert back.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert "index.look_up_store_failed" in s.log.read_text()  # found on the node, not in the store
+
+    link.up()
+    eventually(
+        "the waiting saves uploaded",
+        lambda: node_metric(s.node_url, "slotkeeper_node_uploads_pending") == 0,
+        timeout_s=60,
+    )
+    assert all(code in (200, 503) for a in (first, second, third) for code in a.statuses)

@@ -31,7 +31,7 @@ from engine_pool.pool import supervisor
 from engine_pool.pool.agent import NodeAgent, NodeParts
 from engine_pool.pool.client import NodeClient, NodeError
 from engine_pool.pool.settings import NodeSettings, SettingsError, parse_node_settings
-from engine_pool.protocol.node import NodeHealth
+from engine_pool.protocol.node import UNSTORED, NodeHealth, UnstoredList
 from gateway.bench.harness.servers import INTERNAL_AUTH, INTERNAL_KEY, MotoProcess
 from storage.blobs.localstore import LocalStore
 from storage.blobs.spillcache import SpillCache
@@ -364,10 +364,21 @@ async def test_s3_store_down_during_spill_then_flushed(
         assert (
             await asyncio.to_thread(local.stat)
         ).st_size == down.bytes  # kept although over budget: not uploaded yet
-        restartable_moto.start()
-        wait_for(lambda: restartable_moto.exists(down.key), "flush after the store is back", timeout=20)
-        manifest = json.loads(s3.get_object(Bucket="slots", Key=down.key)["Body"].read())
-        assert manifest["plan"]["size"] == down.bytes
+        # Only this node holds it now: it says so (what a lost index is rebuilt from), to the key only.
+        async with httpx.AsyncClient(timeout=10) as http:
+            assert (await http.get(node.url + UNSTORED)).status_code == 401
+            answer = await http.get(node.url + UNSTORED, headers=INTERNAL_AUTH)
+            listed = UnstoredList.from_json(answer.json())
+            assert [(c.tenant, c.session, c.generation, c.key, c.bytes, c.tokens) for c in listed.copies] == [
+                ("t1", "s1", 2, down.key, down.bytes, down.tokens)
+            ]
+            assert listed.copies[0].model and listed.copies[0].saved_at > 0
+            restartable_moto.start()
+            wait_for(lambda: restartable_moto.exists(down.key), "flush after the store is back", timeout=20)
+            manifest = json.loads(s3.get_object(Bucket="slots", Key=down.key)["Body"].read())
+            assert manifest["plan"]["size"] == down.bytes
+            unlisted = lambda: not httpx.get(node.url + UNSTORED, headers=INTERNAL_AUTH).json()["copies"]  # noqa: E731
+            wait_for(unlisted, "no longer listed once stored")
     s3.close()
 
 
