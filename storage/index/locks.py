@@ -6,9 +6,15 @@ holder's release and extend raise :class:`LockLost` instead of touching the new 
 Index changes can present the lock too (``lock=`` in :class:`storage.index.session_index.SessionIndex`), which
 fences a stale holder's writes the same way.
 
+Holders: a token starts with what holds the lock — a turn running on the session (``TURN``: a
+request for the session meanwhile may fork it), or the gateway's own work on it (``WORK``: an
+eviction, a delete; a request waits for it, since there is no running state to fork from).
+:meth:`SessionLocks.holder` tells them apart; a token without a kind (an older release's) counts
+as a turn's.
+
 Short TTLs and renewal: a holder that works longer than the TTL renews with :meth:`SessionLocks.extend`
 every ``ttl/3`` (three round trips, no Lua: it runs the same on the in-process Redis). A holder that
-died simply stops renewing, so its lock lapses within one TTL; :meth:`SessionLocks.remaining_s` tells
+died simply stops renewing, so its lock lapses within one TTL; :meth:`SessionLocks.holder` tells
 a live holder (always above two thirds of its TTL) from a dead one (below), and ``acquire(wait_s=…)``
 with ``wait_s`` a little over the remaining time takes the lock as soon as it lapses.
 """
@@ -29,6 +35,21 @@ from storage.ids import validate_id
 from storage.index.keyspace import Keyspace, redis_errors, text, transact
 
 log = structlog.get_logger("slotkeeper.storage")
+
+
+TURN = "turn"  # the kinds of holder a lock's token names (see the module doc)
+WORK = "work"
+
+
+def new_token(holder: str) -> str:
+    """A fresh owner token of a ``holder`` kind (TURN or WORK)."""
+    return f"{holder}-{secrets.token_hex(16)}"
+
+
+def holder_of(token: str) -> str:
+    """The holder kind a token names; TURN for a token without one. Pure."""
+    kind, sep, _ = token.partition("-")
+    return kind if sep and kind in (TURN, WORK) else TURN
 
 
 @dataclass(frozen=True)
@@ -82,10 +103,12 @@ class SessionLocks:
         self._monotonic = monotonic
         self._sleep = sleep
 
-    async def try_acquire(self, tenant: str, session: str, *, ttl_s: float) -> SessionLock | None:
-        """The lock, or None when another owner holds it."""
+    async def try_acquire(
+        self, tenant: str, session: str, *, ttl_s: float, holder: str = WORK
+    ) -> SessionLock | None:
+        """The lock for a ``holder`` (TURN or WORK), or None when another owner holds it."""
         key = self.keys.lock(tenant, session)
-        token = secrets.token_hex(16)
+        token = new_token(holder)
         since = time.monotonic()
         async with redis_errors():
             ok = await self._redis.set(key, token, nx=True, px=_ms(ttl_s))
@@ -95,15 +118,22 @@ class SessionLocks:
         return SessionLock(tenant, session, token, ttl_s, since)
 
     async def acquire(
-        self, tenant: str, session: str, *, ttl_s: float, wait_s: float = 0.0, poll_s: float = 0.05
+        self,
+        tenant: str,
+        session: str,
+        *,
+        ttl_s: float,
+        wait_s: float = 0.0,
+        poll_s: float = 0.05,
+        holder: str = WORK,
     ) -> SessionLock:
-        """The lock, trying every ``poll_s`` for up to ``wait_s`` (a last try at the deadline);
-        :class:`LockBusy` when it stays held."""
+        """The lock for a ``holder``, trying every ``poll_s`` for up to ``wait_s`` (a last try at the
+        deadline); :class:`LockBusy` when it stays held."""
         if poll_s <= 0:
             raise ValueError("poll_s must be > 0")
         deadline = self._monotonic() + wait_s
         while True:
-            lock = await self.try_acquire(tenant, session, ttl_s=ttl_s)
+            lock = await self.try_acquire(tenant, session, ttl_s=ttl_s, holder=holder)
             if lock is not None:
                 return lock
             left = deadline - self._monotonic()
@@ -140,13 +170,18 @@ class SessionLocks:
         await transact(self._redis, [key], body)
         return replace(lock, ttl_s=ttl, since=since)
 
-    async def remaining_s(self, tenant: str, session: str) -> float | None:
-        """Seconds until the current holder's lock lapses unless renewed; None when unlocked."""
+    async def holder(self, tenant: str, session: str) -> tuple[str | None, float | None]:
+        """What holds the lock (TURN or WORK) and the seconds until it lapses unless renewed, in one
+        round trip; (None, None) when unlocked."""
+        key = self.keys.lock(tenant, session)
         async with redis_errors():
-            ms = int(await self._redis.pttl(self.keys.lock(tenant, session)))
-        if ms == -2:
-            return None
-        return float("inf") if ms == -1 else ms / 1000
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.get(key)
+                pipe.pttl(key)
+                value, ms = await pipe.execute()
+        if value is None or int(ms) == -2:
+            return None, None
+        return holder_of(text(value)), float("inf") if int(ms) == -1 else int(ms) / 1000
 
     async def owner(self, tenant: str, session: str) -> str | None:
         """The current owner token (for diagnostics), or None when unlocked."""

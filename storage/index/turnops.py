@@ -36,7 +36,7 @@ from typing import Any
 
 from storage.errors import LockLost
 from storage.index.keyspace import IDLE, LIVE, Keyspace, member, redis_errors, text
-from storage.index.locks import SessionLock
+from storage.index.locks import TURN, SessionLock, new_token
 from storage.index.records import SessionRecord
 
 # KEYS: rate window ('' slot unused when no limit), in-flight zset, lock, record, sessions zset,
@@ -233,7 +233,7 @@ class TurnOps:
         window, keep_ms = self._window(tenant, "rpm", 60) if rpm_limit is not None else ("", 0)
         now = float(self._clock())
         now_ms = round(now * 1000)
-        token, lock_token = secrets.token_hex(16), secrets.token_hex(16)
+        token, lock_token = secrets.token_hex(16), new_token(TURN)
         since = time.monotonic()  # before the lock is asked for: held at least until since + TTL
         keys = [
             window or self.keys.inflight(tenant),  # unused by the script without a limit

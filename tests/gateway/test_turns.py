@@ -11,6 +11,7 @@ import pytest
 
 from engine_pool.common.errors import GatewayTimeout, Unavailable
 from gateway.cluster import Cluster
+from gateway.locking import hold_for_turn
 from gateway.metrics import Metrics
 from gateway.placement import Placement, Serve
 from gateway.relay import TurnOutcome, engine_session, forward_json
@@ -21,7 +22,7 @@ from gateway.turns import TurnRunner
 from storage.blobs.localstore import LocalStore
 from storage.ids import validate_id
 from storage.index.engines import EngineRegistry
-from storage.index.locks import SessionLocks
+from storage.index.locks import TURN, WORK, SessionLocks
 from storage.index.session_index import SessionIndex, SessionState
 
 
@@ -70,6 +71,35 @@ async def test_a_turn_that_cannot_be_placed_leaves_its_live_session_idle_in_its_
     assert (rec.state, rec.engine, rec.slot) == (SessionState.LIVE, "e1", 0)
     assert await index.is_idle("t", "s")  # evictable again
     assert await locks.owner("t", "s") is None and runner.parts.holds.get("t", "s") is None
+
+
+@pytest.mark.parametrize(("holder", "forked"), [(WORK, False), (TURN, True)])
+async def test_a_turn_waits_for_an_eviction_of_its_session_and_forks_only_around_a_turn(
+    parts, holder: str, forked: bool
+) -> None:
+    """A finish that Redis missed leaves the session live but not idle; an eviction then holds its
+    lock while it saves it. The next turn waits for that (it is then restored from the save); only
+    a turn running on the session is forked around."""
+    index, locks, _, _ = parts
+    runner = _runner(parts, ttl_s=5.0)
+    await index.create("t", "s", model="m")
+    await index.mark_live("t", "s", engine="e1", slot=0, tokens=10, model="m")  # busy, as left
+    other = await locks.try_acquire("t", "s", ttl_s=5.0, holder=holder)
+    assert other is not None
+    start = await index.start_turn("t", "s", lock_ttl_s=5.0, inflight_limit=8, inflight_ttl_s=60)
+    assert start.lock is None  # held by the other
+
+    async def other_done() -> None:
+        await asyncio.sleep(0.2)  # the other holder's work
+        await locks.release(other)
+
+    done = asyncio.create_task(other_done())
+    hold = await hold_for_turn(runner.parts, "t", "s", start)
+    await done
+    assert (hold is None) is forked
+    if hold is not None:
+        assert hold.lock.token != other.token and await locks.owner("t", "s") == hold.lock.token
+        await runner.parts.holds.let_go(hold)
 
 
 async def test_a_failed_request_fails_alone_and_drops_no_session(parts) -> None:

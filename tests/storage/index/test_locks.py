@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from storage.errors import InvalidId, LockBusy, LockLost
-from storage.index.locks import SessionLocks
+from storage.index.locks import TURN, WORK, SessionLocks, holder_of
 
 
 @pytest.fixture
@@ -74,24 +74,33 @@ async def test_ids_are_validated(locks: SessionLocks) -> None:
             await locks.try_acquire(bad, "s", ttl_s=1)
 
 
-async def test_remaining_time_tells_a_renewed_holder_from_a_dead_one(
+async def test_the_holder_and_its_time_left_tell_a_renewed_turn_from_a_dead_one_and_from_work(
     locks: SessionLocks, eventually: Any
 ) -> None:
-    assert await locks.remaining_s("acme", "s") is None
-    lock = await locks.acquire("acme", "s", ttl_s=0.6)
-    left = await locks.remaining_s("acme", "s")
-    assert left is not None and 0.5 < left <= 0.6
+    assert await locks.holder("acme", "s") == (None, None)
+    lock = await locks.acquire("acme", "s", ttl_s=0.6, holder=TURN)
+    holder, left = await locks.holder("acme", "s")
+    assert holder == TURN and left is not None and 0.5 < left <= 0.6
 
     async def below_half() -> bool:  # what a holder that stopped renewing looks like
-        left = await locks.remaining_s("acme", "s")
+        _, left = await locks.holder("acme", "s")
         return left is not None and left < 0.3
 
     await eventually(below_half, "the TTL runs down without renewal", timeout_s=2)
     lock = await locks.extend(lock)  # one renewal brings it back
-    left = await locks.remaining_s("acme", "s")
+    _, left = await locks.holder("acme", "s")
     assert left is not None and left > 0.5
     waiter = await locks.acquire("acme", "s", ttl_s=5, wait_s=left + 1, poll_s=0.02)  # holder "dies"
     assert waiter.token != lock.token and await locks.owner("acme", "s") == waiter.token
+    assert (await locks.holder("acme", "s"))[0] == WORK  # an eviction's or a delete's, by default
+
+
+@pytest.mark.parametrize(
+    ("token", "holder"),
+    [("turn-ab12", TURN), ("work-ab12", WORK), ("0f3e9a", TURN), ("other-ab", TURN), ("", TURN)],
+)
+def test_a_token_names_its_holder_and_an_older_one_counts_as_a_turn(token: str, holder: str) -> None:
+    assert holder_of(token) == holder
 
 
 async def test_a_renewal_loop_at_a_third_of_the_ttl_keeps_a_short_lock(locks: SessionLocks) -> None:
@@ -100,7 +109,7 @@ async def test_a_renewal_loop_at_a_third_of_the_ttl_keeps_a_short_lock(locks: Se
     for _ in range(6):  # 1.2 s of work: twice the TTL
         await asyncio.sleep(ttl / 3)  # the renewal cadence, not a wait for the TTL
         lock = await locks.extend(lock)
-        left = await locks.remaining_s("acme", "s")
+        _, left = await locks.holder("acme", "s")
         assert left is not None and left > ttl / 2
     assert await locks.owner("acme", "s") == lock.token
 
