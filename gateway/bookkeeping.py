@@ -43,6 +43,7 @@ class Bookkeeping:
     inflight: str = ""  # the tenant's in-flight place to give back
     release: bool = False  # the lock too (no save follows and no other user holds it)
     save: bool = False  # a write-behind save follows
+    linger: bool = False  # no save follows, but the hold is kept a moment for a next turn (Holds.linger)
 
     @property
     def route(self) -> str | None:
@@ -64,13 +65,21 @@ class Bookkeeping:
 
 
 def bookkeeping(
-    turn: Turn, messages: Sequence[Mapping[str, Any]], outcome: TurnOutcome, *, shares: bool, last_user: bool
+    turn: Turn,
+    messages: Sequence[Mapping[str, Any]],
+    outcome: TurnOutcome,
+    *,
+    shares: bool,
+    last_user: bool,
+    linger: bool = False,
 ) -> Bookkeeping:
     """What to write for a finished turn: routes, shared digests and usage only when the engine
     answered; a save when the tenant keeps sessions durable after every turn; the lock released
-    with the record when nothing else (a pending save) still holds it (``last_user``)."""
+    with the record when nothing else (a pending save) still holds it (``last_user``) — unless the
+    turn answered and ``linger`` keeps the hold a moment for the session's next turn."""
     save = outcome.ok and turn.tenant.durability is Durability.AFTER_TURN
-    release = not save and last_user
+    lingers = linger and outcome.ok and not save
+    release = not save and last_user and not lingers
     if not outcome.ok:
         return Bookkeeping(outcome.tokens or None, inflight=turn.inflight, release=release, save=save)
     tools = turn.prompt.tools if turn.prompt is not None else None
@@ -89,6 +98,7 @@ def bookkeeping(
         turn.inflight,
         release,
         save,
+        lingers,
     )
 
 
@@ -99,7 +109,12 @@ async def finish(
     t, s, hold = turn.tenant.name, turn.session, turn.hold
     parts.holds.answered(hold)
     books = bookkeeping(
-        turn, messages, outcome, shares=parts.shares(t), last_user=parts.holds.last_user(hold)
+        turn,
+        messages,
+        outcome,
+        shares=parts.shares(t),
+        last_user=parts.holds.last_user(hold),
+        linger=parts.settings.early_start and not outcome.moved,
     )
     decide = parts.index.decide_idle(s, books.tokens, books.route, books.shared, books.identical)
     idle: bool | None = True
@@ -127,6 +142,8 @@ async def finish(
                 await parts.index.incr_usage(t, dict(books.usage))
         if books.save:
             parts.holds.saving(hold, functools.partial(write_behind, parts, turn))
+        elif books.linger:
+            parts.holds.linger(hold)
     except LockLost:
         log.warning("session.lock_lost", tenant=t, session=s)
     except (WriteConflict, NotStored):

@@ -12,8 +12,9 @@ A hold is in one of three phases:
 - RUNNING: a turn is running on the engine. Another request for the session forks it.
 - ANSWERED: the turn answered; its bookkeeping (the record back to idle, routes, usage) is being
   written. A next turn waits for that (one round trip), then takes the hold over.
-- SETTLING: only the write-behind save holds it. A next turn takes it over at once; it waits for
-  the save only when it needs the saved state (it is not served live in its slot).
+- SETTLING: only the write-behind save holds it — or, with no save to follow, the hold lingers
+  `save_grace_s` (`Holds.linger`). A next turn takes it over at once; it waits for the save only
+  when it needs the saved state (it is not served live in its slot).
 
 The hold also keeps the session record as this process last wrote it, so that the next write is a
 one-round-trip compare-and-set against it (storage.index.turnops); `write` serialises this process's
@@ -112,6 +113,7 @@ class Holds:
         self._sleep = sleep  # the grace's (tests may inject it)
         self._holds: dict[tuple[str, str], SessionHold] = {}
         self._releasing: set[asyncio.Task[None]] = set()  # releases waiting for Redis to answer
+        self._lingering: set[asyncio.Task[None]] = set()  # holds kept a moment after a turn (linger)
 
     def get(self, tenant: str, session: str) -> SessionHold | None:
         return self._holds.get((tenant, session))
@@ -163,6 +165,25 @@ class Holds:
             hold.users += 1
             name = f"write-behind:{hold.lock.tenant}/{hold.lock.session}"
             hold.saved = asyncio.create_task(self._saves(hold), name=name)
+
+    def linger(self, hold: SessionHold) -> None:
+        """Keep the hold ``save_grace_s`` after a turn that no save follows (an ``on-evict``
+        tenant's), as one more user of it: a next turn sent at once takes it over — and starts
+        beside its opening read (gateway.early) — instead of taking the lock from Redis. Anyone else
+        (an eviction, a delete, another gateway) waits that moment for the lock."""
+        if not self._grace_s:
+            return
+        hold.users += 1
+        name = f"linger:{hold.lock.tenant}/{hold.lock.session}"
+        task = asyncio.create_task(self._linger(hold), name=name)
+        self._lingering.add(task)
+        task.add_done_callback(self._lingering.discard)
+
+    async def _linger(self, hold: SessionHold) -> None:
+        try:
+            await self._sleep(self._grace_s)  # a debounce, as a save's grace
+        finally:
+            await self.let_go(hold)
 
     async def _saves(self, hold: SessionHold) -> None:
         try:

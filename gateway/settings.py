@@ -59,7 +59,7 @@ FLAGS: tuple[Flag, ...] = (
         "save_grace_s",
         "--save-grace-s",
         0.1,
-        "seconds between a turn's answer and its write-behind save (0.1)",
+        "seconds a turn's hold is kept after its answer for a next turn; a save starts after it (0.1)",
         within(0, 10),
     ),
     bool_flag(

@@ -10,7 +10,7 @@ from typing import Any
 from gateway.holds import Holds
 from storage.errors import StoreUnavailable
 from storage.index.keyspace import in_process_redis
-from storage.index.locks import SessionLocks
+from storage.index.locks import TURN, SessionLocks
 
 
 async def _saves_run(grace_s: float) -> list[str]:
@@ -116,4 +116,43 @@ async def test_a_release_redis_missed_is_made_when_it_answers_again() -> None:
         assert asyncio.get_running_loop().time() < deadline, "not released once Redis answered"
         await asyncio.sleep(0.05)
     assert not failures
+    await redis.aclose()
+
+
+async def test_a_turn_no_save_follows_keeps_its_hold_a_moment_for_the_next_turn() -> None:
+    """An on-evict tenant's turn: the hold lingers ``save_grace_s``; a next turn sent meanwhile
+    takes it over (no lock from Redis, so it may start early), and the lock goes with the last
+    user. Without a grace the lock goes with the turn."""
+    redis = in_process_redis()
+    locks = SessionLocks(redis)
+    gate = asyncio.Event()
+
+    async def grace(_: float) -> None:  # the linger ends when the test says so
+        await gate.wait()
+
+    holds = Holds(locks, lock_ttl_s=15.0, save_grace_s=0.1, sleep=grace)
+    lock = await locks.try_acquire("acme", "s1", ttl_s=15.0, holder=TURN)
+    assert lock is not None
+    hold = holds.start(lock, None)
+    holds.answered(hold)  # as a turn's finish does: answered, the hold kept, booked
+    holds.linger(hold)
+    holds.booked(hold)
+    await holds.let_go(hold)  # the turn is done; the hold lingers
+    assert await locks.owner("acme", "s1") == lock.token and holds.get("acme", "s1") is hold
+    assert await holds.take_over(hold)  # the next turn, at once
+    gate.set()  # the linger ends while that turn runs: the lock stays with it
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert await locks.owner("acme", "s1") == lock.token and not hold.released.done()
+    await holds.let_go(hold)  # the next turn ends: the last user releases
+    await asyncio.wait_for(hold.released, 10)
+    assert await locks.owner("acme", "s1") is None
+
+    plain = Holds(locks, lock_ttl_s=15.0, save_grace_s=0.0)
+    lock = await locks.try_acquire("acme", "s2", ttl_s=15.0, holder=TURN)
+    assert lock is not None
+    hold = plain.start(lock, None)
+    plain.linger(hold)  # no grace: nothing lingers
+    await plain.let_go(hold)
+    assert await locks.owner("acme", "s2") is None
     await redis.aclose()
