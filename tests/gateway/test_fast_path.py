@@ -60,10 +60,11 @@ class Sends:
         return Counter(name.split(":")[0] for name, _ in self.log)
 
     def request_path(self, since: int) -> list[str]:
-        """Sends from `since` on (task: command), except those of the write-behind saves, of the
+        """Sends from `since` on (task: command), except those of the write-behind saves, of a hold
+        lingering after a turn no save follows (its lock released once the moment is over), of the
         retention loop (the collection a superseded generation asks for) and of the index's epoch
         watcher (a timer's, whatever the traffic): work after or beside the turn, not per turn."""
-        background = ("write-behind", "retention", "index-watch")
+        background = ("write-behind", "linger", "retention", "index-watch")
         sent = self.log[since:]
         return [f"{name}: {_command(cmd)}" for name, cmd in sent if not name.startswith(background)]
 
