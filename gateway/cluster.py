@@ -204,14 +204,18 @@ class Cluster:
         models = {str(e["id"]): str(e["model"]) for e in ready}
         return [replace(s, model=models[s.engine]) for listing in found for s in listing]
 
-    async def unstored_copies(self) -> list[UnstoredCopy]:
+    async def unstored_copies(
+        self, tenant: str | None = None, session: str | None = None
+    ) -> list[UnstoredCopy]:
         """The generations only a node's spill cache holds (saved while the store was away, not
-        flushed yet), asked of every configured node agent; one that does not answer is left out.
-        What a lost index is rebuilt from beside the store and the slots."""
+        flushed yet) — of one session when ``tenant`` and ``session`` are given — asked of every
+        configured node agent; one that does not answer is left out. What a lost index is rebuilt
+        from beside the store and the slots."""
+        params = {"tenant": tenant, "session": session} if session is not None else None
 
         async def listed(url: str) -> tuple[UnstoredCopy, ...]:
             try:
-                resp = await self._http.get(url.rstrip("/") + UNSTORED, timeout=5.0)
+                resp = await self._http.get(url.rstrip("/") + UNSTORED, params=params, timeout=5.0)
                 resp.raise_for_status()
                 return UnstoredList.from_json(resp.json()).copies
             except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):

@@ -63,15 +63,15 @@ class IndexHealing:
         metrics: Metrics,
         *,
         slots: Callable[[], Awaitable[list[LabelledSlot]]] | None = None,
-        unstored: Callable[[], Awaitable[list[UnstoredCopy]]] | None = None,
+        unstored: Callable[[str | None, str | None], Awaitable[list[UnstoredCopy]]] | None = None,
         interval_s: float = 2.0,
         lease_ttl_s: float = 600.0,
         wait_s: float = 10.0,
     ) -> None:
         """``slots``: the engines' labelled slots, ``unstored``: the generations only the nodes'
-        spill caches hold (both gateway.cluster); ``lease_ttl_s``: how long a
-        rebuilding process that died holds the others back; ``wait_s``: how long a turn without a
-        record waits for the rebuild before it looks in the store itself."""
+        spill caches hold, every session's or (tenant, session)'s (both gateway.cluster);
+        ``lease_ttl_s``: how long a rebuilding process that died holds the others back; ``wait_s``:
+        how long a turn without a record waits for the rebuild before it looks in the store itself."""
         self._epoch = epoch
         self._store, self._index, self._metrics = store, index, metrics
         self._slots, self._unstored = slots, unstored
@@ -142,17 +142,17 @@ class IndexHealing:
             learned = await reindex_session(self._store, self._index, tenant, session)
         except StorageError as exc:
             log.info("index.look_up_store_failed", tenant=tenant, session=session, error=str(exc))
-        return await self._adopt_unstored(lambda c: (c.tenant, c.session) == (tenant, session)) > 0 or learned
+        return await self._adopt_unstored(tenant, session) > 0 or learned
 
-    async def _adopt_unstored(self, which: Callable[[UnstoredCopy], bool] = lambda _: True) -> int:
-        """Record the generations only the nodes' spill caches hold (those ``which`` picks), newest
-        per session, unless the index knows newer; how many it learned."""
+    async def _adopt_unstored(self, tenant: str | None = None, session: str | None = None) -> int:
+        """Record the generations only the nodes' spill caches hold (every session's, or one's),
+        newest per session, unless the index knows newer; how many it learned."""
         if self._unstored is None:
             return 0
         newest: dict[tuple[str, str], UnstoredCopy] = {}
-        for c in await self._unstored():
+        for c in await self._unstored(tenant, session):
             had = newest.get((c.tenant, c.session))
-            if which(c) and (had is None or had.generation < c.generation):
+            if had is None or had.generation < c.generation:
                 newest[(c.tenant, c.session)] = c
         learned = 0
         for c in newest.values():

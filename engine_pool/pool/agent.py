@@ -300,11 +300,14 @@ class NodeAgent:
         log.info("node.forgot", tenant=tenant, session=session, files=len(refs))
         return len(refs)
 
-    async def unstored(self) -> list[UnstoredCopy]:
-        """The generations only this node's spill cache holds (the store does not yet); a file gone
-        or unreadable meanwhile is left out (the flush deals with it)."""
+    async def unstored(self, tenant: str | None = None, session: str | None = None) -> list[UnstoredCopy]:
+        """The generations only this node's spill cache holds (the store does not yet), of one
+        session when ``tenant`` and ``session`` are given; a file gone or unreadable meanwhile is
+        left out (the flush deals with it)."""
         cache, store = self.parts.cache, self.parts.store
-        refs = cache.unconfirmed()
+        refs = [
+            r for r in cache.unconfirmed() if session is None or (r.tenant, r.session) == (tenant, session)
+        ]
         found = await asyncio.to_thread(_describe, [cache.path_for(r) for r in refs])
         return [
             UnstoredCopy(r.tenant, r.session, r.generation, store.key_for(r), *f)
@@ -732,9 +735,18 @@ async def forget_session(request: Request) -> Response:
 
 
 async def unstored(request: Request) -> Response:
-    """The spill cache's generations the store does not hold yet (UnstoredList)."""
-    a = agent(request)
-    return JSONResponse(UnstoredList(a.settings.node_id, tuple(await a.unstored())).to_json())
+    """The spill cache's generations the store does not hold yet (UnstoredList); ``?tenant=&session=``
+    (both or neither): one session's only."""
+    a, q = agent(request), request.query_params
+    tenant, session = q.get("tenant"), q.get("session")
+    if (tenant is None) != (session is None):
+        raise BadRequest(
+            "'tenant' and 'session' go together", param="session" if session is None else "tenant"
+        )
+    if tenant is not None:
+        tenant, session = validate_id(tenant, "tenant"), validate_id(session, "session")
+    copies = await a.unstored(tenant, session)
+    return JSONResponse(UnstoredList(a.settings.node_id, tuple(copies)).to_json())
 
 
 def build_node_app(lifespan: Any, internal_key: str | None) -> Starlette:

@@ -28,8 +28,8 @@ def healer(
     metrics = Metrics()
     index = SessionIndex(redis, prefix="sk")
 
-    async def listed() -> list[UnstoredCopy]:
-        return list(unstored or ())
+    async def listed(tenant: str | None, session: str | None) -> list[UnstoredCopy]:  # as a node filters
+        return [c for c in unstored or () if session is None or (c.tenant, c.session) == (tenant, session)]
 
     epoch = IndexEpoch(redis, prefix="sk")
     return IndexHealing(epoch, store, index, metrics, interval_s=0.01, unstored=listed, wait_s=0.5), metrics

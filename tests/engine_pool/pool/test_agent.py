@@ -373,6 +373,16 @@ async def test_s3_store_down_during_spill_then_flushed(
                 ("t1", "s1", 2, down.key, down.bytes, down.tokens)
             ]
             assert listed.copies[0].model and listed.copies[0].saved_at > 0
+            one = await http.get(
+                node.url + UNSTORED, params={"tenant": "t1", "session": "s1"}, headers=INTERNAL_AUTH
+            )
+            other = await http.get(
+                node.url + UNSTORED, params={"tenant": "t1", "session": "s2"}, headers=INTERNAL_AUTH
+            )
+            assert UnstoredList.from_json(one.json()) == listed and other.json()["copies"] == []
+            for hostile in ({"tenant": "t1"}, {"session": "s1"}, {"tenant": "t1", "session": "../s1"}):
+                refused = await http.get(node.url + UNSTORED, params=hostile, headers=INTERNAL_AUTH)
+                assert refused.status_code == 400, (hostile, refused.text)
             restartable_moto.start()
             wait_for(lambda: restartable_moto.exists(down.key), "flush after the store is back", timeout=20)
             manifest = json.loads(s3.get_object(Bucket="slots", Key=down.key)["Body"].read())
