@@ -114,7 +114,7 @@ async def finish(
         outcome,
         shares=parts.shares(t),
         last_user=parts.holds.last_user(hold),
-        linger=parts.settings.early_start and not outcome.moved,
+        linger=parts.settings.early_start and parts.holds.lingers and not outcome.moved,
     )
     decide = parts.index.decide_idle(s, books.tokens, books.route, books.shared, books.identical)
     idle: bool | None = True

@@ -166,6 +166,11 @@ class Holds:
             name = f"write-behind:{hold.lock.tenant}/{hold.lock.session}"
             hold.saved = asyncio.create_task(self._saves(hold), name=name)
 
+    @property
+    def lingers(self) -> bool:
+        """Whether `linger` keeps a hold at all (a grace is set): else the lock goes with the turn."""
+        return bool(self._grace_s)
+
     def linger(self, hold: SessionHold) -> None:
         """Keep the hold ``save_grace_s`` after a turn that no save follows (an ``on-evict``
         tenant's), as one more user of it: a next turn sent at once takes it over — and starts
