@@ -10,6 +10,8 @@ exactly that environment.
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
 import os
 import re
 import signal
@@ -113,23 +115,37 @@ def user_values(
     return merged
 
 
-def template(values: dict[str, Any], ns: str = "default") -> dict[str, str]:
-    """`helm template sk CHART --namespace NS`: the values checked against the chart's schema, then
-    every template rendered (template path → manifest text). The schema sees the defaults merged
-    with `values`, as an install would."""
+def template(
+    values: dict[str, Any], ns: str = "default", api_versions: tuple[str, ...] = ()
+) -> dict[str, str]:
+    """`helm template sk CHART --namespace NS [--api-versions V ...]`: the values checked against the
+    chart's schema, then every template rendered (template path → manifest text). The schema sees
+    the defaults merged with `values`, as an install would. `api_versions`: what the cluster serves
+    beyond Kubernetes' own (`.Capabilities.APIVersions`), e.g. a CRD's group/version."""
     chart = helm_python.Chart.load(CHART)
     try:
         chart.validate_schema(chart.merge_values(values))
-        return chart.render(values, name="sk", namespace=ns)
+        if not api_versions:
+            return chart.render(values, name="sk", namespace=ns)
+        # Chart.render has no parameter for them; the library's render call takes `api_versions`.
+        opts = {"name": "sk", "namespace": ns, "api_versions": list(api_versions)}
+        out: dict[str, str] = json.loads(
+            helm_python._native.call_string("helm_render", chart._raw(), json.dumps(values), json.dumps(opts))
+        )
+        return out
     finally:
         chart.close()
 
 
 def render(
-    *values: str, sets: tuple[str, ...] = (), set_json: tuple[str, ...] = (), ns: str = "ai"
+    *values: str,
+    sets: tuple[str, ...] = (),
+    set_json: tuple[str, ...] = (),
+    ns: str = "ai",
+    api_versions: tuple[str, ...] = (),
 ) -> dict[tuple[str, str], Any]:
     """`helm template` → {(kind, name): manifest}."""
-    out = template(user_values(values, sets, set_json), ns)
+    out = template(user_values(values, sets, set_json), ns, api_versions)
     docs = [
         d for path, text in out.items() if not path.endswith(".txt") for d in yaml.safe_load_all(text) if d
     ]
@@ -137,11 +153,14 @@ def render(
 
 
 KEY = "internalKey.value=test-internal-key-0123456789"  # so that the check under test is the one that fails
+# A model source, for renders without a values file: the check under test is the one that fails.
+MODELS = 'node.modelVolume.source={"persistentVolumeClaim": {"claimName": "models", "readOnly": true}}'
+MONITORING = ("monitoring.coreos.com/v1",)  # a cluster with the Prometheus Operator's CRDs
 
 
 def render_error(*sets: str) -> str:
     with pytest.raises(helm_python.HelmError) as err:
-        template(user_values((), sets))
+        template(user_values((), sets, (MODELS,)))
     return str(err.value)
 
 
@@ -282,14 +301,12 @@ def test_pods_probe_and_drop_service_links() -> None:
         if kind in ("Deployment", "StatefulSet"):
             # <SERVICE>_PORT=tcp://... would land in the SLOTKEEPER_ namespace for a release "slotkeeper"
             assert pod_spec(docs, kind, name)["enableServiceLinks"] is False, name
-    assert ("ServiceMonitor", "sk-slotkeeper-gateway") in docs
     assert ("PodDisruptionBudget", "sk-slotkeeper-node") in docs
 
 
 @pytest.mark.parametrize(
     ("sets", "message"),
     [
-        (("s3.bucket=b",), "internalKey.value or internalKey.existingSecret is required"),
         ((KEY, "s3.bucket=b"), "shared Redis"),
         ((KEY, "redis.enabled=true"), "s3.bucket"),
         ((KEY, "redis.enabled=true", "s3.bucket=b", "s3.accessKey=a"), "go together"),
@@ -328,6 +345,7 @@ def test_the_rendered_environment_runs_a_node_and_a_gateway(
     sets = (
         f"redis.url=redis://127.0.0.1:{redis_port}/0",
         f"redis.prefix=helm-{gport}",
+        "s3.inCluster.enabled=false",
         f"s3.endpoint={moto_server.endpoint}",
         "s3.bucket=slots",
         f"s3.prefix=helm/{gport}",
@@ -431,7 +449,9 @@ def test_every_rendered_manifest_validates_strictly_against_the_kubernetes_schem
     """`kubernetes-validate --strict` offline (unknown fields are errors), Kubernetes 1.30; custom
     resources (the ServiceMonitor) have no schema there and are checked for their kind only."""
     docs = render(
-        *values, sets=("gateway.serviceMonitor.enabled=true", "gateway.podDisruptionBudget.enabled=true")
+        *values,
+        sets=("gateway.serviceMonitor.enabled=true", "gateway.podDisruptionBudget.enabled=true"),
+        api_versions=MONITORING,
     )
     assert ("ServiceMonitor", "sk-slotkeeper-gateway") in docs
     checked = 0
@@ -488,7 +508,12 @@ def test_network_policies_let_only_gateway_pods_reach_nodes_and_engines(egress: 
     s3 = 'networkPolicy.egressTo=[{"to":[{"ipBlock":{"cidr":"10.0.0.0/16"}}],"ports":[{"port":443}]}]'
     docs = render("demo-values.yaml", sets=sets, set_json=(s3,))
     policies = {name: d for (kind, name), d in docs.items() if kind == "NetworkPolicy"}
-    assert set(policies) == {"sk-slotkeeper-node", "sk-slotkeeper-gateway", "sk-slotkeeper-redis"}
+    assert set(policies) == {
+        "sk-slotkeeper-node",
+        "sk-slotkeeper-gateway",
+        "sk-slotkeeper-redis",
+        "sk-slotkeeper-s3",
+    }
     for doc in policies.values():
         kubernetes_validate.validate(doc, "1.30.0", strict=True)
     labels = {
@@ -716,7 +741,9 @@ def test_security_contexts_are_the_operators_to_change() -> None:
 @pytest.mark.parametrize("persist", [False, True])
 def test_the_in_chart_redis_keeps_its_index_on_a_volume_only_when_asked(persist: bool) -> None:
     sets = ("redis.enabled=true", KEY, "s3.bucket=b", f"redis.persistence.enabled={str(persist).lower()}")
-    docs = render(sets=(*sets, "redis.persistence.appendfsync=always", "redis.persistence.size=2Gi"))
+    docs = render(
+        sets=(*sets, "redis.persistence.appendfsync=always", "redis.persistence.size=2Gi"), set_json=(MODELS,)
+    )
     spec = pod_spec(docs, "Deployment", "sk-slotkeeper-redis")
     args = spec["containers"][0]["args"]
     (data,) = [v for v in spec["volumes"] if v["name"] == "data"]
@@ -731,3 +758,220 @@ def test_the_in_chart_redis_keeps_its_index_on_a_volume_only_when_asked(persist:
             k == "PersistentVolumeClaim" for k, _ in docs
         )
     assert "/redis/persistence/appendfsync" in render_error(*sets, "redis.persistence.appendfsync=sometimes")
+
+
+# -- a chart that comes up on a plain cluster --------------------------------------------------------
+CI_VALUES = sorted(p.name for p in (CHART / "ci").glob("*.yaml"))
+HOST = re.compile(r"\b([a-z0-9]([-a-z0-9.]*[a-z0-9])?)\.svc(?:\.[a-z0-9.-]+)?(?=[:/\"\s]|$)")
+
+
+def _walk(value: Any) -> Iterable[Any]:
+    yield value
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _walk(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _walk(v)
+
+
+def _service_of(host: str) -> tuple[str, str]:
+    """`pod.service.ns` or `service.ns` (the labels before `.svc`) → (service, namespace)."""
+    labels = host.split(".")
+    return labels[-2], labels[-1]
+
+
+def named_objects(doc: dict[str, Any]) -> set[tuple[str, str, str]]:
+    """(kind, name, namespace) of every Service, Secret, ConfigMap and PersistentVolumeClaim that a
+    rendered object names: env and envFrom references, volumes, image pull secrets, a StatefulSet's
+    Service, and the Services in the cluster URLs it carries (ConfigMap values, Secret values, env)."""
+    ns = "ai"
+    found: set[tuple[str, str, str]] = set()
+    if doc["kind"] == "StatefulSet":
+        found.add(("Service", doc["spec"]["serviceName"], ns))
+    texts = [v for v in _walk(doc) if isinstance(v, str)]
+    if doc["kind"] == "Secret":
+        texts += [base64.b64decode(v).decode() for v in (doc.get("data") or {}).values()]
+    for node in _walk(doc):
+        if not isinstance(node, dict):
+            continue
+        for key, kind, field in (
+            ("secretKeyRef", "Secret", "name"),
+            ("secretRef", "Secret", "name"),
+            ("configMapKeyRef", "ConfigMap", "name"),
+            ("configMapRef", "ConfigMap", "name"),
+            ("configMap", "ConfigMap", "name"),
+            ("secret", "Secret", "secretName"),
+            ("persistentVolumeClaim", "PersistentVolumeClaim", "claimName"),
+        ):
+            if isinstance(node.get(key), dict) and field in node[key]:
+                found.add((kind, node[key][field], ns))
+        for pull in node.get("imagePullSecrets") or []:
+            found.add(("Secret", pull["name"], ns))
+    for text in texts:
+        for match in HOST.finditer(text):
+            found.add(("Service", *_service_of(match.group(1))))
+    return found
+
+
+def declared_external(values: dict[str, Any]) -> set[tuple[str, str, str]]:
+    """What the values name as the operator's own: Secrets (`existingSecret`, `imagePullSecrets`),
+    claims (`claimName`), and Services in the URLs given (`s3.endpoint`, `redis.url`)."""
+    ns = "ai"
+    out: set[tuple[str, str, str]] = set()
+    for node in _walk(values):
+        if not isinstance(node, dict):
+            continue
+        if node.get("existingSecret"):
+            out.add(("Secret", node["existingSecret"], ns))
+        if node.get("claimName"):
+            out.add(("PersistentVolumeClaim", node["claimName"], ns))
+    out |= {("Secret", s["name"], ns) for s in values.get("imagePullSecrets") or []}
+    for url in (values.get("s3", {}).get("endpoint"), values.get("redis", {}).get("url")):
+        for match in HOST.finditer(url or ""):
+            out.add(("Service", *_service_of(match.group(1))))
+    return out
+
+
+@pytest.mark.parametrize("values", CI_VALUES)
+def test_every_object_a_manifest_names_is_rendered_or_declared_external(values: str) -> None:
+    """A Service, Secret, ConfigMap or claim that nothing renders and the values do not name as the
+    operator's own would leave a pod Pending or a client resolving nothing."""
+    docs = render(values, api_versions=MONITORING)
+    rendered = {(kind, name, "ai") for kind, name in docs}
+    named = set().union(*(named_objects(doc) for doc in docs.values()))
+    assert {kind for kind, _, _ in named} >= {"Service", "Secret", "ConfigMap"}  # the walk finds them
+    external = declared_external(user_values((values,)))
+    assert named - rendered - external == set()
+
+
+def test_the_demo_values_come_up_with_nothing_outside_the_release() -> None:
+    """The README's demo install: its own Redis, S3 (with the bucket made before a pod starts) and
+    models; no ServiceMonitor where the Prometheus Operator is not installed."""
+    values = user_values(("demo-values.yaml",))
+    assert declared_external(values) == set()
+    docs = render("demo-values.yaml")
+    assert not [k for k in docs if k[0] == "ServiceMonitor"]  # a plain cluster has no such kind
+    assert {("Deployment", "sk-slotkeeper-redis"), ("Deployment", "sk-slotkeeper-s3")} <= docs.keys()
+    s3 = pod_spec(docs, "Deployment", "sk-slotkeeper-s3")["containers"][0]
+    assert s3["image"] == "chrislusf/seaweedfs:4.48"  # pinned: the release the suite's S3 runs
+    for kind, name in (("Deployment", "sk-slotkeeper-gateway"), ("StatefulSet", "sk-slotkeeper-node")):
+        inits = [c["name"] for c in pod_spec(docs, kind, name).get("initContainers", [])]
+        assert "s3-bucket" in inits, name
+    node = pod_spec(docs, "StatefulSet", "sk-slotkeeper-node")
+    made = {c["env"][0]["value"] for c in node["initContainers"] if c["name"].startswith("make-model-")}
+    node_env, _ = container_env(docs, "StatefulSet", "sk-slotkeeper-node", FAKE)
+    assert set(parse_node_settings([], node_env).models) == made  # every model the node loads is made
+    assert "emptyDir" in next(v for v in node["volumes"] if v["name"] == "models")
+
+
+def test_the_service_monitor_needs_its_crd() -> None:
+    plain = render("demo-values.yaml")
+    assert ("ServiceMonitor", "sk-slotkeeper-gateway") not in plain
+    with_crd = render("demo-values.yaml", api_versions=MONITORING)
+    assert with_crd[("ServiceMonitor", "sk-slotkeeper-gateway")]["apiVersion"] == "monitoring.coreos.com/v1"
+
+
+def test_the_internal_key_is_generated_once_and_shared_when_not_given() -> None:
+    docs = render("external-values.yaml")  # gives no internalKey
+    secret = docs[("Secret", "sk-slotkeeper-secrets")]["data"]
+    key = base64.b64decode(secret["internal-key"]).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", key)
+    for kind, name in (("Deployment", "sk-slotkeeper-gateway"), ("StatefulSet", "sk-slotkeeper-node")):
+        (ref,) = [
+            e["valueFrom"]["secretKeyRef"]
+            for e in pod_spec(docs, kind, name)["containers"][0]["env"]
+            if e["name"] == "SLOTKEEPER_INTERNAL_KEY"
+        ]
+        assert ref == {"name": "sk-slotkeeper-secrets", "key": "internal-key"}, name
+    given = render("external-values.yaml", sets=(KEY,))[("Secret", "sk-slotkeeper-secrets")]["data"]
+    assert base64.b64decode(given["internal-key"]).decode() == KEY.split("=", 1)[1]
+
+
+@pytest.mark.parametrize(
+    ("sets", "set_json", "message"),
+    [
+        ((), (), "node.models need a source"),
+        (("node.models[0].path=/opt/models/lfm2.gguf",), (MODELS,), "is outside node.modelVolume.mountPath"),
+        (("s3.inCluster.enabled=true",), (MODELS,), "s3.inCluster needs s3.accessKey and s3.secretKey"),
+    ],
+)
+def test_models_and_the_in_chart_store_say_what_they_need(
+    sets: tuple[str, ...], set_json: tuple[str, ...], message: str
+) -> None:
+    with pytest.raises(helm_python.HelmError) as err:
+        template(user_values((), (KEY, "redis.enabled=true", "s3.bucket=b", *sets), set_json))
+    assert message in str(err.value)
+
+
+def test_a_download_without_its_sha256_is_refused_by_the_schema() -> None:
+    files = 'node.modelDownload.files=[{"url": "https://m.example/m.gguf", "path": "model.gguf"}]'
+    with pytest.raises(helm_python.HelmError) as err:
+        template(user_values((), (KEY, "redis.enabled=true", "s3.bucket=b"), (files,)))
+    assert "sha256" in str(err.value)
+
+
+def _init_script(docs: dict[tuple[str, str], Any], name: str) -> tuple[str, dict[str, str]]:
+    node = pod_spec(docs, "StatefulSet", "sk-slotkeeper-node")
+    (c,) = [c for c in node["initContainers"] if c["name"] == name]
+    return c["command"][-1], {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
+
+
+def test_the_model_download_checks_each_files_sha256(tmp_path: Path) -> None:
+    """The init container's script as rendered, run here with `file://` URLs: a file whose sum
+    matches lands in the models volume, one that does not is deleted and stops the pod."""
+    source = tmp_path / "source.gguf"
+    source.write_bytes(b"GGUF model bytes")
+    good = hashlib.sha256(source.read_bytes()).hexdigest()
+    files = [{"url": source.as_uri(), "sha256": good, "path": "sub/model.gguf"}]
+    docs = render("external-values.yaml", set_json=(f"node.modelDownload.files={json.dumps(files)}",))
+    script, env = _init_script(docs, "fetch-models")
+    models = tmp_path / "models"
+    run_env = {"PATH": os.environ["PATH"], "MODELS": env["MODELS"], "MODELS_DIR": str(models)}
+    ran = subprocess.run(["sh", "-c", script], env=run_env, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0, ran.stderr
+    assert (models / "sub" / "model.gguf").read_bytes() == source.read_bytes()
+    again = subprocess.run(["sh", "-c", script], env=run_env, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and "present, sha256 ok" in again.stdout  # a restarted pod keeps it
+
+    bad = [{**files[0], "sha256": "0" * 64, "path": "other.gguf"}]
+    docs = render("external-values.yaml", set_json=(f"node.modelDownload.files={json.dumps(bad)}",))
+    script, env = _init_script(docs, "fetch-models")
+    run_env["MODELS"] = env["MODELS"]
+    refused = subprocess.run(["sh", "-c", script], env=run_env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and f"sha256 {good}, expected {'0' * 64}" in refused.stderr
+    assert not list(models.glob("other.gguf*"))
+
+
+def test_the_bucket_init_container_creates_the_bucket_once(moto_server: Any) -> None:
+    """The `s3-bucket` init container's script as rendered, against a real S3 server: the first pod
+    creates the bucket, every later one finds it."""
+    docs = render("demo-values.yaml", sets=(f"s3.bucket=init-{os.getpid()}",))
+    node = pod_spec(docs, "StatefulSet", "sk-slotkeeper-node")
+    (c,) = [c for c in node["initContainers"] if c["name"] == "s3-bucket"]
+    env, _ = container_env(docs, "StatefulSet", "sk-slotkeeper-node", FAKE)
+    assert env["SLOTKEEPER_S3_ENDPOINT"] == "http://sk-slotkeeper-s3.ai.svc.cluster.local:8333"
+    assert {e["name"] for e in c["env"]} == {"SLOTKEEPER_S3_ACCESS_KEY", "SLOTKEEPER_S3_SECRET_KEY"}
+    run_env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("SLOTKEEPER_", "AWS_"))},
+        "SLOTKEEPER_S3_ENDPOINT": moto_server.endpoint,
+        "SLOTKEEPER_S3_BUCKET": env["SLOTKEEPER_S3_BUCKET"],
+        "SLOTKEEPER_S3_ACCESS_KEY": "test",
+        "SLOTKEEPER_S3_SECRET_KEY": "test",
+    }
+    cmd = [sys.executable, *c["command"][1:]]
+    first = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0 and "created" in first.stdout, first.stdout + first.stderr
+    second = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0 and "already" in second.stdout, second.stdout + second.stderr
+
+
+def test_the_image_is_what_build_image_builds_and_its_push_is_documented() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    image = f"{values['image']['repository']}:{values['image']['tag'] or chart['appVersion']}"
+    docs = render("demo-values.yaml")
+    assert pod_spec(docs, "Deployment", "sk-slotkeeper-gateway")["containers"][0]["image"] == image
+    readme = (CHART / "README.md").read_text()
+    assert f".ci/build-image {image}" in readme  # the tag the chart pulls
+    assert "buildah push" in readme

@@ -136,7 +136,11 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- $paths := list }}
 {{- range .Values.node.models }}
 {{- if not .path }}{{ fail "every node.models entry needs a path" }}{{ end }}
-{{- $paths = append $paths (ternary .path (printf "%s/%s" (trimSuffix "/" $.Values.node.modelVolume.mountPath) .path) (hasPrefix "/" .path)) }}
+{{- $mount := trimSuffix "/" $.Values.node.modelVolume.mountPath }}
+{{- if and (hasPrefix "/" .path) (not (hasPrefix (printf "%s/" $mount) .path)) }}
+{{- fail (printf "node.models: %s is outside node.modelVolume.mountPath (%s), where the models volume is mounted: give a path relative to it" .path $mount) }}
+{{- end }}
+{{- $paths = append $paths (ternary .path (printf "%s/%s" $mount .path) (hasPrefix "/" .path)) }}
 {{- end }}
 {{- if not $paths }}{{ fail "node.models needs at least one model" }}{{ end }}
 {{- join "," $paths }}
@@ -178,7 +182,139 @@ operator names for an external Redis and S3 (`networkPolicy.egressTo`: NetworkPo
   ports:
     - {protocol: TCP, port: 6379}
 {{- end }}
+{{- if .Values.s3.inCluster.enabled }}
+- to:
+    - podSelector:
+        matchLabels:
+          {{- include "slotkeeper.selectorLabels" (list . "s3") | nindent 10 }}
+  ports:
+    - {protocol: TCP, port: {{ int .Values.s3.inCluster.port }}}
+{{- end }}
 {{- with .Values.networkPolicy.egressTo }}
 {{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* The internal credential: internalKey.value, else the one this release's Secret already holds
+(`lookup`: kept across upgrades), else a new random one. Computed once per render (cached in the
+values), so the Secret and the checksums agree. */}}
+{{- define "slotkeeper.internalKey" -}}
+{{- if .Values.internalKey.value }}
+{{- .Values.internalKey.value }}
+{{- else }}
+{{- $cache := .Values.internalKey }}
+{{- if not (hasKey $cache "generated") }}
+{{- $kept := "" }}
+{{- $old := lookup "v1" "Secret" .Release.Namespace (include "slotkeeper.secret.name" .) }}
+{{- if and $old $old.data (hasKey $old.data "internal-key") }}
+{{- $kept = index $old.data "internal-key" | b64dec }}
+{{- end }}
+{{- $_ := set $cache "generated" (default (randAlphaNum 48) $kept) }}
+{{- end }}
+{{- $cache.generated }}
+{{- end }}
+{{- end }}
+
+{{- define "slotkeeper.s3.name" -}}{{ include "slotkeeper.fullname" . }}-s3{{- end }}
+
+{{/* The S3 endpoint: the in-chart SeaweedFS's Service with s3.inCluster, else s3.endpoint. */}}
+{{- define "slotkeeper.s3Endpoint" -}}
+{{- if .Values.s3.inCluster.enabled }}
+{{- printf "http://%s.%s.svc.%s:%d" (include "slotkeeper.s3.name" .) .Release.Namespace .Values.clusterDomain (int .Values.s3.inCluster.port) }}
+{{- else }}
+{{- .Values.s3.endpoint }}
+{{- end }}
+{{- end }}
+
+{{/* The in-chart SeaweedFS's identities: one, with the chart's S3 keys. */}}
+{{- define "slotkeeper.s3Config" -}}
+{{- $identity := dict "name" "slotkeeper" "actions" (list "Admin" "Read" "List" "Tagging" "Write") "credentials" (list (dict "accessKey" .Values.s3.accessKey "secretKey" .Values.s3.secretKey)) }}
+{{- dict "identities" (list $identity) | toJson }}
+{{- end }}
+
+{{/* The models volume: node.modelVolume.source as given, else an emptyDir that the chart's init
+containers fill (node.modelDownload.files, node.demoModels). */}}
+{{- define "slotkeeper.modelSource" -}}
+{{- $source := .Values.node.modelVolume.source }}
+{{- if $source }}
+{{- toYaml $source }}
+{{- else if or .Values.node.modelDownload.files .Values.node.demoModels }}
+{{- toYaml (dict "emptyDir" (dict "sizeLimit" .Values.node.modelVolume.sizeLimit)) }}
+{{- else }}
+{{- fail "node.models need a source: node.modelDownload.files (URLs with their sha256), node.modelVolume.source (e.g. an existing PVC: {persistentVolumeClaim: {claimName: models, readOnly: true}}), or node.demoModels (random-weight test models)" }}
+{{- end }}
+{{- end }}
+
+{{/* Init containers of the node pods: demo models, then downloads, then the bucket; the user's own
+after them. */}}
+{{- define "slotkeeper.node.initContainers" -}}
+{{- $mount := trimSuffix "/" .Values.node.modelVolume.mountPath }}
+{{- range .Values.node.demoModels }}
+- name: make-model-{{ .arch | lower }}
+  image: {{ include "slotkeeper.image" $ }}
+  imagePullPolicy: {{ $.Values.image.pullPolicy }}
+  command: [sh, -c]
+  args:
+    - test -s "$OUT" || slotkeeper make-model --arch {{ .arch }} --size tiny "$OUT"
+  env:
+    - name: OUT
+      value: {{ printf "%s/%s" $mount .path | quote }}
+  {{- with $.Values.node.securityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumeMounts:
+    - {name: models, mountPath: {{ $mount }}}
+    - {name: tmp, mountPath: /tmp}
+{{- end }}
+{{- with .Values.node.modelDownload.files }}
+- name: fetch-models
+  image: "{{ $.Values.node.modelDownload.image.repository }}:{{ $.Values.node.modelDownload.image.tag }}"
+  imagePullPolicy: {{ $.Values.node.modelDownload.image.pullPolicy }}
+  command: [sh, -c, {{ $.Files.Get "files/fetch-models.sh" | quote }}]
+  env:
+    - name: MODELS_DIR
+      value: {{ $mount | quote }}
+    - name: MODELS
+      value: |
+        {{- range . }}
+        {{- if not (regexMatch "^[0-9a-f]{64}$" (.sha256 | default "")) }}{{ fail (printf "node.modelDownload.files: %s needs its sha256 (64 hex digits)" (.url | default .path)) }}{{ end }}
+        {{ .sha256 }} {{ required "node.modelDownload.files: every entry needs a path" .path }} {{ required "node.modelDownload.files: every entry needs a url" .url }}
+        {{- end }}
+  {{- with $.Values.node.securityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumeMounts:
+    - {name: models, mountPath: {{ $mount }}}
+{{- end }}
+{{- include "slotkeeper.bucketInit" (list . "node") }}
+{{- with .Values.node.initContainers }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* With the in-chart S3: an init container that waits for it and creates the bucket (every gateway
+and node pod runs it; an existing bucket is fine). Include with (list $ "gateway"|"node"). */}}
+{{- define "slotkeeper.bucketInit" -}}
+{{- $ := index . 0 }}
+{{- $component := index . 1 }}
+{{- if $.Values.s3.inCluster.enabled }}
+- name: s3-bucket
+  image: {{ include "slotkeeper.image" $ }}
+  imagePullPolicy: {{ $.Values.image.pullPolicy }}
+  command: ["python3", "-c", {{ $.Files.Get "files/s3-bucket.py" | quote }}]
+  envFrom:
+    - configMapRef:
+        name: {{ include "slotkeeper.fullname" $ }}-{{ $component }}-env
+  env:
+    {{- include "slotkeeper.secretEnv.s3" $ | trim | nindent 4 }}
+  {{- with (index $.Values $component).securityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  resources:
+    requests: {cpu: 10m, memory: 64Mi}
+    limits: {memory: 256Mi}
 {{- end }}
 {{- end }}
