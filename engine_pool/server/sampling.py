@@ -69,6 +69,13 @@ MAX_LABEL = 128  # characters of a slot label's owner or session
 # The core's integers are C ints: a larger value would fail inside the binding (a 500), not here.
 _INT32_MAX = 2**31 - 1
 
+# The output limit's lowest value under each of its names: OpenAI's take a count of tokens (>= 1: a
+# 0 or -1 there is a client's mistake, never "no limit"); llama-server's `n_predict` keeps its own
+# meanings on the engine's API (-1: no limit, 0: evaluate the prompt only). A gateway that sets an
+# output cap (`max_tokens_default`) makes every name >= 1: nothing a request says lifts the cap.
+OUTPUT_LIMIT_LO = {"n_predict": -1, "max_completion_tokens": 1, "max_tokens": 1}
+CAPPED_LO = 1
+
 FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec(("n_predict", "max_completion_tokens", "max_tokens"), "n_predict", "int", -1, _INT32_MAX),
     FieldSpec(("temperature",), "temperature", "float", 0.0, 100.0),
@@ -105,7 +112,10 @@ def read_sampling(
         name = next((n for n in spec.names if body.has(n)), None)
         if name is None:
             continue
-        if spec.kind == "int":
+        if spec.attr == "n_predict":
+            lo = CAPPED_LO if body.has("max_tokens_default") else OUTPUT_LIMIT_LO[name]
+            values[spec.attr] = body.get_int(name, 0, lo=lo, hi=_int(spec.hi))
+        elif spec.kind == "int":
             values[spec.attr] = body.get_int(name, 0, lo=_int(spec.lo), hi=_int(spec.hi))
         elif spec.kind == "float":
             values[spec.attr] = body.get_float(name, 0.0, lo=spec.lo, hi=spec.hi)
@@ -130,7 +140,7 @@ def read_sampling(
     if "n_predict" not in values and body.has("max_tokens_default"):
         # The gateway's output cap for a request that set none (its tenant's); a cap past the slot's
         # context only means the context's end, where every decode run stops anyway.
-        values["n_predict"] = body.get_int("max_tokens_default", -1, lo=-1, hi=_INT32_MAX)
+        values["n_predict"] = body.get_int("max_tokens_default", -1, lo=1, hi=_INT32_MAX)
     values["n_probs"] = body.get_int("n_probs", defaults.n_probs, lo=0, hi=limits.max_n_probs)
     id_slot = values.get("id_slot", -1)
     n_slots = limits.n_slots

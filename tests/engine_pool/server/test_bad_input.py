@@ -112,6 +112,27 @@ CASES: list[tuple[str, str, Any, int, str, str]] = [
         "invalid_request_error",
         "'n_predict' is 5000, more than a slot's context of 1024 tokens",
     ),
+    # The output limit under OpenAI's names is a count of tokens: 0 and -1 are refused, never "no
+    # limit"; under a gateway's cap (`max_tokens_default`), llama-server's n_predict -1 is refused too.
+    *[
+        ("POST", path, {**body, name: value}, 400, "invalid_request_error", f"'{name}' must be within 1..")
+        for path, body in ((CHAT, {"messages": USER}), ("/v1/completions", {"prompt": "hi"}))
+        for name in ("max_tokens", "max_completion_tokens")
+        for value in (0, -1)
+    ],
+    *[
+        ("POST", path, {**body, "n_predict": -1, "max_tokens_default": 5}, 400, "invalid_request_error", m)
+        for path, body in ((CHAT, {"messages": USER}), ("/completion", {"prompt": "hi"}))
+        for m in ("'n_predict' must be within 1..",)
+    ],
+    (
+        "POST",
+        CHAT,
+        {"messages": USER, "max_tokens_default": 0},
+        400,
+        "invalid_request_error",
+        "'max_tokens_default' must be within 1..",
+    ),
     (
         "POST",
         "/completion",
