@@ -68,7 +68,11 @@ def _via_gateway(url: str, key: str | None, action: str, session: str | None) ->
     try:
         r = httpx.request(method, url.rstrip("/") + path, headers=headers, timeout=30)
     except httpx.HTTPError as exc:
-        raise OSError(f"cannot reach the gateway at {url}: {type(exc).__name__}: {exc}") from exc
+        raise OSError(
+            f"cannot reach the gateway at {url} ({type(exc).__name__}: {exc}); is serve running there "
+            "(else --url URL)? With serve stopped, read its data directory instead: --data-dir DIR "
+            "(serve's --data-dir, .slotkeeper by default)"
+        ) from exc
     body = answer_json(r)
     if r.status_code != 200:
         message = (error_object(body) or {}).get("message")
@@ -112,7 +116,7 @@ async def _via_data_dir(data: Path, prefix: str, tenant: str, action: str, sessi
 
 async def _stored(store: ChunkedStore, ref: Any) -> dict[str, Any]:
     meta = await store.head(ref)
-    route, shared, prompt = split_routes(meta.route)
+    route, shared, prompt, head = split_routes(meta.route)
     return {
         "id": ref.session,
         "state": "stored",
@@ -124,6 +128,7 @@ async def _stored(store: ChunkedStore, ref: Any) -> dict[str, Any]:
         "route": route,
         "shared": shared,
         "prompt": prompt,
+        "head": head,
     }
 
 

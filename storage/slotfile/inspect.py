@@ -1,5 +1,10 @@
-"""``slotkeeper inspect FILE``: what a slot file, or a stored generation's manifest, holds and
-whether it is intact.
+"""``slotkeeper inspect FILE|SESSION``: what a slot file, or a stored generation's manifest, holds
+and whether it is intact.
+
+A session id (with ``--tenant``, ``default`` for serve's open tenant, and ``--data-dir``, serve's
+``.slotkeeper`` unless given) names its newest stored generation in that data directory's local
+store: its manifest is inspected. An argument that is neither a file nor a stored session is an
+error that says what to pass.
 
 A slot file: the model fingerprint and architecture, token count, checkpoints (positions and bytes),
 sizes by section (they add up to the size on disk) and the checksum verdict. A manifest
@@ -19,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from storage.chunks.chunking import objects_needed
-from storage.errors import SlotFileError
+from storage.errors import InvalidId, SlotFileError
+from storage.ids import tenant_prefix
 from storage.index.prefix_digests import split_routes
 from storage.slotfile.reader import SlotFile, read_slot_file
 
@@ -126,7 +132,7 @@ def describe_manifest(path: Path, doc: dict[str, Any]) -> dict[str, Any]:
         entry["stored_bytes"] += int(stored.get(name, size))
         if not where.is_file():
             missing.append(str(where))
-    route, shared, prompt = split_routes(str(doc.get("route") or ""))
+    route, shared, prompt, head = split_routes(str(doc.get("route") or ""))
     return {
         "path": str(path),
         "kind": "manifest",
@@ -135,7 +141,7 @@ def describe_manifest(path: Path, doc: dict[str, Any]) -> dict[str, Any]:
         "generation": doc["generation"],
         "created": doc.get("created"),
         "model": doc.get("model"),
-        "routes": {"route": route, "shared": shared, "prompt": prompt},
+        "routes": {"route": route, "shared": shared, "prompt": prompt, "head": head},
         "n_tokens": plan["n_tokens"],
         "state_version": plan["state_version"],
         "slot_file_bytes": plan["size"],
@@ -188,20 +194,76 @@ def _manifest_main(path: Path, as_json: bool) -> int:
     return 0 if valid else 1
 
 
+class NotFound(Exception):
+    """Neither a file nor a stored session: the message says what to pass instead."""
+
+
+def session_manifest(data_dir: Path, prefix: str, tenant: str, session: str) -> Path:
+    """The newest stored generation's manifest of `session` in a data directory's local store
+    (``{data_dir}/blobs/{prefix}/{tenant}/{session}/{generation}.manifest``)."""
+    try:
+        folder = data_dir / "blobs" / tenant_prefix(prefix, tenant, session)
+    except InvalidId as exc:
+        raise NotFound(f"{session!r} is no file, and no session id: {exc}") from None
+    manifests = sorted(folder.glob("*.manifest"))
+    if manifests:
+        return manifests[-1]
+    store = data_dir / "blobs" / prefix
+    if not store.is_dir():
+        where = f"{data_dir} holds no local store (no blobs/{prefix}/)"
+        what = "pass --data-dir with serve's data directory (and --prefix with its --s3-prefix)"
+    else:
+        tenants = sorted(p.name for p in store.iterdir() if p.is_dir() and not p.name.startswith("."))
+        sessions = (
+            sorted(p.name for p in (store / tenant).iterdir() if p.is_dir()) if tenant in tenants else []
+        )
+        where = f"no stored session {session!r} of tenant {tenant!r} in {store}"
+        if sessions:
+            shown = ", ".join(sessions[:5]) + (", ..." if len(sessions) > 5 else "")
+            what = f"its stored sessions: {shown} (`slotkeeper sessions list --data-dir {data_dir}`)"
+        else:
+            what = (
+                f"pass --tenant with one of: {', '.join(tenants)}"
+                if tenants
+                else "nothing is stored there yet"
+            )
+    raise NotFound(f"{session!r} is no file, and {where}: {what}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``slotkeeper inspect``; ``argv`` excludes the program name."""
     parser = argparse.ArgumentParser(
-        prog="slotkeeper inspect", description="Inspect and verify a slot file or a stored manifest."
+        prog="slotkeeper inspect",
+        description="Inspect and verify a slot file, a stored manifest, or a stored session's newest "
+        "generation.",
     )
-    parser.add_argument("file", help="path of a slot file (format v1) or of a .manifest in a local store")
+    parser.add_argument(
+        "file",
+        metavar="FILE|SESSION",
+        help="a slot file (format v1), a .manifest in a local store, or a session id "
+        "(with --tenant, --data-dir)",
+    )
+    parser.add_argument(
+        "--tenant", default="default", help="a session id's tenant (default: serve's open one)"
+    )
+    parser.add_argument(
+        "--data-dir", default=".slotkeeper", help="a session id's data dir: serve's (.slotkeeper)"
+    )
+    parser.add_argument("--prefix", default="slotkeeper", help="serve's --s3-prefix (slotkeeper)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--no-checksum", action="store_true", help="skip the streamed body CRC")
     args = parser.parse_args(argv)
+    if not Path(args.file).exists():
+        try:
+            args.file = str(session_manifest(Path(args.data_dir), args.prefix, args.tenant, args.file))
+        except NotFound as exc:
+            print(f"slotkeeper inspect: {exc}", file=sys.stderr)
+            return 2
     try:
         with open(args.file, "rb") as f:
             head = f.read(1)
     except OSError as exc:
-        print(f"{args.file}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"slotkeeper inspect: {args.file}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     if head == b"{":  # a manifest is JSON; a slot file starts with llama.cpp's binary magic
         return _manifest_main(Path(args.file), args.json)

@@ -48,7 +48,8 @@ def test_sessions_through_the_gateway_then_from_the_data_dir(serve: Any, tmp_pat
     assert cli("sessions", "delete", "beta", "--url", s.url).returncode == 0
     gone = cli("sessions", "show", "beta", "--url", s.url)
     assert gone.returncode == 1 and "404" in gone.stderr
-    assert cli("sessions", "show", "x", "--url", "http://127.0.0.1:9").returncode == 2  # nobody there
+    nobody = cli("sessions", "show", "x", "--url", "http://127.0.0.1:9")  # serve stopped: say what to pass
+    assert nobody.returncode == 2 and "--data-dir DIR" in nobody.stderr and "--url" in nobody.stderr
 
     s.stop()  # SIGTERM: a drain saves what is live
     offline = json.loads(cli("sessions", "--data-dir", str(data), "--json").stdout)
@@ -65,6 +66,14 @@ def test_sessions_through_the_gateway_then_from_the_data_dir(serve: Any, tmp_pat
     assert info["valid"] and info["session"] == "alpha" and info["missing"] == []
     assert set(info["pieces"]) >= {"kv", "tl"} and info["n_tokens"] == one["tokens"]
     assert "verdict      ok" in cli("inspect", str(manifests[-1])).stdout
+    by_id = cli("inspect", "alpha", "--tenant", "default", "--data-dir", str(data), "--json")
+    assert by_id.returncode == 0, by_id.stderr  # a session id: its newest generation's manifest
+    assert json.loads(by_id.stdout)["path"] == str(manifests[-1])
+    unknown = cli("inspect", "gamma", "--data-dir", str(data))
+    assert unknown.returncode == 2 and "no stored session 'gamma'" in unknown.stderr
+    assert "alpha" in unknown.stderr  # what it could have asked for
+    elsewhere = cli("inspect", "alpha", "--data-dir", str(tmp_path / "nowhere"))
+    assert elsewhere.returncode == 2 and "--data-dir" in elsewhere.stderr
     for chunk in (data / "blobs").rglob("*.kv"):  # a store that lost pieces
         chunk.unlink()
     damaged = cli("inspect", str(manifests[-1]), "--json")

@@ -63,3 +63,18 @@ def test_invalid_and_missing(tmp_path: Path, slot_writer: Any, capsys: pytest.Ca
     assert main([str(tmp_path / "nope.slot")]) == 2
     with pytest.raises(SystemExit):
         main([])
+
+
+def test_a_name_that_is_neither_a_file_nor_a_stored_session_says_what_to_pass(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["sess-1", "--data-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "'sess-1' is no file" in err and "no local store" in err and "--data-dir" in err
+    (tmp_path / "blobs" / "slotkeeper" / "acme" / "s1").mkdir(parents=True)
+    assert main(["sess-1", "--data-dir", str(tmp_path)]) == 2  # the open tenant has nothing here
+    assert "pass --tenant with one of: acme" in capsys.readouterr().err
+    assert main(["s2", "--tenant", "acme", "--data-dir", str(tmp_path)]) == 2
+    assert "its stored sessions: s1" in capsys.readouterr().err
+    assert main(["../x", "--data-dir", str(tmp_path)]) == 2  # no id can name a path
+    assert "no session id" in capsys.readouterr().err
