@@ -16,21 +16,34 @@ last message is the assistant's, exactly as llama-server does) instead of openin
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..common.body import Body, json_type
 from ..common.errors import BadRequest
 from ..protocol.bounds import array_form, check_count
+from ..protocol.tool_grammar import SYNTAXES, TextGrammar, parse_grammar
 from ..protocol.tools import tool_choice_mode
 from .formats import FORMATS, ChatFormat
+from .formats.qwen_xml import is_string
 from .formats.reasoning import THINK_OPEN, opened_by
 from .gbnf import check_grammar
-from .grammar import THINK_CLOSE, GrammarLimits, built_off_loop, json_object_grammar, schema_grammar
+from .grammar import (
+    INPUT_GRAMMAR,
+    THINK_CLOSE,
+    GrammarLimits,
+    built_off_loop,
+    input_grammar,
+    json_object_grammar,
+    schema_grammar,
+)
 from .limits import RequestLimits, check_text
 from .sampling import Sampling, read_sampling
 
 _TEXT_PART = "text"
+# A function tool's `input_grammar` (a Slotkeeper extension, how the Responses API's custom tools
+# reach the chat path): its one parameter `input` is free text, a sentence of this grammar.
+INPUT_GRAMMAR_FIELD = "input_grammar"
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,8 @@ class ChatRequest:
     continue_final: bool = False  # continue the last (assistant) message instead of a new turn
     add_generation_prompt: bool = True
     schema_field: str = "response_format.json_schema.schema"  # where `schema` came from
+    # The tools whose `input` parameter a grammar constrains (`input_grammar`), by name.
+    input_grammars: dict[str, TextGrammar] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -58,6 +73,7 @@ class Constraint:
     grammar: str
     parse_tools: bool
     ban_tool_calls: bool
+    lazy: bool = False  # the grammar applies from the chat format's call tag on (routes_openai)
 
 
 def parse_messages(body: Body, limits: RequestLimits, *, empty_ok: bool = False) -> list[dict[str, Any]]:
@@ -129,7 +145,30 @@ def parse_tools(body: Body, limits: RequestLimits) -> list[dict[str, Any]]:
             raise BadRequest(f"'{where}.function.name' must be a non-empty string", param=where)
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise BadRequest(f"'{where}.function.parameters' must be a JSON schema object", param=where)
-    return list(raw)
+    # The template renders the tools: an extension of ours must not reach the prompt.
+    return [{k: v for k, v in t.items() if k != INPUT_GRAMMAR_FIELD} for t in raw]
+
+
+def parse_input_grammars(body: Body) -> dict[str, TextGrammar]:
+    """The tools' `input_grammar`s ({"syntax": "lark" | "regex", "definition": ...}), read (and
+    bounded) by engine_pool.protocol.tool_grammar, by tool name (`parse_tools` checked the rest)."""
+    out = {}
+    for i, t in enumerate(body.get_list("tools") or []):
+        spec = t.get(INPUT_GRAMMAR_FIELD)
+        if spec is None:
+            continue
+        where = f"tools[{i}].{INPUT_GRAMMAR_FIELD}"
+        if not isinstance(spec, dict):
+            raise BadRequest(f"'{where}' must be an object {{syntax, definition}}", param=where)
+        syntax, definition = spec.get("syntax"), spec.get("definition")
+        if syntax not in SYNTAXES:
+            raise BadRequest(
+                f"'{where}.syntax' must be one of {', '.join(SYNTAXES)}", param=f"{where}.syntax"
+            )
+        if not isinstance(definition, str):
+            raise BadRequest(f"'{where}.definition' must be a string", param=f"{where}.definition")
+        out[t["function"]["name"]] = parse_grammar(syntax, definition, f"{where}.definition")
+    return out
 
 
 def parse_chat(
@@ -143,6 +182,7 @@ def parse_chat(
 ) -> ChatRequest:
     messages = parse_messages(body, limits, empty_ok=empty_ok)
     tools = parse_tools(body, limits)
+    input_grammars = parse_input_grammars(body)
     names = [t["function"]["name"] for t in tools]
     choice, name = _tool_choice(body, names)
     fmt, schema = _response_format(body)
@@ -193,6 +233,7 @@ def parse_chat(
         continue_final=continue_final,
         add_generation_prompt=add_generation_prompt,
         schema_field=schema_field,
+        input_grammars=input_grammars,
     )
 
 
@@ -318,6 +359,34 @@ def _response_format(body: Body) -> tuple[str, Any]:
     return kind, None
 
 
+def input_schema(g: TextGrammar) -> dict[str, Any]:
+    """The arguments of a tool whose input `g` constrains, as the grammar builders read them."""
+    return {
+        "type": "object",
+        "properties": {"input": {"type": "string", INPUT_GRAMMAR: g}},
+        "required": ["input"],
+    }
+
+
+def lenient_schema(params: Any) -> dict[str, Any] | None:
+    """What a function's call is held to, inside a grammar that constrains other tools' calls,
+    when its own schema has what grammars here do not express: its declared parameters, the
+    required ones always, each a string when every value it admits is one, else any JSON value (no
+    more than a call under tool_choice auto is held to without such a grammar). None for a tool
+    whose input grammar failed: that failure is the request's."""
+    props = params.get("properties") if isinstance(params, dict) else None
+    if not isinstance(props, dict):
+        return {"type": "object", "properties": {}}
+    if any(input_grammar(p) is not None for p in props.values()):
+        return None
+    required = params.get("required")
+    return {
+        "type": "object",
+        "properties": {k: {"type": "string"} if is_string(v, params) else {} for k, v in props.items()},
+        "required": [r for r in required if r in props] if isinstance(required, list) else [],
+    }
+
+
 def constraint(
     req: ChatRequest,
     limits: GrammarLimits | None = None,
@@ -328,9 +397,13 @@ def constraint(
     """The grammar for the output and how to read it; a forced tool call wins over response_format.
 
     `fmt`: the family's tool-call format; `reasoning`: the prompt leaves a reasoning block open (a
-    raw `grammar` from the client is taken as it is).
+    raw `grammar` from the client is taken as it is). A tool whose input has a grammar holds the
+    calls to it under tool_choice auto too: from the format's call tag on (`lazy`), every call is
+    written in the format, that tool's input a sentence of its grammar.
     """
     tools = {t["function"]["name"]: t["function"].get("parameters") or {} for t in req.tools}
+    for name, g in req.input_grammars.items():
+        tools[name] = input_schema(g)
     if req.tool_choice == "function" and req.tool_name is not None:
         forced = [(req.tool_name, tools[req.tool_name])]
         return Constraint(fmt.grammar(forced, limits, reasoning=reasoning), True, False)
@@ -338,6 +411,17 @@ def constraint(
         return Constraint(fmt.grammar(list(tools.items()), limits, reasoning=reasoning), True, False)
     parse = bool(req.tools) and req.tool_choice == "auto"
     ban = bool(req.tools) and req.tool_choice == "none"
+    if parse and req.input_grammars:
+        if req.response_format != "text" or req.grammar:
+            name = next(iter(req.input_grammars))
+            raise BadRequest(
+                f"'tools[{_tool_index(req, name)}]': the tool {name!r} constrains its input with a grammar, "
+                "which cannot be combined with a constrained reply ('response_format', 'grammar' or "
+                "'json_schema') under tool_choice auto",
+                param=f"tools[{_tool_index(req, name)}]",
+            )
+        grammar = fmt.grammar(list(tools.items()), limits, repeated=True, lenient=lenient_schema)
+        return Constraint(grammar, True, False, lazy=True)
     if req.response_format == "json_schema" or (req.response_format == "json_object" and req.schema):
         grammar = schema_grammar(req.schema, req.schema_field, limits=limits, reasoning=reasoning)
         return Constraint(grammar, parse, ban)
@@ -346,9 +430,17 @@ def constraint(
     return Constraint(req.grammar, parse, ban)
 
 
+def _tool_index(req: ChatRequest, name: str) -> int:
+    return next(i for i, t in enumerate(req.tools) if t["function"]["name"] == name)
+
+
 def builds_grammar(req: ChatRequest) -> bool:
     """Whether `constraint` converts a schema or tools (work worth a thread), or only passes through."""
-    return req.tool_choice in ("function", "required") or req.response_format != "text"
+    return (
+        req.tool_choice in ("function", "required")
+        or req.response_format != "text"
+        or (bool(req.input_grammars) and req.tool_choice == "auto")
+    )
 
 
 async def build_constraint(
@@ -358,7 +450,7 @@ async def build_constraint(
     to stall every other request (and /health) of the engine if converted on the loop."""
     if not builds_grammar(req):
         return constraint(req, limits, fmt, reasoning=reasoning)
-    source = "tools" if req.tool_choice in ("function", "required") else req.response_format
+    source = "tools" if req.tool_choice in ("function", "required", "auto") else req.response_format
     return await built_off_loop(
         source, lambda: constraint(req, limits, fmt, reasoning=reasoning), lambda c: c.grammar
     )

@@ -39,6 +39,8 @@ from typing import Any, TypeVar
 import structlog
 
 from ..common.errors import BadRequest
+from ..protocol.tool_grammar import TextGrammar
+from .tool_input import input_expr
 
 log = structlog.get_logger("engine.grammar")
 T = TypeVar("T")
@@ -85,6 +87,17 @@ _HANDLED = frozenset(
 MAX_REPETITION = 2000
 
 THINK_CLOSE = "</think>"
+
+# A string schema holding a custom tool's input grammar under this key (a `TextGrammar`, which no
+# JSON document can hold) is matched by that grammar: the engine builds such schemas for the tools
+# whose input has a grammar (chat_request.ChatRequest.input_grammars), never a client.
+INPUT_GRAMMAR = "x-slotkeeper-input-grammar"
+
+
+def input_grammar(schema: Any) -> TextGrammar | None:
+    """The custom tool input grammar a schema holds, if any."""
+    found = schema.get(INPUT_GRAMMAR) if isinstance(schema, dict) else None
+    return found if isinstance(found, TextGrammar) else None
 
 
 @dataclass(frozen=True)
@@ -195,6 +208,8 @@ class GrammarBuilder:
             )
         if schema is True or schema == {}:
             return self.use("value")
+        if (g := input_grammar(schema)) is not None:  # a custom tool's input, as a JSON string
+            return f'"\\"" {input_expr(self, g, hint, json_string=True)} "\\"" {self.use("space")}'
         if not isinstance(schema, dict):
             raise self.fail(path, f"a schema must be an object, got {type(schema).__name__}")
         self.check_keywords(schema, path)
@@ -460,16 +475,32 @@ def calls_grammar(
     limits: GrammarLimits | None = None,
     *,
     reasoning: bool = False,
+    repeated: bool = False,
+    lenient: Callable[[Any], Any] | None = None,
 ) -> str:
     """Exactly one call of one of `tools` ((name, parameters schema) pairs), written as `call` writes
-    it, after the end of a reasoning block the prompt opened when `reasoning`.
+    it, after the end of a reasoning block the prompt opened when `reasoning`; `repeated`: one or
+    more calls, a newline at most between them. `lenient(parameters)`, when given, is the schema a
+    tool whose own one the grammar cannot express is called with instead (None: refuse as well).
 
     Tags are string literals: llama.cpp matches grammar literals against token texts, so a literal
     accepts a tag that is one token of the vocabulary as well as its spelling.
     """
     b = GrammarBuilder({}, "tools", limits or GrammarLimits())
-    alts = [b.add(f"call-{name}", call(b, name, b.for_tool(name, params))) for name, params in tools]
-    return b.text(" | ".join(alts), reasoning=reasoning)
+    alts = []
+    for name, params in tools:
+        try:
+            alts.append(b.add(f"call-{name}", call(b, name, b.for_tool(name, params))))
+        except BadRequest:
+            fallback = lenient(params) if lenient is not None else None
+            if fallback is None:
+                raise
+            alts.append(b.add(f"call-{name}", call(b, name, b.for_tool(name, fallback))))
+    root = " | ".join(alts)
+    if repeated:
+        one = b.add("call", root)
+        root = f'{one} ("\\n"? {one})*'
+    return b.text(root, reasoning=reasoning)
 
 
 def hermes_call(b: GrammarBuilder, name: str, args: Any) -> str:

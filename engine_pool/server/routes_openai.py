@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import secrets
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -64,6 +65,7 @@ from .formats import (
 )
 from .formats.reasoning import THINK_CLOSE, THINK_OPEN
 from .formats.upstream import UpstreamOutput, UpstreamPlan
+from .gbnf import check_grammar
 from .grammar import GrammarTriggers
 from .routes_llama import (
     aliased,
@@ -191,6 +193,8 @@ async def run_chat(
     # checkpoint hint) and tokenizing: off the event loop, like the grammar below.
     prompt, opened = await asyncio.to_thread(chat_prompt, rt, req)  # opened: Qwen3.5, Nemotron-3
     plan = await _upstream_plan(rt, req)
+    if plan is not None and req.input_grammars and req.tool_choice != "none":
+        raise _no_input_grammars(req, plan)
     tool_grammar = await asyncio.to_thread(_upstream_constraint, rt, req, plan) if plan is not None else None
     triggers: GrammarTriggers | None = None
     if tool_grammar is not None:
@@ -199,6 +203,9 @@ async def run_chat(
         con = await build_constraint(req, lim.schema, fmt, reasoning=opened)
         if plan is not None:  # llama.cpp's layer reads the calls; ours would ban its call tag
             con = replace(con, parse_tools=_parses_calls(req), ban_tool_calls=False)
+        if con.lazy:
+            check_grammar(con.grammar, lim.max_grammar_bytes, lim.max_grammar_depth, "tools")
+            triggers = _call_tag_triggers(rt, fmt)
     sampling = await with_biases(rt, req.sampling)  # once for every choice
     stops = (*rt.template.stops, *(plan.stops if plan is not None else ()))
     if stops:  # the built-in format's end of turn, should the model write it as text; llama.cpp's
@@ -408,6 +415,27 @@ def _upstream_constraint(
         return None
     triggers = plan.grammar_triggers(lambda text: rt.tokenize(text, False), rt.token_text)
     return Constraint(plan.grammar, True, False), triggers
+
+
+def _no_input_grammars(req: ChatRequest, plan: UpstreamPlan) -> BadRequest:
+    """A tool input grammar under llama.cpp's chat layer: its call format is not one of ours, whose
+    grammars write a custom tool's input (formats/), so it could not be enforced: refused."""
+    name = next(iter(req.input_grammars))
+    i = next(i for i, t in enumerate(req.tools) if t["function"]["name"] == name)
+    return BadRequest(
+        f"'tools[{i}]': the tool {name!r} constrains its input with a grammar, which this model's "
+        f"tool-call format ({plan.format}, read by llama.cpp's chat layer) cannot enforce",
+        param=f"tools[{i}]",
+    )
+
+
+def _call_tag_triggers(rt: Runtime, fmt: ChatFormat) -> GrammarTriggers:
+    """Where a `lazy` grammar starts: at the format's call tag — the tag's token when it is one
+    token of the vocabulary, and the tag spelled out in several (a pattern searched for: an anchored
+    `[\\s\\S]*` one would run libstdc++'s recursive matcher over the whole output, deep as it is long)."""
+    ids = rt.tokenize(fmt.open, False)
+    tokens = (ids[0],) if len(ids) == 1 else ()
+    return GrammarTriggers(lazy=True, patterns=(re.escape(fmt.open),), tokens=tokens)
 
 
 def _tool_call_ban(rt: Runtime, fmt: ChatFormat) -> dict[int, float]:

@@ -1,11 +1,14 @@
 """Responses items as chat messages, and a Responses request as a chat completions body. Pure.
 
 One assistant turn of chat (reasoning_content, content, tool_calls) is several Responses items in
-that order: a `reasoning` item, a `message` item, `function_call` items. `items_to_messages` folds
-such a run back into one assistant message — both for a request's input and for a stored response's
-output — so that a conversation continued with `previous_response_id` renders exactly the tokens the
-engine generated and the slot's state is reused. `function_call_output` items become `tool`
-messages; `developer` is the chat templates' `system`.
+that order: a `reasoning` item, a `message` item, `function_call` and `custom_tool_call` items.
+`items_to_messages` folds such a run back into one assistant message — both for a request's input
+and for a stored response's output — so that a conversation continued with `previous_response_id`,
+or replayed whole (`store: false`), renders exactly the tokens the engine generated and the slot's
+state is reused: a call is named as the model saw its tool (`tools.model_name`: a namespaced one
+as NAMESPACE.NAME), a custom call's input is the arguments the engine read it from. Item ids never
+reach a message. `function_call_output` and `custom_tool_call_output` items become `tool` messages;
+`developer` is the chat templates' `system`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 
 from ..engine_options import merge_template_kwargs
 from .request import ResponsesRequest
+from .tools import chat_tool_choice, chat_tools, custom_arguments, model_name
 
 # Where an item goes inside the assistant turn being built: an item at or before the stage already
 # reached starts a new turn.
@@ -59,15 +63,18 @@ def items_to_messages(items: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                 assistant(_REASONING)["reasoning_content"] = text
         elif kind == "message" and item.get("role") == "assistant":
             assistant(_CONTENT)["content"] = _text(item.get("content"))
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
+            name = model_name(item.get("namespace"), str(item.get("name")))
+            custom = kind == "custom_tool_call"
+            arguments = custom_arguments(str(item.get("input"))) if custom else item.get("arguments")
             assistant(_CALLS).setdefault("tool_calls", []).append(
                 {
                     "id": item.get("call_id"),
                     "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments")},
+                    "function": {"name": name, "arguments": arguments},
                 }
             )
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             turn, stage = None, 0
             out.append(
                 {"role": "tool", "tool_call_id": item.get("call_id"), "content": _text(item.get("output"))}
@@ -104,23 +111,6 @@ def input_item_list(req: ResponsesRequest) -> list[dict[str, Any]]:
     return out
 
 
-def chat_tools(req: ResponsesRequest) -> list[dict[str, Any]]:
-    out = []
-    for tool in req.tools:
-        fn: dict[str, Any] = {"name": tool["name"]}
-        for key in ("description", "parameters", "strict"):
-            if tool.get(key) is not None:
-                fn[key] = tool[key]
-        out.append({"type": "function", "function": fn})
-    return out
-
-
-def chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
-    if isinstance(choice, dict):
-        return {"type": "function", "function": {"name": choice["name"]}}
-    return choice
-
-
 def chat_response_format(fmt: dict[str, Any]) -> dict[str, Any] | None:
     if fmt["type"] == "json_schema":
         schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
@@ -154,8 +144,8 @@ def chat_body(req: ResponsesRequest, history: list[dict[str, Any]]) -> dict[str,
         "messages": merge_leading_system(messages + list(history) + input_messages(req)),
         **req.engine_options,
     }
-    if req.tools:
-        body["tools"] = chat_tools(req)
+    if req.tools.offered:
+        body["tools"] = chat_tools(req.tools)
         body["tool_choice"] = chat_tool_choice(req.tool_choice)
         body["parallel_tool_calls"] = req.parallel_tool_calls
     if req.max_output_tokens is not None:

@@ -1,21 +1,35 @@
 """Response objects (`object: "response"`) from chat completions, as the OpenAI SDK parses them. Pure.
 
 A chat completion becomes, in this order: a `reasoning` item when the model reasoned
-(`reasoning_content`), a `message` item when it wrote content, one `function_call` item per tool
-call (`call_id` = the chat tool call id; only the first when `parallel_tool_calls` is false). A
-completion cut by the token limit is `status: "incomplete"` with `incomplete_details.reason =
-"max_output_tokens"`. Usage: `input_tokens_details.cached_tokens` is the prompt the engine reused.
-The request's settings are echoed (`instructions`, `tools`, `tool_choice`, `temperature`, ...).
+(`reasoning_content`), a `message` item when it wrote content, one item per tool call (`call_id` =
+the chat tool call id; only the first when `parallel_tool_calls` is false): a `function_call`, with
+the tool's `namespace` when it has one, or a `custom_tool_call` for a custom tool (its `input` read
+from the call's arguments, `tools.custom_input`). A completion cut by the token limit is
+`status: "incomplete"` with `incomplete_details.reason = "max_output_tokens"`. Usage:
+`input_tokens_details.cached_tokens` is the prompt the engine reused. The request's settings are
+echoed (`instructions`, `tools`, `tool_choice`, `temperature`, ...).
+
+Beyond OpenAI's shape, `slotkeeper` says how the engine served the prompt, and which hosted tools
+were left out of it (`omitted_tools`: [{type, param}]). A reasoning item carries `encrypted_content`
+when the request asked for it (`include`) and the caller can seal (`seal`: the gateway's key, bound
+to the tenant, gateway.sealing): a client that keeps nothing on the server (`store: false`) replays
+it, and the prompt is rendered again from it.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from ...common.errors import ApiError
 from ..chat_result import Call, ChatResult, Usage, read_completion
 from .request import ResponsesRequest
+from .tools import custom_input
+
+# Seals a reasoning text for `encrypted_content` (None: the caller keeps no key).
+Seal = Callable[[str], str] | None
+ENCRYPTED = "reasoning.encrypted_content"
 
 
 def usage_object(u: Usage) -> dict[str, Any]:
@@ -36,14 +50,22 @@ def new_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
-def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    return {
+def reasoning_item(item_id: str, text: str, status: str, sealed: str | None = None) -> dict[str, Any]:
+    item = {
         "id": item_id,
         "type": "reasoning",
         "summary": [],
         "content": [{"type": "reasoning_text", "text": text}],
         "status": status,
     }
+    if sealed is not None:
+        item["encrypted_content"] = sealed
+    return item
+
+
+def sealer(req: ResponsesRequest, seal: Seal) -> Seal:
+    """`seal` when the request asked for reasoning's `encrypted_content`, else None."""
+    return seal if ENCRYPTED in req.include else None
 
 
 def text_part(text: str) -> dict[str, Any]:
@@ -61,15 +83,39 @@ def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     }
 
 
-def call_item(item_id: str, call: Call, status: str) -> dict[str, Any]:
-    return {
+def call_item(req: ResponsesRequest, item_id: str, call: Call, status: str) -> dict[str, Any]:
+    """The item for a chat tool call: named as the request's tools name it (`call.name` is the
+    model's name for it), a custom tool's with its input; a name no tool has is a function's."""
+    tool = req.tools.named(call.name)
+    if tool is None:
+        return {
+            "id": item_id,
+            "type": "function_call",
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": call.arguments,
+            "status": status,
+        }
+    custom = tool.kind == "custom"
+    out: dict[str, Any] = {
         "id": item_id,
-        "type": "function_call",
+        "type": "custom_tool_call" if custom else "function_call",
         "call_id": call.id,
-        "name": call.name,
-        "arguments": call.arguments,
-        "status": status,
     }
+    if tool.namespace is not None:
+        out["namespace"] = tool.namespace
+    out["name"] = tool.name
+    if custom:  # (the spec's CustomToolCall has no status)
+        out["input"] = custom_input(call.arguments)
+        return out
+    out["arguments"] = call.arguments
+    out["status"] = status
+    return out
+
+
+def call_prefix(req: ResponsesRequest, call: Call) -> str:
+    tool = req.tools.named(call.name)
+    return "ctc_" if tool is not None and tool.kind == "custom" else "fc_"
 
 
 def response_shell(
@@ -98,13 +144,36 @@ def response_shell(
         "temperature": req.temperature,
         "text": {"format": req.text_format, **({"verbosity": req.verbosity} if req.verbosity else {})},
         "tool_choice": req.tool_choice,
-        "tools": [dict(t) for t in req.tools],
+        "tools": [dict(t) for t in req.tools.echo],
         "top_p": req.top_p,
         "truncation": "disabled",
         "usage": None,
         "user": req.user,
         "metadata": dict(req.metadata),
+        **_omitted(req),
     }
+
+
+# The answer's header naming the hosted tools left out of the prompt (their types, comma-separated).
+OMITTED_HEADER = "X-Slotkeeper-Omitted-Tools"
+
+
+def omitted_header(req: ResponsesRequest) -> dict[str, str]:
+    """`OMITTED_HEADER` when hosted tools were left out (none otherwise)."""
+    types = ", ".join(dict.fromkeys(o.type for o in req.tools.omitted))
+    return {OMITTED_HEADER: types} if types else {}
+
+
+def _omitted(req: ResponsesRequest) -> dict[str, Any]:
+    if not req.tools.omitted:
+        return {}
+    return {"slotkeeper": {"omitted_tools": [o.report() for o in req.tools.omitted]}}
+
+
+def with_report(response: dict[str, Any], report: dict[str, Any] | None) -> None:
+    """`response`'s `slotkeeper` with the engine's report of how it served the prompt added."""
+    if report is not None:
+        response["slotkeeper"] = {**response.get("slotkeeper", {}), **report}
 
 
 def finalize(
@@ -126,24 +195,28 @@ def mark_failed(response: dict[str, Any], output: list[dict[str, Any]], err: Api
     response.update(status="failed", output=output, error={"code": code, "message": err.message})
 
 
-def output_items(result: ChatResult, *, parallel_tool_calls: bool) -> list[dict[str, Any]]:
+def output_items(
+    req: ResponsesRequest, result: ChatResult, *, parallel_tool_calls: bool, seal: Seal = None
+) -> list[dict[str, Any]]:
     # The token limit cuts the last item only (a stream closes each item as the next one starts).
     status = "incomplete" if is_incomplete(result.finish_reason) else "completed"
     out = []
     if result.reasoning:
         cut = status if not (result.content or result.calls) else "completed"
-        out.append(reasoning_item(new_id("rs_"), result.reasoning, cut))
+        sealed = seal(result.reasoning) if seal is not None else None
+        out.append(reasoning_item(new_id("rs_"), result.reasoning, cut, sealed))
     if result.content:
         out.append(message_item(new_id("msg_"), result.content, status))
     calls = result.calls if parallel_tool_calls else result.calls[:1]
-    out.extend(call_item(new_id("fc_"), c, "completed") for c in calls)
+    out.extend(call_item(req, new_id(call_prefix(req, c)), c, "completed") for c in calls)
     return out
 
 
 def response_object(
-    req: ResponsesRequest, chat: dict[str, Any], *, response_id: str, created_at: int
+    req: ResponsesRequest, chat: dict[str, Any], *, response_id: str, created_at: int, seal: Seal = None
 ) -> dict[str, Any]:
-    """The complete Response for a `chat.completion` object."""
+    """The complete Response for a `chat.completion` object (`seal`: how reasoning is sealed for
+    `encrypted_content`, used when the request includes it)."""
     result = read_completion(chat)
     model = chat.get("model")
     response = response_shell(
@@ -153,8 +226,8 @@ def response_object(
         model=model if isinstance(model, str) else "",
         status="in_progress",
     )
-    output = output_items(result, parallel_tool_calls=req.parallel_tool_calls)
+    output = output_items(req, result, parallel_tool_calls=req.parallel_tool_calls, seal=sealer(req, seal))
     finalize(response, output, result.finish_reason, result.usage)
     if isinstance(chat.get("slotkeeper"), dict):  # how the prompt's state was served (beside usage)
-        response["slotkeeper"] = chat["slotkeeper"]
+        with_report(response, chat["slotkeeper"])
     return response

@@ -1,25 +1,33 @@
 """A Responses API request (`POST /v1/responses`), validated and normalized. Pure.
 
 `parse_request` checks every field this server acts on and refuses, with a 400 that names the field
-(`param`), what the server cannot do: non-text content (images, files, audio), hosted tools (web
-search, file search, MCP, ...), item references, `conversation`, `background`, `truncation: "auto"`
-(this server never drops input items), `max_tool_calls`, logprobs. Input items are normalized to
-Responses' own item shapes with ids (a string input is one user message), so that listing them
-(`input_item_list`) and translating them (`input_messages`) read one form.
+(`param`), what the server cannot do: non-text content (images, files, audio), item references,
+`conversation`, `background`, `truncation: "auto"` (this server never drops input items),
+`max_tool_calls`, logprobs. Tools are read by `tools` (function, custom and namespace tools; hosted
+ones omitted or refused by the `hosted` policy). Input items are normalized to Responses' own item
+shapes with ids (a string input is one user message; an id the client sent is kept, and never
+reaches the prompt), so that listing them (`input_item_list`) and translating them
+(`input_messages`) read one form.
+
+`client_metadata` (what an agent says of itself: Codex sends its session, thread and turn ids) is
+kept as strings, bounded: `CLIENT_METADATA_PAIRS` keys of at most `CLIENT_METADATA_KEY_CHARS`,
+values of at most `CLIENT_METADATA_VALUE_CHARS` (Codex's turn metadata is a JSON text of ~1 KB).
+A reasoning item's `encrypted_content` is at most `MAX_ENCRYPTED_CHARS` long; opening it is the
+gateway's (gateway.sealing).
 """
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...common.body import Body, json_type
 from ...common.errors import BadRequest
 from ..bounds import array_form, check_count
 from ..engine_options import engine_options
-from ..tools import tool_choice_mode, tool_name, tools_of_type
+from .tools import Tools, check_grammars_with_format, parse_tool_choice, parse_tools
 
 ROLES = ("user", "system", "developer", "assistant")
 # Content part type -> the field holding its text.
@@ -29,6 +37,8 @@ ITEM_ID_PREFIX = {
     "message": "msg_",
     "function_call": "fc_",
     "function_call_output": "fco_",
+    "custom_tool_call": "ctc_",
+    "custom_tool_call_output": "ctco_",
     "reasoning": "rs_",
 }
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -38,6 +48,9 @@ VERBOSITIES = ("low", "medium", "high")
 # reasoning items' `content`, so there is nothing to encrypt and the text round-trips as it is.
 INCLUDES = ("reasoning.encrypted_content",)
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+CLIENT_METADATA_PAIRS, CLIENT_METADATA_KEY_CHARS, CLIENT_METADATA_VALUE_CHARS = 32, 128, 4096
+MAX_ENCRYPTED_CHARS = 4 << 20
+MAX_NAMESPACE_CHARS = 128
 
 # Fields of the API this server does not implement, refused rather than silently ignored.
 UNSUPPORTED = {
@@ -53,10 +66,9 @@ class ResponsesRequest:
     model: str
     items: tuple[dict[str, Any], ...]  # the input as Responses items, ids included
     instructions: str | None = None
-    tools: tuple[
-        dict[str, Any], ...
-    ] = ()  # function tools, flat: {type, name, description, parameters, strict}
-    tool_choice: str | dict[str, Any] = "auto"  # auto | none | required | {"type": "function", "name"}
+    tools: Tools = field(default_factory=Tools)  # offered, echoed, omitted (openai_responses.tools)
+    # auto | none | required | {"type": "function" | "custom", "name": its model name}
+    tool_choice: str | dict[str, Any] = "auto"
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -73,15 +85,35 @@ class ResponsesRequest:
     safety_identifier: str | None = None
     include: tuple[str, ...] = ()
     engine_options: dict[str, Any] = field(default_factory=dict)  # llama-server extras, passed on
+    client_metadata: dict[str, str] = field(default_factory=dict)
+
+
+# Opens a reasoning item's `encrypted_content` (the sealed text, the item's field for errors) into
+# its text, or raises BadRequest naming the field.
+Open = Callable[[str, str], str]
+
+
+def with_reasoning_opened(req: ResponsesRequest, open_sealed: Open) -> ResponsesRequest:
+    """`req` with each reasoning item that carries `encrypted_content` rendered from its opened
+    text (what the sealed turn generated, whatever `content` the client sent beside it)."""
+    items = []
+    for i, item in enumerate(req.items):
+        sealed = item.get("encrypted_content") if item["type"] == "reasoning" else None
+        if sealed is not None:
+            text = open_sealed(sealed, f"input[{i}].encrypted_content")
+            item = {**item, "content": [{"type": "reasoning_text", "text": text}]}
+        items.append(item)
+    return replace(req, items=tuple(items))
 
 
 def new_item_id(kind: str) -> str:
     return ITEM_ID_PREFIX.get(kind, "item_") + secrets.token_hex(12)
 
 
-def parse_request(data: dict[str, Any], *, max_items: int) -> ResponsesRequest:
+def parse_request(data: dict[str, Any], *, max_items: int, hosted: str = "omit") -> ResponsesRequest:
     """The request in `data`, or BadRequest naming the first malformed field. `max_items` bounds the
-    input items (and the content parts of each)."""
+    input items (and the content parts of each, and the tools); `hosted` says what becomes of
+    hosted tools ("omit" | "refuse", openai_responses.tools)."""
     body = Body(data)
     for name, message in UNSUPPORTED.items():
         if body.has(name):
@@ -99,13 +131,16 @@ def parse_request(data: dict[str, Any], *, max_items: int) -> ResponsesRequest:
     # Optional, as llama-server takes it: an engine serves one model (the gateway, which picks one by
     # name, requires it).
     model = body.get_str("model") or ""
-    tools = _tools(body)
+    tools = parse_tools(body, hosted, max_items)
+    tool_choice = parse_tool_choice(body, tools)
+    text_format = _text_format(body)
+    check_grammars_with_format(tools, tool_choice, text_format["type"])
     return ResponsesRequest(
         model=model,
         items=_input(body, max_items),
         instructions=body.get_str("instructions"),
         tools=tools,
-        tool_choice=_tool_choice(body, [t["name"] for t in tools]),
+        tool_choice=tool_choice,
         max_output_tokens=_optional_int(body, "max_output_tokens", lo=1),
         temperature=_optional_float(body, "temperature", 0.0, 2.0),
         top_p=_optional_float(body, "top_p", 0.0, 1.0),
@@ -114,7 +149,7 @@ def parse_request(data: dict[str, Any], *, max_items: int) -> ResponsesRequest:
         previous_response_id=_optional_id(body, "previous_response_id"),
         metadata=_metadata(body),
         parallel_tool_calls=body.get_bool("parallel_tool_calls", True),
-        text_format=_text_format(body),
+        text_format=text_format,
         verbosity=_verbosity(body),
         reasoning=_reasoning(body),
         user=body.get_str("user"),
@@ -122,6 +157,7 @@ def parse_request(data: dict[str, Any], *, max_items: int) -> ResponsesRequest:
         safety_identifier=body.get_str("safety_identifier"),
         include=_include(body),
         engine_options=engine_options(data, "responses"),
+        client_metadata=_client_metadata(body),
     )
 
 
@@ -142,24 +178,38 @@ def _optional_id(body: Body, name: str) -> str | None:
 
 
 def _metadata(body: Body) -> dict[str, str]:
-    meta = body.get_object("metadata")
+    return _string_pairs(body, "metadata", METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS)
+
+
+def _client_metadata(body: Body) -> dict[str, str]:
+    return _string_pairs(
+        body, "client_metadata", CLIENT_METADATA_PAIRS, CLIENT_METADATA_KEY_CHARS, CLIENT_METADATA_VALUE_CHARS
+    )
+
+
+def _string_pairs(body: Body, name: str, pairs: int, key_chars: int, value_chars: int) -> dict[str, str]:
+    """An object of string values, bounded in pairs, key and value lengths, each refused precisely."""
+    meta = body.get_object(name)
     if meta is None:
         return {}
-    if len(meta.data) > METADATA_PAIRS:
+    if len(meta.data) > pairs:
         raise BadRequest(
-            f"'metadata' has {len(meta.data)} pairs; at most {METADATA_PAIRS} are allowed", param="metadata"
+            f"'{name}' has {len(meta.data)} pairs; at most {pairs} are allowed",
+            param=name,
+            extra={"limit": pairs},
         )
     for key, value in meta.data.items():
-        if len(key) > METADATA_KEY_CHARS:
+        if len(key) > key_chars:
             raise BadRequest(
-                f"'metadata' keys have at most {METADATA_KEY_CHARS} characters; "
-                f"{key[:20]!r}... has {len(key)}",
-                param="metadata",
+                f"'{name}' keys have at most {key_chars} characters; {key[:20]!r}... has {len(key)}",
+                param=name,
+                extra={"limit": key_chars},
             )
-        if not isinstance(value, str) or len(value) > METADATA_VALUE_CHARS:
+        if not isinstance(value, str) or len(value) > value_chars:
             raise BadRequest(
-                f"'metadata.{key}' must be a string of at most {METADATA_VALUE_CHARS} characters",
-                param=f"metadata.{key}",
+                f"'{name}.{key}' must be a string of at most {value_chars} characters",
+                param=f"{name}.{key}",
+                extra={"limit": value_chars},
             )
     return dict(meta.data)
 
@@ -222,55 +272,6 @@ def _text_format(body: Body) -> dict[str, Any]:
     if fmt.has("description"):
         out["description"] = fmt.get_str("description")
     return out
-
-
-# -- tools --------------------------------------------------------------------------------------
-_FUNCTION_TOOLS_ONLY = "is not supported by this server (function tools only)"
-
-
-def _tools(body: Body) -> tuple[dict[str, Any], ...]:
-    out: list[dict[str, Any]] = []
-    for tool in tools_of_type(body, "function", None, _FUNCTION_TOOLS_ONLY):
-        where = tool.path
-        if tool.has("function") and not tool.has("name"):
-            raise BadRequest(
-                f"'{where}' is in the Chat Completions shape; Responses tools are flat: "
-                '{"type": "function", "name": ..., "parameters": {...}}',
-                param=where,
-            )
-        name = tool_name(tool, (t["name"] for t in out), "function")
-        params = tool.get_object("parameters")
-        entry: dict[str, Any] = {
-            "type": "function",
-            "name": name,
-            "description": tool.get_str("description"),
-            "parameters": params.data if params else None,
-            "strict": tool.get_bool("strict", False) if tool.has("strict") else None,
-        }
-        out.append(entry)
-    return tuple(out)
-
-
-def _tool_choice(body: Body, names: list[str]) -> str | dict[str, Any]:
-    raw = body.raw("tool_choice", "auto")
-    if isinstance(raw, str):
-        return tool_choice_mode(raw, ("auto", "none", "required"), names)
-    if not isinstance(raw, dict):
-        raise BadRequest(
-            f"'tool_choice' must be a string or an object, got {json_type(raw)}", param="tool_choice"
-        )
-    if raw.get("type") != "function":
-        raise BadRequest(
-            f"'tool_choice': type {raw.get('type')!r} is not supported by this server "
-            '(auto, none, required or {"type": "function", "name": ...})',
-            param="tool_choice",
-        )
-    name = raw.get("name")
-    if not isinstance(name, str) or name not in names:
-        raise BadRequest(
-            f"'tool_choice' names function {name!r}, which is not among 'tools'", param="tool_choice"
-        )
-    return {"type": "function", "name": name}
 
 
 # -- input items --------------------------------------------------------------------------------
@@ -361,6 +362,19 @@ def _text_parts(item: Body, field: str, max_parts: int) -> list[str]:
     return texts
 
 
+def _namespace(item: Body) -> dict[str, str]:
+    """An item's `namespace` (a namespaced tool's call), when it has one."""
+    if not item.has("namespace"):
+        return {}
+    value = item.get_str("namespace")
+    where = item.name("namespace")
+    if not value or len(value) > MAX_NAMESPACE_CHARS:
+        raise BadRequest(
+            f"'{where}' must be a non-empty string of at most {MAX_NAMESPACE_CHARS} characters", param=where
+        )
+    return {"namespace": value}
+
+
 def _function_call(item: Body, max_parts: int) -> dict[str, Any]:
     arguments = item.get_str("arguments")
     if arguments is None:
@@ -368,17 +382,32 @@ def _function_call(item: Body, max_parts: int) -> dict[str, Any]:
     return {
         "type": "function_call",
         "call_id": _required_str(item, "call_id"),
+        **_namespace(item),
         "name": _required_str(item, "name"),
         "arguments": arguments,
     }
 
 
-def _function_call_output(item: Body, max_parts: int) -> dict[str, Any]:
+def _custom_tool_call(item: Body, max_parts: int) -> dict[str, Any]:
+    text = item.get_str("input")
+    if text is None:
+        raise BadRequest(f"'{item.name('input')}' must be a string", param=item.name("input"))
+    return {
+        "type": "custom_tool_call",
+        "call_id": _required_str(item, "call_id"),
+        **_namespace(item),
+        "name": _required_str(item, "name"),
+        "input": text,
+    }
+
+
+def _call_output(item: Body, max_parts: int) -> dict[str, Any]:
+    """A function's or a custom tool's output (a string, or content parts whose texts are joined)."""
     output = item.raw("output")
     if output is None:
         raise BadRequest(f"'{item.name('output')}' is required", param=item.name("output"))
     text = output if isinstance(output, str) else "\n".join(_text_parts(item, "output", max_parts))
-    return {"type": "function_call_output", "call_id": _required_str(item, "call_id"), "output": text}
+    return {"type": item.data["type"], "call_id": _required_str(item, "call_id"), "output": text}
 
 
 def _reasoning_item(item: Body, max_parts: int) -> dict[str, Any]:
@@ -399,13 +428,24 @@ def _reasoning_item(item: Body, max_parts: int) -> dict[str, Any]:
         out[name] = [{"type": part_type, "text": p["text"]} for p in parts]
     out.setdefault("summary", [])
     if item.has("encrypted_content"):
-        out["encrypted_content"] = item.get_str("encrypted_content")
+        sealed = item.get_str("encrypted_content")
+        assert sealed is not None
+        if len(sealed) > MAX_ENCRYPTED_CHARS:
+            raise BadRequest(
+                f"'{item.name('encrypted_content')}' has {len(sealed)} characters; at most "
+                f"{MAX_ENCRYPTED_CHARS} are accepted",
+                param=item.name("encrypted_content"),
+                extra={"limit": MAX_ENCRYPTED_CHARS},
+            )
+        out["encrypted_content"] = sealed
     return out
 
 
 _ITEMS: dict[str, Callable[[Body, int], dict[str, Any]]] = {
     "message": _message,
     "function_call": _function_call,
-    "function_call_output": _function_call_output,
+    "function_call_output": _call_output,
+    "custom_tool_call": _custom_tool_call,
+    "custom_tool_call_output": _call_output,
     "reasoning": _reasoning_item,
 }

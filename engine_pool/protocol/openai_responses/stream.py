@@ -3,10 +3,13 @@
 Per response: `response.created`, `response.in_progress`; per output item `response.output_item.added`,
 then for a reasoning item `response.content_part.added` (reasoning_text), `response.reasoning_text.
 delta`..., `response.reasoning_text.done`, `response.content_part.done`; for a message the same with
-`output_text`; for a function call `response.function_call_arguments.delta`..., `.done`; then
-`response.output_item.done`. The stream ends with `response.completed`, or `response.incomplete`
-when the token limit cut it (both carry the whole response, usage included) — sent once the chat
-stream's usage chunk arrived (its last), or at `finish()` when a chat stream ended without one.
+`output_text`; for a function call `response.function_call_arguments.delta`..., `.done`; for a
+custom tool call `response.custom_tool_call_input.delta` and `.done` once its call is complete (its
+input is read from the whole arguments); then `response.output_item.done` (a reasoning item's
+carries `encrypted_content` when the request includes it and the stream can seal). The stream ends
+with `response.completed`, or `response.incomplete` when the token limit cut it (both carry the
+whole response, usage included) — sent once the chat stream's usage chunk arrived (its last), or
+at `finish()` when a chat stream ended without one.
 Every event carries `sequence_number`, counting from 0. A failure after the start is an `error`
 event and `response.failed` (`failed`).
 """
@@ -18,7 +21,9 @@ from typing import Any
 from ...common.errors import ApiError
 from ..chat_result import Call, ChunkStream, Event, Usage
 from .output import (
+    Seal,
     call_item,
+    call_prefix,
     finalize,
     is_incomplete,
     mark_failed,
@@ -26,16 +31,19 @@ from .output import (
     new_id,
     reasoning_item,
     response_shell,
+    sealer,
     text_part,
+    with_report,
 )
 from .request import ResponsesRequest
+from .tools import custom_input
 
 
 class _Item:
     """One output item while it streams: its kind, index, id and the text or arguments so far."""
 
     def __init__(self, kind: str, index: int, item_id: str, call: Call | None = None) -> None:
-        self.kind = kind  # reasoning | message | function_call
+        self.kind = kind  # reasoning | message | function_call | custom_tool_call
         self.index = index
         self.id = item_id
         self.call = call
@@ -49,9 +57,12 @@ class ResponseStream(ChunkStream[_Item]):
     REASONING = "reasoning"
     CONTENT = "message"
 
-    def __init__(self, req: ResponsesRequest, *, response_id: str, created_at: int) -> None:
+    def __init__(
+        self, req: ResponsesRequest, *, response_id: str, created_at: int, seal: Seal = None
+    ) -> None:
         super().__init__(parallel_calls=req.parallel_tool_calls)
         self.req = req
+        self._seal = sealer(req, seal)
         self.response_id = response_id
         self.created_at = created_at
         self.response: dict[str, Any] | None = None
@@ -102,11 +113,12 @@ class ResponseStream(ChunkStream[_Item]):
         if item.kind == "message":
             return message_item(item.id, item.text, "in_progress")
         assert item.call is not None
-        return call_item(item.id, Call(item.call.id, item.call.name, item.text), "in_progress")
+        text = item.text if item.kind == "function_call" else ""  # a custom input: once complete
+        return call_item(self.req, item.id, Call(item.call.id, item.call.name, text), "in_progress")
 
     def _add(self, kind: str, call: Call | None = None) -> tuple[_Item, list[Event]]:
         out = self._close()
-        prefix = {"reasoning": "rs_", "message": "msg_", "function_call": "fc_"}[kind]
+        prefix = {"reasoning": "rs_", "message": "msg_"}.get(kind) or call_prefix(self.req, call)  # type: ignore[arg-type]
         item = _Item(kind, len(self._items), new_id(prefix), call)
         self._items.append(item)
         self._open = item
@@ -117,7 +129,7 @@ class ResponseStream(ChunkStream[_Item]):
         else:
             added = self._snapshot(item)
         out.append(self._event("response.output_item.added", output_index=item.index, item=added))
-        if kind != "function_call":
+        if kind in ("reasoning", "message"):
             out.append(self._part_event("response.content_part.added", item, ""))
         return item, out
 
@@ -139,12 +151,15 @@ class ResponseStream(ChunkStream[_Item]):
         return out
 
     def _open_call(self, call: Call) -> tuple[_Item, list[Event]]:
-        return self._add("function_call", call)
+        tool = self.req.tools.named(call.name)
+        return self._add("custom_tool_call" if tool and tool.kind == "custom" else "function_call", call)
 
     def _call_args(self, opened: _Item, fragment: str) -> list[Event]:
         if opened.done is not None:
             return []
         opened.text += fragment
+        if opened.kind == "custom_tool_call":  # its input is read from the whole arguments
+            return []
         return [
             self._event(
                 "response.function_call_arguments.delta",
@@ -156,9 +171,21 @@ class ResponseStream(ChunkStream[_Item]):
 
     def _closing(self, item: _Item) -> list[Event]:
         out: list[Event] = []
-        if item.kind == "function_call":
+        if item.kind == "custom_tool_call":
             assert item.call is not None
-            item.done = call_item(item.id, Call(item.call.id, item.call.name, item.text), "completed")
+            item.done = call_item(
+                self.req, item.id, Call(item.call.id, item.call.name, item.text), "completed"
+            )
+            text = custom_input(item.text)
+            where = {"item_id": item.id, "output_index": item.index}
+            if text:
+                out.append(self._event("response.custom_tool_call_input.delta", **where, delta=text))
+            out.append(self._event("response.custom_tool_call_input.done", **where, input=text))
+        elif item.kind == "function_call":
+            assert item.call is not None
+            item.done = call_item(
+                self.req, item.id, Call(item.call.id, item.call.name, item.text), "completed"
+            )
             out.append(
                 self._event(
                     "response.function_call_arguments.done",
@@ -174,7 +201,8 @@ class ResponseStream(ChunkStream[_Item]):
             if message:
                 item.done = message_item(item.id, item.text, status)
             else:
-                item.done = reasoning_item(item.id, item.text, status)
+                sealed = self._seal(item.text) if self._seal is not None and item.text else None
+                item.done = reasoning_item(item.id, item.text, status, sealed)
             name = "response.output_text.done" if message else "response.reasoning_text.done"
             extra: dict[str, Any] = {"logprobs": []} if message else {}
             out.append(
@@ -191,8 +219,7 @@ class ResponseStream(ChunkStream[_Item]):
         self._ended = True
         response = self._shell("in_progress")
         finalize(response, [i.done for i in self._items if i.done is not None], self._finish, usage)
-        if self._report is not None:
-            response["slotkeeper"] = self._report
+        with_report(response, self._report)
         self.response = response
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         out.append(self._event(kind, response=response))

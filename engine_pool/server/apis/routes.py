@@ -2,8 +2,13 @@
 
 Stateless like llama-server's: `POST /v1/responses` accepts `store` but keeps nothing, so a
 `previous_response_id` — and reading or deleting a response — is a 404 saying so (the gateway keeps
-responses). `POST /v1/messages` serves Anthropic's Messages API; `/v1/messages/count_tokens`
-renders and tokenizes the conversation exactly as a generation would. Errors leave in each API's
+responses). It keeps no key either: reasoning comes back as text (`content`) only, and a reasoning
+item sent with an `encrypted_content` (which only the gateway that sealed it can open) is a 400.
+Hosted tools are left out of the prompt, as the gateway's default does, and said so: the answer's
+`slotkeeper.omitted_tools`, its `X-Slotkeeper-Omitted-Tools` header and a log line.
+
+`POST /v1/messages` serves Anthropic's Messages API; `/v1/messages/count_tokens` renders and
+tokenizes the conversation exactly as a generation would. Errors leave in each API's
 own shape (the app's handler picks it from the path, `errors.error_style`); a chat-path complaint
 about a field the client did not send by that name is renamed to the field it did send.
 """
@@ -17,6 +22,7 @@ from collections.abc import AsyncGenerator, Mapping
 from contextlib import aclosing
 from typing import Any, Protocol
 
+import structlog
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -29,6 +35,8 @@ from ...protocol.sse import NamedEvent, start_event_stream
 from ..chat_request import parse_chat
 from ..routes_llama import aliased, limits_and_body, runtime
 from ..routes_openai import run_chat
+
+log = structlog.get_logger("engine.responses")
 
 NO_STORE = (
     "this engine keeps no responses (store is accepted, nothing is stored): "
@@ -72,14 +80,27 @@ async def create_response(request: Request) -> Response:
             + NO_STORE.format(what="'previous_response_id'"),
             param="previous_response_id",
         )
+    req = openai_responses.with_reasoning_opened(req, _no_key)
+    if req.tools.omitted:
+        log.info("responses.tools_omitted", tools=[o.report() for o in req.tools.omitted])
     result = await _chat(request, openai_responses.chat_body(req, []), RESPONSES_FIELDS)
     response_id, created_at = "resp_" + secrets.token_hex(24), int(time.time())
+    headers = openai_responses.omitted_header(req)
     if isinstance(result, dict):
-        return JSONResponse(
-            openai_responses.response_object(req, result, response_id=response_id, created_at=created_at)
-        )
+        answer = openai_responses.response_object(req, result, response_id=response_id, created_at=created_at)
+        return JSONResponse(answer, headers=headers)
     stream = openai_responses.ResponseStream(req, response_id=response_id, created_at=created_at)
-    return await start_event_stream(_events(result, stream), failed=stream.failed)
+    response = await start_event_stream(_events(result, stream), failed=stream.failed)
+    response.headers.update(headers)
+    return response
+
+
+def _no_key(sealed: str, where: str) -> str:
+    raise BadRequest(
+        f"'{where}': this engine keeps no key to open reasoning sealed by a Slotkeeper gateway (or "
+        "anyone else); send the reasoning item with its text ('content') instead",
+        param=where,
+    )
 
 
 async def stored_response(request: Request) -> Response:

@@ -65,10 +65,15 @@ class ChatFormat:
         limits: GrammarLimits | None = None,
         *,
         reasoning: bool = False,
+        repeated: bool = False,
+        lenient: Callable[[Any], Any] | None = None,
     ) -> str:
         """GBNF forcing exactly one call of one of `tools` ((name, parameters) pairs), after the end
-        of the reasoning block the prompt opened when `reasoning`."""
-        return calls_grammar(tools, self.call_grammar, limits, reasoning=reasoning)
+        of the reasoning block the prompt opened when `reasoning` (`repeated`, `lenient`:
+        `grammar.calls_grammar`)."""
+        return calls_grammar(
+            tools, self.call_grammar, limits, reasoning=reasoning, repeated=repeated, lenient=lenient
+        )
 
 
 # In detection order; the last one has no markers and is the default. Under `auto`, llama.cpp's chat

@@ -28,7 +28,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..grammar import GrammarBuilder, literal
+from ..grammar import GrammarBuilder, input_grammar, literal
+from ..tool_input import input_expr
 from .calls import ToolCall, arguments_json, loads_json
 
 OPEN = "<tool_call>"
@@ -138,6 +139,8 @@ def call_grammar(b: GrammarBuilder, name: str, args: Any) -> str:
 
 
 def _string_value(b: GrammarBuilder, schema: dict[str, Any], path: str, hint: str, depth: int = 0) -> str:
+    if (g := input_grammar(schema)) is not None:  # a custom tool's input, raw
+        return input_expr(b, g, hint, json_string=False)
     b.check_keywords(schema, path)
     if "$ref" in schema:
         return _string_value(b, _resolve(schema["$ref"], b.root_schema), schema["$ref"], hint, depth + 1)

@@ -282,18 +282,14 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     ({"input": [{"type": "reasoning", "summary": [{"type": "x"}]}]}, "input[0].summary[0]", "summary_text"),
     ({"input": [{"role": "user", "content": "x", "id": 5}]}, "input[0].id", "must be a string"),
     ({"input": "x", "instructions": 5}, "instructions", "must be a string"),
-    (
-        {"input": "x", "tools": [{"type": "web_search"}]},
-        "tools[0]",
-        "tool type 'web_search' is not supported",
-    ),
+    ({"input": "x", "tools": [{"type": "browser"}]}, "tools[0]", "unknown tool type 'browser'"),
     (
         {"input": "x", "tools": [{"type": "function", "function": {"name": "f"}}]},
         "tools[0]",
         "Chat Completions shape",
     ),
     ({"input": "x", "tools": [{"type": "function"}]}, "tools[0].name", "non-empty string"),
-    ({"input": "x", "tools": [WEATHER, WEATHER]}, "tools[1].name", "defined twice"),
+    ({"input": "x", "tools": [WEATHER, WEATHER]}, "tools[1].name", "tool names must be unique"),
     (
         {"input": "x", "tools": [{"type": "function", "name": "f", "parameters": []}]},
         "tools[0].parameters",

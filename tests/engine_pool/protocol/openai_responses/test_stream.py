@@ -160,3 +160,70 @@ def test_failed_response_codes(status: int) -> None:
     failed = stream.failed(for_status(status)("x", status=status))[-1][1]
     code = "rate_limit_exceeded" if status == 429 else "server_error"
     assert EVENT.validate_python(failed).response.error.code == code  # type: ignore[union-attr]
+
+
+NAMESPACE = {"type": "namespace", "name": "agents", "description": "Sub-agents.", "tools": [TOOL]}
+CUSTOM = {
+    "type": "custom",
+    "name": "apply_patch",
+    "format": {"type": "grammar", "syntax": "regex", "definition": "p+"},
+}
+
+
+def _seal(text: str) -> str:
+    return "sealed:" + text[::-1]
+
+
+def test_namespaced_and_custom_calls_stream_as_their_items() -> None:
+    """A namespaced function's call streams with its namespace; a custom tool's as
+    `custom_tool_call_input` delta and done once its call is complete; the SDK accumulates both."""
+    chat = completion(
+        None, calls=[("call_1", "agents.f", '{"a": 1}'), ("call_2", "apply_patch", '{"input": "ppp"}')]
+    )
+    events, final = run(request(tools=[NAMESPACE, CUSTOM]), chunks_of(chat))
+    names = [n for n, _ in events]
+    assert names.count("response.function_call_arguments.delta") == 1
+    assert [d["delta"] for n, d in events if n == "response.custom_tool_call_input.delta"] == ["ppp"]
+    assert [d["input"] for n, d in events if n == "response.custom_tool_call_input.done"] == ["ppp"]
+    custom_added = next(
+        d["item"] for n, d in events if n == "response.output_item.added" and d["output_index"] == 1
+    )
+    assert custom_added["type"] == "custom_tool_call" and custom_added["input"] == ""
+    fn, custom = final.output
+    assert (fn.type, fn.namespace, fn.name, fn.arguments) == ("function_call", "agents", "f", '{"a": 1}')
+    assert (custom.type, custom.name, custom.input, custom.call_id) == (
+        "custom_tool_call",
+        "apply_patch",
+        "ppp",
+        "call_2",
+    )
+    req = request(tools=[NAMESPACE, CUSTOM])
+    whole = api.response_object(req, chat, response_id="resp_s", created_at=5)
+    assert [i.model_dump(exclude_none=True) for i in final.output] == [
+        {k: v for k, v in i.items() if k != "id"} | {"id": f.id}
+        for i, f in zip(whole["output"], final.output, strict=True)
+    ]
+
+
+def test_reasoning_comes_sealed_when_the_request_includes_it() -> None:
+    chat = completion("ok", reasoning="think")
+    sealed_req = request(include=["reasoning.encrypted_content"], store=False)
+    _, final = run_sealed(sealed_req, chunks_of(chat))
+    assert final.output[0].encrypted_content == _seal("think")
+    assert api.response_object(sealed_req, chat, response_id="r", created_at=1, seal=_seal)["output"][0][
+        "encrypted_content"
+    ] == _seal("think")
+    _, plain = run_sealed(request(), chunks_of(chat))  # not asked for: not sealed
+    assert plain.output[0].encrypted_content is None
+
+
+def run_sealed(req: api.ResponsesRequest, chunks: list[dict[str, Any]]) -> tuple[list[Any], Any]:
+    stream = api.ResponseStream(req, response_id="resp_s", created_at=5, seal=_seal)
+    events = [e for c in chunks for e in stream.feed(c)] + stream.finish()
+    state = ResponseStreamState(input_tools=omit, text_format=omit)
+    final = None
+    for _, data in events:
+        for out in state.handle_event(EVENT.validate_python(data)):
+            if out.type == "response.completed":
+                final = out.response
+    return events, final

@@ -5,6 +5,7 @@ random text, so tool calls are forced with tool_choice and lengths bounded with 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -176,6 +177,130 @@ def test_bad_responses_requests_name_the_clients_field(oai: openai.OpenAI) -> No
         oai.responses.create(model="tiny-qwen", input="hi", max_output_tokens=100_000)
     assert isinstance(exc.value.body, dict) and exc.value.body["param"] == "max_output_tokens"
     assert "'max_output_tokens' is 100000" in exc.value.body["message"]
+
+
+PATCH: Any = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Apply a patch.",
+    "format": {
+        "type": "grammar",
+        "syntax": "regex",
+        "definition": r"\*\*\* (Add|Delete) File: [a-z]{1,8}\.py",
+    },
+}
+NAMESPACED: Any = {
+    "type": "namespace",
+    "name": "weather",
+    "description": "Weather tools.",
+    "tools": [WEATHER],
+}
+
+
+def test_a_forced_custom_call_s_input_follows_its_grammar_and_continues_from_the_cache(
+    oai: openai.OpenAI,
+) -> None:
+    """A custom tool with a grammar, forced: its call is a custom_tool_call whose input is a sentence
+    of the grammar, and the conversation replayed with its output reuses the prompt."""
+    for seed in range(3):
+        first = oai.responses.create(
+            model="tiny-qwen",
+            input=QUESTION,
+            tools=[PATCH, NAMESPACED],
+            tool_choice={"type": "custom", "name": "apply_patch"},
+            max_output_tokens=120,
+            temperature=1.0,
+            extra_body={"seed": seed, "id_slot": 1},
+        )
+        [call] = [i for i in first.output if i.type == "custom_tool_call"]
+        assert call.name == "apply_patch" and call.call_id.startswith("call_")
+        assert re.fullmatch(PATCH["format"]["definition"], call.input), call.input
+    follow = oai.responses.create(
+        model="tiny-qwen",
+        input=[
+            {"role": "user", "content": QUESTION},
+            *[i.model_dump(exclude_none=True) for i in first.output],  # type: ignore[misc]
+            {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Done"},
+        ],
+        tools=[PATCH, NAMESPACED],
+        max_output_tokens=4,
+        temperature=0,
+        extra_body={"id_slot": 1},
+    )
+    assert follow.usage is not None and first.usage is not None
+    assert follow.usage.input_tokens_details.cached_tokens > first.usage.input_tokens - 8
+
+
+def test_under_tool_choice_auto_the_grammar_holds_every_call_the_model_opens(
+    oai: openai.OpenAI, keyed_engine: EngineProcess
+) -> None:
+    """tool_choice auto with a grammar-constrained custom tool: from the call tag on (a random
+    model is pushed to write it, by a bias on its token) every call follows the format, and the
+    custom tool's input its grammar."""
+    r = httpx.post(
+        f"{keyed_engine.url}/tokenize",
+        json={"content": "<tool_call>"},
+        headers={"authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    )
+    [tag] = r.json()["tokens"]
+    inputs = []
+    for seed in range(4):
+        answer = oai.responses.create(
+            model="tiny-qwen",
+            input=QUESTION,
+            tools=[PATCH, WEATHER],
+            max_output_tokens=200,
+            temperature=1.0,
+            extra_body={"seed": seed, "logit_bias": {str(tag): 6.0}},
+        )
+        for item in answer.output:
+            if item.type == "custom_tool_call":
+                inputs.append(item.input)
+                assert re.fullmatch(PATCH["format"]["definition"], item.input), item.input
+            elif item.type == "function_call":
+                assert item.name == "get_weather" and isinstance(json.loads(item.arguments)["city"], str)
+    assert inputs  # the grammar-constrained tool was called at least once
+
+
+def test_a_namespaced_call_carries_its_namespace(oai: openai.OpenAI) -> None:
+    first = oai.responses.create(
+        model="tiny-qwen",
+        input=QUESTION,
+        tools=[NAMESPACED],
+        tool_choice={"type": "function", "name": "weather.get_weather"},
+        max_output_tokens=250,
+        temperature=0,
+    )
+    [call] = [i for i in first.output if i.type == "function_call"]
+    assert (call.namespace, call.name) == ("weather", "get_weather")
+
+
+def test_hosted_tools_are_left_out_and_said_so(keyed_engine: EngineProcess) -> None:
+    body = {
+        "model": "tiny-qwen",
+        "input": "hi",
+        "tools": [WEATHER, {"type": "web_search", "external_web_access": False}],
+        "max_output_tokens": 2,
+    }
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    for stream in (False, True):
+        r = httpx.post(
+            f"{keyed_engine.url}/v1/responses", json={**body, "stream": stream}, headers=headers, timeout=60
+        )
+        assert r.status_code == 200, r.text
+        assert r.headers["x-slotkeeper-omitted-tools"] == "web_search"
+    answer = httpx.post(f"{keyed_engine.url}/v1/responses", json=body, headers=headers, timeout=60).json()
+    assert answer["slotkeeper"]["omitted_tools"] == [{"type": "web_search", "param": "tools[1]"}]
+    assert [t["type"] for t in answer["tools"]] == ["function"]
+    sealed = {"type": "reasoning", "summary": [], "encrypted_content": "skr1_abc"}
+    r = httpx.post(
+        f"{keyed_engine.url}/v1/responses",
+        json={**body, "input": [sealed, {"role": "user", "content": "hi"}]},
+        headers=headers,
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].encrypted_content"
 
 
 def test_wrong_keys_are_refused(keyed_engine: EngineProcess) -> None:
