@@ -128,12 +128,14 @@ async def health(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
+    """200 once an engine is registered; else 503 saying why (an engine's own reason for giving up,
+    engines still starting, node agents that do not answer)."""
     svc: Services = request.app.state.services
     engines = await svc.cluster.engines(fresh=True)
-    status = 200 if engines else 503
-    return JSONResponse(
-        {"status": "ready" if engines else "no engines", "engines": len(engines)}, status_code=status
-    )
+    if engines:
+        return JSONResponse({"status": "ready", "engines": len(engines)})
+    reason = await svc.cluster.not_ready_reason()
+    return JSONResponse({"status": "no engines", "engines": 0, "reason": reason}, status_code=503)
 
 
 async def metrics_endpoint(request: Request) -> Response:

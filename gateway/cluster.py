@@ -83,6 +83,24 @@ def failed_models(engines: list[dict[str, Any]]) -> dict[str, str]:
     return {m: why for m, why in out.items() if m not in running}
 
 
+def not_ready_reason(engines: list[dict[str, Any]], complete: bool, n_nodes: int) -> str:
+    """Why no engine serves, in one line, from the node agents' engine lists (`complete`: every
+    node answered): engines that gave up say their own reason, starting ones their state."""
+    if not engines:
+        if not complete:
+            return f"no node agent answered (of {n_nodes} configured): are they running?"
+        return "the node agents run no engine"
+    parts = []
+    for e in engines:
+        name, state = e.get("id") or e["model"], str(e.get("state") or "unknown")
+        why = str(e.get("error") or e.get("last_error") or "").split("\n", 1)[0]
+        said = {"failed": f"{name} gave up: {why}", "crashed": f"{name} crashed ({why}), restarting"}
+        parts.append(said.get(state, f"{name} is {state}"))
+    if not complete:
+        parts.append("a node agent did not answer")
+    return "; ".join(parts)
+
+
 class Cluster:
     def __init__(
         self,
@@ -154,6 +172,11 @@ class Cluster:
         failed to start the same way several times), with why, in one line."""
         engines, _ = await self._node_engines()
         return failed_models(engines)
+
+    async def not_ready_reason(self) -> str:
+        """Why no engine is registered, asked of the node agents afresh (`not_ready_reason`)."""
+        engines, complete = await self._node_engines(fresh=True)
+        return not_ready_reason(engines, complete, len(self._node_urls))
 
     async def _node_engines(self, fresh: bool = False) -> tuple[list[dict[str, Any]], bool]:
         """Every engine the node agents run, ready or not, as their /v1/engines lists it, and whether

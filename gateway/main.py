@@ -23,6 +23,7 @@ from engine_pool.common import loop as event_loop
 from engine_pool.common.credentials import auth_headers
 from engine_pool.common.flags import env_name
 from engine_pool.common.http_deadlines import header_deadline
+from engine_pool.common.startup import EXIT_UNAVAILABLE, StartError, listen_socket, report
 from gateway.app import build_app
 from gateway.cluster import Cluster
 from gateway.healing import IndexHealing
@@ -171,5 +172,10 @@ def main(argv: list[str]) -> int:
         proxy_headers=False,  # nothing reads the client's address: one layer less
         timeout_keep_alive=round(settings.keep_alive_s),
     )
-    event_loop.run(uvicorn.Server(config).serve())
-    return 0
+    try:
+        sock = listen_socket(settings.host, settings.port, "--port")
+    except StartError as err:
+        return report("gateway", err, settings.log_format)
+    server = uvicorn.Server(config)
+    event_loop.run(server.serve(sockets=[sock]))
+    return 0 if server.started else EXIT_UNAVAILABLE

@@ -102,7 +102,7 @@ async def write_behind(parts: TurnParts, turn: Turn) -> None:
         )
         await write_record(parts.index, hold, durable)
         parts.metrics.spilled("after-turn", out.bytes, out.ms, out.written)
-        log.info(
+        log.debug(
             "session.durable",
             tenant=t,
             session=s,

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import socket
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -27,13 +28,14 @@ from engine_pool.common import loop as event_loop
 from engine_pool.common.credentials import new_key
 from engine_pool.common.flags import add_flags, env_name
 from engine_pool.common.http_deadlines import header_deadline
-from engine_pool.pool.main import build_server
+from engine_pool.common.startup import EXIT_FAILED, EXIT_USAGE, StartError, listen_socket, report
+from engine_pool.pool.main import NodeServer, build_server
 from engine_pool.pool.model_check import check_models
 from engine_pool.pool.settings import parse_node_settings
 from gateway.app import build_app
 from gateway.main import services
 from gateway.metrics import Metrics
-from gateway.settings import FLAGS, SettingsError, settings_from_args
+from gateway.settings import FLAGS, GatewaySettings, SettingsError, settings_from_args
 from gateway.tenants import TenantConfigError, load_tenants
 from native.model_gen import cached_model
 from storage.index.session_index import in_process_redis
@@ -48,6 +50,14 @@ class _QuietServer(uvicorn.Server):
     def capture_signals(self) -> Iterator[None]:
         yield
 
+
+# A model whose GGUF has no usable chat template is rendered as ChatML (with a warning): these give
+# every engine the model's own, as llama-server's flags of the same names.
+_TEMPLATE_FLAGS = {
+    "--chat-template": "chat template of every model: a built-in name (chatml, llama3, gemma, ...) or "
+    "jinja text (default: each GGUF's own)",
+    "--chat-template-file": "chat template of every model, from a jinja file (default: each GGUF's own)",
+}
 
 # What a person starting serve reaches for first; then where state lives; then everything else.
 _FIRST = ("host", "port", "data_dir", "tenants", "default_max_tokens", "log_format", "log_level")
@@ -76,6 +86,9 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         default=environ.get(env_name("ctx"), "8192"),
         help=f"context per slot, in tokens (default 8192) [env {env_name('ctx')}]",
     )
+    for name, what in _TEMPLATE_FLAGS.items():
+        variable = env_name(name.removeprefix("--").replace("-", "_"))
+        first.add_argument(name, default=environ.get(variable), help=f"{what} [env {variable}]")
     add_flags(first, [by_field[f] for f in _FIRST])
     storage = ap.add_argument_group("state: index and store")
     add_flags(storage, [by_field[f] for f in _STORAGE])
@@ -85,6 +98,14 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         type=int,
         default=int(environ.get(env_name("node_port"), "0")),
         help=f"node agent port (default: --port + 1) [env {env_name('node_port')}]",
+    )
+    rest.add_argument(
+        "--keep-running",
+        action="store_const",
+        const="on",
+        default=environ.get(env_name("keep_running"), "off"),
+        help="stay up when every engine has given up (default: exit with status 1, saying why) "
+        f"[env {env_name('keep_running')}]",
     )
     rest.add_argument(
         "--store-compression",
@@ -99,13 +120,42 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     return ap
 
 
-async def _run(node_server: uvicorn.Server, gateway_server: uvicorn.Server) -> None:
-    gateway = asyncio.create_task(gateway_server.serve())
+async def _stop_when_no_engines(node_server: NodeServer) -> None:
+    """One machine whose every engine gave up serves nothing: end serve (its status says so)."""
+    await node_server.no_engines.wait()
+    node_server.should_exit = True
+
+
+async def _run(
+    node_server: NodeServer, gateway_server: uvicorn.Server, sockets: _Sockets, keep_running: bool
+) -> None:
+    gateway = asyncio.create_task(gateway_server.serve(sockets=[sockets.gateway]))
+    watch = None if keep_running else asyncio.create_task(_stop_when_no_engines(node_server))
     try:
-        await node_server.serve()  # returns after a SIGTERM drain (or a start failure)
+        await node_server.serve(sockets=[sockets.node])  # returns after a drain, a give-up or a failed start
     finally:
         gateway_server.should_exit = True
         await gateway
+        if watch is not None:
+            await event_loop.cancel_and_wait(watch)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sockets:
+    """The two listening sockets, bound before anything starts: a port in use ends the start at once."""
+
+    gateway: socket.socket
+    node: socket.socket
+
+
+def _no_engines_error(node_server: NodeServer) -> StartError:
+    reasons = "; ".join(f"{engine}: {why}" for engine, why in node_server.gave_up.items())
+    return StartError(
+        f"no engine is left, every one gave up: {reasons}",
+        "fix what the engine says (the model file, an engine argument) and start serve again; "
+        "--keep-running keeps serve up without engines",
+        EXIT_FAILED,
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -114,22 +164,38 @@ def main(argv: list[str]) -> int:
         settings = settings_from_args(vars(ns), os.environ)
         load_tenants(settings.tenants)
     except (SettingsError, TenantConfigError) as exc:
-        print(f"slotkeeper serve: {exc}", file=sys.stderr)
-        return 2
+        usage = StartError(str(exc), "see `slotkeeper serve --help`", EXIT_USAGE)
+        return report("serve", usage, ns.log_format or "auto")
     logs.configure(settings.log_format, settings.log_level)
+    try:
+        return _serve(ns, settings)
+    except StartError as err:
+        return report("serve", err, settings.log_format)
+
+
+def _serve(ns: argparse.Namespace, settings: GatewaySettings) -> int:
     data = Path(settings.data_dir)
+    node_port = ns.node_port or settings.port + 1
+    sockets = _Sockets(
+        listen_socket(settings.host, settings.port, "--port"),
+        listen_socket("127.0.0.1", node_port, "--node-port"),
+    )
     models = ns.model or ns.env_models
     if not models:
-        models = [cached_model(data / "models", "qwen35", size="tiny")]
+        try:
+            models = [cached_model(data / "models", "qwen35", size="tiny")]
+        except OSError as exc:
+            raise StartError(
+                f"cannot write the demo model under {data}: {exc.strerror or exc}",
+                "pass --data-dir with a directory you can write, or --model with a GGUF file",
+            ) from None
         warning = "no --model given: serving a TINY RANDOM-WEIGHT qwen35 that answers gibberish"
         log.warning("serve.demo_model", model=models[0], warning=warning)
         print(f"WARNING: {warning} ({models[0]})", file=sys.stderr)
     bad_models = check_models(models)
-    for line in bad_models:
-        print(f"slotkeeper serve: {line}", file=sys.stderr)
     if bad_models:
-        return 2
-    node_port = ns.node_port or settings.port + 1
+        hint = "pass --model with the path of a GGUF file (llama.cpp's format)"
+        raise StartError("; ".join(bad_models), hint, EXIT_USAGE)
     node_argv = [
         *[a for m in models for a in ("--model", m)],
         *("--slots", ns.slots),
@@ -143,6 +209,10 @@ def main(argv: list[str]) -> int:
         *("--log-level", settings.log_level),
         *("--store-compression", ns.store_compression),
     ]
+    for name in _TEMPLATE_FLAGS:
+        value = getattr(ns, name.removeprefix("--").replace("-", "_"))
+        if value:
+            node_argv += [f"--engine-arg={name}", f"--engine-arg={value}"]
     if settings.s3_bucket:
         node_argv += ["--s3-bucket", settings.s3_bucket]
         if settings.s3_endpoint:
@@ -158,8 +228,7 @@ def main(argv: list[str]) -> int:
     try:
         node_settings = parse_node_settings(node_argv, {**os.environ, env_name("internal_key"): internal_key})
     except SettingsError as exc:
-        print(f"slotkeeper serve: {exc}", file=sys.stderr)
-        return 2
+        raise StartError(str(exc), "see `slotkeeper serve --help`", EXIT_USAGE) from None
     gw_settings = dataclasses.replace(
         settings, nodes=(f"http://127.0.0.1:{node_port}",), internal_key=internal_key
     )
@@ -187,5 +256,12 @@ def main(argv: list[str]) -> int:
     log.info(
         "serve.start", gateway=f"http://{settings.host}:{settings.port}", node_port=node_port, models=models
     )
-    event_loop.run(_run(node_server, gateway_server))
-    return 0 if getattr(node_server, "drained_ok", True) else 1
+    event_loop.run(_run(node_server, gateway_server, sockets, ns.keep_running == "on"))
+    if node_server.no_engines.is_set() and ns.keep_running != "on":
+        raise _no_engines_error(node_server)
+    if not (node_server.started and gateway_server.started):
+        raise StartError(
+            "serve did not start (the error above says why)",
+            "--log-level debug shows the whole traceback",
+        )
+    return 0 if node_server.drained_ok else EXIT_FAILED

@@ -7,6 +7,13 @@ libllama (one ggml backend registry) lives in the process, wherever the extensio
 
 import llama_cpp  # noqa: F401  (see above)
 
+from .loading import explain_missing_module
+
+try:
+    from . import _native  # noqa: F401
+except ImportError as exc:  # one line that names the cause: the engine's supervisor reports it
+    raise ImportError(explain_missing_module(__file__, exc)) from exc
+
 from ._native import (
     ENGINE_VERSION,
     KV_CACHE_TYPES,

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 ENV_PREFIX = "SLOTKEEPER_"
 
@@ -92,6 +94,29 @@ def within(low: int, high: int) -> Check:
 def one_of(*values: str) -> Check:
     """`one_of("on", "off", "auto")` → "on, off or auto"."""
     return (lambda v: v in values, f"{', '.join(values[:-1])} or {values[-1]}")
+
+
+def url(*schemes: str, forms: str) -> Check:
+    """A URL with one of `schemes` and a host (a path for `unix`), or none given; `forms` words the
+    accepted forms for the error ("--redis-url must be redis://host:port/db, ..., got ...")."""
+
+    def ok(value: Any) -> bool:
+        if value is None:
+            return True
+        parts = urlsplit(str(value))
+        return parts.scheme in schemes and bool(parts.path if parts.scheme == "unix" else parts.hostname)
+
+    return (ok, forms)
+
+
+REDIS_URL = url(
+    "redis",
+    "rediss",
+    "unix",
+    forms="redis://[[user]:password@]host[:port][/db], rediss://... (TLS) or unix:///path/redis.sock "
+    "(one Redis primary; cluster and sentinel URLs are not read)",
+)
+S3_ENDPOINT = url("http", "https", forms="an http:// or https:// URL, e.g. http://minio.storage:9000")
 
 
 @dataclass(frozen=True)
@@ -193,9 +218,25 @@ def table_defaults(flags: Iterable[Flag]) -> dict[str, Any]:
     return {f.field: f.default for f in flags if f.default is not NO_DEFAULT}
 
 
-def _with_default(text: str, default: Any) -> str:
-    """`text` saying its default, unless it says it already or there is none to say."""
-    if default in (None, "", ()) or isinstance(default, bool) or str(default) in text:
+def _says_default(text: str, default: Any, parse: Callable[[str], Any]) -> bool:
+    """Whether `text` states `default` already: a parenthesised value that reads as it (`(16M)` for
+    16777216, `(60)` for 60.0, `(300; 0 = never)` for 300.0), or its own spelling in parentheses."""
+    for said in re.findall(r"\(([^()]*)\)", text):
+        first = re.split(r"[;,]", said, maxsplit=1)[0].strip()
+        if first == str(default):
+            return True
+        try:
+            if parse(first) == default:
+                return True
+        except (ValueError, TypeError):
+            continue
+    return False
+
+
+def _with_default(text: str, default: Any, parse: Callable[[str], Any] = str) -> str:
+    """`text` saying its default once: as it says it already, else with `(default X)` added; nothing
+    when there is none to say."""
+    if default in (None, "", ()) or isinstance(default, bool) or _says_default(text, default, parse):
         return text
     return f"{text} (default {default})"
 
@@ -208,7 +249,7 @@ def add_flags(parser: Any, flags: Iterable[Flag], skip: Iterable[str] = ()) -> N
         if not f.flags or f.field in skipped:
             continue
         default = None if f.default is NO_DEFAULT else f.default
-        help_text = f"{_with_default(f.help, default)} [env {f.env}]"
+        help_text = f"{_with_default(f.help, default, f.parse)} [env {f.env}]"
         if f.switch:
             parser.add_argument(*f.flags, dest=f.field, action="store_const", const="on", help=help_text)
         elif f.repeat:

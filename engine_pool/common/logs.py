@@ -44,6 +44,25 @@ class _Once(logging.Filter):
         return True
 
 
+class _OneLine(logging.Filter):
+    """A failed start-up says why in one line: uvicorn logs a lifespan that raised with its whole
+    traceback (Starlette's startup-failure message is the formatted traceback). Above debug level
+    only the exception's own last line stays; --log-level debug keeps the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        if record.exc_info and record.exc_info[1] is not None:
+            exc = record.exc_info[1]
+            record.msg, record.args = f"{record.getMessage().strip()}: {type(exc).__name__}: {exc}", ()
+            record.exc_info, record.exc_text = None, None
+        text = record.getMessage()
+        if text.startswith("Traceback (most recent call last)"):
+            last = [line for line in text.splitlines() if line.strip()][-1]
+            record.msg, record.args = f"start-up failed: {last.strip()}", ()
+        return True
+
+
 def configure(fmt: str = "auto", level: str = "info") -> None:
     """`fmt`: json, console or auto (`resolve_format`)."""
     fmt = resolve_format(fmt)
@@ -70,4 +89,6 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
     for name in _QUIET:
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
     lifecycle = logging.getLogger("uvicorn.error")
-    lifecycle.filters = [f for f in lifecycle.filters if not isinstance(f, _Once)] + [_Once()]
+    lifecycle.filters = [f for f in lifecycle.filters if not isinstance(f, _Once | _OneLine)] + [_Once()]
+    if lifecycle.getEffectiveLevel() > logging.DEBUG:
+        lifecycle.addFilter(_OneLine())

@@ -24,6 +24,7 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,7 +116,12 @@ class NodeParts:
 
 class NodeAgent:
     def __init__(
-        self, settings: NodeSettings, parts: NodeParts, specs: list[EngineSpec] | None = None
+        self,
+        settings: NodeSettings,
+        parts: NodeParts,
+        specs: list[EngineSpec] | None = None,
+        *,
+        on_no_engines: Callable[[dict[str, str]], None] | None = None,
     ) -> None:
         self.settings, self.parts, policy = settings, parts, settings.supervisor_policy()
         self.metrics = NodeMetrics()
@@ -130,9 +136,23 @@ class NodeAgent:
         self._idle = asyncio.Event()
         self._idle.set()
         self._tasks: list[asyncio.Task[None]] = []
+        # Called once every engine has given up (`failed`: the same failed start, again and again),
+        # with each one's reason: this node serves nothing until asked to start them again.
+        self._on_no_engines = on_no_engines
+        self._said_no_engines = False
 
-    def _changed(self, _: object) -> None:
+    def _changed(self, snapshot: EngineSnapshot) -> None:
         self._engines_changed.set()
+        if snapshot.state is State.FAILED and not self._said_no_engines and self.all_failed():
+            self._said_no_engines = True
+            reasons = {sup.spec.engine_id: sup.snapshot().error for sup in self.engines.values()}
+            log.error("node.no_engines", node=self.settings.node_id, reasons=reasons)
+            if self._on_no_engines is not None:
+                self._on_no_engines(reasons)
+
+    def all_failed(self) -> bool:
+        """Every engine of this node has given up."""
+        return bool(self.engines) and all(sup.state is State.FAILED for sup in self.engines.values())
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -157,7 +177,7 @@ class NodeAgent:
         self.draining = True
         self._engines_changed.set()
         log.info("node.draining", node=s.node_id, grace_s=s.drain_grace_s)
-        ok = False
+        ok, saved = False, 0
         try:
             async with asyncio.timeout(max(s.drain_grace_s - s.engine_stop_grace_s - 1, s.drain_grace_s / 2)):
                 with suppress(TimeoutError):  # no new sessions placed here (Redis may be down)
@@ -167,11 +187,13 @@ class NodeAgent:
                 results = await asyncio.gather(*(self._drain_engine(sup) for sup in self.engines.values()))
                 with suppress(StorageError):
                     await self.parts.cache.flush(self.parts.store)
-                ok = all(results) and not self.parts.cache.pending()
+                ok = all(done for done, _ in results) and not self.parts.cache.pending()
+                saved = sum(n for _, n in results)
         except TimeoutError:
             log.error("node.drain_timeout", node=s.node_id)
         await self._stop_engines("node draining")
-        log.info("node.drained", node=s.node_id, ok=ok, unflushed=len(self.parts.cache.pending()))
+        unflushed = len(self.parts.cache.pending())
+        log.info("node.drained", node=s.node_id, ok=ok, sessions_saved=saved, unflushed=unflushed)
         return ok
 
     async def _stop_engines(self, reason: str) -> None:
@@ -184,10 +206,11 @@ class NodeAgent:
             if isinstance(result, BaseException):
                 task.cancel()
 
-    async def _drain_engine(self, sup: EngineSupervisor) -> bool:
-        """Spill the engine's live sessions one by one; False if any could not be (or Redis is down)."""
+    async def _drain_engine(self, sup: EngineSupervisor) -> tuple[bool, int]:
+        """Spill the engine's live sessions one by one: whether every one was (False also when Redis
+        is down), and how many were."""
         if sup.state is not State.READY:
-            return True
+            return True, 0
         # The generations still running end now: nobody would wait out a drain for them (their
         # clients get what was written), and a busy slot cannot be spilled.
         for n in range(sup.spec.n_slots):
@@ -199,7 +222,8 @@ class NodeAgent:
             sessions = await index.engine_sessions(sup.spec.engine_id)
         except StorageError as exc:
             log.error("node.drain_index_failed", engine=sup.spec.engine_id, error=str(exc))
-            return False
+            return False, 0
+        saved = 0
         for tenant, session in sessions:
             try:
                 record = await index.find(tenant, session)
@@ -215,10 +239,11 @@ class NodeAgent:
                     tokens=out.tokens,
                 )
                 ok = ok and out.uploaded
+                saved += 1
             except (ApiError, StorageError) as exc:
                 log.error("node.drain_spill_failed", tenant=tenant, session=session, error=str(exc))
                 ok = False
-        return ok
+        return ok, saved
 
     async def _spill_next(
         self, sup: EngineSupervisor, slot: int, tenant: str, session: str, route: str
@@ -363,7 +388,7 @@ class NodeAgent:
             written=written or 0,
             ms=round((time.monotonic() - t0) * 1000, 2),
         )
-        log.info("node.spilled", engine=sup.spec.engine_id, slot=slot, **out.to_json())
+        log.debug("node.spilled", engine=sup.spec.engine_id, slot=slot, **out.to_json())
         return out
 
     async def _keep(
@@ -703,7 +728,8 @@ async def slot_operation(request: Request) -> Response:
         ref = SlotRef(spill.tenant, spill.session, spill.generation)
         if spill.route and not STORED_ROUTES.fullmatch(spill.route):
             raise BadRequest(
-                "'route' must be lowercase hex digests of 16..128 characters (route[.shared][+prompt])",
+                "'route' must be lowercase hex digests of 16..128 characters "
+                "(route[.shared][+prompt][-head])",
                 param="route",
             )
         result = await a.operation(

@@ -8,10 +8,11 @@ and flush loops) and closes everything on the way out.
 SIGTERM or SIGINT starts the drain instead of stopping the server: the API keeps answering
 (`/health` says draining, slot operations 503) while every live session is spilled and the
 engines are stopped; then the server exits. A second signal stops at once. Exit codes: 0 after a
-drain that saved and uploaded every live session (or a stop without a drain), 1 when a spill failed,
-an upload is still pending in the spill cache (it is retried at the next start from the same
---data-dir) or the server could not start, 2 for bad flags or variables, or a --model that is no
-readable GGUF file (one line each on stderr, before anything starts: `model_check`).
+drain that saved and uploaded every live session (or a stop without a drain), 1 when a spill failed
+or an upload is still pending in the spill cache (it is retried at the next start from the same
+--data-dir), 2 for bad flags or variables, or a --model that is no readable GGUF file (one line each
+on stderr, before anything starts: `model_check`), 3 when it could not start (its port in use, the
+index or the store unreachable): `engine_pool.common.startup`.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from ..common import logs
 from ..common.credentials import auth_headers
 from ..common.flags import settings_or_status
 from ..common.signals import SignalServer
+from ..common.startup import EXIT_UNAVAILABLE, StartError, listen_socket, report
 from .agent import NodeAgent, NodeParts, build_node_app
 from .model_check import check_models
 from .settings import NodeSettings, build_parser, describe, parse_node_settings
@@ -94,8 +96,14 @@ class NodeServer(SignalServer):
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
         self.drain_requested = asyncio.Event()
+        self.no_engines = asyncio.Event()  # every engine gave up: `gave_up` says why, by engine
+        self.gave_up: dict[str, str] = {}
         self.drained_ok = True
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    def engines_gave_up(self, reasons: dict[str, str]) -> None:
+        self.gave_up = dict(reasons)
+        self.no_engines.set()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._loop is None or self.drain_requested.is_set():
@@ -122,7 +130,10 @@ def build_server(settings: NodeSettings, environ: Mapping[str, str], redis: Any 
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
             agent = NodeAgent(
-                settings, await open_parts(settings, stack, redis), settings.engine_specs(environ)
+                settings,
+                await open_parts(settings, stack, redis),
+                settings.engine_specs(environ),
+                on_no_engines=holder["server"].engines_gave_up,
             )
             app.state.agent = agent
             stack.push_async_callback(agent.close)
@@ -158,12 +169,16 @@ def main(argv: list[str]) -> int:
         return 2
     logs.configure(settings.log_format, settings.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health probe otherwise
+    try:
+        sock = listen_socket(settings.host, settings.port, "--port")
+    except StartError as err:
+        return report("node", err, settings.log_format)
     log.info("node.starting", settings=describe(settings))
     server = build_server(settings, os.environ)
-    server.run()
+    server.run(sockets=[sock])
     if not server.started:
-        log.error("node.exit", code=1, reason="the server did not start")
-        return 1
+        log.error("node.exit", code=EXIT_UNAVAILABLE, reason="the server did not start (the error above)")
+        return EXIT_UNAVAILABLE
     code = 0 if server.drained_ok else 1
     log.info("node.exit", code=code)
     return code

@@ -72,6 +72,18 @@ TRANSITIONS: Mapping[State, frozenset[State]] = {
 }
 
 
+# The level each transition is logged at: what a person at the console must see stands out —
+# a crash (restarted after a backoff) is a warning, giving up is an error; the rest is routine.
+LEVELS: Mapping[State, str] = {
+    State.STOPPED: "info",
+    State.STARTING: "info",
+    State.READY: "info",
+    State.DRAINING: "info",
+    State.CRASHED: "warning",
+    State.FAILED: "error",
+}
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """What to run: one model, its slots, where its slot files and its log go."""
@@ -180,7 +192,9 @@ def engine_argv(spec: EngineSpec, port: int, instance: str) -> list[str]:
     if spec.flash_attn != "auto":
         options.append(("-fa", spec.flash_attn))
     return [
-        *(sys.executable, "-m", "gateway.cli", "engine"),
+        # -P: the working directory is not put first on sys.path, so that a source tree there (the
+        # repository root, whose native/ has no compiled module) cannot hide the installed package.
+        *(sys.executable, "-P", "-m", "gateway.cli", "engine"),
         *(arg for option in options for arg in option),
         *("--metrics", "--exit-with-parent"),
         *("--log-format", "json"),  # (its log file is read back: `engine_error`)
@@ -243,8 +257,10 @@ def engine_error(output: str) -> str:
 # engine log event -> (its field, the name it gets in the node's ready line)
 _FACTS = {
     "engine.chat_template": ("origin", "chat_template"),
+    "engine.chat_template_fallback": ("reason", "chat_template_fallback"),
     "engine.chat_format": ("format", "chat_format"),
 }
+FALLBACK_ORIGIN = "chatml-fallback"  # (engine_pool.server.chat_template: no usable template in the GGUF)
 
 
 def engine_facts(output: str) -> dict[str, str]:
@@ -411,7 +427,18 @@ class EngineSupervisor:
                 # to load, and which chat template and format the engine uses (from its own log).
                 output = await asyncio.to_thread(read_tail, self.spec.log_path, 200, 1 << 16)
                 load_s = round(self._ready_at - self._spawned_at, 2)
-                self._transition(State.READY, "health check passed", load_s=load_s, **engine_facts(output))
+                facts = engine_facts(output)
+                fallback = facts.pop("chat_template_fallback", "")
+                self._transition(State.READY, "health check passed", load_s=load_s, **facts)
+                if facts.get("chat_template") == FALLBACK_ORIGIN:
+                    log.warning(
+                        "engine.chat_template_fallback",
+                        engine=self.spec.engine_id,
+                        reason=f"{fallback or 'the model has no usable chat template'}: chats are "
+                        "rendered as ChatML, which this model may not know",
+                        hint="pass the model's template: --chat-template-file PATH (jinja), or "
+                        "--chat-template NAME (chatml, llama3, gemma, ...); to a node as --engine-arg",
+                    )
                 self._helper(self._watch_health(self._run))
             case Notice(what="start_timeout") if current and state is State.STARTING:
                 self._kill(f"not healthy within {self.policy.start_timeout_s:g} s")
@@ -459,7 +486,8 @@ class EngineSupervisor:
         except OSError as exc:
             self._crash(f"could not start {argv[0]}: {' '.join(str(exc).split())}")
             return
-        log.info("engine.spawned", engine=self.spec.engine_id, pid=self._proc.pid, argv=argv)
+        log.info("engine.spawned", engine=self.spec.engine_id, pid=self._proc.pid)
+        log.debug("engine.argv", engine=self.spec.engine_id, argv=argv)  # (long: in its log file too)
         self._watcher = asyncio.create_task(self._watch_exit(self._run, self._proc))
         self._helper(self._await_healthy(self._run))
 
@@ -490,7 +518,7 @@ class EngineSupervisor:
             if p.give_up_after and self._streak[1] >= p.give_up_after:
                 self._ready_at = 0.0
                 reason = f"gave up after {self._streak[1]} failed starts in a row: {error}"
-                self._transition(State.FAILED, reason, returncode=rc)
+                self._transition(State.FAILED, reason, returncode=rc, hint=self._give_up_hint())
                 return
         if self._ready_at and time.monotonic() - self._ready_at >= p.stable_s:
             self._crashes = 0
@@ -499,6 +527,13 @@ class EngineSupervisor:
         delay = min(p.backoff_max_s, p.backoff_base_s * 2 ** min(self._crashes - 1, 32))
         self._transition(State.CRASHED, error, returncode=rc, retry_in_s=delay)
         self._helper(self._after(delay, Notice(self._run, "restart_due")))
+
+    def _give_up_hint(self) -> str:
+        """What a person can do about an engine that keeps failing to start the same way."""
+        return (
+            f"its output is in {self.spec.log_path}; `slotkeeper engine -m {self.spec.model}` runs it "
+            "alone to show the cause (a model llama.cpp cannot load, an --engine-arg it refuses)"
+        )
 
     def _kill(self, reason: str) -> None:
         """SIGKILL the group; the exit watcher's message completes the transition."""
@@ -512,7 +547,7 @@ class EngineSupervisor:
         if target not in TRANSITIONS[source]:
             raise AssertionError(f"engine {self.spec.engine_id}: no transition {source} -> {target}")
         self._state = target
-        log.info(
+        getattr(log, LEVELS[target])(
             "engine.transition",
             engine=self.spec.engine_id,
             reason=reason,

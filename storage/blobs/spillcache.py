@@ -61,7 +61,7 @@ class SpillCache:
         """A cache over ``root`` that knows the files already there (after a restart)."""
         cache = cls(root, max_bytes=max_bytes, clock=clock)
         cache._entries = await asyncio.to_thread(cache._scan)
-        log.info("spill.opened", root=str(cache.root), files=len(cache._entries), bytes=cache.total_bytes)
+        log.debug("spill.opened", root=str(cache.root), files=len(cache._entries), bytes=cache.total_bytes)
         return cache
 
     def _scan(self) -> dict[SlotRef, _Entry]:
@@ -132,7 +132,7 @@ class SpillCache:
             self._entries[ref] = _Entry(
                 dest, size, self._clock(), uploaded, pins=int(pin), uploading=uploading and not uploaded
             )
-            log.info(
+            log.debug(
                 "spill.add", tenant=ref.tenant, session=ref.session, generation=ref.generation, bytes=size
             )
             await self._evict_locked()
@@ -176,7 +176,7 @@ class SpillCache:
             entry.uploading = False
             await asyncio.to_thread(_touch, entry.path.with_name(entry.path.name + _MARK))
             entry.uploaded = True
-            log.info("spill.uploaded", tenant=ref.tenant, session=ref.session, generation=ref.generation)
+            log.debug("spill.uploaded", tenant=ref.tenant, session=ref.session, generation=ref.generation)
             await self._evict_locked()
 
     async def fill(self, store: BlobStore, ref: SlotRef, *, verify: bool = True) -> Path:
@@ -253,7 +253,7 @@ class SpillCache:
             del self._entries[ref]
             total -= entry.size
             evicted.append(ref)
-            log.info(
+            log.debug(
                 "spill.evict",
                 tenant=ref.tenant,
                 session=ref.session,

@@ -177,7 +177,7 @@ class ChunkedStore(BlobStore):
             await self.inner.put_object(key, manifest)
         await self.ledger.add_bytes(ref.tenant, written)
         ms = round((time.monotonic() - t0) * 1000, 2)
-        log.info(
+        log.debug(
             "storage.chunked_put",
             key=key,
             bytes=s.size,

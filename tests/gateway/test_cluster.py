@@ -268,3 +268,19 @@ def test_a_model_is_failed_only_when_every_engine_of_it_was_given_up() -> None:
         "alien": "exited with code 1 while starting: no arch",
         "old": "model /m.gguf: does not exist",
     }
+
+
+def test_not_ready_reason_says_why_no_engine_serves() -> None:
+    """What /ready answers with its 503: an engine's own reason for giving up, states otherwise."""
+    from gateway.cluster import not_ready_reason
+
+    gave_up = {"id": "n-e0", "model": "m", "state": "failed", "error": "the model failed to load: x"}
+    starting = {"id": "n-e1", "model": "m2", "state": "starting"}
+    crashed = {"id": "n-e2", "model": "m3", "state": "crashed", "last_error": "exited with code 1\nlog..."}
+    assert not_ready_reason([gave_up], True, 1) == "n-e0 gave up: the model failed to load: x"
+    assert not_ready_reason([starting, crashed], True, 1) == (
+        "n-e1 is starting; n-e2 crashed (exited with code 1), restarting"
+    )
+    assert not_ready_reason([], False, 2) == "no node agent answered (of 2 configured): are they running?"
+    assert not_ready_reason([], True, 1) == "the node agents run no engine"
+    assert not_ready_reason([starting], False, 2).endswith("; a node agent did not answer")

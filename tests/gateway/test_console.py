@@ -95,6 +95,10 @@ def assert_lines_for_a_person(text: str) -> None:
     ready = [line for line in lines if "engine.transition" in line and "to=ready" in line]
     assert len(ready) == 1 and "load_s=" in ready[0] and "chat_template=gguf" in ready[0], ready
     assert "chat_format=" in ready[0], ready
+    # One event per line, short: a command line or a save's inner steps are for --log-level debug.
+    assert not [line for line in lines if "argv=" in line], text[:3000]
+    internals = ("spill.", "storage.chunked_put", "node.spilled", "session.durable")
+    assert not [line for line in lines if any(f" {name}" in line for name in internals)], text[:3000]
 
 
 def test_serve_in_tmux_logs_for_a_person_and_stops_on_ctrl_c(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -381,6 +382,7 @@ def test_an_edited_earlier_message_restores_only_up_to_where_it_diverges(serve, 
 
 
 ONE_SMALL_SLOT = ("--slots", "1", "--ctx", "256")
+CONSOLE = ("--log-format", "console")  # what a person at a terminal reads (stderr is a pipe here)
 
 
 def _bad_model(kind: str, tmp_path: Path, tiny: bytes) -> tuple[str, str]:
@@ -415,14 +417,14 @@ def _bad_model(kind: str, tmp_path: Path, tiny: bytes) -> tuple[str, str]:
 def test_a_bad_model_stops_serve_at_once_saying_why(kind: str, tiny_model, tmp_path: Path) -> None:
     path, problem = _bad_model(kind, tmp_path, Path(tiny_model("llama")).read_bytes())
     t0 = time.monotonic()
-    done = subprocess.run(
-        serve_argv(path, tmp_path / "data", 1, 2, *ONE_SMALL_SLOT), capture_output=True, text=True, timeout=30
-    )
+    argv = serve_argv(path, tmp_path / "data", free_port(), free_port(), *ONE_SMALL_SLOT, *CONSOLE)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     assert time.monotonic() - t0 < 5
     assert done.returncode == 2
-    assert done.stderr.splitlines() == [
-        f"slotkeeper serve: model {path}: {problem}"
-    ]  # one line, no traceback
+    assert done.stderr.splitlines() == [  # one line and its hint, no traceback
+        f"slotkeeper serve: error: model {path}: {problem}",
+        "  hint: pass --model with the path of a GGUF file (llama.cpp's format)",
+    ]
 
 
 def test_a_model_that_never_loads_is_given_up_and_models_says_why(tmp_path: Path) -> None:
@@ -432,7 +434,7 @@ def test_a_model_that_never_loads_is_given_up_and_models_says_why(tmp_path: Path
     log = tmp_path / "serve.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            serve_argv(model, tmp_path / "data", port, node_port, *ONE_SMALL_SLOT),
+            serve_argv(model, tmp_path / "data", port, node_port, *ONE_SMALL_SLOT, "--keep-running"),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -460,6 +462,8 @@ def test_a_model_that_never_loads_is_given_up_and_models_says_why(tmp_path: Path
         chat = httpx.post(url + "/v1/chat/completions", timeout=10, json=hi)
         assert chat.status_code == 503 and "retry-after" not in chat.headers, chat.text
         assert chat.json()["error"]["message"] == f"the model 'alien' failed to start: {entry['error']}"
+        ready = httpx.get(url + "/ready", timeout=10)  # a probe, or a person, reads why
+        assert ready.status_code == 503 and ready.json()["reason"] == f"local-e0 gave up: {entry['error']}"
     finally:
         code = Serve(url, proc, log).stop()
     assert code == 0
@@ -471,6 +475,68 @@ def test_a_model_that_never_loads_is_given_up_and_models_says_why(tmp_path: Path
     assert [e["reason"] for e in moves if e["to"] == "failed"] == [
         f"gave up after 3 failed starts in a row: {entry['error']}"
     ]
+    levels = {e["to"]: e["level"] for e in moves}  # what stands out on a console
+    assert (levels["starting"], levels["crashed"], levels["failed"]) == ("info", "warning", "error")
+
+
+def test_serve_whose_every_engine_gave_up_exits_saying_why(tmp_path: Path) -> None:
+    """One machine with no engine left serves nothing: serve ends with status 1, its last words the
+    engine's own reason and what to do (--keep-running keeps it up: the test above)."""
+    model = unloadable_model(tmp_path / "alien.gguf")
+    argv = serve_argv(model, tmp_path / "data", free_port(), free_port(), *ONE_SMALL_SLOT, *CONSOLE)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-3000:]
+    *_, error, hint = done.stderr.splitlines()
+    assert error.startswith("slotkeeper serve: error: no engine is left, every one gave up: local-e0: ")
+    assert "unknown model architecture: 'notanarch'" in error
+    assert hint.startswith("  hint: ") and "--keep-running" in hint
+    gave_up = [line for line in done.stderr.splitlines() if "to=failed" in line]
+    assert len(gave_up) == 1 and "[error" in gave_up[0] and "hint=" in gave_up[0], gave_up
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("which", ["--port", "--node-port"])
+def test_a_port_in_use_ends_serve_at_once_naming_the_flag(which: str, tiny_model, tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        ports = {"--port": free_port(), "--node-port": free_port(), which: busy}
+        argv = serve_argv(
+            tiny_model("llama"), tmp_path / "data", ports["--port"], ports["--node-port"], *CONSOLE
+        )
+        t0 = time.monotonic()
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert time.monotonic() - t0 < 10  # before any engine starts
+        as_json = subprocess.run(argv[:-2], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3 and as_json.returncode == 3
+    assert done.stderr.splitlines() == [
+        f"slotkeeper serve: error: port {busy} on 127.0.0.1 is in use",
+        f"  hint: pass {which} with a free port, or stop the process listening on {busy}",
+    ]
+    (event,) = [json.loads(line) for line in as_json.stderr.splitlines()]  # a log collector's one line
+    assert event["level"] == "error" and event["event"] == "serve.start_failed" and event["exit_code"] == 3
+    assert which in event["hint"] and str(busy) in event["error"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "forms"),
+    [
+        ("--redis-url", "redis+cluster://10.0.0.1:7000", "redis://[[user]:password@]host[:port][/db]"),
+        ("--redis-url", "localhost:6379", "unix:///path/redis.sock"),
+        ("--s3-endpoint", "minio:9000", "an http:// or https:// URL"),
+        ("--port", "http", "invalid value 'http'"),
+    ],
+)
+def test_a_malformed_setting_names_the_flag_and_the_accepted_forms(
+    flag: str, value: str, forms: str, tmp_path: Path
+) -> None:
+    argv = [sys.executable, "-m", "gateway.cli", "serve", "--data-dir", str(tmp_path), flag, value, *CONSOLE]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    error, hint = done.stderr.splitlines()
+    assert error.startswith(f"slotkeeper serve: error: {flag}") and forms in error and value in error
+    assert hint == "  hint: see `slotkeeper serve --help`"
 
 
 def test_help_puts_the_flags_people_need_first_and_names_every_default_and_variable() -> None:
@@ -499,5 +565,31 @@ def test_serve_reads_its_own_flags_from_the_environment(tiny_model: Any, tmp_pat
         wait_ready(s.url, proc, log, timeout=90)
         engines = s.engines()
         assert [(e["n_slots"], e["model"]) for e in engines] == [(3, "llama-seed0")], engines
+    finally:
+        assert s.stop() == 0
+
+
+def test_serve_works_from_a_directory_whose_packages_would_hide_the_install(
+    tiny_model, tmp_path: Path
+) -> None:
+    """The repository root holds `native/` without its compiled module: an engine started there
+    must still import the installed one (`python -P`). A stand-in tree that breaks every import of
+    it proves the engines never look in the working directory."""
+    for package in ("native", "gateway", "engine_pool", "storage"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text(f"raise ImportError('the stand-in {package}/')\n")
+    command = Path(sys.executable).with_name("slotkeeper")  # what the README runs (not `python -m`)
+    port, node_port = free_port(), free_port()
+    argv = [str(command), "serve", "--model", tiny_model("qwen35"), "--port", str(port)]
+    argv += ["--node-port", str(node_port), "--data-dir", str(tmp_path / "data"), *ONE_SMALL_SLOT]
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            argv, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    s = Serve(f"http://127.0.0.1:{port}", proc, log)
+    try:
+        wait_ready(s.url, proc, log, timeout=90)
+        assert "the stand-in" not in log.read_text()
     finally:
         assert s.stop() == 0

@@ -76,14 +76,15 @@ class ChatOutput:
 
 @dataclass(frozen=True)
 class ChatMessage:
-    content: str | None  # None when empty (or only whitespace beside tool calls)
+    content: str | None  # None only beside tool calls (when empty or only whitespace)
     reasoning: str
     calls: list[ToolCall]
 
 
 def assemble(pieces: list[Piece]) -> ChatMessage:
-    """One message from all of an output's pieces."""
+    """One message from all of an output's pieces. A reply without tool calls always has text, ""
+    at least (an empty generation, or reasoning only): clients read `content` as a string."""
     content = "".join(p for p in pieces if isinstance(p, str))
     calls = [p for p in pieces if isinstance(p, ToolCall)]
     reasoning = "".join(p.text for p in pieces if isinstance(p, Reasoning))
-    return ChatMessage((content.strip() or None) if calls else (content or None), reasoning, calls)
+    return ChatMessage((content.strip() or None) if calls else content, reasoning, calls)

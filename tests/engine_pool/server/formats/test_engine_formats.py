@@ -283,7 +283,7 @@ def test_enable_thinking_false_leaves_no_reasoning_open(family: Family) -> None:
     assert off.content == "Plain words." and "reasoning_content" not in (off.model_extra or {})
     on = ask(enable_thinking=True)
     if family.opens:  # the template opened the block: whatever the model writes is reasoning
-        assert on.content is None and (on.model_extra or {})["reasoning_content"] == "Plain words."
+        assert on.content == "" and (on.model_extra or {})["reasoning_content"] == "Plain words."
     else:
         assert on.content == "Plain words."
 
