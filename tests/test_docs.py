@@ -66,3 +66,17 @@ def test_the_architecture_svg_is_what_its_script_draws(monkeypatch: pytest.Monke
     spec.loader.exec_module(module)
     committed = (ROOT / "docs" / "architecture.svg").read_text(encoding="utf-8")
     assert committed == module.render(), "run `python3 docs/architecture.py` and commit docs/architecture.svg"
+
+
+def test_the_readme_says_how_to_get_what_builds_the_docs() -> None:
+    """The README's build command installs what it runs: the `docs` extra holds the mkdocs the test
+    extra builds with."""
+    import tomllib
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"][
+        "optional-dependencies"
+    ]
+    assert "pip install '.[docs]' && mkdocs build --strict" in readme
+    mkdocs = [d for d in extras["docs"] if d.startswith("mkdocs")]
+    assert mkdocs and set(mkdocs) <= set(extras["test"])
