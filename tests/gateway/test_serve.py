@@ -593,3 +593,42 @@ def test_serve_works_from_a_directory_whose_packages_would_hide_the_install(
         assert "the stand-in" not in log.read_text()
     finally:
         assert s.stop() == 0
+
+
+def test_a_model_without_a_chat_template_is_served_with_a_warning_saying_how_to_give_one(
+    tiny_model, tmp_path: Path
+) -> None:
+    """The ChatML fallback is announced on the console with the fix, serve's --chat-template takes
+    it, and a plain reply's text is a string either way (never null)."""
+    model = tmp_path / "untemplated.gguf"
+    strip = [sys.executable, "-m", "gguf.scripts.gguf_new_metadata", tiny_model("qwen35"), str(model)]
+    strip += ["--remove-metadata", "tokenizer.chat_template", "--force"]
+    subprocess.run(strip, check=True, capture_output=True, stdin=subprocess.DEVNULL, timeout=60)
+    hi = {"model": "m", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4}
+    for extra, warned, origin in (
+        ((), True, "chatml-fallback"),
+        (("--chat-template", "chatml"), False, "builtin:chatml"),
+    ):
+        port, node_port = free_port(), free_port()
+        argv = serve_argv(
+            str(model), tmp_path / f"data-{port}", port, node_port, *ONE_SMALL_SLOT, *CONSOLE, *extra
+        )
+        log = tmp_path / f"serve-{port}.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        s = Serve(f"http://127.0.0.1:{port}", proc, log)
+        try:
+            wait_ready(s.url, proc, log, timeout=90)
+            r = httpx.post(s.url + "/v1/chat/completions", json=hi, timeout=60)
+            assert r.status_code == 200, r.text
+            assert isinstance(r.json()["choices"][0]["message"]["content"], str), r.text
+            lines = log.read_text(errors="replace").splitlines()
+        finally:
+            assert s.stop() == 0
+        warnings = [line for line in lines if "engine.chat_template_fallback" in line]
+        assert bool(warnings) is warned, lines
+        if warned:
+            assert "[warning" in warnings[0] and "--chat-template-file PATH" in warnings[0]
+            assert "the model has no chat template" in warnings[0]
+        ready = [line for line in lines if "to=ready" in line]
+        assert ready and f"chat_template={origin}" in ready[0], ready
