@@ -30,6 +30,7 @@ from gateway.healing import IndexHealing
 from gateway.metrics import Metrics
 from gateway.relay import engine_session
 from gateway.retention import Retention
+from gateway.sealing import ReasoningSeal
 from gateway.services import Services
 from gateway.settings import GatewaySettings, SettingsError, parse_settings
 from gateway.tenants import TenantConfigError, load_tenants
@@ -121,6 +122,7 @@ async def services(
             runner,
             metrics,
             ResponseStore(store),
+            ReasoningSeal.for_keys(settings.sealing_key, settings.internal_key),
             retention,
         )
     finally:

@@ -39,6 +39,13 @@ class Metrics:
             "Requests a volatile-block rule changed before rendering, by rule",
             "rule",
         )
+        self.hosted_tools_omitted = family(
+            Counter,
+            "hosted_tools_omitted",
+            "Hosted tools (web_search, file_search, mcp, ...) left out of Responses prompts, by type "
+            "(the tenant's hosted_tools = omit)",
+            "type",
+        )
         self.restores_reprefilled = family(
             Counter,
             "restores_reprefilled",

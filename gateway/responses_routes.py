@@ -6,6 +6,14 @@ output, so `previous_response_id` continues that conversation on that session fr
 restart: the engine gets the same rendered prefix and reuses the slot state (live, or restored from
 its slot file), and `usage.input_tokens_details.cached_tokens` shows it. Another tenant's id, an
 unknown one or one whose response was deleted is a 404.
+
+A client that stores nothing (`store: false`; Codex) replays the whole conversation every turn.
+Its reasoning items come back sealed for the tenant (`encrypted_content`, gateway.sealing) when it
+asks for them, and are opened again when replayed, so the prompt is the one its turn rendered.
+Hosted tools are left out of the prompt or refused, as the tenant's `hosted_tools` says; left out,
+they are named in the answer (`slotkeeper.omitted_tools`, `X-Slotkeeper-Omitted-Tools`), a log
+line (`responses.tools_omitted`) and `slotkeeper_gateway_hosted_tools_omitted_total`. Codex's
+`client_metadata` thread and session ids are session signals (gateway.session_keys).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from engine_pool.protocol import openai_responses as api
 from engine_pool.protocol.field_names import RESPONSES_FIELDS
 from engine_pool.protocol.sse import named_event
 from gateway.services import Services
+from gateway.session_keys import SIGNALS
 from gateway.tenants import Tenant
 from gateway.turn import Turn
 from gateway.turn_path import (
@@ -73,15 +82,20 @@ class ResponsesDialect:
         )
         await self.svc.responses.save(stored)
 
+    def _seal(self, text: str) -> str:
+        return self.svc.sealing.seal(self.tenant.name, text)
+
     async def answer(self, payload: dict[str, Any], turn: Turn) -> dict[str, Any]:
         response = api.response_object(
-            self.req, payload, response_id=self.response_id, created_at=self.created_at
+            self.req, payload, response_id=self.response_id, created_at=self.created_at, seal=self._seal
         )
         await self._store(response, turn)
         return response
 
     async def stream(self, chunks: AsyncIterator[dict[str, Any]], turn: Turn) -> AsyncIterator[bytes]:
-        events = api.ResponseStream(self.req, response_id=self.response_id, created_at=self.created_at)
+        events = api.ResponseStream(
+            self.req, response_id=self.response_id, created_at=self.created_at, seal=self._seal
+        )
         async with contextlib.aclosing(client_events(events, chunks)) as translated:
             async for name, data in translated:  # (a failure's events are never final ones)
                 if name in _FINAL and not await self._stored(data, turn):
@@ -107,7 +121,11 @@ class ResponsesDialect:
 async def create(request: Request) -> Response:
     async with counted_if_refused(request) as (svc, tenant):
         data = await json_body(request)
-        req = api.parse_request(data, max_items=svc.settings.max_messages)
+        req = api.parse_request(data, max_items=svc.settings.max_messages, hosted=tenant.hosted_tools.value)
+        req = api.with_reasoning_opened(
+            req, lambda sealed, where: svc.sealing.open(tenant.name, sealed, where)
+        )
+        _say_omitted(svc, tenant, req)
         model = await served_model(svc, tenant, req.model)
         history: list[dict[str, Any]] = []
         session: tuple[str, str] | None = None
@@ -119,9 +137,29 @@ async def create(request: Request) -> Response:
         chat = api.chat_body(req, history)
         if isinstance(data.get("prompt_cache_key"), str):
             chat["prompt_cache_key"] = data["prompt_cache_key"]
+        signals = {k: v for k, v in req.client_metadata.items() if k in _METADATA_SIGNALS}
+        if signals:  # read by gateway.session_keys (the engine ignores them)
+            chat["client_metadata"] = signals
         messages = check_messages(chat, svc.settings.max_messages)
     dialect = ResponsesDialect(svc, tenant, req, model, history)
-    return await serve_client_turn(request, tenant, chat, model, messages, dialect, RESPONSES_FIELDS, session)
+    response = await serve_client_turn(
+        request, tenant, chat, model, messages, dialect, RESPONSES_FIELDS, session
+    )
+    response.headers.update(api.omitted_header(req))
+    return response
+
+
+# The `client_metadata` fields that are session signals (gateway.session_keys.SIGNALS).
+_METADATA_SIGNALS = frozenset(s.name for s in SIGNALS if s.where == "client_metadata")
+
+
+def _say_omitted(svc: Services, tenant: Tenant, req: api.ResponsesRequest) -> None:
+    """Hosted tools left out of the prompt: a log line and a count (the answer names them too)."""
+    if not req.tools.omitted:
+        return
+    log.info("responses.tools_omitted", tenant=tenant.name, tools=[o.report() for o in req.tools.omitted])
+    for omitted in req.tools.omitted:
+        svc.metrics.hosted_tools_omitted.labels(omitted.type).inc()
 
 
 async def detail(request: Request) -> Response:

@@ -35,6 +35,7 @@ from engine_pool.pool.settings import parse_node_settings
 from gateway.app import build_app
 from gateway.main import services
 from gateway.metrics import Metrics
+from gateway.sealing import persisted_key
 from gateway.settings import FLAGS, GatewaySettings, SettingsError, settings_from_args
 from gateway.tenants import TenantConfigError, load_tenants
 from native.model_gen import cached_model
@@ -229,8 +230,10 @@ def _serve(ns: argparse.Namespace, settings: GatewaySettings) -> int:
         node_settings = parse_node_settings(node_argv, {**os.environ, env_name("internal_key"): internal_key})
     except SettingsError as exc:
         raise StartError(str(exc), "see `slotkeeper serve --help`", EXIT_USAGE) from None
+    # Reasoning sealed for store:false clients must open after a restart too: a key kept in --data-dir.
+    sealing_key = settings.sealing_key or persisted_key(data)
     gw_settings = dataclasses.replace(
-        settings, nodes=(f"http://127.0.0.1:{node_port}",), internal_key=internal_key
+        settings, nodes=(f"http://127.0.0.1:{node_port}",), internal_key=internal_key, sealing_key=sealing_key
     )
     redis = (
         aioredis.from_url(settings.redis_url, decode_responses=True)

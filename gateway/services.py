@@ -10,6 +10,7 @@ from gateway.cluster import Cluster
 from gateway.engine_http import EngineHttp
 from gateway.metrics import Metrics
 from gateway.retention import Retention
+from gateway.sealing import ReasoningSeal
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenants
 from gateway.turns import TurnRunner
@@ -34,4 +35,5 @@ class Services:
     runner: TurnRunner
     metrics: Metrics
     responses: ResponseStore
+    sealing: ReasoningSeal  # reasoning sealed for Responses clients that store nothing
     retention: Retention | None = None  # None when the store is not chunked (tests with a bare store)

@@ -6,10 +6,19 @@ First match wins, in the order of `SIGNALS`:
 |---|---|---|
 | `X-Session-Id` header | any client (ours) | the value itself (a valid id, else 400) |
 | `x-claude-code-session-id` header | Claude Code | `cc-` + digest |
+| `thread-id` header | Codex CLI | `cx-` + digest |
+| `client_metadata.thread_id` body field | Codex CLI (Responses) | `cx-` + digest |
 | `session_id` / `session-id` header | Codex CLI | `cx-` + digest |
+| `client_metadata.session_id` body field | Codex CLI (Responses) | `cx-` + digest |
 | `prompt_cache_key` body field | Codex, OpenCode, OpenAI SDK users | `pck-` + digest |
 
 Without any, the session is found implicitly (gateway.prefixes) or is new.
+
+Codex names one conversation a thread and a run of the CLI a session: the same id while the
+conversation is the CLI's only one, several threads (sub-agents) in one session otherwise. So the
+thread id, the narrower, comes first. Codex's signals digest under one name (`family`), so that its
+header and its `client_metadata` with the same value give the same session — and the one its
+`session-id` header alone gave before the thread was read.
 
 An agent sends its signal on every request of a working session, also on the requests that are
 not its conversation: a title, a summary, a sub-agent with its own system prompt. Served as one
@@ -37,20 +46,33 @@ MAX_SIGNAL_CHARS = 256
 
 @dataclass(frozen=True)
 class Signal:
-    name: str  # a header name (lower case) or a body field
-    where: Literal["header", "body"]
+    name: str  # a header name (lower case), a body field, or a field of the body's client_metadata
+    where: Literal["header", "body", "client_metadata"]
     label: str  # as errors name it
     source: str  # how the session was found, in logs and `Turn.source`
     id_prefix: str  # "": the value is the session id itself
+    family: str = ""  # the name the digest is taken under ("": `name`)
 
 
 SIGNALS: tuple[Signal, ...] = (
     Signal("x-session-id", "header", "X-Session-Id", "header", ""),
     Signal("x-claude-code-session-id", "header", "x-claude-code-session-id", "claude-code", "cc-"),
+    Signal("thread-id", "header", "thread-id", "codex", "cx-", "session-id"),
+    Signal("thread_id", "client_metadata", "client_metadata.thread_id", "codex", "cx-", "session-id"),
     Signal("session_id", "header", "session_id", "codex", "cx-"),
     Signal("session-id", "header", "session-id", "codex", "cx-"),
+    Signal("session_id", "client_metadata", "client_metadata.session_id", "codex", "cx-", "session-id"),
     Signal("prompt_cache_key", "body", "prompt_cache_key", "prompt_cache_key", "pck-"),
 )
+
+
+def _raw(signal: Signal, headers: Mapping[str, str], body: Mapping[str, Any]) -> Any:
+    if signal.where == "header":
+        return headers.get(signal.name)
+    if signal.where == "body":
+        return body.get(signal.name)
+    meta = body.get("client_metadata")  # (the Responses parser checked it; others send none)
+    return meta.get(signal.name) if isinstance(meta, Mapping) else None
 
 
 def _value(signal: Signal, raw: Any) -> str:
@@ -78,12 +100,13 @@ def session_key(
     """(session id, source) of the first signal the request carries, or (None, "implicit").
     `scope()` is the digest of the request's system prompt (asked only for an agent's signal)."""
     for signal in SIGNALS:
-        raw = headers.get(signal.name) if signal.where == "header" else body.get(signal.name)
+        raw = _raw(signal, headers, body)
         if raw is None:
             continue
         value = _value(signal, raw)
         if not signal.id_prefix:
             return value, signal.source
-        digest = hashlib.sha256(f"{signal.name}\x1e{value}\x1e{scope() or ''}".encode()).hexdigest()[:40]
+        family = signal.family or signal.name
+        digest = hashlib.sha256(f"{family}\x1e{value}\x1e{scope() or ''}".encode()).hexdigest()[:40]
         return signal.id_prefix + digest, signal.source
     return None, "implicit"

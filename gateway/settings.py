@@ -54,6 +54,8 @@ FLAGS: tuple[Flag, ...] = (
     str_flag("s3_access_key", "", None, "S3 access key (else boto3's chain)"),
     str_flag("s3_secret_key", "", None, "S3 secret key (else boto3's chain)"),
     str_flag("internal_key", "", None, "credential for node agents and engines"),
+    # Variable only, like the internal key (a secret on a command line shows in `ps`).
+    str_flag("sealing_key", "", None, "key sealing store:false reasoning (default: from the internal key)"),
     str_flag("data_dir", "--data-dir", ".slotkeeper", "local state directory (.slotkeeper)"),
     float_flag("lock_ttl_s", "--lock-ttl-s", 15.0, "session lock TTL, seconds", above(0)),
     float_flag("spill_wait_s", "--spill-wait-s", 30.0, "wait for a session's save", at_least(0)),
@@ -140,6 +142,9 @@ class GatewaySettings:
     internal_key: str | None = _DEFAULT[
         "internal_key"
     ]  # presented to node agents and engines (variable only)
+    # Seals reasoning for Responses clients that store nothing (gateway.sealing); None: derived from
+    # the internal key (`slotkeeper serve`: one kept in the data directory). Variable only.
+    sealing_key: str | None = _DEFAULT["sealing_key"]
     data_dir: str = _DEFAULT["data_dir"]
     # Short, and renewed every third of it while a turn runs: a dead gateway frees its sessions fast.
     lock_ttl_s: float = _DEFAULT["lock_ttl_s"]

@@ -8,6 +8,13 @@ The tenants file is TOML:
     durability = "after-turn"            # or "on-evict"
     default_max_tokens = 4096            # output cap of a request without max_tokens (0: none;
                                          # default: the gateway's --default-max-tokens, 8192)
+    hosted_tools = "omit"                # Responses tools OpenAI runs itself (web_search,
+                                         # file_search, mcp, ...), which no engine here runs:
+                                         # "omit" leaves them out of the prompt and says so (the
+                                         # answer's slotkeeper.omitted_tools and its
+                                         # X-Slotkeeper-Omitted-Tools header, a log line, the
+                                         # metric ..._hosted_tools_omitted_total); "refuse"
+                                         # answers a 400 naming the tool
     models = { "gpt-4o" = "qwen35", "claude-*" = "qwen35" }
                                          # alias → served model id (ids are also accepted as is);
                                          # an alias with * or ? matches names like a shell pattern
@@ -63,6 +70,13 @@ class Durability(StrEnum):
     ON_EVICT = "on-evict"
 
 
+class HostedTools(StrEnum):
+    """What becomes of a Responses request's hosted tools (openai_responses.tools.HOSTED)."""
+
+    OMIT = "omit"  # left out of the prompt, and said so
+    REFUSE = "refuse"  # a 400 naming the tool
+
+
 class StoreOutage(StrEnum):
     """What a turn does whose session's state only the store holds while the store is down."""
 
@@ -92,6 +106,7 @@ class Tenant:
     volatile: tuple[VolatileRule, ...] = BUILTIN_RULES  # applied to every request, in order
     default_max_tokens: int | None = None  # output cap without max_tokens (None: --default-max-tokens)
     store_outage: StoreOutage = StoreOutage.WAIT
+    hosted_tools: HostedTools = HostedTools.OMIT
 
     def model_id(self, requested: str, served: set[str]) -> str | None:
         """The served model a requested name means for this tenant, else None: an exact alias, the
@@ -237,6 +252,10 @@ def parse_tenants(doc: dict[str, Any]) -> Tenants:
             raise TenantConfigError(
                 f"{where}.default_max_tokens must be an integer within 0..2^31-1 (0: none)"
             )
+        try:
+            hosted = HostedTools(raw.get("hosted_tools", HostedTools.OMIT.value))
+        except ValueError:
+            raise TenantConfigError(f"{where}.hosted_tools must be 'omit' or 'refuse'") from None
         out[name] = Tenant(
             name,
             frozenset(all_digests),
@@ -248,6 +267,7 @@ def parse_tenants(doc: dict[str, Any]) -> Tenants:
             volatile=_volatile(raw, where),
             default_max_tokens=cap,
             store_outage=outage,
+            hosted_tools=hosted,
         )
     return Tenants(out, open_access=False)
 

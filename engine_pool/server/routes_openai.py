@@ -203,8 +203,10 @@ async def run_chat(
         con = await build_constraint(req, lim.schema, fmt, reasoning=opened)
         if plan is not None:  # llama.cpp's layer reads the calls; ours would ban its call tag
             con = replace(con, parse_tools=_parses_calls(req), ban_tool_calls=False)
+        if req.input_grammars and con.grammar:
+            # A client's grammar inside: nested no deeper than a raw `grammar` may be.
+            check_grammar(con.grammar, lim.schema.max_bytes, lim.max_grammar_depth, _input_field(req))
         if con.lazy:
-            check_grammar(con.grammar, lim.max_grammar_bytes, lim.max_grammar_depth, "tools")
             triggers = _call_tag_triggers(rt, fmt)
     sampling = await with_biases(rt, req.sampling)  # once for every choice
     stops = (*rt.template.stops, *(plan.stops if plan is not None else ()))
@@ -417,15 +419,21 @@ def _upstream_constraint(
     return Constraint(plan.grammar, True, False), triggers
 
 
+def _input_field(req: ChatRequest) -> str:
+    """The field of the first tool whose input a grammar constrains, `tools[i].input_grammar`."""
+    name = next(iter(req.input_grammars))
+    i = next(i for i, t in enumerate(req.tools) if t["function"]["name"] == name)
+    return f"tools[{i}].input_grammar"
+
+
 def _no_input_grammars(req: ChatRequest, plan: UpstreamPlan) -> BadRequest:
     """A tool input grammar under llama.cpp's chat layer: its call format is not one of ours, whose
     grammars write a custom tool's input (formats/), so it could not be enforced: refused."""
-    name = next(iter(req.input_grammars))
-    i = next(i for i, t in enumerate(req.tools) if t["function"]["name"] == name)
+    where = _input_field(req)
     return BadRequest(
-        f"'tools[{i}]': the tool {name!r} constrains its input with a grammar, which this model's "
-        f"tool-call format ({plan.format}, read by llama.cpp's chat layer) cannot enforce",
-        param=f"tools[{i}]",
+        f"'{where}': the tool {next(iter(req.input_grammars))!r} constrains its input with a grammar, which "
+        f"this model's tool-call format ({plan.format}, read by llama.cpp's chat layer) cannot enforce",
+        param=where,
     )
 
 

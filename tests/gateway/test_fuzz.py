@@ -102,7 +102,7 @@ def test_an_integer_past_pythons_digit_limit_is_a_400(client: httpx.Client, mode
     assert "not valid JSON" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("endpoint", GATEWAY_ENDPOINTS, ids=lambda e: e.path)
+@pytest.mark.parametrize("endpoint", GATEWAY_ENDPOINTS, ids=lambda e: e.name)
 def test_no_body_gets_a_5xx(client: httpx.Client, model: str, endpoint: Endpoint) -> None:
     assert_no_body_gets_a_5xx(client, endpoint, model)
     assert client.get("/health").status_code == 200

@@ -31,7 +31,36 @@ def test_precedence_follows_the_table() -> None:
     assert session_key(headers, body, MAIN)[1] == "codex"  # session-id, as newer Codex sends it
     assert session_key({}, body, MAIN)[0].startswith("pck-")
     assert session_key({}, {}, MAIN) == (None, "implicit")
-    assert [s.source for s in SIGNALS] == ["header", "claude-code", "codex", "codex", "prompt_cache_key"]
+    assert [s.source for s in SIGNALS] == [
+        "header",
+        "claude-code",
+        *["codex"] * 5,
+        "prompt_cache_key",
+    ]
+
+
+CODEX_ID = "01a24957-b511-70f2-932d-a0fc4a628eef"
+
+
+def test_codex_thread_and_session_ids_in_its_precedence() -> None:
+    """Codex 0.171 sends the same id as `session-id` and `thread-id` headers, in `client_metadata`
+    (session_id, thread_id) and as `prompt_cache_key`: all name one session, the one its
+    `session-id` header alone named before; a thread of its own (a sub-agent) gets its own."""
+    before = session_key({"session-id": CODEX_ID}, {}, MAIN)
+    headers = {"session-id": CODEX_ID, "thread-id": CODEX_ID}
+    meta = {"client_metadata": {"session_id": CODEX_ID, "thread_id": CODEX_ID}, "prompt_cache_key": CODEX_ID}
+    assert session_key(headers, meta, MAIN) == before
+    assert session_key({}, meta, MAIN) == before  # the body alone: the same session
+    assert session_key({}, {"client_metadata": {"session_id": CODEX_ID}}, MAIN) == before
+    # A sub-agent's thread in the same CLI session: the thread wins over the session.
+    sub = session_key({"session-id": CODEX_ID, "thread-id": "thread-2"}, {}, MAIN)
+    assert sub[1] == "codex" and sub != before
+    assert (
+        session_key({}, {"client_metadata": {"session_id": CODEX_ID, "thread_id": "thread-2"}}, MAIN) == sub
+    )
+    # Other metadata is no signal; metadata that is no object is none either.
+    assert session_key({}, {"client_metadata": {"turn_id": "t"}}, MAIN) == (None, "implicit")
+    assert session_key({}, {"client_metadata": ["thread_id"]}, MAIN) == (None, "implicit")
 
 
 def test_agent_signals_are_scoped_by_the_shared_prefix_and_ours_is_not() -> None:
@@ -66,6 +95,9 @@ def test_the_scope_is_only_computed_for_an_agent_signal() -> None:
         ({}, {"prompt_cache_key": 7}, "prompt_cache_key"),
         ({}, {"prompt_cache_key": ""}, "prompt_cache_key"),
         ({}, {"prompt_cache_key": "k" * 10_000}, "prompt_cache_key"),
+        ({"thread-id": "t\nx"}, {}, "thread-id"),
+        ({}, {"client_metadata": {"thread_id": 5}}, "client_metadata.thread_id"),
+        ({}, {"client_metadata": {"session_id": "s" * (MAX_SIGNAL_CHARS + 1)}}, "client_metadata.session_id"),
     ],
 )
 def test_hostile_signals_are_refused_precisely(headers, body, param) -> None:

@@ -6,10 +6,12 @@ import pytest
 
 from gateway.tenants import (
     Durability,
+    HostedTools,
     StoreOutage,
     TenantConfigError,
     key_digest,
     load_tenants,
+    open_tenants,
     parse_tenants,
 )
 from storage.errors import InvalidId
@@ -49,6 +51,10 @@ def test_keys_are_hashed_and_authenticate_their_tenant(tmp_path):
         ({"tenants": {"a": {"keys": ["k"], "storage": {"idle_ttl_s": 0}}}}, "idle_ttl_s"),
         ({"tenants": {"a": {"keys": ["k"], "storage": {"idle_ttl_s": True}}}}, "idle_ttl_s"),
         ({"tenants": {"a": {"keys": ["k"], "storage": {"on_store_outage": "drop"}}}}, "on_store_outage"),
+        (
+            {"tenants": {"a": {"keys": ["k"], "hosted_tools": "run"}}},
+            "tenants.a.hosted_tools must be 'omit' or 'refuse'",
+        ),
         (
             {"tenants": {"a": {"keys": ["k"], "volatile": [{"name": "all", "pattern": ".*"}]}}},
             "matches every line",
@@ -99,6 +105,15 @@ def test_storage_settings_per_tenant():
     assert (a.share_chunks, a.idle_ttl_s, a.store_outage) == (False, 86400.0, StoreOutage.REPREFILL)
     # shared, kept until deleted, waited for while the store is down
     assert (b.share_chunks, b.idle_ttl_s, b.store_outage) == (True, None, StoreOutage.WAIT)
+
+
+def test_hosted_tools_are_omitted_unless_the_tenant_refuses_them():
+    tenants = parse_tenants(
+        {"tenants": {"a": {"keys": ["ka"], "hosted_tools": "refuse"}, "b": {"keys": ["kb"]}}}
+    )
+    assert tenants.by_name["a"].hosted_tools is HostedTools.REFUSE
+    assert tenants.by_name["b"].hosted_tools is HostedTools.OMIT
+    assert open_tenants().by_name["default"].hosted_tools is HostedTools.OMIT
 
 
 def test_tenant_names_are_ids():

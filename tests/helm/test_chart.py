@@ -48,9 +48,12 @@ def env_names(flags: Iterable[Any]) -> set[str]:
 GATEWAY_ENV = env_names(GATEWAY_FLAGS)
 NODE_ENV = env_names(NODE_FLAGS)
 NAME = re.compile(r"SLOTKEEPER_[A-Z0-9_]+")
-# Settings the chart deliberately leaves to the process's default, with the reason. Empty today:
-# a flag added to either FLAGS table must be wired into env.yaml (or listed here).
-NOT_SET: dict[str, str] = {}
+# Settings the chart deliberately leaves to the process's default, with the reason: a flag added to
+# either FLAGS table must be wired into env.yaml (or listed here).
+NOT_SET: dict[str, str] = {
+    "SLOTKEEPER_SEALING_KEY": "derived from the internal key, which the chart keeps in its Secret across "
+    "upgrades: every gateway replica derives the same one",
+}
 # Variables the gateway gets that are not its own settings: boto3's credential chain.
 BOTO_ENV = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
 

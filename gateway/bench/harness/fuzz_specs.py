@@ -180,7 +180,8 @@ class Endpoint:
     `bounded` the fields that bound its generation (int values kept small in valid bodies), and
     `models` whether the body names a model that must be the served one to get past routing, and
     `needs` the fields the spec leaves optional that the servers require (drawn in every valid body,
-    so that most of them get past the first check)."""
+    so that most of them get past the first check), or that a variant of the endpoint is about
+    (`title` names such a variant)."""
 
     path: str
     style: str
@@ -188,10 +189,11 @@ class Endpoint:
     bounded: tuple[str, ...] = ()
     models: bool = True
     needs: tuple[str, ...] = ()  # optional in the spec, required here: always drawn in valid bodies
+    title: str = ""
 
     @property
     def name(self) -> str:
-        return self.path
+        return self.title or self.path
 
 
 def _oa(path: str) -> Callable[[], Schema]:
@@ -206,12 +208,37 @@ def _ll(name: str) -> Callable[[], Schema]:
     return lambda: llama_schema(name)
 
 
+def _with_tools(path: str) -> Callable[[], Schema]:
+    """The body schema of `path` whose `tools` is never null or empty (1 to 3 of the spec's `Tool`s)."""
+
+    def schema() -> Schema:
+        body = request_schema("openai", path)
+        node = body.node
+        while "$ref" in node and (target := body.resolve(str(node["$ref"]))) is not None:
+            node = target
+        tools = {"type": "array", "items": {"$ref": "#/components/schemas/Tool"}, "minItems": 1}
+        last = {"type": "object", "properties": {"tools": tools}}  # (the walker merges allOf in order)
+        return Schema({**node, "allOf": [*node["allOf"], last]}, body.doc)
+
+    return schema
+
+
 CHAT = Endpoint(
     "/v1/chat/completions", "openai", _oa("/chat/completions"), ("max_tokens", "max_completion_tokens")
 )
 CHAT_TOKENS = Endpoint("/v1/chat/completions/input_tokens", "openai", _oa("/chat/completions"))
 COMPLETIONS = Endpoint("/v1/completions", "openai", _oa("/completions"), ("max_tokens",))
 RESPONSES = Endpoint("/v1/responses", "openai", _oa("/responses"), ("max_output_tokens",), needs=("input",))
+# The same with tools in every body: each of the spec's tool types (function, custom with its
+# grammars, namespace, the hosted ones) is drawn often within the suite's budget.
+RESPONSES_TOOLS = Endpoint(
+    "/v1/responses",
+    "openai",
+    _with_tools("/responses"),
+    ("max_output_tokens",),
+    needs=("input", "tools"),
+    title="/v1/responses+tools",
+)
 MESSAGES = Endpoint("/v1/messages", "anthropic", _an("/v1/messages"), ("max_tokens",))
 COUNT_TOKENS = Endpoint("/v1/messages/count_tokens", "anthropic", _an("/v1/messages/count_tokens"))
 COMPLETION = Endpoint("/completion", "openai", _ll("Completion"), ("n_predict",), models=False)
@@ -220,5 +247,5 @@ DETOKENIZE = Endpoint("/detokenize", "openai", _ll("Detokenize"), models=False)
 APPLY_TEMPLATE = Endpoint("/apply-template", "openai", _ll("ApplyTemplate"), models=False)
 
 # What the gateway serves to tenants, and what an engine (a llama-server drop-in) serves.
-GATEWAY_ENDPOINTS = (CHAT, CHAT_TOKENS, COMPLETIONS, RESPONSES, MESSAGES, COUNT_TOKENS)
+GATEWAY_ENDPOINTS = (CHAT, CHAT_TOKENS, COMPLETIONS, RESPONSES, RESPONSES_TOOLS, MESSAGES, COUNT_TOKENS)
 ENGINE_ENDPOINTS = (*GATEWAY_ENDPOINTS, COMPLETION, TOKENIZE, DETOKENIZE, APPLY_TEMPLATE)

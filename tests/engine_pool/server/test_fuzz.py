@@ -18,7 +18,7 @@ from gateway.bench.harness.fuzz_specs import ENGINE_ENDPOINTS, Endpoint
 from ..conftest import EngineProcess
 
 
-@pytest.mark.parametrize("endpoint", ENGINE_ENDPOINTS, ids=lambda e: e.path)
+@pytest.mark.parametrize("endpoint", ENGINE_ENDPOINTS, ids=lambda e: e.name)
 def test_no_body_gets_a_5xx(qwen: httpx.Client, endpoint: Endpoint) -> None:
     assert_no_body_gets_a_5xx(qwen, endpoint, "tiny-qwen")
     assert qwen.get("/health").status_code == 200

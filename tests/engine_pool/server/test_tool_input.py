@@ -9,18 +9,22 @@ import json
 import re
 from collections.abc import Callable, Iterator
 from contextlib import closing
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 import native
+from engine_pool.common.body import Body
 from engine_pool.common.errors import BadRequest
 from engine_pool.protocol.openai_responses.tools import INPUT_PARAMETERS
 from engine_pool.protocol.tool_grammar import parse_grammar
-from engine_pool.server.chat_request import input_schema, lenient_schema
+from engine_pool.server.chat_request import ChatRequest, constraint, input_schema, lenient_schema, parse_chat
 from engine_pool.server.formats import FORMATS, ToolCall
 from engine_pool.server.gbnf import check_grammar
 from engine_pool.server.grammar import GrammarLimits
+from engine_pool.server.limits import RequestLimits
+from engine_pool.server.sampling import Sampling
 from engine_pool.server.tool_input import gbnf_literal
 
 from ..protocol.tool_grammar.conftest import admits
@@ -146,3 +150,56 @@ def test_a_grammar_past_the_engine_s_budget_is_a_400() -> None:
     with pytest.raises(BadRequest) as exc:
         FORMATS["hermes"].grammar([("tool", input_schema(g))], GrammarLimits(max_bytes=100))
     assert exc.value.status == 400 and "bytes, the limit of this engine" in exc.value.message
+
+
+def _chat(**fields: Any) -> ChatRequest:
+    tool = {"type": "function", "function": {"name": "patch", "parameters": INPUT_PARAMETERS}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool], **fields}
+    return parse_chat(Body(body), Sampling(), RequestLimits(), n_vocab=1000, n_ctx=1000)
+
+
+def test_an_input_grammar_is_the_chat_path_s_extension_and_never_reaches_the_template() -> None:
+    grammar = {"syntax": "regex", "definition": "p+"}
+    req = _chat(
+        tools=[
+            {
+                "type": "function",
+                "function": {"name": "patch", "parameters": INPUT_PARAMETERS},
+                "input_grammar": grammar,
+            }
+        ]
+    )
+    assert list(req.input_grammars) == ["patch"] and "input_grammar" not in req.tools[0]
+    con = constraint(req, fmt=FORMATS["qwen-xml"])
+    assert con.lazy and con.parse_tools and "patch" in con.grammar
+    forced = constraint(replace(req, tool_choice="function", tool_name="patch"), fmt=FORMATS["qwen-xml"])
+    assert not forced.lazy and forced.grammar.startswith("root ::=")
+    assert not constraint(replace(req, tool_choice="none"), fmt=FORMATS["qwen-xml"]).grammar
+
+
+@pytest.mark.parametrize(
+    ("spec", "extra", "param", "message"),
+    [
+        ("p+", {}, "tools[0].input_grammar", "must be an object"),
+        ({"syntax": "ebnf", "definition": "x"}, {}, "tools[0].input_grammar.syntax", "one of lark, regex"),
+        ({"syntax": "regex", "definition": 5}, {}, "tools[0].input_grammar.definition", "must be a string"),
+        ({"syntax": "regex", "definition": "(?=a)"}, {}, "tools[0].input_grammar.definition", "lookahead"),
+        (
+            {"syntax": "regex", "definition": "p+"},
+            {"response_format": {"type": "json_object"}},
+            "tools[0]",
+            "cannot be combined with a constrained reply",
+        ),
+    ],
+)
+def test_a_bad_input_grammar_is_a_400_naming_it(
+    spec: Any, extra: dict[str, Any], param: str, message: str
+) -> None:
+    tool = {
+        "type": "function",
+        "function": {"name": "patch", "parameters": INPUT_PARAMETERS},
+        "input_grammar": spec,
+    }
+    with pytest.raises(BadRequest) as exc:
+        constraint(_chat(tools=[tool], **extra))
+    assert exc.value.param == param and message in exc.value.message
