@@ -27,7 +27,9 @@ def encode_metadata(ref: SlotRef, opts: PutOptions, *, size: int, crc32: int, wr
     if n_tokens < 0:
         raise StorageError("n_tokens must be >= 0")
     if route and not STORED_ROUTES.fullmatch(route):
-        raise StorageError("route must be lowercase hex digests of 16..128 characters (route[.shared])")
+        raise StorageError(
+            "route must be lowercase hex digests of 16..128 characters (route[.shared][+prompt][-head])"
+        )
     md = {
         "tenant": ref.tenant,
         "session": ref.session,

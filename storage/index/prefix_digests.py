@@ -20,25 +20,31 @@ from storage.index.keyspace import Keyspace, redis_errors, text
 _DIGEST = re.compile(r"[0-9a-f]{16,128}")
 DEFAULT_ROUTE_TTL_S = 7 * 24 * 3600.0
 # What a save stores of a session's routing digests (with its slot file or manifest, for reindex):
-# its conversation's route, then its shared prefix's digest after a dot and its last prompt's after
-# a plus (both storage.index.shared_prefixes).
-STORED_ROUTES = re.compile(r"[0-9a-f]{16,128}(\.[0-9a-f]{16,128})?(\+[0-9a-f]{16,128})?")
+# its conversation's route, then its shared prefix's digest after a dot, its last prompt's after a
+# plus (both storage.index.shared_prefixes) and its last turn's head after a dash (gateway.branches).
+STORED_ROUTES = re.compile(r"[0-9a-f]{16,128}(\.[0-9a-f]{16,128})?(\+[0-9a-f]{16,128})?(-[0-9a-f]{16,128})?")
 
 
-def join_routes(route: str, shared: str, prompt: str = "") -> str:
+def join_routes(route: str, shared: str, prompt: str = "", head: str = "") -> str:
     """The stored form of a session's routes; the other digests are kept only beside a route (a
     session has one once a turn of it finished, and only then the others)."""
     if not route:
         return ""
-    return route + (f".{shared}" if shared else "") + (f"+{prompt}" if prompt else "")
+    return (
+        route
+        + (f".{shared}" if shared else "")
+        + (f"+{prompt}" if prompt else "")
+        + (f"-{head}" if head else "")
+    )
 
 
-def split_routes(stored: str) -> tuple[str, str, str]:
-    """(route, shared prefix's digest, last prompt's digest) of a stored form ("" for what it
-    lacks; a form stored before prompts were recorded has none)."""
+def split_routes(stored: str) -> tuple[str, str, str, str]:
+    """(route, shared prefix's digest, last prompt's digest, last head) of a stored form ("" for
+    what it lacks; a form stored before prompts or heads were recorded has none)."""
+    stored, _, head = stored.partition("-")
     routes, _, prompt = stored.partition("+")
     route, _, shared = routes.partition(".")
-    return route, shared, prompt
+    return route, shared, prompt, head
 
 
 # KEYS: the digests' route keys, longest prefix first. ARGV[1]: the tenant's session-key prefix

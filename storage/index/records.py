@@ -37,6 +37,9 @@ class SessionRecord:
     route: str = ""  # newest routing digest: stored with the slot file, so reindex restores it
     shared: str = ""  # its shared prefix's digest (storage.index.shared_prefixes): stored beside the route
     prompt: str = ""  # its last prompt's digest (storage.index.shared_prefixes): stored beside the route
+    # Its last turn's head (gateway.prefixes.head_digest): a turn continues the session only from
+    # there, else it branches (gateway.branches). Stored beside the route.
+    head: str = ""
     dirty: bool = False  # the slot changed since durable `generation` was saved
     # Generations up to `floor` belonged to an earlier, deleted session with this id: copies of them
     # may linger in spill caches or the store, so this session never saves or records one of them.
@@ -47,7 +50,7 @@ class SessionRecord:
     def stored_routes(self) -> str:
         """What a save stores for reindex to route to the session again
         (:func:`storage.index.prefix_digests.join_routes`)."""
-        return join_routes(self.route, self.shared, self.prompt)
+        return join_routes(self.route, self.shared, self.prompt, self.head)
 
     @property
     def live(self) -> bool:
@@ -89,6 +92,7 @@ class SessionRecord:
             route=h.get("route", ""),
             shared=h.get("shared", ""),
             prompt=h.get("prompt", ""),
+            head=h.get("head", ""),
             dirty=h.get("dirty") == "True",
             floor=int(h.get("floor", 0)),
             reserved=int(h.get("reserved", 0)),

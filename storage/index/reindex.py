@@ -97,7 +97,7 @@ async def reindex(
 
 def stored_record(info: BlobInfo, meta: BlobMeta) -> SessionRecord:
     """The record of a session spilled at the stored generation ``info`` (its metadata ``meta``)."""
-    route, shared, prompt = split_routes(meta.route)
+    route, shared, prompt, head = split_routes(meta.route)
     return SessionRecord(
         info.ref.tenant,
         info.ref.session,
@@ -111,6 +111,7 @@ def stored_record(info: BlobInfo, meta: BlobMeta) -> SessionRecord:
         route=route,
         shared=shared,
         prompt=prompt,
+        head=head,
     )
 
 

@@ -322,10 +322,12 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
         route: str | None = None,
         shared: str | None = None,
         prompt: str | None = None,
+        head: str | None = None,
     ) -> Decide:
         """:meth:`mark_idle`'s transition (for :meth:`apply` with ``idle=True``); ``shared`` and
         ``prompt`` are the digests of its shared prefix and its last prompt
-        (:mod:`storage.index.shared_prefixes`), kept to be stored beside the route."""
+        (:mod:`storage.index.shared_prefixes`), ``head`` its last turn's (gateway.branches), kept
+        to be stored beside the route."""
         now = self._clock()
 
         def decide(old: SessionRecord | None) -> SessionRecord:
@@ -338,6 +340,7 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
                 route=old.route if route is None else validate_digest(route),
                 shared=old.shared if shared is None else validate_digest(shared),
                 prompt=old.prompt if prompt is None else validate_digest(prompt),
+                head=old.head if head is None else validate_digest(head),
             )
 
         return decide

@@ -219,7 +219,10 @@ async def test_the_last_prompts_digest_travels_beside_the_route_too(
     for digest, session in ((prompt, "both"), (shared, "both"), ("34" * 16, "no-shared")):
         found = await index.find_shared("acme", digest)
         assert found is not None and found.session == session
-    assert split_routes(f"{route}.{shared}") == (route, shared, "")  # the form stored before
+    assert split_routes(f"{route}.{shared}") == (route, shared, "", "")  # the form stored before
+    head = "56" * 16
+    assert split_routes(join_routes(route, shared, prompt, head)) == (route, shared, prompt, head)
+    assert split_routes(join_routes(route, "", "", head)) == (route, "", "", head)
     assert join_routes("", shared, prompt) == ""  # nothing without a route
     with pytest.raises(StorageError, match="route"):
         bad = f"{route}+{shared}+x"
