@@ -13,7 +13,9 @@ prompt prefix it holds, marked or not. The conversation is translated to chat me
   its text), its text blocks one user message after them;
 - an assistant message's `thinking` blocks become `reasoning_content` (`redacted_thinking` is
   dropped: nothing can read it), its text the content, its `tool_use` blocks `tool_calls` (the
-  input object as a JSON text).
+  input object as a JSON text);
+- a mid-conversation `system` message (Claude Opus 4.8's; Claude Code sends its agent and skill
+  listings as one) becomes a chat `system` message at its place, its text blocks joined.
 `thinking` {enabled|disabled} becomes the template's `enable_thinking` (`adaptive` leaves the
 template's default); `budget_tokens` (any size, as llama-server takes it, below `max_tokens`) is
 not enforced: thinking counts against `max_tokens`.
@@ -304,12 +306,15 @@ def _messages(body: Body, max_messages: int) -> tuple[dict[str, Any], ...]:
     for msg in body.objects("messages"):
         where = msg.path
         role = msg.get_str("role")
-        if role not in ("user", "assistant"):
+        if role not in ("user", "assistant", "system"):
             raise BadRequest(
-                f"'{where}.role' must be user or assistant; got {role!r} (the system prompt is 'system')",
-                param=f"{where}.role",
+                f"'{where}.role' must be user, assistant or system; got {role!r}", param=f"{where}.role"
             )
         content = msg.raw("content")
+        if role == "system":  # a mid-conversation system message: a chat system message where it sits
+            text = content if isinstance(content, str) else _texts(content, f"{where}.content", max_messages)
+            out.append({"role": "system", "content": text})
+            continue
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue

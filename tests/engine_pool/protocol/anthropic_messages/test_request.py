@@ -83,6 +83,17 @@ def test_the_conversation_as_chat_messages() -> None:
     ]
 
 
+def test_a_mid_conversation_system_message_stays_where_it_sits() -> None:
+    """Claude Code (2.1.197, on Opus 4.8 and newer names) sends its agent and skill listings as a
+    `system` message after the first user message, and the conversation may end there."""
+    listing = [{"type": "text", "text": "Agents: Explore."}, {"type": "text", "text": "Skills: init."}]
+    req = parse({"system": "Be brief.", "messages": [*USER, {"role": "system", "content": listing}]})
+    assert list(req.messages) == [*USER, {"role": "system", "content": "Agents: Explore.\nSkills: init."}]
+    assert api.chat_body(req)["messages"] == [{"role": "system", "content": "Be brief."}, *req.messages]
+    later = parse({"messages": [*USER, {"role": "system", "content": "Later."}, *USER]})
+    assert list(later.messages) == [*USER, {"role": "system", "content": "Later."}, *USER]
+
+
 def test_tool_results_alone_make_no_empty_user_message() -> None:
     req = parse(
         {
@@ -192,7 +203,12 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     ({"max_tokens": 0, "messages": USER}, "max_tokens", "must be >= 1"),
     ({}, "messages", "'messages' is required"),
     ({"messages": ["hi"]}, "messages[0]", "must be an object, got string"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role", "must be user or assistant"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "user, assistant or system"),
+    (
+        {"messages": [*USER, {"role": "system", "content": [{"type": "tool_use"}]}]},
+        "messages[1].content[0]",
+        "'tool_use'",
+    ),
     (
         {"messages": [{"role": "user", "content": 5}]},
         "messages[0].content",
