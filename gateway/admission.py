@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine_pool.common.errors import ApiError, QuotaExceeded, RateLimited
@@ -19,6 +20,7 @@ from gateway.early import Admission, EarlyStart, early_start
 from gateway.holds import SessionHold
 from gateway.tenants import Tenant
 from gateway.turn_parts import TurnParts
+from storage.index.records import SessionRecord
 from storage.index.turnops import TurnStart
 
 
@@ -76,19 +78,26 @@ def new_session_refusal(tenant: Tenant, start: TurnStart) -> QuotaExceeded | Non
 
 
 async def open_turn(
-    parts: TurnParts, admissions: dict[str, Admission], tenant: Tenant, session: str, model: str
+    parts: TurnParts,
+    admissions: dict[str, Admission],
+    tenant: Tenant,
+    session: str,
+    model: str,
+    goes_on: Callable[[SessionRecord | None], bool] = lambda record: True,
 ) -> Opening:
     """Take this process's hold on the session over from its previous turn (when it has one and
     no request runs on it), and decide whether the turn may start before its opening read: only on
-    such a hold, while this process's last reads of the tenant left room (`Admission.room`). The
-    caller hands the `Opening` to `admit`, or to `abandon` when it gives up before."""
+    such a hold, while this process's last reads of the tenant left room (`Admission.room`), and
+    only when the turn goes on from the state the hold's record says its slot holds (``goes_on``:
+    else the turn branches, gateway.branches, and its slot must not see it). The caller hands the
+    `Opening` to `admit`, or to `abandon` when it gives up before."""
     limit = tenant.quotas.inflight or parts.settings.max_inflight
     own = parts.holds.get(tenant.name, session)
     if own is not None and not await parts.holds.take_over(own):
         own = None  # a request runs on it (forked later) or it was released (locked later)
     early = None
     try:
-        if own is not None and parts.settings.early_start:
+        if own is not None and parts.settings.early_start and goes_on(own.record):
             admission = admissions.setdefault(tenant.name, Admission())
             if admission.room(tenant.quotas.requests_per_minute, limit, time.time()):
                 rec = own.record

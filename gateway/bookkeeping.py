@@ -39,6 +39,7 @@ class Bookkeeping:
     digests: tuple[str, ...] = ()  # the routes its next turn is found by (gateway.prefixes)
     shared: str | None = None  # its shared prefix's digest, for sessions that start from it
     identical: str | None = None  # this prompt's digest, for a new session that sends it again
+    head: str | None = None  # this turn's head: where its next turn goes on from (gateway.branches)
     usage: Mapping[str, int] = field(default_factory=dict)
     inflight: str = ""  # the tenant's in-flight place to give back
     release: bool = False  # the lock too (no save follows and no other user holds it)
@@ -49,10 +50,16 @@ class Bookkeeping:
     def route(self) -> str | None:
         return self.digests[-1] if self.digests else None
 
+    @property
+    def routes(self) -> list[str]:
+        """What implicit routing finds the session by from now on: its complete turns and its head
+        (gateway.prefixes.route_lookup looks both up)."""
+        return [*self.digests, self.head] if self.head else list(self.digests)
+
     def queue(self, index: SessionIndex, ops: Ops, tenant: str, session: str) -> None:
         """Queue the writes besides the record on the record's own round trip."""
-        if self.digests:
-            index.queue_prefixes(ops, tenant, session, list(self.digests))
+        if self.routes:
+            index.queue_prefixes(ops, tenant, session, self.routes)
         for digest in (self.shared, self.identical):
             if digest:
                 index.queue_shared(ops, tenant, session, digest)
@@ -94,6 +101,7 @@ def bookkeeping(
         tuple(digests),
         turn.shared,
         identical if shares else None,
+        turn.prompt.head if turn.prompt is not None else None,
         usage,
         turn.inflight,
         release,
@@ -116,7 +124,7 @@ async def finish(
         last_user=parts.holds.last_user(hold),
         linger=parts.settings.early_start and parts.holds.lingers and not outcome.moved,
     )
-    decide = parts.index.decide_idle(s, books.tokens, books.route, books.shared, books.identical)
+    decide = parts.index.decide_idle(s, books.tokens, books.route, books.shared, books.identical, books.head)
     idle: bool | None = True
     if outcome.moved:  # its slot holds someone else's state: it is recorded as its stored state
         decide, idle = parts.index.decide_unplaced(turn.placement.engine, turn.placement.slot), None
@@ -133,8 +141,8 @@ async def finish(
             # say (process exit, failed health, re-registration drop its sessions), not ours.
             log.warning("session.turn_failed", tenant=t, session=s, error=outcome.error)
         if not written:  # the record changed under us: the transaction wrote it; now the rest
-            if books.digests:
-                await parts.index.add_prefixes(t, s, list(books.digests))
+            if books.routes:
+                await parts.index.add_prefixes(t, s, books.routes)
             for digest in (books.shared, books.identical):
                 if digest:
                     await parts.index.add_shared(t, s, digest)

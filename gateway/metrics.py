@@ -61,6 +61,13 @@ class Metrics:
             "tenant's on_store_outage = reprefill)",
         )
         self.evictions = family(Counter, "evictions", "Idle sessions spilled for room")
+        self.branches = family(
+            Counter,
+            "branches",
+            "Turns that did not continue the state of the session they reached and started a branch "
+            "of it instead (gateway.branches), by how the session was found",
+            "source",
+        )
         self.slot_changed = family(
             Counter,
             "slot_changed",

@@ -220,11 +220,14 @@ async def _place_by_pool_view(
             # It was not there: the slot is free, and what it holds is nobody's to start from.
             kept = None if placement.prefix_from == victim.session else placement.prefix_from
             placement = replace(placement, evict=None, prefix_from=kept)
+        # A restore for a prompt that leaves the stored conversation early (an edited message, a
+        # branch) is cut at the prompt's checkpoint.
+        stored = holder if forked_from else record
         cut = (
             placement.serve is Serve.RESTORE
             and prompt is not None
-            and not forked_from
-            and prompt.leaves(record)
+            and stored is not None
+            and prompt.leaves(stored)
         )
         prep = slot_prep(
             placement, tenant.name, forked_from or record.session, generation, holder, cut, prompt, shares

@@ -123,6 +123,45 @@ def lookup_digests(messages: Sequence[Mapping[str, Any]], model: str) -> list[st
     return list(reversed(turn_digests(messages, model)))
 
 
+def tools_digest(tools: Any) -> str:
+    """Digest of the tools as sent, in their order (templates render them so), hashed once per
+    request: every head of the request names them by it."""
+    return hashlib.sha256(
+        _utf8(json.dumps(tools or [], separators=(",", ":"), ensure_ascii=False))
+    ).hexdigest()
+
+
+def head_digest(messages_digest: str, tools: str) -> str:
+    """Digest of a conversation as one turn's prompt: its messages (a `prefix_digests` entry) and
+    its tools (`tools_digest`). A session records the head of its last turn: its state is that
+    prompt and the reply (gateway.branches)."""
+    return hashlib.sha256(f"head\x1e{messages_digest}\x1e{tools}".encode()).hexdigest()[:32]
+
+
+def continued_heads(chain: Sequence[str], messages: Sequence[Mapping[str, Any]], tools: str) -> list[str]:
+    """The heads a request goes on from, longest first: for each assistant message (a reply, whatever
+    its text: templates render it again, clients send it back in their own form), the head of the
+    messages before it. ``chain``: the messages' `prefix_digests`."""
+    return [
+        head_digest(chain[i - 1], tools)
+        for i in range(len(messages) - 1, 0, -1)
+        if messages[i].get("role") == "assistant"
+    ]
+
+
+def route_lookup(chain: Sequence[str], messages: Sequence[Mapping[str, Any]], tools: str) -> list[str]:
+    """What implicit routing looks a request up by, longest first: for each assistant message, the
+    complete turn up to it (its route, reply included), then the head before it (the same
+    conversation, found whatever form the reply came back in)."""
+    out = []
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].get("role") == "assistant":
+            out.append(chain[i])
+            if i:
+                out.append(head_digest(chain[i - 1], tools))
+    return out
+
+
 def _leading_system(messages: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:
     n = 0
     while n < len(messages) and messages[n].get("role") in ("system", "developer"):

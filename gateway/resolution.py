@@ -6,17 +6,24 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
-from gateway.prefixes import lookup_digests, system_digest
+from gateway.prefixes import system_digest
 from gateway.session_keys import session_key
 from gateway.tenants import Tenant
+from gateway.turn import RestorePrompt
 from storage.index.session_index import SessionIndex
 
 
 async def resolve(
-    index: SessionIndex, tenant: Tenant, headers: Mapping[str, str], body: Mapping[str, Any], model: str
+    index: SessionIndex,
+    tenant: Tenant,
+    headers: Mapping[str, str],
+    body: Mapping[str, Any],
+    prompt: RestorePrompt | None,
 ) -> tuple[str, str]:
     """The session a request names (gateway.session_keys), finds implicitly by the digests of its
-    history (gateway.prefixes), or a new one; and how it was found."""
+    history (gateway.prefixes: `RestorePrompt.lookup`), or a new one; and how it was found. Whether
+    the turn continues that session or branches from it is decided once its record is read
+    (gateway.branches)."""
     messages = body.get("messages")
 
     def scope() -> str | None:  # an agent's conversations: one session per system prompt
@@ -25,8 +32,16 @@ async def resolve(
     explicit, source = session_key(headers, body, scope)
     if explicit is not None:
         return explicit, source
-    if isinstance(messages, list):
-        hit = await index.match_prefix(tenant.name, lookup_digests(messages, model))
+    if prompt is not None:
+        hit = await find_conversation(index, tenant.name, prompt)
         if hit is not None:
             return hit[1], "implicit"
     return "s-" + secrets.token_hex(12), "new"
+
+
+async def find_conversation(
+    index: SessionIndex, tenant: str, prompt: RestorePrompt
+) -> tuple[str, str] | None:
+    """The session that recorded the longest part of the prompt's conversation, and the digest it
+    was found by (one of `RestorePrompt.lookup`: a complete turn, or a head); None when none did."""
+    return await index.match_prefix(tenant, prompt.lookup) if prompt.lookup else None

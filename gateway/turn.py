@@ -16,7 +16,15 @@ from typing import Any
 from engine_pool.pool.client import NodeClient
 from gateway.holds import SessionHold
 from gateway.placement import Placement
-from gateway.prefixes import lookup_digests, prefix_digests, prompt_digest, shared_digest
+from gateway.prefixes import (
+    continued_heads,
+    head_digest,
+    prefix_digests,
+    prompt_digest,
+    route_lookup,
+    shared_digest,
+    tools_digest,
+)
 from gateway.tenants import Tenant
 from storage.ids import validate_id
 from storage.index.locks import SessionLock
@@ -47,16 +55,49 @@ class TurnSettings:
 
 @dataclass(frozen=True)
 class RestorePrompt:
-    """The prompt a turn is placed for, as far as a restore can use it: a conversation that leaves
-    the stored one before its end (an edited earlier message, a retry from far back) needs only
-    the stored part up to the checkpoint the engine continues from, and the node can cut the
-    generation there given the prompt's tokens — which the placing step asks the engine for
-    (`tokens_body`: what it sends)."""
+    """The prompt a turn is placed for, and its digests (gateway.prefixes), each computed once,
+    when first needed: what implicit routing looks it up by (`lookup`), the heads it goes on from
+    (`heads`: whether it continues a session or branches from it, gateway.branches), its own head
+    (recorded when it finishes). A conversation that leaves the stored one before its end (an edited
+    earlier message, a retry from far back) needs only the stored part up to the checkpoint the
+    engine continues from, and the node can cut the generation there given the prompt's tokens —
+    which the placing step asks the engine for (`tokens_body`: what it sends)."""
 
     messages: Sequence[Mapping[str, Any]]
     model: str
     body: Mapping[str, Any]  # the chat body as the tenant sent it (after its volatile-block rules)
     tools: Any = None  # as sent
+
+    @functools.cached_property
+    def chain(self) -> list[str]:
+        """The digests of its message prefixes (gateway.prefixes.prefix_digests)."""
+        return prefix_digests(self.messages, self.model)
+
+    @functools.cached_property
+    def tools_key(self) -> str:
+        return tools_digest(self.tools)
+
+    @functools.cached_property
+    def lookup(self) -> list[str]:
+        """What implicit routing looks it up by, longest first (gateway.prefixes.route_lookup)."""
+        return route_lookup(self.chain, self.messages, self.tools_key)
+
+    @functools.cached_property
+    def heads(self) -> frozenset[str]:
+        """The heads it goes on from (gateway.prefixes.continued_heads)."""
+        return frozenset(continued_heads(self.chain, self.messages, self.tools_key))
+
+    @functools.cached_property
+    def turns(self) -> frozenset[str]:
+        """The digests of its complete turns (gateway.prefixes.turn_digests)."""
+        return frozenset(
+            d for d, m in zip(self.chain, self.messages, strict=True) if m.get("role") == "assistant"
+        )
+
+    @functools.cached_property
+    def head(self) -> str | None:
+        """Its own head: what the session records once it answered (None without messages)."""
+        return head_digest(self.chain[-1], self.tools_key) if self.messages else None
 
     @functools.cached_property
     def shared(self) -> str | None:
@@ -73,14 +114,14 @@ class RestorePrompt:
     def sources(self) -> list[str]:
         """The digests a session without state of its own may start from, best first: this very
         prompt's (sent again), then its shared prefix's (gateway.prefixes)."""
-        whole = prefix_digests(self.messages, self.model)[-1:]
+        whole = self.chain[-1:]
         return [d for d in (*(prompt_digest(w, self.tools) for w in whole), self.shared) if d]
 
     def leaves(self, record: SessionRecord) -> bool:
         """Whether the prompt leaves the stored conversation before its end: its complete turns do
         not include the conversation the session was saved at (its routing digest). A prompt that
         goes on from there gets the whole generation, without asking for tokens."""
-        return bool(record.route) and record.route not in lookup_digests(self.messages, self.model)
+        return bool(record.route) and record.route not in self.turns
 
 
 @dataclass

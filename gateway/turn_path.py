@@ -49,6 +49,7 @@ from gateway.turn import CHAT_PATH, RestorePrompt, Turn
 from storage.errors import StorageError
 
 T = TypeVar("T")
+BRANCH_HEADER = "X-Slotkeeper-Branch-Of"
 
 
 class Dialect(Protocol):
@@ -285,11 +286,16 @@ def served_as(placement: Placement | EarlyStart) -> str:
 
 def session_headers(turn: Turn, report: Mapping[str, Any] | None = None) -> dict[str, str]:
     """`X-Session-Id`, and `X-Slotkeeper-Cache`: how the session was served — the engine's word when
-    its answer is in hand (`report`: a slot of the tenant it started from is `prefix`)."""
+    its answer is in hand (`report`: a slot of the tenant it started from is `prefix`); for a new
+    branch of a session, or a fork of a busy one, `X-Slotkeeper-Branch-Of` names the session it
+    started from (gateway.branches)."""
     served = (report or {}).get("served")
     if not isinstance(served, str) or served not in SERVED:
         served = served_as(turn.placement)
-    return {"X-Session-Id": turn.session, "X-Slotkeeper-Cache": served}
+    headers = {"X-Session-Id": turn.session, "X-Slotkeeper-Cache": served}
+    if turn.forked_from is not None:
+        headers[BRANCH_HEADER] = turn.forked_from
+    return headers
 
 
 def normalised(
@@ -328,8 +334,10 @@ async def serve_turn(
     svc: Services = request.app.state.services
     note(request, tenant=tenant.name)
     body, messages, raw, rules = normalised(svc, tenant, body, messages, raw)
-    found = session or await svc.runner.resolve(tenant, request.headers, body, model)
-    asked = _TurnRequest(svc, tenant, body, model, messages, path, dialect, raw, rules)
+    # Its digests, computed once: for routing, branching, a restore cut at its checkpoint, bookkeeping.
+    prompt = RestorePrompt(messages, model, body, body.get("tools")) if path == CHAT_PATH else None
+    found = session or await svc.runner.resolve(tenant, request.headers, body, prompt)
+    asked = _TurnRequest(svc, tenant, body, model, messages, path, dialect, raw, rules, prompt)
     try:
         return await _serve_once(request, asked, *found)
     except _SlotChanged:  # its record placed it in a slot that holds another's state: once more
@@ -360,15 +368,20 @@ class _TurnRequest:
     dialect: Dialect | None
     raw: bytes | None
     rules: list[str]
+    prompt: RestorePrompt | None
 
 
 async def _serve_once(
     request: Request, asked: _TurnRequest, session_id: str, source: str, *, check_restore: bool = True
 ) -> Response:
     svc, tenant, body, model, path = asked.svc, asked.tenant, asked.body, asked.model, asked.path
-    messages, dialect, raw, rules = asked.messages, asked.dialect, asked.raw, asked.rules
-    # A restore for a conversation that left the stored one early is cut at the prompt's checkpoint.
-    prompt = RestorePrompt(messages, model, body, body.get("tools")) if path == CHAT_PATH else None
+    messages, dialect, raw, rules, prompt = (
+        asked.messages,
+        asked.dialect,
+        asked.raw,
+        asked.rules,
+        asked.prompt,
+    )
     streamed = bool(body.get("stream"))
     cap = svc.settings.default_max_tokens if tenant.default_max_tokens is None else tenant.default_max_tokens
     early: EarlyCall[Any] | None = None
@@ -380,7 +393,7 @@ async def _serve_once(
             return EarlyCall(StreamRelay.open(svc.engines, url, data, where.headers()), StreamRelay.close)
         return EarlyCall(forward_json(svc.engines, url, data, where.headers()))
 
-    opening = await svc.runner.open(tenant, session_id, model)
+    opening = await svc.runner.open(tenant, session_id, model, prompt, source)
     try:  # sent to its slot before the opening read when the opening says it may be (gateway.early)
         early = launch(opening.early) if opening.early is not None else None
     except BaseException:

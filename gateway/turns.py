@@ -14,27 +14,41 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from gateway import bookkeeping, deletion
 from gateway.admission import Admitted, Opening, abandon, admit, new_session_refusal, open_turn
+from gateway.branches import Continuation, continuation, continues, looks_further
 from gateway.early import Admission
 from gateway.healing import behind
-from gateway.holds import Phase, write_record
+from gateway.holds import Phase, SessionHold, write_record
 from gateway.locking import fork, hold_for_turn
 from gateway.placement import Placement, Serve
 from gateway.placing import place
 from gateway.relay import TurnOutcome
-from gateway.resolution import resolve
+from gateway.resolution import find_conversation, resolve
 from gateway.tenants import Tenant
 from gateway.turn import RestorePrompt, Turn
 from gateway.turn_parts import TurnParts
 from storage.errors import StorageError
 from storage.index.records import SessionRecord, SessionState
+from storage.index.turnops import TurnStart
 
 log = structlog.get_logger("slotkeeper.gateway")
+
+
+@dataclass(frozen=True)
+class Branched:
+    """Where a turn that does not continue its session runs instead (`TurnRunner._branch`)."""
+
+    session: str
+    hold: SessionHold
+    record: SessionRecord | None  # None: a new branch (its record is created as it is placed)
+    parent: str | None  # the session a new branch starts from (None: an existing session goes on)
+    source: str
 
 
 def marked_there(record: SessionRecord, placement: Placement, model: str) -> bool:
@@ -58,16 +72,30 @@ class TurnRunner:
 
     # ---------------------------------------------------------------------------------- resolve
     async def resolve(
-        self, tenant: Tenant, headers: Mapping[str, str], body: Mapping[str, Any], model: str
+        self,
+        tenant: Tenant,
+        headers: Mapping[str, str],
+        body: Mapping[str, Any],
+        prompt: RestorePrompt | None,
     ) -> tuple[str, str]:
         """The session a request names, finds implicitly, or a new one (gateway.resolution)."""
-        return await resolve(self.parts.index, tenant, headers, body, model)
+        return await resolve(self.parts.index, tenant, headers, body, prompt)
 
     # ------------------------------------------------------------------------------------ begin
-    async def open(self, tenant: Tenant, session: str, model: str) -> Opening:
+    async def open(
+        self, tenant: Tenant, session: str, model: str, prompt: RestorePrompt | None = None, source: str = ""
+    ) -> Opening:
         """The turn's plan before its opening read (gateway.admission): ``Opening.early`` says
-        where the caller may send it at once (gateway.early). Hand it to `begin`, or to `abandon`."""
-        return await open_turn(self.parts, self._admission, tenant, session, model)
+        where the caller may send it at once (gateway.early) — only to a slot whose state the
+        prompt goes on from exactly (gateway.branches). Hand it to `begin`, or to `abandon`."""
+        return await open_turn(
+            self.parts,
+            self._admission,
+            tenant,
+            session,
+            model,
+            lambda record: continuation(record, prompt, source) is Continuation.EXACT,
+        )
 
     async def abandon(self, opening: Opening) -> None:
         """The caller gives the opened turn up before `begin`."""
@@ -110,6 +138,14 @@ class TurnRunner:
                 hold.record = record
             elif record is not None and parts.healing is not None and behind(record):
                 record = hold.record = await parts.healing.catch_up(record)  # a save it never learned of
+            how = continuation(record, prompt, source) if forked_from is None else Continuation.EXACT
+            if how is Continuation.NONE or (how is Continuation.REPLY and looks_further(source)):
+                # Not where its state is: never roll it back (gateway.branches).
+                assert record is not None and prompt is not None
+                branched = await self._branch(hold, busy, record, source, prompt, how)
+                if branched.hold is not hold:
+                    hold, busy, source = branched.hold, False, branched.source
+                    session, record, forked_from = branched.session, branched.record, branched.parent
             if record is None:
                 refused = new_session_refusal(tenant, start)
                 if refused is not None:
@@ -183,6 +219,73 @@ class TurnRunner:
             finally:  # (also when cancelled meanwhile: the lock is never left held)
                 await parts.holds.let_go(hold, turn=True)
             raise
+
+    async def _branch(
+        self,
+        hold: SessionHold,
+        busy: bool,
+        record: SessionRecord,
+        source: str,
+        prompt: RestorePrompt,
+        how: Continuation,
+    ) -> Branched:
+        """Where a turn goes whose prompt does not go on exactly from the state of the session it
+        reached (``record``, held by ``hold``; marked busy by the opening read when ``busy``): the
+        session its history continues, for a request with an agent's session signal
+        (gateway.branches) — only one that recorded this very reply when only the reply differs
+        (``how``), else the reached session after all (returned with ``hold``) —, else a new branch
+        from the session that shares most of the history. Exactly one session's lock is held
+        throughout: another is taken before the reached session is left as it was."""
+        parts, tenant = self.parts, record.tenant
+        parent = record.session
+        hit = await find_conversation(parts.index, tenant, prompt) if looks_further(source) else None
+        if hit is not None and how is Continuation.REPLY and hit[0] not in prompt.turns:
+            hit = None  # found by a head, which the reached session's is too: it may be either's
+        found = hit[1] if hit is not None else None
+        if found is not None and found != parent:
+            there = await self._continued(tenant, found, prompt)
+            if there is not None:
+                await self._leave(hold, busy)
+                log.info("session.branch_found", tenant=tenant, session=found, named=parent, source=source)
+                return Branched(found, there, there.record, None, source)
+            parent = found  # it holds more of the prompt than the session named
+        elif how is Continuation.REPLY:
+            return Branched(parent, hold, record, None, source)  # nobody else has its reply: go on
+        session, branch = await fork(parts, tenant, parent)
+        await self._leave(hold, busy)
+        log.info("session.branched", tenant=tenant, session=session, parent=parent, source=source)
+        parts.metrics.branches.labels(source).inc()
+        return Branched(session, branch, None, parent, "branch")
+
+    async def _continued(self, tenant: str, session: str, prompt: RestorePrompt) -> SessionHold | None:
+        """``session``'s lock, taken for this turn, when the prompt continues its state; else None
+        (it is busy with another request, or its state is elsewhere in its conversation)."""
+        parts = self.parts
+        hold = await hold_for_turn(parts, tenant, session, TurnStart())
+        if hold is None:
+            return None
+        try:
+            if hold.record is None:
+                hold.record = await parts.index.find(tenant, session)
+        except BaseException:
+            await parts.holds.let_go(hold, turn=True)
+            raise
+        if hold.record is not None and continues(hold.record, prompt):
+            return hold
+        await parts.holds.let_go(hold, turn=True)
+        return None
+
+    async def _leave(self, hold: SessionHold, busy: bool) -> None:
+        """Let go of a session the turn does not run on after all, idle in its slot again when the
+        opening read marked it busy there."""
+        try:
+            if busy:
+                with contextlib.suppress(StorageError):
+                    await write_record(
+                        self.parts.index, hold, self.parts.index.decide_idle(hold.lock.session), idle=True
+                    )
+        finally:
+            await self.parts.holds.let_go(hold, turn=True)
 
     # ----------------------------------------------------------------------------------- finish
     def answered(self, turn: Turn) -> None:

@@ -131,7 +131,10 @@ class Decider:
 
         t = [time.perf_counter()]
         tenant = self.tenants[_tenant_of(messages)]
-        session, source = await self.runner.resolve(tenant, {}, {"messages": messages}, self.model)
+        from gateway.turn import RestorePrompt
+
+        prompt = RestorePrompt(messages, self.model, {"messages": messages})
+        session, source = await self.runner.resolve(tenant, {}, {"messages": messages}, prompt)
         t.append(time.perf_counter())
         rec = await self.index.find(tenant.name, session)
         t.append(time.perf_counter())
@@ -237,6 +240,7 @@ async def _concurrent(decider: Decider, fleet: Fleet, args: argparse.Namespace) 
 
 async def _commands_per_stage(redis: Any, decider: Decider, fleet: Fleet, n: int = 50) -> list[float]:
     """Redis commands each stage sends (INFO's counter around every stage; INFO counts itself)."""
+    from gateway.turn import RestorePrompt
 
     async def counter() -> int:
         return int((await redis.info("stats"))["total_commands_processed"])
@@ -246,7 +250,8 @@ async def _commands_per_stage(redis: Any, decider: Decider, fleet: Fleet, n: int
         msgs = fleet.requests[i]
         tenant = decider.tenants[_tenant_of(msgs)]
         c0 = await counter()
-        session, _ = await decider.runner.resolve(tenant, {}, {"messages": msgs}, decider.model)
+        prompt = RestorePrompt(msgs, decider.model, {"messages": msgs})
+        session, _ = await decider.runner.resolve(tenant, {}, {"messages": msgs}, prompt)
         c1 = await counter()
         await decider.index.find(tenant.name, session)
         c2 = await counter()

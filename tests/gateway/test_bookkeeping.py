@@ -1,4 +1,4 @@
-"""gateway.bookkeeping's pure decision: what finishing a turn writes."""
+"""gateway.bookkeeping: what finishing a turn writes (the pure decision), and what a refused turn leaves."""
 
 from __future__ import annotations
 
@@ -38,8 +38,10 @@ def test_an_answered_turn_records_routes_usage_and_a_save() -> None:
     assert books.tokens == 9 and books.route == books.digests[-1] and books.identical
     assert (books.shared, books.inflight) == ("shared-digest", "place-1")
     assert books.usage == {"requests": 1, "prompt_tokens": 7, "completion_tokens": 2}
+    assert books.head == _turn().prompt.head and books.routes == [*books.digests, books.head]  # type: ignore[union-attr]
     alone = bookkeeping(_turn(), MESSAGES, outcome, shares=False, last_user=True)
     assert alone.identical is None  # a tenant whose sessions do not share names no prompt to others
+    assert alone.head == books.head  # ... but every session keeps where its next turn goes on from
     on_evict = bookkeeping(_turn(Durability.ON_EVICT), MESSAGES, outcome, shares=True, last_user=True)
     assert not on_evict.save and on_evict.release
 
@@ -47,8 +49,9 @@ def test_an_answered_turn_records_routes_usage_and_a_save() -> None:
 def test_a_failed_turn_records_nothing_but_gives_its_place_and_lock_back() -> None:
     books = bookkeeping(_turn(), MESSAGES, TurnOutcome(error="timeout"), shares=True, last_user=True)
     assert (books.save, books.release, books.inflight) == (False, True, "place-1")
-    assert (books.digests, books.shared, books.identical, dict(books.usage), books.tokens) == (
+    assert (books.digests, books.shared, books.identical, books.head, dict(books.usage), books.tokens) == (
         (),
+        None,
         None,
         None,
         {},

@@ -1,0 +1,272 @@
+"""Branches, never rollbacks (gateway.branches): a turn continues the session it reached only from the
+state that session's last turn left; any other turn branches from it. The decision on its own, its
+effects on the index in process, and agents' conversations through a real `slotkeeper serve`."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import fakeredis
+import httpx
+import openai
+import pytest
+
+from engine_pool.common.errors import Unavailable
+from gateway.branches import Continuation, continuation, continues, looks_further
+from gateway.cluster import Cluster
+from gateway.metrics import Metrics
+from gateway.prefixes import route_lookup, turn_digests
+from gateway.tenants import Tenant
+from gateway.turn import RestorePrompt, TurnSettings
+from gateway.turn_parts import TurnParts
+from gateway.turns import TurnRunner
+from storage.blobs.localstore import LocalStore
+from storage.index.engines import EngineRegistry
+from storage.index.locks import SessionLocks
+from storage.index.records import SessionRecord, SessionState
+from storage.index.session_index import SessionIndex
+
+from .conftest import Serve, openai_client
+
+SYSTEM = {"role": "system", "content": "You are a careful coding agent."}
+TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}]
+
+
+def _prompt(messages: list[dict[str, Any]], tools: Any = TOOLS) -> RestorePrompt:
+    return RestorePrompt(messages, "m", {"messages": messages}, tools)
+
+
+def _after(messages: list[dict[str, Any]], tools: Any = TOOLS) -> SessionRecord:
+    """The record of a session whose last turn's prompt was `messages`."""
+    head = _prompt(messages, tools).head
+    assert head is not None
+    return SessionRecord("t", "s", SessionState.LIVE, head=head)
+
+
+# -- the decision -------------------------------------------------------------------------------
+def test_a_turn_continues_from_its_sessions_last_prompt_and_reply() -> None:
+    first = [SYSTEM, {"role": "user", "content": "fix the bug"}]
+    record = _after(first)
+    reply = {"role": "assistant", "content": "Done."}
+    assert continues(record, _prompt([*first, reply, {"role": "user", "content": "thanks"}]))
+    # The reply is the one place that may come back in another form: templates render it again.
+    other_form = {"role": "assistant", "content": "Done. ", "reasoning_content": "it was easy"}
+    assert continues(record, _prompt([*first, other_form, {"role": "user", "content": "thanks"}]))
+    # ... which is told apart from the reply the session recorded (its route).
+    routed = replace(record, route=turn_digests([*first, reply], "m")[-1])
+    assert (
+        continuation(routed, _prompt([*first, reply, {"role": "user", "content": "x"}])) is Continuation.EXACT
+    )
+    assert continuation(routed, _prompt([*first, other_form, {"role": "user", "content": "x"}])) is (
+        Continuation.REPLY
+    )
+    # A session whose turns went on elsewhere (another replica answered) still goes on from here.
+    later = [*first, reply, {"role": "user", "content": "next"}, reply, {"role": "user", "content": "more"}]
+    assert continues(record, _prompt(later))
+    # Nothing to keep: no record, a record no turn finished on, a request that is not a chat.
+    assert continues(None, _prompt(first))
+    assert continues(SessionRecord("t", "s", SessionState.NEW), _prompt(first))
+    assert continues(record, None)
+
+
+def test_every_other_turn_that_reaches_a_session_branches() -> None:
+    opening = [SYSTEM, {"role": "user", "content": "env: linux"}, {"role": "assistant", "content": "OK."}]
+    a1 = [*opening, {"role": "user", "content": "task A"}]
+    record = _after(a1)
+    reply = {"role": "assistant", "content": "A done"}
+    cases = {
+        "a parallel conversation that opens alike": [*opening, {"role": "user", "content": "task B"}],
+        "a regenerate (the same prompt again)": a1,
+        "an edited earlier message": [
+            SYSTEM,
+            {"role": "user", "content": "env: mac"},
+            *a1[2:],
+            reply,
+            {"role": "user", "content": "next"},
+        ],
+        "the conversation cut back": opening,
+        "a user message where the reply was": [*a1, {"role": "user", "content": "again"}],
+    }
+    for why, messages in cases.items():
+        assert not continues(record, _prompt(messages)), why
+    # The same conversation under other tools renders other tokens from the top: a branch too.
+    assert not continues(record, _prompt([*a1, reply, {"role": "user", "content": "x"}], tools=None))
+
+
+def test_implicit_routing_finds_a_conversation_by_its_turns_and_by_its_heads() -> None:
+    first = [SYSTEM, {"role": "user", "content": "hi"}]
+    reply = {"role": "assistant", "content": "hello"}
+    resent = [*first, reply, {"role": "user", "content": "more"}]
+    lookup = _prompt(resent).lookup
+    assert lookup[0] == turn_digests([*first, reply], "m")[-1]  # the complete turn first ...
+    assert lookup[1] == _prompt(first).head  # ... then the head before its reply
+    assert _prompt(first).lookup == []  # no reply yet: nothing routes (a new conversation)
+    # A reply sent back in another form is still found, by the head.
+    other = [*first, {"role": "assistant", "content": "hello!"}, {"role": "user", "content": "more"}]
+    assert _prompt(other).lookup[1] == lookup[1] and _prompt(other).lookup[0] != lookup[0]
+    prompt = _prompt(resent)
+    assert route_lookup(prompt.chain, resent, prompt.tools_key) == lookup
+
+
+def test_agents_signals_look_for_the_branch_they_continue_and_x_session_id_names_one_session() -> None:
+    for agent in ("claude-code", "codex", "prompt_cache_key"):
+        assert looks_further(agent)
+    for found in ("header", "implicit", "new", "fork", "branch", "previous_response"):
+        assert not looks_further(found)
+    record = _after([SYSTEM, {"role": "user", "content": "task A"}])
+    elsewhere = _prompt([SYSTEM, {"role": "user", "content": "task B"}])
+    assert continuation(record, elsewhere, "implicit") is Continuation.NONE
+    assert continuation(record, elsewhere, "codex") is Continuation.NONE
+    assert continuation(record, elsewhere, "header") is Continuation.EXACT  # the client chose it
+
+
+# -- in process: what branching leaves in the index -----------------------------------------------
+@pytest.fixture
+async def runner(tmp_path: Path) -> Any:
+    redis = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
+    index, locks = SessionIndex(redis), SessionLocks(redis)
+    async with httpx.AsyncClient() as http:
+        cluster = Cluster(EngineRegistry(redis), index, (), http)
+        settings = TurnSettings(lock_ttl_s=5, spill_wait_s=1.0)
+        yield TurnRunner(
+            TurnParts(cluster, index, locks, LocalStore(tmp_path / "blobs"), Metrics(), settings)
+        )
+    await redis.aclose()
+
+
+async def test_a_branch_leaves_the_session_it_reached_idle_in_its_slot_and_unlocked(runner: Any) -> None:
+    """The opening read marked the reached session busy; branching leaves it as it was (idle, its
+    head kept) before the branch is placed. Here no engine is registered, so placing the branch
+    fails — and leaves no record behind either."""
+    index, locks = runner.parts.index, runner.parts.locks
+    first = [SYSTEM, {"role": "user", "content": "task A"}]
+    await index.create("t", "a", model="m")
+    await index.mark_live("t", "a", engine="e1", slot=0, tokens=10, model="m")
+    await index.transition("t", "a", index.decide_idle("a", head=_prompt(first).head), idle=True)
+    before = await index.get("t", "a")
+    other = _prompt([SYSTEM, {"role": "user", "content": "task B"}])
+    with pytest.raises(Unavailable):
+        await runner.begin(await runner.open(Tenant("t"), "a", "m", other), "implicit", other)
+    assert runner.parts.metrics.branches.labels("implicit")._value.get() == 1
+    after = await index.get("t", "a")
+    assert (after.state, after.engine, after.slot, after.head, after.tokens) == (
+        SessionState.LIVE,
+        "e1",
+        0,
+        before.head,
+        10,
+    )
+    assert await index.is_idle("t", "a")
+    assert await locks.owner("t", "a") is None and runner.parts.holds.get("t", "a") is None
+    assert await index.list_sessions("t") == ["a"]
+
+
+# -- through a real serve -----------------------------------------------------------------------
+ENV = "Environment: linux, python 3.11, repository at /work/app. Tests run with pytest. " * 3
+OPENING = [
+    {"role": "system", "content": "You are a coding agent in a terminal. Answer briefly. " * 6},
+    {"role": "user", "content": ENV},
+    {"role": "assistant", "content": "Understood. What is the task?"},
+]
+
+
+def _turn(
+    client: openai.OpenAI, messages: list[dict[str, Any]], max_tokens: int = 6, **headers: str
+) -> tuple[Any, dict[str, str]]:
+    raw = client.chat.completions.with_raw_response.create(
+        model="agent",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_headers=headers,
+    )
+    return raw.parse(), dict(raw.headers)
+
+
+def _reply(answer: Any) -> dict[str, Any]:
+    return {"role": "assistant", "content": answer.choices[0].message.content or ""}
+
+
+def _reused(answer: Any, previous: Any) -> float:
+    """The share of the previous turn's prompt this turn read from cache."""
+    cached = answer.usage.prompt_tokens_details.cached_tokens
+    return float(cached) / float(previous.usage.prompt_tokens)
+
+
+def test_two_conversations_that_open_alike_never_roll_each_other_back(
+    serve: Callable[..., Serve], tmp_path: Path
+) -> None:
+    """A chat-completions agent without a session header: conversations A and B start with the same
+    system prompt, environment message and acknowledgement, then their own task. Interleaved A1 B1
+    A2 B2, then A3 and B3 at once: B1 branches from A (A's state stays), each then goes on with full
+    reuse in its own session, and the concurrent turns run in two slots."""
+    s = serve(tmp_path / "data", slots=3)
+    client = openai_client(s.url)
+    a = [*OPENING, {"role": "user", "content": "Task A: the login test fails with a KeyError. Find why."}]
+    b = [*OPENING, {"role": "user", "content": "Task B: add a --verbose flag to the CLI and document it."}]
+    a1, ha1 = _turn(client, a)
+    b1, hb1 = _turn(client, b)
+    session_a, session_b = ha1["x-session-id"], hb1["x-session-id"]
+    assert session_b != session_a and hb1["x-slotkeeper-branch-of"] == session_a
+    assert b1.usage.prompt_tokens_details.cached_tokens > 0  # the opening, from A's state
+    a += [_reply(a1), {"role": "user", "content": "Run the test again and show the traceback."}]
+    b += [_reply(b1), {"role": "user", "content": "Now write the documentation for it."}]
+    a2, ha2 = _turn(client, a)
+    b2, hb2 = _turn(client, b)
+    assert (ha2["x-session-id"], hb2["x-session-id"]) == (session_a, session_b)
+    assert "x-slotkeeper-branch-of" not in ha2 and "x-slotkeeper-branch-of" not in hb2
+    assert _reused(a2, a1) >= 0.95 and _reused(b2, b1) >= 0.95
+    a += [_reply(a2), {"role": "user", "content": "Fix it."}]
+    b += [_reply(b2), {"role": "user", "content": "Ship it."}]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        third_a = pool.submit(_turn, openai_client(s.url), a)
+        third_b = pool.submit(_turn, openai_client(s.url), b)
+        (a3, ha3), (b3, hb3) = third_a.result(), third_b.result()
+    assert (ha3["x-session-id"], hb3["x-session-id"]) == (session_a, session_b)
+    assert _reused(a3, a2) >= 0.95 and _reused(b3, b2) >= 0.95
+
+
+def test_a_regenerate_under_an_agents_session_id_branches_and_both_sides_go_on(
+    serve: Callable[..., Serve], tmp_path: Path
+) -> None:
+    """An agent that sends its session id (Codex's `session_id` header) regenerates its last turn
+    (here: a shorter answer, so that the two replies differ): the session keeps its state and the
+    regenerate is a branch. Going on under the same id, the branch's history finds the branch, and
+    the original history its own session, each with full reuse."""
+    s = serve(tmp_path / "data", slots=3)
+    client = openai_client(s.url)
+    signal = {"session_id": "0198-agent-1"}
+    history = [*OPENING, {"role": "user", "content": "Task: rename the module utils to text."}]
+    t1, h1 = _turn(client, history, **signal)
+    history += [_reply(t1), {"role": "user", "content": "Now update the imports."}]
+    t2, h2 = _turn(client, history, **signal)
+    session = h1["x-session-id"]
+    assert session.startswith("cx-") and h2["x-session-id"] == session
+    again, hr = _turn(client, history, 3, **signal)  # the same prompt again: a regenerate
+    branch = hr["x-session-id"]
+    assert branch != session and hr["x-slotkeeper-branch-of"] == session
+    assert _reused(again, t2) >= 0.95 and _reply(again) != _reply(t2)
+    on_branch = [*history, _reply(again), {"role": "user", "content": "Good, continue."}]
+    t3b, h3b = _turn(client, on_branch, **signal)
+    assert h3b["x-session-id"] == branch and "x-slotkeeper-branch-of" not in h3b
+    assert _reused(t3b, again) >= 0.95
+    original = [*history, _reply(t2), {"role": "user", "content": "Good, continue."}]
+    t3, h3 = _turn(client, original, **signal)
+    assert h3["x-session-id"] == session and _reused(t3, t2) >= 0.95
+
+
+def test_x_session_id_names_exactly_one_session(serve: Callable[..., Serve], tmp_path: Path) -> None:
+    """`X-Session-Id` is the client's own choice of session: a turn under it runs there even when it
+    does not go on from the session's state (as with llama-server's `id_slot`), never on a branch."""
+    s = serve(tmp_path / "data")
+    client = openai_client(s.url)
+    history = [*OPENING, {"role": "user", "content": "Task: rename the module utils to text."}]
+    t1, h1 = _turn(client, history, **{"X-Session-Id": "mine"})
+    other = [*OPENING, {"role": "user", "content": "Another task: list the open issues."}]
+    t2, h2 = _turn(client, other, **{"X-Session-Id": "mine"})
+    assert h1["x-session-id"] == h2["x-session-id"] == "mine" and "x-slotkeeper-branch-of" not in h2
+    assert h2["x-slotkeeper-cache"] == "live" and t2.usage.prompt_tokens_details.cached_tokens > 0
