@@ -116,6 +116,9 @@ async def finish(
     """Write the turn's bookkeeping (see the module doc) and let go of its hold. Never raises."""
     t, s, hold = turn.tenant.name, turn.session, turn.hold
     parts.holds.answered(hold)
+    if turn.created and outcome.refused:
+        await _forget(parts, turn)
+        return
     books = bookkeeping(
         turn,
         messages,
@@ -165,3 +168,21 @@ async def finish(
                 await parts.index.release_inflight(t, turn.inflight)
         parts.holds.booked(hold)
         await parts.holds.let_go(hold, released=released)
+
+
+async def _forget(parts: TurnParts, turn: Turn) -> None:
+    """A session created for a turn the engine refused before running it (a malformed field, a
+    prompt past the context) holds nothing: it leaves no record behind — nothing to list, nothing
+    counted toward the tenant's sessions. Never raises."""
+    t, s, hold = turn.tenant.name, turn.session, turn.hold
+    try:
+        await parts.index.delete(t, s, lock=hold.lock)
+        log.debug("session.refused_unrun", tenant=t, session=s)
+    except StorageError as exc:  # Redis away: the record stays, as for any failed turn
+        log.warning("session.finish_failed", tenant=t, session=s, error=str(exc))
+    finally:
+        if turn.inflight:
+            with contextlib.suppress(StorageError):
+                await parts.index.release_inflight(t, turn.inflight)
+        parts.holds.booked(hold)
+        await parts.holds.let_go(hold)

@@ -25,6 +25,7 @@ from engine_pool.common.errors import (
     Upstream,
     error_payload,
     for_status,
+    slot_changed,
 )
 from gateway import engine_http
 from gateway.engine_http import EngineHttp, EngineHttpError, EngineResponse
@@ -45,6 +46,7 @@ class TurnOutcome:
     error: str = ""
     body: bytes = b""  # a non-streamed answer's bytes as the engine sent them
     moved: bool = False  # refused: the slot holds another session's state (engine SlotChanged)
+    refused: bool = False  # the engine refused the request before running it (a 4xx, not `moved`)
 
     def assistant_message(self) -> dict[str, Any]:
         msg: dict[str, Any] = {"role": "assistant", "content": self.content}
@@ -55,6 +57,12 @@ class TurnOutcome:
     @property
     def tokens(self) -> int:
         return int(self.usage.get("prompt_tokens", 0)) + int(self.usage.get("completion_tokens", 0))
+
+
+def refused_unrun(exc: BaseException) -> bool:
+    """Whether an engine's error says it refused the request before running it: a 4xx (the body,
+    a limit, its admission), not a slot that holds another session's state (`slot_changed`)."""
+    return isinstance(exc, ApiError) and 400 <= exc.status < 500 and not slot_changed(exc)
 
 
 _WS = b" \t\r\n"  # JSON's whitespace

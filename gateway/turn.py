@@ -142,6 +142,7 @@ class Turn:
     early: bool = False  # the call launched before its opening read is this turn's (confirmed)
     shared: str | None = None  # its shared prefix's digest, to record for other sessions (or None)
     prompt: RestorePrompt | None = None  # what it was placed for (its tools name its prompt's digest)
+    created: bool = False  # its session's record was created for it (a new session, a branch, a fork)
 
     @property
     def lock(self) -> SessionLock:

@@ -42,7 +42,7 @@ from engine_pool.protocol.volatile import apply_rules
 from gateway.access_log import note
 from gateway.early import EarlyCall, EarlyStart
 from gateway.placement import Placement, Serve
-from gateway.relay import StreamRelay, TurnOutcome, engine_body, forward_json
+from gateway.relay import StreamRelay, TurnOutcome, engine_body, forward_json, refused_unrun
 from gateway.services import Services
 from gateway.tenants import Tenant
 from gateway.turn import CHAT_PATH, RestorePrompt, Turn
@@ -434,6 +434,7 @@ async def _serve_once(
             payload, outcome = await unless_client_leaves(request, forwarded())
             answer = await dialect.answer(payload, turn) if dialect else None
         except (ApiError, StorageError) as exc:
+            outcome.refused = not outcome.ok and refused_unrun(exc)  # (not: answered, then not stored)
             outcome.ok = False
             outcome.error = str(exc)
             if slot_changed(exc):
@@ -460,7 +461,9 @@ async def _serve_once(
         else:
             relay = await StreamRelay.open(svc.engines, url, data)
     except BaseException as exc:
-        failed = TurnOutcome(error=getattr(exc, "message", "cancelled"), moved=slot_changed(exc))
+        failed = TurnOutcome(
+            error=getattr(exc, "message", "cancelled"), moved=slot_changed(exc), refused=refused_unrun(exc)
+        )
         if failed.moved:
             await svc.runner.finish_now(turn, messages, failed)
             raise _SlotChanged() from exc

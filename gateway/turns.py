@@ -207,6 +207,7 @@ class TurnRunner:
                 early=confirmed,
                 shared=shared,
                 prompt=prompt,
+                created=created,
             )
         except BaseException:
             try:

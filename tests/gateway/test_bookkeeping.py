@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+import httpx
+
 from gateway.bookkeeping import bookkeeping
 from gateway.placement import Placement, Serve
 from gateway.relay import TurnOutcome
@@ -59,3 +64,33 @@ def test_a_failed_turn_records_nothing_but_gives_its_place_and_lock_back() -> No
     )
     held = bookkeeping(_turn(), MESSAGES, TurnOutcome(error="timeout"), shares=True, last_user=False)
     assert not held.release  # a pending save of the previous turn still holds the lock
+
+
+def test_a_new_sessions_turn_the_engine_refused_leaves_no_record(serve: Any, tmp_path: Path) -> None:
+    """Refused before it ran (a malformed field the engine reads, a prompt past the context), a new
+    session's first turn leaves nothing to list and nothing counted toward the tenant's sessions;
+    a session that had state keeps its record."""
+    s = serve(tmp_path / "data")
+    hello = [{"role": "user", "content": "hi"}]
+    for name, body in (
+        ("malformed", {"messages": hello, "max_tokens": "ten"}),
+        ("too-long", {"messages": [{"role": "user", "content": "x " * 5000}], "max_tokens": 4}),
+    ):
+        r = httpx.post(
+            s.url + "/v1/chat/completions",
+            json={"model": "m", **body},
+            headers={"X-Session-Id": name},
+            timeout=60,
+        )
+        assert r.status_code == 400, r.text
+        assert httpx.get(f"{s.url}/v1/sessions/{name}", timeout=10).status_code == 404
+    ok = {"model": "m", "messages": hello, "max_tokens": 2}
+    assert httpx.post(
+        s.url + "/v1/chat/completions", json=ok, headers={"X-Session-Id": "kept"}, timeout=60
+    ).is_success
+    bad = {**ok, "max_tokens": "ten"}
+    r = httpx.post(s.url + "/v1/chat/completions", json=bad, headers={"X-Session-Id": "kept"}, timeout=60)
+    assert r.status_code == 400
+    assert httpx.get(f"{s.url}/v1/sessions/kept", timeout=10).json()["tokens"] > 0
+    listed = httpx.get(f"{s.url}/v1/sessions", timeout=10).json()
+    assert [entry["id"] for entry in listed["data"]] == ["kept"], listed
