@@ -26,7 +26,7 @@ import uvicorn
 from engine_pool.common import logs
 from engine_pool.common import loop as event_loop
 from engine_pool.common.credentials import new_key
-from engine_pool.common.flags import add_flags, env_name
+from engine_pool.common.flags import add_flags, env_name, parse_bool
 from engine_pool.common.http_deadlines import header_deadline
 from engine_pool.common.startup import EXIT_FAILED, EXIT_USAGE, StartError, listen_socket, report
 from engine_pool.pool.main import NodeServer, build_server
@@ -177,6 +177,10 @@ def main(argv: list[str]) -> int:
 def _serve(ns: argparse.Namespace, settings: GatewaySettings) -> int:
     data = Path(settings.data_dir)
     node_port = ns.node_port or settings.port + 1
+    try:
+        keep_running = parse_bool(ns.keep_running)
+    except ValueError as exc:
+        raise StartError(f"{env_name('keep_running')}: {exc}", "set it to on or off", EXIT_USAGE) from None
     sockets = _Sockets(
         listen_socket(settings.host, settings.port, "--port"),
         listen_socket("127.0.0.1", node_port, "--node-port"),
@@ -259,8 +263,8 @@ def _serve(ns: argparse.Namespace, settings: GatewaySettings) -> int:
     log.info(
         "serve.start", gateway=f"http://{settings.host}:{settings.port}", node_port=node_port, models=models
     )
-    event_loop.run(_run(node_server, gateway_server, sockets, ns.keep_running == "on"))
-    if node_server.no_engines.is_set() and ns.keep_running != "on":
+    event_loop.run(_run(node_server, gateway_server, sockets, keep_running))
+    if node_server.no_engines.is_set() and not keep_running:
         raise _no_engines_error(node_server)
     if not (node_server.started and gateway_server.started):
         raise StartError(
