@@ -14,6 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
+from engine_pool.protocol import openai_responses as api
+from gateway.prefixes import prefix_digests, shared_digest
 from native.model_gen import write_model
 
 from .conftest import Serve, start_serve
@@ -127,6 +129,21 @@ def replay(answer: dict[str, Any], keep: tuple[str, ...]) -> list[dict[str, Any]
         out.append(item)
     call = answer["output"][-1]
     return [*INPUT, *out, {"type": "function_call_output", "call_id": call["call_id"], "output": "a.py b.py"}]
+
+
+def test_item_ids_never_reach_the_routing_digests() -> None:
+    """Codex's items carry its own ids (new ones for the same text on another run): the chat
+    messages, and so the digests that route and share prefixes, are the same without them."""
+    bodies = []
+    for suffix in ("", "-again"):
+        items = [{**item, "id": item["id"] + suffix} for item in INPUT]
+        req = api.parse_request(
+            {"model": "m", "input": items, "tools": [EXEC, MULTI_AGENT, WEB_SEARCH]}, max_items=64
+        )
+        bodies.append(api.chat_body(req, []))
+    a, b = bodies
+    assert prefix_digests(a["messages"], "m") == prefix_digests(b["messages"], "m")
+    assert shared_digest(a["messages"], a["tools"], "m") == shared_digest(b["messages"], b["tools"], "m")
 
 
 def test_a_replayed_conversation_renders_its_sealed_reasoning_again(served: tuple[Serve, Path, Path]) -> None:
