@@ -214,9 +214,9 @@ def session_manifest(data_dir: Path, prefix: str, tenant: str, session: str) -> 
         what = "pass --data-dir with serve's data directory (and --prefix with its --s3-prefix)"
     else:
         tenants = sorted(p.name for p in store.iterdir() if p.is_dir() and not p.name.startswith("."))
-        sessions = (
-            sorted(p.name for p in (store / tenant).iterdir() if p.is_dir()) if tenant in tenants else []
-        )
+        # (no session id starts with '.': `.chunks` holds the tenant's pieces)
+        listed = (store / tenant).iterdir() if tenant in tenants else iter(())
+        sessions = sorted(p.name for p in listed if p.is_dir() and not p.name.startswith("."))
         where = f"no stored session {session!r} of tenant {tenant!r} in {store}"
         if sessions:
             shown = ", ".join(sessions[:5]) + (", ..." if len(sessions) > 5 else "")

@@ -72,9 +72,10 @@ def test_a_name_that_is_neither_a_file_nor_a_stored_session_says_what_to_pass(
     err = capsys.readouterr().err
     assert "'sess-1' is no file" in err and "no local store" in err and "--data-dir" in err
     (tmp_path / "blobs" / "slotkeeper" / "acme" / "s1").mkdir(parents=True)
+    (tmp_path / "blobs" / "slotkeeper" / "acme" / ".chunks").mkdir()  # the tenant's pieces: no session
     assert main(["sess-1", "--data-dir", str(tmp_path)]) == 2  # the open tenant has nothing here
     assert "pass --tenant with one of: acme" in capsys.readouterr().err
     assert main(["s2", "--tenant", "acme", "--data-dir", str(tmp_path)]) == 2
-    assert "its stored sessions: s1" in capsys.readouterr().err
+    assert "its stored sessions: s1 (" in capsys.readouterr().err
     assert main(["../x", "--data-dir", str(tmp_path)]) == 2  # no id can name a path
     assert "no session id" in capsys.readouterr().err
