@@ -28,7 +28,9 @@ grammars cannot express) and a repetition without bound of something that can be
 once written as GBNF).
 
 Bounds, each a precise 400: the definition's length, the nodes of the tree, group nesting, rules,
-each repetition's bound and their sum (llama.cpp expands `x{m,n}` into n rules).
+each repetition's bound (llama.cpp expands `x{m,n}` into n rules), and the grammar's `width`: how
+many ways through it a text can keep open at once, which is what llama.cpp's work per generated
+character grows with (quadratically: it dedups its stacks pairwise).
 """
 
 from __future__ import annotations
@@ -53,9 +55,11 @@ from .tree import (
     TextGrammar,
     complement,
 )
+from .width import MAX_WIDTH, check_width
 
 __all__ = [
     "COMMON",
+    "MAX_WIDTH",
     "SYNTAXES",
     "Alt",
     "Chars",
@@ -93,4 +97,5 @@ def parse_grammar(syntax: str, definition: str, where: str) -> TextGrammar:
     else:
         raise BadRequest(f"unknown grammar syntax {syntax!r} ({', '.join(SYNTAXES)})", param=where)
     check_recursion(g, budget)
+    check_width(g, budget)
     return g

@@ -14,7 +14,6 @@ MAX_NODES = 20000
 MAX_NESTING = 48
 MAX_RULES = 1000
 MAX_REPEAT = 1000  # one repetition's bound (llama.cpp: MAX_REPETITION_THRESHOLD 2000 per rule)
-MAX_REPEAT_TOTAL = 8192  # all repetitions' bounds together
 
 MAX_CHAR = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)  # never characters of a text: no class holds them
@@ -140,7 +139,6 @@ class Budget:
     def __init__(self, where: str) -> None:
         self.where = where
         self.nodes = 0
-        self.repeats = 0
 
     def fail(self, what: str) -> BadRequest:
         return BadRequest(f"'{self.where}': {what}", param=self.where)
@@ -153,11 +151,6 @@ class Budget:
     def repeat(self, bound: int) -> None:
         if bound > MAX_REPEAT:
             raise self.limit(f"a repetition bound of {bound} exceeds {MAX_REPEAT}", MAX_REPEAT)
-        self.repeats += bound
-        if self.repeats > MAX_REPEAT_TOTAL:
-            raise self.limit(
-                f"its repetitions' bounds add up to more than {MAX_REPEAT_TOTAL}", MAX_REPEAT_TOTAL
-            )
 
     def limit(self, what: str, limit: int) -> BadRequest:
         return BadRequest(

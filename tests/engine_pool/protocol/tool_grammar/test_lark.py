@@ -172,6 +172,7 @@ def test_common_terminals_are_lark_s_own() -> None:
         ('start: "ab".."c"', "two single characters"),
         ('start: ("a"?)+', "repeats without bound something that can be empty"),
         ('start: "a"~1001', "a repetition bound of 1001 exceeds 1000"),
+        ('start: r~50\nr: s~1..50\ns: "a"', "more than 1024 ways"),
         ("start: " + "(" * 60 + '"a"' + ")" * 60, "groups nest deeper than 48"),
         (
             "start: "
@@ -181,7 +182,7 @@ def test_common_terminals_are_lark_s_own() -> None:
             "more than 1000 rules",
         ),  # fmt: skip
         ('start: "a" @', "unexpected '@' at offset 11"),
-        ("start: (\"a\"", "expected ')', got the end"),
+        ('start: ("a"', "expected ')', got the end"),
     ],
 )
 def test_what_cannot_be_enforced_is_a_400_naming_it(source: str, message: str) -> None:
