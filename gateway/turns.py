@@ -178,8 +178,8 @@ class TurnRunner:
                 busy = False  # the record says where the turn runs
             finally:  # recorded there now (or failed): the index says who holds the slot
                 parts.reserved.release((placement.engine, placement.slot))
-            # A turn on its live slot (the common case) is counted (`served`), not logged at info.
-            (log.debug if placement.serve is Serve.LIVE else log.info)(
+            # Counted (`served`) and said by the turn's access line (its `cache`): at debug here.
+            log.debug(
                 "session.placed",
                 tenant=tenant.name,
                 session=session,

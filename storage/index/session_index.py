@@ -182,7 +182,9 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
 
         new = await transact(self._redis, watch, body)
         if new is not None:
-            log.info(
+            # Spilled (an eviction, a drain) is worth a line on the console; a turn's own
+            # transitions (new, live) are its access line's business there.
+            (log.info if new.state is SessionState.SPILLED else log.debug)(
                 "session.state",
                 tenant=tenant,
                 session=session,

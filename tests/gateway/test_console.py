@@ -97,7 +97,7 @@ def assert_lines_for_a_person(text: str) -> None:
     assert "chat_format=" in ready[0], ready
     # One event per line, short: a command line or a save's inner steps are for --log-level debug.
     assert not [line for line in lines if "argv=" in line], text[:3000]
-    internals = ("spill.", "storage.chunked_put", "node.spilled", "session.durable")
+    internals = ("spill.", "storage.chunked_put", "node.spilled", "session.durable", "session.placed")
     assert not [line for line in lines if any(f" {name}" in line for name in internals)], text[:3000]
 
 
