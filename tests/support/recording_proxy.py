@@ -247,7 +247,17 @@ def _serve(upstream: str, port: int, log_path: Path) -> None:
 
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
     app = Starlette(routes=[Route("/{path:path}", forward, methods=methods)], lifespan=lifespan)
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", ws="none", access_log=False)
+    # The upstream's own Date and Server headers go on: uvicorn adds none of its own.
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        ws="none",
+        access_log=False,
+        server_header=False,
+        date_header=False,
+    )
 
 
 if __name__ == "__main__":
