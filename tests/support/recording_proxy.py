@@ -98,6 +98,8 @@ class Exchange:
     broken: str | None  # how the upstream broke off mid-answer, if it did
     prompt: int | None
     cached: int | None
+    began: float  # wall-clock seconds: when the request arrived and when its answer was over
+    ended: float
 
     @property
     def reuse(self) -> float:
@@ -194,6 +196,7 @@ def _serve(upstream: str, port: int, log_path: Path) -> None:
             yield
 
     async def forward(request: Request) -> Response:
+        began = time.time()
         state["seq"] += 1
         seq = state["seq"]
         write({"event": "begin", "seq": seq})
@@ -237,6 +240,8 @@ def _serve(upstream: str, port: int, log_path: Path) -> None:
                         "broken": broken,
                         "prompt": counts[0] if counts else None,
                         "cached": counts[1] if counts else None,
+                        "began": began,
+                        "ended": time.time(),
                     }
                 )
 
