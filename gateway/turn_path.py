@@ -393,7 +393,7 @@ async def _serve_once(
             return EarlyCall(StreamRelay.open(svc.engines, url, data, where.headers()), StreamRelay.close)
         return EarlyCall(forward_json(svc.engines, url, data, where.headers()))
 
-    opening = await svc.runner.open(tenant, session_id, model, prompt, source)
+    opening = await svc.runner.open(tenant, session_id, model, prompt)
     try:  # sent to its slot before the opening read when the opening says it may be (gateway.early)
         early = launch(opening.early) if opening.early is not None else None
     except BaseException:

@@ -83,7 +83,7 @@ class TurnRunner:
 
     # ------------------------------------------------------------------------------------ begin
     async def open(
-        self, tenant: Tenant, session: str, model: str, prompt: RestorePrompt | None = None, source: str = ""
+        self, tenant: Tenant, session: str, model: str, prompt: RestorePrompt | None = None
     ) -> Opening:
         """The turn's plan before its opening read (gateway.admission): ``Opening.early`` says
         where the caller may send it at once (gateway.early) — only to a slot whose state the
@@ -94,7 +94,7 @@ class TurnRunner:
             tenant,
             session,
             model,
-            lambda record: continuation(record, prompt, source) is Continuation.EXACT,
+            lambda record: continuation(record, prompt) is Continuation.EXACT,
         )
 
     async def abandon(self, opening: Opening) -> None:
@@ -138,7 +138,7 @@ class TurnRunner:
                 hold.record = record
             elif record is not None and parts.healing is not None and behind(record):
                 record = hold.record = await parts.healing.catch_up(record)  # a save it never learned of
-            how = continuation(record, prompt, source) if forked_from is None else Continuation.EXACT
+            how = continuation(record, prompt) if forked_from is None else Continuation.EXACT
             if how is Continuation.NONE or (how is Continuation.REPLY and looks_further(source)):
                 # Not where its state is: never roll it back (gateway.branches).
                 assert record is not None and prompt is not None
@@ -231,12 +231,12 @@ class TurnRunner:
         how: Continuation,
     ) -> Branched:
         """Where a turn goes whose prompt does not go on exactly from the state of the session it
-        reached (``record``, held by ``hold``; marked busy by the opening read when ``busy``): the
-        session its history continues, for a request with an agent's session signal
-        (gateway.branches) — only one that recorded this very reply when only the reply differs
-        (``how``), else the reached session after all (returned with ``hold``) —, else a new branch
-        from the session that shares most of the history. Exactly one session's lock is held
-        throughout: another is taken before the reached session is left as it was."""
+        reached (``record``, held by ``hold``; marked busy by the opening read when ``busy``): for a
+        request that names its session (gateway.branches), the session its history continues — when
+        only the reply differs (``how``), only one that recorded this very reply, else the reached
+        session after all (returned with ``hold``) —; else a new branch from the session that shares
+        most of the history. Exactly one session's lock is held throughout: another is taken before
+        the reached session is left as it was."""
         parts, tenant = self.parts, record.tenant
         parent = record.session
         hit = await find_conversation(parts.index, tenant, prompt) if looks_further(source) else None

@@ -224,8 +224,8 @@ def ours(
             report["prefix_tokens"] = count_tokens(chat, "")
             report["own_tokens"] = count_tokens(chat, first_message("live", 0)) - report["prefix_tokens"]
             rows += sessions(chat, serve.url, "live", args.sessions)
-            # Resumed turns of the same length: the last session's next message (three of them,
-            # each after the same first turn: the engine rolls back to that turn's end).
+            # Resumed turns: the last session's next three messages, one after another (each goes
+            # on from the turn before it: a turn from an earlier point would start a branch).
             last = args.sessions - 1
             session = f"live-{last}"
             first = {"role": "user", "content": first_message("live", last)}
@@ -238,10 +238,11 @@ def ours(
                 return out
 
             answer = turn([first])[0]["choices"][0]["message"]  # (identical: nothing evaluated)
-            resumed = []
+            resumed, history = [], [first, answer]
             for k in range(3):
-                nxt = [first, answer, {"role": "user", "content": first_message(f"next{k}", last)}]
-                out, wall, served = turn(nxt)
+                history.append({"role": "user", "content": first_message(f"next{k}", last)})
+                out, wall, served = turn(history)
+                history.append(out["choices"][0]["message"])
                 resumed.append(
                     {"prompt_n": int(out["timings"]["prompt_n"]), "ttft_ms": wall, "served": served}
                 )

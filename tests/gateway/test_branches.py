@@ -30,7 +30,7 @@ from storage.index.locks import SessionLocks
 from storage.index.records import SessionRecord, SessionState
 from storage.index.session_index import SessionIndex
 
-from .conftest import Serve, openai_client
+from .conftest import READ_FILE, Serve, anthropic_client, openai_client
 
 SYSTEM = {"role": "system", "content": "You are a careful coding agent."}
 TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}]
@@ -67,6 +67,8 @@ def test_a_turn_continues_from_its_sessions_last_prompt_and_reply() -> None:
     # A session whose turns went on elsewhere (another replica answered) still goes on from here.
     later = [*first, reply, {"role": "user", "content": "next"}, reply, {"role": "user", "content": "more"}]
     assert continues(record, _prompt(later))
+    # The same prompt again (a regenerate, a retry) gives up only the reply: it runs there too.
+    assert continuation(record, _prompt(first)) is Continuation.EXACT
     # Nothing to keep: no record, a record no turn finished on, a request that is not a chat.
     assert continues(None, _prompt(first))
     assert continues(SessionRecord("t", "s", SessionState.NEW), _prompt(first))
@@ -80,7 +82,6 @@ def test_every_other_turn_that_reaches_a_session_branches() -> None:
     reply = {"role": "assistant", "content": "A done"}
     cases = {
         "a parallel conversation that opens alike": [*opening, {"role": "user", "content": "task B"}],
-        "a regenerate (the same prompt again)": a1,
         "an edited earlier message": [
             SYSTEM,
             {"role": "user", "content": "env: mac"},
@@ -112,16 +113,11 @@ def test_implicit_routing_finds_a_conversation_by_its_turns_and_by_its_heads() -
     assert route_lookup(prompt.chain, resent, prompt.tools_key) == lookup
 
 
-def test_agents_signals_look_for_the_branch_they_continue_and_x_session_id_names_one_session() -> None:
-    for agent in ("claude-code", "codex", "prompt_cache_key"):
-        assert looks_further(agent)
-    for found in ("header", "implicit", "new", "fork", "branch", "previous_response"):
+def test_named_sessions_look_for_the_branch_they_continue() -> None:
+    for named in ("header", "claude-code", "codex", "prompt_cache_key"):
+        assert looks_further(named)
+    for found in ("implicit", "new", "fork", "branch", "previous_response"):
         assert not looks_further(found)
-    record = _after([SYSTEM, {"role": "user", "content": "task A"}])
-    elsewhere = _prompt([SYSTEM, {"role": "user", "content": "task B"}])
-    assert continuation(record, elsewhere, "implicit") is Continuation.NONE
-    assert continuation(record, elsewhere, "codex") is Continuation.NONE
-    assert continuation(record, elsewhere, "header") is Continuation.EXACT  # the client chose it
 
 
 # -- in process: what branching leaves in the index -----------------------------------------------
@@ -230,13 +226,13 @@ def test_two_conversations_that_open_alike_never_roll_each_other_back(
     assert _reused(a3, a2) >= 0.95 and _reused(b3, b2) >= 0.95
 
 
-def test_a_regenerate_under_an_agents_session_id_branches_and_both_sides_go_on(
+def test_an_edit_under_an_agents_session_id_branches_and_both_sides_go_on(
     serve: Callable[..., Serve], tmp_path: Path
 ) -> None:
-    """An agent that sends its session id (Codex's `session_id` header) regenerates its last turn
-    (here: a shorter answer, so that the two replies differ): the session keeps its state and the
-    regenerate is a branch. Going on under the same id, the branch's history finds the branch, and
-    the original history its own session, each with full reuse."""
+    """An agent that sends its session id (Codex's `session_id` header) edits its last message and
+    sends it again: the session keeps its state and the edit is a branch. Going on under the same id,
+    the branch's history finds the branch, and the original history its own session, each with full
+    reuse. A regenerate (the same prompt again) stays on its session."""
     s = serve(tmp_path / "data", slots=3)
     client = openai_client(s.url)
     signal = {"session_id": "0198-agent-1"}
@@ -246,27 +242,128 @@ def test_a_regenerate_under_an_agents_session_id_branches_and_both_sides_go_on(
     t2, h2 = _turn(client, history, **signal)
     session = h1["x-session-id"]
     assert session.startswith("cx-") and h2["x-session-id"] == session
-    again, hr = _turn(client, history, 3, **signal)  # the same prompt again: a regenerate
-    branch = hr["x-session-id"]
-    assert branch != session and hr["x-slotkeeper-branch-of"] == session
-    assert _reused(again, t2) >= 0.95 and _reply(again) != _reply(t2)
-    on_branch = [*history, _reply(again), {"role": "user", "content": "Good, continue."}]
-    t3b, h3b = _turn(client, on_branch, **signal)
-    assert h3b["x-session-id"] == branch and "x-slotkeeper-branch-of" not in h3b
-    assert _reused(t3b, again) >= 0.95
-    original = [*history, _reply(t2), {"role": "user", "content": "Good, continue."}]
+    again, ha = _turn(client, history, **signal)  # the same prompt again: a regenerate
+    assert ha["x-session-id"] == session and ha["x-slotkeeper-cache"] == "live"
+    edited = [*history[:-1], {"role": "user", "content": "Now update the imports and the docs."}]
+    e1, he = _turn(client, edited, **signal)
+    branch = he["x-session-id"]
+    assert branch != session and he["x-slotkeeper-branch-of"] == session
+    assert e1.usage.prompt_tokens_details.cached_tokens >= 0.8 * t1.usage.prompt_tokens
+    on_branch = [*edited, _reply(e1), {"role": "user", "content": "Good, continue."}]
+    e2, he2 = _turn(client, on_branch, **signal)
+    assert he2["x-session-id"] == branch and "x-slotkeeper-branch-of" not in he2
+    assert _reused(e2, e1) >= 0.95
+    original = [*history, _reply(again), {"role": "user", "content": "Good, continue."}]
     t3, h3 = _turn(client, original, **signal)
-    assert h3["x-session-id"] == session and _reused(t3, t2) >= 0.95
+    assert h3["x-session-id"] == session and _reused(t3, again) >= 0.95
 
 
-def test_x_session_id_names_exactly_one_session(serve: Callable[..., Serve], tmp_path: Path) -> None:
-    """`X-Session-Id` is the client's own choice of session: a turn under it runs there even when it
-    does not go on from the session's state (as with llama-server's `id_slot`), never on a branch."""
-    s = serve(tmp_path / "data")
+def test_an_agents_side_request_under_its_conversations_id_never_takes_the_conversation(
+    serve: Callable[..., Serve], tmp_path: Path
+) -> None:
+    """OpenCode sends its conversation's `X-Session-Id` on its title request too, first or beside the
+    conversation's first call. Whichever holds the id, the conversation keeps its own session under
+    it with full reuse, and a new conversation of the same agent starts from the first one's system
+    prompt and tools."""
+    s = serve(tmp_path / "data", slots=4)
     client = openai_client(s.url)
-    history = [*OPENING, {"role": "user", "content": "Task: rename the module utils to text."}]
-    t1, h1 = _turn(client, history, **{"X-Session-Id": "mine"})
-    other = [*OPENING, {"role": "user", "content": "Another task: list the open issues."}]
-    t2, h2 = _turn(client, other, **{"X-Session-Id": "mine"})
-    assert h1["x-session-id"] == h2["x-session-id"] == "mine" and "x-slotkeeper-branch-of" not in h2
-    assert h2["x-slotkeeper-cache"] == "live" and t2.usage.prompt_tokens_details.cached_tokens > 0
+    title_system = {"role": "system", "content": "You write a short title for a conversation."}
+
+    def title(first: str, named: dict[str, str]) -> None:
+        _turn(client, [title_system, {"role": "user", "content": first}], **named)
+
+    first = "Task: rename the module utils to text."
+    named = {"X-Session-Id": "ses_1"}
+    title(first, named)
+    history = [*OPENING, {"role": "user", "content": first}]
+    t1, h1 = _turn(client, history, **named)
+    conversation = h1["x-session-id"]
+    assert conversation != "ses_1" and h1["x-slotkeeper-branch-of"] == "ses_1"
+    history += [_reply(t1), {"role": "user", "content": "Now update the imports."}]
+    t2, h2 = _turn(client, history, **named)  # (`--continue`: the same id again)
+    assert h2["x-session-id"] == conversation and _reused(t2, t1) >= 0.95
+    title(first, named)  # a side request again, on the session the id names
+    history += [_reply(t2), {"role": "user", "content": "Run the tests."}]
+    t3, h3 = _turn(client, history, **named)
+    assert h3["x-session-id"] == conversation and _reused(t3, t2) >= 0.95
+    # A new conversation: its title first, then its first call, which starts from the first one's
+    # system prompt and tools (a slot of the tenant's on the same engine).
+    other = {"X-Session-Id": "ses_2"}
+    title("Task: add a --verbose flag.", other)
+    new = [*OPENING, {"role": "user", "content": "Task: add a --verbose flag."}]
+    n1, hn1 = _turn(client, new, **other)
+    assert hn1["x-session-id"] not in ("ses_1", "ses_2", conversation)
+    opening = n1.usage.prompt_tokens_details.cached_tokens / n1.usage.prompt_tokens
+    assert opening >= 0.8, n1.usage
+
+
+def test_a_compacted_claude_code_conversation_branches_and_keeps_its_sub_agents_apart(
+    serve: Callable[..., Serve], tmp_path: Path
+) -> None:
+    """Claude Code's shapes (reconstructed: the tiny model never finishes a summary for the real CLI,
+    tests/gateway/agent_clis): its `/compact` request sends the same system prompt and tools, the
+    whole history and a summary request, under the conversation's session header: it reads the whole
+    prompt from cache. The compacted conversation's first turn, under the same header, starts with the
+    summary instead of the history: a branch that reuses the system prompt and tools, and its next
+    turn goes on in that branch. A sub-agent (its own system prompt, the same header) is a session of
+    its own and leaves the conversation live in its slot."""
+    s = serve(tmp_path / "data", slots=4)
+    client = anthropic_client(s.url)
+    headers = {"x-claude-code-session-id": "3f6c1f4e-compact"}
+    system = "You are Claude Code, an interactive CLI tool for software engineering tasks. " * 8
+
+    def send(messages: list[dict[str, Any]], system: str = system) -> tuple[Any, dict[str, str]]:
+        raw = client.messages.with_raw_response.create(
+            model="claude-sonnet-4-5",
+            max_tokens=6,
+            system=system,
+            tools=[READ_FILE],  # type: ignore[list-item]
+            messages=messages,  # type: ignore[arg-type]
+            extra_headers=headers,
+            extra_body={"temperature": 0},
+        )
+        return raw.parse(), dict(raw.headers)
+
+    def text(message: Any) -> str:
+        return "".join(b.text for b in message.content if b.type == "text") or "ok"
+
+    def read(message: Any) -> int:
+        return int(message.usage.cache_read_input_tokens or 0)
+
+    history: list[dict[str, Any]] = [{"role": "user", "content": "Fix the failing login test."}]
+    first, h1 = send(history)
+    session = h1["x-session-id"]
+    history += [{"role": "assistant", "content": text(first)}, {"role": "user", "content": "Run it again."}]
+    second, h2 = send(history)
+    assert h2["x-session-id"] == session and read(second) >= 0.95 * first.usage.input_tokens
+    # A sub-agent between two turns: a session of its own; the conversation stays where it was.
+    _, hs = send([{"role": "user", "content": "Find the config loader."}], system="You are a search agent.")
+    assert hs["x-session-id"] != session
+    history += [{"role": "assistant", "content": text(second)}, {"role": "user", "content": "And the docs."}]
+    third, h3 = send(history)
+    assert h3["x-session-id"] == session and h3["x-slotkeeper-cache"] == "live"
+    before = second.usage.input_tokens + read(second)
+    assert read(third) >= 0.95 * before
+    # /compact: the whole history and a summary request, the same session.
+    summary_request = "Your task is to create a detailed summary of the conversation so far."
+    compact_history = [*history, {"role": "assistant", "content": text(third)}]
+    compacting, hc = send([*compact_history, {"role": "user", "content": summary_request}])
+    assert hc["x-session-id"] == session and read(compacting) >= 0.95 * (
+        third.usage.input_tokens + read(third)
+    )
+    # The compacted conversation: the summary instead of the history, under the same header.
+    summary = "This session is being continued from a previous conversation. Summary: " + text(compacting)
+    compacted: list[dict[str, Any]] = [{"role": "user", "content": summary + "\n\nNow update the changelog."}]
+    after, ha = send(compacted)
+    branch = ha["x-session-id"]
+    assert branch != session and ha["x-slotkeeper-branch-of"] == session
+    prefix = client.messages.count_tokens(  # system + tools + one word
+        model="claude-sonnet-4-5",
+        system=system,
+        tools=[READ_FILE],  # type: ignore[list-item]
+        messages=[{"role": "user", "content": "x"}],
+    ).input_tokens
+    assert read(after) >= 0.9 * prefix
+    compacted += [{"role": "assistant", "content": text(after)}, {"role": "user", "content": "Thanks."}]
+    going_on, hg = send(compacted)
+    assert hg["x-session-id"] == branch and read(going_on) >= 0.95 * (after.usage.input_tokens + read(after))

@@ -190,14 +190,17 @@ def _body(model: str, text: str) -> dict[str, Any]:
     }
 
 
+_CONVERSATIONS: dict[tuple[int, str, str], Conversation] = {}
+
+
+def _conversation(gw: Gateway, key: str, session: str) -> Conversation:
+    """The conversation of `session` with `key` on `gw` (each turn goes on from the last: a turn that
+    did not would branch, gateway.branches)."""
+    return _CONVERSATIONS.setdefault((id(gw), key, session), Conversation(gw, key, session, max_tokens=1))
+
+
 async def _turn(c: httpx.AsyncClient, gw: Gateway, key: str, session: str, text: str) -> httpx.Response:
-    resp = await c.post(
-        gw.url + "/v1/chat/completions",
-        json=_body(gw.engine_model, text),
-        headers={"Authorization": f"Bearer {key}", "X-Session-Id": session},
-    )
-    assert resp.status_code == 200, resp.text
-    return resp
+    return await _conversation(gw, key, session).turn(c, text)
 
 
 @pytest.mark.parametrize("key", ["key-lazy", "key-durable", "key-limited"])
@@ -302,17 +305,27 @@ async def _held(svc: Services, tenant: str, session: str) -> None:
 class Conversation:
     """An agent's conversation: every turn sends the whole history so far (it continues the slot)."""
 
-    def __init__(self, gw: Gateway, key: str, session: str) -> None:
-        self.gw, self.key, self.session = gw, key, session
+    def __init__(self, gw: Gateway, key: str, session: str, max_tokens: int = 3) -> None:
+        self.gw, self.key, self.session, self.max_tokens = gw, key, session, max_tokens
         self.messages: list[dict[str, Any]] = []
+        self.headers = {"Authorization": f"Bearer {key}", "X-Session-Id": session}
+
+    def body(self, text: str) -> dict[str, Any]:
+        """The next turn's body: the history so far and `text`."""
+        messages = [*self.messages, {"role": "user", "content": text}]
+        return {**_body(self.gw.engine_model, text), "messages": messages, "max_tokens": self.max_tokens}
 
     async def turn(self, c: httpx.AsyncClient, text: str) -> httpx.Response:
-        self.messages.append({"role": "user", "content": text})
-        body = {**_body(self.gw.engine_model, text), "messages": self.messages, "max_tokens": 3}
-        headers = {"Authorization": f"Bearer {self.key}", "X-Session-Id": self.session}
-        resp = await c.post(self.gw.url + "/v1/chat/completions", json=body, headers=headers)
+        return await self._send(c, self.body(text))
+
+    async def again(self, c: httpx.AsyncClient) -> httpx.Response:
+        """The last turn sent again (a retry: the same prompt; its answer replaces the last one)."""
+        return await self._send(c, {**self.body(""), "messages": self.messages[:-1]})
+
+    async def _send(self, c: httpx.AsyncClient, body: dict[str, Any]) -> httpx.Response:
+        resp = await c.post(self.gw.url + "/v1/chat/completions", json=body, headers=self.headers)
         assert resp.status_code == 200, resp.text
-        self.messages.append(resp.json()["choices"][0]["message"])
+        self.messages = [*body["messages"], resp.json()["choices"][0]["message"]]
         return resp
 
 
@@ -359,8 +372,8 @@ async def test_an_early_start_the_opening_read_refuses_is_abandoned(
             # Other replicas used up the tenant's minute meanwhile: this process's last read said 2.
             window, _ = svc.index._window("limited", "rpm", 60)
             await svc.index._redis.set(window, limited.quotas.requests_per_minute)
-            body = _body(gateway.engine_model, "Turn three.")
-            headers = {"Authorization": "Bearer key-limited", "X-Session-Id": "capped"}
+            chat = _conversation(gateway, "key-limited", "capped")
+            body, headers = chat.body("Turn three."), chat.headers
             for _ in range(2):
                 resp = await c.post(gateway.url + "/v1/chat/completions", json=body, headers=headers)
                 assert resp.status_code == 429, resp.text
@@ -393,7 +406,7 @@ async def test_an_early_start_to_a_restarted_engine_process_is_refused_there_and
             assert cache is not None
             refs = {e: dataclasses.replace(r, instance="an-earlier-process") for e, r in cache.refs.items()}
             cluster._cache = dataclasses.replace(cache, refs=refs)
-            resp = await _turn(c, gateway, "key-durable", "fenced", "Turn two.")
+            resp = await _conversation(gateway, "key-durable", "fenced").again(c)
             assert (_early(svc, "refused"), _early(svc, "answered")) == (1, 0)
             assert resp.headers["x-slotkeeper-cache"] == "live"
             assert resp.json()["choices"] == first.json()["choices"]  # a retry of the same turn
