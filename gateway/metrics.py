@@ -68,6 +68,12 @@ class Metrics:
             "of it instead (gateway.branches), by how the session was found",
             "source",
         )
+        self.branches_refused = family(
+            Counter,
+            "branches_refused",
+            "Turns that would have branched but ran on the session they reached (rolling it back): "
+            "the tenant's quotas left no room for a new session",
+        )
         self.slot_changed = family(
             Counter,
             "slot_changed",

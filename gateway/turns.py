@@ -142,7 +142,8 @@ class TurnRunner:
             if how is Continuation.NONE or (how is Continuation.REPLY and looks_further(source)):
                 # Not where its state is: never roll it back (gateway.branches).
                 assert record is not None and prompt is not None
-                branched = await self._branch(hold, busy, record, source, prompt, how)
+                room = new_session_refusal(tenant, start) is None
+                branched = await self._branch(hold, busy, record, source, prompt, how, room)
                 if branched.hold is not hold:
                     hold, busy, source = branched.hold, False, branched.source
                     session, record, forked_from = branched.session, branched.record, branched.parent
@@ -229,14 +230,17 @@ class TurnRunner:
         source: str,
         prompt: RestorePrompt,
         how: Continuation,
+        room: bool,
     ) -> Branched:
         """Where a turn goes whose prompt does not go on exactly from the state of the session it
         reached (``record``, held by ``hold``; marked busy by the opening read when ``busy``): for a
         request that names its session (gateway.branches), the session its history continues — when
         only the reply differs (``how``), only one that recorded this very reply, else the reached
         session after all (returned with ``hold``) —; else a new branch from the session that shares
-        most of the history. Exactly one session's lock is held throughout: another is taken before
-        the reached session is left as it was."""
+        most of the history — unless the tenant's quotas leave no ``room`` for a new session: then
+        the turn runs on the reached session after all, as it did before branches (it rolls back;
+        an edit gets an answer rather than a 429). Exactly one session's lock is held throughout:
+        another is taken before the reached session is left as it was."""
         parts, tenant = self.parts, record.tenant
         parent = record.session
         hit = await find_conversation(parts.index, tenant, prompt) if looks_further(source) else None
@@ -252,6 +256,10 @@ class TurnRunner:
             parent = found  # it holds more of the prompt than the session named
         elif how is Continuation.REPLY:
             return Branched(parent, hold, record, None, source)  # nobody else has its reply: go on
+        if not room:
+            log.info("session.branch_refused", tenant=tenant, session=record.session, why="quota")
+            parts.metrics.branches_refused.inc()
+            return Branched(record.session, hold, record, None, source)
         session, branch = await fork(parts, tenant, parent)
         await self._leave(hold, busy)
         log.info("session.branched", tenant=tenant, session=session, parent=parent, source=source)

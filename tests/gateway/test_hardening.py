@@ -334,10 +334,13 @@ def test_delete_removes_every_copy_and_the_id_starts_clean(pool: Pool, moto_serv
     assert listed.get("KeyCount", 0) == 0
     assert pool.http.get(f"/v1/sessions/{sid}", headers=auth("mallory")).status_code == 404
     # The same id again: a new session whose saves work (no generation collides with the old one).
+    again: list[dict[str, Any]] = []
     for turn in range(2):
-        r = pool.chat("mallory", [{"role": "user", "content": f"start over {turn}"}], session=sid)
+        again.append({"role": "user", "content": f"start over {turn}"})
+        r = pool.chat("mallory", again, session=sid)
         assert r.status_code == 200, r.text
         assert r.headers["x-slotkeeper-cache"] == ("cold" if turn == 0 else "live")
+        again.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"] or ""})
     rec = _wait_durable(pool, "mallory", sid)
     assert rec["state"] == "live"
     # Push it out of its slot (the honest session stays the most recently used): placement works.
@@ -349,7 +352,7 @@ def test_delete_removes_every_copy_and_the_id_starts_clean(pool: Pool, moto_serv
         )
     assert pool.http.get(f"/v1/sessions/{sid}", headers=auth("mallory")).json()["state"] == "spilled"
     pool.assert_honest_still_live()
-    r = pool.chat("mallory", [{"role": "user", "content": "start over 1"}], session=sid)
+    r = pool.chat("mallory", [*again, {"role": "user", "content": "and now?"}], session=sid)
     assert r.status_code == 200 and r.headers["x-slotkeeper-cache"] in ("live", "restored")
 
 
@@ -392,7 +395,9 @@ def test_a_busy_session_forks_whatever_its_id_ends_with(pool: Pool) -> None:
 
 def test_a_session_whose_holder_died_is_waited_for_not_forked(pool: Pool) -> None:
     sid = "holder-" + uuid.uuid4().hex[:6]
-    assert pool.chat("mallory", [{"role": "user", "content": "a"}], session=sid).status_code == 200
+    first = pool.chat("mallory", [{"role": "user", "content": "a"}], session=sid)
+    assert first.status_code == 200
+    reply = {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"] or ""}
     _wait_durable(pool, "mallory", sid)
 
     # A gateway that died holding the lock: nobody renews it; it lapses within the (short) TTL.
@@ -403,7 +408,11 @@ def test_a_session_whose_holder_died_is_waited_for_not_forked(pool: Pool) -> Non
 
     pool.run(pool.with_redis(die_holding))
     t0 = time.monotonic()
-    r = pool.chat("mallory", [{"role": "user", "content": "again"}], session=sid)
+    r = pool.chat(
+        "mallory",
+        [{"role": "user", "content": "a"}, reply, {"role": "user", "content": "again"}],
+        session=sid,
+    )
     assert r.status_code == 200, r.text
     assert r.headers["x-session-id"] == sid  # not a fork
     assert time.monotonic() - t0 < LOCK_TTL_S + 5
