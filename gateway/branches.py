@@ -6,14 +6,14 @@ continues the session when its messages hold that head followed by a reply — a
 at that place, whatever its text (templates render it again; clients send it back in their own
 form). The same prompt sent again (a regenerate, a retry) runs on the session too: it gives up only
 the reply, and the engine keeps a checkpoint at the end of every prompt, so going on from the first
-reply later costs just that reply's tokens. Every other request that reaches the session — a parallel
-conversation that opens alike, an edited earlier message, an agent's fork command, a compacted
-history under the same agent session id, an agent's side request (a title) under its conversation's
-id — would roll the session's state back in its slot. It branches instead: a new session (a fork, gateway.locking.fork)
-that starts from the reached one's state, copied from its live slot or restored from its stored
-generation, and evaluates only what differs; the reached session keeps its state for its own next
-turn. Each branch then goes on with full reuse, in a slot of its own, so two branches' turns run in
-parallel.
+reply later costs just that reply's tokens. Every other request that reaches the session — a
+parallel conversation that opens alike, an edited earlier message, an agent's fork command, a
+compacted history under the same agent session id, an agent's side request (a title) under its
+conversation's id — would roll the session's state back in its slot. It branches instead: a new
+session (a fork, gateway.locking.fork) that starts from the reached one's state, copied from its
+live slot or restored from its stored generation, and evaluates only what differs; the reached
+session keeps its state for its own next turn. Each branch then goes on with full reuse, in a slot
+of its own, so two branches' turns run in parallel.
 
 A request that names its session (`X-Session-Id`, which OpenCode sends too, or another agent's
 signal: Claude Code's, Codex's, `prompt_cache_key`) and does not continue it may continue one of its
