@@ -14,7 +14,7 @@ from gateway.tenants import Tenant
 from gateway.turn_parts import TurnParts
 from storage.blobs.blobstore import delete_generations
 from storage.errors import LockBusy, StorageError
-from storage.index.records import SessionRecord, SessionState
+from storage.index.records import SessionRecord
 
 log = structlog.get_logger("slotkeeper.gateway")
 
@@ -45,11 +45,11 @@ async def delete(parts: TurnParts, tenant: Tenant, session: str) -> SessionRecor
         if found is None:
             raise NotFound(f"session {session} not found")
         rec = found
-        if rec.state is SessionState.LIVE and rec.engine is not None and rec.slot is not None:
-            engine = await parts.cluster.engine(rec.engine)
+        if (place := rec.place) is not None:
+            engine = await parts.cluster.engine(place[0])
             if engine is not None:
                 node = await parts.node(engine.node)
-                await node.erase(engine.engine, rec.slot)
+                await node.erase(engine.engine, place[1])
         for node in await parts.all_nodes():
             await node.forget(tenant.name, session)
         await delete_generations(parts.store, tenant.name, session)
@@ -69,12 +69,12 @@ async def delete(parts: TurnParts, tenant: Tenant, session: str) -> SessionRecor
 async def _cancel_turn(parts: TurnParts, rec: SessionRecord) -> None:
     """End the generation on the session's slot, when it is live there (a session being placed
     has none yet: its turn is waited for)."""
-    if rec.state is not SessionState.LIVE or rec.engine is None or rec.slot is None:
+    if (place := rec.place) is None:
         return
-    engine = await parts.cluster.engine(rec.engine)
+    engine = await parts.cluster.engine(place[0])
     if engine is None:
         return
     with contextlib.suppress(NodeError):  # (then the wait for the lock decides)
         node = await parts.node(engine.node)
-        if await node.cancel(engine.engine, rec.slot):
+        if await node.cancel(engine.engine, place[1]):
             log.info("session.turn_cancelled", tenant=rec.tenant, session=rec.session, reason="delete")

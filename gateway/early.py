@@ -41,7 +41,6 @@ from typing import Generic, TypeVar
 from engine_pool.common.errors import INSTANCE_HEADER, ApiError, InstanceChanged
 from gateway.cluster import EngineRef
 from gateway.holds import Phase, SessionHold
-from storage.index.records import SessionState
 from storage.index.turnops import TurnStart
 
 T = TypeVar("T")
@@ -78,13 +77,15 @@ def early_start(
     if hold.valid_until - now < margin_s:
         return None
     rec = hold.record
-    if rec is None or rec.state is not SessionState.LIVE or rec.engine is None or rec.slot is None:
+    place = rec.place if rec is not None else None
+    if rec is None or place is None:
         return None
-    if rec.model != model or engine is None or engine.engine != rec.engine or engine.model != model:
+    engine_id, slot = place
+    if rec.model != model or engine is None or engine.engine != engine_id or engine.model != model:
         return None
-    if not engine.instance or not engine.url or not 0 <= rec.slot < engine.n_slots:
+    if not engine.instance or not engine.url or not 0 <= slot < engine.n_slots:
         return None
-    return EarlyStart(rec.engine, rec.slot, engine.url, engine.instance)
+    return EarlyStart(engine_id, slot, engine.url, engine.instance)
 
 
 @dataclass

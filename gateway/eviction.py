@@ -22,7 +22,7 @@ from gateway.placement import Placement
 from gateway.saves import save_slot
 from gateway.turn_parts import TurnParts
 from storage.errors import LockBusy, NotStored, StorageError
-from storage.index.records import SessionRecord, SessionState
+from storage.index.records import SessionRecord
 
 log = structlog.get_logger("slotkeeper.gateway")
 
@@ -37,7 +37,7 @@ def eviction_step(rec: SessionRecord, engine: str, slot: int) -> EvictionStep:
     """What evicting the session ``rec`` from (``engine``, ``slot``) takes. A session that moved
     (its own next turn took it elsewhere) is never saved from the slot: that would give it someone
     else's state."""
-    if (rec.state, rec.engine, rec.slot) != (SessionState.LIVE, engine, slot):
+    if not rec.live_in(engine, slot):
         return EvictionStep.MOVED
     if rec.generation and not rec.dirty:
         return EvictionStep.RECORD

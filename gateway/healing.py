@@ -199,8 +199,8 @@ class IndexHealing:
         for engine in {s.engine for s in labelled}:
             for tenant, session in await self._index.engine_sessions(engine):
                 record = await self._index.find(tenant, session)
-                if record is not None and record.state is SessionState.LIVE and record.slot is not None:
-                    taken.add((engine, record.slot))
+                if record is not None and record.place is not None:
+                    taken.add(record.place)
         adopted = 0
         for s in labelled:
             if (s.engine, s.slot) in taken:
@@ -261,7 +261,7 @@ def behind(record: SessionRecord) -> bool:
     """Whether a save was handed a generation the record never learned the end of (a copy newer
     than the record names may exist), while the session is not live in a slot (a slot is newer
     than any copy). Pure."""
-    return record.state is not SessionState.LIVE and record.reserved > max(record.generation, record.floor)
+    return not record.live and record.reserved > max(record.generation, record.floor)
 
 
 def unstored_record(copy: UnstoredCopy) -> SessionRecord:

@@ -36,7 +36,7 @@ from gateway.relay import input_tokens
 from gateway.tenants import Tenant
 from gateway.turn import CHAT_PATH, RestorePrompt
 from gateway.turn_parts import TurnParts
-from storage.index.records import SessionRecord, SessionState
+from storage.index.records import SessionRecord
 
 log = structlog.get_logger("slotkeeper.gateway")
 
@@ -129,22 +129,18 @@ async def place(
     prompt: RestorePrompt | None = None,
 ) -> Placed:
     """The turn's slot, reserved (gateway.reservations) until the caller records the session there."""
-    if (
-        forked_from is None
-        and record.state is SessionState.LIVE
-        and record.engine
-        and record.slot is not None
-    ):
+    if forked_from is None and (place := record.place) is not None:
         # Live in its slot (the common warm turn): the lock makes the slot ours, no pool view.
-        engine = await parts.cluster.engine(record.engine)
-        if engine is not None and engine.model == model and record.slot < engine.n_slots:
-            parts.reserved.hold((engine.engine, record.slot))
+        engine_id, slot = place
+        engine = await parts.cluster.engine(engine_id)
+        if engine is not None and engine.model == model and slot < engine.n_slots:
+            parts.reserved.hold((engine.engine, slot))
             try:
                 node = await parts.node(engine.node)
             except BaseException:
-                parts.reserved.release((engine.engine, record.slot))
+                parts.reserved.release((engine.engine, slot))
                 raise
-            return Placed(Placement(engine.engine, record.slot, Serve.LIVE), engine.url, node)
+            return Placed(Placement(engine.engine, slot, Serve.LIVE), engine.url, node)
     if hold.saved is not None and not hold.saved.done():
         # Served elsewhere: it needs the state its previous turn is saving right now.
         with contextlib.suppress(TimeoutError):

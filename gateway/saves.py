@@ -22,7 +22,7 @@ from gateway.turn_parts import TurnParts
 from storage.blobs.blobstore import delete_generations
 from storage.errors import StorageError
 from storage.index.generations import GenerationsTaken, save_as_next_generation
-from storage.index.records import SessionRecord, SessionState
+from storage.index.records import SessionRecord
 
 log = structlog.get_logger("slotkeeper.gateway")
 
@@ -70,7 +70,7 @@ def left_slot(rec: SessionRecord, where: tuple[str, int]) -> bool:
     """Whether the session is no longer live in the slot ``where`` a write-behind save would save:
     the node dropped it when its engine died, and a slot of a restarted engine holds someone
     else's state."""
-    return rec.state is not SessionState.LIVE or (rec.engine, rec.slot) != where
+    return not rec.live_in(*where)
 
 
 async def write_behind(parts: TurnParts, turn: Turn) -> None:

@@ -34,7 +34,7 @@ from gateway.tenants import Tenant
 from gateway.turn import RestorePrompt, Turn
 from gateway.turn_parts import TurnParts
 from storage.errors import StorageError
-from storage.index.records import SessionRecord, SessionState
+from storage.index.records import SessionRecord
 from storage.index.turnops import TurnStart
 
 log = structlog.get_logger("slotkeeper.gateway")
@@ -56,8 +56,7 @@ def marked_there(record: SessionRecord, placement: Placement, model: str) -> boo
     served live in the same slot of the same model (the mark changed only its last use and dirt)."""
     return (
         placement.serve is Serve.LIVE
-        and record.state is SessionState.LIVE
-        and (record.engine, record.slot) == (placement.engine, placement.slot)
+        and record.live_in(placement.engine, placement.slot)
         and record.model == model
     )
 

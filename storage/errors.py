@@ -78,6 +78,13 @@ class GenerationUsed(WriteConflict):
     record's floor): save as ``SessionRecord.next_generation`` or later."""
 
 
+class IllegalTransition(StorageError):
+    """A decision produced a session record that storage.index.records.TRANSITIONS does not allow
+    after the one it read: a bug in the decision, never a runtime condition."""
+
+    code = "illegal_transition"
+
+
 class InvalidId(StorageError, ValueError):
     """A tenant, session, engine or other id that could address a path or another namespace."""
 

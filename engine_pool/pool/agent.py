@@ -54,7 +54,7 @@ from storage.ids import SlotRef, validate_id
 from storage.index.engines import EngineRegistry
 from storage.index.generations import save_as_next_generation
 from storage.index.prefix_digests import STORED_ROUTES
-from storage.index.session_index import SessionIndex, SessionState
+from storage.index.session_index import SessionIndex
 from storage.slotfile.reader import SlotFile, read_slot_file, whole_file_crc32
 
 from ..common.answer_body import answer_json, error_object
@@ -227,9 +227,10 @@ class NodeAgent:
         for tenant, session in sessions:
             try:
                 record = await index.find(tenant, session)
-                if record is None or record.state is not SessionState.LIVE or record.slot is None:
+                place = record.place if record is not None else None
+                if record is None or place is None:
                     continue
-                ref, out = await self._spill_next(sup, record.slot, tenant, session, record.stored_routes)
+                ref, out = await self._spill_next(sup, place[1], tenant, session, record.stored_routes)
                 await index.mark_spilled(
                     tenant,
                     session,

@@ -127,7 +127,6 @@ class Decider:
         session's own slot if it is live there (no pool view), else a sampled pool view and
         `choose_placement`."""
         from gateway.placement import Placement, Serve, SessionView, choose_placement
-        from storage.index.session_index import SessionState
 
         t = [time.perf_counter()]
         tenant = self.tenants[_tenant_of(messages)]
@@ -139,10 +138,10 @@ class Decider:
         rec = await self.index.find(tenant.name, session)
         t.append(time.perf_counter())
         placement = None
-        if rec.state is SessionState.LIVE and rec.engine is not None and rec.slot is not None:
-            engine = await self.cluster.engine(rec.engine)
+        if (place := rec.place) is not None:
+            engine = await self.cluster.engine(place[0])
             if engine is not None:
-                placement = Placement(engine.engine, rec.slot, Serve.LIVE)
+                placement = Placement(engine.engine, place[1], Serve.LIVE)
         pool_view: list[Any] = []
         if placement is None:
             pool_view, _ = await self.cluster.pool_view(self.model, holder=(tenant.name, session))

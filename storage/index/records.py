@@ -1,7 +1,18 @@
 """Session records as the index stores them: one Redis hash per (tenant, session).
 
 A record is plain data; :class:`storage.index.session_index.SessionIndex` decides transitions as pure
-functions over it and writes it back in one transaction.
+functions over it and writes it back in one transaction. Which state may follow which is one table,
+`TRANSITIONS` (None: no record), and `checked` is the one function every write goes through: it
+refuses anything else with :class:`IllegalTransition` (a bug in a decision, not a runtime
+condition). Callers ask a record what it is through its predicates (`live`, `place`, `live_in`,
+`stored`), never by comparing its state.
+
+| from \\ to | new | live | spilled |
+|---|---|---|---|
+| (none) | created | healing adopts a labelled slot | reindex adopts a stored generation |
+| new | touched | placed in a slot | reindex adopts a stored generation |
+| live | its engine died, nothing saved | a turn, a move, a save | evicted, drained, its engine died |
+| spilled | — | restored into a slot | a newer stored generation |
 """
 
 from __future__ import annotations
@@ -11,6 +22,7 @@ from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import Any
 
+from storage.errors import IllegalTransition
 from storage.index.keyspace import text_map
 from storage.index.prefix_digests import join_routes
 
@@ -19,6 +31,15 @@ class SessionState(StrEnum):
     NEW = "new"  # known, nothing saved yet
     LIVE = "live"  # in an engine slot (busy, or idle in the engine's LRU)
     SPILLED = "spilled"  # only in the spill cache / blob store, at ``generation``
+
+
+# Which state may follow which (None: no record yet). Deleting a record is always allowed.
+TRANSITIONS: Mapping[SessionState | None, frozenset[SessionState]] = {
+    None: frozenset({SessionState.NEW, SessionState.LIVE, SessionState.SPILLED}),
+    SessionState.NEW: frozenset({SessionState.NEW, SessionState.LIVE, SessionState.SPILLED}),
+    SessionState.LIVE: frozenset({SessionState.NEW, SessionState.LIVE, SessionState.SPILLED}),
+    SessionState.SPILLED: frozenset({SessionState.LIVE, SessionState.SPILLED}),
+}
 
 
 @dataclass(frozen=True)
@@ -56,6 +77,24 @@ class SessionRecord:
     def live(self) -> bool:
         """In an engine slot now."""
         return self.state is SessionState.LIVE and self.engine is not None and self.slot is not None
+
+    @property
+    def place(self) -> tuple[str, int] | None:
+        """(engine, slot) it is live in now, else None."""
+        return (
+            (self.engine, self.slot)
+            if self.engine is not None and self.slot is not None and self.live
+            else None
+        )
+
+    def live_in(self, engine: str | None, slot: int | None = None) -> bool:
+        """In a slot of ``engine`` now (``slot``: that very slot)."""
+        return self.live and self.engine == engine and (slot is None or self.slot == slot)
+
+    @property
+    def stored(self) -> bool:
+        """Only in the store (and spill caches), at its durable generation."""
+        return self.state is SessionState.SPILLED
 
     @property
     def next_generation(self) -> int:
@@ -100,3 +139,12 @@ class SessionRecord:
 
 
 _HASH_FIELDS = tuple(f.name for f in fields(SessionRecord) if f.name not in ("tenant", "session"))
+
+
+def checked(old: SessionRecord | None, new: SessionRecord | None) -> SessionRecord | None:
+    """``new`` as the record that follows ``old`` (None: no record), or :class:`IllegalTransition`
+    naming both states when `TRANSITIONS` does not allow it. Deleting (``new`` None) always is."""
+    if new is not None and new.state not in TRANSITIONS[old.state if old is not None else None]:
+        before = old.state.value if old is not None else "no record"
+        raise IllegalTransition(f"session {new.session}: {before} -> {new.state.value} is not a transition")
+    return new

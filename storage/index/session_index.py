@@ -42,7 +42,7 @@ from storage.index.keyspace import Keyspace, in_process_redis, member, redis_err
 from storage.index.locks import SessionLock, check_owner
 from storage.index.occupancy import EngineOccupancy
 from storage.index.prefix_digests import DEFAULT_ROUTE_TTL_S, PrefixRouting, route_ttl_ms, validate_digest
-from storage.index.records import SessionRecord, SessionState
+from storage.index.records import SessionRecord, SessionState, checked
 from storage.index.shared_prefixes import SharedPrefixes
 from storage.index.turnops import TurnOps
 from storage.index.usage import TenantCounters
@@ -137,10 +137,11 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
         """Live and in its engine's idle LRU: no request is running on it (its lock, if held, is
         held for bookkeeping such as a write-behind save)."""
         record = await self.find(tenant, session)
-        if record is None or record.state is not SessionState.LIVE or not record.engine:
+        place = record.place if record is not None else None
+        if place is None:
             return False
         async with redis_errors():
-            score = await self._redis.zscore(self.keys.engine_idle(record.engine), member(tenant, session))
+            score = await self._redis.zscore(self.keys.engine_idle(place[0]), member(tenant, session))
         return score is not None
 
     # ------------------------------------------------------------------------------- transitions
@@ -167,7 +168,7 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
             await check_owner(pipe, self.keys, lock)
             raw = await pipe.hgetall(key)
             old = SessionRecord.from_hash(tenant, session, raw) if raw else None
-            new = decide(old)
+            new = checked(old, decide(old))
             if new is not None and old is None:
                 new = replace(new, floor=max(new.floor, int(await pipe.get(floor_key) or 0)))
             if new is not None and new.generation != (old.generation if old else 0):
@@ -184,7 +185,7 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
         if new is not None:
             # Spilled (an eviction, a drain) is worth a line on the console; a turn's own
             # transitions (new, live) are its access line's business there.
-            (log.info if new.state is SessionState.SPILLED else log.debug)(
+            (log.info if new.stored else log.debug)(
                 "session.state",
                 tenant=tenant,
                 session=session,
@@ -333,7 +334,7 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
         now = self._clock()
 
         def decide(old: SessionRecord | None) -> SessionRecord:
-            if old is None or old.state is not SessionState.LIVE or not old.engine:
+            if old is None or not old.live:
                 raise WriteConflict(f"session {session} is not live")
             return replace(
                 old,
@@ -412,7 +413,7 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
 
         def decide(old: SessionRecord | None) -> SessionRecord:
             old = _found(old, session)
-            if slot is not None and (old.state is not SessionState.LIVE or (old.engine, old.slot) != slot):
+            if slot is not None and not old.live_in(*slot):
                 raise WriteConflict(f"session {session} left the slot it was saved from")
             self._forward(old, generation)
             dirty = since is not None and old.last_used != since
@@ -497,7 +498,7 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
         def decide(old: SessionRecord | None) -> SessionRecord:
             if old is None:
                 raise NotStored("the session has no record")
-            if old.state is not SessionState.LIVE or old.engine != engine or slot not in (None, old.slot):
+            if not old.live_in(engine, slot):
                 return old
             state = SessionState.SPILLED if old.generation else SessionState.NEW
             return replace(old, state=state, engine=None, slot=None, dirty=False)
@@ -513,13 +514,13 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
         live = self.decide_live(tenant, session, engine=engine, slot=slot, tokens=tokens, model=model)
 
         def decide(old: SessionRecord | None) -> SessionRecord:
-            if old is not None and (old.state is SessionState.LIVE or old.tokens > tokens):
+            if old is not None and (old.live or old.tokens > tokens):
                 return old
             return live(old)  # dirty: the slot may hold more than any stored generation
 
         before = await self.find(tenant, session)
         after = await self._change(tenant, session, decide, None, idle=True)
-        return after is not None and after.state is SessionState.LIVE and after != before
+        return after is not None and after.live and after != before
 
     async def restore_spilled(self, record: SessionRecord) -> bool:
         """Reindex: adopt a durable generation from storage unless the index knows a newer state,
@@ -530,7 +531,7 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
                 return replace(record, state=SessionState.SPILLED, engine=None, slot=None)
             if old.generation >= record.generation:
                 return old
-            if old.state is SessionState.LIVE:  # the slot is newer than any file; keep it live
+            if old.live:  # the slot is newer than any file; keep it live
                 return replace(
                     old, generation=record.generation, blob_key=record.blob_key, bytes=record.bytes
                 )

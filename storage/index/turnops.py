@@ -37,7 +37,7 @@ from typing import Any
 from storage.errors import LockLost
 from storage.index.keyspace import IDLE, LIVE, Keyspace, member, redis_errors, text
 from storage.index.locks import TURN, SessionLock, new_token
-from storage.index.records import SessionRecord
+from storage.index.records import SessionRecord, checked
 
 # KEYS: rate window ('' slot unused when no limit), in-flight zset, lock, record, sessions zset,
 # stored bytes, registry epoch, index epoch, index built epoch. ARGV: rate limit (-1: none), window
@@ -305,6 +305,7 @@ class TurnOps:
         if lock is not None and (lock.tenant, lock.session) != (tenant, session):
             raise ValueError("the lock belongs to another session")
         new = decide(old)
+        checked(old, new)
         if new.generation != old.generation:
             self._above_floor(new)
         ops = Ops(self.keys.lock(tenant, session), self.keys.session(tenant, session))
