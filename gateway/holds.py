@@ -16,6 +16,10 @@ A hold is in one of three phases:
   `save_grace_s` (`Holds.linger`). A next turn takes it over at once; it waits for the save only
   when it needs the saved state (it is not served live in its slot).
 
+`PHASES` is the table of which phase may follow which, and `enter` the one function that changes
+a hold's phase: it refuses anything else (a bug, not a runtime condition), as the supervisor's
+table does for engines.
+
 The hold also keeps the session record as this process last wrote it, so that the next write is a
 one-round-trip compare-and-set against it (storage.index.turnops); `write` serialises this process's
 writes to the record, so the turn and the save never race each other's compare-and-set.
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from enum import StrEnum
 
 import structlog
@@ -43,6 +47,16 @@ class Phase(StrEnum):
     RUNNING = "running"
     ANSWERED = "answered"
     SETTLING = "settling"
+
+
+# Which phase may follow which: a turn answers (its bookkeeping pending) or ends before answering;
+# the bookkeeping written, only a save (or the linger) holds it; a next turn takes it over. A turn's
+# answer may be marked twice (its stream's end and its response's background both settle it).
+PHASES: Mapping[Phase, frozenset[Phase]] = {
+    Phase.RUNNING: frozenset({Phase.ANSWERED, Phase.SETTLING}),
+    Phase.ANSWERED: frozenset({Phase.ANSWERED, Phase.SETTLING}),
+    Phase.SETTLING: frozenset({Phase.RUNNING}),
+}
 
 
 class SessionHold:
@@ -70,6 +84,13 @@ class SessionHold:
         """One write to the record at a time from this process (see the module doc)."""
         async with self._writing:
             yield
+
+
+def enter(hold: SessionHold, phase: Phase) -> None:
+    """Move ``hold`` to ``phase``; anything `PHASES` does not allow is a bug (AssertionError)."""
+    if phase not in PHASES[hold.phase]:
+        raise AssertionError(f"hold on {hold.lock.session}: no phase change {hold.phase} -> {phase}")
+    hold.phase = phase
 
 
 async def write_record(
@@ -137,20 +158,20 @@ class Holds:
         await hold.booked.wait()
         if hold.released.done() or hold.phase is Phase.RUNNING:  # released, or another request won
             return False
-        hold.phase = Phase.RUNNING
+        enter(hold, Phase.RUNNING)
         hold.users += 1
         return True
 
     def answered(self, hold: SessionHold) -> None:
         """The turn's answer is going out; its bookkeeping starts (synchronous: a request arriving
         from now on waits for the bookkeeping instead of forking)."""
-        hold.phase = Phase.ANSWERED
+        enter(hold, Phase.ANSWERED)
         hold.booked.clear()
 
     def booked(self, hold: SessionHold) -> None:
         """The turn's bookkeeping is written; the hold now only waits for a pending save."""
         if hold.phase is Phase.ANSWERED:
-            hold.phase = Phase.SETTLING
+            enter(hold, Phase.SETTLING)
         hold.booked.set()
 
     def saving(self, hold: SessionHold, save: Callable[[], Awaitable[None]]) -> None:
@@ -209,7 +230,7 @@ class Holds:
         placement failed): a save still holding the hold may be taken over again."""
         hold.users -= 1
         if turn and hold.phase is Phase.RUNNING:
-            hold.phase = Phase.SETTLING
+            enter(hold, Phase.SETTLING)
         if hold.users > 0:
             return
         key = (hold.lock.tenant, hold.lock.session)

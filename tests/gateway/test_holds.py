@@ -7,7 +7,9 @@ import asyncio
 import functools
 from typing import Any
 
-from gateway.holds import Holds
+import pytest
+
+from gateway.holds import Holds, Phase, enter
 from storage.errors import StoreUnavailable
 from storage.index.keyspace import in_process_redis
 from storage.index.locks import TURN, SessionLocks
@@ -155,4 +157,27 @@ async def test_a_turn_no_save_follows_keeps_its_hold_a_moment_for_the_next_turn(
     plain.linger(hold)  # no grace: nothing lingers
     await plain.let_go(hold)
     assert await locks.owner("acme", "s2") is None
+    await redis.aclose()
+
+
+async def test_a_holds_phase_changes_only_as_its_table_says() -> None:
+    """RUNNING -> ANSWERED -> SETTLING -> RUNNING (taken over), or RUNNING -> SETTLING (a turn that
+    ended before answering); anything else is a bug and refused."""
+    redis = in_process_redis()
+    locks = SessionLocks(redis)
+    holds = Holds(locks, lock_ttl_s=15.0)
+    lock = await locks.try_acquire("acme", "s1", ttl_s=15.0)
+    assert lock is not None
+    hold = holds.start(lock, None)
+    with pytest.raises(AssertionError, match="running -> running"):
+        enter(hold, Phase.RUNNING)  # a second turn on a running hold: it forks instead
+    holds.answered(hold)
+    holds.booked(hold)
+    assert hold.phase is Phase.SETTLING
+    with pytest.raises(AssertionError, match="settling -> answered"):
+        enter(hold, Phase.ANSWERED)  # an answer with no turn running
+    assert await holds.take_over(hold) and hold.phase is Phase.RUNNING
+    await holds.let_go(hold, turn=True)
+    await holds.let_go(hold)
+    await asyncio.wait_for(hold.released, 10)
     await redis.aclose()
