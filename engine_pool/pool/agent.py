@@ -71,6 +71,7 @@ from ..common.errors import (
     render_error,
 )
 from ..common.loop import cancel_and_wait
+from ..protocol.codec import WireError
 from ..protocol.node import (
     ENGINES,
     HEALTH,
@@ -93,6 +94,7 @@ from ..protocol.node import (
     UnstoredCopy,
     UnstoredList,
 )
+from ..protocol.slot_actions import SlotAnswer, SlotCancelled, SlotErased, SlotRestored, SlotSaved
 from .metrics import NodeMetrics
 from .settings import NodeSettings
 from .supervisor import EngineSnapshot, EngineSpec, EngineSupervisor, State
@@ -215,7 +217,7 @@ class NodeAgent:
         # clients get what was written), and a busy slot cannot be spilled.
         for n in range(sup.spec.n_slots):
             with suppress(ApiError):
-                if (await self._slot_call(sup, n, "cancel"))["cancelled"]:
+                if (await self._slot_call(sup, n, SlotCancelled)).cancelled:
                     log.info("node.drain_cancelled", engine=sup.spec.engine_id, slot=n)
         index, ok = self.parts.index, True
         try:
@@ -300,9 +302,9 @@ class NodeAgent:
         result: SlotResult | None = None
         try:
             if op == "erase":
-                result = EraseResult(int((await self._slot_call(sup, n, "erase"))["n_erased"]))
+                result = EraseResult((await self._slot_call(sup, n, SlotErased)).n_erased)
             elif op == "cancel":  # the generation running there ends (a busy session's DELETE)
-                result = CancelResult(bool((await self._slot_call(sup, n, "cancel"))["cancelled"]))
+                result = CancelResult((await self._slot_call(sup, n, SlotCancelled)).cancelled)
             else:
                 assert ref is not None
                 spill = op == "spill"
@@ -369,7 +371,7 @@ class NodeAgent:
         name = f"spill-{uuid.uuid4().hex}.slot"
         src = sup.spec.slot_dir / name
         label = {"slot_owner": ref.tenant, "slot_expect": ref.session} if fenced else {}
-        await self._slot_call(sup, slot, "save", name, label)
+        await self._slot_call(sup, slot, SlotSaved, name, label)
         try:
             sf = await asyncio.to_thread(read_slot_file, src, checksum=False)
             crc = await asyncio.to_thread(whole_file_crc32, src)
@@ -463,18 +465,19 @@ class NodeAgent:
         if out is not None:
             source = "cut"
         elif prefix and source == "store" and not await self.parts.store.shares_prefix(ref, tokens or []):
-            out, source = {"n_restored": 0, "n_read": 0}, "none"
+            source = "none"
         else:
             out, source = await self._restore_whole(sup, slot, ref, source, label)
         await cache.evict()  # with a budget of 0 (one machine, local store) the copy goes now
         ms = round((time.monotonic() - t0) * 1000, 2)
-        result = FillResult(int(out["n_restored"]), int(out["n_read"]), source, ms)
+        n_tokens, n_bytes = (out.n_restored, out.n_read) if out is not None else (0, 0)
+        result = FillResult(n_tokens, n_bytes, source, ms)
         log.info("node.filled", **_slot_fields(sup, slot, ref), **result.to_json())
         return result
 
     async def _restore_cut(
         self, sup: EngineSupervisor, slot: int, ref: SlotRef, tokens: list[int], label: dict[str, str] | None
-    ) -> dict[str, Any] | None:
+    ) -> SlotRestored | None:
         """The generation up to the prompt's checkpoint, restored; None when there is no such cut
         (or the engine refused it: the whole generation is restored then)."""
         name = f"fill-{uuid.uuid4().hex}.slot"
@@ -482,7 +485,7 @@ class NodeAgent:
         try:
             if await self.parts.store.get_prefix_to_file(ref, dest, tokens) is None:
                 return None
-            return await self._slot_call(sup, slot, "restore", name, label)
+            return await self._slot_call(sup, slot, SlotRestored, name, label)
         except ApiError as err:
             if err.extra.get("kind") not in DAMAGED:
                 raise
@@ -493,7 +496,7 @@ class NodeAgent:
 
     async def _restore_whole(
         self, sup: EngineSupervisor, slot: int, ref: SlotRef, source: str, label: dict[str, str] | None
-    ) -> tuple[dict[str, Any], str]:
+    ) -> tuple[SlotRestored, str]:
         """The whole generation restored, and where it came from in the end (see :meth:`_fill`)."""
         cache = self.parts.cache
         try:
@@ -512,14 +515,14 @@ class NodeAgent:
 
     async def _restore(
         self, sup: EngineSupervisor, slot: int, ref: SlotRef, label: dict[str, str] | None, *, verify: bool
-    ) -> dict[str, Any]:
+    ) -> SlotRestored:
         cache = self.parts.cache
         path = await cache.fill(self.parts.store, ref, verify=verify)  # pinned
         name = f"fill-{uuid.uuid4().hex}.slot"
         link = sup.spec.slot_dir / name
         try:
             await asyncio.to_thread(_link_or_copy, path, link)
-            return await self._slot_call(sup, slot, "restore", name, label)
+            return await self._slot_call(sup, slot, SlotRestored, name, label)
         finally:
             await asyncio.to_thread(link.unlink, missing_ok=True)
             cache.unpin(ref)
@@ -528,13 +531,14 @@ class NodeAgent:
         self,
         sup: EngineSupervisor,
         slot: int,
-        action: str,
+        answer: type[SlotAnswer],
         filename: str | None = None,
         label: dict[str, str] | None = None,
-    ) -> dict[str, Any]:
-        """One llama-server slot action (``label``: the slot label a save expects, or a restore
-        gives); the engine's own errors keep their status, type and message."""
-        engine_id = sup.spec.engine_id
+    ) -> SlotAnswer:
+        """One llama-server slot action, named by its ``answer`` (``label``: the slot label a save
+        expects, or a restore gives); the engine's own errors keep their status, type and message,
+        an answer that is not what the action answers is a 502."""
+        engine_id, action = sup.spec.engine_id, answer.action
         try:
             r = await self.parts.http.post(
                 f"{sup.url}/slots/{slot}",
@@ -546,7 +550,10 @@ class NodeAgent:
             raise Upstream(f"engine {engine_id}: slot {action} failed: {type(exc).__name__}: {exc}") from exc
         body = answer_json(r)
         if r.status_code == 200 and isinstance(body, dict):
-            return body
+            try:
+                return answer.from_json(body)
+            except WireError as exc:
+                raise Upstream(f"engine {engine_id}: slot {action} answered {exc}") from exc
         error = error_object(body)
         if error is None:
             error = {"message": r.text[:500]}

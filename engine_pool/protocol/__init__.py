@@ -6,7 +6,9 @@ path (`openai_responses`, `anthropic_messages`, reading the chat answer through 
 imports the same translations and adds what needs state (stored responses, sessions). `sse` frames
 both ends' streams; `report` and `volatile` are the reuse report and the prompt rules the gateway
 and an engine exchange; `node` is the node agent's requests and results, used by the agent and by
-its client; `metric_labels` keeps both ends' Prometheus labels alike.
+its client; `slot_actions` the engine's slot-action answers its node agent reads; `engine_answers`
+the engine's chat and completion answers as types; `codec` the one codec every request and result
+dataclass here is written and read with; `metric_labels` keeps both ends' Prometheus labels alike.
 
 Everything here is pure or framing only and imports nothing of the engine, the pool, the gateway or
 storage (only `engine_pool.common`), so each end can depend on it without pulling the other in

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import secrets
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -80,7 +81,7 @@ def _call(raw: Any) -> Call:
     )
 
 
-def read_completion(chat: dict[str, Any]) -> ChatResult:
+def read_completion(chat: Mapping[str, Any]) -> ChatResult:
     """The first choice and the usage of a `chat.completion` object."""
     choices = chat.get("choices")
     choice = _dict(choices[0]) if isinstance(choices, list) and choices else {}
@@ -148,7 +149,7 @@ class ChunkReader:
         self.report: dict[str, Any] | None = None  # the engine's reuse report (`slotkeeper`), when sent
         self._calls: set[int] = set()
 
-    def feed(self, chunk: dict[str, Any]) -> list[Piece]:
+    def feed(self, chunk: Mapping[str, Any]) -> list[Piece]:
         self.model = self.model or _str(chunk.get("model"))
         engine = _dict(chunk.get("slotkeeper"))
         if "reuse" in engine:  # the last chunk's report (the first one carries the prompt's size only)
@@ -215,7 +216,7 @@ class ChunkStream(ABC, Generic[Open]):
         self._stopping_word = ""
         self._report: dict[str, Any] | None = None  # the engine's `slotkeeper` (how it reused the prompt)
 
-    def feed(self, chunk: dict[str, Any]) -> list[Event]:
+    def feed(self, chunk: Mapping[str, Any]) -> list[Event]:
         """The events for one chat chunk (the first chunk also starts the stream)."""
         if self._ended:
             return []

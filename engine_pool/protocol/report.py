@@ -9,7 +9,7 @@ defined once for both ends. Pure.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import NotRequired, TypedDict
 
 from ..common.body import Body
 from ..common.errors import BadRequest
@@ -18,14 +18,56 @@ SERVED = ("live", "restored", "prefix", "stored-prefix", "cold")
 MAX_RULES = 16
 
 
-def caller_context(body: Body) -> dict[str, Any]:
+class ComparedState(TypedDict):
+    """`prefix`: the state the prompt was compared with — its slot, its tokens, the prompt tokens of
+    the last request it served, and the prompt's common prefix with it."""
+
+    slot: int
+    tokens: int
+    prompt_tokens: int
+    common: int
+
+
+class Divergence(TypedDict):
+    """`diverged`: where the prompt left that state (token `at`): `part` is `reply`, `system`,
+    `tools`, `message` or `generation_prompt`; `message` and `role` name a message."""
+
+    at: int
+    part: str
+    message: NotRequired[int]
+    role: NotRequired[str]
+
+
+class CallerContext(TypedDict, total=False):
+    """What the caller says of a turn (the request's `slotkeeper` object)."""
+
+    served: str
+    rules: list[str]
+
+
+class ReuseReport(CallerContext, total=False):
+    """An answer's `slotkeeper` object: how the prompt's prefix was served. `reuse` is live |
+    checkpoint | logits | none; `restored`: the slot's state came from a slot file; `source_slot`:
+    the slot it started from; with the caller's `served` and `rules`. A stream's first chunk carries
+    only `prompt_tokens` (the prompt's size once evaluated)."""
+
+    reuse: str
+    restored: bool
+    checkpoints_created: int
+    source_slot: int
+    prefix: ComparedState
+    diverged: Divergence
+    prompt_tokens: int
+
+
+def caller_context(body: Body) -> CallerContext:
     """What the caller (the gateway) says of this turn, to be reported beside the engine's own
     reuse facts in `slotkeeper`: how it served the session (`served`) and which of its prompt rules
     changed the request (`rules`). Bounded; anything else is a 400."""
     ctx = body.get_object("slotkeeper")
     if ctx is None:
         return {}
-    out: dict[str, Any] = {}
+    out: CallerContext = {}
     served = ctx.get_str("served")
     if served is not None:
         if served not in SERVED:
@@ -45,7 +87,7 @@ def caller_context(body: Body) -> dict[str, Any]:
     return out
 
 
-def served(report: dict[str, Any], cache_n: int) -> str:
+def served(report: ReuseReport, cache_n: int) -> str:
     """How the prompt's state was served (`slotkeeper.served`): `prefix` when it started from
     another slot's state, or reused any while the caller said its session had none (`cold`: the
     state another session of the tenant left in this slot); else the caller's word (`live`,

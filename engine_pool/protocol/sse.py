@@ -19,7 +19,7 @@ it is cancelled and its slot given back.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
 import structlog
@@ -66,7 +66,7 @@ class SSEResponse(StreamingResponse):
                 await aclose()
 
 
-async def start_stream(items: AsyncGenerator[dict[str, Any], None], *, done_marker: bool) -> SSEResponse:
+async def start_stream(items: AsyncGenerator[Mapping[str, Any], None], *, done_marker: bool) -> SSEResponse:
     """Wait for the first item (errors so far are plain HTTP errors), then stream the rest as
     `data:` events; a failure after the start is a last OpenAI-shaped error event."""
     return await _start(

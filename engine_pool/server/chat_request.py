@@ -73,7 +73,7 @@ class Constraint:
     grammar: str
     parse_tools: bool
     ban_tool_calls: bool
-    lazy: bool = False  # the grammar applies from the chat format's call tag on (routes_openai)
+    lazy: bool = False  # the grammar applies from the chat format's call tag on (chat_pipeline)
 
 
 def parse_messages(body: Body, limits: RequestLimits, *, empty_ok: bool = False) -> list[dict[str, Any]]:

@@ -22,7 +22,6 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
 
 import structlog
 from starlette.requests import Request
@@ -30,6 +29,8 @@ from starlette.requests import Request
 import native
 
 from ..common.errors import ClientGone, ContextSizeExceeded, ServerError, SlotChanged, Unavailable
+from ..protocol.engine_answers import CompletionLogprobs, Timings, TokenLogprob, TokenPiece
+from ..protocol.report import ReuseReport
 from .grammar import GrammarTriggers
 from .runtime import Runtime
 from .sampling import Sampling, ban_end_of_generation, resolve_text_bias, to_native
@@ -68,11 +69,10 @@ class Outcome:
     n_prompt: int
     stop_type: str  # eos | word | limit | none (llama-server's names)
     stopping_word: str
-    timings: dict[str, float]
-    reuse: dict[str, Any] = field(default_factory=dict)  # the response's `slotkeeper` field
+    timings: Timings
+    reuse: ReuseReport = field(default_factory=lambda: ReuseReport())  # the response's `slotkeeper` field
     probs: list[TokenProb] = field(default_factory=list)
     ttft_s: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def finish_reason(self) -> str:
@@ -115,7 +115,7 @@ def _rates(n: int, ms: float, steps: int | None = None) -> tuple[float, float, f
     return ms, ms / steps, 1e3 / ms * steps
 
 
-def timings_dict(t: native.Timings) -> dict[str, float]:
+def timings_dict(t: native.Timings) -> Timings:
     """llama-server's `timings` object: numbers only.
 
     llama-server counts the time to the first token as prompt time and generation from the first
@@ -142,10 +142,10 @@ def timings_dict(t: native.Timings) -> dict[str, float]:
     }
 
 
-def reuse_dict(t: native.Timings) -> dict[str, Any]:
+def reuse_dict(t: native.Timings) -> ReuseReport:
     """How the prompt's prefix was served (the `slotkeeper` field next to `timings`): `reuse` is
     live | checkpoint | logits | none, `restored` says the slot's state came from a slot file."""
-    out: dict[str, Any] = {
+    out: ReuseReport = {
         "reuse": t.reuse,
         "restored": t.restored,
         "checkpoints_created": t.checkpoints_created,
@@ -354,19 +354,29 @@ TokenBytes = Callable[[int], bytes]  # a token's piece (`engine.token_piece(t, T
 _LOG_ZERO = -3.4028234663852886e38
 
 
+def token_pieces(engine: native.Engine) -> TokenBytes:
+    """A token's piece (special tokens spelled out), remembered for one request's probabilities."""
+    seen: dict[int, bytes] = {}
+
+    def piece(token: int) -> bytes:
+        if token not in seen:
+            seen[token] = engine.token_piece(token, True)
+        return seen[token]
+
+    return piece
+
+
 def _logprob(x: float) -> float:
     return x if math.isfinite(x) else _LOG_ZERO
 
 
-def _token(token: int, piece: TokenBytes) -> dict[str, Any]:
+def _token(token: int, piece: TokenBytes) -> TokenPiece:
     raw = piece(token)
     # A piece can end inside a character: its text keeps the complete ones, `bytes` has them all.
     return {"id": token, "token": raw.decode("utf-8", "ignore"), "bytes": list(raw)}
 
 
-def probs_json(
-    probs: Sequence[TokenProb], piece: TokenBytes, n_top: int | None = None
-) -> list[dict[str, Any]]:
+def probs_json(probs: Sequence[TokenProb], piece: TokenBytes, n_top: int | None = None) -> list[TokenLogprob]:
     """llama-server's `completion_probabilities` (and `logprobs.content` of chat, a superset of
     OpenAI's entries): per token `id`, `token`, `bytes`, `logprob`, `top_logprobs` (its first `n_top`)."""
     return [
@@ -381,7 +391,7 @@ def probs_json(
 
 def completion_logprobs(
     probs: Sequence[TokenProb], piece: TokenBytes, n_top: int, offset: int = 0
-) -> dict[str, Any]:
+) -> CompletionLogprobs:
     """OpenAI's legacy completions `logprobs` (tokens, token_logprobs, top_logprobs as {text:
     logprob}, text_offset from `offset` characters), plus llama-server's `content` entries."""
     content = probs_json(probs, piece, n_top)

@@ -22,12 +22,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..protocol.report import Divergence, ReuseReport
 from .slot_leases import common_prefix
 
 Render = Callable[[Sequence[dict[str, Any]], Sequence[dict[str, Any]] | None], list[int]]
 
 
-def left_at(report: dict[str, Any], n_prompt: int) -> int | None:
+def left_at(report: ReuseReport, n_prompt: int) -> int | None:
     """Where the prompt left the state it was compared with (`slotkeeper.prefix` of the report),
     or None: no such state, or the prompt repeats all of it."""
     prefix = report.get("prefix")
@@ -37,7 +38,7 @@ def left_at(report: dict[str, Any], n_prompt: int) -> int | None:
     return common if common < held and common < n_prompt else None
 
 
-def in_last_turn(report: dict[str, Any], at: int, slack: int) -> bool:
+def in_last_turn(report: ReuseReport, at: int, slack: int) -> bool:
     """Whether a divergence at `at` lies in the compared state's last reply or in the generation
     prompt before it (`slack` tokens: the next turn renders the reply there, Qwen3.5 without the
     `<think>` it opened), known from the prompt it last served without rendering anything."""
@@ -52,7 +53,7 @@ def locate(
     prompt: Sequence[int],
     at: int,
     system_spans: Sequence[tuple[int, int]] = (),
-) -> dict[str, Any]:
+) -> Divergence:
     """The part of the conversation token `at` of `prompt` belongs to. `render(messages, tools)`
     tokenizes a conversation rendered without the generation prompt; `system_spans` are where the
     system messages' text lies in `prompt`, in tokens, when the caller found it (then a divergence
@@ -82,10 +83,10 @@ def locate(
     return {"at": at, "part": "message", "message": lo, "role": str(messages[lo].get("role", ""))}
 
 
-def last_reply(messages: Sequence[dict[str, Any]], at: int) -> dict[str, Any]:
+def last_reply(messages: Sequence[dict[str, Any]], at: int) -> Divergence:
     """The expected case: the prompt left the state in (or right before) its last reply."""
     index = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
-    out: dict[str, Any] = {"at": at, "part": "reply"}
+    out: Divergence = {"at": at, "part": "reply"}
     if index is not None:
         out["message"] = index
     return out

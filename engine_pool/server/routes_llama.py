@@ -7,7 +7,7 @@ a prefix was reused) are extra fields a llama-server client ignores.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
@@ -17,52 +17,33 @@ from starlette.routing import Route
 
 import native
 
-from ..common.body import Body, check_tokens, json_type, read_json
-from ..common.errors import (
-    BadRequest,
-    ContextSizeExceeded,
-    NotFound,
-    NotSupported,
-    ServerError,
-    Unavailable,
-    error_payload,
-)
-from ..protocol.bounds import check_count, too_many
+from ..common.body import Body, check_tokens, read_json
+from ..common.errors import BadRequest, NotFound, NotSupported, ServerError, Unavailable, error_payload
+from ..protocol.bounds import check_count
+from ..protocol.engine_answers import LlamaChunk, LlamaCompletion
+from ..protocol.slot_actions import SlotCancelled
 from ..protocol.sse import start_stream
 from . import slot_files
 from .chat_request import continuation, parse_messages, parse_tools, prefill_text
-from .decoding import Delta, Outcome, TokenBytes, collect_all, decode_on_slot, probs_json, with_biases
+from .completion_prompts import check_prompts, completion_prompt, prompt_field
+from .completion_result import completion_result, prompt_text, response_fields, select_fields
+from .decoding import (
+    Delta,
+    Outcome,
+    TokenBytes,
+    collect_all,
+    decode_on_slot,
+    probs_json,
+    token_pieces,
+    with_biases,
+)
 from .gbnf import check_grammar
 from .grammar import built_off_loop, schema_grammar
-from .limits import RequestLimits, check_text
+from .limits import check_text
 from .metrics import CONTENT_TYPE
+from .route_context import aliased, limits, limits_and_body, runtime
 from .runtime import Runtime
 from .sampling import Sampling, generation_settings, read_label, read_sampling
-
-Endpoint = Callable[[Request], Awaitable[Response]]
-
-
-def runtime(request: Request) -> Runtime:
-    rt: Runtime = request.app.state.runtime
-    return rt
-
-
-def limits(request: Request) -> RequestLimits:
-    """The engine's request limits, built once from its settings by `app.build_app`."""
-    lim: RequestLimits = request.app.state.limits
-    return lim
-
-
-async def limits_and_body(request: Request) -> tuple[RequestLimits, Body]:
-    """The engine's request limits and the request's JSON body, read within them."""
-    lim = limits(request)
-    return lim, await read_json(request, lim.body)
-
-
-def aliased(endpoint: Endpoint, methods: list[str], *paths: str) -> list[Route]:
-    """`endpoint` at each of `paths`: llama-server answers much of its API under two names (`/health`
-    and `/v1/health`, `/completion` and `/completions`)."""
-    return [Route(path, endpoint, methods=methods) for path in paths]
 
 
 async def health(request: Request) -> Response:
@@ -191,134 +172,15 @@ async def slot_action(request: Request) -> Response:
             param="action",
         )
     if action == "erase":
-        return JSONResponse(await slot_files.erase(rt, slot))
+        return JSONResponse((await slot_files.erase(rt, slot)).to_json())
     if action == "cancel":  # (ours: llama-server has no way to stop a slot's request but its client)
-        return JSONResponse({"id_slot": slot, "cancelled": await rt.cancel_slot(slot)})
+        return JSONResponse(SlotCancelled(slot, await rt.cancel_slot(slot)).to_json())
     body = await read_json(request, limits(request).body)
     if action == "save":
-        return JSONResponse(
-            await slot_files.save(rt, slot, body.raw("filename"), _named(body, "slot_expect"))
-        )
-    return JSONResponse(
-        await slot_files.restore(rt, slot, body.raw("filename"), _named(body, "slot_session"))
-    )
-
-
-def split_prompts(value: Any) -> list[Any]:
-    """llama-server's prompt forms: an array that holds no token id at its top level is several
-    prompts (strings, arrays of token ids, mixes, `{"prompt_string": ...}` objects); anything else
-    is one prompt."""
-    if isinstance(value, list) and not any(_is_id(v) for v in value):
-        if not value:
-            raise BadRequest("'prompt' must not be empty", param="prompt")
-        return list(value)
-    return [value]
-
-
-def _is_id(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def check_prompts(value: Any, lim: RequestLimits, n_ctx: int, n: int = 1) -> list[Any]:
-    """The prompts `value` holds (`split_prompts`), bounded before anything tokenizes them: their
-    number (times `n` choices each) against what the engine can run at once, their text against
-    --max-text-chars, each one's token ids against a slot's context."""
-    prompts = split_prompts(value)
-    check_text("prompt", value, lim.max_text_chars)
-    if len(prompts) * n > lim.max_generations:
-        if n == 1:
-            raise too_many(
-                "prompt", len(prompts), lim.max_generations, "prompts (at most one per slot and queue place)"
-            )
-        raise too_many(
-            "prompt",
-            len(prompts) * n,
-            lim.max_generations,
-            f"generations at {n} choices a prompt (one per slot and queue place)",
-        )
-    for i, p in enumerate(prompts):
-        check_prompt(p, lim, n_ctx, prompt_field(prompts, i))
-    return prompts
-
-
-def prompt_field(prompts: list[Any], i: int) -> str:
-    return "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-
-
-def completion_prompt(rt: Runtime, value: Any, where: str = "prompt") -> list[int]:
-    """One prompt: text, token ids, llama-server's mix of both (text pieces are tokenized in place),
-    or `{"prompt_string": text or mix}` (with `multimodal_data`: refused, no model here reads media).
-
-    Routes check its size first (`check_prompts`) and run this in a worker thread: tokenizing takes
-    time in proportion to the text. (The native tokenizer still holds the GIL, so for now the
-    loop waits all the same; the bound is what keeps that short.)"""
-    n_vocab = rt.require().model.n_vocab
-    if isinstance(value, dict):
-        if value.get("multimodal_data") is not None:
-            raise BadRequest(
-                f"'{where}.multimodal_data': this engine serves a text-only model; multimodal prompts "
-                "are not supported",
-                param=f"{where}.multimodal_data",
-            )
-        if "prompt_string" not in value:
-            raise BadRequest(
-                f"'{where}' must be a string, token ids or an object with 'prompt_string'; "
-                "this object has none",
-                param=where,
-            )
-        value, where = value["prompt_string"], f"{where}.prompt_string"
-    if isinstance(value, str):
-        tokens = rt.tokenize(value, True)
-    elif isinstance(value, list) and all(isinstance(v, str) or _is_id(v) for v in value):
-        tokens = []
-        for i, v in enumerate(value):
-            tokens += (
-                rt.tokenize(v, i == 0) if isinstance(v, str) else check_tokens([v], n_vocab, f"{where}[{i}]")
-            )
-    else:
-        raise BadRequest(
-            f"'{where}' must be a string, an array of token ids, a mix of both, or an object with "
-            f"'prompt_string'; got {json_type(value)}",
-            param=where,
-        )
-    if not tokens:
-        raise BadRequest(f"'{where}' is empty", param=where)
-    return tokens
-
-
-def check_prompt(value: Any, lim: RequestLimits, n_ctx: int, where: str = "prompt") -> None:
-    """Bound one prompt before anything tokenizes it: its text against --max-text-chars, its token
-    ids against a slot's context (every id is one token)."""
-    check_text(where, value, lim.max_text_chars)
-    if isinstance(value, dict):
-        value = value.get("prompt_string")
-    if isinstance(value, list):
-        n_ids = sum(1 for v in value if _is_id(v))
-        if n_ids >= n_ctx:
-            raise ContextSizeExceeded(n_ids, n_ctx)
-
-
-def response_fields(body: Body, lim: RequestLimits) -> list[str]:
-    """llama-server's `response_fields`: the paths (`a/b` reaches into objects) a /completion
-    result is cut down to."""
-    fields = body.get_str_list("response_fields")
-    check_count("response_fields", fields, lim.max_response_fields, "paths")
-    return list(fields)
-
-
-def select_fields(result: dict[str, Any], paths: list[str]) -> dict[str, Any]:
-    """`result` cut down to `paths`, each kept under its own name (`generation_settings/n_predict`
-    becomes a top-level key of that name); a path that leads nowhere is left out, as llama-server does."""
-    out: dict[str, Any] = {}
-    for path in paths:
-        value: Any = result
-        for key in path.split("/"):
-            if not isinstance(value, dict) or key not in value:
-                break
-            value = value[key]
-        else:
-            out[path] = value
-    return out
+        saved = await slot_files.save(rt, slot, body.raw("filename"), _named(body, "slot_expect"))
+        return JSONResponse(saved.to_json())
+    restored = await slot_files.restore(rt, slot, body.raw("filename"), _named(body, "slot_session"))
+    return JSONResponse(restored.to_json())
 
 
 async def completion(request: Request) -> Response:
@@ -360,36 +222,10 @@ async def completion(request: Request) -> Response:
         request,
     )
     results = [
-        _completion_final(rt, o, sampling, pieces, fields, texts[runs[i]], streamed=False, index=i)
+        _cut(completion_result(rt, o, sampling, pieces, texts[runs[i]], streamed=False, index=i), fields)
         for i, o in enumerate(outcomes)
     ]
     return JSONResponse(results[0] if len(results) == 1 else results)
-
-
-def prompt_text(engine: native.Engine, tokens: list[int]) -> str:
-    """llama-server's `prompt` of a result: the prompt's tokens as text, special tokens spelled out.
-    Client-sized: call it in a worker thread."""
-    return engine.detokenize(tokens, False, True)
-
-
-def verbose_result(
-    rt: Runtime, o: Outcome, sampling: Sampling, prompt: str, pieces: TokenBytes
-) -> dict[str, Any]:
-    """llama-server's `__verbose` (a response's debug field with `verbose` or `-v`): the generation
-    as /completion reports it, the prompt's text included."""
-    return _completion_final(rt, o, sampling, pieces, [], prompt, streamed=False)
-
-
-def token_pieces(engine: native.Engine) -> TokenBytes:
-    """A token's piece (special tokens spelled out), remembered for one request's probabilities."""
-    seen: dict[int, bytes] = {}
-
-    def piece(token: int) -> bytes:
-        if token not in seen:
-            seen[token] = engine.token_piece(token, True)
-        return seen[token]
-
-    return piece
 
 
 async def _completion_chunks(
@@ -399,11 +235,11 @@ async def _completion_chunks(
     pieces: TokenBytes,
     fields: list[str],
     prompt: str,
-) -> AsyncGenerator[dict[str, Any], None]:
+) -> AsyncGenerator[LlamaChunk | LlamaCompletion | dict[str, Any], None]:
     async with aclosing(gen) as items:
         async for item in items:
             if isinstance(item, Delta):
-                chunk: dict[str, Any] = {
+                chunk: LlamaChunk = {
                     "index": 0,
                     "content": item.text,
                     "tokens": item.tokens,
@@ -413,43 +249,11 @@ async def _completion_chunks(
                     chunk["completion_probabilities"] = probs_json(item.probs, pieces)
                 yield chunk
             else:
-                yield _completion_final(rt, item, sampling, pieces, fields, prompt, streamed=True)
+                yield _cut(completion_result(rt, item, sampling, pieces, prompt, streamed=True), fields)
 
 
-def _completion_final(
-    rt: Runtime,
-    o: Outcome,
-    sampling: Sampling,
-    pieces: TokenBytes,
-    fields: list[str],
-    prompt: str,
-    *,
-    streamed: bool,
-    index: int = 0,
-) -> dict[str, Any]:
-    """The whole result, or (streamed) the last chunk: everything but the text, tokens and
-    probabilities already sent; cut down to `fields` when the request named some."""
-    result: dict[str, Any] = {
-        "index": index,
-        "content": "" if streamed else o.text,
-        "tokens": [] if streamed else o.tokens,
-        "id_slot": o.slot,
-        "stop": True,
-        "model": rt.settings.model_id,
-        "tokens_predicted": o.n_predicted,
-        "tokens_evaluated": o.n_prompt,
-        "generation_settings": generation_settings(sampling),
-        "prompt": prompt,
-        "has_new_line": "\n" in o.text,
-        "truncated": False,
-        "stop_type": o.stop_type,
-        "stopping_word": o.stopping_word,
-        "tokens_cached": o.n_prompt + max(o.n_predicted - 1, 0),
-        "timings": o.timings,
-        "slotkeeper": o.reuse,
-    }
-    if o.probs and not streamed:
-        result["completion_probabilities"] = probs_json(o.probs, pieces)
+def _cut(result: LlamaCompletion, fields: list[str]) -> LlamaCompletion | dict[str, Any]:
+    """`result` cut down to the request's `response_fields`, when it named some."""
     return select_fields(result, fields) if fields else result
 
 

@@ -21,6 +21,7 @@ import native
 from storage.background import in_background
 
 from ..common.errors import BadRequest, NotFound, NotSupported, SlotChanged
+from ..protocol.slot_actions import RestoreTimings, SaveTimings, SlotErased, SlotRestored, SlotSaved
 from .runtime import Runtime
 
 log = structlog.get_logger("engine.slots")
@@ -85,16 +86,8 @@ async def _on_slot(
     return await asyncio.shield(task)
 
 
-# llama-server's field names: action -> (log event, tokens field, bytes field)
-_REPORT = {
-    "save": ("slot.saved", "n_saved", "n_written"),
-    "restore": ("slot.restored", "n_restored", "n_read"),
-}
-
-
-def _report(action: str, slot: int, filename: Any, info: native.SlotFileInfo) -> dict[str, Any]:
-    """Log a completed save/restore and answer it as llama-server does."""
-    event, tokens_field, bytes_field = _REPORT[action]
+def _log(event: str, slot: int, filename: str, info: native.SlotFileInfo) -> None:
+    """One log event for a completed save or restore."""
     log.info(
         event,
         slot=slot,
@@ -104,19 +97,9 @@ def _report(action: str, slot: int, filename: Any, info: native.SlotFileInfo) ->
         n_checkpoints=info.n_checkpoints,
         ms=round(info.ms, 2),
     )
-    return {
-        "id_slot": slot,
-        "filename": filename,
-        tokens_field: info.n_tokens,
-        bytes_field: info.n_bytes,
-        "n_checkpoints": info.n_checkpoints,
-        "timings": {f"{action}_ms": info.ms},
-    }
 
 
-async def save(
-    rt: Runtime, slot: int, filename: Any, expect: tuple[str, str] | None = None
-) -> dict[str, Any]:
+async def save(rt: Runtime, slot: int, filename: Any, expect: tuple[str, str] | None = None) -> SlotSaved:
     """The slot's state is copied under the slot's lease (memory speed) and written to its file
     after the lease: the session's next turn starts on the slot while the file is written (a
     write-behind save of a long session writes hundreds of MB and syncs them). ``expect``: the
@@ -126,12 +109,13 @@ async def save(
     path = slot_file_path(rt.slot_dir, filename)
     snapshot = await _on_slot(rt, slot, "save", lambda: engine.snapshot_slot(slot), expect)
     info = await in_background(engine.write_snapshot, snapshot, str(path))
-    return _report("save", slot, filename, info)
+    _log("slot.saved", slot, filename, info)
+    return SlotSaved(slot, filename, info.n_tokens, info.n_bytes, info.n_checkpoints, SaveTimings(info.ms))
 
 
 async def restore(
     rt: Runtime, slot: int, filename: Any, label: tuple[str, str] | None = None
-) -> dict[str, Any]:
+) -> SlotRestored:
     """Load the file into the slot; ``label``: the (owner, session) whose state it is."""
     engine = rt.require()
     path = slot_file_path(rt.slot_dir, filename)
@@ -155,11 +139,14 @@ async def restore(
             param="filename",
             extra={"kind": exc.kind},
         ) from None
-    return _report("restore", slot, filename, info)
+    _log("slot.restored", slot, filename, info)
+    return SlotRestored(
+        slot, filename, info.n_tokens, info.n_bytes, info.n_checkpoints, RestoreTimings(info.ms)
+    )
 
 
-async def erase(rt: Runtime, slot: int) -> dict[str, Any]:
+async def erase(rt: Runtime, slot: int) -> SlotErased:
     engine = rt.require()
     n = await _on_slot(rt, slot, "erase", lambda: engine.erase_slot(slot))
     log.info("slot.erased", slot=slot, n_tokens=n)
-    return {"id_slot": slot, "n_erased": n}
+    return SlotErased(slot, n)

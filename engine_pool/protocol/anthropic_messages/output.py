@@ -12,6 +12,7 @@ to a cache on request (`cache_creation_input_tokens` 0).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from ..chat_result import Call, ChatResult, Usage, read_completion
@@ -87,7 +88,7 @@ def message_shell(req: MessagesRequest, *, message_id: str, model: str) -> dict[
     }
 
 
-def message_object(req: MessagesRequest, chat: dict[str, Any], *, message_id: str) -> dict[str, Any]:
+def message_object(req: MessagesRequest, chat: Mapping[str, Any], *, message_id: str) -> dict[str, Any]:
     """The complete Message for a `chat.completion` object."""
     result = read_completion(chat)
     model = chat.get("model")

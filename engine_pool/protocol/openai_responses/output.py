@@ -19,7 +19,7 @@ it, and the prompt is rendered again from it.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ...common.errors import ApiError
@@ -213,7 +213,7 @@ def output_items(
 
 
 def response_object(
-    req: ResponsesRequest, chat: dict[str, Any], *, response_id: str, created_at: int, seal: Seal = None
+    req: ResponsesRequest, chat: Mapping[str, Any], *, response_id: str, created_at: int, seal: Seal = None
 ) -> dict[str, Any]:
     """The complete Response for a `chat.completion` object (`seal`: how reasoning is sealed for
     `encrypted_content`, used when the request includes it)."""

@@ -30,11 +30,12 @@ from starlette.routing import Route
 from ...common.body import Body
 from ...common.errors import ApiError, BadRequest, NotFound
 from ...protocol import anthropic_messages, openai_responses
+from ...protocol.engine_answers import ChatChunk, ChatCompletion
 from ...protocol.field_names import MESSAGES_FIELDS, RESPONSES_FIELDS, renamed
 from ...protocol.sse import NamedEvent, start_event_stream
+from ..chat_pipeline import run_chat
 from ..chat_request import parse_chat
-from ..routes_llama import aliased, limits_and_body, runtime
-from ..routes_openai import run_chat
+from ..route_context import aliased, limits_and_body, runtime
 
 log = structlog.get_logger("engine.responses")
 
@@ -45,14 +46,14 @@ NO_STORE = (
 
 
 class EventTranslator(Protocol):
-    def feed(self, chunk: dict[str, Any]) -> list[NamedEvent]: ...
+    def feed(self, chunk: ChatChunk) -> list[NamedEvent]: ...
     def finish(self) -> list[NamedEvent]: ...
     def failed(self, err: ApiError) -> list[NamedEvent]: ...
 
 
 async def _chat(
     request: Request, chat: dict[str, Any], fields: Mapping[str, str], *, empty_ok: bool = False
-) -> dict[str, Any] | AsyncGenerator[dict[str, Any], None]:
+) -> ChatCompletion | AsyncGenerator[ChatChunk, None]:
     try:
         return await run_chat(request, Body(chat), empty_ok=empty_ok)
     except BadRequest as err:
@@ -60,7 +61,7 @@ async def _chat(
 
 
 async def _events(
-    chunks: AsyncGenerator[dict[str, Any], None], translator: EventTranslator
+    chunks: AsyncGenerator[ChatChunk, None], translator: EventTranslator
 ) -> AsyncGenerator[NamedEvent, None]:
     async with aclosing(chunks) as items:
         async for chunk in items:

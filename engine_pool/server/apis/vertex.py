@@ -22,8 +22,9 @@ from starlette.routing import Route
 from ...common.body import Body, json_type, read_json
 from ...common.errors import ApiError, BadRequest
 from ...protocol.bounds import check_count
-from ..routes_llama import limits
-from ..routes_openai import run_chat
+from ...protocol.engine_answers import ChatCompletion
+from ..chat_pipeline import run_chat
+from ..route_context import limits
 
 FORMAT_FIELD = "@requestFormat"
 FORMATS = ("chatCompletions",)
@@ -55,7 +56,7 @@ def chat_bodies(body: Body, max_instances: int) -> list[dict[str, Any]]:
     return out
 
 
-async def _predict_one(request: Request, chat: dict[str, Any], where: str) -> dict[str, Any]:
+async def _predict_one(request: Request, chat: dict[str, Any], where: str) -> ChatCompletion:
     try:
         result = await run_chat(request, Body(chat))
     except ApiError as err:

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...protocol.engine_answers import MessageToolCall
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -24,7 +26,7 @@ class ToolCall:
     arguments: str  # a JSON text, as OpenAI sends it
     id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
 
-    def as_openai(self) -> dict[str, object]:
+    def as_openai(self) -> MessageToolCall:
         return {
             "id": self.id,
             "type": "function",

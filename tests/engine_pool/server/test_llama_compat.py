@@ -23,6 +23,8 @@ import pytest
 from engine_pool.common.body import Body
 from engine_pool.common.errors import BadRequest
 from engine_pool.server.chat_request import continuation, continued_open, message_text
+from engine_pool.server.completion_prompts import split_prompts
+from engine_pool.server.completion_result import select_fields
 from engine_pool.server.decoding import (
     Outcome,
     TokenProb,
@@ -31,10 +33,9 @@ from engine_pool.server.decoding import (
     reuse_dict,
     timings_dict,
 )
-from engine_pool.server.routes_llama import select_fields, split_prompts
-from engine_pool.server.routes_openai import usage
+from engine_pool.server.openai_answer import usage
 from engine_pool.server.sampling import Sampling, read_logit_bias, resolve_text_bias
-from gateway.relay import StreamRelay
+from gateway.turn.engine_call import StreamRelay
 
 from ..conftest import EngineProcess
 

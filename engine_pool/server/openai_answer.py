@@ -1,0 +1,230 @@
+"""The engine's answers in OpenAI's shapes: what every object and chunk repeats (`Meta`), `usage`,
+llama-server's extras beside them, a chat choice, and the chunk streams of a chat and of a text
+completion.
+
+Beyond OpenAI's shape: `timings` (numbers only), `slotkeeper` (how the prefix was served) and
+`id_slot` (`extras`) on answers and last chunks, `message.reasoning_content` /
+`delta.reasoning_content` when the model reasoned, and a choice's `stopping_word` when a stop string
+ended the generation. `n` choices are decode runs of their own; their prompt counts once in `usage`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import native
+
+from ..protocol.engine_answers import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunk,
+    ChatLogprobs,
+    ChunkChoice,
+    ChunkDelta,
+    Extras,
+    Head,
+    LlamaCompletion,
+    TextChoice,
+    TextCompletion,
+    ToolCallDelta,
+    Usage,
+)
+from .chat_request import ChatRequest
+from .decoding import Delta, Outcome, TokenBytes, TokenProb, completion_logprobs, probs_json
+from .formats import ChatOutput, Piece, Reasoning, assemble
+from .formats.upstream import UpstreamOutput
+
+Output = ChatOutput | UpstreamOutput  # a generation's text read as reasoning, content and calls
+
+
+@dataclass(frozen=True)
+class Meta:
+    """What every response and chunk of one request repeats."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+
+    def head(self) -> Head:
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": f"slotkeeper-{native.ENGINE_VERSION}",
+        }
+
+
+def usage(outcomes: list[Outcome], n: int = 1) -> Usage:
+    """OpenAI's usage of a request's decode runs, `n` consecutive ones per prompt: a prompt counts
+    once (as OpenAI bills `n` choices), with the tokens its first decode run reused."""
+    firsts = outcomes[::n]
+    prompt = sum(o.n_prompt for o in firsts)
+    completion = sum(o.n_predicted for o in outcomes)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.cache_n for o in firsts)},
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
+
+
+def extras(o: Outcome) -> Extras:
+    """llama-server's fields beyond OpenAI's (and ours beside them) for one decode run."""
+    return {"timings": o.timings, "slotkeeper": o.reuse, "id_slot": o.slot}
+
+
+# -- chat ----------------------------------------------------------------------------------------
+def chat_choice(
+    index: int, o: Outcome, pieces: list[Piece], req: ChatRequest, token_bytes: TokenBytes, *, several: bool
+) -> ChatChoice:
+    msg = assemble(pieces)
+    message: AssistantMessage = {"role": "assistant", "content": msg.content}
+    if msg.reasoning:
+        message["reasoning_content"] = msg.reasoning
+    if msg.calls:
+        message["tool_calls"] = [c.as_openai() for c in msg.calls]
+    choice: ChatChoice = {
+        "index": index,
+        "message": message,
+        "logprobs": _chat_logprobs(o.probs, req, token_bytes),
+        "finish_reason": "tool_calls" if msg.calls else o.finish_reason,
+    }
+    if o.stop_type == "word":
+        choice["stopping_word"] = o.stopping_word
+    if several:  # each choice is a decode run of its own: its timings and slot go with it
+        choice.update(extras(o))
+    return choice
+
+
+def _chat_logprobs(probs: list[TokenProb], req: ChatRequest, token_bytes: TokenBytes) -> ChatLogprobs | None:
+    if req.top_logprobs is None:
+        return None
+    return {"content": probs_json(probs, token_bytes, req.top_logprobs), "refusal": None}
+
+
+def _chat_usage(o: Outcome, out: Output) -> Usage:
+    u = usage([o])
+    u["completion_tokens_details"]["reasoning_tokens"] = out.reasoning_tokens
+    return u
+
+
+async def chat_chunks(
+    gen: AsyncGenerator[Delta | Outcome, None],
+    req: ChatRequest,
+    out: Output,
+    meta: Meta,
+    token_bytes: TokenBytes,
+    explain: Callable[[Outcome], Awaitable[None]],
+    debug: Callable[[Outcome], Awaitable[LlamaCompletion]] | None,
+    n_prompt: int,
+) -> AsyncGenerator[ChatChunk, None]:
+    """The chunks of one streamed chat. The first (the assistant's role) also carries
+    `slotkeeper.prompt_tokens`, the prompt's size once its evaluation is done, which the Messages
+    stream reports in its `message_start`; the finishing one `__verbose` when asked for."""
+    head: Head = {**meta.head(), "object": "chat.completion.chunk"}
+    n_calls = 0
+    pending: list[TokenProb] = []  # probabilities of tokens whose text no chunk has carried yet
+
+    def chunk(delta: ChunkDelta, finish: str | None = None) -> ChatChunk:
+        choice: ChunkChoice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        c: ChatChunk = {**head, "choices": [choice]}
+        if req.include_usage:
+            c["usage"] = None
+        return c
+
+    def pieces(parts: list[Piece]) -> list[ChatChunk]:
+        nonlocal n_calls
+        chunks: list[ChatChunk] = []
+        for p in parts:
+            if isinstance(p, str):
+                if p:
+                    chunks.append(chunk({"content": p}))
+                continue
+            if isinstance(p, Reasoning):
+                if p.text:
+                    chunks.append(chunk({"reasoning_content": p.text}))
+                continue
+            fn_head: ToolCallDelta = {
+                "index": n_calls,
+                "id": p.id,
+                "type": "function",
+                "function": {"name": p.name, "arguments": ""},
+            }
+            chunks.append(chunk({"tool_calls": [fn_head]}))
+            chunks.append(chunk({"tool_calls": [{"index": n_calls, "function": {"arguments": p.arguments}}]}))
+            n_calls += 1
+        return chunks
+
+    def with_probs(chunks: list[ChatChunk]) -> list[ChatChunk]:
+        # A chunk carries the probabilities of the tokens that made it (and of held-back ones before).
+        if chunks and pending:
+            chunks[-1]["choices"][0]["logprobs"] = _chat_logprobs(pending, req, token_bytes)
+            pending.clear()
+        return chunks
+
+    started = False
+    async with aclosing(gen) as items:
+        async for item in items:
+            if not started:
+                started = True
+                first = chunk({"role": "assistant", "content": None})  # as OpenAI and llama-server
+                first["slotkeeper"] = {"prompt_tokens": n_prompt}
+                yield first
+            if isinstance(item, Delta):
+                pending.extend(item.probs)
+                for c in with_probs(pieces(out.feed(item.text, len(item.tokens)))):
+                    yield c
+                continue
+            for c in with_probs(pieces(out.finish())):
+                yield c
+            await explain(item)
+            last = with_probs([chunk({}, "tool_calls" if n_calls else item.finish_reason)])[0]
+            if item.stop_type == "word":
+                last["choices"][0]["stopping_word"] = item.stopping_word
+            last.update(extras(item))
+            if debug is not None:
+                last["__verbose"] = await debug(item)
+            yield last
+            if req.include_usage:
+                yield {**head, "choices": [], "usage": _chat_usage(item, out), **extras(item)}
+
+
+# -- text completions ----------------------------------------------------------------------------
+async def completion_chunks(
+    gen: AsyncGenerator[Delta | Outcome, None],
+    meta: Meta,
+    include_usage: bool,
+    top: int | None,
+    token_bytes: TokenBytes,
+) -> AsyncGenerator[TextCompletion, None]:
+    head = meta.head()
+    offset = 0  # characters of the completion so far: where the next chunk's tokens start
+
+    def chunk(text: str, finish: str | None, probs: tuple[TokenProb, ...] = ()) -> TextCompletion:
+        nonlocal offset
+        logprobs = None
+        if top is not None and probs:
+            logprobs = completion_logprobs(probs, token_bytes, top, offset)
+        offset += len(text)
+        choice: TextChoice = {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}
+        out: TextCompletion = {**head, "choices": [choice]}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    async with aclosing(gen) as items:
+        async for item in items:
+            if isinstance(item, Delta):
+                if item.text or item.probs:
+                    yield chunk(item.text, None, item.probs)
+                continue
+            last = chunk("", item.finish_reason)
+            last.update(extras(item))
+            yield last
+            if include_usage:
+                yield {**head, "choices": [], "usage": usage([item]), **extras(item)}
