@@ -29,18 +29,18 @@ from engine_pool.common.flags import parse_list
 from gateway import messages_routes, responses_routes
 from gateway.access_log import AccessLog
 from gateway.metrics import Metrics, RequestCounter
-from gateway.services import Services
-from gateway.tenants import is_pattern
-from gateway.turn_path import (
+from gateway.requests import (
     check_messages,
     counted_if_refused,
     forward_stateless,
     raw_json_body,
-    serve_turn,
     served_model,
     stateless_request,
     tenant_of,
 )
+from gateway.services import Services
+from gateway.tenants import is_pattern
+from gateway.turn.serving import serve_turn
 from storage.errors import StorageError
 
 log = structlog.get_logger("slotkeeper.gateway")

@@ -20,9 +20,27 @@ from typing import Any
 import httpx
 
 from engine_pool.protocol.node import UNSTORED, UnstoredCopy, UnstoredList
-from gateway.placement import EngineView, SlotView
 from storage.index.engines import EngineInfo, EngineRegistry
 from storage.index.session_index import SessionIndex
+
+
+@dataclass(frozen=True)
+class SlotView:
+    slot: int
+    busy: bool = False
+    tenant: str | None = None  # the session held by the slot, if any
+    session: str | None = None
+    last_used: float = 0.0
+    saving: bool = False  # idle, its lock held by the write-behind save of its last turn
+
+
+@dataclass(frozen=True)
+class EngineView:
+    engine: str
+    model: str
+    ready: bool
+    slots: tuple[SlotView, ...]
+
 
 _CONFIGURED_TTL_S = 5.0
 

@@ -28,15 +28,14 @@ from gateway.app import build_app
 from gateway.cluster import Cluster
 from gateway.healing import IndexHealing
 from gateway.metrics import Metrics
-from gateway.relay import engine_session
 from gateway.retention import Retention
 from gateway.sealing import ReasoningSeal
 from gateway.services import Services
 from gateway.settings import GatewaySettings, SettingsError, parse_settings
 from gateway.tenants import TenantConfigError, load_tenants
-from gateway.turn import TurnSettings
-from gateway.turn_parts import TurnParts
-from gateway.turns import TurnRunner
+from gateway.turn.engine_call import engine_session
+from gateway.turn.parts import TurnParts, TurnSettings
+from gateway.turn.runner import TurnRunner
 from storage.blobs.blobstore import BlobStore
 from storage.blobs.location import open_blob_store
 from storage.blobs.stored_responses import ResponseStore

@@ -1,6 +1,6 @@
 """The Anthropic Messages API on the gateway (`/v1/messages`, `/v1/messages/count_tokens`).
 
-A Messages request is one chat turn on a session (gateway.turn_path): its conversation, translated to
+A Messages request is one chat turn on a session (gateway.turn.serving): its conversation, translated to
 chat messages, is resolved like any chat conversation (`X-Session-Id`, else the digests of its
 history), so an agent that resends its history lands on its session and the engine reuses the slot
 state — reported as `usage.cache_read_input_tokens`. Keys are accepted as `x-api-key` (Anthropic's
@@ -21,17 +21,16 @@ from starlette.routing import Route
 from engine_pool.protocol import anthropic_messages as api
 from engine_pool.protocol.field_names import MESSAGES_FIELDS
 from engine_pool.protocol.sse import named_event
-from gateway.turn import Turn
-from gateway.turn_path import (
+from gateway.requests import (
     check_messages,
-    client_events,
     counted_if_refused,
     forward_stateless,
     json_body,
-    serve_client_turn,
     served_model,
     stateless_request,
 )
+from gateway.turn.parts import Turn
+from gateway.turn.serving import client_events, serve_client_turn
 
 
 @dataclass

@@ -65,7 +65,7 @@ class Metrics:
             Counter,
             "branches",
             "Turns that did not continue the state of the session they reached and started a branch "
-            "of it instead (gateway.branches), by how the session was found",
+            "of it instead (gateway.turn.branch), by how the session was found",
             "source",
         )
         self.branches_refused = family(

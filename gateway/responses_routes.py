@@ -1,6 +1,6 @@
 """The OpenAI Responses API on the gateway, with durable `previous_response_id`.
 
-A response is one chat turn on a session (gateway.turn_path). When stored (`store`, the default), its
+A response is one chat turn on a session (gateway.turn.serving). When stored (`store`, the default), its
 document (storage.blobs.stored_responses) keeps the session it ran on and the conversation up to its
 output, so `previous_response_id` continues that conversation on that session from any replica, after any
 restart: the engine gets the same rendered prefix and reuses the slot state (live, or restored from
@@ -13,7 +13,7 @@ asks for them, and are opened again when replayed, so the prompt is the one its 
 Hosted tools are left out of the prompt or refused, as the tenant's `hosted_tools` says; left out,
 they are named in the answer (`slotkeeper.omitted_tools`, `X-Slotkeeper-Omitted-Tools`), a log
 line (`responses.tools_omitted`) and `slotkeeper_gateway_hosted_tools_omitted_total`. Codex's
-`client_metadata` thread and session ids are session signals (gateway.session_keys).
+`client_metadata` thread and session ids are session signals (gateway.turn.signals).
 """
 
 from __future__ import annotations
@@ -33,19 +33,12 @@ from engine_pool.common.errors import BadRequest, ServerError
 from engine_pool.protocol import openai_responses as api
 from engine_pool.protocol.field_names import RESPONSES_FIELDS
 from engine_pool.protocol.sse import named_event
+from gateway.requests import check_messages, counted_if_refused, json_body, served_model, tenant_of
 from gateway.services import Services
-from gateway.session_keys import SIGNALS
 from gateway.tenants import Tenant
-from gateway.turn import Turn
-from gateway.turn_path import (
-    check_messages,
-    client_events,
-    counted_if_refused,
-    json_body,
-    serve_client_turn,
-    served_model,
-    tenant_of,
-)
+from gateway.turn.parts import Turn
+from gateway.turn.serving import client_events, serve_client_turn
+from gateway.turn.signals import SIGNALS
 from storage.blobs.stored_responses import StoredResponse, new_response_id
 
 log = structlog.get_logger("slotkeeper.gateway")
@@ -138,7 +131,7 @@ async def create(request: Request) -> Response:
         if isinstance(data.get("prompt_cache_key"), str):
             chat["prompt_cache_key"] = data["prompt_cache_key"]
         signals = {k: v for k, v in req.client_metadata.items() if k in _METADATA_SIGNALS}
-        if signals:  # read by gateway.session_keys (the engine ignores them)
+        if signals:  # read by gateway.turn.signals (the engine ignores them)
             chat["client_metadata"] = signals
         messages = check_messages(chat, svc.settings.max_messages)
     dialect = ResponsesDialect(svc, tenant, req, model, history)
@@ -149,7 +142,7 @@ async def create(request: Request) -> Response:
     return response
 
 
-# The `client_metadata` fields that are session signals (gateway.session_keys.SIGNALS).
+# The `client_metadata` fields that are session signals (gateway.turn.signals.SIGNALS).
 _METADATA_SIGNALS = frozenset(s.name for s in SIGNALS if s.where == "client_metadata")
 
 

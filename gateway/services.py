@@ -13,7 +13,7 @@ from gateway.retention import Retention
 from gateway.sealing import ReasoningSeal
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenants
-from gateway.turns import TurnRunner
+from gateway.turn.runner import TurnRunner
 from storage.blobs.blobstore import BlobStore
 from storage.blobs.stored_responses import ResponseStore
 from storage.index.engines import EngineRegistry
@@ -30,7 +30,7 @@ class Services:
     registry: EngineRegistry
     store: BlobStore
     http: httpx.AsyncClient  # node agents (probes, slot operations)
-    engines: EngineHttp  # engine requests (gateway.relay)
+    engines: EngineHttp  # engine requests (gateway.turn.engine_call)
     cluster: Cluster
     runner: TurnRunner
     metrics: Metrics

@@ -155,7 +155,7 @@ class GatewaySettings:
     # once (a fast tool) runs first, not beside the save, and the save that follows it is the newer.
     save_grace_s: float = _DEFAULT["save_grace_s"]
     # A turn whose session this gateway holds locked is sent to its slot beside its opening read,
-    # not after it (gateway.early): the read's round trip leaves the turn's latency.
+    # not after it (gateway.turn.early): the read's round trip leaves the turn's latency.
     early_start: bool = _DEFAULT["early_start"]
     keep_generations: int = _DEFAULT["keep_generations"]  # stored generations kept per session (the newest K)
     collect_interval_s: float = _DEFAULT[

@@ -70,7 +70,7 @@ class EdgeMiddleware(HttpMiddleware):
     The fence: a request that names an engine process (`X-Slotkeeper-Instance`, the `--instance-id`
     its node gave it) is refused with 409 unless it names this one, before anything reaches a slot.
     The gateway names it when it sends a turn before its opening read confirmed the placement
-    (`gateway.early`): a restarted engine's slots may hold other sessions by then.
+    (`gateway.turn.early`): a restarted engine's slots may hold other sessions by then.
 
     The key is read as `Authorization: Bearer KEY` or `X-Api-Key: KEY` (what the Anthropic SDK
     sends), `credentials.presented`. With `-v` the request and response bodies are logged too

@@ -319,7 +319,7 @@ def floor_proxy(engine_url: str, logs: Path) -> Iterator[str]:
 
 
 def _early_starts(url: str) -> dict[str, int]:
-    """The gateway's early starts by outcome (gateway.early), from its /metrics."""
+    """The gateway's early starts by outcome (gateway.turn.early), from its /metrics."""
     text = httpx.get(url + "/metrics", timeout=10).text
     out: dict[str, int] = {}
     for line in text.splitlines():

@@ -56,7 +56,7 @@ def _history(tenant: str, i: int, turns: int) -> list[dict[str, str]]:
 
 
 def build_fleet(args: argparse.Namespace, n_sessions: int) -> Fleet:
-    from gateway.prefixes import turn_digests
+    from gateway.turn.prompt import turn_digests
 
     model = "qwen35-bench-seed0"
     tenants = [f"tenant{t}" for t in range(args.tenants)]
@@ -126,13 +126,13 @@ class Decider:
         """The decision as TurnRunner makes it: resolve by prefix digests, the record, then the
         session's own slot if it is live there (no pool view), else a sampled pool view and
         `choose_placement`."""
-        from gateway.placement import Placement, Serve, SessionView, choose_placement
+        from gateway.turn.slot_choice import Placement, Serve, SessionView, choose_placement
 
         t = [time.perf_counter()]
         tenant = self.tenants[_tenant_of(messages)]
-        from gateway.turn import RestorePrompt
+        from gateway.turn.prompt import Prompt
 
-        prompt = RestorePrompt(messages, self.model, {"messages": messages})
+        prompt = Prompt(messages, self.model, {"messages": messages})
         session, source = await self.runner.resolve(tenant, {}, {"messages": messages}, prompt)
         t.append(time.perf_counter())
         rec = await self.index.find(tenant.name, session)
@@ -165,9 +165,8 @@ async def make_decider(
     from gateway.cluster import Cluster
     from gateway.metrics import Metrics
     from gateway.tenants import Tenant
-    from gateway.turn import TurnSettings
-    from gateway.turn_parts import TurnParts
-    from gateway.turns import TurnRunner
+    from gateway.turn.parts import TurnParts, TurnSettings
+    from gateway.turn.runner import TurnRunner
     from storage.blobs.localstore import LocalStore
     from storage.index.engines import EngineRegistry
     from storage.index.locks import SessionLocks
@@ -239,7 +238,7 @@ async def _concurrent(decider: Decider, fleet: Fleet, args: argparse.Namespace) 
 
 async def _commands_per_stage(redis: Any, decider: Decider, fleet: Fleet, n: int = 50) -> list[float]:
     """Redis commands each stage sends (INFO's counter around every stage; INFO counts itself)."""
-    from gateway.turn import RestorePrompt
+    from gateway.turn.prompt import Prompt
 
     async def counter() -> int:
         return int((await redis.info("stats"))["total_commands_processed"])
@@ -249,7 +248,7 @@ async def _commands_per_stage(redis: Any, decider: Decider, fleet: Fleet, n: int
         msgs = fleet.requests[i]
         tenant = decider.tenants[_tenant_of(msgs)]
         c0 = await counter()
-        prompt = RestorePrompt(msgs, decider.model, {"messages": msgs})
+        prompt = Prompt(msgs, decider.model, {"messages": msgs})
         session, _ = await decider.runner.resolve(tenant, {}, {"messages": msgs}, prompt)
         c1 = await counter()
         await decider.index.find(tenant.name, session)
@@ -294,7 +293,7 @@ async def _sanity(decider: Decider, fleet: Fleet) -> list[Any]:
 
 
 def pure_choose(fleet: Fleet, pool_view: list[Any], args: argparse.Namespace) -> float:
-    from gateway.placement import SessionView, choose_placement
+    from gateway.turn.slot_choice import SessionView, choose_placement
 
     views = [SessionView(t, s, None, None, 1) for t, s in fleet.sessions[: args.request_pool]]
     pool_view = pool_view[: args.placement_sample]  # what one placement looks at

@@ -1,6 +1,6 @@
 """Finishing a turn: the record back to idle, the routing digests, the usage counters, the
 in-flight place and the lock — and, for a tenant that keeps sessions durable after every turn, a
-write-behind save (gateway.saves).
+write-behind save (gateway.turn.save).
 
 `bookkeeping` decides what to write from the turn and what the engine answered (pure); `finish`
 writes it in one round trip beside the answer going out. A fault there costs durability or routing
@@ -17,13 +17,12 @@ from typing import Any
 
 import structlog
 
-from gateway.holds import write_record
-from gateway.prefixes import finished_digests
-from gateway.relay import TurnOutcome
-from gateway.saves import write_behind
 from gateway.tenants import Durability
-from gateway.turn import Turn
-from gateway.turn_parts import TurnParts
+from gateway.turn.engine_call import TurnOutcome
+from gateway.turn.hold import write_record
+from gateway.turn.parts import Turn, TurnParts
+from gateway.turn.prompt import finished_digests
+from gateway.turn.save import write_behind
 from storage.errors import LockLost, NotStored, StorageError, WriteConflict
 from storage.index.session_index import SessionIndex
 from storage.index.turnops import Ops
@@ -36,10 +35,10 @@ class Bookkeeping:
     """What finishing one turn writes besides the record going idle."""
 
     tokens: int | None = None  # the session's tokens now (None: unknown, kept)
-    digests: tuple[str, ...] = ()  # the routes its next turn is found by (gateway.prefixes)
+    digests: tuple[str, ...] = ()  # the routes its next turn is found by (gateway.turn.prompt)
     shared: str | None = None  # its shared prefix's digest, for sessions that start from it
     identical: str | None = None  # this prompt's digest, for a new session that sends it again
-    head: str | None = None  # this turn's head: where its next turn goes on from (gateway.branches)
+    head: str | None = None  # this turn's head: where its next turn goes on from (gateway.turn.branch)
     usage: Mapping[str, int] = field(default_factory=dict)
     inflight: str = ""  # the tenant's in-flight place to give back
     release: bool = False  # the lock too (no save follows and no other user holds it)
@@ -53,7 +52,7 @@ class Bookkeeping:
     @property
     def routes(self) -> list[str]:
         """What implicit routing finds the session by from now on: its complete turns and its head
-        (gateway.prefixes.route_lookup looks both up)."""
+        (gateway.turn.prompt.route_lookup looks both up)."""
         return [*self.digests, self.head] if self.head else list(self.digests)
 
     def queue(self, index: SessionIndex, ops: Ops, tenant: str, session: str) -> None:

@@ -11,7 +11,7 @@ import structlog
 from engine_pool.common.errors import Conflict, NotFound, Unavailable
 from engine_pool.pool.client import NodeError
 from gateway.tenants import Tenant
-from gateway.turn_parts import TurnParts
+from gateway.turn.parts import TurnParts
 from storage.blobs.blobstore import delete_generations
 from storage.errors import LockBusy, StorageError
 from storage.index.records import SessionRecord

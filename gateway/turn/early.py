@@ -8,7 +8,7 @@ costs far more than the script does (figures: docs/benchmarks.md, "Figures forme
 comments").
 
 When this process already holds the session's lock — the previous turn's write-behind save holds
-it and the next turn takes it over (gateway.holds) — everything the engine call depends on is
+it and the next turn takes it over (gateway.turn.hold) — everything the engine call depends on is
 known here without asking: the lock is certainly ours for a while yet (`SessionHold.valid_until`),
 under it nothing else moves the session, and the record this process last wrote says which slot
 holds it. Then the engine call starts at once, beside the opening read, and what it answers is
@@ -40,7 +40,7 @@ from typing import Generic, TypeVar
 
 from engine_pool.common.errors import INSTANCE_HEADER, ApiError, InstanceChanged
 from gateway.cluster import EngineRef
-from gateway.holds import Phase, SessionHold
+from gateway.turn.hold import Phase, SessionHold
 from storage.index.turnops import TurnStart
 
 T = TypeVar("T")

@@ -30,6 +30,9 @@ from engine_pool.common.errors import (
 from gateway import engine_http
 from gateway.engine_http import EngineHttp, EngineHttpError, EngineResponse
 
+CHAT_PATH = "/v1/chat/completions"  # the engine's chat completions path
+
+
 _BROKE = "the engine stream broke off; retry (the session resumes from its last save)"
 
 

@@ -18,9 +18,9 @@ import structlog
 
 from engine_pool.common.errors import Unavailable, slot_changed
 from engine_pool.pool.client import NodeClient, NodeError
-from gateway.placement import Placement
-from gateway.saves import save_slot
-from gateway.turn_parts import TurnParts
+from gateway.turn.parts import TurnParts
+from gateway.turn.save import save_slot
+from gateway.turn.slot_choice import Placement
 from storage.errors import LockBusy, NotStored, StorageError
 from storage.index.records import SessionRecord
 

@@ -4,7 +4,7 @@ The opening read (storage.index.turnops) is the turn's one Redis round trip befo
 counts the request in the tenant's rate window, takes an in-flight place, takes or confirms the
 session's lock and marks a live session busy in its slot. `open_turn` runs before it and returns
 an `Opening`: the plan, including where the caller may send the turn before the read returns
-(`Opening.early`, gateway.early); `admit` makes the read and turns a refusal into the tenant's
+(`Opening.early`, gateway.turn.early); `admit` makes the read and turns a refusal into the tenant's
 error (`refusal`, pure).
 """
 
@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine_pool.common.errors import ApiError, QuotaExceeded, RateLimited
-from gateway.early import Admission, EarlyStart, early_start
-from gateway.holds import SessionHold
 from gateway.tenants import Tenant
-from gateway.turn_parts import TurnParts
+from gateway.turn.early import Admission, EarlyStart, early_start
+from gateway.turn.hold import SessionHold
+from gateway.turn.parts import TurnParts
 from storage.index.records import SessionRecord
 from storage.index.turnops import TurnStart
 
@@ -89,7 +89,7 @@ async def open_turn(
     no request runs on it), and decide whether the turn may start before its opening read: only on
     such a hold, while this process's last reads of the tenant left room (`Admission.room`), and
     only when the turn goes on from the state the hold's record says its slot holds (``goes_on``:
-    else the turn branches, gateway.branches, and its slot must not see it). The caller hands the
+    else the turn branches, gateway.turn.branch, and its slot must not see it). The caller hands the
     `Opening` to `admit`, or to `abandon` when it gives up before."""
     limit = tenant.quotas.inflight or parts.settings.max_inflight
     own = parts.holds.get(tenant.name, session)

@@ -15,14 +15,54 @@ from engine_pool.pool.client import NodeClient
 from gateway.cluster import Cluster
 from gateway.engine_http import EngineHttp
 from gateway.healing import IndexHealing
-from gateway.holds import Holds
 from gateway.metrics import Metrics
-from gateway.reservations import SlotReservations
-from gateway.tenants import StoreOutage, Tenants
-from gateway.turn import TurnSettings
+from gateway.tenants import StoreOutage, Tenant, Tenants
+from gateway.turn.hold import Holds, SessionHold
+from gateway.turn.prompt import Prompt
+from gateway.turn.reservations import SlotReservations
+from gateway.turn.slot_choice import Placement
 from storage.blobs.blobstore import BlobStore
-from storage.index.locks import SessionLocks
+from storage.index.locks import SessionLock, SessionLocks
 from storage.index.session_index import SessionIndex
+
+
+@dataclass(frozen=True)
+class TurnSettings:
+    """What the steps of a turn read of the gateway's settings (gateway.settings), built once."""
+
+    lock_ttl_s: float
+    spill_wait_s: float  # the longest a turn waits for a lock held by a save, a delete, an eviction
+    save_grace_s: float = 0.0
+    early_start: bool = True  # launch a held session's turn beside its opening read (gateway.turn.early)
+    internal_key: str | None = None  # what the node agents require
+    keep_generations: int = 2  # stored generations a session keeps (the newest)
+    max_inflight: int = 64  # a tenant's in-flight places unless its quota says
+    inflight_ttl_s: float = 660.0  # a place lapses after this (its gateway died)
+
+
+@dataclass
+class Turn:
+    """A placed turn: what answering it and finishing it need (gateway.turn.serving, gateway.turn.close)."""
+
+    tenant: Tenant
+    session: str
+    model: str
+    hold: SessionHold  # the session's lock, shared with this turn's write-behind save
+    placement: Placement
+    engine_url: str
+    node: NodeClient
+    source: str  # how the session was found (gateway.turn.signals), or implicit | new | fork
+    forked_from: str | None = None
+    inflight: str = ""  # the tenant's in-flight place this turn holds (given back when it finishes)
+    settled: bool = False  # its bookkeeping was started (`TurnRunner.finish_soon`)
+    early: bool = False  # the call launched before its opening read is this turn's (confirmed)
+    shared: str | None = None  # its shared prefix's digest, to record for other sessions (or None)
+    prompt: Prompt | None = None  # what it was placed for (its tools name its prompt's digest)
+    created: bool = False  # its session's record was created for it (a new session, a branch, a fork)
+
+    @property
+    def lock(self) -> SessionLock:
+        return self.hold.lock
 
 
 @dataclass

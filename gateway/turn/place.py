@@ -1,10 +1,10 @@
 """Placing a turn: its session's live slot, or a slot chosen over a pool view, made ready for it.
 
-The choices are pure: `choose_placement` (gateway.placement) picks the slot; `refine` adds which
+The choices are pure: `choose_placement` (gateway.turn.slot_choice) picks the slot; `refine` adds which
 of the engine's slots and which session the prompt may start from; `slot_prep` says how the slot
 is made ready (`SlotPrep`: fill the session's stored generation, fill another session's stored
 prefix, clear it, or leave it). `place` gathers what they need and carries them out: it evicts
-(gateway.eviction), fills and erases through the node agent, and asks the engine for the prompt's
+(gateway.turn.evict), fills and erases through the node agent, and asks the engine for the prompt's
 tokens where a fill can stop at the prompt's checkpoint.
 """
 
@@ -19,10 +19,14 @@ import structlog
 from engine_pool.common.errors import QuotaExceeded, Unavailable
 from engine_pool.pool.client import NodeClient, NodeError
 from engine_pool.protocol.node import FillResult
-from gateway.eviction import evict
-from gateway.holds import SessionHold
-from gateway.placement import (
-    EngineView,
+from gateway.cluster import EngineView
+from gateway.tenants import Tenant
+from gateway.turn.engine_call import CHAT_PATH, input_tokens
+from gateway.turn.evict import evict
+from gateway.turn.hold import SessionHold
+from gateway.turn.parts import TurnParts
+from gateway.turn.prompt import Prompt
+from gateway.turn.slot_choice import (
     LiveSlotsExhausted,
     NoCapacity,
     Placement,
@@ -32,10 +36,6 @@ from gateway.placement import (
     prefix_slots,
     reserved,
 )
-from gateway.relay import input_tokens
-from gateway.tenants import Tenant
-from gateway.turn import CHAT_PATH, RestorePrompt
-from gateway.turn_parts import TurnParts
 from storage.index.records import SessionRecord
 
 log = structlog.get_logger("slotkeeper.gateway")
@@ -95,7 +95,7 @@ def slot_prep(
     generation: int,
     holder: SessionRecord | None,
     cut: bool,
-    prompt: RestorePrompt | None,
+    prompt: Prompt | None,
     shares: bool,
 ) -> SlotPrep:
     """How the slot is made ready. Restored: ``source``'s ``generation`` (the session's own, or the
@@ -126,9 +126,9 @@ async def place(
     model: str,
     forked_from: str | None,
     hold: SessionHold,
-    prompt: RestorePrompt | None = None,
+    prompt: Prompt | None = None,
 ) -> Placed:
-    """The turn's slot, reserved (gateway.reservations) until the caller records the session there."""
+    """The turn's slot, reserved (gateway.turn.reservations) until the caller records the session there."""
     if forked_from is None and (place := record.place) is not None:
         # Live in its slot (the common warm turn): the lock makes the slot ours, no pool view.
         engine_id, slot = place
@@ -155,11 +155,11 @@ async def _holder(
     tenant: str,
     record: SessionRecord,
     forked_from: str | None,
-    prompt: RestorePrompt | None,
+    prompt: Prompt | None,
     shares: bool,
 ) -> SessionRecord | None:
     """The session whose state this one may start from: the parent of a fork, or — a session with
-    no state of its own — the one holding its shared prefix (gateway.prefixes). (The digests are
+    no state of its own — the one holding its shared prefix (gateway.turn.prompt). (The digests are
     the model's: a holder's stored state is of it too. A reindexed record names the model by its
     fingerprint; the engine checks that when it restores.)"""
     if forked_from:
@@ -179,7 +179,7 @@ async def _place_by_pool_view(
     record: SessionRecord,
     model: str,
     forked_from: str | None,
-    prompt: RestorePrompt | None,
+    prompt: Prompt | None,
 ) -> Placed:
     shares = parts.shares(tenant.name)
     holder = await _holder(parts, tenant.name, record, forked_from, prompt, shares)
@@ -196,7 +196,7 @@ async def _place_by_pool_view(
             also=prefer,
         )
         # No await from here to the reservation: what this choice sees and the slot it holds
-        # are one step for every other placement of this process (gateway.reservations).
+        # are one step for every other placement of this process (gateway.turn.reservations).
         views = reserved(pool_view, reservations.taken(started))
         placement = choose_placement(views, model, view, tenant.quotas.live_slots, prefer=prefer)
         reservations.hold((placement.engine, placement.slot))
@@ -236,7 +236,7 @@ async def _place_by_pool_view(
 
 
 async def _prepare(
-    parts: TurnParts, placed: Placed, prep: SlotPrep, tenant: str, session: str, prompt: RestorePrompt | None
+    parts: TurnParts, placed: Placed, prep: SlotPrep, tenant: str, session: str, prompt: Prompt | None
 ) -> Placed:
     """Carry `prep` out in the slot `placed` names; as served. A restore the node refuses (damaged,
     gone) is served cold instead; a node or store that is down fails this request (the session
@@ -266,7 +266,7 @@ async def _prepare(
 
 
 async def _prepare_cold(
-    parts: TurnParts, placed: Placed, prep: SlotPrep, tenant: str, prompt: RestorePrompt | None
+    parts: TurnParts, placed: Placed, prep: SlotPrep, tenant: str, prompt: Prompt | None
 ) -> Placed:
     placement = placed.placement
     if prep.prefix and prep.fill is not None:
@@ -303,7 +303,7 @@ async def _fill(placed: Placed, tenant: str, prep: SlotPrep, tokens: list[int] |
     )
 
 
-async def _prompt_tokens(parts: TurnParts, prompt: RestorePrompt | None, engine_url: str) -> list[int] | None:
+async def _prompt_tokens(parts: TurnParts, prompt: Prompt | None, engine_url: str) -> list[int] | None:
     """The prompt's tokens as the engine at ``engine_url`` would evaluate them; None when it
     cannot say (asking is an optimisation)."""
     if prompt is None or parts.engines is None:

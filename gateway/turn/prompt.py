@@ -10,7 +10,7 @@ not route either: it starts a new session from the state of the one that served 
 What such conversations do share is their *shared prefix*: the tools and the leading system (or
 developer) messages, the same for every session an agent starts. Its digest (`shared_digest`)
 finds a session of the tenant that holds the prefix's state (storage.index.shared_prefixes); the system
-messages' alone (`system_digest`) scope the session ids agents send (gateway.session_keys).
+messages' alone (`system_digest`) scope the session ids agents send (gateway.turn.signals).
 
 Canonical form: role, the text of the content (string or text parts joined), tool calls as
 (name, arguments parsed as JSON when possible), tool_call_id and name; whitespace and key order in
@@ -19,10 +19,14 @@ the JSON encoding are fixed, so an SDK's serialisation choices do not matter.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+from storage.index.records import SessionRecord
 
 
 def _content_text(content: Any) -> str:
@@ -134,7 +138,7 @@ def tools_digest(tools: Any) -> str:
 def head_digest(messages_digest: str, tools: str) -> str:
     """Digest of a conversation as one turn's prompt: its messages (a `prefix_digests` entry) and
     its tools (`tools_digest`). A session records the head of its last turn: its state is that
-    prompt and the reply (gateway.branches)."""
+    prompt and the reply (gateway.turn.branch)."""
     return hashlib.sha256(f"head\x1e{messages_digest}\x1e{tools}".encode()).hexdigest()[:32]
 
 
@@ -180,7 +184,7 @@ def _system_hash(messages: Sequence[Mapping[str, Any]], seed: bytes) -> Any:
 
 def system_digest(messages: Sequence[Mapping[str, Any]]) -> str | None:
     """Digest of the leading system/developer messages (None without any): what scopes the
-    session ids agents send (gateway.session_keys), on every turn of theirs, so it is cheap."""
+    session ids agents send (gateway.turn.signals), on every turn of theirs, so it is cheap."""
     system = _leading_system(messages)
     return _system_hash(system, b"system").hexdigest()[:32] if system else None
 
@@ -195,3 +199,81 @@ def shared_digest(messages: Sequence[Mapping[str, Any]], tools: Any, model: str)
     h = _system_hash(system, b"shared\x1e" + model.encode())
     h.update(b"\x1e" + _utf8(json.dumps(tools or [], separators=(",", ":"), ensure_ascii=False)))
     return h.hexdigest()[:32]
+
+
+# What the gateway sets in an engine body (never the tenant's: gateway.turn.serving), and the tenant's
+# own session key: a tokenization for the prompt sends none of them.
+GATEWAY_FIELDS = frozenset(
+    {"prompt_cache_key", "id_slot", "prefix_slots", "slot_owner", "slot_session", "slot_expect", "slotkeeper"}
+)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The prompt a turn is placed for, and its digests (gateway.turn.prompt), each computed once,
+    when first needed: what implicit routing looks it up by (`lookup`), the heads it goes on from
+    (`heads`: whether it continues a session or branches from it, gateway.turn.branch), its own head
+    (recorded when it finishes). A conversation that leaves the stored one before its end (an edited
+    earlier message, a retry from far back) needs only the stored part up to the checkpoint the
+    engine continues from, and the node can cut the generation there given the prompt's tokens —
+    which the placing step asks the engine for (`tokens_body`: what it sends)."""
+
+    messages: Sequence[Mapping[str, Any]]
+    model: str
+    body: Mapping[str, Any]  # the chat body as the tenant sent it (after its volatile-block rules)
+    tools: Any = None  # as sent
+
+    @functools.cached_property
+    def chain(self) -> list[str]:
+        """The digests of its message prefixes (gateway.turn.prompt.prefix_digests)."""
+        return prefix_digests(self.messages, self.model)
+
+    @functools.cached_property
+    def tools_key(self) -> str:
+        return tools_digest(self.tools)
+
+    @functools.cached_property
+    def lookup(self) -> list[str]:
+        """What implicit routing looks it up by, longest first (gateway.turn.prompt.route_lookup)."""
+        return route_lookup(self.chain, self.messages, self.tools_key)
+
+    @functools.cached_property
+    def heads(self) -> frozenset[str]:
+        """The heads it goes on from (gateway.turn.prompt.continued_heads)."""
+        return frozenset(continued_heads(self.chain, self.messages, self.tools_key))
+
+    @functools.cached_property
+    def turns(self) -> frozenset[str]:
+        """The digests of its complete turns (gateway.turn.prompt.turn_digests)."""
+        return frozenset(
+            d for d, m in zip(self.chain, self.messages, strict=True) if m.get("role") == "assistant"
+        )
+
+    @functools.cached_property
+    def head(self) -> str | None:
+        """Its own head: what the session records once it answered (None without messages)."""
+        return head_digest(self.chain[-1], self.tools_key) if self.messages else None
+
+    @functools.cached_property
+    def shared(self) -> str | None:
+        """The digest of its shared prefix (gateway.turn.prompt), computed once, only when needed: a
+        warm turn does not hash its tools and system prompt again."""
+        return shared_digest(self.messages, self.tools, self.model)
+
+    def tokens_body(self) -> dict[str, Any]:
+        """The chat body to ask an engine for the prompt's tokens with: the tenant's fields only."""
+        upstream = {k: v for k, v in self.body.items() if k not in GATEWAY_FIELDS}
+        upstream.update(model=self.model, cache_prompt=True)
+        return upstream
+
+    def sources(self) -> list[str]:
+        """The digests a session without state of its own may start from, best first: this very
+        prompt's (sent again), then its shared prefix's (gateway.turn.prompt)."""
+        whole = self.chain[-1:]
+        return [d for d in (*(prompt_digest(w, self.tools) for w in whole), self.shared) if d]
+
+    def leaves(self, record: SessionRecord) -> bool:
+        """Whether the prompt leaves the stored conversation before its end: its complete turns do
+        not include the conversation the session was saved at (its routing digest). A prompt that
+        goes on from there gets the whole generation, without asking for tokens."""
+        return bool(record.route) and record.route not in self.turns

@@ -10,7 +10,7 @@ Two placements may hold one slot at once — a turn on its live slot holds it wi
 session's lock makes the slot its own), while another placement may have chosen that slot to evict
 the session — so holds are counted: the slot stays taken until the last holder releases it.
 
-One owner (the process's `TurnParts`, gateway.turn_parts), event-loop only, no awaits inside:
+One owner (the process's `TurnParts`, gateway.turn.parts), event-loop only, no awaits inside:
 what a choice sees and the reservation it makes happen in one step. Between gateway processes
 the index is the only arbiter (a race there costs a re-prefill, never a wrong answer: the engine
 compares tokens).

@@ -6,10 +6,9 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
-from gateway.prefixes import system_digest
-from gateway.session_keys import session_key
 from gateway.tenants import Tenant
-from gateway.turn import RestorePrompt
+from gateway.turn.prompt import Prompt, system_digest
+from gateway.turn.signals import session_key
 from storage.index.session_index import SessionIndex
 
 
@@ -18,12 +17,12 @@ async def resolve(
     tenant: Tenant,
     headers: Mapping[str, str],
     body: Mapping[str, Any],
-    prompt: RestorePrompt | None,
+    prompt: Prompt | None,
 ) -> tuple[str, str]:
-    """The session a request names (gateway.session_keys), finds implicitly by the digests of its
-    history (gateway.prefixes: `RestorePrompt.lookup`), or a new one; and how it was found. Whether
+    """The session a request names (gateway.turn.signals), finds implicitly by the digests of its
+    history (gateway.turn.prompt: `Prompt.lookup`), or a new one; and how it was found. Whether
     the turn continues that session or branches from it is decided once its record is read
-    (gateway.branches)."""
+    (gateway.turn.branch)."""
     messages = body.get("messages")
 
     def scope() -> str | None:  # an agent's conversations: one session per system prompt
@@ -39,9 +38,7 @@ async def resolve(
     return "s-" + secrets.token_hex(12), "new"
 
 
-async def find_conversation(
-    index: SessionIndex, tenant: str, prompt: RestorePrompt
-) -> tuple[str, str] | None:
+async def find_conversation(index: SessionIndex, tenant: str, prompt: Prompt) -> tuple[str, str] | None:
     """The session that recorded the longest part of the prompt's conversation, and the digest it
-    was found by (one of `RestorePrompt.lookup`: a complete turn, or a head); None when none did."""
+    was found by (one of `Prompt.lookup`: a complete turn, or a head); None when none did."""
     return await index.match_prefix(tenant, prompt.lookup) if prompt.lookup else None

@@ -2,9 +2,9 @@
 place the session, mark it live in its slot; after the answer, its bookkeeping and save.
 
 Each step is a module of its own that decides in pure functions and returns plain data:
-gateway.resolution, gateway.admission (`Opening`: may the turn start before its opening read),
-gateway.locking, gateway.placing (`Placed`, `SlotPrep`), gateway.eviction, gateway.bookkeeping
-(`Bookkeeping`), gateway.saves, gateway.deletion. `TurnRunner` strings them together and owns what
+gateway.turn.resolve, gateway.turn.opening (`Opening`: may the turn start before its opening read),
+gateway.turn.hold, gateway.turn.place (`Placed`, `SlotPrep`), gateway.turn.evict, gateway.turn.close
+(`Bookkeeping`), gateway.turn.save, gateway.turn.delete. `TurnRunner` strings them together and owns what
 they share across turns of this process: the bookkeeping tasks in flight and what the opening
 reads said of each tenant's admission. Every state change is a log event.
 """
@@ -19,20 +19,19 @@ from typing import Any
 
 import structlog
 
-from gateway import bookkeeping, deletion
-from gateway.admission import Admitted, Opening, abandon, admit, new_session_refusal, open_turn
-from gateway.branches import Continuation, continuation, continues, looks_further
-from gateway.early import Admission
 from gateway.healing import behind
-from gateway.holds import Phase, SessionHold, write_record
-from gateway.locking import fork, hold_for_turn
-from gateway.placement import Placement, Serve
-from gateway.placing import place
-from gateway.relay import TurnOutcome
-from gateway.resolution import find_conversation, resolve
 from gateway.tenants import Tenant
-from gateway.turn import RestorePrompt, Turn
-from gateway.turn_parts import TurnParts
+from gateway.turn import close, delete
+from gateway.turn.branch import Continuation, continuation, continues, looks_further
+from gateway.turn.early import Admission
+from gateway.turn.engine_call import TurnOutcome
+from gateway.turn.hold import Phase, SessionHold, fork, hold_for_turn, write_record
+from gateway.turn.opening import Admitted, Opening, abandon, admit, new_session_refusal, open_turn
+from gateway.turn.parts import Turn, TurnParts
+from gateway.turn.place import place
+from gateway.turn.prompt import Prompt
+from gateway.turn.resolve import find_conversation, resolve
+from gateway.turn.slot_choice import Placement, Serve
 from storage.errors import StorageError
 from storage.index.records import SessionRecord
 from storage.index.turnops import TurnStart
@@ -75,18 +74,16 @@ class TurnRunner:
         tenant: Tenant,
         headers: Mapping[str, str],
         body: Mapping[str, Any],
-        prompt: RestorePrompt | None,
+        prompt: Prompt | None,
     ) -> tuple[str, str]:
-        """The session a request names, finds implicitly, or a new one (gateway.resolution)."""
+        """The session a request names, finds implicitly, or a new one (gateway.turn.resolve)."""
         return await resolve(self.parts.index, tenant, headers, body, prompt)
 
     # ------------------------------------------------------------------------------------ begin
-    async def open(
-        self, tenant: Tenant, session: str, model: str, prompt: RestorePrompt | None = None
-    ) -> Opening:
-        """The turn's plan before its opening read (gateway.admission): ``Opening.early`` says
-        where the caller may send it at once (gateway.early) — only to a slot whose state the
-        prompt goes on from exactly (gateway.branches). Hand it to `begin`, or to `abandon`."""
+    async def open(self, tenant: Tenant, session: str, model: str, prompt: Prompt | None = None) -> Opening:
+        """The turn's plan before its opening read (gateway.turn.opening): ``Opening.early`` says
+        where the caller may send it at once (gateway.turn.early) — only to a slot whose state the
+        prompt goes on from exactly (gateway.turn.branch). Hand it to `begin`, or to `abandon`."""
         return await open_turn(
             self.parts,
             self._admission,
@@ -100,7 +97,7 @@ class TurnRunner:
         """The caller gives the opened turn up before `begin`."""
         await abandon(self.parts, opening)
 
-    async def begin(self, opening: Opening, source: str, prompt: RestorePrompt | None = None) -> Turn:
+    async def begin(self, opening: Opening, source: str, prompt: Prompt | None = None) -> Turn:
         """Admit the turn (rate window, in-flight place), lock and place its session, and mark it
         live in its slot. A warm turn (the session live in its slot) makes one Redis round trip
         here: the opening read (storage.index.turnops), which also marks it busy there. ``Turn.early``
@@ -114,9 +111,7 @@ class TurnRunner:
                 await self.parts.index.release_inflight(opening.tenant.name, admitted.start.inflight_token)
             raise
 
-    async def _begin(
-        self, opening: Opening, admitted: Admitted, source: str, prompt: RestorePrompt | None
-    ) -> Turn:
+    async def _begin(self, opening: Opening, admitted: Admitted, source: str, prompt: Prompt | None) -> Turn:
         parts, tenant, model, session = self.parts, opening.tenant, opening.model, opening.session
         start, own, early = admitted.start, admitted.own, opening.early
         hold = own or await hold_for_turn(parts, tenant.name, session, start)
@@ -139,7 +134,7 @@ class TurnRunner:
                 record = hold.record = await parts.healing.catch_up(record)  # a save it never learned of
             how = continuation(record, prompt) if forked_from is None else Continuation.EXACT
             if how is Continuation.NONE or (how is Continuation.REPLY and looks_further(source)):
-                # Not where its state is: never roll it back (gateway.branches).
+                # Not where its state is: never roll it back (gateway.turn.branch).
                 assert record is not None and prompt is not None
                 room = new_session_refusal(tenant, start) is None
                 branched = await self._branch(hold, busy, record, source, prompt, how, room)
@@ -227,13 +222,13 @@ class TurnRunner:
         busy: bool,
         record: SessionRecord,
         source: str,
-        prompt: RestorePrompt,
+        prompt: Prompt,
         how: Continuation,
         room: bool,
     ) -> Branched:
         """Where a turn goes whose prompt does not go on exactly from the state of the session it
         reached (``record``, held by ``hold``; marked busy by the opening read when ``busy``): for a
-        request that names its session (gateway.branches), the session its history continues — when
+        request that names its session (gateway.turn.branch), the session its history continues — when
         only the reply differs (``how``), only one that recorded this very reply, else the reached
         session after all (returned with ``hold``) —; else a new branch from the session that shares
         most of the history — unless the tenant's quotas leave no ``room`` for a new session: then
@@ -265,7 +260,7 @@ class TurnRunner:
         parts.metrics.branches.labels(source).inc()
         return Branched(session, branch, None, parent, "branch")
 
-    async def _continued(self, tenant: str, session: str, prompt: RestorePrompt) -> SessionHold | None:
+    async def _continued(self, tenant: str, session: str, prompt: Prompt) -> SessionHold | None:
         """``session``'s lock, taken for this turn, when the prompt continues its state; else None
         (it is busy with another request, or its state is elsewhere in its conversation)."""
         parts = self.parts
@@ -325,9 +320,9 @@ class TurnRunner:
         await self.finish(turn, messages, outcome)
 
     async def finish(self, turn: Turn, messages: Sequence[Mapping[str, Any]], outcome: TurnOutcome) -> None:
-        """Bookkeeping after the engine answered (or failed), in one round trip (gateway.bookkeeping).
+        """Bookkeeping after the engine answered (or failed), in one round trip (gateway.turn.close).
         Never raises."""
-        await bookkeeping.finish(self.parts, turn, messages, outcome)
+        await close.finish(self.parts, turn, messages, outcome)
 
     async def settled(self, tenant: str, session: str) -> None:
         """Wait until this process's last turn of the session has written its bookkeeping (what
@@ -345,5 +340,5 @@ class TurnRunner:
 
     # ----------------------------------------------------------------------------------- delete
     async def delete(self, tenant: Tenant, session: str) -> SessionRecord:
-        """Remove every copy of the session (gateway.deletion)."""
-        return await deletion.delete(self.parts, tenant, session)
+        """Remove every copy of the session (gateway.turn.delete)."""
+        return await delete.delete(self.parts, tenant, session)

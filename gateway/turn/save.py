@@ -1,5 +1,5 @@
 """Saving a session's slot as its next stored generation: the write-behind save after a turn, and
-the save an eviction makes (gateway.eviction).
+the save an eviction makes (gateway.turn.evict).
 
 Which generation a save is stored as is storage.index.generations' rule, the one every saver
 follows; here it is the node agent's 409 ``conflict`` that says a generation is taken.
@@ -16,9 +16,8 @@ import structlog
 from engine_pool.common.errors import Unavailable, slot_changed
 from engine_pool.pool.client import NodeClient, NodeError
 from engine_pool.protocol.node import SpillResult
-from gateway.holds import write_record
-from gateway.turn import Turn
-from gateway.turn_parts import TurnParts
+from gateway.turn.hold import write_record
+from gateway.turn.parts import Turn, TurnParts
 from storage.blobs.blobstore import delete_generations
 from storage.errors import StorageError
 from storage.index.generations import GenerationsTaken, save_as_next_generation

@@ -4,15 +4,13 @@ Every API (Chat Completions, Completions, Responses, Anthropic Messages) is one 
 engines: a `Dialect` says how its request becomes the engine's chat body and how the engine's
 answer (JSON or stream chunks) becomes that API's answer. Chat and completions pass through
 unchanged (byte for byte when streamed). The session machinery — resolution, locks, placement,
-restore, write-behind saves (gateway.turns) — is the same for all, so an Anthropic or Responses
+restore, write-behind saves (gateway.turn.runner) — is the same for all, so an Anthropic or Responses
 client resumes its session without re-prefill exactly like a chat client.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
@@ -22,16 +20,11 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine_pool.common.body import parse_json_object, read_body
-from engine_pool.common.credentials import presented
 from engine_pool.common.errors import (
     ApiError,
     BadRequest,
     ClientGone,
-    NotFound,
-    QuotaExceeded,
     ServerError,
-    Unauthorized,
     Unavailable,
     slot_changed,
 )
@@ -40,12 +33,20 @@ from engine_pool.protocol.report import SERVED
 from engine_pool.protocol.sse import NamedEvent
 from engine_pool.protocol.volatile import apply_rules
 from gateway.access_log import note
-from gateway.early import EarlyCall, EarlyStart
-from gateway.placement import Placement, Serve
-from gateway.relay import StreamRelay, TurnOutcome, engine_body, forward_json, refused_unrun
 from gateway.services import Services
 from gateway.tenants import Tenant
-from gateway.turn import CHAT_PATH, RestorePrompt, Turn
+from gateway.turn.early import EarlyCall, EarlyStart
+from gateway.turn.engine_call import (
+    CHAT_PATH,
+    StreamRelay,
+    TurnOutcome,
+    engine_body,
+    forward_json,
+    refused_unrun,
+)
+from gateway.turn.parts import Turn
+from gateway.turn.prompt import Prompt
+from gateway.turn.slot_choice import Placement, Serve
 from storage.errors import StorageError
 
 T = TypeVar("T")
@@ -119,110 +120,6 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def tenant_of(request: Request) -> Tenant:
-    """The tenant of the key presented as `Authorization: Bearer KEY` or `x-api-key: KEY`."""
-    svc: Services = request.app.state.services
-    tenant = svc.tenants.authenticate(presented(request.headers) or None)
-    if tenant is None:
-        raise Unauthorized("a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)")
-    return tenant
-
-
-async def json_body(request: Request) -> dict[str, Any]:
-    return (await raw_json_body(request))[1]
-
-
-async def raw_json_body(request: Request) -> tuple[bytes, dict[str, Any]]:
-    """The request's JSON object within the gateway's limits, and the bytes it was parsed from."""
-    svc: Services = request.app.state.services
-    limits = svc.settings.body_limits()
-    raw = await read_body(request, limits)
-    return raw, parse_json_object(raw, limits)
-
-
-async def rate_limit(svc: Services, tenant: Tenant) -> None:
-    """Requests per minute: one counter per tenant and minute, expiring with its window. A turn
-    counts itself in its opening read (`TurnRunner.begin`); this is for everything else."""
-    limit = tenant.quotas.requests_per_minute
-    if limit is None:
-        return
-    count = await svc.index.incr_window(tenant.name, "rpm", 60)
-    if count > limit:
-        raise QuotaExceeded(
-            f"tenant {tenant.name} exceeded {limit} requests per minute", retry_after=60 - time.time() % 60
-        )
-
-
-@contextlib.asynccontextmanager
-async def counted_if_refused(request: Request) -> AsyncIterator[tuple[Services, Tenant]]:
-    """Around a turn's validation, with the request's services and tenant: a request refused before
-    its opening read (which counts it in the tenant's rate window) is counted here, so that every
-    request counts once, malformed ones too (and a tenant over its rate gets 429 whatever else is
-    wrong, as before validation)."""
-    svc: Services = request.app.state.services
-    tenant = tenant_of(request)
-    try:
-        yield svc, tenant
-    except ApiError:
-        await rate_limit(svc, tenant)
-        raise
-
-
-def check_messages(body: dict[str, Any], limit: int) -> list[dict[str, Any]]:
-    """`messages` as a list of objects with a string role, at most `limit` of them (400 otherwise)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        raise BadRequest("'messages' must be a list", param="messages")
-    if len(messages) > limit:
-        raise BadRequest(f"'messages' has {len(messages)} messages; the limit is {limit}", param="messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            where = f"messages[{i}]"
-            raise BadRequest(f"'{where}' must be an object with a string 'role'", param=where)
-    return messages
-
-
-async def served_model(svc: Services, tenant: Tenant, requested: Any) -> str:
-    """The served model id a requested name means for the tenant (404 unknown, 503 not ready)."""
-    if not isinstance(requested, str) or not requested:
-        raise BadRequest("'model' is required", param="model")
-    model = tenant.model_id(requested, await svc.cluster.models())
-    if model is None:  # an engine that registered since the cached listing was read?
-        model = tenant.model_id(requested, await svc.cluster.models(fresh=True))
-    if model is not None:
-        return model
-    configured = await svc.cluster.configured_models()
-    if configured is not None and (name := tenant.model_id(requested, configured)) is not None:
-        why = (await svc.cluster.failed_models()).get(name)
-        if why is not None:  # its engines were given up: a retry cannot help until an operator acts
-            raise Unavailable(f"the model {requested!r} failed to start: {why}", param="model")
-    if configured is None or tenant.model_id(requested, configured) is not None:
-        # A node runs it but no engine of it is ready (restarting after a crash, still loading), or a
-        # node did not answer and it may be one of its models.
-        raise Unavailable(f"the model {requested!r} is not ready; retry", retry_after=2, param="model")
-    raise NotFound(f"the model {requested!r} does not exist", param="model")
-
-
-async def stateless_request(request: Request) -> tuple[Services, dict[str, Any], str]:
-    """The services, JSON body and served model of a request that involves no session (token
-    counting); counted in the tenant's rate window here, as it has no opening read to count it."""
-    svc: Services = request.app.state.services
-    tenant = tenant_of(request)
-    body = await json_body(request)
-    await rate_limit(svc, tenant)
-    return svc, body, await served_model(svc, tenant, body.get("model"))
-
-
-async def forward_stateless(svc: Services, model: str, path: str, data: dict[str, Any]) -> dict[str, Any]:
-    """A request that involves no session (token counting), answered by any ready engine of the model."""
-    engines = await svc.cluster.engines(model)
-    if not engines:
-        raise Unavailable(f"no engine of {model!r} is ready; retry", retry_after=2)
-    engine = engines[secrets.randbelow(len(engines))]
-    payload, _ = await forward_json(svc.engines, engine.url.rstrip("/") + path, {**data, "model": model})
-    return payload
-
-
 def _engine_fields(
     body: dict[str, Any],
     tenant: Tenant,
@@ -288,7 +185,7 @@ def session_headers(turn: Turn, report: Mapping[str, Any] | None = None) -> dict
     """`X-Session-Id`, and `X-Slotkeeper-Cache`: how the session was served — the engine's word when
     its answer is in hand (`report`: a slot of the tenant it started from is `prefix`); for a new
     branch of a session, or a fork of a busy one, `X-Slotkeeper-Branch-Of` names the session it
-    started from (gateway.branches)."""
+    started from (gateway.turn.branch)."""
     served = (report or {}).get("served")
     if not isinstance(served, str) or served not in SERVED:
         served = served_as(turn.placement)
@@ -335,7 +232,7 @@ async def serve_turn(
     note(request, tenant=tenant.name)
     body, messages, raw, rules = normalised(svc, tenant, body, messages, raw)
     # Its digests, computed once: for routing, branching, a restore cut at its checkpoint, bookkeeping.
-    prompt = RestorePrompt(messages, model, body, body.get("tools")) if path == CHAT_PATH else None
+    prompt = Prompt(messages, model, body, body.get("tools")) if path == CHAT_PATH else None
     found = session or await svc.runner.resolve(tenant, request.headers, body, prompt)
     asked = _TurnRequest(svc, tenant, body, model, messages, path, dialect, raw, rules, prompt)
     try:
@@ -368,7 +265,7 @@ class _TurnRequest:
     dialect: Dialect | None
     raw: bytes | None
     rules: list[str]
-    prompt: RestorePrompt | None
+    prompt: Prompt | None
 
 
 async def _serve_once(
@@ -394,7 +291,7 @@ async def _serve_once(
         return EarlyCall(forward_json(svc.engines, url, data, where.headers()))
 
     opening = await svc.runner.open(tenant, session_id, model, prompt)
-    try:  # sent to its slot before the opening read when the opening says it may be (gateway.early)
+    try:  # sent to its slot before the opening read when the opening says it may be (gateway.turn.early)
         early = launch(opening.early) if opening.early is not None else None
     except BaseException:
         await svc.runner.abandon(opening)

@@ -12,7 +12,7 @@ First match wins, in the order of `SIGNALS`:
 | `client_metadata.session_id` body field | Codex CLI (Responses) | `cx-` + digest |
 | `prompt_cache_key` body field | Codex, OpenCode, OpenAI SDK users | `pck-` + digest |
 
-Without any, the session is found implicitly (gateway.prefixes) or is new.
+Without any, the session is found implicitly (gateway.turn.prompt) or is new.
 
 Codex names one conversation a thread and a run of the CLI a session: the same id while the
 conversation is the CLI's only one, several threads (sub-agents) in one session otherwise. So the
@@ -24,7 +24,7 @@ An agent sends its signal on every request of a working session, also on the req
 not its conversation: a title, a summary, a sub-agent with its own system prompt. Served as one
 session, each would throw the conversation's state out of its slot. So the signals agents send
 (not `X-Session-Id`, which names exactly one session) are scoped by the request's system prompt
-(`gateway.prefixes.system_digest`): the digest covers the value and that prompt, and each of an
+(`gateway.turn.prompt.system_digest`): the digest covers the value and that prompt, and each of an
 agent's conversations gets its own session. Session ids, like every
 key, are scoped to the tenant by the index. Values are bounded (`MAX_SIGNAL_CHARS`, printable
 ASCII) and refused precisely otherwise.

@@ -10,29 +10,13 @@ from collections.abc import Set
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
+from gateway.cluster import EngineView, SlotView
+
 
 class Serve(StrEnum):
     LIVE = "live"  # the session is in this slot already
     RESTORE = "restored"  # fill the slot from the session's newest durable generation
     COLD = "cold"  # a new (or never saved) session: the prompt is evaluated in full
-
-
-@dataclass(frozen=True)
-class SlotView:
-    slot: int
-    busy: bool = False
-    tenant: str | None = None  # the session held by the slot, if any
-    session: str | None = None
-    last_used: float = 0.0
-    saving: bool = False  # idle, its lock held by the write-behind save of its last turn
-
-
-@dataclass(frozen=True)
-class EngineView:
-    engine: str
-    model: str
-    ready: bool
-    slots: tuple[SlotView, ...]
 
 
 @dataclass(frozen=True)

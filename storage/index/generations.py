@@ -11,7 +11,7 @@ A number handed out may still be taken where the save lands: a copy a crash left
 cache or the store, written but never recorded. Such a copy is never overwritten; the save asks for
 the next number instead, at most :data:`GENERATION_TRIES` times in a row.
 
-The savers: the gateway's write-behind save and eviction (gateway.saves, gateway.eviction), and a
+The savers: the gateway's write-behind save and eviction (gateway.turn.save, gateway.turn.evict), and a
 node's drain (engine_pool.pool.agent). Each says how it reserves, how it saves and how a taken
 generation shows (its own error); this module owns the loop and its bound.
 """

@@ -58,7 +58,7 @@ class SessionLock:
 
     ``since`` is this process's ``time.monotonic()`` just before the acquire was sent (0: not
     known): Redis set the TTL after that, so the lock is certainly held until ``since + ttl_s``
-    unless it is released (what :class:`gateway.holds.SessionHold` counts on to start a turn
+    unless it is released (what :class:`gateway.turn.hold.SessionHold` counts on to start a turn
     before its opening read confirms the lock)."""
 
     tenant: str

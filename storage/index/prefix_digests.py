@@ -21,7 +21,7 @@ _DIGEST = re.compile(r"[0-9a-f]{16,128}")
 DEFAULT_ROUTE_TTL_S = 7 * 24 * 3600.0
 # What a save stores of a session's routing digests (with its slot file or manifest, for reindex):
 # its conversation's route, then its shared prefix's digest after a dot, its last prompt's after a
-# plus (both storage.index.shared_prefixes) and its last turn's head after a dash (gateway.branches).
+# plus (both storage.index.shared_prefixes) and its last turn's head after a dash (gateway.turn.branch).
 STORED_ROUTES = re.compile(r"[0-9a-f]{16,128}(\.[0-9a-f]{16,128})?(\+[0-9a-f]{16,128})?(-[0-9a-f]{16,128})?")
 
 

@@ -58,8 +58,8 @@ class SessionRecord:
     route: str = ""  # newest routing digest: stored with the slot file, so reindex restores it
     shared: str = ""  # its shared prefix's digest (storage.index.shared_prefixes): stored beside the route
     prompt: str = ""  # its last prompt's digest (storage.index.shared_prefixes): stored beside the route
-    # Its last turn's head (gateway.prefixes.head_digest): a turn continues the session only from
-    # there, else it branches (gateway.branches). Stored beside the route.
+    # Its last turn's head (gateway.turn.prompt.head_digest): a turn continues the session only from
+    # there, else it branches (gateway.turn.branch). Stored beside the route.
     head: str = ""
     dirty: bool = False  # the slot changed since durable `generation` was saved
     # Generations up to `floor` belonged to an earlier, deleted session with this id: copies of them

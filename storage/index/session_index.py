@@ -329,7 +329,7 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
     ) -> Decide:
         """:meth:`mark_idle`'s transition (for :meth:`apply` with ``idle=True``); ``shared`` and
         ``prompt`` are the digests of its shared prefix and its last prompt
-        (:mod:`storage.index.shared_prefixes`), ``head`` its last turn's (gateway.branches), kept
+        (:mod:`storage.index.shared_prefixes`), ``head`` its last turn's (gateway.turn.branch), kept
         to be stored beside the route."""
         now = self._clock()
 

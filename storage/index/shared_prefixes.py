@@ -2,7 +2,7 @@
 
 Every session an agent starts renders the same tools and system prompt first, and the engines keep
 a checkpoint where that prefix ends. After each turn the gateway points the prefix's digest
-(``gateway.prefixes.shared_digest``) at the session (``pp`` key, with the route TTL: the newest
+(``gateway.turn.prompt.shared_digest``) at the session (``pp`` key, with the route TTL: the newest
 session to reach the prefix wins, and a prefix nobody uses goes by itself). A new session looks the
 digest up (:meth:`SharedPrefixes.find_shared`) and starts from that session's state: copied from
 its slot on the same engine, or restored from its stored generation up to the prefix. The key is

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import os
 import signal
@@ -95,6 +96,55 @@ class Gateway:
     node_url: str
 
 
+class Walk:
+    """The gateway modules a request walks through from its route to the engine: every function
+    of a `gateway` module that starts running in the request's context (a resumed coroutine is no
+    new step), until the request's bytes go to the engine socket. `returns` counts the steps into a
+    module the walk had already left: what a reader following the body must go back to."""
+
+    HEADER = "x-test-walk"
+    _walking: contextvars.ContextVar[bool] = contextvars.ContextVar("walking", default=False)
+
+    def __init__(self) -> None:
+        self.modules: list[str] = []
+        self.done = False
+        self._frames: list[Any] = []  # the walk's frames, held: a frame seen again is a coroutine resumed
+
+    def start(self) -> None:
+        self.modules, self.done, self._frames = [], False, []
+
+    def app(self, app: Any) -> Any:
+        """`app`, with the requests that carry `HEADER` walked."""
+
+        async def walked(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "http" and (self.HEADER.encode(), b"1") in scope.get("headers", []):
+                self._walking.set(True)
+            await app(scope, receive, send)
+
+        return walked
+
+    def profile(self, frame: Any, event: str, arg: Any) -> None:
+        if event != "call" or self.done or not self._walking.get():
+            return
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith("gateway.") or module.startswith("gateway.bench"):
+            return
+        if any(f is frame for f in self._frames):
+            return
+        self._frames.append(frame)
+        if not self.modules or self.modules[-1] != module:
+            self.modules.append(module)
+        if module == "gateway.engine_http" and frame.f_code.co_name == "send":
+            self.done = True  # the body is on its way to the engine
+
+    @property
+    def returns(self) -> int:
+        return sum(1 for i, m in enumerate(self.modules) if m in self.modules[:i])
+
+
+WALK = Walk()
+
+
 @pytest.fixture
 async def gateway(tiny_model, redis_port: int, tmp_path: Path) -> AsyncIterator[Gateway]:
     prefix = f"fp{uuid.uuid4().hex[:8]}"
@@ -137,7 +187,7 @@ async def gateway(tiny_model, redis_port: int, tmp_path: Path) -> AsyncIterator[
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(
-            build_app(make, metrics),
+            WALK.app(build_app(make, metrics)),
             host="127.0.0.1",
             port=port,
             log_config=None,
@@ -195,7 +245,7 @@ _CONVERSATIONS: dict[tuple[int, str, str], Conversation] = {}
 
 def _conversation(gw: Gateway, key: str, session: str) -> Conversation:
     """The conversation of `session` with `key` on `gw` (each turn goes on from the last: a turn that
-    did not would branch, gateway.branches)."""
+    did not would branch, gateway.turn.branch)."""
     return _CONVERSATIONS.setdefault((id(gw), key, session), Conversation(gw, key, session, max_tokens=1))
 
 
@@ -265,7 +315,7 @@ async def test_the_next_turn_does_not_wait_for_the_previous_turns_save(gateway: 
     assert rec.generation >= 2 and not rec.dirty
 
 
-# -- early starts (gateway.early) ----------------------------------------------------------------
+# -- early starts (gateway.turn.early) ----------------------------------------------------------------
 def _early(svc: Services, outcome: str) -> int:
     value = svc.metrics.registry.get_sample_value(
         "slotkeeper_gateway_early_starts_total", {"outcome": outcome}
@@ -446,3 +496,22 @@ async def test_an_engine_that_restarted_under_a_held_session_is_never_sent_the_e
             assert (_early(svc, "abandoned"), _early(svc, "answered")) == (1, 0)
     rec = await svc.index.get("durable", "crash")
     assert rec.state is SessionState.LIVE and rec.generation >= before
+
+
+async def test_a_chat_bodys_walk_from_its_route_to_the_engine_rarely_goes_back(gateway: Gateway) -> None:
+    """Issue 46's measure of the turn's code: a turn of a session live in its slot, with no hold to
+    take over (no early start: the whole path), from the chat route to the engine socket."""
+    chat = Conversation(gateway, "key-lazy", "walked")
+    async with httpx.AsyncClient(timeout=60) as c:
+        await chat.turn(c, "Say hi.")
+        await _settled(gateway.svc)  # every hold released: the next turn takes the whole path
+        chat.headers[Walk.HEADER] = "1"
+        WALK.start()
+        sys.setprofile(WALK.profile)
+        try:
+            resp = await chat.turn(c, "Again.")
+        finally:
+            sys.setprofile(None)
+    assert resp.headers["x-slotkeeper-cache"] == "live" and WALK.done, WALK.modules
+    print(f"\nwalk: {' -> '.join(m.removeprefix('gateway.') for m in WALK.modules)}; returns: {WALK.returns}")
+    assert WALK.returns <= 99, WALK.modules

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from gateway.cluster import Cluster
-from gateway.placement import SessionView, choose_placement
+from gateway.turn.slot_choice import SessionView, choose_placement
 from storage.index.engines import EngineRegistry
 from storage.index.session_index import SessionIndex
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from engine_pool.protocol import openai_responses as api
-from gateway.prefixes import prefix_digests, shared_digest
+from gateway.turn.prompt import prefix_digests, shared_digest
 from native.model_gen import write_model
 
 from .conftest import Serve, start_serve

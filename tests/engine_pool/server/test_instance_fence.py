@@ -1,6 +1,6 @@
 """The instance fence: a request that names an engine process (X-Slotkeeper-Instance) runs only on
 that process. The gateway names it when it sends a turn before its opening read confirmed the
-session's slot (gateway.early); a restarted engine — whose slots may hold other sessions by then —
+session's slot (gateway.turn.early); a restarted engine — whose slots may hold other sessions by then —
 refuses it before anything reaches a slot."""
 
 from __future__ import annotations

@@ -184,7 +184,7 @@ def test_compact_reads_the_whole_session_from_cache(gateway: RecordingProxy, wor
     prompt from cache. The tiny model's summary ends by chance: when it hits the output cap, the
     compaction ends with an error result; when it ends before, the compacted session's next turn —
     the summary instead of the history, under the same session id — reads its system prompt and
-    tools from cache (a branch of the session: gateway.branches)."""
+    tools from cache (a branch of the session: gateway.turn.branch)."""
     project = workspace.project
     claude = installed(CLAUDE)
     env = claude_env(workspace.home, gateway)

@@ -18,9 +18,9 @@ import redis.asyncio as aioredis
 from gateway.bench.harness.servers import RedisProcess, eventually
 from storage.index.session_index import SessionIndex
 
-from .conftest import openai_client
-from .test_index_healing import SYSTEM, saved, turn
-from .test_slot_fence import record
+from ..conftest import openai_client
+from ..test_index_healing import SYSTEM, saved, turn
+from ..test_slot_fence import record
 
 
 def test_a_delete_that_waited_for_the_lock_leaves_the_slot_its_session_left(

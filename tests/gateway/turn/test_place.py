@@ -1,10 +1,11 @@
-"""gateway.placing's pure decisions, without processes: which slots and which session a placed
+"""gateway.turn.place's pure decisions, without processes: which slots and which session a placed
 prompt may start from (`refine`), and how the chosen slot is made ready (`slot_prep`)."""
 
 from __future__ import annotations
 
-from gateway.placement import EngineView, Placement, Serve, SlotView
-from gateway.placing import SlotPrep, refine, slot_prep
+from gateway.cluster import EngineView, SlotView
+from gateway.turn.place import SlotPrep, refine, slot_prep
+from gateway.turn.slot_choice import Placement, Serve
 from storage.index.records import SessionRecord, SessionState
 
 
@@ -51,9 +52,9 @@ def test_how_a_slot_is_made_ready() -> None:
 
 
 def test_a_cold_slot_is_filled_with_the_stored_prefix_of_a_holder_live_elsewhere() -> None:
-    from gateway.turn import RestorePrompt
+    from gateway.turn.prompt import Prompt
 
-    prompt = RestorePrompt([{"role": "user", "content": "hi"}], "m", {})
+    prompt = Prompt([{"role": "user", "content": "hi"}], "m", {})
     holder = _rec("holder", engine="e2", slot=0, generation=3)
     prep = slot_prep(Placement("e1", 1, Serve.COLD), "t", "s", 0, holder, False, prompt, True)
     assert prep == SlotPrep(fill="holder", generation=3, tokens=True, prefix=True, erase=True)

@@ -11,14 +11,13 @@ import pytest
 
 from engine_pool.common.errors import GatewayTimeout, Unavailable
 from gateway.cluster import Cluster
-from gateway.locking import hold_for_turn
 from gateway.metrics import Metrics
-from gateway.placement import Placement, Serve
-from gateway.relay import TurnOutcome, engine_session, forward_json
 from gateway.tenants import Tenant
-from gateway.turn import Turn, TurnSettings, fork_id
-from gateway.turn_parts import TurnParts
-from gateway.turns import TurnRunner
+from gateway.turn.engine_call import TurnOutcome, engine_session, forward_json
+from gateway.turn.hold import fork_id, hold_for_turn
+from gateway.turn.parts import Turn, TurnParts, TurnSettings
+from gateway.turn.runner import TurnRunner
+from gateway.turn.slot_choice import Placement, Serve
 from storage.blobs.localstore import LocalStore
 from storage.ids import validate_id
 from storage.index.engines import EngineRegistry

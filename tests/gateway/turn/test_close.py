@@ -1,4 +1,4 @@
-"""gateway.bookkeeping: what finishing a turn writes (the pure decision), and what a refused turn leaves."""
+"""gateway.turn.close: what finishing a turn writes (the pure decision), and what a refused turn leaves."""
 
 from __future__ import annotations
 
@@ -7,17 +7,18 @@ from typing import Any
 
 import httpx
 
-from gateway.bookkeeping import bookkeeping
-from gateway.placement import Placement, Serve
-from gateway.relay import TurnOutcome
 from gateway.tenants import Durability, Tenant
-from gateway.turn import RestorePrompt, Turn
+from gateway.turn.close import bookkeeping
+from gateway.turn.engine_call import TurnOutcome
+from gateway.turn.parts import Turn
+from gateway.turn.prompt import Prompt
+from gateway.turn.slot_choice import Placement, Serve
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
 
 
 def _turn(durability: Durability = Durability.AFTER_TURN) -> Turn:
-    prompt = RestorePrompt(MESSAGES, "m", {})
+    prompt = Prompt(MESSAGES, "m", {})
     tenant = Tenant("t", durability=durability)
     placement = Placement("e1", 0, Serve.LIVE)
     hold = node = None  # (finishing decides without them)

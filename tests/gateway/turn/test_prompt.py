@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.prefixes import lookup_digests, prefix_digests, shared_digest, system_digest, turn_digests
+from gateway.turn.prompt import lookup_digests, prefix_digests, shared_digest, system_digest, turn_digests
 
 SYS = {"role": "system", "content": "You are terse."}
 

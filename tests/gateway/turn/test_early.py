@@ -1,4 +1,4 @@
-"""gateway.early: when a warm turn may go to its slot before its opening read (pure decisions over a
+"""gateway.turn.early: when a warm turn may go to its slot before its opening read (pure decisions over a
 hold, the cached engine and what earlier reads said of the tenant), and the call started so —
 awaited once confirmed, made again when the engine refuses it as meant for an earlier process,
 abandoned (cancelled, or closed when it already answered) otherwise."""
@@ -14,8 +14,8 @@ import pytest
 
 from engine_pool.common.errors import Conflict, InstanceChanged, Unavailable
 from gateway.cluster import EngineRef
-from gateway.early import Admission, EarlyCall, EarlyStart, early_start, fenced
-from gateway.holds import Phase, SessionHold
+from gateway.turn.early import Admission, EarlyCall, EarlyStart, early_start, fenced
+from gateway.turn.hold import Phase, SessionHold
 from storage.index.locks import SessionLock
 from storage.index.records import SessionRecord, SessionState
 from storage.index.turnops import TurnStart

@@ -3,7 +3,7 @@ pool view read before the choice was recorded in the index."""
 
 from __future__ import annotations
 
-from gateway.reservations import SlotReservations
+from gateway.turn.reservations import SlotReservations
 
 
 def test_a_held_slot_is_taken_and_a_released_one_only_for_pool_views_older_than_its_release() -> None:

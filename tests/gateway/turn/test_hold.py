@@ -1,4 +1,4 @@
-"""gateway.holds: a turn's write-behind save starts after a grace, so that a next turn sent at
+"""gateway.turn.hold: a turn's write-behind save starts after a grace, so that a next turn sent at
 once runs first and only the newest save runs; without a grace each save asked for runs."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from gateway.holds import Holds, Phase, enter
+from gateway.turn.hold import Holds, Phase, enter, wait_or_fork
 from storage.errors import StoreUnavailable
 from storage.index.keyspace import in_process_redis
-from storage.index.locks import TURN, SessionLocks
+from storage.index.locks import TURN, WORK, SessionLocks
 
 
 async def _saves_run(grace_s: float) -> list[str]:
@@ -181,3 +181,18 @@ async def test_a_holds_phase_changes_only_as_its_table_says() -> None:
     await holds.let_go(hold)
     await asyncio.wait_for(hold.released, 10)
     await redis.aclose()
+
+
+@pytest.mark.parametrize(
+    ("remaining_s", "wait_s"),
+    [(30.0, None), (20.0, None), (19.9, 20.9), (0.0, 1.0), (None, 1.0)],
+)
+def test_a_renewed_turn_is_forked_around_and_a_lapsing_one_waited_for(remaining_s, wait_s) -> None:
+    # TTL 40: a holder that renews every third keeps it above 26.7; below half (20) it died.
+    assert wait_or_fork(TURN, remaining_s, 40.0, 5.0) == wait_s
+
+
+@pytest.mark.parametrize("remaining_s", [40.0, 30.0, 1.0, None])
+def test_the_gateways_own_work_on_a_session_is_waited_for_never_forked(remaining_s) -> None:
+    """An eviction saving the session, a delete: there is no running state to fork from."""
+    assert wait_or_fork(WORK, remaining_s, 40.0, 5.0) == 5.0

@@ -1,11 +1,11 @@
-"""gateway.admission's pure decisions: an opening read's refusal as the tenant's error, and a new
+"""gateway.turn.opening's pure decisions: an opening read's refusal as the tenant's error, and a new
 session refused by the tenant's quotas."""
 
 from __future__ import annotations
 
 from engine_pool.common.errors import QuotaExceeded, RateLimited
-from gateway.admission import new_session_refusal, refusal
 from gateway.tenants import Quotas, Tenant
+from gateway.turn.opening import new_session_refusal, refusal
 from storage.index.turnops import TurnStart
 
 

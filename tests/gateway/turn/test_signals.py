@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine_pool.common.errors import BadRequest
-from gateway.session_keys import MAX_SIGNAL_CHARS, SIGNALS, session_key
+from gateway.turn.signals import MAX_SIGNAL_CHARS, SIGNALS, session_key
 
 MAIN, SUB = (lambda: "main-prefix"), (lambda: "subagent-prefix")
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.placement import (
-    EngineView,
+from gateway.cluster import EngineView, SlotView
+from gateway.turn.slot_choice import (
     LiveSlotsExhausted,
     NoCapacity,
     Serve,
     SessionView,
-    SlotView,
     choose_placement,
     prefix_slots,
     reserved,

@@ -1,8 +1,8 @@
-"""gateway.eviction's pure decision: what evicting a session from a slot takes."""
+"""gateway.turn.evict's pure decision: what evicting a session from a slot takes."""
 
 from __future__ import annotations
 
-from gateway.eviction import EvictionStep, eviction_step
+from gateway.turn.evict import EvictionStep, eviction_step
 from storage.index.records import SessionRecord, SessionState
 
 

@@ -1,4 +1,4 @@
-"""Branches, never rollbacks (gateway.branches): a turn continues the session it reached only from the
+"""Branches, never rollbacks (gateway.turn.branch): a turn continues the session it reached only from the
 state that session's last turn left; any other turn branches from it. The decision on its own, its
 effects on the index in process, and agents' conversations through a real `slotkeeper serve`."""
 
@@ -16,28 +16,27 @@ import openai
 import pytest
 
 from engine_pool.common.errors import Unavailable
-from gateway.branches import Continuation, continuation, continues, looks_further
 from gateway.cluster import Cluster
 from gateway.metrics import Metrics
-from gateway.prefixes import route_lookup, turn_digests
 from gateway.tenants import Tenant
-from gateway.turn import RestorePrompt, TurnSettings
-from gateway.turn_parts import TurnParts
-from gateway.turns import TurnRunner
+from gateway.turn.branch import Continuation, continuation, continues, looks_further
+from gateway.turn.parts import TurnParts, TurnSettings
+from gateway.turn.prompt import Prompt, route_lookup, turn_digests
+from gateway.turn.runner import TurnRunner
 from storage.blobs.localstore import LocalStore
 from storage.index.engines import EngineRegistry
 from storage.index.locks import SessionLocks
 from storage.index.records import SessionRecord, SessionState
 from storage.index.session_index import SessionIndex
 
-from .conftest import READ_FILE, Serve, anthropic_client, openai_client
+from ..conftest import READ_FILE, Serve, anthropic_client, openai_client
 
 SYSTEM = {"role": "system", "content": "You are a careful coding agent."}
 TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}]
 
 
-def _prompt(messages: list[dict[str, Any]], tools: Any = TOOLS) -> RestorePrompt:
-    return RestorePrompt(messages, "m", {"messages": messages}, tools)
+def _prompt(messages: list[dict[str, Any]], tools: Any = TOOLS) -> Prompt:
+    return Prompt(messages, "m", {"messages": messages}, tools)
 
 
 def _after(messages: list[dict[str, Any]], tools: Any = TOOLS) -> SessionRecord:
