@@ -301,7 +301,10 @@ class Cluster:
             serving = [serving[i] for i in sorted(picked)]
         refs = {e.engine: e for e in serving}
         occupants: dict[str, dict[int, SlotView]] = {e: {} for e in refs}
-        for engine, (tenant, session), rec, idle in await self.index.slot_occupants(list(refs)):
+        unread: set[str] = set()  # (Redis Cluster) engines whose occupancy a shard away hides
+        found = await self.index.slot_occupants(list(refs), unread)
+        refs = {e: ref for e, ref in refs.items() if e not in unread}
+        for engine, (tenant, session), rec, idle in found:
             if rec is None or not rec.live or rec.slot is None or rec.engine != engine:
                 continue
             # Locked but idle: its last turn is being saved (write-behind), which ends shortly; it

@@ -4,6 +4,7 @@ Gemma 3 270M assembled once per machine, redis and moto servers."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,63 @@ def redis_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
 
     with redis_server(tmp_path_factory.mktemp("redis")) as port:
         yield port
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A Redis Cluster for the session: three primaries, a replica each (harness.redis_topologies)."""
+    from gateway.bench.harness.redis_topologies import redis_cluster as start
+
+    with start(tmp_path_factory.mktemp("redis-cluster")) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A master, its replica and three sentinels for the session (harness.redis_topologies)."""
+    from gateway.bench.harness.redis_topologies import redis_sentinel as start
+
+    with start(tmp_path_factory.mktemp("redis-sentinel")) as setup:
+        yield setup
+
+
+@dataclass(frozen=True)
+class RedisTopology:
+    """One of the index's Redis topologies, as a test reaches it: its ``--redis-url`` and a way to
+    empty it."""
+
+    name: str  # standalone | cluster | sentinel
+    url: str
+    flush: Callable[[], None]
+    servers: Any = None  # the ClusterProcesses or SentinelProcesses (None: one redis-server)
+
+
+TOPOLOGIES = ["standalone", "cluster", "sentinel"]
+
+
+@pytest.fixture(params=TOPOLOGIES)
+def redis_topology(request: pytest.FixtureRequest) -> RedisTopology:
+    """The same test on one primary, on a Redis Cluster and behind Sentinel, emptied before it."""
+    return topology(request, request.param)
+
+
+def topology(request: pytest.FixtureRequest, name: str) -> RedisTopology:
+    """The session's servers of topology ``name`` (started on first use), emptied."""
+    if name == "standalone":
+        import redis as redis_sync
+
+        url = f"redis://127.0.0.1:{request.getfixturevalue('redis_port')}/0"
+
+        def flush() -> None:
+            with redis_sync.Redis.from_url(url) as r:
+                r.flushall()
+
+        found = RedisTopology(name, url, flush)
+    else:
+        servers = request.getfixturevalue(f"redis_{name}")
+        found = RedisTopology(name, servers.url, servers.flush, servers)
+    found.flush()
+    return found
 
 
 @pytest.fixture(scope="session")

@@ -173,7 +173,7 @@ class ChunkLedger:
         while True:
 
             async def body(pipe: Any) -> SaveLease | None:
-                if await pipe.exists(collector):
+                if await pipe.pttl(collector) != -2:  # held (not EXISTS: see engines.heartbeat)
                     return None
                 epoch = int(await pipe.get(self._k.epoch(tenant)) or 0)
                 expires = self._now_ms() + int(self.lease_s * 1000)

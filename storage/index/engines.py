@@ -97,7 +97,7 @@ class EngineRegistry:
         now = self._clock()
 
         async def body(pipe: Any) -> bool:
-            alive = bool(await pipe.exists(key))
+            alive = await pipe.pttl(key) != -2  # (not EXISTS: a cluster pipeline drops it here)
             pipe.multi()
             if alive:
                 pipe.hset(key, "last_heartbeat", str(now))

@@ -11,6 +11,14 @@ Three keys under the prefix:
 
 The opening read of every turn (:mod:`storage.index.turnops`) returns the first two, so noticing
 costs no round trip of its own; :func:`index_state` is the verdict on them.
+
+A failover loses no key outright but may lose the last writes of every key of its shard: a
+replica promoted (Redis Cluster, Sentinel, a managed Redis behind one address) answers with what it
+had replicated. The epoch survives it, so it is noticed otherwise: every primary names its
+replication history (``master_replid``, new whenever a replica is promoted or a server starts
+afresh), and a process that sees a primary with a history it never saw before renews the epoch
+(:meth:`IndexEpoch.renew`): every process then heals as for a loss, and healing only ever adds
+what the store and the slots know newer than the index.
 """
 
 from __future__ import annotations
@@ -28,6 +36,12 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[2], ARGV[1])
 if redis.call('GET', KEYS[3]) == ARGV[2] then redis.call('DEL', KEYS[3]) end
 return 1
+"""
+# Replace the epoch by a new one if it is still the one the caller knows; the epoch as it is now.
+_RENEW = """
+local current = redis.call('GET', KEYS[1])
+if current == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2]) return ARGV[2] end
+return current or ''
 """
 _GIVE_BACK = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
@@ -61,6 +75,7 @@ class IndexEpoch:
         self.lease_key = keys.index_lease()
         self._built: Any = None  # the scripts, registered on first use
         self._give_back: Any = None
+        self._scripts: dict[str, Any] = {}
 
     async def read(self) -> tuple[str, str]:
         """The epoch and the built epoch, ``''`` for a missing key."""
@@ -93,6 +108,31 @@ class IndexEpoch:
                 keys=[self.epoch_key, self.built_key, self.lease_key], args=[epoch, lease]
             )
         return bool(int(done))
+
+    async def renew(self, known: str) -> str:
+        """A new epoch in place of ``known`` unless another process changed it already (then that
+        one): every process that relied on the index as it was heals it (see the module doc)."""
+        if "renew" not in self._scripts:
+            self._scripts["renew"] = self._redis.register_script(_RENEW)
+        async with redis_errors():
+            return text(
+                await self._scripts["renew"](keys=[self.epoch_key], args=[known, secrets.token_hex(16)])
+            )
+
+    async def histories(self) -> frozenset[str]:
+        """The replication histories (``master_replid``) of the index's primaries now: one, or one
+        per Redis Cluster shard; empty where no server says (the in-process index)."""
+        from storage.index.topology import is_cluster
+
+        if type(self._redis).__module__.startswith("fakeredis"):
+            return frozenset()
+        async with redis_errors():
+            if is_cluster(self._redis):
+                replies = await self._redis.info("replication", target_nodes=self._redis.PRIMARIES)
+                infos = list(replies.values()) if "master_replid" not in replies else [replies]
+            else:
+                infos = [await self._redis.info("replication")]
+        return frozenset(str(i["master_replid"]) for i in infos if i.get("role") == "master")
 
     async def give_lease(self, lease: str) -> None:
         """Give the rebuilding lease back unbuilt (the rebuild failed), if it is still ours."""

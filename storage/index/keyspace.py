@@ -1,10 +1,14 @@
 """Redis key names, transactions and the in-process Redis, shared by the index, locks and engines.
 
-Every key starts with a configurable prefix; every per-tenant key continues with ``:t:{tenant}:``.
-Ids are validated by :func:`storage.ids.validate_id`, which rejects ``:``, so one tenant's key can
-never be spelled through another tenant's ids. Multi-key changes go through :func:`transact`
-(WATCH/MULTI/EXEC with retry on contention): it works the same on redis-server and on fakeredis,
-which runs no Lua without the optional ``lupa`` package.
+Every key starts with a configurable prefix and continues with a Redis Cluster hash tag, the part
+in braces that alone decides a key's hash slot: every per-tenant key with ``{t:TENANT}``, so a
+tenant's scripts and transactions are single-slot and tenants spread over a cluster's shards; an
+engine's occupancy (its live set and idle LRU) with ``{e:ENGINE}``; the engine registry and the
+index's epochs with ``{g}``. Ids are validated by :func:`storage.ids.validate_id`, which rejects
+``:`` and braces, so one tenant's key can never be spelled through another tenant's ids, nor can an
+id pick another tag's slot. On one primary the tags are ordinary characters: the same layout.
+Multi-key changes go through :func:`transact` (WATCH/MULTI/EXEC with retry on contention): it works
+the same on redis-server and on fakeredis, which runs no Lua without the optional ``lupa`` package.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from storage.errors import StorageError, StoreMisconfigured, StoreUnavailable, W
 from storage.ids import validate_id
 
 T = TypeVar("T")
-IDLE, LIVE = ":idle", ":live"  # an engine's idle LRU and live set: the engine's key + suffix
+# an engine's idle LRU and live set: `Keyspace.occupancy_prefix()` + the engine id + suffix
+IDLE, LIVE = "}:idle", "}:live"
 _PREFIX = re.compile(r"[A-Za-z0-9_.\-]{1,64}(:[A-Za-z0-9_.\-]{1,64})*")
 
 
@@ -39,11 +44,16 @@ class Keyspace:
             raise ValueError(f"invalid Redis key prefix {self.prefix!r}")
 
     def tenant(self, tenant: str) -> str:
-        return f"{self.prefix}:t:{validate_id(tenant, 'tenant id')}"
+        """What every key of the tenant starts with: the prefix and the tenant's hash tag."""
+        return f"{self.prefix}:{{t:{validate_id(tenant, 'tenant id')}}}"
 
-    def tenant_prefix(self) -> str:
-        """What every tenant's keys start with, before the tenant id (Lua builds keys from it)."""
-        return f"{self.prefix}:t:"
+    def tenant_parts(self) -> tuple[str, str]:
+        """What goes before and after a tenant id in :meth:`tenant` (Lua builds keys from them)."""
+        return f"{self.prefix}:{{t:", "}"
+
+    def _global(self) -> str:
+        """The registry's and the index epochs' keys: one slot, apart from every tenant's."""
+        return f"{self.prefix}:{{g}}"
 
     def session(self, tenant: str, session: str) -> str:
         return f"{self.session_prefix(tenant)}{validate_id(session, 'session id')}"
@@ -99,39 +109,41 @@ class Keyspace:
 
     def engines(self) -> str:
         """ZSET of engine ids scored by heartbeat expiry (ms)."""
-        return f"{self.prefix}:engines"
+        return f"{self._global()}:engines"
 
     def registry_epoch(self) -> str:
         """Integer bumped whenever an engine joins or leaves the registry (gateways cache it)."""
-        return f"{self.prefix}:engines:epoch"
+        return f"{self._global()}:engines:epoch"
 
     def index_epoch(self) -> str:
         """STRING: the index's epoch, a random token (storage.index.epoch): gone with a lost index."""
-        return f"{self.prefix}:index:epoch"
+        return f"{self._global()}:index:epoch"
 
     def index_built(self) -> str:
         """STRING: the epoch whose index was rebuilt from the store (storage.index.epoch)."""
-        return f"{self.prefix}:index:built"
+        return f"{self._global()}:index:built"
 
     def index_lease(self) -> str:
         """STRING (with a TTL): the lease of the one process rebuilding the index."""
-        return f"{self.prefix}:index:rebuilding"
+        return f"{self._global()}:index:rebuilding"
 
     def engine(self, engine_id: str) -> str:
-        return f"{self.engine_prefix()}{validate_id(engine_id, 'engine id')}"
+        """HASH (with a TTL): the engine as it registered (in the registry's slot)."""
+        return f"{self._global()}:e:{validate_id(engine_id, 'engine id')}"
 
-    def engine_prefix(self) -> str:
-        """What every engine's keys start with: a script that learns an engine id from a record it
-        read builds that engine's keys from it (``engine_prefix() + id + IDLE`` / ``LIVE``)."""
-        return f"{self.prefix}:e:"
+    def occupancy_prefix(self) -> str:
+        """What an engine's occupancy keys start with: a script that learns an engine id from a
+        record it read builds that engine's keys from it (``occupancy_prefix() + id + IDLE`` /
+        ``LIVE``)."""
+        return f"{self.prefix}:{{e:"
 
     def engine_idle(self, engine_id: str) -> str:
         """ZSET of ``tenant:session`` idle on the engine, scored by last use (the LRU)."""
-        return f"{self.engine(engine_id)}{IDLE}"
+        return f"{self.occupancy_prefix()}{validate_id(engine_id, 'engine id')}{IDLE}"
 
     def engine_live(self, engine_id: str) -> str:
         """SET of ``tenant:session`` live (busy or idle) on the engine."""
-        return f"{self.engine(engine_id)}{LIVE}"
+        return f"{self.occupancy_prefix()}{validate_id(engine_id, 'engine id')}{LIVE}"
 
 
 def member(tenant: str, session: str) -> str:
@@ -166,6 +178,12 @@ def redis_address(redis: Any) -> str:
     in-process index (fakeredis: its "host" is a random server name) says that it is one."""
     if type(redis).__module__.startswith("fakeredis"):
         return "the in-process index (no Redis server)"
+    startup = getattr(getattr(redis, "nodes_manager", None), "startup_nodes", None)
+    if startup:  # a cluster client: its seed nodes
+        return "redis cluster at " + ",".join(sorted(startup))
+    service = getattr(getattr(redis, "connection_pool", None), "service_name", None)
+    if service:  # a Sentinel-managed client
+        return f"redis sentinel master {service}"
     kwargs = getattr(getattr(redis, "connection_pool", None), "connection_kwargs", {}) or {}
     if kwargs.get("path"):
         return f"redis at {kwargs['path']}/{kwargs.get('db', 0)}"

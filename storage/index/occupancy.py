@@ -4,23 +4,35 @@ Each engine has a SET of the ``tenant:session`` members live in its slots (busy 
 ZSET of those idle, scored by last use: the eviction order. :class:`storage.index.session_index.SessionIndex`
 keeps both in step with the records inside its transitions; this mixin only reads them, in one
 round trip for pool views.
+
+On Redis Cluster an engine's sets live in the engine's slot (``{e:ENGINE}``), its sessions'
+records in their tenants' slots, so no script reads both: the sets are written beside a transition
+rather than inside it (members added before the record says so, removed after), which makes a
+member a hint that the record confirms, never the truth. A pool view there is two round trips: the
+sets, then the members' records and locks (one pipeline, each command in its own slot).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+from redis.exceptions import RedisError
+
 from storage.index.keyspace import Keyspace, parse_member, redis_errors, text
 from storage.index.records import SessionState
 
+log = structlog.get_logger("slotkeeper.storage")
 _OCCUPANT_FIELDS = ("state", "engine", "slot", "last_used")
 
-# KEYS: each engine's live SET and idle ZSET, in pairs. ARGV[1]: the tenant key prefix
-# (`Keyspace.tenant("")` without the tenant), so that records and locks are found as the Keyspace
-# names them (`{prefix}:t:{tenant}:s:{session}`, `...:lock:{session}`). One line per live session:
-# engine index, tenant, session, state, engine, slot, last_used, lock owner, 1 if idle; tab-separated.
+# KEYS: each engine's live SET and idle ZSET, in pairs. ARGV[1], ARGV[2]: what goes before and after
+# a tenant id in its keys (`Keyspace.tenant_parts`), so that records and locks are found as the
+# Keyspace names them (`{prefix}:{t:TENANT}:s:{session}`, `...:lock:{session}`); one primary only.
+# One line per live session: engine index, tenant, session, state, engine, slot, last_used, lock
+# owner, 1 if idle; tab-separated.
 _SLOTS = """
 local out = {}
 for i = 1, #KEYS, 2 do
@@ -29,7 +41,7 @@ for i = 1, #KEYS, 2 do
   for _, m in ipairs(redis.call('SMEMBERS', KEYS[i])) do
     local sep = string.find(m, ':', 1, true)
     local tenant, session = string.sub(m, 1, sep - 1), string.sub(m, sep + 1)
-    local base = ARGV[1] .. tenant
+    local base = ARGV[1] .. tenant .. ARGV[2]
     local rec = redis.call('HMGET', base .. ':s:' .. session, 'state', 'engine', 'slot', 'last_used')
     local owner = redis.call('GET', base .. ':lock:' .. session)
     out[#out + 1] = table.concat({(i + 1) / 2, tenant, session, rec[1] or '', rec[2] or '', rec[3] or '',
@@ -38,6 +50,50 @@ for i = 1, #KEYS, 2 do
 end
 return out
 """
+
+
+class OccupancyWrites:
+    """An engine's set writes of one transition, kept apart on Redis Cluster (see the module doc):
+    the subset of a pipeline's methods that ``SessionIndex._queue`` calls for engine keys. Members
+    join before the record says so (``adds``) and leave after it does (``removes``), so that a
+    member missing while its record names the engine never happens; a member left over is a hint
+    that readers check against the record."""
+
+    def __init__(self) -> None:
+        self.adds: list[tuple[str, str, tuple[Any, ...]]] = []
+        self.removes: list[tuple[str, str, tuple[Any, ...]]] = []
+
+    def sadd(self, key: str, *members: str) -> None:
+        self.adds.append(("sadd", key, members))
+
+    def zadd(self, key: str, mapping: dict[str, float]) -> None:
+        self.adds.append(("zadd", key, (mapping,)))
+
+    def srem(self, key: str, *members: str) -> None:
+        self.removes.append(("srem", key, members))
+
+    def zrem(self, key: str, *members: str) -> None:
+        self.removes.append(("zrem", key, members))
+
+    async def run(self, redis: Any, writes: list[tuple[str, str, tuple[Any, ...]]]) -> None:
+        """Carry ``writes`` out, each engine's in one round trip (its keys share a slot). Best
+        effort: an engine's shard away costs its hints (readers confirm by the record), never the
+        transition, nor other tenants' turns."""
+        by_key: dict[str, list[tuple[str, tuple[Any, ...]]]] = {}
+        for name, key, args in writes:
+            by_key.setdefault(key.rpartition("}")[0], []).append((name, (key, *args)))
+
+        async def one(calls: list[tuple[str, tuple[Any, ...]]]) -> None:
+            async with redis.pipeline(transaction=False) as pipe:
+                for name, args in calls:
+                    getattr(pipe, name)(*args)
+                await pipe.execute()
+
+        for outcome in await asyncio.gather(*(one(c) for c in by_key.values()), return_exceptions=True):
+            if isinstance(outcome, RedisError):
+                log.warning("index.occupancy_write_failed", error=str(outcome))
+            elif isinstance(outcome, BaseException):
+                raise outcome
 
 
 @dataclass(frozen=True)
@@ -58,6 +114,7 @@ class EngineOccupancy:
     _redis: Any
     keys: Keyspace
     _scripts: dict[str, Any]
+    split: bool  # Redis Cluster: engines' sets and records are in different slots (module doc)
 
     async def idle_sessions(self, engine: str, limit: int | None = None) -> list[tuple[str, str]]:
         """``(tenant, session)`` idle on ``engine``, least recently used first (eviction order)."""
@@ -74,22 +131,26 @@ class EngineOccupancy:
         return sorted(parse_member(text(m)) for m in raw)
 
     async def slot_occupants(
-        self, engines: Sequence[str]
+        self, engines: Sequence[str], skipped: set[str] | None = None
     ) -> list[tuple[str, tuple[str, str], Occupant | None, bool]]:
         """Every session live on these engines — (engine, (tenant, session), its occupant fields
         or None without a record, idle?) — in ONE command (a script), whatever their number:
-        a pool view's whole read."""
+        a pool view's whole read. On Redis Cluster two round trips, and an engine that could not
+        be read is left out and added to ``skipped`` (see ``_split_occupants``)."""
         if not engines:
             return []
-        keys = [k for e in engines for k in (self.keys.engine_live(e), self.keys.engine_idle(e))]
-        script = self._scripts.get("slots") or self._scripts.setdefault(
-            "slots", self._redis.register_script(_SLOTS)
-        )
-        async with redis_errors():
-            lines = await script(keys=keys, args=[self.keys.tenant_prefix()])
+        if self.split:
+            rows = await self._split_occupants(engines, set() if skipped is None else skipped)
+        else:
+            keys = [k for e in engines for k in (self.keys.engine_live(e), self.keys.engine_idle(e))]
+            script = self._scripts.get("slots") or self._scripts.setdefault(
+                "slots", self._redis.register_script(_SLOTS)
+            )
+            async with redis_errors():
+                lines = await script(keys=keys, args=list(self.keys.tenant_parts()))
+            rows = [text(line).split("\t") for line in lines]
         found = []
-        for line in lines:
-            i, tenant, session, state, engine, slot, last_used, owner, idle = text(line).split("\t")
+        for i, tenant, session, state, engine, slot, last_used, owner, idle in rows:
             occupant = (
                 Occupant(
                     state == SessionState.LIVE,
@@ -103,6 +164,58 @@ class EngineOccupancy:
             )
             found.append((engines[int(i) - 1], (tenant, session), occupant, idle == "1"))
         return found
+
+    async def _split_occupants(self, engines: Sequence[str], skipped: set[str]) -> list[list[str]]:
+        """What the ``_SLOTS`` script returns, read in two round trips (Redis Cluster: see the module
+        doc), each slot's commands in one pipeline, the slots at once. An engine whose sets, or
+        one of whose members' records, cannot be read (its shard away) is left out and named in
+        ``skipped``: a view must not take its unknown slots for free ones."""
+
+        async def pipelined(calls: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for name, args in calls:
+                    getattr(pipe, name)(*args)
+                return list(await pipe.execute())
+
+        def sets(e: str) -> list[tuple[str, tuple[Any, ...]]]:
+            return [("smembers", (self.keys.engine_live(e),)), ("zrange", (self.keys.engine_idle(e), 0, -1))]
+
+        read = await asyncio.gather(*(pipelined(sets(e)) for e in engines), return_exceptions=True)
+        members: dict[str, list[tuple[int, str, bool]]] = {}  # tenant -> (engine index, session, idle)
+        for i, got in enumerate(read):
+            if isinstance(got, RedisError):
+                skipped.add(engines[i])
+                continue
+            if isinstance(got, BaseException):
+                raise got
+            live, idlers = got[0], {text(m) for m in got[1]}
+            for m in live:
+                tenant, session = parse_member(text(m))
+                members.setdefault(tenant, []).append((i, session, text(m) in idlers))
+
+        def records(tenant: str) -> list[tuple[str, tuple[Any, ...]]]:
+            calls: list[tuple[str, tuple[Any, ...]]] = []
+            for _, session, _ in members[tenant]:
+                calls.append(("hmget", (self.keys.session(tenant, session), *_OCCUPANT_FIELDS)))
+                calls.append(("get", (self.keys.lock(tenant, session),)))
+            return calls
+
+        tenants = list(members)
+        replies = await asyncio.gather(*(pipelined(records(t)) for t in tenants), return_exceptions=True)
+        rows = []
+        for tenant, got in zip(tenants, replies, strict=True):
+            if isinstance(got, RedisError):
+                skipped.update(engines[i] for i, _, _ in members[tenant])
+                continue
+            if isinstance(got, BaseException):
+                raise got
+            for n, (i, session, idle) in enumerate(members[tenant]):
+                fields, owner = got[2 * n], got[2 * n + 1]
+                rows.append(
+                    [str(i + 1), tenant, session, *("" if f is None else text(f) for f in fields)]
+                    + ["" if owner is None else text(owner), "1" if idle else "0"]
+                )
+        return [r for r in rows if engines[int(r[0]) - 1] not in skipped]
 
     async def tenant_live_engines(self, tenant: str) -> set[str]:
         """The engines holding the tenant's live sessions (O(its live sessions))."""

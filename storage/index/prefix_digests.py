@@ -122,5 +122,5 @@ class PrefixRouting:
         if not route_keys:
             return []
         await pipe.watch(*route_keys)
-        targets = await pipe.mget(route_keys)
+        targets = await pipe.execute_command("MGET", *route_keys)  # (a cluster pipeline blocks .mget)
         return [k for k, t in zip(route_keys, targets, strict=True) if t is not None and text(t) == session]

@@ -25,6 +25,7 @@ from storage.blobs.blobstore import BlobInfo, BlobMeta, BlobStore
 from storage.errors import StorageError
 from storage.index.prefix_digests import split_routes
 from storage.index.session_index import SessionIndex, SessionRecord, SessionState
+from storage.index.topology import connect
 
 log = structlog.get_logger("slotkeeper.storage")
 
@@ -156,7 +157,8 @@ def _parser() -> argparse.ArgumentParser:
         dest="redis",
         required=True,
         metavar="URL",
-        help="redis://host:port/db of the index",
+        help="the index's Redis: redis://host:port/db, redis-cluster://host:port[,...] or "
+        "redis-sentinel://host:port[,...]/MASTER (docs/operations.md)",
     )
     p.add_argument("--redis-prefix", default="slotkeeper", help="Redis key prefix")
     p.add_argument("--tenant", action="append", help="only these tenants (repeatable)")
@@ -166,8 +168,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def _run(args: argparse.Namespace) -> ReindexReport:
-    import redis.asyncio as aioredis
-
     from storage.blobs.localstore import LocalStore
     from storage.blobs.s3client import make_s3_client
     from storage.blobs.s3store import S3Store
@@ -184,7 +184,7 @@ async def _run(args: argparse.Namespace) -> ReindexReport:
             endpoint_url=endpoint, region=args.region, access_key=args.access_key, secret_key=args.secret_key
         )
         store = S3Store(client, args.bucket, prefix=args.prefix)
-    redis = aioredis.from_url(args.redis)
+    redis = connect(args.redis)
     store = ChunkedStore(store, ChunkLedger(redis, prefix=args.redis_prefix))  # manifests and v1 files
     try:
         index = SessionIndex(redis, prefix=args.redis_prefix)

@@ -25,6 +25,10 @@ Engine LRU reads (:mod:`storage.index.occupancy`), routing (:mod:`storage.index.
 per-tenant counters (:mod:`storage.index.usage`) live in their own modules, mixed into
 :class:`SessionIndex` so that callers hold one object.
 ``SessionIndex(in_process_redis())`` is the single-machine default: the same code on fakeredis.
+
+On Redis Cluster (``split``) a transaction holds the tenant's keys only (one hash slot); the
+engines' sets a transition changes are written beside it, as :mod:`storage.index.occupancy`
+describes.
 """
 
 from __future__ import annotations
@@ -40,10 +44,11 @@ from storage.errors import GenerationUsed, InvalidId, NotStored, WriteConflict
 from storage.ids import validate_generation, validate_id
 from storage.index.keyspace import Keyspace, in_process_redis, member, redis_errors, text, transact
 from storage.index.locks import SessionLock, check_owner
-from storage.index.occupancy import EngineOccupancy
+from storage.index.occupancy import EngineOccupancy, OccupancyWrites
 from storage.index.prefix_digests import DEFAULT_ROUTE_TTL_S, PrefixRouting, route_ttl_ms, validate_digest
 from storage.index.records import SessionRecord, SessionState, checked
 from storage.index.shared_prefixes import SharedPrefixes
+from storage.index.topology import is_cluster
 from storage.index.turnops import TurnOps
 from storage.index.usage import TenantCounters
 
@@ -73,10 +78,13 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
         clock: Callable[[], float] = time.time,
         route_ttl_s: float = DEFAULT_ROUTE_TTL_S,
         floor_ttl_s: float | None = DEFAULT_FLOOR_TTL_S,
+        split: bool | None = None,
     ) -> None:
         """``route_ttl_s``: how long implicit routes live after the session last recorded them.
         ``floor_ttl_s``: how long a deleted session's generation floor is kept (None: until the id
-        is used again); it must outlast any stale copy (a node that was down during the delete)."""
+        is used again); it must outlast any stale copy (a node that was down during the delete).
+        ``split``: write the engines' sets beside transitions, not in them (default: when
+        ``redis`` is a Redis Cluster client; see the module doc)."""
         if floor_ttl_s is not None and floor_ttl_s <= 0:
             raise ValueError("floor_ttl_s must be > 0 or None")
         self._redis = redis
@@ -85,6 +93,8 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
         self._floor_px = None if floor_ttl_s is None else max(1, round(floor_ttl_s * 1000))
         self.route_ttl_ms = route_ttl_ms(route_ttl_s)
         self._scripts: dict[str, Any] = {}  # registered Lua scripts by name (storage.index.turnops)
+        self.split = is_cluster(redis) if split is None else split
+        self._globals: tuple[float, list[Any]] | None = None  # split: the global keys as last read
 
     # -------------------------------------------------------------------------------------- reads
     async def find(self, tenant: str, session: str) -> SessionRecord | None:
@@ -164,7 +174,10 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
         if lock is not None and (lock.tenant, lock.session) != (tenant, session):
             raise InvalidId("lock", "belongs to another session")
 
+        beside: list[OccupancyWrites] = []  # split: the engines' set writes of the last attempt
+
         async def body(pipe: Any) -> SessionRecord | None:
+            beside.clear()
             await check_owner(pipe, self.keys, lock)
             raw = await pipe.hgetall(key)
             old = SessionRecord.from_hash(tenant, session, raw) if raw else None
@@ -176,12 +189,18 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
             # deleted: the prefix routes that still point at it go with it
             owned = await self._owned_routes(pipe, tenant, session) if new is None else []
             pipe.multi()
-            self._queue(pipe, old, new, tenant, session, idle)
+            if self.split:
+                beside.append(OccupancyWrites())
+            self._queue(pipe, old, new, tenant, session, idle, *beside)
             if new is None:
                 pipe.delete(routes, *owned)
+            if beside:
+                await beside[0].run(self._redis, beside[0].adds)
             return new
 
         new = await transact(self._redis, watch, body)
+        if beside:
+            await beside[0].run(self._redis, beside[0].removes)
         if new is not None:
             # Spilled (an eviction, a drain) is worth a line on the console; a turn's own
             # transitions (new, live) are its access line's business there.
@@ -205,14 +224,17 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
         tenant: str,
         session: str,
         idle: bool | None,
+        beside: OccupancyWrites | None = None,
     ) -> None:
         """Queue (on a pipeline in MULTI, or on :class:`storage.index.turnops.Ops`) the writes that take
         the record and every index from ``old`` to ``new``; ``idle`` True/False also puts the
-        session into / takes it out of its engine's idle LRU."""
+        session into / takes it out of its engine's idle LRU. ``beside``: where the engines' set
+        writes go instead (Redis Cluster, see the module doc)."""
         m = member(tenant, session)
+        engines: Any = pipe if beside is None else beside
         if old is not None and old.engine and (new is None or new.engine != old.engine):
-            pipe.zrem(self.keys.engine_idle(old.engine), m)
-            pipe.srem(self.keys.engine_live(old.engine), m)
+            engines.zrem(self.keys.engine_idle(old.engine), m)
+            engines.srem(self.keys.engine_live(old.engine), m)
         if new is None:
             pipe.delete(self.keys.session(tenant, session))
             pipe.zrem(self.keys.sessions(tenant), session)
@@ -230,12 +252,12 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
         if new.engine:
             if old is None or old.engine != new.engine:
                 pipe.hset(self.keys.tenant_live(tenant), mapping={session: new.engine})
-            pipe.sadd(self.keys.engine_live(new.engine), m)
+            engines.sadd(self.keys.engine_live(new.engine), m)
             if idle is not None:
                 if idle:
-                    pipe.zadd(self.keys.engine_idle(new.engine), {m: new.last_used})
+                    engines.zadd(self.keys.engine_idle(new.engine), {m: new.last_used})
                 else:
-                    pipe.zrem(self.keys.engine_idle(new.engine), m)
+                    engines.zrem(self.keys.engine_idle(new.engine), m)
 
     async def create(
         self, tenant: str, session: str, *, model: str, tokens: int = 0, floor: int = 0

@@ -21,12 +21,18 @@
 Scripts are Lua (redis-server; fakeredis with ``lupa`` in-process). Guarded writes replay a list
 of plain commands recorded by :class:`Ops`; every key they touch is passed in ``KEYS``, except the
 opening script's busy mark, which learns the engine from the record it reads and builds that
-engine's two keys (one primary; on Redis Cluster a script's keys must share a slot: docs/architecture.md's
-"Scaling out" replaces the per-engine LRU there).
+engine's two keys.
+
+On Redis Cluster (the index's ``split``) every script holds one tenant's keys only (one hash
+slot): the engines' set writes go beside it (:mod:`storage.index.occupancy`), and the global keys
+the opening script reads on one primary (the registry's epoch, the index's epochs) are read at
+most every :data:`GLOBALS_TTL_S` per process instead, beside the script — a poll, so that no turn
+waits on the one slot every tenant shares.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import secrets
 import time
@@ -37,13 +43,15 @@ from typing import Any
 from storage.errors import LockLost
 from storage.index.keyspace import IDLE, LIVE, Keyspace, member, redis_errors, text
 from storage.index.locks import TURN, SessionLock, new_token
+from storage.index.occupancy import OccupancyWrites
 from storage.index.records import SessionRecord, checked
 
 # KEYS: rate window ('' slot unused when no limit), in-flight zset, lock, record, sessions zset,
-# stored bytes, registry epoch, index epoch, index built epoch. ARGV: rate limit (-1: none), window
-# keep ms, now ms, in-flight token, in-flight limit, in-flight ttl ms, lock token, lock ttl ms, the
-# caller's own lock token ('' none), then for the busy mark ('' as ARGV[10]: none): last used, the
-# engine key prefix, the idle and live suffixes, the engines' member, the session id.
+# stored bytes, then on one primary the registry epoch, index epoch, index built epoch. ARGV: rate
+# limit (-1: none), window keep ms, now ms, in-flight token, in-flight limit, in-flight ttl ms, lock
+# token, lock ttl ms, the caller's own lock token ('' none), then for the busy mark ('' as
+# ARGV[10]: none): last used, the engine key prefix ('': the engines' sets are written beside), the
+# idle and live suffixes, the engines' member, the session id.
 _START = """
 local rate = -1
 local limit = tonumber(ARGV[1])
@@ -73,15 +81,22 @@ if (locked == 1 or kept == 1) and ARGV[10] ~= '' then
   if f[1] == 'live' and f[2] and f[2] ~= '' and f[3] and f[3] ~= '' then
     redis.call('HSET', KEYS[4], 'last_used', ARGV[10], 'dirty', 'True')
     redis.call('ZADD', KEYS[5], ARGV[10], ARGV[15])
-    redis.call('ZREM', ARGV[11] .. f[2] .. ARGV[12], ARGV[14])
-    redis.call('SADD', ARGV[11] .. f[2] .. ARGV[13], ARGV[14])
+    if ARGV[11] ~= '' then
+      redis.call('ZREM', ARGV[11] .. f[2] .. ARGV[12], ARGV[14])
+      redis.call('SADD', ARGV[11] .. f[2] .. ARGV[13], ARGV[14])
+    end
     busy = 1
   end
 end
+local function global(i, missing)
+  if KEYS[i] then return redis.call('GET', KEYS[i]) or missing end
+  return missing
+end
 return {'ok', rate, locked, left, redis.call('HGETALL', KEYS[4]), redis.call('ZCARD', KEYS[5]),
-        redis.call('GET', KEYS[6]) or '0', redis.call('GET', KEYS[7]) or '0', kept, busy, count,
-        redis.call('GET', KEYS[8]) or '', redis.call('GET', KEYS[9]) or ''}
+        redis.call('GET', KEYS[6]) or '0', global(7, '0'), kept, busy, count, global(8, ''),
+        global(9, '')}
 """
+GLOBALS_TTL_S = 0.5  # Redis Cluster: how old the global keys a turn decides on may be (module doc)
 
 # KEYS[1] lock, KEYS[2] record, then every key the ops touch. ARGV: lock token ('' = no lock),
 # 2n, the n expected record fields and values, then ops: command, key index, argc, args...
@@ -198,10 +213,23 @@ class TurnOps:
     keys: Keyspace
     _clock: Callable[[], float]
     _scripts: dict[str, Any]
+    split: bool
+    _globals: tuple[float, list[Any]] | None
     # provided by SessionIndex and TenantCounters
     _window: Callable[[str, str, float], tuple[str, int]]
-    _queue: Callable[[Any, SessionRecord | None, SessionRecord | None, str, str, bool | None], None]
+    _queue: Callable[
+        [Any, SessionRecord | None, SessionRecord | None, str, str, bool | None, OccupancyWrites | None], None
+    ]
     _above_floor: Callable[[SessionRecord], None]
+
+    async def _read_globals(self) -> list[Any]:
+        """Redis Cluster: the registry's epoch and the index's epochs (one slot, ``{g}``), read again
+        when the last read is older than :data:`GLOBALS_TTL_S` (see the module doc)."""
+        now = time.monotonic()
+        if self._globals is None or now - self._globals[0] > GLOBALS_TTL_S:
+            keys = [self.keys.registry_epoch(), self.keys.index_epoch(), self.keys.index_built()]
+            self._globals = (now, list(await self._redis.mget(keys)))
+        return self._globals[1]
 
     def _script(self, name: str, source: str) -> Any:
         """The script registered once per index (EVALSHA, loaded on first use)."""
@@ -242,10 +270,9 @@ class TurnOps:
             self.keys.session(tenant, session),
             self.keys.sessions(tenant),
             self.keys.stored_bytes(tenant),
-            self.keys.registry_epoch(),
-            self.keys.index_epoch(),
-            self.keys.index_built(),
         ]
+        if not self.split:
+            keys += [self.keys.registry_epoch(), self.keys.index_epoch(), self.keys.index_built()]
         if own_lock is not None and (own_lock.tenant, own_lock.session) != (tenant, session):
             raise ValueError("the lock belongs to another session")
         args = [
@@ -260,17 +287,33 @@ class TurnOps:
             own_lock.token if own_lock else "",
         ]
         if mark_busy:
-            args += [str(now), self.keys.engine_prefix(), IDLE, LIVE, member(tenant, session), session]
+            engine_prefix = "" if self.split else self.keys.occupancy_prefix()
+            args += [str(now), engine_prefix, IDLE, LIVE, member(tenant, session), session]
         else:
             args += [""]
         async with redis_errors():
-            reply = await self._script("start", _START)(keys=keys, args=args)
+            if self.split:
+                reply, found = await asyncio.gather(
+                    self._script("start", _START)(keys=keys, args=args), self._read_globals()
+                )
+            else:
+                reply = await self._script("start", _START)(keys=keys, args=args)
         status = text(reply[0])
         if status != "ok":
             return TurnStart(refused=status, count=int(reply[1]))
         _, rate, locked, left_ms, raw, sessions, stored, epoch, kept, busy, inflight, index, built = reply
         flat = [text(x) for x in raw]
         fields = dict(zip(flat[::2], flat[1::2], strict=True))
+        if self.split:
+            epoch, index, built = (
+                text(x) if x is not None else d for x, d in zip(found, ("0", "", ""), strict=True)
+            )
+            if int(busy):  # the engines' sets, beside the script
+                engine = fields.get("engine", "")
+                writes = OccupancyWrites()
+                writes.zrem(self.keys.engine_idle(engine), member(tenant, session))
+                writes.sadd(self.keys.engine_live(engine), member(tenant, session))
+                await writes.run(self._redis, writes.removes + writes.adds)
         left = None if int(left_ms) == -2 else (math.inf if int(left_ms) == -1 else int(left_ms) / 1000)
         return TurnStart(
             rate=int(rate),
@@ -309,13 +352,18 @@ class TurnOps:
         if new.generation != old.generation:
             self._above_floor(new)
         ops = Ops(self.keys.lock(tenant, session), self.keys.session(tenant, session))
-        self._queue(ops, old, new, tenant, session, idle)
+        beside = OccupancyWrites() if self.split else None
+        self._queue(ops, old, new, tenant, session, idle, beside)
         if also is not None:
             also(ops)
         expected = [x for kv in old.to_hash().items() for x in kv]
         args = [lock.token if lock is not None else "", len(expected), *expected, *ops.args]
+        if beside is not None:
+            await beside.run(self._redis, beside.adds)
         async with redis_errors():
             status = text(await self._script("guarded", _GUARDED)(keys=ops.keys, args=args))
+        if beside is not None and status == "ok":
+            await beside.run(self._redis, beside.removes)
         if status == "lock":
             raise LockLost(f"lock on session {session} is no longer held by this owner")
         return new if status == "ok" else None

@@ -323,18 +323,23 @@ def eventually() -> Callable[..., Awaitable[None]]:
     return wait
 
 
-@pytest.fixture(params=["redis-server", "in-process"])
+@pytest.fixture(params=["redis-server", "in-process", "cluster", "sentinel"])
 async def redis_client(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
-    """The same tests run against a real redis-server and against the in-process default."""
+    """The same tests run against a real redis-server, the in-process default, a Redis Cluster of
+    three primaries and a Sentinel-managed master (tests/conftest.py starts them)."""
     from storage.index.session_index import in_process_redis
+    from storage.index.topology import connect
 
     if request.param == "redis-server":
         import redis.asyncio as aioredis
 
         client = aioredis.Redis(port=request.getfixturevalue("redis_port"))
         await client.flushdb()
-    else:
+    elif request.param == "in-process":
         client = in_process_redis()
+    else:
+        client = connect(request.getfixturevalue(f"redis_{request.param.replace('-', '_')}").url)
+        await client.flushdb()
     yield client
     await client.aclose()
 

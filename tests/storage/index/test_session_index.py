@@ -12,11 +12,13 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.crc import key_slot
 
 from storage.errors import GenerationUsed, InvalidId, LockLost, NotStored, StoreUnavailable, WriteConflict
 from storage.index.keyspace import text
 from storage.index.locks import SessionLocks
 from storage.index.session_index import SessionIndex, SessionRecord, SessionState
+from storage.index.topology import is_cluster
 
 
 @pytest.fixture
@@ -223,15 +225,24 @@ async def test_tenant_scoping_and_key_names(index: SessionIndex, redis_client: A
     assert await index.match_prefix("tenantB", ["d" * 32]) is None
     with pytest.raises(NotStored):
         await index.mark_spilled("tenantB", "secret", generation=1, blob_key="k", nbytes=1)
-    for bad in ("a/b", "..", "x\0y", "t" * 129, "a:b", ""):
+    # ":" and braces too: an id can neither spell another tenant's key nor pick another hash slot
+    for bad in ("a/b", "..", "x\0y", "t" * 129, "a:b", "", "{t:tenantB}", "a}b{"):
         with pytest.raises(InvalidId):
             await index.find(bad, "s")
         with pytest.raises(InvalidId):
             await index.find("tenantA", bad)
-    keys = sorted(text(k) for k in await redis_client.keys("*"))
-    tenant_keys = [k for k in keys if not k.startswith("sk:e:")]
-    assert keys and all(k.startswith("sk:") for k in keys)
-    assert tenant_keys and all(k.startswith("sk:t:tenantA:") for k in tenant_keys), tenant_keys
+    keys = await all_keys(redis_client)
+    tenant_keys = [k for k in keys if k.startswith("sk:{t:")]
+    assert keys and all(k.startswith(("sk:{t:", "sk:{e:", "sk:{g}:")) for k in keys), keys
+    assert tenant_keys and all(k.startswith("sk:{t:tenantA}:") for k in tenant_keys), tenant_keys
+    assert len({key_slot(k.encode()) for k in tenant_keys}) == 1  # one hash slot: single-slot scripts
+
+
+async def all_keys(redis: Any) -> list[str]:
+    """Every key, of every primary of a cluster."""
+    if is_cluster(redis):
+        return sorted([text(k) async for k in redis.scan_iter("*")])
+    return sorted(text(k) for k in await redis.keys("*"))
 
 
 async def test_redis_down_is_store_unavailable() -> None:
