@@ -15,7 +15,7 @@ import structlog
 from starlette.requests import Request
 from starlette.types import Message, Receive, Scope, Send
 
-from engine_pool.common.http_middleware import HttpMiddleware
+from engine_pool.http.middleware import HttpMiddleware
 
 log = structlog.get_logger("gateway.access")
 

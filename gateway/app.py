@@ -1,8 +1,8 @@
 """The gateway's HTTP API (OpenAI-compatible, multi-tenant) and its lifespan.
 
 Clients — Redis (or the in-process index), the blob store, the HTTP client for engines and nodes —
-are created in the lifespan and handed down; errors leave through engine_pool.common.errors only
-(`api_error` → `render_error`). CORS (`--cors-origins`, engine_pool/common/cors.py) is the outermost
+are created in the lifespan and handed down; errors leave through engine_pool.errors only
+(`api_error` → `render_error`). CORS (`--cors-origins`, engine_pool/http/cors.py) is the outermost
 layer, so a browser's preflight, which carries no key, is answered before any route asks for a
 tenant's key.
 """
@@ -23,9 +23,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine_pool.common.cors import DEFAULT_METHODS, MIRROR, CorsMiddleware, CorsPolicy
-from engine_pool.common.errors import ApiError, NotFound, api_error, error_style, is_expected, render_error
-from engine_pool.common.flags import parse_list
+from engine_pool.errors import ApiError, NotFound, api_error, error_style, is_expected, render_error
+from engine_pool.http.cors import DEFAULT_METHODS, MIRROR, CorsMiddleware, CorsPolicy
+from engine_pool.process.flags import parse_list
 from gateway import messages_routes, responses_routes
 from gateway.access_log import AccessLog
 from gateway.metrics import Metrics, RequestCounter

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Logs go to stderr (stdout stays for a command's own output, e.g. `inspect --json`), console text
     # on a terminal; the server commands reconfigure with their --log-level / --log-format.
-    from engine_pool.common import logs
+    from engine_pool.process import logs
 
     logs.configure("auto", "info")
     module, func, _ = COMMANDS[name]

@@ -38,7 +38,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from engine_pool.common import loop as event_loop
+from engine_pool.process import loop as event_loop
 from engine_pool.protocol.node import UnstoredCopy
 from gateway.cluster import LabelledSlot
 from gateway.metrics import Metrics

@@ -18,12 +18,12 @@ import redis.asyncio as aioredis
 import structlog
 import uvicorn
 
-from engine_pool.common import logs
-from engine_pool.common import loop as event_loop
-from engine_pool.common.credentials import auth_headers
-from engine_pool.common.flags import env_name
-from engine_pool.common.http_deadlines import header_deadline
-from engine_pool.common.startup import EXIT_UNAVAILABLE, StartError, listen_socket, report
+from engine_pool.http.credentials import auth_headers
+from engine_pool.http.deadlines import header_deadline
+from engine_pool.process import logs
+from engine_pool.process import loop as event_loop
+from engine_pool.process.flags import env_name
+from engine_pool.process.startup import EXIT_UNAVAILABLE, StartError, listen_socket, report
 from gateway.app import build_app
 from gateway.cluster import Cluster
 from gateway.healing import IndexHealing

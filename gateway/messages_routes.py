@@ -4,7 +4,7 @@ A Messages request is one chat turn on a session (gateway.turn.serving): its con
 chat messages, is resolved like any chat conversation (`X-Session-Id`, else the digests of its
 history), so an agent that resends its history lands on its session and the engine reuses the slot
 state — reported as `usage.cache_read_input_tokens`. Keys are accepted as `x-api-key` (Anthropic's
-header) or Bearer; errors leave in Anthropic's shape (engine_pool.common.errors.error_style).
+header) or Bearer; errors leave in Anthropic's shape (engine_pool.errors.error_style).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from gateway.requests import (
     served_model,
     stateless_request,
 )
+from gateway.turn.forward import client_events
 from gateway.turn.parts import Turn
-from gateway.turn.serving import client_events, serve_client_turn
+from gateway.turn.serving import serve_client_turn
 
 
 @dataclass

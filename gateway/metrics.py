@@ -8,8 +8,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine_pool.common.http_middleware import HttpMiddleware
-from engine_pool.common.metric_families import Families
+from engine_pool.http.middleware import HttpMiddleware
+from engine_pool.process.metric_families import Families
 from engine_pool.protocol.metric_labels import route_label
 
 # Routes that are not load: probes and scrapes stay out of `requests_in_flight`, which the chart's

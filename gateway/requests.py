@@ -12,9 +12,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from engine_pool.common.body import parse_json_object, read_body
-from engine_pool.common.credentials import presented
-from engine_pool.common.errors import (
+from engine_pool.errors import (
     ApiError,
     BadRequest,
     NotFound,
@@ -22,6 +20,8 @@ from engine_pool.common.errors import (
     Unauthorized,
     Unavailable,
 )
+from engine_pool.http.body import parse_json_object, read_body
+from engine_pool.http.credentials import presented
 from gateway.services import Services
 from gateway.tenants import Tenant
 from gateway.turn.engine_call import (

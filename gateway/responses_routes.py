@@ -29,15 +29,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine_pool.common.errors import BadRequest, ServerError
+from engine_pool.errors import BadRequest, ServerError
 from engine_pool.protocol import openai_responses as api
 from engine_pool.protocol.field_names import RESPONSES_FIELDS
 from engine_pool.protocol.sse import named_event
 from gateway.requests import check_messages, counted_if_refused, json_body, served_model, tenant_of
 from gateway.services import Services
 from gateway.tenants import Tenant
+from gateway.turn.forward import client_events
 from gateway.turn.parts import Turn
-from gateway.turn.serving import client_events, serve_client_turn
+from gateway.turn.serving import serve_client_turn
 from gateway.turn.signals import SIGNALS
 from storage.blobs.stored_responses import StoredResponse, new_response_id
 

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from engine_pool.common.errors import ApiError
+from engine_pool.errors import ApiError
 from gateway.tenants import Tenant, Tenants
 from storage.chunks.chunkstore import ChunkedStore
 from storage.errors import LockBusy, NotStored, StorageError

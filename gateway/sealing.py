@@ -33,7 +33,7 @@ import structlog
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from engine_pool.common.errors import BadRequest
+from engine_pool.errors import BadRequest
 
 log = structlog.get_logger("slotkeeper.gateway")
 

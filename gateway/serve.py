@@ -23,15 +23,15 @@ import redis.asyncio as aioredis
 import structlog
 import uvicorn
 
-from engine_pool.common import logs
-from engine_pool.common import loop as event_loop
-from engine_pool.common.credentials import new_key
-from engine_pool.common.flags import add_flags, env_name, parse_bool
-from engine_pool.common.http_deadlines import header_deadline
-from engine_pool.common.startup import EXIT_FAILED, EXIT_USAGE, StartError, listen_socket, report
+from engine_pool.http.credentials import new_key
+from engine_pool.http.deadlines import header_deadline
 from engine_pool.pool.main import NodeServer, build_server
 from engine_pool.pool.model_check import check_models
 from engine_pool.pool.settings import parse_node_settings
+from engine_pool.process import logs
+from engine_pool.process import loop as event_loop
+from engine_pool.process.flags import add_flags, env_name, parse_bool
+from engine_pool.process.startup import EXIT_FAILED, EXIT_USAGE, StartError, listen_socket, report
 from gateway.app import build_app
 from gateway.main import services
 from gateway.metrics import Metrics

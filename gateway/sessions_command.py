@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from engine_pool.common.answer_body import answer_json, error_object
+from engine_pool.http.answers import answer_json, error_object
 from storage.blobs.blobstore import delete_generations
 from storage.blobs.localstore import LocalStore
 from storage.blobs.spillcache import SpillCache

@@ -1,8 +1,8 @@
 """The gateway's settings: one frozen object built at the edge from flags and SLOTKEEPER_* env.
 
 `FLAGS` is the one table: each row holds a setting's flag, default and check, and its variable is
-SLOTKEEPER_ + the field's name (engine_pool.common.flags reads it: command line > environment >
-default). The limits an engine enforces too are rows of `engine_pool.common.limit_flags`. Nothing
+SLOTKEEPER_ + the field's name (engine_pool.process.flags reads it: command line > environment >
+default). The limits an engine enforces too are rows of `engine_pool.process.limit_flags`. Nothing
 else reads the environment.
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine_pool.common.body import BodyLimits
-from engine_pool.common.flags import (
+from engine_pool.http.body import BodyLimits
+from engine_pool.process.flags import (
     LOG_FORMAT,
     LOG_LEVEL,
     REDIS_URL,
@@ -35,7 +35,7 @@ from engine_pool.common.flags import (
     values_from,
     within,
 )
-from engine_pool.common.limit_flags import BODY_TIMEOUT_S, MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_MESSAGES
+from engine_pool.process.limit_flags import BODY_TIMEOUT_S, MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_MESSAGES
 
 __all__ = ["FLAGS", "GatewaySettings", "SettingsError", "parse_settings", "settings_from_args"]
 
@@ -191,7 +191,7 @@ class GatewaySettings:
 
 
 def settings_from_args(args: Mapping[str, Any], environ: Mapping[str, str]) -> GatewaySettings:
-    """From parsed arguments (a parser that `engine_pool.common.flags.add_flags` filled) and the
+    """From parsed arguments (a parser that `engine_pool.process.flags.add_flags` filled) and the
     environment."""
     settings = GatewaySettings(**values_from(args, FLAGS, environ))
     check_settings(settings, FLAGS)

@@ -4,8 +4,10 @@ The gateway speaks to engines and node agents only through their wire formats
 (`engine_pool.protocol`) and the node client; it never reaches into the engine server or the node
 agent's internals, so either side can change inside without the other noticing. `storage` sits
 below both; `engine_pool.protocol` sits below the engine, the pool and the gateway, and depends on
-`engine_pool.common` alone. Only imports written in the source are checked (not module names
-handed to a subprocess as strings, like `gateway.cli`'s process entry points).
+the foundation alone: the error hierarchy (`engine_pool.errors`) and the HTTP and process layers
+(`engine_pool.http`, `engine_pool.process`), which import nothing above them. Only imports written
+in the source are checked (not module names handed to a subprocess as strings, like `gateway.cli`'s
+process entry points).
 """
 
 from __future__ import annotations
@@ -54,7 +56,10 @@ def imports(path: Path) -> Iterator[tuple[int, str]]:
 
 
 def sources(*packages: str) -> list[Path]:
-    return sorted(p for pkg in packages for p in (ROOT / pkg).rglob("*.py"))
+    """The Python files under each package folder, or the file itself where one names a module."""
+    return sorted(
+        p for pkg in packages for p in ([ROOT / pkg] if pkg.endswith(".py") else (ROOT / pkg).rglob("*.py"))
+    )
 
 
 def _under(name: str, package: str) -> bool:
@@ -95,7 +100,31 @@ def _storage_rule(path: Path, name: str) -> str:
 def _protocol_rule(path: Path, name: str) -> str:
     for other in ("engine_pool.server", "engine_pool.pool", "gateway", "storage", "native"):
         if _under(name, other):
-            return "the protocol depends on engine_pool.common alone"
+            return "the protocol depends on the foundation alone"
+    return ""
+
+
+FOUNDATION = {"engine_pool.errors", "engine_pool.http", "engine_pool.process"}
+# What the foundation imports of the layers below it: the errors it renders.
+FOUNDATION_BELOW = {"storage.errors", "native.errors"}
+
+
+def _foundation_rule(path: Path, name: str) -> str:
+    if any(_under(name, layer) for layer in FOUNDATION | FOUNDATION_BELOW):
+        return ""
+    if name in ("storage", "native"):  # `from native import errors` names the package too
+        return ""
+    if any(_under(name, other) for other in ("engine_pool", "gateway", "storage", "native")):
+        return "the foundation imports only itself and the errors it renders"
+    return ""
+
+
+def _runtime_rule(path: Path, name: str) -> str:
+    """The benchmarks ship in the wheel (`slotkeeper bench` runs from an installed package) but
+    stay out of the runtime's imports: only `gateway.cli` names them, as a string it imports when
+    the command runs (docs/architecture.md, "Layers")."""
+    if _under(name, "gateway.bench") and not path.is_relative_to(ROOT / "gateway" / "bench"):
+        return "the benchmarks are no part of the runtime"
     return ""
 
 
@@ -105,8 +134,10 @@ def _protocol_rule(path: Path, name: str) -> str:
         (("gateway",), _gateway_rule),
         (("storage",), _storage_rule),
         (("engine_pool/protocol",), _protocol_rule),
+        (("engine_pool/errors.py", "engine_pool/http", "engine_pool/process"), _foundation_rule),
+        (("gateway", "engine_pool", "storage", "native"), _runtime_rule),
     ],
-    ids=["gateway", "storage", "protocol"],
+    ids=["gateway", "storage", "protocol", "foundation", "runtime"],
 )
 def test_each_package_imports_only_what_lies_below_it(packages: tuple[str, ...], rule: Rule) -> None:
     paths = sources(*packages)
@@ -119,11 +150,17 @@ def test_the_check_resolves_relative_imports_and_knows_the_exceptions() -> None:
     and the rules refuse what they should and let the node client through."""
     request = ROOT / "engine_pool" / "protocol" / "openai_responses" / "request.py"
     names = {name for _, name in imports(request)}
-    assert {"engine_pool.common.body", "engine_pool.protocol.bounds"} <= names
-    serving = ROOT / "gateway" / "turn_path.py"
+    assert {"engine_pool.http.body", "engine_pool.protocol.bounds"} <= names
+    serving = ROOT / "gateway" / "turn" / "serving.py"
     assert _gateway_rule(serving, "engine_pool.server.sse")
     assert _gateway_rule(serving, "engine_pool.pool.agent")
     assert _gateway_rule(serving, "engine_pool.pool.main")
     assert not _gateway_rule(serving, "engine_pool.pool.client")
     assert not _gateway_rule(serving, "engine_pool.protocol.node")
     assert not _gateway_rule(SERVE, "engine_pool.pool.main")
+    assert _runtime_rule(SERVE, "gateway.bench.harness.servers")
+    assert not _runtime_rule(ROOT / "gateway" / "bench" / "soak.py", "gateway.bench.harness.servers")
+    errors = ROOT / "engine_pool" / "errors.py"
+    assert not _foundation_rule(errors, "storage.errors")
+    assert _foundation_rule(errors, "storage.index.records")
+    assert _foundation_rule(errors, "engine_pool.protocol.sse")

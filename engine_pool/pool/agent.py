@@ -39,6 +39,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from engine_pool.errors import (
+    ApiError,
+    BadRequest,
+    NotFound,
+    Unavailable,
+    Upstream,
+    api_error,
+    is_expected,
+    render_error,
+)
+from engine_pool.http.answers import answer_json, error_object
+from engine_pool.http.body import read_json
+from engine_pool.http.credentials import RequireKey
+from engine_pool.process.loop import cancel_and_wait
 from storage.blobs.blobstore import BlobStore
 from storage.blobs.spillcache import SpillCache, stored_as
 from storage.errors import (
@@ -57,20 +71,6 @@ from storage.index.prefix_digests import STORED_ROUTES
 from storage.index.session_index import SessionIndex
 from storage.slotfile.reader import SlotFile, read_slot_file, whole_file_crc32
 
-from ..common.answer_body import answer_json, error_object
-from ..common.body import read_json
-from ..common.credentials import RequireKey
-from ..common.errors import (
-    ApiError,
-    BadRequest,
-    NotFound,
-    Unavailable,
-    Upstream,
-    api_error,
-    is_expected,
-    render_error,
-)
-from ..common.loop import cancel_and_wait
 from ..protocol.codec import WireError
 from ..protocol.node import (
     ENGINES,
@@ -785,7 +785,7 @@ async def unstored(request: Request) -> Response:
 
 def build_node_app(lifespan: Any, internal_key: str | None) -> Starlette:
     """The node API; `lifespan` creates the parts and the agent and puts it in `app.state.agent`.
-    Everything but `/health` requires `internal_key` (see engine_pool.common.credentials)."""
+    Everything but `/health` requires `internal_key` (see engine_pool.http.credentials)."""
     app = Starlette(
         routes=[
             Route(HEALTH, health, methods=["GET"]),

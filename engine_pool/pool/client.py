@@ -20,9 +20,10 @@ from typing import Any, Self
 
 import httpx
 
-from ..common.answer_body import answer_json, error_object
-from ..common.credentials import auth_headers
-from ..common.errors import ApiError
+from engine_pool.errors import ApiError
+from engine_pool.http.answers import answer_json, error_object
+from engine_pool.http.credentials import auth_headers
+
 from ..protocol import node
 
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
@@ -51,7 +52,7 @@ class NodeClient:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
-        self._headers = auth_headers(key)  # the internal credential (engine_pool.common.credentials)
+        self._headers = auth_headers(key)  # the internal credential (engine_pool.http.credentials)
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout, headers=self._headers)
 
     async def aclose(self) -> None:

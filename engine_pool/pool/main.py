@@ -12,7 +12,7 @@ drain that saved and uploaded every live session (or a stop without a drain), 1 
 or an upload is still pending in the spill cache (it is retried at the next start from the same
 --data-dir), 2 for bad flags or variables, or a --model that is no readable GGUF file (one line each
 on stderr, before anything starts: `model_check`), 3 when it could not start (its port in use, the
-index or the store unreachable): `engine_pool.common.startup`.
+index or the store unreachable): `engine_pool.process.startup`.
 """
 
 from __future__ import annotations
@@ -32,6 +32,11 @@ import structlog
 import uvicorn
 from starlette.applications import Starlette
 
+from engine_pool.http.credentials import auth_headers
+from engine_pool.process import logs
+from engine_pool.process.flags import settings_or_status
+from engine_pool.process.signals import SignalServer
+from engine_pool.process.startup import EXIT_UNAVAILABLE, StartError, listen_socket, report
 from storage.blobs.location import open_blob_store
 from storage.blobs.retry import RetryPolicy
 from storage.blobs.spillcache import SpillCache
@@ -41,11 +46,6 @@ from storage.index.engines import EngineRegistry
 from storage.index.session_index import SessionIndex, in_process_redis
 from storage.probe import check_backends
 
-from ..common import logs
-from ..common.credentials import auth_headers
-from ..common.flags import settings_or_status
-from ..common.signals import SignalServer
-from ..common.startup import EXIT_UNAVAILABLE, StartError, listen_socket, report
 from .agent import NodeAgent, NodeParts, build_node_app
 from .model_check import check_models
 from .settings import NodeSettings, build_parser, describe, parse_node_settings

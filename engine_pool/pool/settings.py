@@ -22,11 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from storage.errors import InvalidId
-from storage.ids import validate_id, validate_prefix
-
-from ..common.credentials import engine_environment
-from ..common.flags import (
+from engine_pool.http.credentials import engine_environment
+from engine_pool.process.flags import (
     LOG_FORMAT,
     LOG_LEVEL,
     NO_DEFAULT,
@@ -49,7 +46,10 @@ from ..common.flags import (
     table_defaults,
     within,
 )
-from ..common.flags import build_parser as _build_parser
+from engine_pool.process.flags import build_parser as _build_parser
+from storage.errors import InvalidId
+from storage.ids import validate_id, validate_prefix
+
 from .supervisor import EngineSpec, SupervisorPolicy
 
 

@@ -11,6 +11,6 @@ the engine's chat and completion answers as types; `codec` the one codec every r
 dataclass here is written and read with; `metric_labels` keeps both ends' Prometheus labels alike.
 
 Everything here is pure or framing only and imports nothing of the engine, the pool, the gateway or
-storage (only `engine_pool.common`), so each end can depend on it without pulling the other in
-(tests/test_layering.py holds it to that).
+storage (only the foundation: `engine_pool.errors`, `engine_pool.http`, `engine_pool.process`), so
+each end can depend on it without pulling the other in (tests/test_layering.py holds it to that).
 """

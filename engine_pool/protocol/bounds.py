@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sized
 from typing import Any
 
-from ..common.body import json_type
-from ..common.errors import BadRequest
+from engine_pool.errors import BadRequest
+from engine_pool.http.body import json_type
 
 
 def too_many(field: str, n: int, limit: int, what: str) -> BadRequest:

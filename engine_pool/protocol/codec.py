@@ -29,8 +29,8 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Self, TypeVar, Union
 
-from ..common.body import Body, json_type
-from ..common.errors import BadRequest
+from engine_pool.errors import BadRequest
+from engine_pool.http.body import Body, json_type
 
 T = TypeVar("T")
 Parse = Callable[[Any, str], Any]  # (a present, non-null value, its field path) -> the field's value

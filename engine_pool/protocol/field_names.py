@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from ..common.errors import ApiError
+from engine_pool.errors import ApiError
 
 # Chat fields the translations fill from a differently named field of the client's request.
 RESPONSES_FIELDS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}

@@ -3,7 +3,7 @@
 Every request and result is a frozen dataclass with the one codec (`engine_pool.protocol.codec`):
 the agent (`engine_pool.pool.agent`) parses requests with `from_body` and answers with `to_json`;
 its client (`engine_pool.pool.client`) sends `to_json` and reads answers with `from_json`. Errors are
-not modelled here: they travel as the common `{"error": {...}}` body (`engine_pool.common.errors`).
+not modelled here: they travel as the common `{"error": {...}}` body (`engine_pool.errors`).
 
 Invariants: `to_json` writes exactly the keys the other end reads; requests are sparse (optional
 fields left out at their defaults, so an older agent reads a newer client's common requests);
@@ -17,8 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..common.body import check_tokens, json_type
-from ..common.errors import BadRequest
+from engine_pool.errors import BadRequest
+from engine_pool.http.body import check_tokens, json_type
+
 from .codec import Wire, wire
 
 HEALTH = "/health"

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import NotRequired, TypedDict
 
-from ..common.body import Body
-from ..common.errors import BadRequest
+from engine_pool.errors import BadRequest
+from engine_pool.http.body import Body
 
 SERVED = ("live", "restored", "prefix", "stored-prefix", "cold")
 MAX_RULES = 16

@@ -26,7 +26,7 @@ import structlog
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
-from ..common.errors import ApiError, api_error, error_payload
+from engine_pool.errors import ApiError, api_error, error_payload
 
 log = structlog.get_logger("engine.sse")
 

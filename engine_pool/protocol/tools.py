@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from ..common.body import Body
-from ..common.errors import BadRequest
+from engine_pool.errors import BadRequest
+from engine_pool.http.body import Body
 
 
 def tool_name(tool: Body, taken: Iterable[str], noun: str) -> str:

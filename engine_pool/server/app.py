@@ -25,11 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from native.errors import NativeError
-
-from ..common.cors import CorsMiddleware, CorsPolicy
-from ..common.credentials import matches, presented
-from ..common.errors import (
+from engine_pool.errors import (
     INSTANCE_HEADER,
     ApiError,
     InstanceChanged,
@@ -39,7 +35,11 @@ from ..common.errors import (
     is_expected,
     render_error,
 )
-from ..common.http_middleware import HttpMiddleware
+from engine_pool.http.cors import CorsMiddleware, CorsPolicy
+from engine_pool.http.credentials import matches, presented
+from engine_pool.http.middleware import HttpMiddleware
+from native.errors import NativeError
+
 from ..protocol.metric_labels import route_label
 from . import cors_proxy, routes_llama, routes_openai
 from .apis import routes as routes_apis

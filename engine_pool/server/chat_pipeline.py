@@ -26,9 +26,9 @@ import structlog
 from starlette.requests import Request
 
 import native
+from engine_pool.errors import BadRequest
+from engine_pool.http.body import Body
 
-from ..common.body import Body
-from ..common.errors import BadRequest
 from ..protocol.engine_answers import ChatChunk, ChatCompletion, LlamaCompletion
 from ..protocol.report import Divergence, caller_context, served
 from .chat_request import (

@@ -19,8 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..common.body import Body, json_type
-from ..common.errors import BadRequest
+from engine_pool.errors import BadRequest
+from engine_pool.http.body import Body, json_type
+
 from ..protocol.bounds import array_form, check_count
 from ..protocol.tool_grammar import SYNTAXES, TextGrammar, parse_grammar
 from ..protocol.tools import tool_choice_mode

@@ -42,7 +42,8 @@ from typing import Any
 
 import jinja2
 
-from ..common.errors import BadRequest
+from engine_pool.errors import BadRequest
+
 from .builtin_templates import BUILTIN_TEMPLATES, CHATML, END_OF_TURN
 from .formats import hermes
 from .formats.history import WriteCalls, normalise

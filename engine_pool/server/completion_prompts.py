@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..common.body import check_tokens, json_type
-from ..common.errors import BadRequest, ContextSizeExceeded
+from engine_pool.errors import BadRequest, ContextSizeExceeded
+from engine_pool.http.body import check_tokens, json_type
+
 from ..protocol.bounds import too_many
 from .limits import RequestLimits, check_text
 from .runtime import Runtime

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import native
+from engine_pool.http.body import Body
 
-from ..common.body import Body
 from ..protocol.bounds import check_count
 from ..protocol.engine_answers import LlamaCompletion
 from .decoding import Outcome, TokenBytes, probs_json

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
-from ..common.errors import BadRequest, Forbidden, ServerError
+from engine_pool.errors import BadRequest, Forbidden, ServerError
 
 PREFIX = "x-llama-server-proxy-header-"
 # Never forwarded even when named: the body's framing is ours to set, and the target must answer

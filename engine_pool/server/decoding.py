@@ -27,8 +27,8 @@ import structlog
 from starlette.requests import Request
 
 import native
+from engine_pool.errors import ClientGone, ContextSizeExceeded, ServerError, SlotChanged, Unavailable
 
-from ..common.errors import ClientGone, ContextSizeExceeded, ServerError, SlotChanged, Unavailable
 from ..protocol.engine_answers import CompletionLogprobs, Timings, TokenLogprob, TokenPiece
 from ..protocol.report import ReuseReport
 from .grammar import GrammarTriggers

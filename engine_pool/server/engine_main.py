@@ -24,9 +24,10 @@ from types import FrameType
 import structlog
 import uvicorn
 
-from ..common import logs
-from ..common.flags import settings_or_status
-from ..common.signals import SignalServer
+from engine_pool.process import logs
+from engine_pool.process.flags import settings_or_status
+from engine_pool.process.signals import SignalServer
+
 from .app import build_app
 from .header_case import CanonicalHeaderProtocol
 from .runtime import Runtime

@@ -12,7 +12,7 @@ are the only nesting. Whether the grammar is otherwise valid is left to llama.cp
 
 from __future__ import annotations
 
-from ..common.errors import BadRequest
+from engine_pool.errors import BadRequest
 
 
 def group_depth(grammar: str, stop_above: int | None = None) -> int:

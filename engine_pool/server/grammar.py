@@ -38,7 +38,8 @@ from typing import Any, TypeVar
 
 import structlog
 
-from ..common.errors import BadRequest
+from engine_pool.errors import BadRequest
+
 from ..protocol.tool_grammar import TextGrammar
 from .tool_input import input_expr
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import native
+from engine_pool.errors import BadRequest
+from engine_pool.http.body import BodyLimits
 
-from ..common.body import BodyLimits
-from ..common.errors import BadRequest
 from ..protocol.bounds import too_many
 from .grammar import GrammarLimits
 from .settings import EngineSettings

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..common.metric_families import Families
+from engine_pool.process.metric_families import Families
 
 if TYPE_CHECKING:
     from .decoding import Outcome

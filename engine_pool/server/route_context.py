@@ -15,7 +15,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ..common.body import Body, read_json
+from engine_pool.http.body import Body, read_json
+
 from .limits import RequestLimits
 from .runtime import Runtime
 

@@ -16,9 +16,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import native
+from engine_pool.errors import BadRequest, NotFound, NotSupported, ServerError, Unavailable, error_payload
+from engine_pool.http.body import Body, check_tokens, read_json
 
-from ..common.body import Body, check_tokens, read_json
-from ..common.errors import BadRequest, NotFound, NotSupported, ServerError, Unavailable, error_payload
 from ..protocol.bounds import check_count
 from ..protocol.engine_answers import LlamaChunk, LlamaCompletion
 from ..protocol.slot_actions import SlotCancelled

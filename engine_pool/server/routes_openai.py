@@ -25,8 +25,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..common.body import read_json
-from ..common.errors import BadRequest
+from engine_pool.errors import BadRequest
+from engine_pool.http.body import read_json
+
 from ..protocol.engine_answers import TextCompletion
 from ..protocol.sse import start_stream
 from .chat_pipeline import chat_prompt, run_chat

@@ -17,8 +17,8 @@ from typing import Any
 import structlog
 
 import native
+from engine_pool.errors import ServerError, Unavailable
 
-from ..common.errors import ServerError, Unavailable
 from .chat_template import ChatTemplate, TemplateConfigError, select_template, template_override
 from .formats import UPSTREAM, select_format
 from .formats.upstream import UpstreamChat

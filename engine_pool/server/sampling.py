@@ -14,9 +14,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import native
+from engine_pool.errors import BadRequest
+from engine_pool.http.body import Body, json_type
 
-from ..common.body import Body, json_type
-from ..common.errors import BadRequest
 from ..protocol.bounds import check_count, too_many
 from .grammar import GrammarTriggers
 from .limits import RequestLimits, check_n_predict

@@ -3,7 +3,7 @@
 `FLAGS` is the single table that maps every command-line flag to its settings field, its environment
 variable, its default and its check (command line > environment > default); the variable is
 SLOTKEEPER_ + the long flag's name, as llama-server's LLAMA_ARG_* (`--parallel` →
-SLOTKEEPER_PARALLEL). Limits the gateway shares are rows of `common.limit_flags`. `SWITCHES_OFF`
+SLOTKEEPER_PARALLEL). Limits the gateway shares are rows of `engine_pool.process.limit_flags`. `SWITCHES_OFF`
 adds the other half of llama-server's `--x/--no-x` pairs. `parse_settings(argv, environ)` is the
 only reader of the tables; `engine_main` hands it `os.environ`, nothing else reads the environment.
 Flags keep llama-server's names and meanings, so a command line written for llama-server starts this
@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import native
-
-from ..common.flags import (
+from engine_pool.process.flags import (
     LOG_FORMAT,
     LOG_LEVEL,
     NO_DEFAULT,
@@ -43,8 +42,9 @@ from ..common.flags import (
     values_from,
     within,
 )
-from ..common.flags import build_parser as _build_parser
-from ..common.limit_flags import BODY_TIMEOUT_S, MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_MESSAGES
+from engine_pool.process.flags import build_parser as _build_parser
+from engine_pool.process.limit_flags import BODY_TIMEOUT_S, MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_MESSAGES
+
 from .formats import CHAT_FORMATS
 from .formats.output import REASONING_FORMATS
 from .grammar import GrammarLimits
@@ -475,7 +475,7 @@ class EngineSettings:
     no_slots: bool = _DEFAULT["no_slots"]  # slot endpoints answer 501
     metrics: bool = _DEFAULT["metrics"]  # /metrics answers only with --metrics (llama-server's default: off)
     verbose: bool = _DEFAULT["verbose"]
-    # CORS (engine_pool/common/cors.py), llama-server's flags and defaults. No --cors-origins: `*`, or
+    # CORS (engine_pool/http/cors.py), llama-server's flags and defaults. No --cors-origins: `*`, or
     # `localhost` with --ui-mcp-proxy (a page on any site must not drive an open proxy on this machine).
     cors_origins: str | None = _DEFAULT["cors_origins"]
     cors_methods: str = _DEFAULT["cors_methods"]

@@ -18,9 +18,9 @@ from typing import Any, TypeVar
 import structlog
 
 import native
+from engine_pool.errors import BadRequest, NotFound, NotSupported, SlotChanged
 from storage.background import in_background
 
-from ..common.errors import BadRequest, NotFound, NotSupported, SlotChanged
 from ..protocol.slot_actions import RestoreTimings, SaveTimings, SlotErased, SlotRestored, SlotSaved
 from .runtime import Runtime
 

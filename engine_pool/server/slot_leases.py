@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from ..common.errors import SlotBusy, Unavailable
+from engine_pool.errors import SlotBusy, Unavailable
 
 log = structlog.get_logger("engine.slot_leases")
 

@@ -360,7 +360,7 @@ def _routing_report(fleet: Fleet, results: list[RoutingResult], pure: float) -> 
 
 
 def routing(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
-    from engine_pool.common import logs
+    from engine_pool.process import logs
 
     logs.configure("json", "warning")  # the index logs every registration; keep the table readable
     return asyncio.run(_routing_async(args, workdir))

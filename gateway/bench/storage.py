@@ -546,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.backend == "endpoint" and not args.endpoint:
         p.error("--endpoint is required with --backend endpoint")
-    from engine_pool.common import logs
+    from engine_pool.process import logs
 
     logs.configure("json", "warning")  # the tables, not every request
     logging.getLogger("httpx").setLevel(logging.WARNING)

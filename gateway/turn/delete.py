@@ -8,7 +8,7 @@ import contextlib
 
 import structlog
 
-from engine_pool.common.errors import Conflict, NotFound, Unavailable
+from engine_pool.errors import Conflict, NotFound, Unavailable
 from engine_pool.pool.client import NodeError
 from gateway.tenants import Tenant
 from gateway.turn.parts import TurnParts

@@ -38,16 +38,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from engine_pool.common.errors import INSTANCE_HEADER, ApiError, InstanceChanged
+from engine_pool.errors import INSTANCE_HEADER, ApiError, InstanceChanged
 from gateway.cluster import EngineRef
 from gateway.turn.hold import Phase, SessionHold
-from storage.index.turnops import TurnStart
 
 T = TypeVar("T")
-
-RATE_WINDOW_S = 60  # the opening read's rate window (requests per minute)
-_RATE_ROOM = 0.9  # an early start only below this share of the tenant's requests per minute
-_INFLIGHT_BACKOFF_S = 1.0  # no early start for a tenant this long after an in-flight refusal
 
 
 @dataclass(frozen=True)
@@ -86,40 +81,6 @@ def early_start(
     if not engine.instance or not engine.url or not 0 <= slot < engine.n_slots:
         return None
     return EarlyStart(engine_id, slot, engine.url, engine.instance)
-
-
-@dataclass
-class Admission:
-    """What this process's opening reads last said of one tenant's admission (wall-clock times)."""
-
-    window: int = -1  # the rate window `rate` counts in (its number: floor(time / 60))
-    rate: int = 0
-    inflight: int = 0  # in-flight places at the last admitted read, that request's included
-    refused_until: float = 0.0
-
-    def seen(self, start: TurnStart, now: float) -> None:
-        """An opening read's answer, read at ``now``."""
-        window = int(now // RATE_WINDOW_S)
-        if start.refused == "rate":
-            self.window, self.rate = window, start.count
-            self.refused_until = (window + 1) * RATE_WINDOW_S
-        elif start.refused == "inflight":
-            self.refused_until = max(self.refused_until, now + _INFLIGHT_BACKOFF_S)
-        else:
-            self.inflight = start.inflight
-            if start.rate >= 0:
-                self.window, self.rate = window, start.rate
-
-    def room(self, rpm_limit: int | None, inflight_limit: int, now: float) -> bool:
-        """Whether the last reads left room for one more request: the rate well below the tenant's
-        requests per minute (another replica may have counted some since), a free in-flight place."""
-        if now < self.refused_until:
-            return False
-        if rpm_limit is not None:
-            rate = self.rate if self.window == int(now // RATE_WINDOW_S) else 0
-            if rate + 1 > rpm_limit * _RATE_ROOM:
-                return False
-        return self.inflight < inflight_limit
 
 
 def fenced(exc: BaseException) -> bool:

@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_pool.common.errors import (
+from engine_pool.errors import (
     ApiError,
     GatewayTimeout,
     Unavailable,

@@ -16,7 +16,7 @@ from enum import StrEnum
 
 import structlog
 
-from engine_pool.common.errors import Unavailable, slot_changed
+from engine_pool.errors import Unavailable, slot_changed
 from engine_pool.pool.client import NodeClient, NodeError
 from gateway.turn.parts import TurnParts
 from gateway.turn.save import save_slot

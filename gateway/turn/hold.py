@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from enum import StrEnum
@@ -162,7 +163,11 @@ class Holds:
         if key in self._holds:  # Redis gave the lock out again: the hold here lost it (it expired)
             log.warning("session.hold_lost", tenant=key[0], session=key[1])
         hold = SessionHold(lock, record)
-        hold.keeper = asyncio.create_task(self._keep(hold), name=f"lock-keeper:{key}")
+        # The keeper belongs to the hold, which outlives the turn that took it: it runs in a context
+        # of its own, not in the request's (whose log fields and per-request variables it would carry).
+        hold.keeper = asyncio.create_task(
+            self._keep(hold), name=f"lock-keeper:{key}", context=contextvars.Context()
+        )
         self._holds[key] = hold
         return hold
 
@@ -303,7 +308,7 @@ class Holds:
             await asyncio.sleep(self._ttl_s / 3)
             if (
                 hold.released.done()
-            ):  # (its cancellation was lost: see engine_pool.common.loop.cancel_and_wait)
+            ):  # (its cancellation was lost: see engine_pool.process.loop.cancel_and_wait)
                 return
             try:
                 renewed = await self._locks.extend(lock)

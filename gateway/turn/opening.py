@@ -1,11 +1,14 @@
-"""Admitting a turn: this process's own hold taken over, the early start decided, the opening read.
+"""The opening step: this process's own hold on the session taken over, the early start decided
+(and the engine call started), the opening read.
 
 The opening read (storage.index.turnops) is the turn's one Redis round trip before it runs: it
 counts the request in the tenant's rate window, takes an in-flight place, takes or confirms the
-session's lock and marks a live session busy in its slot. `open_turn` runs before it and returns
-an `Opening`: the plan, including where the caller may send the turn before the read returns
-(`Opening.early`, gateway.turn.early); `admit` makes the read and turns a refusal into the tenant's
-error (`refusal`, pure).
+session's lock and marks a live session busy in its slot. `plan` runs before it and returns an
+`Opening`: the plan, including where the turn may be sent before the read returns
+(`Opening.early`, gateway.turn.early); `admit` makes the read and turns a refusal into the
+tenant's error (`refusal`, pure); `open_turn` is the step: both, with the early call between them.
+What the reads said of each tenant's admission (`Admission`) decides whether an early start is
+worth taking.
 """
 
 from __future__ import annotations
@@ -14,14 +17,57 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from engine_pool.common.errors import ApiError, QuotaExceeded, RateLimited
+from engine_pool.errors import ApiError, QuotaExceeded, RateLimited
 from gateway.tenants import Tenant
-from gateway.turn.early import Admission, EarlyStart, early_start
+from gateway.turn.early import EarlyCall, EarlyStart, early_start
 from gateway.turn.hold import SessionHold
 from gateway.turn.parts import TurnParts
 from storage.index.records import SessionRecord
 from storage.index.turnops import TurnStart
+
+RATE_WINDOW_S = 60  # the opening read's rate window (requests per minute)
+
+
+_RATE_ROOM = 0.9  # an early start only below this share of the tenant's requests per minute
+
+
+_INFLIGHT_BACKOFF_S = 1.0  # no early start for a tenant this long after an in-flight refusal
+
+
+@dataclass
+class Admission:
+    """What this process's opening reads last said of one tenant's admission (wall-clock times)."""
+
+    window: int = -1  # the rate window `rate` counts in (its number: floor(time / 60))
+    rate: int = 0
+    inflight: int = 0  # in-flight places at the last admitted read, that request's included
+    refused_until: float = 0.0
+
+    def seen(self, start: TurnStart, now: float) -> None:
+        """An opening read's answer, read at ``now``."""
+        window = int(now // RATE_WINDOW_S)
+        if start.refused == "rate":
+            self.window, self.rate = window, start.count
+            self.refused_until = (window + 1) * RATE_WINDOW_S
+        elif start.refused == "inflight":
+            self.refused_until = max(self.refused_until, now + _INFLIGHT_BACKOFF_S)
+        else:
+            self.inflight = start.inflight
+            if start.rate >= 0:
+                self.window, self.rate = window, start.rate
+
+    def room(self, rpm_limit: int | None, inflight_limit: int, now: float) -> bool:
+        """Whether the last reads left room for one more request: the rate well below the tenant's
+        requests per minute (another replica may have counted some since), a free in-flight place."""
+        if now < self.refused_until:
+            return False
+        if rpm_limit is not None:
+            rate = self.rate if self.window == int(now // RATE_WINDOW_S) else 0
+            if rate + 1 > rpm_limit * _RATE_ROOM:
+                return False
+        return self.inflight < inflight_limit
 
 
 @dataclass(frozen=True)
@@ -44,6 +90,16 @@ class Admitted:
 
     start: TurnStart
     own: SessionHold | None
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A turn after its opening: its plan, the read's answer, and the engine call it started early
+    (None: none; the caller keeps it only once placing the turn confirmed it)."""
+
+    opening: Opening
+    admitted: Admitted
+    early: EarlyCall[Any] | None = None
 
 
 def refusal(tenant: Tenant, start: TurnStart, inflight_limit: int, now: float) -> ApiError | None:
@@ -84,13 +140,48 @@ async def open_turn(
     session: str,
     model: str,
     goes_on: Callable[[SessionRecord | None], bool] = lambda record: True,
+    launch: Callable[[EarlyStart], EarlyCall[Any]] | None = None,
+) -> Opened:
+    """The turn's opening: `plan` it, start its engine call early where the plan says it may
+    (``launch``), and `admit` it (the opening read). A call started early is discarded (counted as
+    abandoned) when the read refuses the turn."""
+    opening = await plan(parts, admissions, tenant, session, model, goes_on)
+    call = None
+    if opening.early is not None and launch is not None:
+        try:
+            call = launch(opening.early)
+        except BaseException:
+            await abandon(parts, opening)
+            raise
+    try:
+        admitted = await admit(parts, admissions, opening)
+    except BaseException:
+        discard(parts, call)
+        raise
+    return Opened(opening, admitted, call)
+
+
+def discard(parts: TurnParts, call: EarlyCall[Any] | None) -> None:
+    """Abandon an engine call started early that the turn does not take (counted)."""
+    if call is not None:
+        call.discard()
+        parts.metrics.early_starts.labels("abandoned").inc()
+
+
+async def plan(
+    parts: TurnParts,
+    admissions: dict[str, Admission],
+    tenant: Tenant,
+    session: str,
+    model: str,
+    goes_on: Callable[[SessionRecord | None], bool] = lambda record: True,
 ) -> Opening:
     """Take this process's hold on the session over from its previous turn (when it has one and
     no request runs on it), and decide whether the turn may start before its opening read: only on
     such a hold, while this process's last reads of the tenant left room (`Admission.room`), and
     only when the turn goes on from the state the hold's record says its slot holds (``goes_on``:
-    else the turn branches, gateway.turn.branch, and its slot must not see it). The caller hands the
-    `Opening` to `admit`, or to `abandon` when it gives up before."""
+    else the turn branches, gateway.turn.branch, and its slot must not see it). Hand the `Opening`
+    to `admit`, or to `abandon` when giving up before."""
     limit = tenant.quotas.inflight or parts.settings.max_inflight
     own = parts.holds.get(tenant.name, session)
     if own is not None and not await parts.holds.take_over(own):

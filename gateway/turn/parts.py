@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine_pool.common.errors import Unavailable
+from engine_pool.errors import Unavailable
 from engine_pool.pool.client import NodeClient
 from gateway.cluster import Cluster
 from gateway.engine_http import EngineHttp
@@ -54,7 +54,6 @@ class Turn:
     source: str  # how the session was found (gateway.turn.signals), or implicit | new | fork
     forked_from: str | None = None
     inflight: str = ""  # the tenant's in-flight place this turn holds (given back when it finishes)
-    settled: bool = False  # its bookkeeping was started (`TurnRunner.finish_soon`)
     early: bool = False  # the call launched before its opening read is this turn's (confirmed)
     shared: str | None = None  # its shared prefix's digest, to record for other sessions (or None)
     prompt: Prompt | None = None  # what it was placed for (its tools name its prompt's digest)

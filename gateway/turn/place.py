@@ -16,14 +16,14 @@ from dataclasses import dataclass, replace
 
 import structlog
 
-from engine_pool.common.errors import QuotaExceeded, Unavailable
+from engine_pool.errors import QuotaExceeded, Unavailable
 from engine_pool.pool.client import NodeClient, NodeError
 from engine_pool.protocol.node import FillResult
 from gateway.cluster import EngineView
 from gateway.tenants import Tenant
 from gateway.turn.engine_call import CHAT_PATH, input_tokens
 from gateway.turn.evict import evict
-from gateway.turn.hold import SessionHold
+from gateway.turn.hold import SessionHold, write_record
 from gateway.turn.parts import TurnParts
 from gateway.turn.prompt import Prompt
 from gateway.turn.slot_choice import (
@@ -43,11 +43,13 @@ log = structlog.get_logger("slotkeeper.gateway")
 
 @dataclass(frozen=True)
 class Placed:
-    """Where the turn runs: the placement as carried out, the engine's URL and its node agent."""
+    """Where the turn runs: the placement as carried out, the engine's URL and its node agent, and
+    whether the opening read's busy mark was already the record's (`marked`: nothing to write)."""
 
     placement: Placement
     engine_url: str
     node: NodeClient
+    marked: bool = False
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,16 @@ def slot_prep(
     return SlotPrep(erase=erase)
 
 
+def marked_there(record: SessionRecord, placement: Placement, model: str) -> bool:
+    """Whether the busy mark the opening read wrote on ``record`` is what placing the turn writes:
+    served live in the same slot of the same model (the mark changed only its last use and dirt)."""
+    return (
+        placement.serve is Serve.LIVE
+        and record.live_in(placement.engine, placement.slot)
+        and record.model == model
+    )
+
+
 async def place(
     parts: TurnParts,
     tenant: Tenant,
@@ -127,8 +139,40 @@ async def place(
     forked_from: str | None,
     hold: SessionHold,
     prompt: Prompt | None = None,
+    busy: bool = False,
 ) -> Placed:
-    """The turn's slot, reserved (gateway.turn.reservations) until the caller records the session there."""
+    """The turn's slot, made ready and recorded: the session live there, busy (unless the opening
+    read's mark, ``busy``, says so already). The slot stays reserved (gateway.turn.reservations)
+    until the index says who holds it."""
+    placed = await _slot(parts, tenant, record, model, forked_from, hold, prompt)
+    placement = placed.placement
+    marked = busy and marked_there(record, placement, model)
+    try:
+        if not marked:
+            decide = parts.index.decide_live(
+                tenant.name,
+                record.session,
+                engine=placement.engine,
+                slot=placement.slot,
+                tokens=record.tokens,
+                model=model,
+            )
+            await write_record(parts.index, hold, decide, idle=False)
+    finally:  # recorded there now (or failed): the index says who holds the slot
+        parts.reserved.release((placement.engine, placement.slot))
+    return replace(placed, marked=marked)
+
+
+async def _slot(
+    parts: TurnParts,
+    tenant: Tenant,
+    record: SessionRecord,
+    model: str,
+    forked_from: str | None,
+    hold: SessionHold,
+    prompt: Prompt | None = None,
+) -> Placed:
+    """The turn's slot, made ready and reserved (gateway.turn.reservations) until it is recorded."""
     if forked_from is None and (place := record.place) is not None:
         # Live in its slot (the common warm turn): the lock makes the slot ours, no pool view.
         engine_id, slot = place

@@ -23,7 +23,6 @@ import functools
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from storage.index.records import SessionRecord
@@ -208,51 +207,29 @@ GATEWAY_FIELDS = frozenset(
 )
 
 
-@dataclass(frozen=True)
 class Prompt:
-    """The prompt a turn is placed for, and its digests (gateway.turn.prompt), each computed once,
-    when first needed: what implicit routing looks it up by (`lookup`), the heads it goes on from
-    (`heads`: whether it continues a session or branches from it, gateway.turn.branch), its own head
-    (recorded when it finishes). A conversation that leaves the stored one before its end (an edited
-    earlier message, a retry from far back) needs only the stored part up to the checkpoint the
-    engine continues from, and the node can cut the generation there given the prompt's tokens —
-    which the placing step asks the engine for (`tokens_body`: what it sends)."""
+    """The prompt a turn is placed for, and its digests (this module), computed once as the turn
+    starts: its chain of prefix digests, what implicit routing looks it up by (`lookup`), the heads
+    it goes on from (`heads`: whether it continues a session or branches from it,
+    gateway.turn.branch), its complete turns (`turns`), its own head (recorded when it finishes).
+    Only its shared prefix's digest waits until a placement asks for it. A conversation that
+    leaves the stored one before its end (an edited earlier message, a retry from far back) needs
+    only the stored part up to the checkpoint the engine continues from, and the node can cut the
+    generation there given the prompt's tokens — which the placing step asks the engine for
+    (`tokens_body`: what it sends)."""
 
-    messages: Sequence[Mapping[str, Any]]
-    model: str
-    body: Mapping[str, Any]  # the chat body as the tenant sent it (after its volatile-block rules)
-    tools: Any = None  # as sent
-
-    @functools.cached_property
-    def chain(self) -> list[str]:
-        """The digests of its message prefixes (gateway.turn.prompt.prefix_digests)."""
-        return prefix_digests(self.messages, self.model)
-
-    @functools.cached_property
-    def tools_key(self) -> str:
-        return tools_digest(self.tools)
-
-    @functools.cached_property
-    def lookup(self) -> list[str]:
-        """What implicit routing looks it up by, longest first (gateway.turn.prompt.route_lookup)."""
-        return route_lookup(self.chain, self.messages, self.tools_key)
-
-    @functools.cached_property
-    def heads(self) -> frozenset[str]:
-        """The heads it goes on from (gateway.turn.prompt.continued_heads)."""
-        return frozenset(continued_heads(self.chain, self.messages, self.tools_key))
-
-    @functools.cached_property
-    def turns(self) -> frozenset[str]:
-        """The digests of its complete turns (gateway.turn.prompt.turn_digests)."""
-        return frozenset(
-            d for d, m in zip(self.chain, self.messages, strict=True) if m.get("role") == "assistant"
+    def __init__(
+        self, messages: Sequence[Mapping[str, Any]], model: str, body: Mapping[str, Any], tools: Any = None
+    ) -> None:
+        self.messages, self.model, self.body, self.tools = messages, model, body, tools
+        self.chain = prefix_digests(messages, model)
+        self.tools_key = tools_digest(tools)
+        self.lookup = route_lookup(self.chain, messages, self.tools_key)
+        self.heads = frozenset(continued_heads(self.chain, messages, self.tools_key))
+        self.turns = frozenset(
+            d for d, m in zip(self.chain, messages, strict=True) if m.get("role") == "assistant"
         )
-
-    @functools.cached_property
-    def head(self) -> str | None:
-        """Its own head: what the session records once it answered (None without messages)."""
-        return head_digest(self.chain[-1], self.tools_key) if self.messages else None
+        self.head = head_digest(self.chain[-1], self.tools_key) if messages else None
 
     @functools.cached_property
     def shared(self) -> str | None:

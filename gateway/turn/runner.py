@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,20 +24,31 @@ from gateway.healing import behind
 from gateway.tenants import Tenant
 from gateway.turn import close, delete
 from gateway.turn.branch import Continuation, continuation, continues, looks_further
-from gateway.turn.early import Admission
+from gateway.turn.early import EarlyCall, EarlyStart
 from gateway.turn.engine_call import TurnOutcome
 from gateway.turn.hold import Phase, SessionHold, fork, hold_for_turn, write_record
-from gateway.turn.opening import Admitted, Opening, abandon, admit, new_session_refusal, open_turn
+from gateway.turn.opening import Admission, Admitted, Opening, discard, new_session_refusal, open_turn
 from gateway.turn.parts import Turn, TurnParts
 from gateway.turn.place import place
 from gateway.turn.prompt import Prompt
 from gateway.turn.resolve import find_conversation, resolve
-from gateway.turn.slot_choice import Placement, Serve
+from gateway.turn.slot_choice import Serve
 from storage.errors import StorageError
 from storage.index.records import SessionRecord
 from storage.index.turnops import TurnStart
 
 log = structlog.get_logger("slotkeeper.gateway")
+
+
+@dataclass(frozen=True)
+class Started:
+    """A turn up to its engine call (`TurnRunner.start`): how its session was found, the placed turn,
+    and the engine call its opening started early (None: none, or the opening read did not confirm
+    it)."""
+
+    found: tuple[str, str]
+    turn: Turn
+    early: EarlyCall[Any] | None
 
 
 @dataclass(frozen=True)
@@ -48,16 +60,6 @@ class Branched:
     record: SessionRecord | None  # None: a new branch (its record is created as it is placed)
     parent: str | None  # the session a new branch starts from (None: an existing session goes on)
     source: str
-
-
-def marked_there(record: SessionRecord, placement: Placement, model: str) -> bool:
-    """Whether the busy mark the opening read wrote on ``record`` is what placing the turn wrote:
-    served live in the same slot of the same model (the mark changed only its last use and dirt)."""
-    return (
-        placement.serve is Serve.LIVE
-        and record.live_in(placement.engine, placement.slot)
-        and record.model == model
-    )
 
 
 class TurnRunner:
@@ -79,37 +81,50 @@ class TurnRunner:
         """The session a request names, finds implicitly, or a new one (gateway.turn.resolve)."""
         return await resolve(self.parts.index, tenant, headers, body, prompt)
 
-    # ------------------------------------------------------------------------------------ begin
-    async def open(self, tenant: Tenant, session: str, model: str, prompt: Prompt | None = None) -> Opening:
-        """The turn's plan before its opening read (gateway.turn.opening): ``Opening.early`` says
-        where the caller may send it at once (gateway.turn.early) — only to a slot whose state the
-        prompt goes on from exactly (gateway.turn.branch). Hand it to `begin`, or to `abandon`."""
-        return await open_turn(
+    # ------------------------------------------------------------------------------------ start
+    async def start(
+        self,
+        tenant: Tenant,
+        headers: Mapping[str, str],
+        body: Mapping[str, Any],
+        model: str,
+        prompt: Prompt | None,
+        found: tuple[str, str] | None = None,
+        launch: Callable[[str, EarlyStart], EarlyCall[Any]] | None = None,
+    ) -> Started:
+        """One turn up to its engine call: its session resolved (unless ``found`` says where it is
+        already), opened (gateway.turn.opening: ``launch(session, where)`` starts the engine call early
+        where the opening may), held, branched where its prompt does not go on from the session's
+        state (gateway.turn.branch), placed and marked live in its slot. A warm turn (the session
+        live in its slot) makes one Redis round trip here: the opening read, which also marks it
+        busy there. `Started.early` is the call started early once placing confirmed it."""
+        found = found or await resolve(self.parts.index, tenant, headers, body, prompt)
+        session, source = found
+
+        def goes_on(record: SessionRecord | None) -> bool:
+            return continuation(record, prompt) is Continuation.EXACT
+
+        opened = await open_turn(
             self.parts,
             self._admission,
             tenant,
             session,
             model,
-            lambda record: continuation(record, prompt) is Continuation.EXACT,
+            goes_on,
+            functools.partial(launch, session) if launch is not None else None,
         )
-
-    async def abandon(self, opening: Opening) -> None:
-        """The caller gives the opened turn up before `begin`."""
-        await abandon(self.parts, opening)
-
-    async def begin(self, opening: Opening, source: str, prompt: Prompt | None = None) -> Turn:
-        """Admit the turn (rate window, in-flight place), lock and place its session, and mark it
-        live in its slot. A warm turn (the session live in its slot) makes one Redis round trip
-        here: the opening read (storage.index.turnops), which also marks it busy there. ``Turn.early``
-        says whether the read confirmed the early start the opening planned (else the caller
-        abandons that call)."""
-        admitted = await admit(self.parts, self._admission, opening)
         try:
-            return await self._begin(opening, admitted, source, prompt)
+            turn = await self._begin(opened.opening, opened.admitted, source, prompt)
         except BaseException:
+            discard(self.parts, opened.early)
             with contextlib.suppress(StorageError):  # Redis away: the place lapses with its TTL
-                await self.parts.index.release_inflight(opening.tenant.name, admitted.start.inflight_token)
+                await self.parts.index.release_inflight(tenant.name, opened.admitted.start.inflight_token)
             raise
+        early = opened.early
+        if early is not None and not turn.early:  # the opening read did not confirm it: never made
+            discard(self.parts, early)
+            early = None
+        return Started(found, turn, early)
 
     async def _begin(self, opening: Opening, admitted: Admitted, source: str, prompt: Prompt | None) -> Turn:
         parts, tenant, model, session = self.parts, opening.tenant, opening.model, opening.session
@@ -147,32 +162,18 @@ class TurnRunner:
                     raise refused
                 record = await parts.index.create(tenant.name, session, model=model)
                 hold.record, created = record, True
-            placed = await place(parts, tenant, record, model, forked_from, hold, prompt)
+            placed = await place(parts, tenant, record, model, forked_from, hold, prompt, busy)
+            busy = False  # the record says where the turn runs
             placement = placed.placement
-            marked = busy and marked_there(record, placement, model)
             confirmed = (
                 early is not None
-                and marked
+                and placed.marked
                 and hold is own
                 and start.kept
                 and (placement.engine, placement.slot, placed.engine_url)
                 == (early.engine, early.slot, early.url)
                 and getattr(parts.cluster.cached_engine(early.engine), "instance", None) == early.instance
             )
-            try:
-                if not marked:
-                    decide = parts.index.decide_live(
-                        tenant.name,
-                        session,
-                        engine=placement.engine,
-                        slot=placement.slot,
-                        tokens=record.tokens,
-                        model=model,
-                    )
-                    await write_record(parts.index, hold, decide, idle=False)
-                busy = False  # the record says where the turn runs
-            finally:  # recorded there now (or failed): the index says who holds the slot
-                parts.reserved.release((placement.engine, placement.slot))
             # Counted (`served`) and said by the turn's access line (its `cache`): at debug here.
             log.debug(
                 "session.placed",
@@ -298,11 +299,7 @@ class TurnRunner:
 
     def finish_soon(self, turn: Turn, messages: Sequence[Mapping[str, Any]], outcome: TurnOutcome) -> None:
         """`finish` as a task beside the answer going out (marked answered first, synchronously).
-        Once per turn: a second call (a stream's end and its response's background both settle it)
-        does nothing."""
-        if turn.settled:
-            return
-        turn.settled = True
+        Once per turn: gateway.turn.forward.Ending calls it (or `finish_now`) exactly once."""
         self.answered(turn)
         task = asyncio.create_task(self.finish(turn, messages, outcome), name=f"finish:{turn.session}")
         self._tasks.add(task)
@@ -311,11 +308,8 @@ class TurnRunner:
     async def finish_now(
         self, turn: Turn, messages: Sequence[Mapping[str, Any]], outcome: TurnOutcome
     ) -> None:
-        """`finish`, awaited here (once per turn, as `finish_soon`): for a turn placed again at once,
-        which must find its session's record as this one leaves it."""
-        if turn.settled:
-            return
-        turn.settled = True
+        """`finish`, awaited here (instead of `finish_soon`): for a turn placed again at once, which
+        must find its session's record as this one leaves it."""
         self.answered(turn)
         await self.finish(turn, messages, outcome)
 

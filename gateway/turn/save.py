@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from engine_pool.common.errors import Unavailable, slot_changed
+from engine_pool.errors import Unavailable, slot_changed
 from engine_pool.pool.client import NodeClient, NodeError
 from engine_pool.protocol.node import SpillResult
 from gateway.turn.hold import write_record

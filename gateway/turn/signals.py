@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from engine_pool.common.errors import BadRequest
+from engine_pool.errors import BadRequest
 from storage.errors import InvalidId
 from storage.ids import validate_id
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from engine_pool.common.flags import parse_bytes
+from engine_pool.process.flags import parse_bytes
 
 
 def _same(a: str, b: str) -> bool:

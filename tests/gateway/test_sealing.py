@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_pool.common.errors import BadRequest
+from engine_pool.errors import BadRequest
 from gateway.sealing import PREFIX, ReasoningSeal, persisted_key
 
 WHERE = "input[3].encrypted_content"

@@ -27,8 +27,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...common.body import Body, json_type
-from ...common.errors import BadRequest
+from engine_pool.errors import BadRequest
+from engine_pool.http.body import Body, json_type
+
 from ..bounds import array_form, check_count
 from ..engine_options import engine_options, merge_template_kwargs
 from ..tools import tool_name, tools_of_type

@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ...common.errors import ApiError, error_payload
+from engine_pool.errors import ApiError, error_payload
+
 from ..chat_result import Call, ChunkStream, Event, Usage
 from .output import cache_miss_reason, message_shell, stop_reason, tool_input, tool_use_id, usage_object
 from .request import MessagesRequest

@@ -22,7 +22,8 @@ import secrets
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ...common.errors import ApiError
+from engine_pool.errors import ApiError
+
 from ..chat_result import Call, ChatResult, Usage, read_completion
 from .request import ResponsesRequest
 from .tools import custom_input

@@ -23,8 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ...common.body import Body, json_type
-from ...common.errors import BadRequest
+from engine_pool.errors import BadRequest
+from engine_pool.http.body import Body, json_type
+
 from ..bounds import array_form, check_count
 from ..engine_options import engine_options
 from .tools import Tools, check_grammars_with_format, parse_tool_choice, parse_tools

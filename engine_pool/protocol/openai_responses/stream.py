@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...common.errors import ApiError
+from engine_pool.errors import ApiError
+
 from ..chat_result import Call, ChunkStream, Event, Usage
 from .output import (
     Seal,

@@ -28,8 +28,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ...common.body import Body, json_type
-from ...common.errors import BadRequest
+from engine_pool.errors import BadRequest
+from engine_pool.http.body import Body, json_type
+
 from ..bounds import check_count
 from ..tool_grammar import parse_grammar
 from ..tools import tool_choice_mode

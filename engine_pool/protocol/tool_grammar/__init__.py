@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import re
 
-from ...common.errors import BadRequest
+from engine_pool.errors import BadRequest
+
 from .lark import COMMON, read_lark
 from .recursion import check_recursion
 from .regex import read_regex

@@ -6,7 +6,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ...common.errors import BadRequest
+from engine_pool.errors import BadRequest
+
 from .regex import ESCAPES, HEX, read_regex
 from .tree import (
     EMPTY,

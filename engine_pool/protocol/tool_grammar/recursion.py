@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ...common.errors import BadRequest
+from engine_pool.errors import BadRequest
+
 from .tree import Alt, Budget, Chars, Lit, Node, Ref, Rep, Seq, TextGrammar
 
 

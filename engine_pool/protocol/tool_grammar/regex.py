@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 
-from ...common.errors import BadRequest
+from engine_pool.errors import BadRequest
+
 from .tree import (
     ANY,
     ANY_BUT_NEWLINE,

@@ -7,7 +7,7 @@ import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ...common.errors import BadRequest
+from engine_pool.errors import BadRequest
 
 MAX_DEFINITION_CHARS = 32768
 MAX_NODES = 20000

@@ -27,8 +27,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ...common.body import Body
-from ...common.errors import ApiError, BadRequest, NotFound
+from engine_pool.errors import ApiError, BadRequest, NotFound
+from engine_pool.http.body import Body
+
 from ...protocol import anthropic_messages, openai_responses
 from ...protocol.engine_answers import ChatChunk, ChatCompletion
 from ...protocol.field_names import MESSAGES_FIELDS, RESPONSES_FIELDS, renamed

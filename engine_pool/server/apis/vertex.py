@@ -19,8 +19,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ...common.body import Body, json_type, read_json
-from ...common.errors import ApiError, BadRequest
+from engine_pool.errors import ApiError, BadRequest
+from engine_pool.http.body import Body, json_type, read_json
+
 from ...protocol.bounds import check_count
 from ...protocol.engine_answers import ChatCompletion
 from ..chat_pipeline import run_chat

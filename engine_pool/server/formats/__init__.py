@@ -16,7 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...common.errors import ServerError
+from engine_pool.errors import ServerError
+
 from ..grammar import CallRule, GrammarLimits, calls_grammar
 from . import hermes, lfm2, nemotron_h, qwen_xml
 from .calls import CallStream, ToolCall

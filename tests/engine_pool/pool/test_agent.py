@@ -26,11 +26,11 @@ import pytest
 from structlog.testing import capture_logs
 from support.variables import slotkeeper_env
 
-from engine_pool.common.loop import cancel_and_wait
 from engine_pool.pool import supervisor
 from engine_pool.pool.agent import NodeAgent, NodeParts
 from engine_pool.pool.client import NodeClient, NodeError
 from engine_pool.pool.settings import NodeSettings, SettingsError, parse_node_settings
+from engine_pool.process.loop import cancel_and_wait
 from engine_pool.protocol.node import UNSTORED, NodeHealth, UnstoredList
 from gateway.bench.harness.servers import INTERNAL_AUTH, INTERNAL_KEY, MotoProcess
 from storage.blobs.localstore import LocalStore

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from engine_pool.common.body import Body
-from engine_pool.common.errors import BadRequest
+from engine_pool.errors import BadRequest
+from engine_pool.http.body import Body
 from engine_pool.protocol.node import (
     MAX_FILL_TOKENS,
     EngineList,

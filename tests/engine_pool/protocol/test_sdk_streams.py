@@ -17,7 +17,7 @@ import pytest
 from anthropic.types import RawMessageStreamEvent
 from pydantic import TypeAdapter
 
-from engine_pool.common.errors import ServerError
+from engine_pool.errors import ServerError
 from engine_pool.protocol import anthropic_messages as messages
 from engine_pool.protocol import openai_responses as responses
 from engine_pool.protocol.sse import named_event

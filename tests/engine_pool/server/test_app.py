@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from engine_pool.common.errors import BadRequest, ContextSizeExceeded, api_error, error_payload
+from engine_pool.errors import BadRequest, ContextSizeExceeded, api_error, error_payload
 from engine_pool.protocol.sse import start_stream
 from engine_pool.server.app import build_app
 from engine_pool.server.runtime import Runtime

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 import native
-from engine_pool.common.errors import BadRequest
+from engine_pool.errors import BadRequest
 from engine_pool.server.builtin_templates import BUILTIN_TEMPLATES
 from engine_pool.server.chat_template import ChatTemplate, boundary_cuts
 from engine_pool.server.slot_leases import common_prefix

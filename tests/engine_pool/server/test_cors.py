@@ -14,7 +14,7 @@ import httpx
 import pytest
 from support.browser_cors import preflight_admits, readable
 
-from engine_pool.common.cors import is_local_origin
+from engine_pool.http.cors import is_local_origin
 
 from ..conftest import EngineProcess, run_engine
 

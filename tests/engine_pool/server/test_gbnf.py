@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_pool.common.errors import BadRequest
+from engine_pool.errors import BadRequest
 from engine_pool.server.gbnf import check_grammar, group_depth
 
 

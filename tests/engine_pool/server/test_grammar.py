@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 
 import native
-from engine_pool.common.errors import BadRequest
+from engine_pool.errors import BadRequest
 from engine_pool.server.grammar import (
     GrammarLimits,
     json_object_grammar,

@@ -20,8 +20,8 @@ import httpx
 import openai
 import pytest
 
-from engine_pool.common.body import Body
-from engine_pool.common.errors import BadRequest
+from engine_pool.errors import BadRequest
+from engine_pool.http.body import Body
 from engine_pool.server.chat_request import continuation, continued_open, message_text
 from engine_pool.server.completion_prompts import split_prompts
 from engine_pool.server.completion_result import select_fields

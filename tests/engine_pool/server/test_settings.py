@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from support.variables import slotkeeper_env
 
-from engine_pool.common.body import BodyLimits
+from engine_pool.http.body import BodyLimits
 from engine_pool.server.engine_main import main
 from engine_pool.server.grammar import GrammarLimits
 from engine_pool.server.limits import RequestLimits

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_pool.common.errors import BadRequest, NotSupported
+from engine_pool.errors import BadRequest, NotSupported
 from engine_pool.server.slot_files import slot_file_path
 
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from engine_pool.common.errors import SlotBusy, Unavailable
+from engine_pool.errors import SlotBusy, Unavailable
 from engine_pool.server.slot_leases import SlotLeases, SlotView, choose_slot, common_prefix
 
 

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from support.upstream_templates import CONVERSATIONS, TOOLS, render_corpus
 
-from engine_pool.common.errors import BadRequest
+from engine_pool.errors import BadRequest
 from engine_pool.server.chat_template import ChatTemplate
 from engine_pool.server.formats import select_format
 from gateway.bench.harness.gemma import cache_dir

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 import native
-from engine_pool.common.body import Body
-from engine_pool.common.errors import BadRequest
+from engine_pool.errors import BadRequest
+from engine_pool.http.body import Body
 from engine_pool.protocol.openai_responses.tools import INPUT_PARAMETERS
 from engine_pool.protocol.tool_grammar import parse_grammar
 from engine_pool.server.chat_request import ChatRequest, constraint, input_schema, lenient_schema, parse_chat

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from engine_pool.common.errors import Unavailable
+from engine_pool.errors import Unavailable
 from gateway.cluster import Cluster
 from gateway.metrics import Metrics
 from gateway.tenants import Tenant
@@ -145,7 +145,7 @@ async def test_a_branch_leaves_the_session_it_reached_idle_in_its_slot_and_unloc
     before = await index.get("t", "a")
     other = _prompt([SYSTEM, {"role": "user", "content": "task B"}])
     with pytest.raises(Unavailable):
-        await runner.begin(await runner.open(Tenant("t"), "a", "m", other), "implicit", other)
+        await runner.start(Tenant("t"), {}, {}, "m", other, ("a", "implicit"))
     assert runner.parts.metrics.branches.labels("implicit")._value.get() == 1
     after = await index.get("t", "a")
     assert (after.state, after.engine, after.slot, after.head, after.tokens) == (

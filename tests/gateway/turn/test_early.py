@@ -12,10 +12,11 @@ import time
 
 import pytest
 
-from engine_pool.common.errors import Conflict, InstanceChanged, Unavailable
+from engine_pool.errors import Conflict, InstanceChanged, Unavailable
 from gateway.cluster import EngineRef
-from gateway.turn.early import Admission, EarlyCall, EarlyStart, early_start, fenced
+from gateway.turn.early import EarlyCall, EarlyStart, early_start, fenced
 from gateway.turn.hold import Phase, SessionHold
+from gateway.turn.opening import Admission
 from storage.index.locks import SessionLock
 from storage.index.records import SessionRecord, SessionState
 from storage.index.turnops import TurnStart

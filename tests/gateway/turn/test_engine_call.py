@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from engine_pool.common.body import parse_json_object
+from engine_pool.http.body import parse_json_object
 from gateway.turn.engine_call import engine_body
 
 FIELDS = {"id_slot": 3, "model": "served", "cache_prompt": True}

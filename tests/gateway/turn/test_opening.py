@@ -3,7 +3,7 @@ session refused by the tenant's quotas."""
 
 from __future__ import annotations
 
-from engine_pool.common.errors import QuotaExceeded, RateLimited
+from engine_pool.errors import QuotaExceeded, RateLimited
 from gateway.tenants import Quotas, Tenant
 from gateway.turn.opening import new_session_refusal, refusal
 from storage.index.turnops import TurnStart

@@ -4,16 +4,18 @@ a failed or timed-out request fails alone, fork ids always valid."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import fakeredis
 import httpx
 import pytest
 
-from engine_pool.common.errors import GatewayTimeout, Unavailable
+from engine_pool.errors import GatewayTimeout, Unavailable
 from gateway.cluster import Cluster
 from gateway.metrics import Metrics
 from gateway.tenants import Tenant
 from gateway.turn.engine_call import TurnOutcome, engine_session, forward_json
+from gateway.turn.forward import Asked, Ending
 from gateway.turn.hold import fork_id, hold_for_turn
 from gateway.turn.parts import Turn, TurnParts, TurnSettings
 from gateway.turn.runner import TurnRunner
@@ -65,7 +67,7 @@ async def test_a_turn_that_cannot_be_placed_leaves_its_live_session_idle_in_its_
     await index.mark_live("t", "s", engine="e1", slot=0, tokens=10, model="m")
     await index.mark_idle("t", "s")
     with pytest.raises(Unavailable):
-        await runner.begin(await runner.open(Tenant("t"), "s", "m"), "header")
+        await runner.start(Tenant("t"), {}, {}, "m", None, ("s", "header"))
     rec = await index.get("t", "s")
     assert (rec.state, rec.engine, rec.slot) == (SessionState.LIVE, "e1", 0)
     assert await index.is_idle("t", "s")  # evictable again
@@ -166,8 +168,9 @@ async def test_models_that_nodes_run_but_no_engine_serves_yet_are_told_from_unkn
         assert await half.configured_models() is None  # a node did not answer: nobody can say 404
 
 
-async def test_a_turn_is_settled_once_whoever_asks(parts) -> None:
-    """A stream's end and its response's background both settle the turn: the bookkeeping runs once."""
+async def test_a_turn_ends_once_whoever_ends_it(parts) -> None:
+    """A stream's end and its response's background both end the turn (gateway.turn.forward.Ending):
+    the bookkeeping runs once, and only the answer is counted."""
     index, locks, _, _ = parts
     runner = _runner(parts)
     await index.create("t", "once", model="m")
@@ -184,8 +187,14 @@ async def test_a_turn_is_settled_once_whoever_asks(parts) -> None:
         await real(*args, **kwargs)
 
     runner.finish = counting  # type: ignore[method-assign]
-    runner.finish_soon(turn, [], TurnOutcome(error="client left"))
-    runner.finish_soon(turn, [], TurnOutcome(error="client left"))
+    svc = SimpleNamespace(runner=runner, metrics=runner.parts.metrics, settings=None)
+    asked = Asked(svc, Tenant("t"), {}, "m", [], "/v1/chat/completions", None, None, [], None)  # type: ignore[arg-type]
+    ending = Ending(SimpleNamespace(scope={}), asked, turn)  # type: ignore[arg-type]
+    outcome = TurnOutcome(ok=True, usage={"prompt_tokens": 3}, timings={"prompt_n": 3})
+    ending.answered(outcome)
+    ending.ends(outcome)
+    ending.answered(outcome)
     await runner.drain()
     assert calls == [1]
+    assert runner.parts.metrics.prompt_tokens.labels("evaluated")._value.get() == 3  # counted once
     assert await locks.owner("t", "once") is None and await index.is_idle("t", "once")

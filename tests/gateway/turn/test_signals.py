@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_pool.common.errors import BadRequest
+from engine_pool.errors import BadRequest
 from gateway.turn.signals import MAX_SIGNAL_CHARS, SIGNALS, session_key
 
 MAIN, SUB = (lambda: "main-prefix"), (lambda: "subagent-prefix")

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from engine_pool.common.errors import BadRequest
+from engine_pool.errors import BadRequest
 from engine_pool.protocol import anthropic_messages as api
 
 from ..conftest import tool_call, weather_lookup

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from openai.types.responses import ResponseItemList
 
-from engine_pool.common.errors import BadRequest
+from engine_pool.errors import BadRequest
 from engine_pool.protocol import openai_responses as api
 
 from ..conftest import weather_lookup

@@ -11,7 +11,7 @@ from openai.lib.streaming.responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from engine_pool.common.errors import Unavailable
+from engine_pool.errors import Unavailable
 from engine_pool.protocol import openai_responses as api
 
 from ..conftest import chunks_of, completion
@@ -154,7 +154,7 @@ def test_a_failure_before_any_chunk_still_starts_the_response() -> None:
 
 @pytest.mark.parametrize("status", [429, 500])
 def test_failed_response_codes(status: int) -> None:
-    from engine_pool.common.errors import for_status
+    from engine_pool.errors import for_status
 
     stream = api.ResponseStream(request(), response_id="r", created_at=1)
     failed = stream.failed(for_status(status)("x", status=status))[-1][1]

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from openai.types.responses import Response
 
-from engine_pool.common.errors import BadRequest
+from engine_pool.errors import BadRequest
 from engine_pool.protocol import openai_responses as api
 from engine_pool.protocol.openai_responses.tools import HOSTED, INPUT_PARAMETERS, custom_input
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_pool.common.errors import BadRequest
+from engine_pool.errors import BadRequest
 from engine_pool.protocol.tool_grammar import COMMON, parse_grammar
 
 from .conftest import TooDeep, admits, sentence

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_pool.common.errors import BadRequest
+from engine_pool.errors import BadRequest
 from engine_pool.protocol.tool_grammar import parse_grammar
 
 from .conftest import admits

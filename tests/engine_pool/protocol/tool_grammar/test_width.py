@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_pool.common.errors import BadRequest
+from engine_pool.errors import BadRequest
 from engine_pool.protocol.tool_grammar import MAX_WIDTH, parse_grammar
 from engine_pool.protocol.tool_grammar.width import width
 

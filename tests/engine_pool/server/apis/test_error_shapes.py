@@ -11,7 +11,7 @@ import httpx
 import pytest
 from anthropic.types import ErrorResponse
 
-from engine_pool.common.errors import (
+from engine_pool.errors import (
     NotFound,
     PayloadTooLarge,
     RateLimited,

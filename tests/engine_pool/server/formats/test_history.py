@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from engine_pool.common.body import Body
-from engine_pool.common.errors import BadRequest, ServerError
+from engine_pool.errors import BadRequest, ServerError
+from engine_pool.http.body import Body
 from engine_pool.server.chat_request import parse_messages
 from engine_pool.server.formats import select_format
 from engine_pool.server.formats.history import normalise

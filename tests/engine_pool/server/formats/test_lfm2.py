@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 import native
-from engine_pool.common.errors import BadRequest
+from engine_pool.errors import BadRequest
 from engine_pool.server.formats import FORMATS, ToolCall
 
 from .conftest import (

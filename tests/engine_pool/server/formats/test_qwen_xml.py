@@ -9,7 +9,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from engine_pool.common.errors import BadRequest
+from engine_pool.errors import BadRequest
 from engine_pool.server.formats import FORMATS, ToolCall
 
 from .conftest import (

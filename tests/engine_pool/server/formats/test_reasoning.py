@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from engine_pool.common.body import Body
+from engine_pool.http.body import Body
 from engine_pool.server.chat_request import constraint, parse_chat
 from engine_pool.server.formats import FORMATS, ChatMessage, ChatOutput, assemble, opened_by
 from engine_pool.server.formats.reasoning import Markup, Reasoning, ReasoningStream

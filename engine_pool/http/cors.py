@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .http_middleware import HttpMiddleware
+from .middleware import HttpMiddleware
 
 DEFAULT_METHODS = "GET, POST, DELETE, OPTIONS"  # llama-server's --cors-methods default
 DEFAULT_HEADERS = "*"  # llama-server's --cors-headers default

@@ -1,6 +1,6 @@
 """Another service's HTTP answer read back: its JSON, and the `{"error": {...}}` object in it.
 
-The reading side of `engine_pool.common.errors.error_payload`, for the callers of an engine, a node
+The reading side of `engine_pool.errors.error_payload`, for the callers of an engine, a node
 agent or a gateway. Neither function raises on a body that is not what it should be: the caller
 falls back to the status and the raw text.
 """

@@ -1,4 +1,4 @@
-"""engine_pool.common.loop.cancel_and_wait: our own tasks end when cancelled, even one that lost its
+"""engine_pool.process.loop.cancel_and_wait: our own tasks end when cancelled, even one that lost its
 cancellation (Python 3.11's `asyncio.wait_for`, which redis-py sends every command through, drops
 a cancellation that lands as its inner future completes: CPython gh-86296)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from engine_pool.common.loop import cancel_and_wait
+from engine_pool.process.loop import cancel_and_wait
 
 
 async def test_a_task_that_lost_its_cancellation_is_cancelled_again_until_it_ends() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from engine_pool.common import flags
+from engine_pool.process import flags
 
 TABLE = (
     flags.Flag("port", ("--port",), flags.parse_int, "port", required=True, variable="X_PORT"),

@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from .errors import BadRequest, PayloadTooLarge, RequestTimeout
-from .limit_flags import BODY_TIMEOUT_S, MAX_BODY_BYTES, MAX_JSON_DEPTH
+from engine_pool.errors import BadRequest, PayloadTooLarge, RequestTimeout
+from engine_pool.process.limit_flags import BODY_TIMEOUT_S, MAX_BODY_BYTES, MAX_JSON_DEPTH
 
 T = TypeVar("T")
 

@@ -8,7 +8,7 @@ with a timer armed when a connection opens and started again by the first byte o
 request; unless a complete request head arrived by then, the connection gets `408 Request Timeout`
 and is closed. The head's size is bounded here too (16 KiB, h11's limit; httptools has none):
 more gets `431` and the connection closed. Bodies are bounded separately
-(`engine_pool.common.body.read_body`).
+(`engine_pool.http.body.read_body`).
 """
 
 from __future__ import annotations

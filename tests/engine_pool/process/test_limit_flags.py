@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine_pool.common.body import BodyLimits
-from engine_pool.common.flags import Flag, SettingsError
-from engine_pool.common.limit_flags import BODY_TIMEOUT_S, MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_MESSAGES
+from engine_pool.http.body import BodyLimits
+from engine_pool.process.flags import Flag, SettingsError
+from engine_pool.process.limit_flags import BODY_TIMEOUT_S, MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_MESSAGES
 from engine_pool.server import settings as engine
 from gateway import settings as gateway
 

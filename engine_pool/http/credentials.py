@@ -9,7 +9,7 @@ constant time. Health probes stay open and say nothing a tenant sent.
 
 Browsers are the other callers at the edge (gateway and engine alike): a page on another origin
 first sends a CORS preflight, which carries no key, so CORS is answered outside the key check
-(`engine_pool.common.cors`, the outermost middleware).
+(`engine_pool.http.cors`, the outermost middleware).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from collections.abc import Mapping
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .errors import Unauthorized, render_error
-from .flags import ENV_PREFIX, env_name
+from engine_pool.errors import Unauthorized, render_error
+from engine_pool.process.flags import ENV_PREFIX, env_name
 
 # Variables a node must never hand to the engines it spawns: its own settings (an engine reads
 # SLOTKEEPER_* as its own flags) and its store's credentials (an engine has no business with S3).
