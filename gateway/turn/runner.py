@@ -29,15 +29,27 @@ from gateway.turn.engine_call import TurnOutcome
 from gateway.turn.hold import Phase, SessionHold, fork, hold_for_turn, write_record
 from gateway.turn.opening import Admission, Admitted, Opening, discard, new_session_refusal, open_turn
 from gateway.turn.parts import Turn, TurnParts
-from gateway.turn.place import place
+from gateway.turn.place import Placed, place
 from gateway.turn.prompt import Prompt
 from gateway.turn.resolve import find_conversation, resolve
 from gateway.turn.slot_choice import Serve
 from storage.errors import StorageError
+from storage.index.locks import SessionLock
 from storage.index.records import SessionRecord
 from storage.index.turnops import TurnStart
 
 log = structlog.get_logger("slotkeeper.gateway")
+
+
+def early_confirmed(early: EarlyStart | None, placed: Placed, instance: str | None) -> bool:
+    """Whether the call launched before the opening read went where the turn was placed: the slot
+    it was live in and that the read's busy mark already recorded (``placed.marked``), on the same
+    engine process (``instance``, the cached engine's). The caller also asks that the hold be the
+    lock the read kept."""
+    if early is None or not placed.marked:
+        return False
+    where = (placed.placement.engine, placed.placement.slot, placed.engine_url)
+    return where == (early.engine, early.slot, early.url) and instance == early.instance
 
 
 @dataclass(frozen=True)
@@ -139,14 +151,7 @@ class TurnRunner:
             busy = False
         created = False
         try:
-            record = hold.record
-            if record is None and hold.lock is not start.lock:  # the opening read's record is current
-                record = await parts.index.find(tenant.name, session)
-            if record is None and parts.healing is not None and source not in ("new", "fork"):
-                record = await parts.healing.recover(tenant.name, session)  # a lost record, found again
-                hold.record = record
-            elif record is not None and parts.healing is not None and behind(record):
-                record = hold.record = await parts.healing.catch_up(record)  # a save it never learned of
+            record = await self._record(hold, tenant.name, session, source, start.lock)
             how = continuation(record, prompt) if forked_from is None else Continuation.EXACT
             if how is Continuation.NONE or (how is Continuation.REPLY and looks_further(source)):
                 # Not where its state is: never roll it back (gateway.turn.branch).
@@ -165,15 +170,12 @@ class TurnRunner:
             placed = await place(parts, tenant, record, model, forked_from, hold, prompt, busy)
             busy = False  # the record says where the turn runs
             placement = placed.placement
-            confirmed = (
-                early is not None
-                and placed.marked
-                and hold is own
-                and start.kept
-                and (placement.engine, placement.slot, placed.engine_url)
-                == (early.engine, early.slot, early.url)
-                and getattr(parts.cluster.cached_engine(early.engine), "instance", None) == early.instance
+            instance = (
+                None
+                if early is None
+                else getattr(parts.cluster.cached_engine(early.engine), "instance", None)
             )
+            confirmed = hold is own and start.kept and early_confirmed(early, placed, instance)
             # Counted (`served`) and said by the turn's access line (its `cache`): at debug here.
             log.debug(
                 "session.placed",
@@ -216,6 +218,21 @@ class TurnRunner:
             finally:  # (also when cancelled meanwhile: the lock is never left held)
                 await parts.holds.let_go(hold, turn=True)
             raise
+
+    async def _record(
+        self, hold: SessionHold, tenant: str, session: str, source: str, read_under: SessionLock | None
+    ) -> SessionRecord | None:
+        """The session's current record: the opening read's where the hold is the lock that read
+        took (``read_under``), else read again; a lost record recovered and one behind a save it
+        never learned of caught up (gateway.healing)."""
+        parts, record = self.parts, hold.record
+        if record is None and hold.lock is not read_under:
+            record = await parts.index.find(tenant, session)
+        if record is None and parts.healing is not None and source not in ("new", "fork"):
+            record = hold.record = await parts.healing.recover(tenant, session)
+        elif record is not None and parts.healing is not None and behind(record):
+            record = hold.record = await parts.healing.catch_up(record)
+        return record
 
     async def _branch(
         self,
