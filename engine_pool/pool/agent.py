@@ -72,6 +72,7 @@ from storage.index.session_index import SessionIndex
 from storage.slotfile.reader import SlotFile, read_slot_file, whole_file_crc32
 
 from ..protocol.codec import WireError
+from ..protocol.handoff import HandoffRequest, HandoffResult, Role
 from ..protocol.node import (
     ENGINES,
     HEALTH,
@@ -95,6 +96,7 @@ from ..protocol.node import (
     UnstoredList,
 )
 from ..protocol.slot_actions import SlotAnswer, SlotCancelled, SlotErased, SlotRestored, SlotSaved
+from .handoff import PrefillSlots, choose, hand_off, outcome_of
 from .metrics import NodeMetrics
 from .settings import NodeSettings
 from .supervisor import EngineSnapshot, EngineSpec, EngineSupervisor, State
@@ -131,6 +133,9 @@ class NodeAgent:
             spec.engine_id: EngineSupervisor(spec, policy, http=parts.http, on_transition=self._changed)
             for spec in specs or settings.engine_specs()
         }
+        self.prefill_slots = PrefillSlots(
+            {e: sup.spec.n_slots for e, sup in self.engines.items() if sup.spec.role == Role.PREFILL}
+        )
         self.draining = False
         self._engines_changed = asyncio.Event()
         self._unregistered = asyncio.Event()  # set by the registry loop once draining took effect
@@ -319,6 +324,46 @@ class NodeAgent:
             self._inflight -= 1
             if not self._inflight:
                 self._idle.set()
+
+    async def handoff(self, engine_id: str, slot: str, req: HandoffRequest) -> HandoffResult:
+        """A turn's prompt prefilled on a prefill engine of this node and installed in this slot
+        (engine_pool.pool.handoff); counted by how it ended, logged either way."""
+        sup, n = self._engine(engine_id, slot)
+        roles = {e: s.spec.role for e, s in self.engines.items()}
+        self._inflight += 1
+        self._idle.clear()
+        t0 = time.monotonic()
+        try:
+            prefill = choose(sup, self.engines.get(req.prefill_engine), req.prefill_engine, roles)
+            out = await hand_off(self.parts.http, self.prefill_slots, self._slot_call, sup, n, prefill, req)
+        except Exception as exc:
+            result = outcome_of(exc)
+            self.metrics.handoff_failed(result, time.monotonic() - t0)
+            log.warning(
+                "node.handoff_failed",
+                engine=engine_id,
+                slot=n,
+                prefill=req.prefill_engine,
+                tenant=req.tenant,
+                session=req.session,
+                result=result.value,
+                error=str(exc),
+            )
+            raise
+        finally:
+            self._inflight -= 1
+            if not self._inflight:
+                self._idle.set()
+        self.metrics.handoff_done(out)
+        log.info(
+            "node.handed_off",
+            engine=engine_id,
+            slot=n,
+            tenant=req.tenant,
+            session=req.session,
+            **out.to_json(),
+        )
+        return out
 
     async def forget(self, tenant: str, session: str) -> int:
         """Discard every spill-cache file of the session, confirmed or not; returns how many."""
@@ -609,6 +654,7 @@ class NodeAgent:
                 n_slots=snap.n_slots,
                 ttl_s=ttl,
                 instance=snap.instance,
+                role=snap.role,
             )
             registered[engine_id] = snap.pid
         elif engine_id in registered:
@@ -705,6 +751,7 @@ def _engine_view(snap: EngineSnapshot) -> NodeEngine:
         instance=snap.instance,
         error=snap.error,
         last_error=snap.last_error,
+        role=snap.role,
     )
 
 
@@ -743,6 +790,11 @@ async def slot_operation(request: Request) -> Response:
         result = await a.operation(
             op, p["engine"], p["slot"], ref, route=spill.route, share=spill.share, fenced=spill.fenced
         )
+    elif op == "handoff":
+        handoff = HandoffRequest.from_body(await read_json(request))
+        validate_id(handoff.tenant, "tenant")
+        validate_id(handoff.session, "session")
+        return JSONResponse((await a.handoff(p["engine"], p["slot"], handoff)).to_json())
     elif op == "fill":
         fill = FillRequest.from_body(await read_json(request))
         ref = SlotRef(fill.tenant, fill.session, fill.generation)

@@ -25,6 +25,7 @@ from engine_pool.http.answers import answer_json, error_object
 from engine_pool.http.credentials import auth_headers
 
 from ..protocol import node
+from ..protocol.handoff import HandoffRequest, HandoffResult
 
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 _NO_RESPONSE = (*_NOT_SENT, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ReadTimeout)
@@ -116,6 +117,14 @@ class NodeClient:
         out = await self._call("POST", node.slot_path(engine, slot, "fill"), body, retry_on=_NO_RESPONSE)
         return node.FillResult.from_json(out)
 
+    async def handoff(self, engine: str, slot: int, request: HandoffRequest) -> HandoffResult:
+        """Prefill ``request.body`` on a prefill engine of this node and install the state in the
+        slot (engine_pool.pool.handoff). Retried only when it surely never left: a prefill is work."""
+        out = await self._call(
+            "POST", node.slot_path(engine, slot, "handoff"), request.to_json(), retry_on=_NOT_SENT
+        )
+        return HandoffResult.from_json(out)
+
     async def forget(self, tenant: str, session: str) -> int:
         """Drop every spill-cache file of the session on this node (pending uploads too)."""
         out = await self._call("DELETE", node.session_path(tenant, session), retry_on=_NO_RESPONSE)
@@ -193,6 +202,7 @@ def _error(r: httpx.Response, body: Any) -> NodeError:
             type=str(err.get("type", "error")),
             code=code if isinstance(code, str) else None,
             retry_after=retry_after,
+            extra={k: v for k, v in err.items() if k not in ("message", "type", "code", "param")},
         )
     text = r.text[:500] or r.reason_phrase
     return NodeError(text, status=r.status_code, type="http_error", retry_after=retry_after)

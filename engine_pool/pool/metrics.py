@@ -1,5 +1,6 @@
 """The node agent's Prometheus metrics: slot moves (spill/fill/erase) with their bytes and seconds,
-engines by state and their restarts, and the spill cache (bytes held, uploads pending)."""
+handoffs (prefill/decode split) by result with their bytes and seconds, engines by state and role
+and their restarts, and the spill cache (bytes held, uploads pending)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ..protocol.handoff import ROLES, HandoffOutcome, HandoffResult
 from ..protocol.node import FillResult, SlotResult, SpillResult
 from .supervisor import EngineSnapshot, State
 
@@ -25,6 +27,19 @@ class NodeMetrics:
         )
         self.seconds = Histogram("slotkeeper_node_slot_seconds", "Spill/fill duration", ["op"], registry=r)
         self.engines = Gauge("slotkeeper_node_engines", "Engines by state", ["state"], registry=r)
+        self.roles = Gauge("slotkeeper_node_engine_roles", "Engines by role", ["role"], registry=r)
+        self.handoffs = Counter(
+            "slotkeeper_node_handoffs", "Prefill/decode handoffs by result", ["result"], registry=r
+        )
+        self.handoff_bytes = Counter(
+            "slotkeeper_node_handoff_bytes", "State bytes handed from prefill to decode engines", registry=r
+        )
+        self.handoff_seconds = Histogram(
+            "slotkeeper_node_handoff_seconds",
+            "Handoff duration (prefill, export, install)",
+            ["result"],
+            registry=r,
+        )
         self.restarts = Gauge(
             "slotkeeper_node_engine_restarts", "Restarts per engine", ["engine"], registry=r
         )
@@ -44,15 +59,28 @@ class NodeMetrics:
         nbytes = result.bytes if isinstance(result, SpillResult | FillResult) else 0
         self.bytes.labels(op, source).inc(nbytes)
 
+    def handoff_done(self, result: HandoffResult) -> None:
+        self.handoffs.labels(HandoffOutcome.DONE.value).inc()
+        self.handoff_bytes.inc(result.bytes)
+        self.handoff_seconds.labels(HandoffOutcome.DONE.value).observe(result.ms / 1000)
+
+    def handoff_failed(self, outcome: HandoffOutcome, seconds: float) -> None:
+        self.handoffs.labels(outcome.value).inc()
+        self.handoff_seconds.labels(outcome.value).observe(seconds)
+
     def render(
         self, snaps: Iterable[EngineSnapshot], cache_bytes: int, pending: int, pending_bytes: int
     ) -> bytes:
         counts = dict.fromkeys((s.value for s in State), 0)
+        roles = dict.fromkeys(ROLES, 0)
         for snap in snaps:
             counts[snap.state.value] += 1
+            roles[snap.role] = roles.get(snap.role, 0) + 1
             self.restarts.labels(snap.engine_id).set(snap.restarts)
         for state, n in counts.items():
             self.engines.labels(state).set(n)
+        for role, n in roles.items():
+            self.roles.labels(role).set(n)
         self.cache_bytes.set(cache_bytes)
         self.pending.set(pending)
         self.pending_bytes.set(pending_bytes)

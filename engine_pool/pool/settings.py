@@ -50,6 +50,7 @@ from engine_pool.process.flags import build_parser as _build_parser
 from storage.errors import InvalidId
 from storage.ids import validate_id, validate_prefix
 
+from ..protocol.handoff import ROLES, Role
 from .supervisor import EngineSpec, SupervisorPolicy
 
 
@@ -82,6 +83,12 @@ FLAGS: tuple[Flag, ...] = (
     ),
     list_flag(
         "aliases", "--alias", "model id of the Nth --model", (_ids, "valid ids (letters, digits, '-_.~@+=')")
+    ),
+    list_flag(
+        "roles",
+        "--role",
+        "role of the Nth --model's engine: prefill, decode or mixed (default: mixed)",
+        (lambda v: all(r in ROLES for r in v), f"each one of {', '.join(ROLES)}"),
     ),
     str_flag(
         "node_id",
@@ -197,6 +204,7 @@ class NodeSettings:
 
     models: tuple[str, ...]
     aliases: tuple[str, ...] = _DEFAULT["aliases"]
+    roles: tuple[str, ...] = _DEFAULT["roles"]  # by --model; absent: mixed (engine_pool.protocol.handoff)
     node_id: str = _DEFAULT["node_id"]  # "" → the host name (made a valid id)
     host: str = _DEFAULT["host"]
     port: int = _DEFAULT["port"]
@@ -243,6 +251,10 @@ class NodeSettings:
             for i, m in enumerate(self.models)
         )
 
+    def role(self, index: int) -> str:
+        """The role of the Nth model's engine (mixed unless --role says)."""
+        return self.roles[index] if index < len(self.roles) else Role.MIXED.value
+
     def engine_id(self, index: int) -> str:
         return f"{self.node_id}-e{index}"
 
@@ -283,6 +295,7 @@ class NodeSettings:
                 n_gpu_layers=self.n_gpu_layers,
                 flash_attn=self.flash_attn,
                 env=env,
+                role=self.role(i),
             )
             for i, model in enumerate(self.models)
         ]
@@ -323,6 +336,8 @@ def parse_node_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Node
     check_settings(settings, FLAGS)
     if len(settings.aliases) > len(settings.models):
         raise SettingsError(f"{len(settings.aliases)} --alias for {len(settings.models)} --model")
+    if len(settings.roles) > len(settings.models):
+        raise SettingsError(f"{len(settings.roles)} --role for {len(settings.models)} --model")
     if not settings.internal_key:
         raise SettingsError(
             f"{env_name('internal_key')} is required: the node API and its engines answer only callers that "

@@ -103,6 +103,7 @@ class EngineSpec:
     # The process environment (credentials.engine_environment: the node's, less its settings and
     # secrets, plus the engine's API key); None inherits the supervisor's (tests).
     env: tuple[tuple[str, str], ...] | None = None
+    role: str = "mixed"  # prefill | decode | mixed (engine_pool.protocol.handoff)
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,7 @@ class EngineSnapshot:
     last_exit: int | None
     instance: str = ""  # the current process's instance id (new at every start)
     error: str = ""  # one line: why it last failed (the engine's own last error where it logged one)
+    role: str = "mixed"  # prefill | decode | mixed
 
 
 # -- messages to the owner ---------------------------------------------------------------------
@@ -186,6 +188,7 @@ def engine_argv(spec: EngineSpec, port: int, instance: str) -> list[str]:
         ("-c", str(spec.n_ctx)),
         ("--slot-save-path", str(spec.slot_dir)),
         ("-a", spec.model_id),
+        ("--role", spec.role),
     ]
     if spec.n_gpu_layers:
         options.append(("-ngl", str(spec.n_gpu_layers)))
@@ -378,6 +381,7 @@ class EngineSupervisor:
             self._last_exit,
             self._instance if self._proc is not None else "",
             self._error,
+            self.spec.role,
         )
 
     # -- the owner ---------------------------------------------------------------------------------

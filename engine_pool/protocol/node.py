@@ -28,7 +28,7 @@ METRICS = "/metrics"
 SLOT_OPERATION = "/v1/engines/{engine}/slots/{slot}/{op}"
 SESSION = "/v1/sessions/{tenant}/{session}"
 UNSTORED = "/v1/unstored"  # the spill cache's files the store does not hold yet
-SLOT_OPS = ("spill", "fill", "erase", "cancel")
+SLOT_OPS = ("spill", "fill", "erase", "cancel", "handoff")
 MAX_FILL_TOKENS = 1 << 21  # a fill's prompt tokens (a context of 2M tokens)
 
 
@@ -176,6 +176,7 @@ class NodeEngine(Wire):
     instance: str = ""  # the current process's instance id (new at every start)
     error: str = ""  # one line: why it last failed (state "failed": why it was given up)
     last_error: str = ""  # why it last crashed, with the end of its log
+    role: str = "mixed"  # prefill | decode | mixed (engine_pool.protocol.handoff)
 
 
 @dataclass(frozen=True)

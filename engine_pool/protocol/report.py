@@ -4,7 +4,8 @@ defined once for both ends. Pure.
 
 `served` values: `live` (the session's own slot), `restored` (its own stored state), `prefix`
 (another slot's state on the engine, or the state another session of the tenant left in this one),
-`stored-prefix` (the stored state of the session holding its shared prefix), `cold` (nothing).
+`stored-prefix` (the stored state of the session holding its shared prefix), `cold` (nothing),
+`handoff` (prefilled on a prefill engine, its state installed here: engine_pool.protocol.handoff).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import NotRequired, TypedDict
 from engine_pool.errors import BadRequest
 from engine_pool.http.body import Body
 
-SERVED = ("live", "restored", "prefix", "stored-prefix", "cold")
+SERVED = ("live", "restored", "prefix", "stored-prefix", "cold", "handoff")
 MAX_RULES = 16
 
 

@@ -104,6 +104,7 @@ async def run_chat(
     # Preparing the history (JSON arguments), rendering (jinja over client-sized messages, once per
     # checkpoint hint) and tokenizing: off the event loop, like the grammar below.
     prompt, opened = await asyncio.to_thread(chat_prompt, rt, req)  # opened: Qwen3.5, Nemotron-3
+    prompt = held_back(prompt, body.get_int("prefill_hold_back", 0, lo=0, hi=1), req.sampling.n_predict)
     plan = await _upstream_plan(rt, req)
     if plan is not None and req.input_grammars and req.tool_choice != "none":
         raise _no_input_grammars(req, plan)
@@ -194,6 +195,16 @@ async def run_chat(
     if debug is not None:
         response["__verbose"] = await debug(outcomes[0])
     return response
+
+
+def held_back(prompt: ChatPrompt, hold: int, n_predict: int) -> ChatPrompt:
+    """The prompt less its last ``hold`` tokens, for a prefill that generates nothing (``n_predict``
+    0): the `last-token` handoff (engine_pool.protocol.handoff), whose decode side evaluates them.
+    Any other request is left as it is: its answer would continue a prompt it never saw."""
+    if not hold or n_predict != 0 or len(prompt.tokens) <= hold:
+        return prompt
+    n = len(prompt.tokens) - hold
+    return ChatPrompt(prompt.text, prompt.tokens[:n], [h for h in prompt.hints if h <= n])
 
 
 async def diagnose(rt: Runtime, req: ChatRequest, prompt: ChatPrompt, o: Outcome) -> None:

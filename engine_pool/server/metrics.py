@@ -23,11 +23,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine_pool.process.metric_families import Families
+
+from ..protocol.handoff import ROLES
 
 if TYPE_CHECKING:
     from .decoding import Outcome
@@ -243,7 +245,10 @@ class EngineMetrics:
     """The process's registry: request metrics recorded here, core counters read at scrape time."""
 
     def __init__(
-        self, read_core: Callable[[], dict[str, int] | None], gauges: Callable[[], dict[str, float]]
+        self,
+        read_core: Callable[[], dict[str, int] | None],
+        gauges: Callable[[], dict[str, float]],
+        role: str = "mixed",
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         family = Families(self.registry, "slotkeeper_")
@@ -264,6 +269,10 @@ class EngineMetrics:
             "Time to first token, including the wait for a slot",
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
         )
+        # Its part in a prefill/decode split (engine_pool.protocol.handoff): 1 for its role, else 0.
+        roles = family(Gauge, "engine_role", "This engine's role (1) in a prefill/decode split", "role")
+        for name in ROLES:
+            roles.labels(name).set(1 if name == role else 0)
         self.registry.register(_CoreCollector(read_core, gauges))
         ProcessCollector(registry=self.registry)
         self._read_core = read_core

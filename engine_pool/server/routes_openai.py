@@ -139,6 +139,7 @@ async def models(request: Request) -> Response:
         "object": "model",
         "created": int(rt.started),
         "owned_by": "slotkeeper",
+        "role": rt.settings.role,  # prefill | decode | mixed (engine_pool.protocol.handoff)
     }
     if rt.engine is not None:
         m = rt.engine.model

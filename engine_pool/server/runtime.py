@@ -62,7 +62,7 @@ class Runtime:
         self.leases = SlotLeases(
             settings.n_slots, settings.queue_size, settings.retry_after_s, self._fetch_tokens
         )
-        self.metrics = EngineMetrics(self._core_metrics, self._gauges)
+        self.metrics = EngineMetrics(self._core_metrics, self._gauges, settings.role)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 

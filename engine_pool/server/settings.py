@@ -45,6 +45,7 @@ from engine_pool.process.flags import (
 from engine_pool.process.flags import build_parser as _build_parser
 from engine_pool.process.limit_flags import BODY_TIMEOUT_S, MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_MESSAGES
 
+from ..protocol.handoff import ROLES
 from .formats import CHAT_FORMATS
 from .formats.output import REASONING_FORMATS
 from .grammar import GrammarLimits
@@ -391,6 +392,14 @@ FLAGS: tuple[Flag, ...] = (
         "layer), hermes, qwen-xml, lfm2, nemotron-h, llama.cpp (auto)",
         (lambda v: v in CHAT_FORMATS, f"one of {', '.join(CHAT_FORMATS)}"),
     ),
+    str_flag(
+        "role",
+        "--role",
+        "mixed",
+        "this engine's part in a prefill/decode split: prefill, decode or mixed (mixed); shown in "
+        "/v1/models and /metrics, read by the node agent that runs it",
+        (lambda v: v in ROLES, f"one of {', '.join(ROLES)}"),
+    ),
 )
 
 _DEFAULT = table_defaults(FLAGS)
@@ -461,6 +470,7 @@ class EngineSettings:
     chat_format: str = _DEFAULT[
         "chat_format"
     ]  # the tool-call format: auto (from the template), a family's or llama.cpp's
+    role: str = _DEFAULT["role"]  # prefill | decode | mixed (engine_pool.protocol.handoff)
     no_repack: bool = _DEFAULT[
         "no_repack"
     ]  # llama-server's --no-repack (also forced on CPUs with AMX: runtime.py)

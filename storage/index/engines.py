@@ -35,6 +35,7 @@ class EngineInfo:
     # The engine process's instance id ('' unknown): new at every start, so a request that names
     # it (X-Slotkeeper-Instance) never runs on a restarted engine whose slots hold other sessions.
     instance: str = ""
+    role: str = "mixed"  # prefill | decode | mixed: a prefill engine holds no session
 
 
 def _ms(seconds: float) -> int:
@@ -63,13 +64,22 @@ class EngineRegistry:
         n_slots: int,
         ttl_s: float,
         instance: str = "",
+        role: str = "mixed",
     ) -> EngineInfo:
         """Announce (or re-announce) an engine; it stays listed for ``ttl_s`` without heartbeats.
-        ``instance``: its process's instance id (see :class:`EngineInfo`)."""
+        ``instance``: its process's instance id, ``role`` its role (see :class:`EngineInfo`)."""
         validate_id(node, "node id")
         now = self._clock()
         info = EngineInfo(
-            validate_id(engine_id, "engine id"), node, url, model, n_slots, now, now, instance=instance
+            validate_id(engine_id, "engine id"),
+            node,
+            url,
+            model,
+            n_slots,
+            now,
+            now,
+            instance=instance,
+            role=role,
         )
         key = self.keys.engine(engine_id)
         fields = {
@@ -80,6 +90,7 @@ class EngineRegistry:
             "registered": str(now),
             "last_heartbeat": str(now),
             "instance": instance,
+            "role": role,
         }
         async with redis_errors(), self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(key)
@@ -174,4 +185,5 @@ class EngineRegistry:
             float(h.get("registered", 0)),
             float(h.get("last_heartbeat", 0)),
             instance=h.get("instance", ""),
+            role=h.get("role", "mixed"),
         )

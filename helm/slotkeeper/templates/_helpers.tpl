@@ -160,12 +160,27 @@ pick itself: the file name without .gguf), since the node matches them to models
 {{- end }}
 {{- end }}
 
+{{/* Each model's engine role, comma-separated; "" when none is set (every engine mixed). */}}
+{{- define "slotkeeper.modelRoles" -}}
+{{- $any := false }}
+{{- range .Values.node.models }}{{ if .role }}{{ $any = true }}{{ end }}{{ end }}
+{{- if $any }}
+{{- $roles := list }}
+{{- range .Values.node.models }}
+{{- $roles = append $roles (default "mixed" .role) }}
+{{- end }}
+{{- join "," $roles }}
+{{- end }}
+{{- end }}
+
 {{/* engineArgs as one comma-separated variable: an argument with a comma cannot be carried. */}}
 {{- define "slotkeeper.engineArgs" -}}
 {{- range .Values.node.engineArgs }}
 {{- if contains "," (toString .) }}{{ fail (printf "node.engineArgs: %q contains a comma, which the comma-separated engine argument variable cannot carry" (toString .)) }}{{ end }}
 {{- end }}
-{{- join "," .Values.node.engineArgs }}
+{{- $stored := list "--stored-checkpoints" (toString (int64 .Values.node.storedCheckpoints)) }}
+{{- $stored = concat $stored (list "--stored-checkpoint-bytes" (toString .Values.node.storedCheckpointBytes)) }}
+{{- join "," (concat $stored .Values.node.engineArgs) }}
 {{- end }}
 
 {{/* Egress both components need once it is restricted: DNS, the in-chart Redis, and the peers the

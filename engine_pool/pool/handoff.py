@@ -1,0 +1,203 @@
+"""A handoff on one node: a turn's prompt evaluated on a prefill engine, its state installed in a
+decode engine's slot (engine_pool.protocol.handoff).
+
+The prefill engine's slots are this node's to hand out: only handoffs run there (the gateway never
+places a session on a prefill engine), so `PrefillSlots` — one owner, the event loop — lends each
+slot to one handoff at a time, and a handoff waits for one at most its `wait_s` (then 503: the
+gateway runs the turn unsplit). The state moves as a slot file through the node's disk, never the
+store: the prefill engine saves the slot into its slot directory (the save copies the state under
+the slot's lease, at memory speed, and writes the file after it), the file is hard-linked into the
+decode engine's slot directory, and the decode engine restores it into the turn's slot, labelled
+with the session — with the slot file's checks: another model or state format, or a damaged or
+truncated file, is refused (the slot is left empty) and the gateway runs the turn unsplit.
+
+Steps, each with its own failure: choose (`choose`, pure: the engine is a ready prefill engine of
+the decode engine's model), prefill (a chat completion with `n_predict` 0 on the lent slot), export
+(the save), install (the restore).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+import httpx
+import structlog
+
+from engine_pool.errors import ApiError, BadRequest, NotFound, Unavailable, Upstream
+from engine_pool.http.answers import answer_json, error_object
+
+from ..protocol.handoff import HandoffMode, HandoffOutcome, HandoffRequest, HandoffResult, Role
+from ..protocol.slot_actions import SlotRestored, SlotSaved
+from .supervisor import EngineSupervisor, State
+
+log = structlog.get_logger("engine.node")
+
+PREFILL_TIMEOUT = httpx.Timeout(600.0, connect=5.0)  # a prompt of a whole context, on a CPU
+# The gateway's fields that name the decode engine's slots, or its session there: meaningless on the
+# prefill engine (its slots are lent per handoff), so they are dropped from the prefill's body.
+_DECODE_ONLY = (
+    "id_slot",
+    "prefix_slots",
+    "slot_expect",
+    "slot_session",
+    "max_tokens_default",
+    "stream_options",
+)
+
+# The agent's one slot action (`NodeAgent._slot_call`): engine, slot, the answer it expects, file, label.
+SlotCall = Callable[[EngineSupervisor, int, type[Any], str | None, dict[str, str] | None], Awaitable[Any]]
+
+
+def choose(
+    decode: EngineSupervisor, prefill: EngineSupervisor | None, engine_id: str, roles: dict[str, str]
+) -> EngineSupervisor:
+    """The prefill engine a handoff may use, or why not: 404 (not on this node), 400 (not a prefill
+    engine, or of another model), 503 (not ready)."""
+    if prefill is None:
+        raise NotFound(f"engine {engine_id!r} is not on this node", param="prefill_engine")
+    if roles.get(engine_id) != Role.PREFILL:
+        raise BadRequest(f"engine {engine_id!r} is not a prefill engine", param="prefill_engine")
+    if prefill.spec.model_id != decode.spec.model_id:
+        raise BadRequest(
+            f"engine {engine_id!r} serves {prefill.spec.model_id!r}, not {decode.spec.model_id!r}",
+            param="prefill_engine",
+        )
+    if prefill.state is not State.READY:
+        raise Unavailable(f"prefill engine {engine_id} is {prefill.state}", retry_after=1)
+    return prefill
+
+
+def prefill_body(body: dict[str, Any], tenant: str, slot: int, mode: str) -> dict[str, Any]:
+    """The chat body the prefill engine runs: the turn's (so the same template, tools and checkpoint
+    hints give the same tokens), on the lent slot, labelled with the tenant (a slot another tenant
+    used last is cleared first), nothing generated; `last-token` holds the prompt's last token back."""
+    out = {k: v for k, v in body.items() if k not in _DECODE_ONLY}
+    out.update(id_slot=slot, n_predict=0, n=1, stream=False, slot_owner=tenant)
+    for alias in ("max_tokens", "max_completion_tokens"):
+        out.pop(alias, None)
+    if mode == HandoffMode.LAST_TOKEN:
+        out["prefill_hold_back"] = 1
+    return out
+
+
+def outcome_of(exc: BaseException) -> HandoffOutcome:
+    """How a failed handoff counts (`handoffs_total{result}`)."""
+    if isinstance(exc, ApiError) and exc.extra.get("kind") is not None:
+        return HandoffOutcome.REFUSED  # the decode engine's slot-file checks said no
+    if isinstance(exc, Unavailable):
+        return HandoffOutcome.UNAVAILABLE
+    return HandoffOutcome.FAILED
+
+
+class PrefillSlots:
+    """The slots of this node's prefill engines, each lent to one handoff at a time (see the module
+    doc). Owned by the event loop; no lock beyond the queues."""
+
+    def __init__(self, engines: dict[str, int]) -> None:
+        self._free: dict[str, asyncio.Queue[int]] = {}
+        for engine_id, n_slots in engines.items():
+            q: asyncio.Queue[int] = asyncio.Queue()
+            for n in range(n_slots):
+                q.put_nowait(n)
+            self._free[engine_id] = q
+
+    async def lend(self, engine_id: str, wait_s: float) -> int:
+        try:
+            async with asyncio.timeout(wait_s):
+                return await self._free[engine_id].get()
+        except TimeoutError:
+            raise Unavailable(
+                f"prefill engine {engine_id} has had no free slot for {wait_s:g} s", retry_after=1
+            ) from None
+
+    def give_back(self, engine_id: str, slot: int) -> None:
+        self._free[engine_id].put_nowait(slot)
+
+
+async def hand_off(
+    http: httpx.AsyncClient,
+    slots: PrefillSlots,
+    slot_call: SlotCall,
+    decode: EngineSupervisor,
+    slot: int,
+    prefill: EngineSupervisor,
+    req: HandoffRequest,
+) -> HandoffResult:
+    """The handoff `req` asks for, into ``decode``'s ``slot`` (see the module doc)."""
+    t0 = time.monotonic()
+    lent = await slots.lend(prefill.spec.engine_id, req.wait_s)
+    name = f"handoff-{uuid.uuid4().hex}.slot"
+    exported = prefill.spec.slot_dir / name
+    try:
+        answer = await _prefill(http, prefill, prefill_body(req.body, req.tenant, lent, req.mode))
+        t1 = time.monotonic()
+        saved: SlotSaved = await slot_call(prefill, lent, SlotSaved, name, None)
+    finally:
+        slots.give_back(prefill.spec.engine_id, lent)
+    t2 = time.monotonic()
+    installed = decode.spec.slot_dir / name
+    try:
+        await asyncio.to_thread(_move, exported, installed)
+        label = {"slot_owner": req.tenant, "slot_session": req.session}
+        restored: SlotRestored = await slot_call(decode, slot, SlotRestored, name, label)
+    finally:
+        await asyncio.to_thread(_unlink, exported, installed)
+    t3 = time.monotonic()
+    timings = answer.get("timings") if isinstance(answer.get("timings"), dict) else {}
+    prompt_n = timings.get("prompt_n", -1) if isinstance(timings, dict) else -1
+    return HandoffResult(
+        prefill.spec.engine_id,
+        lent,
+        restored.n_restored,
+        int(prompt_n) if isinstance(prompt_n, int | float) else -1,
+        saved.n_written,
+        restored.n_checkpoints,
+        req.mode,
+        prefill_ms=round((t1 - t0) * 1000, 2),
+        export_ms=round((t2 - t1) * 1000, 2),
+        install_ms=round((t3 - t2) * 1000, 2),
+        ms=round((t3 - t0) * 1000, 2),
+    )
+
+
+async def _prefill(
+    http: httpx.AsyncClient, prefill: EngineSupervisor, body: dict[str, Any]
+) -> dict[str, Any]:
+    """The prompt evaluated on the prefill engine; its answer (with its timings)."""
+    engine_id = prefill.spec.engine_id
+    try:
+        r = await http.post(f"{prefill.url}/v1/chat/completions", json=body, timeout=PREFILL_TIMEOUT)
+    except httpx.HTTPError as exc:
+        raise Upstream(f"prefill engine {engine_id}: {type(exc).__name__}: {exc}") from exc
+    answer = answer_json(r)
+    if r.status_code == 200 and isinstance(answer, dict):
+        return answer
+    error = error_object(answer) or {"message": r.text[:300]}
+    if r.status_code == 503:
+        raise Unavailable(f"prefill engine {engine_id}: {error.get('message')}", retry_after=1)
+    if r.status_code < 500:  # the turn's own fault (a body the engine refuses): the decode side says so
+        raise BadRequest(f"prefill engine {engine_id}: {error.get('message')}")
+    raise Upstream(f"prefill engine {engine_id}: {error.get('message')}")
+
+
+def _move(src: Path, dest: Path) -> None:
+    """The exported file into the decode engine's slot directory: a hard link (one file system:
+    no copy), else a copy."""
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copyfile(src, dest)
+
+
+def _unlink(*paths: Path) -> None:
+    for path in paths:
+        with suppress(OSError):
+            path.unlink()

@@ -1,0 +1,111 @@
+"""The prefill/decode split, defined once for every end: engine roles, the handoff's request to the
+node agent and its result.
+
+A `prefill` engine only evaluates prompts for others; a `decode` engine holds sessions and
+generates; a `mixed` engine (the default) does both. A handoff (gateway.turn.handoff decides,
+engine_pool.pool.handoff carries it out) evaluates a turn's prompt on a prefill engine, exports the
+slot's state (attention KV, recurrent state, the checkpoint ladder and the last logits) as a slot
+file, and installs it in the decode engine's slot, which then samples the first token from the
+handed logits: 0 prompt tokens evaluated there. `last-token` is the comparison design most
+systems use: the prefill stops one token early and the decode side evaluates the last one.
+
+Pure: no I/O here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from engine_pool.http.body import json_type
+
+from .codec import Wire, WireError, wire
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"  # evaluates prompts for decode engines; holds no session
+    DECODE = "decode"  # holds sessions; long uncached prompts are prefilled elsewhere
+    MIXED = "mixed"  # both (the default): every engine before the split existed
+
+
+ROLES = tuple(r.value for r in Role)
+
+
+def holds_sessions(role: str) -> bool:
+    """Whether turns are placed on an engine of this role (an unknown role, from a newer node: yes)."""
+    return role != Role.PREFILL
+
+
+class HandoffMode(StrEnum):
+    LOGITS = "logits"  # the whole prompt, and its last logits: the decode side evaluates 0 tokens
+    LAST_TOKEN = "last-token"  # all but the last token: the decode side evaluates 1 (the N-1 design)
+
+
+HANDOFF_MODES = tuple(m.value for m in HandoffMode)
+
+
+def parse_threshold(text: str) -> int | None:
+    """A handoff threshold as a flag or a tenants file writes it: a number of uncached prompt tokens
+    (0: every turn is split), or `off` (None: none is)."""
+    if text.strip().lower() == "off":
+        return None
+    return int(text)
+
+
+class HandoffOutcome(StrEnum):
+    """`slotkeeper_*_handoffs_total{result}`: how a handoff ended."""
+
+    DONE = "done"  # installed in the decode slot
+    REFUSED = "refused"  # the decode engine refused the state (another model or format, damaged)
+    UNAVAILABLE = "unavailable"  # no prefill engine, or it was busy past its bound
+    FAILED = "failed"  # the prefill engine failed, or the node did
+
+
+HANDOFF_OUTCOMES = tuple(o.value for o in HandoffOutcome)
+
+
+def _chat_body(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise WireError(f"'{where}' must be an object, got {json_type(value)}", where)
+    return value
+
+
+def _mode(value: Any, where: str) -> str:
+    if value not in HANDOFF_MODES:
+        raise WireError(f"'{where}' must be one of {', '.join(HANDOFF_MODES)}", where)
+    return str(value)
+
+
+@dataclass(frozen=True)
+class HandoffRequest(Wire):
+    """Prefill ``body`` (the engine's chat completions body, as the turn would send it) on
+    ``prefill_engine`` of the same node, and install the state in this slot labelled (tenant,
+    session). ``wait_s``: the longest the prefill may wait for a free prefill slot (then 503)."""
+
+    sparse = True
+
+    tenant: str
+    session: str
+    prefill_engine: str
+    body: dict[str, Any] = field(metadata=wire(parse=_chat_body))
+    mode: str = field(default=HandoffMode.LOGITS.value, metadata=wire(parse=_mode))
+    wait_s: float = field(default=2.0, metadata=wire(lo=0, hi=600))
+
+
+@dataclass(frozen=True)
+class HandoffResult(Wire):
+    """A handoff done: the prompt tokens the prefill engine evaluated, the state's tokens and bytes,
+    and where the time went (prefill, export: the slot file written, install: restored there)."""
+
+    prefill_engine: str
+    prefill_slot: int
+    tokens: int
+    prompt_n: int
+    bytes: int
+    checkpoints: int
+    mode: str
+    prefill_ms: float
+    export_ms: float
+    install_ms: float
+    ms: float
