@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from engine_pool.protocol.handoff import holds_sessions
 from engine_pool.protocol.node import UNSTORED, UnstoredCopy, UnstoredList
 from storage.index.engines import EngineInfo, EngineRegistry
 from storage.index.session_index import SessionIndex
@@ -53,6 +54,7 @@ class EngineRef:
     model: str
     n_slots: int
     instance: str = ""  # its process's instance id as registered ('' unknown)
+    role: str = "mixed"  # prefill | decode | mixed (engine_pool.protocol.handoff)
 
 
 @dataclass(frozen=True)
@@ -61,18 +63,21 @@ class _Listing:
     (a heartbeat has extended it by then: read again)."""
 
     refs: dict[str, EngineRef]
-    by_model: dict[str, list[EngineRef]]
+    by_model: dict[str, list[EngineRef]]  # the engines turns are placed on (not prefill engines)
     valid_until: float
+    prefill: dict[str, list[EngineRef]]  # by model: the prefill engines
 
     @classmethod
     def of(cls, infos: list[EngineInfo]) -> _Listing:
         refs = {
-            i.engine_id: EngineRef(i.engine_id, i.node, i.url, i.model, i.n_slots, i.instance) for i in infos
+            i.engine_id: EngineRef(i.engine_id, i.node, i.url, i.model, i.n_slots, i.instance, i.role)
+            for i in infos
         }
         by_model: dict[str, list[EngineRef]] = {}
+        prefill: dict[str, list[EngineRef]] = {}
         for ref in refs.values():
-            by_model.setdefault(ref.model, []).append(ref)
-        return cls(refs, by_model, min((i.expires for i in infos), default=float("inf")))
+            (by_model if holds_sessions(ref.role) else prefill).setdefault(ref.model, []).append(ref)
+        return cls(refs, by_model, min((i.expires for i in infos), default=float("inf")), prefill)
 
 
 @dataclass(frozen=True)
@@ -172,9 +177,14 @@ class Cluster:
         self._epoch, self._cache = epoch, _Listing.of(infos)
 
     async def engines(self, model: str | None = None, *, fresh: bool = False) -> list[EngineRef]:
-        """Engines alive (serving `model`), from the cache unless `fresh`, by id."""
+        """Engines alive (those that turns are placed on serving `model`), from the cache unless
+        `fresh`, by id."""
         cache = await self._listing(fresh)
         return list(cache.refs.values()) if model is None else cache.by_model.get(model, [])
+
+    async def prefill_engines(self, model: str) -> list[EngineRef]:
+        """The prefill engines alive serving `model` (engine_pool.protocol.handoff), by id."""
+        return (await self._listing(False)).prefill.get(model, [])
 
     async def models(self, *, fresh: bool = False) -> set[str]:
         return {e.model for e in await self.engines(fresh=fresh)}

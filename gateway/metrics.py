@@ -54,6 +54,21 @@ class Metrics:
         self.restore_failures = family(
             Counter, "restore_failures", "Fills refused (damaged/foreign file): served cold"
         )
+        self.handoffs = family(
+            Counter,
+            "handoffs",
+            "Turns prefilled on a prefill engine for a decode engine, by result (done; refused: the "
+            "decode engine refused the state; unavailable: no prefill slot in time; failed): any "
+            "but done ran unsplit",
+            "result",
+        )
+        self.handoff_bytes = family(Counter, "handoff_bytes", "State bytes handed to decode engines")
+        self.handoff_seconds = family(
+            Histogram,
+            "handoff_seconds",
+            "Handoffs' duration: prefill, export and install",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        )
         self.store_outage_reprefills = family(
             Counter,
             "store_outage_reprefills",

@@ -32,6 +32,7 @@ from engine_pool.process import logs
 from engine_pool.process import loop as event_loop
 from engine_pool.process.flags import add_flags, env_name, parse_bool
 from engine_pool.process.startup import EXIT_FAILED, EXIT_USAGE, StartError, listen_socket, report
+from engine_pool.protocol.handoff import ROLES
 from gateway.app import build_app
 from gateway.main import services
 from gateway.metrics import Metrics
@@ -76,6 +77,13 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         action="append",
         help="GGUF model, repeatable (default: a tiny demo model that answers gibberish) "
         f"[env {env_name('models')}, comma-separated]",
+    )
+    first.add_argument(
+        "--role",
+        action="append",
+        choices=ROLES,
+        help="role of the Nth --model's engine in a prefill/decode split: prefill, decode or mixed "
+        "(default mixed); give a model twice for a prefill and a decode engine of it",
     )
     first.add_argument(
         "--slots",
@@ -203,6 +211,7 @@ def _serve(ns: argparse.Namespace, settings: GatewaySettings) -> int:
         raise StartError("; ".join(bad_models), hint, EXIT_USAGE)
     node_argv = [
         *[a for m in models for a in ("--model", m)],
+        *[a for r in ns.role or () for a in ("--role", r)],
         *("--slots", ns.slots),
         *("--ctx", ns.ctx),
         *("--host", "127.0.0.1"),

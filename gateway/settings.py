@@ -36,6 +36,7 @@ from engine_pool.process.flags import (
     within,
 )
 from engine_pool.process.limit_flags import BODY_TIMEOUT_S, MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_MESSAGES
+from engine_pool.protocol.handoff import HANDOFF_MODES, parse_threshold
 
 __all__ = ["FLAGS", "GatewaySettings", "SettingsError", "parse_settings", "settings_from_args"]
 
@@ -65,6 +66,31 @@ FLAGS: tuple[Flag, ...] = (
         0.1,
         "seconds a turn's hold is kept after its answer for a next turn; a save starts after it (0.1)",
         within(0, 10),
+    ),
+    str_flag(
+        "handoff",
+        "--handoff",
+        "logits",
+        "what a split turn hands its decode engine: logits (the whole prompt's state and its last "
+        "logits: the decode side evaluates no prompt token) or last-token (all but the last token, "
+        "which the decode side evaluates: the usual design, for comparison) (logits)",
+        (lambda v: v in HANDOFF_MODES, f"one of {', '.join(HANDOFF_MODES)}"),
+    ),
+    flag(
+        "handoff_threshold",
+        "--handoff-threshold",
+        2048,
+        "uncached prompt tokens from which a turn is prefilled on a prefill engine of its model, for "
+        "tenants that set no handoff_threshold: a number, 0 (always) or off (2048)",
+        (lambda v: v is None or v >= 0, "a number of tokens, or off"),
+        parse=parse_threshold,
+    ),
+    float_flag(
+        "handoff_wait_s",
+        "--handoff-wait-s",
+        2.0,
+        "seconds a split turn waits for a free prefill slot; then it runs unsplit (2)",
+        within(0, 600),
     ),
     bool_flag(
         "early_start",
@@ -157,6 +183,11 @@ class GatewaySettings:
     # A turn whose session this gateway holds locked is sent to its slot beside its opening read,
     # not after it (gateway.turn.early): the read's round trip leaves the turn's latency.
     early_start: bool = _DEFAULT["early_start"]
+    # The prefill/decode split (gateway.turn.handoff): what is handed over, from how long an uncached
+    # tail (None: never), and how long a turn waits for a prefill slot.
+    handoff: str = _DEFAULT["handoff"]
+    handoff_threshold: int | None = _DEFAULT["handoff_threshold"]
+    handoff_wait_s: float = _DEFAULT["handoff_wait_s"]
     keep_generations: int = _DEFAULT["keep_generations"]  # stored generations kept per session (the newest K)
     collect_interval_s: float = _DEFAULT[
         "collect_interval_s"

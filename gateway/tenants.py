@@ -8,6 +8,9 @@ The tenants file is TOML:
     durability = "after-turn"            # or "on-evict"
     default_max_tokens = 4096            # output cap of a request without max_tokens (0: none;
                                          # default: the gateway's --default-max-tokens, 8192)
+    handoff_threshold = 2048             # uncached prompt tokens from which a turn is prefilled on
+                                         # a prefill engine and decoded on a decode engine (0:
+                                         # always; "off": never; default: --handoff-threshold)
     hosted_tools = "omit"                # Responses tools OpenAI runs itself (web_search,
                                          # file_search, mcp, ...), which no engine here runs:
                                          # "omit" leaves them out of the prompt and says so (the
@@ -107,6 +110,9 @@ class Tenant:
     default_max_tokens: int | None = None  # output cap without max_tokens (None: --default-max-tokens)
     store_outage: StoreOutage = StoreOutage.WAIT
     hosted_tools: HostedTools = HostedTools.OMIT
+    # Uncached prompt tokens from which its turns are prefilled on a prefill engine (0: always;
+    # None: the gateway's --handoff-threshold; `off` in the file: never, kept as -1).
+    handoff_threshold: int | None = None
 
     def model_id(self, requested: str, served: set[str]) -> str | None:
         """The served model a requested name means for this tenant, else None: an exact alias, the
@@ -213,6 +219,17 @@ def _volatile(raw: dict[str, Any], where: str) -> tuple[VolatileRule, ...]:
     return tuple(out)
 
 
+def _handoff_threshold(value: Any, where: str) -> int | None:
+    """`handoff_threshold`: a number of tokens (0: always), "off" (-1: never), absent (None)."""
+    if value is None:
+        return None
+    if value == "off":
+        return -1
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**31:
+        raise TenantConfigError(f"{where}.handoff_threshold must be a number of tokens (0: always) or 'off'")
+    return value
+
+
 def parse_tenants(doc: dict[str, Any]) -> Tenants:
     raw_tenants = doc.get("tenants")
     if not isinstance(raw_tenants, dict) or not raw_tenants:
@@ -268,6 +285,7 @@ def parse_tenants(doc: dict[str, Any]) -> Tenants:
             default_max_tokens=cap,
             store_outage=outage,
             hosted_tools=hosted,
+            handoff_threshold=_handoff_threshold(raw.get("handoff_threshold"), where),
         )
     return Tenants(out, open_access=False)
 

@@ -112,6 +112,12 @@ class Asked:
         own = self.tenant.default_max_tokens
         return self.svc.settings.default_max_tokens if own is None else own
 
+    def engine_json(self, session: str, where: Placement) -> dict[str, Any]:
+        """The engine's body for this turn in the slot ``where`` names, as an object (a handoff's
+        prefill runs it: gateway.turn.handoff)."""
+        fields = engine_fields(self.body, self.tenant, session, self.model, where, self.rules, self.cap)
+        return {**self.body, **fields}
+
     def engine_data(self, session: str, where: Placement | EarlyStart, own_restore: bool = False) -> bytes:
         """The bytes to send the engine for this turn in the slot ``where`` names."""
         fields = engine_fields(
@@ -172,6 +178,8 @@ def holds_own_state(placement: Placement | EarlyStart, own_restore: bool) -> boo
     with it; a fork restores its parent's)."""
     if not isinstance(placement, Placement):
         return True  # an early start goes to the session's own slot
+    if placement.handed_off:  # the node labelled the slot with the session as it installed the state
+        return True
     return placement.serve is Serve.LIVE or (placement.serve is Serve.RESTORE and own_restore)
 
 
@@ -181,6 +189,8 @@ def served_as(placement: Placement | EarlyStart) -> str:
     (or of the parent it forks) on the same engine, that session's stored prefix, or nothing."""
     if not isinstance(placement, Placement):
         return Serve.LIVE.value  # an early start goes to the session's own slot
+    if placement.handed_off:
+        return "handoff"
     if placement.serve is Serve.COLD and placement.prefix_from is not None:
         return "stored-prefix" if placement.prefix_stored else "prefix"
     return placement.serve.value

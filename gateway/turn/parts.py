@@ -38,6 +38,9 @@ class TurnSettings:
     keep_generations: int = 2  # stored generations a session keeps (the newest)
     max_inflight: int = 64  # a tenant's in-flight places unless its quota says
     inflight_ttl_s: float = 660.0  # a place lapses after this (its gateway died)
+    handoff: str = "logits"  # the prefill/decode split (gateway.turn.handoff): what is handed over,
+    handoff_threshold: int | None = 2048  # from how long an uncached tail for tenants that set none
+    handoff_wait_s: float = 2.0  # (None: never), and how long a turn waits for a prefill slot
 
 
 @dataclass

@@ -26,6 +26,7 @@ from gateway.turn import close, delete
 from gateway.turn.branch import Continuation, continuation, continues, looks_further
 from gateway.turn.early import EarlyCall, EarlyStart
 from gateway.turn.engine_call import TurnOutcome
+from gateway.turn.handoff import Handoffs
 from gateway.turn.hold import Phase, SessionHold, fork, hold_for_turn, write_record
 from gateway.turn.opening import Admission, Admitted, Opening, discard, new_session_refusal, open_turn
 from gateway.turn.parts import Turn, TurnParts
@@ -81,6 +82,7 @@ class TurnRunner:
         self.parts = parts
         self._tasks: set[asyncio.Task[None]] = set()  # bookkeeping in flight (finish_soon)
         self._admission: dict[str, Admission] = {}  # by tenant (names from the tenants file: bounded)
+        self.handoffs = Handoffs(parts)  # turns prefilled on a prefill engine (gateway.turn.handoff)
 
     # ---------------------------------------------------------------------------------- resolve
     async def resolve(

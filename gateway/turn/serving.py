@@ -25,8 +25,9 @@ from engine_pool.protocol.volatile import apply_rules
 from gateway.access_log import note
 from gateway.services import Services
 from gateway.tenants import Tenant
-from gateway.turn.engine_call import CHAT_PATH
+from gateway.turn.engine_call import CHAT_PATH, TurnOutcome
 from gateway.turn.forward import Asked, Dialect, SlotChanged, answer, launch
+from gateway.turn.parts import Turn
 from gateway.turn.prompt import Prompt
 
 
@@ -78,12 +79,26 @@ async def serve_turn(
             tenant, request.headers, body, model, prompt, found, functools.partial(launch, asked)
         )
         found, turn = started.found, started.turn
+        if started.early is None and prompt is not None:  # (an early start runs on its live slot)
+            turn = await _split(svc, asked, turn)
         own = check_restore and turn.forked_from is None  # a restore of its own state, labelled with it
         try:
             return await answer(request, asked, turn, started.early, own)
         except SlotChanged:  # its record placed it in a slot that holds another's state
             continue
     raise Unavailable("the session's slot changed hands while it was placed; retry", retry_after=1)
+
+
+async def _split(svc: Services, asked: Asked, turn: Turn) -> Turn:
+    """The turn, prefilled on a prefill engine when its policy says so (gateway.turn.handoff); a
+    turn cancelled meanwhile (the client left) still ends once."""
+    try:
+        return await svc.runner.handoffs.hand_off(
+            turn, asked.engine_json(turn.session, turn.placement), asked.prompt
+        )
+    except BaseException:
+        svc.runner.finish_soon(turn, asked.messages, TurnOutcome(error="cancelled"))
+        raise
 
 
 async def serve_client_turn(

@@ -37,6 +37,7 @@ class Placement:
     prefix_slots: tuple[int, ...] = ()  # slots of the engine the prompt may start from (same tenant)
     prefix_from: str | None = None  # the session whose state it starts from: live on the engine,
     prefix_stored: bool = False  # or (True) its stored prefix, filled into the slot
+    handed_off: bool = False  # its prompt prefilled on a prefill engine, the state installed here
 
 
 def prefix_slots(engine: EngineView, tenant: str, slot: int) -> tuple[int, ...]:

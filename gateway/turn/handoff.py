@@ -1,0 +1,162 @@
+"""The prefill/decode split of a turn (engine_pool.protocol.handoff): a turn placed on a decode (or
+mixed) engine whose uncached tail is long is prefilled on a prefill engine of its model on the same
+node; the node installs the state — attention KV, recurrent state, the checkpoint ladder and the
+last logits — in the turn's slot, labelled with its session, and the turn then goes to its slot as
+any other: the engine finds the whole prompt there and samples the first token from the handed
+logits (0 prompt tokens evaluated), and the session lives on in that slot.
+
+`split_for` decides (pure): never for a session live in its slot or restored there (its state is
+on the decode side already; carrying it to the prefill engine and back is not done yet), nor for one
+that starts from another slot's state on its engine (a shared prefix the prefill engine lacks),
+unless the threshold is 0; else when the prompt — all of it uncached in a cold slot — is at least
+the tenant's threshold. `prefill_engine` picks one of the model's prefill engines on the decode
+engine's node (pure). `hand_off` carries it out; whatever goes wrong (no prefill engine, busy past
+`--handoff-wait-s`, a failed prefill, a state the decode engine refuses) leaves the turn unsplit,
+counted and logged with the reason: one turn slower, never an error. Tenants never name engines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+
+from engine_pool.errors import ApiError
+from engine_pool.protocol.handoff import HandoffOutcome, HandoffRequest, HandoffResult
+from gateway.cluster import EngineRef
+from gateway.tenants import Tenant
+from gateway.turn.engine_call import CHAT_PATH, input_tokens
+from gateway.turn.parts import Turn, TurnParts, TurnSettings
+from gateway.turn.prompt import Prompt
+from gateway.turn.slot_choice import Placement, Serve
+
+log = structlog.get_logger("slotkeeper.gateway")
+
+
+def threshold_for(tenant: Tenant, settings: TurnSettings) -> int | None:
+    """The tenant's threshold in uncached prompt tokens (its own, else the gateway's); None: never."""
+    own = tenant.handoff_threshold
+    if own is None:
+        return settings.handoff_threshold
+    return None if own < 0 else own
+
+
+def may_split(placement: Placement, threshold: int | None) -> bool:
+    """Whether the turn could be split at all, before its prompt's size is known."""
+    if threshold is None or placement.serve is not Serve.COLD or placement.handed_off:
+        return False
+    return threshold == 0 or placement.prefix_from is None
+
+
+def split_for(placement: Placement, threshold: int | None, prompt_tokens: int | None) -> bool:
+    """Whether the turn is prefilled elsewhere: a cold slot's uncached tail is the whole prompt."""
+    if not may_split(placement, threshold):
+        return False
+    assert threshold is not None
+    return threshold == 0 or (prompt_tokens is not None and prompt_tokens >= threshold)
+
+
+def prefill_engine(engines: Sequence[EngineRef], node: str, turn_number: int = 0) -> EngineRef | None:
+    """A prefill engine on ``node`` (the state moves through that node's disk), taken in turn
+    (``turn_number``) when there are several; None when the node has none."""
+    here = sorted((e for e in engines if e.node == node), key=lambda e: e.engine)
+    return here[turn_number % len(here)] if here else None
+
+
+class Handoffs:
+    """The split turns of this process: carries `split_for`'s decision out (see the module doc)."""
+
+    def __init__(self, parts: TurnParts) -> None:
+        self.parts = parts
+        self._turns = 0  # round robin over a node's prefill engines
+
+    async def hand_off(self, turn: Turn, body: dict[str, Any], prompt: Prompt | None) -> Turn:
+        """``turn`` with its prompt's state installed in its slot (`Placement.handed_off`), or as it
+        was (whatever failed: counted and logged). ``body``: the engine's chat body as the turn
+        sends it."""
+        try:
+            return await self._split(turn, body, prompt)
+        except Exception as exc:  # the index or a node away: the turn runs unsplit all the same
+            self._failed(turn, None, exc)
+            return turn
+
+    async def _split(self, turn: Turn, body: dict[str, Any], prompt: Prompt | None) -> Turn:
+        parts, placement = self.parts, turn.placement
+        threshold = threshold_for(turn.tenant, parts.settings)
+        if prompt is None or not may_split(placement, threshold):
+            return turn
+        decode = await parts.cluster.engine(placement.engine)
+        if decode is None:
+            return turn
+        prefill = prefill_engine(await parts.cluster.prefill_engines(turn.model), decode.node, self._turns)
+        if prefill is None:
+            return turn
+        size = None
+        if threshold:  # the prompt's size, as the decode engine tokenizes it
+            tokens = await _prompt_tokens(parts, turn, prompt)
+            size = None if tokens is None else len(tokens)
+        if not split_for(placement, threshold, size):
+            return turn
+        self._turns += 1
+        request = HandoffRequest(
+            turn.tenant.name,
+            turn.session,
+            prefill.engine,
+            body,
+            mode=parts.settings.handoff,
+            wait_s=parts.settings.handoff_wait_s,
+        )
+        try:
+            result = await turn.node.handoff(placement.engine, placement.slot, request)
+        except ApiError as exc:
+            self._failed(turn, prefill, exc)
+            return turn
+        self._done(turn, result)
+        return dataclasses.replace(turn, placement=dataclasses.replace(placement, handed_off=True))
+
+    def _done(self, turn: Turn, result: HandoffResult) -> None:
+        metrics = self.parts.metrics
+        metrics.handoffs.labels(HandoffOutcome.DONE.value).inc()
+        metrics.handoff_bytes.inc(result.bytes)
+        metrics.handoff_seconds.observe(result.ms / 1000)
+        log.info(
+            "turn.handed_off",
+            tenant=turn.tenant.name,
+            session=turn.session,
+            engine=turn.placement.engine,
+            slot=turn.placement.slot,
+            **result.to_json(),
+        )
+
+    def _failed(self, turn: Turn, prefill: EngineRef | None, exc: Exception) -> None:
+        outcome = failure(exc)
+        self.parts.metrics.handoffs.labels(outcome.value).inc()
+        log.warning(
+            "turn.handoff_failed",
+            tenant=turn.tenant.name,
+            session=turn.session,
+            engine=turn.placement.engine,
+            prefill=prefill.engine if prefill is not None else None,
+            result=outcome.value,
+            error=str(exc),
+        )
+
+
+def failure(exc: Exception) -> HandoffOutcome:
+    """How a failed handoff counts: the decode engine refused the state (its slot-file checks: another
+    model or format, damaged), no prefill slot in time (503), or anything else."""
+    if not isinstance(exc, ApiError):
+        return HandoffOutcome.FAILED
+    if exc.extra.get("kind") is not None:
+        return HandoffOutcome.REFUSED
+    if exc.status == 503:
+        return HandoffOutcome.UNAVAILABLE
+    return HandoffOutcome.FAILED
+
+
+async def _prompt_tokens(parts: TurnParts, turn: Turn, prompt: Prompt) -> list[int] | None:
+    if parts.engines is None:
+        return None
+    return await input_tokens(parts.engines, turn.engine_url.rstrip("/") + CHAT_PATH, prompt.tokens_body())

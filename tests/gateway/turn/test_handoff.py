@@ -1,0 +1,87 @@
+"""The split decision (gateway.turn.handoff), pure: which turns are prefilled on a prefill engine,
+and which one."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_pool.errors import ApiError, Unavailable
+from engine_pool.protocol.handoff import HandoffOutcome, HandoffRequest, parse_threshold
+from gateway.cluster import EngineRef
+from gateway.tenants import Tenant, TenantConfigError, parse_tenants
+from gateway.turn.handoff import failure, prefill_engine, split_for, threshold_for
+from gateway.turn.parts import TurnSettings
+from gateway.turn.slot_choice import Placement, Serve
+
+COLD = Placement("e1", 0, Serve.COLD)
+
+
+@pytest.mark.parametrize(
+    ("placement", "threshold", "tokens", "split"),
+    [
+        (COLD, 2048, 4096, True),
+        (COLD, 2048, 2048, True),
+        (COLD, 2048, 2047, False),
+        (COLD, 2048, None, False),  # its size unknown: left where it is
+        (COLD, 0, None, True),  # always
+        (COLD, None, 100_000, False),  # off
+        (Placement("e1", 0, Serve.LIVE), 0, 100_000, False),  # its state is on the decode side
+        (Placement("e1", 0, Serve.RESTORE), 0, 100_000, False),
+        (Placement("e1", 0, Serve.COLD, prefix_from="s0"), 2048, 100_000, False),  # a prefix there
+        (Placement("e1", 0, Serve.COLD, prefix_from="s0"), 0, 10, True),
+        (Placement("e1", 0, Serve.COLD, handed_off=True), 0, 10, False),  # once
+    ],
+)
+def test_which_turns_are_split(
+    placement: Placement, threshold: int | None, tokens: int | None, split: bool
+) -> None:
+    assert split_for(placement, threshold, tokens) is split
+
+
+def test_a_prefill_engine_of_the_same_node_in_turn() -> None:
+    engines = [EngineRef(f"n{n}-e{i}", f"n{n}", "", "m", 2, role="prefill") for n in (1, 2) for i in (0, 1)]
+    assert prefill_engine(engines, "n3") is None  # the state moves through one node's disk
+    picked = [prefill_engine(engines, "n2", k) for k in range(3)]
+    assert [e.engine for e in picked if e is not None] == ["n2-e0", "n2-e1", "n2-e0"]
+
+
+def test_the_tenants_threshold_over_the_gateways() -> None:
+    settings = TurnSettings(lock_ttl_s=1, spill_wait_s=1, handoff_threshold=2048)
+    assert threshold_for(Tenant("a"), settings) == 2048
+    assert threshold_for(Tenant("a", handoff_threshold=0), settings) == 0
+    assert threshold_for(Tenant("a", handoff_threshold=-1), settings) is None  # "off"
+    off = TurnSettings(lock_ttl_s=1, spill_wait_s=1, handoff_threshold=None)
+    assert threshold_for(Tenant("a"), off) is None
+    assert parse_threshold("off") is None and parse_threshold("512") == 512
+    tenants = parse_tenants(
+        {
+            "tenants": {
+                "a": {"keys": ["k1"], "handoff_threshold": "off"},
+                "b": {"keys": ["k2"], "handoff_threshold": 64},
+            }
+        }
+    )
+    assert tenants.by_name["a"].handoff_threshold == -1 and tenants.by_name["b"].handoff_threshold == 64
+    with pytest.raises(TenantConfigError, match="handoff_threshold"):
+        parse_tenants({"tenants": {"a": {"keys": ["k1"], "handoff_threshold": "never"}}})
+
+
+def test_how_a_failed_handoff_counts() -> None:
+    assert (
+        failure(ApiError("refused", status=400, extra={"kind": "model_mismatch"})) is HandoffOutcome.REFUSED
+    )
+    assert failure(Unavailable("no free prefill slot", retry_after=1)) is HandoffOutcome.UNAVAILABLE
+    assert failure(ApiError("down", status=502)) is HandoffOutcome.FAILED
+    assert failure(RuntimeError("a bug")) is HandoffOutcome.FAILED
+
+
+def test_the_request_is_checked_where_it_arrives() -> None:
+    from engine_pool.errors import BadRequest
+    from engine_pool.http.body import Body
+
+    ok = HandoffRequest("t", "s", "n1-e0", {"messages": []})
+    assert HandoffRequest.from_json(ok.to_json()) == ok
+    assert "mode" not in ok.to_json()  # sparse: defaults left out
+    for bad in ({**ok.to_json(), "mode": "tokens"}, {**ok.to_json(), "body": []}, {"tenant": "t"}):
+        with pytest.raises(BadRequest):
+            HandoffRequest.from_body(Body(bad))
