@@ -1,7 +1,7 @@
 """The node agent: K supervised engines, slot files moved between them, the spill cache and the store.
 
 `NodeAgent` holds the node's parts (created by `node_main` in the app's lifespan and handed in)
-and carries out the node API:
+and carries out the node API (its routes: `engine_pool.pool.routes`):
 
 * spill — the engine saves the slot into its slot dir; the file moves into the spill cache
   (pinned), is uploaded with its model fingerprint and token count, and is confirmed. A store that
@@ -14,7 +14,7 @@ and carries out the node API:
 Background loops, each the only writer of what it touches: the supervisors' run loops (engine
 state), the registry loop (our engines' registry entries: register a newly ready process after
 dropping the sessions the index still places on that engine id, heartbeat, unregister), the flush
-loop (retries unconfirmed uploads with backoff). Every error leaves through `render_error`.
+loop (retries unconfirmed uploads with backoff).
 """
 
 from __future__ import annotations
@@ -32,26 +32,14 @@ from typing import Any
 
 import httpx
 import structlog
-from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from engine_pool.errors import (
     ApiError,
-    BadRequest,
     NotFound,
     Unavailable,
     Upstream,
-    api_error,
-    is_expected,
-    render_error,
 )
 from engine_pool.http.answers import answer_json, error_object
-from engine_pool.http.body import read_json
-from engine_pool.http.credentials import RequireKey
 from engine_pool.process.loop import cancel_and_wait
 from storage.blobs.blobstore import BlobStore
 from storage.blobs.spillcache import SpillCache, stored_as
@@ -64,36 +52,21 @@ from storage.errors import (
     StoreUnavailable,
     WriteConflict,
 )
-from storage.ids import SlotRef, validate_id
+from storage.ids import SlotRef
 from storage.index.engines import EngineRegistry
 from storage.index.generations import save_as_next_generation
-from storage.index.prefix_digests import STORED_ROUTES
 from storage.index.session_index import SessionIndex
 from storage.slotfile.reader import SlotFile, read_slot_file, whole_file_crc32
 
 from ..protocol.codec import WireError
 from ..protocol.handoff import HandoffRequest, HandoffResult, Role
 from ..protocol.node import (
-    ENGINES,
-    HEALTH,
-    METRICS,
-    SESSION,
-    SLOT_OPERATION,
-    SLOT_OPS,
-    UNSTORED,
     CancelResult,
-    EngineList,
     EraseResult,
-    FillRequest,
     FillResult,
-    ForgetResult,
-    NodeEngine,
-    NodeHealth,
     SlotResult,
-    SpillRequest,
     SpillResult,
     UnstoredCopy,
-    UnstoredList,
 )
 from ..protocol.slot_actions import SlotAnswer, SlotCancelled, SlotErased, SlotRestored, SlotSaved
 from .handoff import PrefillSlots, choose, hand_off, outcome_of
@@ -102,7 +75,6 @@ from .settings import NodeSettings
 from .supervisor import EngineSnapshot, EngineSpec, EngineSupervisor, State
 
 log = structlog.get_logger("engine.node")
-PUBLIC_PATHS = frozenset({HEALTH})  # probes; nothing a tenant sent
 SLOT_TIMEOUT = httpx.Timeout(600.0, connect=5.0)  # a save waits for the slot's running request
 DAMAGED = frozenset({"truncated", "bad_magic", "checksum_mismatch", "bad_layout"})
 
@@ -721,135 +693,3 @@ def _link_or_copy(src: Path, dest: Path) -> None:
         os.link(src, dest)
     except OSError:  # another filesystem
         shutil.copyfile(src, dest)
-
-
-# -- the HTTP API ------------------------------------------------------------------------------------
-def agent(request: Request) -> NodeAgent:
-    a: NodeAgent = request.app.state.agent
-    return a
-
-
-async def health(request: Request) -> Response:
-    """200 ok, or 503 while draining (a load balancer stops sending work), same body shape."""
-    a = agent(request)
-    if a.draining:
-        retry = str(a.settings.retry_after_s)
-        body = NodeHealth("draining", a.settings.node_id).to_json()
-        return JSONResponse(body, status_code=503, headers={"Retry-After": retry})
-    return JSONResponse(NodeHealth("ok", a.settings.node_id).to_json())
-
-
-def _engine_view(snap: EngineSnapshot) -> NodeEngine:
-    return NodeEngine(
-        snap.engine_id,
-        snap.model_id,
-        snap.url,
-        str(snap.state),
-        snap.n_slots,
-        snap.restarts,
-        snap.pid,
-        instance=snap.instance,
-        error=snap.error,
-        last_error=snap.last_error,
-        role=snap.role,
-    )
-
-
-async def engines(request: Request) -> Response:
-    a = agent(request)
-    views = tuple(_engine_view(sup.snapshot()) for sup in a.engines.values())
-    return JSONResponse(EngineList(a.settings.node_id, views).to_json())
-
-
-async def metrics(request: Request) -> Response:
-    a = agent(request)
-    body = a.metrics.render(
-        (sup.snapshot() for sup in a.engines.values()),
-        a.parts.cache.total_bytes,
-        len(a.parts.cache.pending()),
-        a.parts.cache.pending_bytes(),
-    )
-    return Response(body, media_type=CONTENT_TYPE_LATEST)
-
-
-async def slot_operation(request: Request) -> Response:
-    a, p = agent(request), request.path_params
-    op = p["op"]
-    if op not in SLOT_OPS:
-        raise NotFound(f"no such slot operation {op!r} ({', '.join(SLOT_OPS)})")
-    result: SlotResult
-    if op == "spill":
-        spill = SpillRequest.from_body(await read_json(request))
-        ref = SlotRef(spill.tenant, spill.session, spill.generation)
-        if spill.route and not STORED_ROUTES.fullmatch(spill.route):
-            raise BadRequest(
-                "'route' must be lowercase hex digests of 16..128 characters "
-                "(route[.shared][+prompt][-head])",
-                param="route",
-            )
-        result = await a.operation(
-            op, p["engine"], p["slot"], ref, route=spill.route, share=spill.share, fenced=spill.fenced
-        )
-    elif op == "handoff":
-        handoff = HandoffRequest.from_body(await read_json(request))
-        validate_id(handoff.tenant, "tenant")
-        validate_id(handoff.session, "session")
-        return JSONResponse((await a.handoff(p["engine"], p["slot"], handoff)).to_json())
-    elif op == "fill":
-        fill = FillRequest.from_body(await read_json(request))
-        ref = SlotRef(fill.tenant, fill.session, fill.generation)
-        result = await a.operation(op, p["engine"], p["slot"], ref, tokens=fill.tokens, prefix=fill.prefix)
-    else:
-        result = await a.operation(op, p["engine"], p["slot"], None)
-    return JSONResponse(result.to_json())
-
-
-async def handle_error(request: Request, exc: Exception) -> Response:
-    err = api_error(exc)
-    if not is_expected(exc):
-        log.error("http.unhandled", error=err.message, exc_info=exc)
-    return render_error(err)
-
-
-async def forget_session(request: Request) -> Response:
-    """Drop every copy of a session this node holds: its spill-cache files, pending uploads included
-    (the gateway deletes the session; a pending upload flushed later would bring it back)."""
-    a, p = agent(request), request.path_params
-    tenant, session = validate_id(p["tenant"], "tenant"), validate_id(p["session"], "session")
-    dropped = await a.forget(tenant, session)
-    return JSONResponse(ForgetResult(tenant, session, dropped).to_json())
-
-
-async def unstored(request: Request) -> Response:
-    """The spill cache's generations the store does not hold yet (UnstoredList); ``?tenant=&session=``
-    (both or neither): one session's only."""
-    a, q = agent(request), request.query_params
-    tenant, session = q.get("tenant"), q.get("session")
-    if (tenant is None) != (session is None):
-        raise BadRequest(
-            "'tenant' and 'session' go together", param="session" if session is None else "tenant"
-        )
-    if tenant is not None:
-        tenant, session = validate_id(tenant, "tenant"), validate_id(session, "session")
-    copies = await a.unstored(tenant, session)
-    return JSONResponse(UnstoredList(a.settings.node_id, tuple(copies)).to_json())
-
-
-def build_node_app(lifespan: Any, internal_key: str | None) -> Starlette:
-    """The node API; `lifespan` creates the parts and the agent and puts it in `app.state.agent`.
-    Everything but `/health` requires `internal_key` (see engine_pool.http.credentials)."""
-    app = Starlette(
-        routes=[
-            Route(HEALTH, health, methods=["GET"]),
-            Route(ENGINES, engines, methods=["GET"]),
-            Route(METRICS, metrics, methods=["GET"]),
-            Route(SLOT_OPERATION, slot_operation, methods=["POST"]),
-            Route(SESSION, forget_session, methods=["DELETE"]),
-            Route(UNSTORED, unstored, methods=["GET"]),
-        ],
-        lifespan=lifespan,
-        exception_handlers={e: handle_error for e in (ApiError, StorageError, HTTPException, Exception)},
-    )
-    if internal_key:
-        app.add_middleware(RequireKey, key=internal_key, public=PUBLIC_PATHS)
-    return app

@@ -46,8 +46,9 @@ from storage.index.engines import EngineRegistry
 from storage.index.session_index import SessionIndex, in_process_redis
 from storage.probe import check_backends
 
-from .agent import NodeAgent, NodeParts, build_node_app
+from .agent import NodeAgent, NodeParts
 from .model_check import check_models
+from .routes import build_node_app
 from .settings import NodeSettings, build_parser, describe, parse_node_settings
 
 log = structlog.get_logger("engine.node")

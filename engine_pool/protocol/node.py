@@ -1,7 +1,7 @@
 """The node agent's API: its paths and each request and result, defined once for both ends.
 
 Every request and result is a frozen dataclass with the one codec (`engine_pool.protocol.codec`):
-the agent (`engine_pool.pool.agent`) parses requests with `from_body` and answers with `to_json`;
+the agent's routes (`engine_pool.pool.routes`) parse requests with `from_body` and answer with `to_json`;
 its client (`engine_pool.pool.client`) sends `to_json` and reads answers with `from_json`. Errors are
 not modelled here: they travel as the common `{"error": {...}}` body (`engine_pool.errors`).
 

@@ -1,0 +1,178 @@
+"""The node API's routes: edges that read a request, call the node agent (`engine_pool.pool.agent`)
+and render its answer in the node protocol's types (`engine_pool.protocol.node`). Every error
+leaves through `render_error`; everything but `/health` requires the internal credential.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from engine_pool.errors import ApiError, BadRequest, NotFound, api_error, is_expected, render_error
+from engine_pool.http.body import read_json
+from engine_pool.http.credentials import RequireKey
+from storage.errors import StorageError
+from storage.ids import SlotRef, validate_id
+from storage.index.prefix_digests import STORED_ROUTES
+
+from ..protocol.handoff import HandoffRequest
+from ..protocol.node import (
+    ENGINES,
+    HEALTH,
+    METRICS,
+    SESSION,
+    SLOT_OPERATION,
+    SLOT_OPS,
+    UNSTORED,
+    EngineList,
+    FillRequest,
+    ForgetResult,
+    NodeEngine,
+    NodeHealth,
+    SlotResult,
+    SpillRequest,
+    UnstoredList,
+)
+from .agent import NodeAgent
+from .supervisor import EngineSnapshot
+
+log = structlog.get_logger("engine.node")
+PUBLIC_PATHS = frozenset({HEALTH})  # probes; nothing a tenant sent
+
+
+def agent(request: Request) -> NodeAgent:
+    a: NodeAgent = request.app.state.agent
+    return a
+
+
+async def health(request: Request) -> Response:
+    """200 ok, or 503 while draining (a load balancer stops sending work), same body shape."""
+    a = agent(request)
+    if a.draining:
+        retry = str(a.settings.retry_after_s)
+        body = NodeHealth("draining", a.settings.node_id).to_json()
+        return JSONResponse(body, status_code=503, headers={"Retry-After": retry})
+    return JSONResponse(NodeHealth("ok", a.settings.node_id).to_json())
+
+
+def _engine_view(snap: EngineSnapshot) -> NodeEngine:
+    return NodeEngine(
+        snap.engine_id,
+        snap.model_id,
+        snap.url,
+        str(snap.state),
+        snap.n_slots,
+        snap.restarts,
+        snap.pid,
+        instance=snap.instance,
+        error=snap.error,
+        last_error=snap.last_error,
+        role=snap.role,
+    )
+
+
+async def engines(request: Request) -> Response:
+    a = agent(request)
+    views = tuple(_engine_view(sup.snapshot()) for sup in a.engines.values())
+    return JSONResponse(EngineList(a.settings.node_id, views).to_json())
+
+
+async def metrics(request: Request) -> Response:
+    a = agent(request)
+    body = a.metrics.render(
+        (sup.snapshot() for sup in a.engines.values()),
+        a.parts.cache.total_bytes,
+        len(a.parts.cache.pending()),
+        a.parts.cache.pending_bytes(),
+    )
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+async def slot_operation(request: Request) -> Response:
+    a, p = agent(request), request.path_params
+    op = p["op"]
+    if op not in SLOT_OPS:
+        raise NotFound(f"no such slot operation {op!r} ({', '.join(SLOT_OPS)})")
+    result: SlotResult
+    if op == "spill":
+        spill = SpillRequest.from_body(await read_json(request))
+        ref = SlotRef(spill.tenant, spill.session, spill.generation)
+        if spill.route and not STORED_ROUTES.fullmatch(spill.route):
+            raise BadRequest(
+                "'route' must be lowercase hex digests of 16..128 characters "
+                "(route[.shared][+prompt][-head])",
+                param="route",
+            )
+        result = await a.operation(
+            op, p["engine"], p["slot"], ref, route=spill.route, share=spill.share, fenced=spill.fenced
+        )
+    elif op == "handoff":
+        handoff = HandoffRequest.from_body(await read_json(request))
+        validate_id(handoff.tenant, "tenant")
+        validate_id(handoff.session, "session")
+        return JSONResponse((await a.handoff(p["engine"], p["slot"], handoff)).to_json())
+    elif op == "fill":
+        fill = FillRequest.from_body(await read_json(request))
+        ref = SlotRef(fill.tenant, fill.session, fill.generation)
+        result = await a.operation(op, p["engine"], p["slot"], ref, tokens=fill.tokens, prefix=fill.prefix)
+    else:
+        result = await a.operation(op, p["engine"], p["slot"], None)
+    return JSONResponse(result.to_json())
+
+
+async def handle_error(request: Request, exc: Exception) -> Response:
+    err = api_error(exc)
+    if not is_expected(exc):
+        log.error("http.unhandled", error=err.message, exc_info=exc)
+    return render_error(err)
+
+
+async def forget_session(request: Request) -> Response:
+    """Drop every copy of a session this node holds: its spill-cache files, pending uploads included
+    (the gateway deletes the session; a pending upload flushed later would bring it back)."""
+    a, p = agent(request), request.path_params
+    tenant, session = validate_id(p["tenant"], "tenant"), validate_id(p["session"], "session")
+    dropped = await a.forget(tenant, session)
+    return JSONResponse(ForgetResult(tenant, session, dropped).to_json())
+
+
+async def unstored(request: Request) -> Response:
+    """The spill cache's generations the store does not hold yet (UnstoredList); ``?tenant=&session=``
+    (both or neither): one session's only."""
+    a, q = agent(request), request.query_params
+    tenant, session = q.get("tenant"), q.get("session")
+    if (tenant is None) != (session is None):
+        raise BadRequest(
+            "'tenant' and 'session' go together", param="session" if session is None else "tenant"
+        )
+    if tenant is not None:
+        tenant, session = validate_id(tenant, "tenant"), validate_id(session, "session")
+    copies = await a.unstored(tenant, session)
+    return JSONResponse(UnstoredList(a.settings.node_id, tuple(copies)).to_json())
+
+
+def build_node_app(lifespan: Any, internal_key: str | None) -> Starlette:
+    """The node API; `lifespan` creates the parts and the agent and puts it in `app.state.agent`.
+    Everything but `/health` requires `internal_key` (see engine_pool.http.credentials)."""
+    app = Starlette(
+        routes=[
+            Route(HEALTH, health, methods=["GET"]),
+            Route(ENGINES, engines, methods=["GET"]),
+            Route(METRICS, metrics, methods=["GET"]),
+            Route(SLOT_OPERATION, slot_operation, methods=["POST"]),
+            Route(SESSION, forget_session, methods=["DELETE"]),
+            Route(UNSTORED, unstored, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+        exception_handlers={e: handle_error for e in (ApiError, StorageError, HTTPException, Exception)},
+    )
+    if internal_key:
+        app.add_middleware(RequireKey, key=internal_key, public=PUBLIC_PATHS)
+    return app
