@@ -173,6 +173,10 @@ class RequestParams:
     it when the model adds one. At most n_ctx_slot - 4 are kept."""
     n_discard: int
     """Context shift: tokens dropped per shift (0 = half of those after the kept ones)."""
+    report_progress: bool
+    """llama-server's `return_progress`: `progress` events while the prompt is evaluated."""
+    timings_per_token: bool
+    """llama-server's `timings_per_token`: every token event carries the timings so far."""
 
 class Timings:
     prompt_n: int
@@ -206,7 +210,10 @@ class Timings:
 class Event:
     request_id: int
     """-1 for the engine-level `fault` event."""
-    kind: Literal["token", "done", "error", "fault"]
+    kind: Literal["token", "progress", "done", "error", "fault"]
+    """`progress` (requests with `report_progress`): when the prompt's evaluation starts and after
+    each prompt chunk, before the first token; `timings` then says what was reused (cache_n), what
+    was evaluated so far (prompt_n) and how long that took (prompt_ms, 0 before the first chunk)."""
     """`fault`: the loop died of an exception (message = the reason); sent once, after every
     request's error event, and nothing follows it."""
     token: int
@@ -222,6 +229,10 @@ class Event:
     top_logprobs: list[tuple[int, float]]
     """Token events of a request with n_probs > 0: (token, logprob) of the min(n_probs, n_vocab)
     most probable tokens, most probable first (ties: lower id first). Empty otherwise."""
+    prompt_total: int
+    """Progress events: the prompt's tokens (0 otherwise)."""
+    elapsed_ms: float
+    """Progress events: milliseconds since the request started (0 otherwise)."""
 
 class SlotFileInfo:
     path: str

@@ -1,6 +1,6 @@
 """The Python face of a native engine: routes the core's event stream to its requests.
 
-The core pushes token/done/error events for every request into one queue and signals an eventfd.
+The core pushes token/progress/done/error events for every request into one queue and signals an eventfd.
 This class is that queue's single consumer: an asyncio reader on the eventfd (`stream`), or a
 blocking wait for scripts and tests (`generate`); use one style per engine.
 
@@ -42,6 +42,10 @@ class Completion:
     @property
     def text(self) -> str:
         return decode_pieces(self.pieces)
+
+
+# Events after which a request's stream goes on; any other kind is its last.
+_ONGOING = frozenset({"token", "progress"})
 
 
 class _Sink:
@@ -209,7 +213,7 @@ class Engine:
             if sink is None:
                 continue
             sink.events.append(ev)
-            if ev.kind != "token":
+            if ev.kind not in _ONGOING:
                 sink.done = True
             if sink.wake is not None:
                 sink.wake.set()
@@ -257,7 +261,7 @@ class Engine:
             while True:
                 while sink.events:
                     ev = sink.events.popleft()
-                    finished = ev.kind != "token"
+                    finished = ev.kind not in _ONGOING
                     yield ev
                     if finished:
                         return
@@ -287,6 +291,8 @@ class Engine:
 
     @staticmethod
     def _consume(out: Completion, ev: _native.Event) -> bool:
+        if ev.kind == "progress":
+            return False
         if ev.kind == "token":
             out.tokens.append(ev.token)
             out.pieces.append(ev.piece)

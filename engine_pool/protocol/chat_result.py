@@ -147,10 +147,13 @@ class ChunkReader:
         self.model = ""
         self.prompt_tokens = 0  # the prompt's size, from the first chunk (`slotkeeper.prompt_tokens`)
         self.report: dict[str, Any] | None = None  # the engine's reuse report (`slotkeeper`), when sent
+        self.timings: dict[str, Any] | None = None  # the engine's last `timings` (the last chunk's: final)
         self._calls: set[int] = set()
 
     def feed(self, chunk: Mapping[str, Any]) -> list[Piece]:
         self.model = self.model or _str(chunk.get("model"))
+        if isinstance(chunk.get("timings"), dict):
+            self.timings = chunk["timings"]
         engine = _dict(chunk.get("slotkeeper"))
         if "reuse" in engine:  # the last chunk's report (the first one carries the prompt's size only)
             self.report = engine
@@ -223,11 +226,17 @@ class ChunkStream(ABC, Generic[Open]):
         pieces = self._reader.feed(chunk)
         self._report = self._reader.report
         out = self._start()
+        progress = chunk.get("prompt_progress")
+        if isinstance(progress, dict):  # llama-server's `return_progress`
+            out = self._progress(out, progress, _dict(chunk.get("timings")))
+        text: list[Event] = []  # the events of this chunk's text, which its `timings` belong to
         for piece in pieces:
             if isinstance(piece, Reasoning):
-                out += self._text(self.REASONING, piece.text)
+                text = self._text(self.REASONING, piece.text)
+                out += text
             elif isinstance(piece, Text):
-                out += self._text(self.CONTENT, piece.text)
+                text = self._text(self.CONTENT, piece.text)
+                out += text
             elif isinstance(piece, CallStart):
                 out += self._call_start(piece)
             elif isinstance(piece, CallArgs):
@@ -239,7 +248,20 @@ class ChunkStream(ABC, Generic[Open]):
                 out += self._close()
             elif isinstance(piece, UsageSeen):
                 out += self._end(piece.usage)
+        timings = chunk.get("timings")
+        if text and isinstance(timings, dict) and not any(isinstance(p, Finish) for p in pieces):
+            self._timed(text[-1], timings)  # `timings_per_token`: a token's chunk
         return out
+
+    def _progress(self, out: list[Event], progress: dict[str, Any], timings: dict[str, Any]) -> list[Event]:
+        """`out` with a prompt progress report (`prompt_progress`, and the `timings` so far when
+        the chunk has them) in the API's form; the default drops it (llama-server's Messages stream
+        shows none)."""
+        return out
+
+    def _timed(self, event: Event, timings: dict[str, Any]) -> None:
+        """Put a token's `timings` (`timings_per_token`) on the last event of its text; the
+        default drops them."""
 
     def finish(self) -> list[Event]:
         """The closing events when the chat stream ended without a usage chunk (none if ended)."""

@@ -30,6 +30,16 @@ class Timings(TypedDict):
     predicted_per_second: float
 
 
+class PromptProgress(TypedDict):
+    """llama-server's `prompt_progress` (a stream's `return_progress`): the prompt's tokens, those
+    reused from the cache, those in the slot so far (reused + evaluated), milliseconds since start."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: int
+
+
 class Extras(TypedDict):
     """What llama-server (and Slotkeeper) add to an answer per decode run."""
 
@@ -129,6 +139,8 @@ class LlamaChunk(TypedDict):
     tokens: list[int]
     stop: bool
     completion_probabilities: NotRequired[list[TokenLogprob]]
+    timings: NotRequired[Timings]  # with `timings_per_token`
+    prompt_progress: NotRequired[PromptProgress]  # with `return_progress`
 
 
 # -- chat completions ---------------------------------------------------------------------------------
@@ -218,6 +230,7 @@ ChatChunk = TypedDict(
         "usage": NotRequired[Usage | None],  # None on every chunk but the last, with include_usage
         "timings": NotRequired[Timings],  # the finishing chunk's and the usage chunk's
         "slotkeeper": NotRequired[ReuseReport],  # the first chunk's: only `prompt_tokens`
+        "prompt_progress": NotRequired[PromptProgress],  # with `return_progress`
         "id_slot": NotRequired[int],
         "__verbose": NotRequired[LlamaCompletion],
     },
@@ -249,5 +262,6 @@ TextCompletion = TypedDict(
         "slotkeeper": NotRequired[ReuseReport],
         "id_slot": NotRequired[int],
         "__verbose": NotRequired[LlamaCompletion],
+        "prompt_progress": NotRequired[PromptProgress],  # with `return_progress`
     },
 )

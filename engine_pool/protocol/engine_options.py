@@ -26,9 +26,11 @@ PASSED: dict[str, frozenset[str]] = {
     "id_slot": frozenset({"responses", "messages"}),
     "stop": frozenset({"responses"}),  # Messages has stop_sequences
     "chat_template_kwargs": frozenset({"responses", "messages"}),
-    # Refused with a stream by the chat path (no progress from the core): passed so that it is
-    # refused, not silently dropped.
+    # llama-server's stream telemetry: a Responses stream reports the prompt's progress as
+    # `response.in_progress` events and puts `timings` on its text deltas; a Messages stream shows
+    # neither, as llama-server's.
     "return_progress": frozenset({"responses", "messages"}),
+    "timings_per_token": frozenset({"responses"}),
 }
 
 

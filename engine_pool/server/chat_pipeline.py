@@ -42,7 +42,7 @@ from .chat_request import (
 )
 from .chat_template import ChatPrompt
 from .completion_result import prompt_text, verbose_result
-from .decoding import Delta, Outcome, collect_all, decode_on_slot, token_pieces, with_biases
+from .decoding import Decoded, Delta, Outcome, collect_all, decode_on_slot, token_pieces, with_biases
 from .divergence import in_last_turn, last_reply, left_at, locate
 from .formats import ChatFormat, ChatOutput, Piece, opened_by, select_format
 from .formats.reasoning import THINK_CLOSE, THINK_OPEN
@@ -128,7 +128,7 @@ async def run_chat(
     preserved = _preserved(rt, fmt, plan)
     extra_bias = _tool_call_ban(rt, fmt) if con.ban_tool_calls and plan is None else None
 
-    def gen() -> AsyncGenerator[Delta | Outcome, None]:
+    def gen() -> AsyncGenerator[Decoded, None]:
         return decode_on_slot(
             rt,
             prompt.tokens,
@@ -172,8 +172,8 @@ async def run_chat(
     parts: list[list[Piece]] = [[] for _ in range(req.n)]
 
     async def read(
-        items: AsyncGenerator[Delta | Outcome, None], out: Output, into: list[Piece]
-    ) -> AsyncGenerator[Delta | Outcome, None]:
+        items: AsyncGenerator[Decoded, None], out: Output, into: list[Piece]
+    ) -> AsyncGenerator[Decoded, None]:
         # The same pieces a stream would send, from the same deltas: the two cannot disagree.
         async with aclosing(items):
             async for item in items:

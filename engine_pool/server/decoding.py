@@ -32,6 +32,7 @@ from engine_pool.errors import ClientGone, ContextSizeExceeded, ServerError, Slo
 from ..protocol.engine_answers import CompletionLogprobs, Timings, TokenLogprob, TokenPiece
 from ..protocol.report import ReuseReport
 from .grammar import GrammarTriggers
+from .progress import Progress, from_event
 from .runtime import Runtime
 from .sampling import Sampling, ban_end_of_generation, resolve_text_bias, to_native
 from .text_stream import TextStream
@@ -57,6 +58,7 @@ class Delta:
     text: str
     tokens: list[int]
     probs: tuple[TokenProb, ...] = ()
+    timings: Timings | None = None  # the timings so far, with `timings_per_token`
 
 
 @dataclass
@@ -85,6 +87,10 @@ class Outcome:
     @property
     def n_predicted(self) -> int:
         return int(self.timings["predicted_n"])
+
+
+# What a decode run yields: progress reports (when asked for), text deltas, then one Outcome.
+Decoded = Progress | Delta | Outcome
 
 
 _STOP_TYPE = {
@@ -188,8 +194,9 @@ async def decode_on_slot(
     extra_bias: dict[int, float] | None = None,
     endpoint: str = "",
     preserved: frozenset[int] = frozenset(),
-) -> AsyncGenerator[Delta | Outcome, None]:
+) -> AsyncGenerator[Decoded, None]:
     """Deltas as they come, then one Outcome. Iterate inside `aclosing` so that leaving early cancels.
+    With `sampling.return_progress`, Progress reports come first, while the prompt is evaluated.
 
     `preserved`: special tokens whose text belongs in the output (a chat format's tags, such as
     LFM2's `<|tool_call_start|>`, a CONTROL token llama.cpp otherwise renders as nothing), like
@@ -239,11 +246,15 @@ async def decode_on_slot(
                     delta = text.feed(piece)
                     if text.stopped_by is not None:
                         await asyncio.to_thread(engine.cancel, ev.request_id)
+                    timings = timings_dict(ev.timings) if sampling.timings_per_token else None
                     if sampling.n_probs:
                         probs.append(TokenProb(ev.token, ev.logprob, tuple(ev.top_logprobs)))
-                        yield Delta(delta, [ev.token], (probs[-1],))
+                        yield Delta(delta, [ev.token], (probs[-1],), timings)
                     else:
-                        yield Delta(delta, [ev.token])
+                        yield Delta(delta, [ev.token], timings=timings)
+                elif ev.kind == "progress":
+                    for report in from_event(ev, timings_dict(ev.timings)):
+                        yield report
                 elif ev.kind == "done":
                     done, ended = ev, True
                 else:
@@ -301,7 +312,7 @@ def _log_outcome(rt: Runtime, o: Outcome, held_tokens: int, endpoint: str) -> No
         log.warning("restore.reprefilled", slot=o.slot, restored_tokens=held_tokens, n_prompt=o.n_prompt)
 
 
-async def collect(gen: AsyncGenerator[Delta | Outcome, None], request: Request | None = None) -> Outcome:
+async def collect(gen: AsyncGenerator[Decoded, None], request: Request | None = None) -> Outcome:
     """Drive a decode run to its Outcome; a client that disconnects first cancels it."""
 
     async def run() -> Outcome:
@@ -328,7 +339,7 @@ async def collect(gen: AsyncGenerator[Delta | Outcome, None], request: Request |
 
 
 async def collect_all(
-    gens: Sequence[AsyncGenerator[Delta | Outcome, None]], request: Request | None = None
+    gens: Sequence[AsyncGenerator[Decoded, None]], request: Request | None = None
 ) -> list[Outcome]:
     """Drive several decode runs at once (each takes its own slot lease, queueing like any request)
     to their Outcomes, in order; the first failure cancels the others and is raised."""

@@ -28,13 +28,15 @@ from ..protocol.engine_answers import (
     LlamaCompletion,
     TextChoice,
     TextCompletion,
+    Timings,
     ToolCallDelta,
     Usage,
 )
 from .chat_request import ChatRequest
-from .decoding import Delta, Outcome, TokenBytes, TokenProb, completion_logprobs, probs_json
+from .decoding import Decoded, Delta, Outcome, TokenBytes, TokenProb, completion_logprobs, probs_json
 from .formats import ChatOutput, Piece, Reasoning, assemble
 from .formats.upstream import UpstreamOutput
+from .progress import Progress
 
 Output = ChatOutput | UpstreamOutput  # a generation's text read as reasoning, content and calls
 
@@ -114,7 +116,7 @@ def _chat_usage(o: Outcome, out: Output) -> Usage:
 
 
 async def chat_chunks(
-    gen: AsyncGenerator[Delta | Outcome, None],
+    gen: AsyncGenerator[Decoded, None],
     req: ChatRequest,
     out: Output,
     meta: Meta,
@@ -167,6 +169,11 @@ async def chat_chunks(
             pending.clear()
         return chunks
 
+    def with_timings(chunks: list[ChatChunk], timings: Timings | None) -> list[ChatChunk]:
+        if chunks and timings is not None:  # `timings_per_token`: on the token's last chunk
+            chunks[-1]["timings"] = timings
+        return chunks
+
     started = False
     async with aclosing(gen) as items:
         async for item in items:
@@ -174,10 +181,21 @@ async def chat_chunks(
                 started = True
                 first = chunk({"role": "assistant", "content": None})  # as OpenAI and llama-server
                 first["slotkeeper"] = {"prompt_tokens": n_prompt}
+                if isinstance(item, Progress):
+                    yield _with_progress(first, item, req.sampling.timings_per_token)
+                    continue
                 yield first
+            if isinstance(item, Progress):
+                # llama-server's progress chunk: the assistant's role again, with the report.
+                yield _with_progress(
+                    chunk({"role": "assistant", "content": None}), item, req.sampling.timings_per_token
+                )
+                continue
             if isinstance(item, Delta):
                 pending.extend(item.probs)
-                for c in with_probs(pieces(out.feed(item.text, len(item.tokens)))):
+                for c in with_timings(
+                    with_probs(pieces(out.feed(item.text, len(item.tokens)))), item.timings
+                ):
                     yield c
                 continue
             for c in with_probs(pieces(out.finish())):
@@ -196,11 +214,12 @@ async def chat_chunks(
 
 # -- text completions ----------------------------------------------------------------------------
 async def completion_chunks(
-    gen: AsyncGenerator[Delta | Outcome, None],
+    gen: AsyncGenerator[Decoded, None],
     meta: Meta,
     include_usage: bool,
     top: int | None,
     token_bytes: TokenBytes,
+    timings_per_token: bool = False,
 ) -> AsyncGenerator[TextCompletion, None]:
     head = meta.head()
     offset = 0  # characters of the completion so far: where the next chunk's tokens start
@@ -219,12 +238,30 @@ async def completion_chunks(
 
     async with aclosing(gen) as items:
         async for item in items:
+            if isinstance(item, Progress):
+                report = chunk("", None)
+                if timings_per_token:
+                    report["timings"] = item.timings
+                report["prompt_progress"] = item.to_json()
+                yield report
+                continue
             if isinstance(item, Delta):
                 if item.text or item.probs:
-                    yield chunk(item.text, None, item.probs)
+                    c = chunk(item.text, None, item.probs)
+                    if item.timings is not None:
+                        c["timings"] = item.timings
+                    yield c
                 continue
             last = chunk("", item.finish_reason)
             last.update(extras(item))
             yield last
             if include_usage:
                 yield {**head, "choices": [], "usage": usage([item]), **extras(item)}
+
+
+def _with_progress(c: ChatChunk, p: Progress, timings_per_token: bool) -> ChatChunk:
+    """A chat chunk carrying a prompt progress report (and the timings so far, when asked for)."""
+    if timings_per_token:
+        c["timings"] = p.timings
+    c["prompt_progress"] = p.to_json()
+    return c

@@ -28,8 +28,8 @@ from .chat_request import continuation, parse_messages, parse_tools, prefill_tex
 from .completion_prompts import check_prompts, completion_prompt, prompt_field
 from .completion_result import completion_result, prompt_text, response_fields, select_fields
 from .decoding import (
+    Decoded,
     Delta,
-    Outcome,
     TokenBytes,
     collect_all,
     decode_on_slot,
@@ -41,6 +41,7 @@ from .gbnf import check_grammar
 from .grammar import built_off_loop, schema_grammar
 from .limits import check_text
 from .metrics import CONTENT_TYPE
+from .progress import Progress
 from .route_context import aliased, limits, limits_and_body, runtime
 from .runtime import Runtime
 from .sampling import Sampling, generation_settings, read_label, read_sampling
@@ -230,7 +231,7 @@ async def completion(request: Request) -> Response:
 
 async def _completion_chunks(
     rt: Runtime,
-    gen: AsyncGenerator[Delta | Outcome, None],
+    gen: AsyncGenerator[Decoded, None],
     sampling: Sampling,
     pieces: TokenBytes,
     fields: list[str],
@@ -238,7 +239,13 @@ async def _completion_chunks(
 ) -> AsyncGenerator[LlamaChunk | LlamaCompletion | dict[str, Any], None]:
     async with aclosing(gen) as items:
         async for item in items:
-            if isinstance(item, Delta):
+            if isinstance(item, Progress):
+                report: LlamaChunk = {"index": 0, "content": "", "tokens": [], "stop": False}
+                if sampling.timings_per_token:
+                    report["timings"] = item.timings
+                report["prompt_progress"] = item.to_json()
+                yield report
+            elif isinstance(item, Delta):
                 chunk: LlamaChunk = {
                     "index": 0,
                     "content": item.text,
@@ -247,6 +254,8 @@ async def _completion_chunks(
                 }
                 if item.probs:
                     chunk["completion_probabilities"] = probs_json(item.probs, pieces)
+                if item.timings is not None:
+                    chunk["timings"] = item.timings
                 yield chunk
             else:
                 yield _cut(completion_result(rt, item, sampling, pieces, prompt, streamed=True), fields)

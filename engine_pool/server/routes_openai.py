@@ -101,7 +101,8 @@ async def completions(request: Request) -> Response:
     pieces = token_pieces(engine)
     if stream:
         gen = decode_on_slot(rt, tokens[0], sampling, endpoint="/v1/completions")
-        return await start_stream(completion_chunks(gen, meta, include_usage, top, pieces), done_marker=True)
+        chunks = completion_chunks(gen, meta, include_usage, top, pieces, sampling.timings_per_token)
+        return await start_stream(chunks, done_marker=True)
     runs = [p for p in tokens for _ in range(n)]  # OpenAI's order: the choices of each prompt together
     outcomes = await collect_all(
         [decode_on_slot(rt, p, sampling, endpoint="/v1/completions") for p in runs], request

@@ -52,6 +52,8 @@ class Sampling:
     # (`resolve_text_bias`, in a worker thread: the keys are client-sized text).
     logit_bias_text: tuple[tuple[str, float], ...] = ()
     n_probs: int = 0  # alternatives reported per generated token (0: no probabilities)
+    return_progress: bool = False  # a stream's prompt progress reports (llama-server's)
+    timings_per_token: bool = False  # every streamed token with the timings so far (llama-server's)
 
 
 @dataclass(frozen=True)
@@ -131,12 +133,10 @@ def read_sampling(
             "the raw logits, before the sampler chain",
             param="post_sampling_probs",
         )
-    if body.get_bool("return_progress", False) and body.get_bool("stream", False):
-        raise BadRequest(
-            "'return_progress' is not supported by this engine: its core reports no progress while it "
-            "processes a prompt (the last chunk's timings say how the prompt was served)",
-            param="return_progress",
-        )
+    # Both only mean something in a stream, as in llama-server (a plain answer has its timings).
+    stream = body.get_bool("stream", False)
+    values["return_progress"] = body.get_bool("return_progress", False) and stream
+    values["timings_per_token"] = body.get_bool("timings_per_token", False) and stream
     if "n_predict" not in values and body.has("max_tokens_default"):
         # The gateway's output cap for a request that set none (its tenant's); a cap past the slot's
         # context only means the context's end, where every decode run stops anyway.
@@ -338,6 +338,8 @@ def to_native(
         raise ValueError("text-keyed logit biases must be resolved (resolve_text_bias) before submitting")
     p.logit_bias = {**s.logit_bias, **(extra_bias or {})}
     p.n_probs = s.n_probs
+    p.report_progress = s.return_progress
+    p.timings_per_token = s.timings_per_token
     p.stop_strings = list(s.stop)
     p.preserved_tokens = sorted(preserved)
     p.grammar = grammar

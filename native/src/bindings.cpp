@@ -184,7 +184,9 @@ PYBIND11_MODULE(_native, m) {
         .def_readwrite("owner", &RequestParams::owner)
         .def_readwrite("n_probs", &RequestParams::n_probs)
         .def_readwrite("n_keep", &RequestParams::n_keep)
-        .def_readwrite("n_discard", &RequestParams::n_discard);
+        .def_readwrite("n_discard", &RequestParams::n_discard)
+        .def_readwrite("report_progress", &RequestParams::report_progress)
+        .def_readwrite("timings_per_token", &RequestParams::timings_per_token);
 
     py::class_<Timings>(m, "Timings")
         .def_readonly("prompt_n", &Timings::prompt_n)
@@ -218,6 +220,8 @@ PYBIND11_MODULE(_native, m) {
         .def_readonly("slot", &Event::slot)
         .def_readonly("logprob", &Event::logprob)
         .def_readonly("top_logprobs", &Event::top_logprobs)
+        .def_readonly("prompt_total", &Event::prompt_total)
+        .def_readonly("elapsed_ms", &Event::elapsed_ms)
         .def("__repr__", [](const Event & e) {
             return "Event(request_id=" + std::to_string(e.request_id) + ", kind='" + e.kind + "', token=" +
                    std::to_string(e.token) + ", stop_reason='" + e.stop_reason + "')";

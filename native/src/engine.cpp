@@ -532,6 +532,7 @@ void Engine::start_request(Slot & s, Queued && q) {
     s.owner = a->params.owner;
     s.active = std::move(a);
     s.prompt_n = L;
+    report_progress(s);
 
     if (plan.n_keep == L) {  // identical prompt: nothing to evaluate
         s.active->t_prompt_done = now_s();
@@ -625,9 +626,13 @@ bool Engine::step() {
             if (size_t(a.plan.front().n_tokens) == a.cursor) capture_checkpoint(s, a.plan.front().kind, logits);
             a.plan.erase(a.plan.begin());
         }
-        if (a.cursor == prompt.size()) {
+        const bool prompt_done = a.cursor == prompt.size();
+        if (prompt_done) {
             a.t_prompt_done = now_s();
             a.timings.prompt_ms = ms_since(a.t_start);
+        }
+        report_progress(s);
+        if (prompt_done) {
             a.generating = true;
             if (a.params.n_predict == 0) {
                 finish(s, "length");
@@ -665,6 +670,10 @@ void Engine::after_token(Slot & s, const float * logits) {
     e.piece = token_piece(t, false);
     e.slot = s.id;
     if (a.params.n_probs > 0) token_probs(logits, t, a.params.n_probs, e);
+    if (a.params.timings_per_token) {
+        e.timings = timings_so_far(s);
+        e.timings.predicted_n = a.n_sampled;  // this token included
+    }
     const bool stopped = completes_stop_string(a, t, e.piece);
     push_event(std::move(e));
     if (stopped) {
@@ -716,6 +725,34 @@ void Engine::token_probs(const float * logits, llama_token sampled, int n_probs,
     }
 }
 
+// The request's timings as of now: the prompt's time until it was done (or so far), the
+// generation's since then.
+Timings Engine::timings_so_far(const Slot & s) const {
+    const Active & a = *s.active;
+    Timings t = a.timings;
+    t.predicted_n = a.n_sampled;
+    if (a.t_prompt_done > 0) t.predicted_ms = ms_since(a.t_prompt_done);
+    else t.prompt_ms = ms_since(a.t_start);
+    return t;
+}
+
+// llama-server's prompt progress (`return_progress`): one event when the request starts, with what
+// was reused, and one after every prompt chunk evaluated. Sent before the token its last chunk
+// samples, so a stream shows the progress reach the prompt's end before the first token.
+void Engine::report_progress(Slot & s) {
+    const Active & a = *s.active;
+    if (!a.params.report_progress) return;
+    Event e;
+    e.request_id = a.id;
+    e.kind = "progress";
+    e.slot = s.id;
+    e.timings = timings_so_far(s);
+    e.elapsed_ms = ms_since(a.t_start);
+    if (e.timings.prompt_n == 0 && a.t_prompt_done == 0) e.timings.prompt_ms = 0.0;
+    e.prompt_total = int(a.params.prompt.size());
+    push_event(std::move(e));
+}
+
 void Engine::finish(Slot & s, const std::string & reason) {
     Active & a = *s.active;
     Event e;
@@ -723,10 +760,7 @@ void Engine::finish(Slot & s, const std::string & reason) {
     e.kind = "done";
     e.stop_reason = reason;
     e.slot = s.id;
-    e.timings = a.timings;
-    e.timings.predicted_n = a.n_sampled;
-    if (a.t_prompt_done > 0) e.timings.predicted_ms = ms_since(a.t_prompt_done);
-    else e.timings.prompt_ms = ms_since(a.t_start);
+    e.timings = timings_so_far(s);
     s.active.reset();
     s.last_used = now_s();
     push_event(std::move(e));

@@ -132,6 +132,8 @@ private:
     bool completes_stop_string(Active & a, llama_token t, const std::string & piece) const;
     void after_token(Slot & s, const float * logits);
     void finish(Slot & s, const std::string & reason);
+    void report_progress(Slot & s);
+    Timings timings_so_far(const Slot & s) const;
     bool cancel_on_loop(int64_t request_id);
     void fail_slot(Slot & s, const std::string & message);
     bool shift_context(Slot & s);

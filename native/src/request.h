@@ -58,6 +58,11 @@ struct RequestParams {
     // shift (0 = half of what follows the kept ones).
     int n_keep = 0;
     int n_discard = 0;
+    // llama-server's `return_progress`: a `progress` event when the prompt's evaluation starts
+    // (what was reused) and after every prompt chunk evaluated, before the first token.
+    bool report_progress = false;
+    // llama-server's `timings_per_token`: every token event carries the timings so far.
+    bool timings_per_token = false;
 };
 
 constexpr int kMaxProbs = 100;  // bound on RequestParams::n_probs
@@ -84,7 +89,7 @@ struct Timings {
 
 struct Event {
     int64_t request_id = -1;
-    std::string kind;  // token | done | error
+    std::string kind;  // token | progress | done | error
     llama_token token = -1;
     std::string piece;
     std::string stop_reason;  // eos | stop_token | stop_word | length | context | cancelled
@@ -95,6 +100,11 @@ struct Event {
     // probability and the n_probs most probable tokens, most probable first.
     float logprob = 0.0f;
     std::vector<std::pair<llama_token, float>> top_logprobs;
+    // Progress events: the prompt's length and the time since the request started; `timings` then
+    // holds what was reused (cache_n), what was evaluated so far (prompt_n) and the time that took
+    // (prompt_ms: 0 before the first chunk, as llama-server counts it).
+    int prompt_total = 0;
+    double elapsed_ms = 0.0;
 };
 
 }  // namespace sk

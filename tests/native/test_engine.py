@@ -216,6 +216,32 @@ async def test_async_stream_and_early_exit_cancels(make_engine, greedy):
     assert not eng.slots()[0].busy
 
 
+async def test_progress_events_come_before_the_first_token(make_engine, greedy):
+    """`report_progress`: one event when the prompt starts (what was reused), one per chunk
+    (n_batch 32 here; a chunk also ends at a planned checkpoint), all before the first token; the
+    identical prompt again has one, with every token cached. Without it, none."""
+    eng = make_engine("qwen35", n_batch=32)
+    prompt = eng.tokenize(TEXT)
+    events = [
+        ev async for ev in eng.stream(0, greedy(prompt, 3, report_progress=True, timings_per_token=True))
+    ]
+    progress = [e for e in events if e.kind == "progress"]
+    first_token = next(i for i, e in enumerate(events) if e.kind == "token")
+    assert all(e.kind == "progress" for e in events[:first_token]) and len(progress) == first_token
+    done = [(e.timings.cache_n, e.timings.prompt_n) for e in progress]
+    assert done[0] == (0, 0) and progress[0].timings.prompt_ms == 0.0
+    assert done[-1] == (0, len(prompt)) and all(e.prompt_total == len(prompt) for e in progress)
+    assert [n for _, n in done] == sorted(set(n for _, n in done))  # grows with every chunk
+    assert len(progress) >= 1 + len(prompt) // 32
+    tokens = [e for e in events if e.kind == "token"]
+    assert [e.timings.predicted_n for e in tokens] == [1, 2, 3]  # timings_per_token
+    again = [ev async for ev in eng.stream(0, greedy(prompt, 2, report_progress=True))]
+    assert [e.kind for e in again] == ["progress", "token", "token", "done"]
+    assert (again[0].timings.cache_n, again[0].timings.prompt_n) == (len(prompt), 0)
+    plain = [ev.kind async for ev in eng.stream(0, greedy(prompt, 2))]
+    assert plain == ["token", "token", "done"]
+
+
 def test_checkpoints_are_bounded_per_slot(make_engine, greedy):
     eng = make_engine("qwen35", max_checkpoints=3, checkpoint_interval=32, checkpoint_min_step=8)
     a = eng.tokenize(TEXT * 2)

@@ -10,6 +10,9 @@ carries `encrypted_content` when the request includes it and the stream can seal
 with `response.completed`, or `response.incomplete` when the token limit cut it (both carry the
 whole response, usage included) — sent once the chat stream's usage chunk arrived (its last), or
 at `finish()` when a chat stream ended without one.
+With llama-server's `return_progress`, each prompt progress report rides on a `response.in_progress`
+event (`prompt_progress`); with `timings_per_token`, a text delta carries the `timings` so far; the
+last event carries the generation's `timings` beside the response, as llama-server's.
 Every event carries `sequence_number`, counting from 0. A failure after the start is an `error`
 event and `response.failed` (`failed`).
 """
@@ -94,6 +97,19 @@ class ResponseStream(ChunkStream[_Item]):
             self._event("response.created", response=self._shell("in_progress")),
             self._event("response.in_progress", response=self._shell("in_progress")),
         ]
+
+    def _progress(self, out: list[Event], progress: dict[str, Any], timings: dict[str, Any]) -> list[Event]:
+        # llama-server's: on the `response.in_progress` that opens the stream, later on one of its own.
+        if not out:
+            out = [self._event("response.in_progress", response=self._shell("in_progress"))]
+        data = out[-1][1]
+        if timings:
+            data["timings"] = timings
+        data["prompt_progress"] = progress
+        return out
+
+    def _timed(self, event: Event, timings: dict[str, Any]) -> None:
+        event[1]["timings"] = timings
 
     def failed(self, err: ApiError) -> list[Event]:
         """A failure after the stream started: `error` (the error's own code and message), then
@@ -224,4 +240,6 @@ class ResponseStream(ChunkStream[_Item]):
         self.response = response
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         out.append(self._event(kind, response=response))
+        if self._reader.timings is not None:  # llama-server's: the generation's, beside the response
+            out[-1][1]["timings"] = self._reader.timings
         return out

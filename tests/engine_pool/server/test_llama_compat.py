@@ -452,12 +452,18 @@ def test_response_fields(llama: httpx.Client) -> None:
     assert select_fields(result, ["b/d/e", "b/c", "a", "b/x", "a/b"]) == {"b/d/e": 3, "b/c": 2, "a": 1}
 
 
-def test_return_progress_is_refused_when_streaming(llama: httpx.Client) -> None:
-    body = {"prompt": "Hello", "n_predict": 2, "return_progress": True}
-    _ok(llama.post("/completion", json=body))  # no stream: llama-server sends no progress either
-    _refused(llama.post("/completion", json={**body, "stream": True}), "return_progress", "no progress")
-    chat = {"messages": USER, "max_tokens": 2, "return_progress": True, "stream": True}
-    _refused(llama.post(CHAT, json=chat), "return_progress", "no progress")
+def test_return_progress_on_openai_completions(llama: httpx.Client) -> None:
+    """/v1/completions streams llama-server's progress chunks too (an empty choice beside the
+    report); a plain answer ignores the field, as llama-server does."""
+    body = {"prompt": "Hello there, progress " * 6, "max_tokens": 2, "return_progress": True}
+    chunks = _events(llama, "/v1/completions", {**body, "stream": True, "cache_prompt": False})
+    reports = [c for c in chunks if "prompt_progress" in c]
+    assert (
+        len(reports) >= 2
+        and reports[-1]["prompt_progress"]["processed"] == reports[-1]["prompt_progress"]["total"]
+    )
+    assert all(c["choices"][0]["text"] == "" and c["choices"][0]["finish_reason"] is None for c in reports)
+    assert "prompt_progress" not in _ok(llama.post("/v1/completions", json=body))
 
 
 # -- counting and prefill -----------------------------------------------------------------------

@@ -3,9 +3,10 @@ failed before issue 31, mirrored on a real engine: `/metrics` in llama-server's 
 its `Process-Start-Time-Unix` header (test_metrics.py), the model id among several aliases
 (test_basic.py), `__verbose` (test_chat_completion.py), Anthropic's thinking budget, empty
 conversation, streamed token counts and images inside `tool_result` (test_compat_anthropic.py), a
-Responses request without `model` (test_compat_oai_responses.py), `return_progress` refused on every
-streaming API, `ignore_eos`'s bans (test_ignore_eos.py), a prefill in text parts, header names in
-llama-server's case (test_security.py, test_metrics.py) and Vertex AI's `/predict` (test_compat_gcp.py).
+Responses request without `model` (test_compat_oai_responses.py), `return_progress` and
+`timings_per_token` on chat, completion and Responses streams, `ignore_eos`'s bans
+(test_ignore_eos.py), a prefill in text parts, header names in llama-server's case
+(test_security.py, test_metrics.py) and Vertex AI's `/predict` (test_compat_gcp.py).
 Each test names the upstream one.
 """
 
@@ -280,23 +281,139 @@ def test_anthropic_images_are_refused_with_llama_servers_words(c: httpx.Client, 
     assert "image input is not supported" in error["message"].lower() and param in error["message"]
 
 
+# -- prompt progress: test_chat_completion.py, test_metrics.py, test_compat_oai_responses.py ----------
+def _progress(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [c["prompt_progress"] for c in chunks if "prompt_progress" in c]
+
+
+def _check_reports(reports: list[dict[str, Any]], batch: int) -> None:
+    """upstream test_return_progress's rules: the first report has cache == processed, all share
+    total and cache, processed grows, the last has processed == total; one report per batch after
+    the first."""
+    assert reports and reports[0]["cache"] == reports[0]["processed"] and reports[0]["total"] > 0
+    for before, after in zip(reports, reports[1:], strict=False):
+        assert (after["total"], after["cache"]) == (before["total"], before["cache"])
+        assert after["processed"] > before["processed"]
+    assert reports[-1]["processed"] == reports[-1]["total"]
+    evaluated = reports[-1]["total"] - reports[0]["cache"]
+    assert len(reports) == 1 + -(-evaluated // batch), reports
+    assert all(isinstance(r["time_ms"], int) and r["time_ms"] >= 0 for r in reports)
+
+
+def test_return_progress(c: httpx.Client) -> None:
+    """(test_chat_completion.py::test_return_progress) Cold, a report when the prompt starts and one
+    per batch (-b 32); the same prompt again: the cache short of its last token, then that token, as
+    llama-server counts it (it evaluates the last token again; we serve its stored logits)."""
+    body = {
+        "max_tokens": 10,
+        "messages": [{"role": "user", "content": "This is a progress test" * 10}],
+        "stream": True,
+        "return_progress": True,
+        "id_slot": 1,
+    }
+    cold = _progress(_sse(c, "/chat/completions", {**body, "cache_prompt": False}))
+    _check_reports(cold, 32)
+    assert cold[0]["cache"] == 0 and len(cold) > 2
+    chunks = _sse(c, "/chat/completions", body)
+    again = _progress(chunks)
+    _check_reports(again, 32)
+    assert len(again) == 2 and again[0]["cache"] == again[0]["total"] - 1
+    # llama-server's progress chunk: the assistant's role, before any content.
+    first_content = next(
+        i for i, ch in enumerate(chunks) if ch["choices"] and ch["choices"][0]["delta"].get("content")
+    )
+    for ch in chunks[:first_content]:
+        assert ch["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    assert all("prompt_progress" not in ch for ch in chunks[first_content:])
+    assert chunks[-1]["timings"]["cache_n"] == again[0]["total"]  # the timings keep what was served
+    plain = _ok(c.post("/chat/completions", json={**body, "stream": False}))  # no stream: no effect
+    assert "prompt_progress" not in plain
+
+
+def test_metrics_timings_on_prompt_progress(c: httpx.Client) -> None:
+    """(test_metrics.py::test_metrics_timings_on_prompt_progress) With `timings_per_token`, every
+    progress chunk carries timings: zero before the first batch, never negative or null, prompt time
+    never going back; the token chunks carry them too."""
+    prompt = "the quick brown fox jumps over the lazy dog " * 8
+    chunks = _sse(
+        c,
+        "/completion",
+        {
+            "prompt": prompt,
+            "n_predict": 4,
+            "stream": True,
+            "timings_per_token": True,
+            "return_progress": True,
+            "cache_prompt": False,
+        },
+    )
+    progress = [ch for ch in chunks if "prompt_progress" in ch]
+    assert len(progress) > 1
+    first = progress[0]["timings"]
+    assert (first["prompt_n"], first["prompt_ms"], first["predicted_n"], first["predicted_ms"]) == (
+        0,
+        0.0,
+        0,
+        0.0,
+    )
+    prompt_ms = 0.0
+    for ch in progress:
+        assert all(v is not None and v >= 0 for v in ch["timings"].values()), ch
+        assert ch["timings"]["prompt_ms"] >= prompt_ms
+        prompt_ms = ch["timings"]["prompt_ms"]
+    assert prompt_ms > 0
+    tokens = [ch for ch in chunks if ch.get("tokens")]
+    assert tokens and all("timings" in ch for ch in tokens)
+    assert [ch["timings"]["predicted_n"] for ch in tokens] == list(range(1, len(tokens) + 1))
+    plain = _sse(c, "/completion", {"prompt": prompt, "n_predict": 2, "stream": True})
+    assert all("prompt_progress" not in ch and ("timings" not in ch or ch["stop"]) for ch in plain)
+
+
+def test_responses_stream_with_llama_telemetry(c: httpx.Client) -> None:
+    """(test_compat_oai_responses.py::test_responses_stream_with_llama_telemetry) Progress rides on
+    `response.in_progress` events, text deltas carry timings, the last event the final ones."""
+    events = _sse(
+        c,
+        "/responses",
+        {
+            "input": "This is a test" * 10,
+            "max_output_tokens": 8,
+            "temperature": 0.8,
+            "stream": True,
+            "timings_per_token": True,
+            "return_progress": True,
+            "cache_prompt": False,
+        },
+    )
+    progress = [e for e in events if "prompt_progress" in e]
+    assert len(progress) > 1 and all(e["type"] == "response.in_progress" for e in progress)
+    assert all(e["prompt_progress"]["processed"] >= e["prompt_progress"]["cache"] for e in progress)
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    timed = [e for e in deltas if "timings" in e]  # (text the parser held back to the end has none)
+    assert timed and all("prompt_per_second" in e["timings"] for e in timed)
+    # The last event carries the generation's timings; cut by max_output_tokens it is OpenAI's
+    # `response.incomplete` (llama-server says `response.completed`: docs/llama-server.md).
+    last = events[-1]
+    assert last["type"] in ("response.completed", "response.incomplete")
+    assert "usage" in last["response"] and "predicted_per_second" in last["timings"]
+    seq = [e["sequence_number"] for e in events]
+    assert seq == list(range(len(seq)))
+
+
+def test_return_progress_on_messages_adds_nothing(c: httpx.Client) -> None:
+    """llama-server's Messages stream shows no progress: the events are those of a plain stream."""
+    body = {
+        "model": "test",
+        "max_tokens": 4,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "stream": True,
+    }
+    kinds = [e["type"] for e in _sse(c, "/v1/messages", {**body, "return_progress": True})]
+    assert kinds == [e["type"] for e in _sse(c, "/v1/messages", body)]
+
+
 # -- test_compat_oai_responses.py -----------------------------------------------------------------------
-def test_return_progress_is_refused_on_every_streaming_api(c: httpx.Client) -> None:
-    """(test_responses_stream_with_llama_telemetry, test_return_progress) The core reports no
-    progress during a prefill: a stream asking for it is a 400 naming the field on each API, never a
-    stream without it; without a stream it has no effect, as in llama-server."""
-    requests = [
-        ("/responses", {"input": "This is a test", "max_output_tokens": 4}),
-        ("/v1/messages", {"model": "test", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}),
-        ("/v1/chat/completions", {"max_tokens": 4, "messages": BOOK}),
-    ]
-    for path, body in requests:
-        r = c.post(path, json={**body, "stream": True, "return_progress": True})
-        assert r.status_code == 400, (path, r.text)
-        assert "return_progress" in r.text, (path, r.text)
-        assert c.post(path, json={**body, "return_progress": True}).status_code == 200, path
-
-
 def test_responses_without_model(c: httpx.Client) -> None:
     response = _ok(c.post("/responses", json={"input": "This is a test" * 3, "max_output_tokens": 4}))
     assert response["status"] in ("completed", "incomplete") and response["model"] == "code"
