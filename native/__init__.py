@@ -30,6 +30,7 @@ from ._native import (
     SlotInfo,
     SlotSnapshot,
     Timings,
+    checkpoints_to_evict,
     crc32,
     read_fingerprint,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "SlotInfo",
     "SlotSnapshot",
     "Timings",
+    "checkpoints_to_evict",
     "crc32",
     "read_fingerprint",
 ]

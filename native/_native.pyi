@@ -61,6 +61,8 @@ class EngineConfig:
         checkpoint_min_step: int = 64,
         max_checkpoints: int = 32,
         max_checkpoint_bytes: int = 1 << 30,
+        max_stored_checkpoints: int = 8,
+        max_stored_checkpoint_bytes: int = 512 << 20,
         max_slot_file_bytes: int = 0,
         swa_full: bool = False,
         flash_attn: bool = False,
@@ -91,6 +93,11 @@ class EngineConfig:
     """Per slot. 0 disables checkpoints (hybrid/recurrent reuse then needs the exact end)."""
     max_checkpoint_bytes: Final[int]
     """Per slot, the sum of checkpoint state blobs and their logits."""
+    max_stored_checkpoints: Final[int]
+    """The checkpoints a slot file (save_slot, snapshot_slot) keeps of the slot's, at most: a
+    ladder spaced geometrically toward the newest (native/DESIGN.md). 0: none."""
+    max_stored_checkpoint_bytes: Final[int]
+    """... and their bytes (state blobs and logits), at most."""
     max_slot_file_bytes: Final[int]
     """Refuse to restore larger slot files (0 = no limit beyond the bounds checks)."""
     swa_full: Final[bool]
@@ -357,5 +364,10 @@ class ChatParser:
 
 def read_fingerprint(model_path: str) -> str:
     """The model fingerprint computed from the GGUF file alone (no load)."""
+
+def checkpoints_to_evict(ladder: list[tuple[int, str, int]], max_count: int, max_bytes: int) -> list[int]:
+    """The core's choice of the checkpoints to drop from a ladder of (n_tokens, kind, bytes),
+    ascending n_tokens (kind: prompt_end, hint or interval), to keep within the budget: indices,
+    ascending. Pure (native/src/reuse.h)."""
 
 def crc32(data: bytes, value: int = 0) -> int: ...

@@ -74,6 +74,11 @@ CORE_COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
         "Checkpoints dropped by the per-slot budget",
         {},
     ),
+    "checkpoints_not_stored": (
+        "slotkeeper_checkpoints_not_stored",
+        "Checkpoints of a slot left out of its slot files by the stored ladder's budget",
+        {},
+    ),
     "requests": ("slotkeeper_core_requests", "Requests started by the core", {}),
     "tokens_generated": ("slotkeeper_tokens_generated", "Tokens sampled", {}),
     "slot_saves": ("slotkeeper_slot_saves", "Slot files written", {}),

@@ -81,6 +81,8 @@ class Runtime:
             checkpoint_min_step=s.checkpoint_min_step,
             max_checkpoints=s.max_checkpoints,
             max_checkpoint_bytes=s.max_checkpoint_bytes,
+            max_stored_checkpoints=s.max_stored_checkpoints,
+            max_stored_checkpoint_bytes=s.max_stored_checkpoint_bytes,
             max_slot_file_bytes=s.max_slot_file_bytes,
             swa_full=s.swa_full,
             flash_attn=s.flash_attn,

@@ -167,6 +167,20 @@ FLAGS: tuple[Flag, ...] = (
         "checkpoint memory per slot, e.g. 512M (1G)",
         at_least(0),
     ),
+    int_flag(
+        "max_stored_checkpoints",
+        "--stored-checkpoints",
+        8,
+        "checkpoints a slot file keeps, spaced geometrically toward its end (8; 0: none)",
+        at_least(0),
+    ),
+    bytes_flag(
+        "max_stored_checkpoint_bytes",
+        "--stored-checkpoint-bytes",
+        512 << 20,
+        "checkpoint bytes a slot file keeps, e.g. 256M (512M)",
+        at_least(0),
+    ),
     bytes_flag(
         "max_slot_file_bytes",
         "--max-slot-file-bytes",
@@ -427,6 +441,8 @@ class EngineSettings:
     checkpoint_min_step: int = _DEFAULT["checkpoint_min_step"]
     checkpoint_interval: int = _DEFAULT["checkpoint_interval"]
     max_checkpoint_bytes: int = _DEFAULT["max_checkpoint_bytes"]
+    max_stored_checkpoints: int = _DEFAULT["max_stored_checkpoints"]
+    max_stored_checkpoint_bytes: int = _DEFAULT["max_stored_checkpoint_bytes"]
     max_slot_file_bytes: int = _DEFAULT["max_slot_file_bytes"]
     swa_full: bool = _DEFAULT["swa_full"]
     flash_attn: bool = _DEFAULT["flash_attn"]

@@ -6,6 +6,7 @@
 #include "errors.h"
 #include "hash.h"
 #include "model.h"
+#include "reuse.h"
 
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
@@ -87,9 +88,10 @@ PYBIND11_MODULE(_native, m) {
     py::class_<EngineConfig>(m, "EngineConfig")
         .def(py::init([](std::string model_path, int n_slots, int n_ctx, int n_batch, int n_ubatch, int n_threads,
                          int n_gpu_layers, int checkpoint_interval, int checkpoint_min_step, int max_checkpoints,
-                         uint64_t max_checkpoint_bytes, uint64_t max_slot_file_bytes, bool swa_full, bool flash_attn,
-                         bool repack, bool kv_unified, std::string cache_type_k, std::string cache_type_v,
-                         bool use_mmap, bool use_mlock, bool warmup, bool context_shift) {
+                         uint64_t max_checkpoint_bytes, int max_stored_checkpoints,
+                         uint64_t max_stored_checkpoint_bytes, uint64_t max_slot_file_bytes, bool swa_full,
+                         bool flash_attn, bool repack, bool kv_unified, std::string cache_type_k,
+                         std::string cache_type_v, bool use_mmap, bool use_mlock, bool warmup, bool context_shift) {
                  EngineConfig c;
                  c.model = ModelLoad{std::move(model_path), n_gpu_layers, repack, use_mmap, use_mlock};
                  c.n_slots = n_slots;
@@ -101,6 +103,8 @@ PYBIND11_MODULE(_native, m) {
                  c.checkpoint_min_step = checkpoint_min_step;
                  c.max_checkpoints = max_checkpoints;
                  c.max_checkpoint_bytes = max_checkpoint_bytes;
+                 c.max_stored_checkpoints = max_stored_checkpoints;
+                 c.max_stored_checkpoint_bytes = max_stored_checkpoint_bytes;
                  c.max_slot_file_bytes = max_slot_file_bytes;
                  c.swa_full = swa_full;
                  c.flash_attn = flash_attn;
@@ -119,6 +123,8 @@ PYBIND11_MODULE(_native, m) {
              py::arg("checkpoint_min_step") = defaults.checkpoint_min_step,
              py::arg("max_checkpoints") = defaults.max_checkpoints,
              py::arg("max_checkpoint_bytes") = defaults.max_checkpoint_bytes,
+             py::arg("max_stored_checkpoints") = defaults.max_stored_checkpoints,
+             py::arg("max_stored_checkpoint_bytes") = defaults.max_stored_checkpoint_bytes,
              py::arg("max_slot_file_bytes") = defaults.max_slot_file_bytes, py::arg("swa_full") = defaults.swa_full,
              py::arg("flash_attn") = defaults.flash_attn, py::arg("repack") = defaults.model.repack,
              py::arg("kv_unified") = defaults.kv_unified, py::arg("cache_type_k") = defaults.cache_type_k,
@@ -138,6 +144,8 @@ PYBIND11_MODULE(_native, m) {
         .def_readonly("checkpoint_min_step", &EngineConfig::checkpoint_min_step)
         .def_readonly("max_checkpoints", &EngineConfig::max_checkpoints)
         .def_readonly("max_checkpoint_bytes", &EngineConfig::max_checkpoint_bytes)
+        .def_readonly("max_stored_checkpoints", &EngineConfig::max_stored_checkpoints)
+        .def_readonly("max_stored_checkpoint_bytes", &EngineConfig::max_stored_checkpoint_bytes)
         .def_readonly("max_slot_file_bytes", &EngineConfig::max_slot_file_bytes)
         .def_readonly("swa_full", &EngineConfig::swa_full)
         .def_readonly("flash_attn", &EngineConfig::flash_attn)
@@ -311,6 +319,13 @@ PYBIND11_MODULE(_native, m) {
         .def("parse", &ChatParser::parse, py::arg("text"), py::arg("partial"), rel());
 
     m.def("read_fingerprint", &model_fingerprint, py::arg("model_path"), rel());
+    // The ladder's pure choice (reuse.h), for tests: (n_tokens, kind name, bytes) ascending.
+    m.def("checkpoints_to_evict", [](const std::vector<std::tuple<int64_t, std::string, size_t>> & ladder,
+                                     size_t max_count, size_t max_bytes) {
+        std::vector<CheckpointBudgetItem> items;
+        for (const auto & [n, kind, bytes] : ladder) items.push_back({n, checkpoint_kind_from_name(kind), bytes});
+        return checkpoints_to_evict(items, max_count, max_bytes);
+    }, py::arg("ladder"), py::arg("max_count"), py::arg("max_bytes"));
     m.def("crc32", [](py::bytes data, uint32_t value) {
         std::string_view v = data;
         return crc32_update(value, v.data(), v.size());

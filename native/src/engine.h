@@ -143,6 +143,7 @@ private:
     size_t cells_held(const Slot & s) const;
     void warm_up();
     void capture_checkpoint(Slot & s, CheckpointKind kind, const float * logits);
+    std::vector<Checkpoint> stored_ladder(const std::vector<Checkpoint> & ladder);
     void enforce_checkpoint_budget(Slot & s);
     void clear_slot_memory(Slot & s);
     // The slot among the request's prefix_sources worth starting from instead of `s` (which would

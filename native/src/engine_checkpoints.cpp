@@ -50,4 +50,25 @@ void Engine::enforce_checkpoint_budget(Slot & s) {
     if (!drop.empty()) bump("checkpoints_evicted", int64_t(drop.size()));
 }
 
+// What a slot file keeps of a slot's ladder: the same choice under the stored budget. The slot
+// keeps its own ladder whole; the checkpoints are shared buffers, so this copies no state.
+std::vector<Checkpoint> Engine::stored_ladder(const std::vector<Checkpoint> & ladder) {
+    std::vector<CheckpointBudgetItem> items;
+    for (const auto & c : ladder) items.push_back({c.n_tokens, c.kind, c.bytes()});
+    const auto drop =
+        checkpoints_to_evict(items, size_t(cfg_.max_stored_checkpoints), size_t(cfg_.max_stored_checkpoint_bytes));
+    std::vector<Checkpoint> out;
+    out.reserve(ladder.size() - drop.size());
+    size_t d = 0;
+    for (size_t i = 0; i < ladder.size(); i++) {
+        if (d < drop.size() && drop[d] == i) {
+            d++;
+            continue;
+        }
+        out.push_back(ladder[i]);
+    }
+    if (!drop.empty()) bump("checkpoints_not_stored", int64_t(drop.size()));
+    return out;
+}
+
 }  // namespace sk

@@ -45,6 +45,7 @@ const EngineConfig & checked_config(const EngineConfig & cfg) {
     if (cfg.n_ctx < 16 * cfg.n_slots) throw InvalidRequestError("n_ctx must give every slot at least 16 tokens");
     if (cfg.n_batch < 1 || cfg.n_ubatch < 1) throw InvalidRequestError("n_batch and n_ubatch must be positive");
     if (cfg.max_checkpoints < 0) throw InvalidRequestError("max_checkpoints must be >= 0");
+    if (cfg.max_stored_checkpoints < 0) throw InvalidRequestError("max_stored_checkpoints must be >= 0");
     kv_cache_type(cfg.cache_type_k, "--cache-type-k");
     const ggml_type v = kv_cache_type(cfg.cache_type_v, "--cache-type-v");
     if (is_quantized(v) && !cfg.flash_attn) {

@@ -23,6 +23,10 @@ struct EngineConfig {
     int checkpoint_min_step = 64;
     int max_checkpoints = 32;
     uint64_t max_checkpoint_bytes = uint64_t(1) << 30;
+    // The ladder a slot file keeps (saves, snapshots): at most this many checkpoints of at most
+    // this many bytes, chosen by checkpoints_to_evict from the slot's own (which stays whole).
+    int max_stored_checkpoints = 8;
+    uint64_t max_stored_checkpoint_bytes = uint64_t(512) << 20;
     uint64_t max_slot_file_bytes = 0;
     bool swa_full = false;
     bool flash_attn = false;

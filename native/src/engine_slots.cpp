@@ -31,7 +31,7 @@ std::shared_ptr<SlotSnapshot> Engine::snapshot_slot(int slot) {
             out.tokens = s.tokens;
             out.state.resize(size);
             out.logits = s.last_logits;
-            out.checkpoints = s.checkpoints;
+            out.checkpoints = stored_ladder(s.checkpoints);
         } catch (const std::bad_alloc &) {
             // The one big allocation a command makes (the state, possibly GBs; checkpoints are
             // shared, not copied). Only copies were being made, so the engine is intact: the save

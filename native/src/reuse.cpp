@@ -1,6 +1,7 @@
 #include "reuse.h"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 
 namespace sk {
@@ -159,36 +160,48 @@ std::vector<PlannedCheckpoint> plan_checkpoints(int64_t start, int64_t n_prompt,
 
 std::vector<size_t> checkpoints_to_evict(const std::vector<CheckpointBudgetItem> & items, size_t max_count,
                                          size_t max_bytes) {
-    // Rank: lower is dropped first.
-    int newest_end = -1;
-    for (size_t i = 0; i < items.size(); i++) {
-        if (items[i].kind == CheckpointKind::PromptEnd) newest_end = int(i);
-    }
-    auto rank = [&](size_t i) {
-        if (int(i) == newest_end) return 3;
-        switch (items[i].kind) {
-            case CheckpointKind::Interval: return 0;
-            case CheckpointKind::PromptEnd: return 1;
-            case CheckpointKind::Hint: return 2;
-        }
-        return 0;
-    };
-    std::vector<size_t> order(items.size());
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-        if (rank(a) != rank(b)) return rank(a) < rank(b);
-        return items[a].n_tokens < items[b].n_tokens;
-    });
-    size_t count = items.size();
+    std::vector<size_t> drop;
+    if (items.empty()) return drop;
     size_t bytes = 0;
     for (const auto & it : items) bytes += it.bytes;
-    std::vector<size_t> drop;
-    for (size_t idx : order) {
-        if (count <= max_count && bytes <= max_bytes) break;
-        drop.push_back(idx);
-        count--;
-        bytes -= items[idx].bytes;
+    std::vector<size_t> kept(items.size());
+    std::iota(kept.begin(), kept.end(), 0);
+    auto over = [&] { return kept.size() > max_count || bytes > max_bytes; };
+    auto remove = [&](size_t k) {
+        bytes -= items[kept[k]].bytes;
+        drop.push_back(kept[k]);
+        kept.erase(kept.begin() + long(k));
+    };
+    const size_t newest = items.size() - 1;
+    size_t opening = newest;  // the oldest message boundary
+    for (size_t i = 0; i < items.size(); i++) {
+        if (items[i].kind != CheckpointKind::Interval) {
+            opening = i;
+            break;
+        }
     }
+    const double end = double(items[newest].n_tokens);
+    // Position 0 (an empty state: a whole prefill) is the ladder's fixed left end.
+    auto u = [&](double n_tokens) { return std::log2(end - n_tokens + kLadderScale); };
+    for (;;) {
+        if (!over()) break;
+        size_t best = kept.size();
+        double best_cost = 0.0;
+        for (size_t k = 0; k + 1 < kept.size(); k++) {
+            const size_t i = kept[k];
+            if (i == opening) continue;
+            const double left = k == 0 ? u(0.0) : u(double(items[kept[k - 1]].n_tokens));
+            double cost = left - u(double(items[kept[k + 1]].n_tokens));
+            if (items[i].kind != CheckpointKind::Interval) cost += kBoundaryBonus;
+            if (best == kept.size() || cost < best_cost) {
+                best = k;
+                best_cost = cost;
+            }
+        }
+        if (best == kept.size()) break;  // only the pinned ones are left
+        remove(best);
+    }
+    while (over() && !kept.empty()) remove(0);  // the opening, then the newest
     std::sort(drop.begin(), drop.end());
     return drop;
 }

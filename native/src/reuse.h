@@ -84,9 +84,23 @@ struct CheckpointBudgetItem {
     size_t bytes;
 };
 
+// Tokens added to a checkpoint's distance from the newest before its logarithm is taken: below
+// this, closer checkpoints are all "near the end" and a rollback costs little whichever is kept.
+constexpr double kLadderScale = 64.0;
+// What a message boundary (a prompt end, a hint) is worth over an interval checkpoint, in the
+// log2 gap its removal would leave: an interval is dropped first unless it fills a gap that much
+// (2^0.5 ≈ 1.4 times) wider.
+constexpr double kBoundaryBonus = 0.5;
+
 // Indices (into `items`, ascending n_tokens) to drop so that at most max_count checkpoints of at
-// most max_bytes in total remain. Drops intervals first, then older prompt ends, then hints, the
-// oldest of a class first; the newest prompt end goes last.
+// most max_bytes in total remain: the ladder that keeps a rollback cheap wherever a later prompt
+// leaves the state. The newest checkpoint (where the next turn goes on) goes last, and the oldest
+// message boundary (the conversation's opening: the end of a system prompt and tools that other
+// sessions share) before it. Each other drop takes the checkpoint whose neighbours lie closest in
+// log2(distance from the newest + kLadderScale) — position 0, a whole prefill, being the left end —
+// so what remains is spaced geometrically toward the end: a prompt that leaves the state D tokens
+// before the newest checkpoint re-evaluates about D tokens at most, however long the session.
+// Message boundaries weigh kBoundaryBonus more; ties go to the older one.
 std::vector<size_t> checkpoints_to_evict(const std::vector<CheckpointBudgetItem> & items, size_t max_count,
                                          size_t max_bytes);
 

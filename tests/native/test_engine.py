@@ -242,6 +242,51 @@ async def test_progress_events_come_before_the_first_token(make_engine, greedy):
     assert plain == ["token", "token", "done"]
 
 
+def test_the_ladder_keeps_geometric_spacing_toward_the_newest():
+    """The pure choice: the newest and the opening (the oldest boundary) stay; else a prompt that leaves the
+    state D tokens before the newest re-evaluates about D at most (the ladder thins far from the
+    end, not near it); intervals go before message boundaries; the bytes bound holds too."""
+    ladder = [(100 * (i + 1), "interval" if i % 3 else "prompt_end", 10) for i in range(60)]
+    drop = set(native.checkpoints_to_evict(ladder, 8, 1 << 30))
+    kept = [n for i, (n, _, _) in enumerate(ladder) if i not in drop]
+    assert len(kept) == 8 and kept[0] == 100 and kept[-1] == 6000
+    newest = kept[-1]
+    for x in range(kept[0], newest + 1, 50):
+        rollback = max(n for n in kept if n <= x)
+        assert x - rollback <= (newest - x) + 128, (x, kept)
+    # A long system prompt and tools: intervals inside it go, the boundary where it ends stays.
+    opening = [(2048 * (i + 1), "interval", 1) for i in range(9)] + [(20000, "hint", 1)]
+    session = opening + [(20000 + 1000 * t, "prompt_end", 1) for t in range(1, 80)]
+    drop = set(native.checkpoints_to_evict(session, 8, 1 << 30))
+    kept = [n for i, (n, _, _) in enumerate(session) if i not in drop]
+    assert 20000 in kept and kept[-1] == 99000 and not any(n < 20000 for n in kept), kept
+    # At equal spacing, an interval goes first.
+    even = [(100, "hint", 1), (200, "interval", 1), (300, "prompt_end", 1), (400, "prompt_end", 1)]
+    assert native.checkpoints_to_evict(even, 3, 1 << 30) == [1]
+    # Bytes: the interior first, then the oldest, the newest last.
+    assert native.checkpoints_to_evict(even, 10, 2) == [1, 2]
+    assert native.checkpoints_to_evict(even, 10, 1) == [0, 1, 2]
+    assert native.checkpoints_to_evict(even, 0, 1 << 30) == [0, 1, 2, 3]
+
+
+def test_a_slot_file_keeps_the_stored_ladder_and_the_slot_keeps_its_own(make_engine, greedy, tmp_path: Path):
+    """`max_stored_checkpoints`: the file holds at most that many of the slot's checkpoints, the
+    newest among them (so the identical prompt still costs nothing after a restore), while the slot
+    keeps its whole ladder."""
+    eng = make_engine("qwen35", max_stored_checkpoints=3, checkpoint_interval=16, checkpoint_min_step=8)
+    prompt = eng.tokenize(TEXT * 2)
+    eng.generate(0, greedy(prompt, 2))
+    assert eng.slots()[0].n_checkpoints > 3
+    info = eng.save_slot(0, str(tmp_path / "s.slot"))
+    stored = read_slot_file(tmp_path / "s.slot").checkpoints
+    assert info.n_checkpoints == len(stored) == 3 and eng.metrics()["checkpoints_not_stored"] > 0
+    assert stored[-1].n_tokens == len(prompt)
+    assert eng.slots()[0].n_checkpoints > 3
+    fresh = make_engine("qwen35", max_stored_checkpoints=3)
+    fresh.restore_slot(0, str(tmp_path / "s.slot"))
+    assert fresh.generate(0, greedy(prompt, 2)).timings.prompt_n == 0
+
+
 def test_checkpoints_are_bounded_per_slot(make_engine, greedy):
     eng = make_engine("qwen35", max_checkpoints=3, checkpoint_interval=32, checkpoint_min_step=8)
     a = eng.tokenize(TEXT * 2)
