@@ -173,10 +173,19 @@ class IndexHealing:
             self._task = asyncio.create_task(self._heal(), name="index-healing")
 
     async def watch(self) -> None:
-        """Read the epoch every ``interval_s`` (a loop to run as a task; a Redis away is retried)."""
+        """Read the epoch every ``interval_s`` (a loop to run as a task; a Redis away is retried),
+        and the primaries' replication histories: one never seen before (a replica promoted, which
+        may have lost the last writes) renews the epoch, so that every gateway heals
+        (storage.index.epoch)."""
+        seen: set[str] = set()
         while True:
             await asyncio.sleep(self._interval_s)
             try:
+                histories = await self._epoch.histories()
+                if seen and histories - seen and self.known:
+                    log.warning("index.failover", histories=sorted(histories - seen))
+                    await self._epoch.renew(self.known)
+                seen |= histories
                 self.saw(*await self._epoch.read())
             except StorageError as exc:
                 log.debug("index.watch_failed", error=str(exc))

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import redis.asyncio as aioredis
 import structlog
 import uvicorn
 
@@ -45,6 +44,7 @@ from storage.index.engines import EngineRegistry
 from storage.index.epoch import IndexEpoch
 from storage.index.locks import SessionLocks
 from storage.index.session_index import SessionIndex, in_process_redis
+from storage.index.topology import connect
 from storage.probe import check_backends
 
 log = structlog.get_logger("slotkeeper.gateway")
@@ -65,7 +65,7 @@ async def services(
     tenants = load_tenants(settings.tenants)
     own_redis = redis is None
     if redis is None:
-        redis = aioredis.from_url(settings.redis_url) if settings.redis_url else in_process_redis()
+        redis = connect(settings.redis_url) if settings.redis_url else in_process_redis()
     own_store = store is None
     store = store or make_store(settings, redis)
     index = SessionIndex(redis, prefix=settings.redis_prefix)

@@ -19,7 +19,6 @@ import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-import redis.asyncio as aioredis
 import structlog
 import uvicorn
 
@@ -41,6 +40,7 @@ from gateway.settings import FLAGS, GatewaySettings, SettingsError, settings_fro
 from gateway.tenants import TenantConfigError, load_tenants
 from native.model_gen import cached_model
 from storage.index.session_index import in_process_redis
+from storage.index.topology import connect
 
 log = structlog.get_logger("slotkeeper.serve")
 
@@ -248,11 +248,7 @@ def _serve(ns: argparse.Namespace, settings: GatewaySettings) -> int:
     gw_settings = dataclasses.replace(
         settings, nodes=(f"http://127.0.0.1:{node_port}",), internal_key=internal_key, sealing_key=sealing_key
     )
-    redis = (
-        aioredis.from_url(settings.redis_url, decode_responses=True)
-        if settings.redis_url
-        else in_process_redis()
-    )
+    redis = connect(settings.redis_url, decode_responses=True) if settings.redis_url else in_process_redis()
     node_server = build_server(node_settings, os.environ, redis)
     metrics = Metrics()
     app = build_app(lambda: services(gw_settings, metrics, redis=redis), metrics, gw_settings.cors_origins)

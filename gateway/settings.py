@@ -16,7 +16,6 @@ from engine_pool.http.body import BodyLimits
 from engine_pool.process.flags import (
     LOG_FORMAT,
     LOG_LEVEL,
-    REDIS_URL,
     S3_ENDPOINT,
     Flag,
     SettingsError,
@@ -39,13 +38,22 @@ from engine_pool.process.limit_flags import BODY_TIMEOUT_S, MAX_BODY_BYTES, MAX_
 from engine_pool.protocol.handoff import HANDOFF_MODES, parse_threshold
 
 __all__ = ["FLAGS", "GatewaySettings", "SettingsError", "parse_settings", "settings_from_args"]
+from storage.index.topology import redis_url_check
+
+REDIS_URL = redis_url_check()
 
 
 FLAGS: tuple[Flag, ...] = (
     str_flag("host", "--host", "127.0.0.1", "listen address (127.0.0.1)"),
     int_flag("port", "--port", 8000, "listen port (8000)", (lambda v: 0 < v < 65536, "a TCP port")),
     list_flag("nodes", "--node", "node agent URL (repeatable)"),
-    str_flag("redis_url", "--redis-url", None, "Redis URL (default: in-process index)", REDIS_URL),
+    str_flag(
+        "redis_url",
+        "--redis-url",
+        None,
+        "Redis URL: redis://, rediss://, redis-cluster://, redis-sentinel:// (default: in-process index)",
+        REDIS_URL,
+    ),
     str_flag("redis_prefix", "--redis-prefix", "slotkeeper", "prefix of every Redis key"),
     str_flag("tenants", "--tenants", None, "tenants TOML file (default: one open tenant)"),
     str_flag("s3_endpoint", "--s3-endpoint", None, "S3 endpoint URL", S3_ENDPOINT),

@@ -4,11 +4,11 @@ Gemma 3 270M assembled once per machine, redis and moto servers."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.redis_topology import TOPOLOGIES, RedisTopology, topology
 
 ARCHS = ["llama", "gemma2", "mamba2", "lfm2", "qwen35"]
 
@@ -77,43 +77,10 @@ def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield setup
 
 
-@dataclass(frozen=True)
-class RedisTopology:
-    """One of the index's Redis topologies, as a test reaches it: its ``--redis-url`` and a way to
-    empty it."""
-
-    name: str  # standalone | cluster | sentinel
-    url: str
-    flush: Callable[[], None]
-    servers: Any = None  # the ClusterProcesses or SentinelProcesses (None: one redis-server)
-
-
-TOPOLOGIES = ["standalone", "cluster", "sentinel"]
-
-
 @pytest.fixture(params=TOPOLOGIES)
 def redis_topology(request: pytest.FixtureRequest) -> RedisTopology:
     """The same test on one primary, on a Redis Cluster and behind Sentinel, emptied before it."""
     return topology(request, request.param)
-
-
-def topology(request: pytest.FixtureRequest, name: str) -> RedisTopology:
-    """The session's servers of topology ``name`` (started on first use), emptied."""
-    if name == "standalone":
-        import redis as redis_sync
-
-        url = f"redis://127.0.0.1:{request.getfixturevalue('redis_port')}/0"
-
-        def flush() -> None:
-            with redis_sync.Redis.from_url(url) as r:
-                r.flushall()
-
-        found = RedisTopology(name, url, flush)
-    else:
-        servers = request.getfixturevalue(f"redis_{name}")
-        found = RedisTopology(name, servers.url, servers.flush, servers)
-    found.flush()
-    return found
 
 
 @pytest.fixture(scope="session")

@@ -44,6 +44,7 @@ from storage.chunks.chunkstore import ChunkedStore
 from storage.chunks.ledger import ChunkLedger
 from storage.index.engines import EngineRegistry
 from storage.index.session_index import SessionIndex, in_process_redis
+from storage.index.topology import connect
 from storage.probe import check_backends
 
 from .agent import NodeAgent, NodeParts
@@ -66,9 +67,7 @@ async def open_parts(s: NodeSettings, stack: AsyncExitStack, redis: Any = None) 
     shared = redis is not None
     if redis is None:
         if s.redis_url:
-            import redis.asyncio as aioredis
-
-            redis = aioredis.Redis.from_url(s.redis_url, decode_responses=True)
+            redis = connect(s.redis_url, decode_responses=True)
         else:
             redis = in_process_redis()
         stack.push_async_callback(redis.aclose)

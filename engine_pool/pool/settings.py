@@ -27,7 +27,6 @@ from engine_pool.process.flags import (
     LOG_FORMAT,
     LOG_LEVEL,
     NO_DEFAULT,
-    REDIS_URL,
     S3_ENDPOINT,
     Flag,
     SettingsError,
@@ -49,9 +48,12 @@ from engine_pool.process.flags import (
 from engine_pool.process.flags import build_parser as _build_parser
 from storage.errors import InvalidId
 from storage.ids import validate_id, validate_prefix
+from storage.index.topology import redis_url_check
 
 from ..protocol.handoff import ROLES, Role
 from .supervisor import EngineSpec, SupervisorPolicy
+
+REDIS_URL = redis_url_check()
 
 
 def _ids(values: tuple[str, ...]) -> bool:
@@ -108,7 +110,13 @@ FLAGS: tuple[Flag, ...] = (
         (lambda v: v >= 16, "at least 16"),
     ),
     str_flag("data_dir", "--data-dir", "slotkeeper-data", "engine slot dirs, spill cache, logs"),
-    str_flag("redis_url", "--redis-url", None, "Redis (omitted: in-process index)", REDIS_URL),
+    str_flag(
+        "redis_url",
+        "--redis-url",
+        None,
+        "Redis URL: redis://, rediss://, redis-cluster://, redis-sentinel:// (omitted: in-process index)",
+        REDIS_URL,
+    ),
     str_flag("redis_prefix", "--redis-prefix", "slotkeeper", "Redis key prefix"),
     str_flag("s3_endpoint", "--s3-endpoint", None, "S3 endpoint URL", S3_ENDPOINT),
     str_flag("s3_bucket", "--s3-bucket", None, "S3 bucket (omitted: local store)"),

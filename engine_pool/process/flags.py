@@ -109,13 +109,6 @@ def url(*schemes: str, forms: str) -> Check:
     return (ok, forms)
 
 
-REDIS_URL = url(
-    "redis",
-    "rediss",
-    "unix",
-    forms="redis://[[user]:password@]host[:port][/db], rediss://... (TLS) or unix:///path/redis.sock "
-    "(one Redis primary; cluster and sentinel URLs are not read)",
-)
 S3_ENDPOINT = url("http", "https", forms="an http:// or https:// URL, e.g. http://minio.storage:9000")
 
 

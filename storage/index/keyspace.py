@@ -20,7 +20,15 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from redis.exceptions import AuthenticationError, NoPermissionError, ReadOnlyError, RedisError, WatchError
+from redis.exceptions import (
+    AuthenticationError,
+    ClusterDownError,
+    NoPermissionError,
+    ReadOnlyError,
+    RedisError,
+    TryAgainError,
+    WatchError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -194,12 +202,15 @@ def redis_address(redis: Any) -> str:
 
 def redis_error(exc: Exception, where: str = "redis") -> StorageError:
     """The storage error a redis-py exception stands for: refused credentials or permissions and
-    read-only replicas are :class:`StoreMisconfigured`, connection failures, timeouts and a full
-    server (``OOM``) :class:`StoreUnavailable`, anything else a plain :class:`StorageError`."""
+    read-only replicas are :class:`StoreMisconfigured`, connection failures, timeouts, a full
+    server (``OOM``), a cluster slot without a primary (``CLUSTERDOWN``) and one being moved
+    (``TRYAGAIN``, once redis-py's own retries are spent) :class:`StoreUnavailable`, anything else a
+    plain :class:`StorageError`."""
     for cls, code in _REDIS_CONFIG_ERRORS:
         if isinstance(exc, cls):
             return StoreMisconfigured(f"{where}: {exc}", service="redis", error_code=code, where=where)
-    if isinstance(exc, RedisConnectionError | RedisTimeoutError) or str(exc).startswith("OOM"):
+    transient = RedisConnectionError | RedisTimeoutError | ClusterDownError | TryAgainError
+    if isinstance(exc, transient) or str(exc).startswith("OOM"):
         return StoreUnavailable(f"{where}: {exc}")
     return StorageError(f"{where}: {exc}")
 
@@ -219,7 +230,9 @@ async def transact(
     """Run ``body(pipe)`` as an optimistic transaction over the ``watch``ed keys.
 
     ``body`` reads in immediate mode, then calls ``pipe.multi()`` and queues its writes; it is
-    rerun when a watched key changed before EXEC. Raising inside ``body`` aborts with no writes.
+    rerun when a watched key changed before EXEC, or when its slot was being moved to another
+    cluster node (``TRYAGAIN``: some of its keys there already). Raising inside ``body`` aborts with
+    no writes.
     """
     async with redis_errors():
         for attempt in range(attempts):
@@ -229,7 +242,7 @@ async def transact(
                     result = await body(pipe)
                     await pipe.execute()
                     return result
-                except WatchError:
+                except (WatchError, TryAgainError):
                     await asyncio.sleep(0.001 * min(attempt, 10))
     raise WriteConflict(f"too much contention on {list(watch)}")
 

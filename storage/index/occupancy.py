@@ -177,10 +177,23 @@ class EngineOccupancy:
                     getattr(pipe, name)(*args)
                 return list(await pipe.execute())
 
+        async def gathered(groups: list[list[tuple[str, tuple[Any, ...]]]]) -> list[Any]:
+            """Each group's replies (or the error that kept it from being read): one pipeline for
+            all (a round trip per shard, at once), or, when a shard fails it, one per group."""
+            try:
+                flat = await pipelined([c for g in groups for c in g])
+            except RedisError:
+                return list(await asyncio.gather(*(pipelined(g) for g in groups), return_exceptions=True))
+            out, at = [], 0
+            for g in groups:
+                out.append(flat[at : at + len(g)])
+                at += len(g)
+            return out
+
         def sets(e: str) -> list[tuple[str, tuple[Any, ...]]]:
             return [("smembers", (self.keys.engine_live(e),)), ("zrange", (self.keys.engine_idle(e), 0, -1))]
 
-        read = await asyncio.gather(*(pipelined(sets(e)) for e in engines), return_exceptions=True)
+        read = await gathered([sets(e) for e in engines])
         members: dict[str, list[tuple[int, str, bool]]] = {}  # tenant -> (engine index, session, idle)
         for i, got in enumerate(read):
             if isinstance(got, RedisError):
@@ -201,7 +214,7 @@ class EngineOccupancy:
             return calls
 
         tenants = list(members)
-        replies = await asyncio.gather(*(pipelined(records(t)) for t in tenants), return_exceptions=True)
+        replies = await gathered([records(t) for t in tenants]) if tenants else []
         rows = []
         for tenant, got in zip(tenants, replies, strict=True):
             if isinstance(got, RedisError):

@@ -40,6 +40,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from storage.errors import LockLost
 from storage.index.keyspace import IDLE, LIVE, Keyspace, member, redis_errors, text
 from storage.index.locks import TURN, SessionLock, new_token
@@ -228,7 +230,12 @@ class TurnOps:
         now = time.monotonic()
         if self._globals is None or now - self._globals[0] > GLOBALS_TTL_S:
             keys = [self.keys.registry_epoch(), self.keys.index_epoch(), self.keys.index_built()]
-            self._globals = (now, list(await self._redis.mget(keys)))
+            try:
+                self._globals = (now, list(await self._redis.mget(keys)))
+            except RedisError:
+                if self._globals is None:
+                    raise
+                # their shard is away: the turns of tenants elsewhere go on with what was read last
         return self._globals[1]
 
     def _script(self, name: str, source: str) -> Any:

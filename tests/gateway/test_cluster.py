@@ -17,7 +17,6 @@ import agents
 import httpx
 import openai
 import pytest
-import redis as redis_sync
 from support.weather_agent import weather_agent
 
 from gateway.bench.harness.servers import free_port, stop, wait_until
@@ -56,9 +55,10 @@ class Proc:
 
 
 @pytest.fixture
-def cluster(tiny_model, redis_port, moto_server, tmp_path: Path) -> Iterator[dict]:
+def cluster(tiny_model, redis_topology, moto_server, tmp_path: Path) -> Iterator[dict]:
+    """Two nodes and a gateway on one primary, on a Redis Cluster and behind Sentinel."""
     prefix = f"c{uuid.uuid4().hex[:8]}"
-    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    redis_url = redis_topology.url
     s3 = ["--s3-endpoint", moto_server.endpoint, "--s3-bucket", "slots", "--s3-prefix", prefix]
     common = ["--redis-url", redis_url, "--redis-prefix", prefix, *s3]
     procs: list[Proc] = []
@@ -101,6 +101,7 @@ def cluster(tiny_model, redis_port, moto_server, tmp_path: Path) -> Iterator[dic
             "gateway": gw,
             "nodes": nodes,
             "redis_url": redis_url,
+            "flush": redis_topology.flush,
             "prefix": prefix,
             "s3": s3,
             "bucket": moto_server.client(),
@@ -165,9 +166,7 @@ def test_node_sigterm_moves_sessions_and_redis_flush_is_reindexed(cluster):
     msgs.append({"role": "assistant", "content": done.choices[0].message.content})
 
     # Redis loses everything; storage is the source of truth.
-    r = redis_sync.Redis.from_url(cluster["redis_url"])
-    r.flushall()
-    r.close()
+    cluster["flush"]()
     reindex = [sys.executable, "-m", "gateway.cli", "reindex", "--redis-url", cluster["redis_url"]]
     reindex += ["--redis-prefix", cluster["prefix"], *cluster["s3"]]
     rc = subprocess.run(reindex, env=ENV, capture_output=True, text=True, timeout=60)

@@ -527,7 +527,7 @@ def test_rate_counters_and_routing_keys_expire(pool: Pool) -> None:
     async def ttls(client: Any) -> dict[str, int]:
         out = {}
         for tenant in ("alice", "mallory"):
-            async for key in client.scan_iter(match=f"{pool.prefix}:t:{tenant}:*"):
+            async for key in client.scan_iter(match=f"{pool.prefix}:{{t:{tenant}}}:*"):
                 out[key] = await client.ttl(key)
         return out
 

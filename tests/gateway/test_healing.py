@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import pytest
+from support.redis_topology import TOPOLOGIES, topology
 
 from engine_pool.protocol.node import UnstoredCopy
 from gateway.healing import IndexHealing, behind
@@ -20,6 +23,7 @@ from storage.ids import SlotRef
 from storage.index.epoch import IndexEpoch
 from storage.index.keyspace import in_process_redis
 from storage.index.session_index import SessionIndex, SessionState
+from storage.index.topology import connect
 
 
 def healer(
@@ -69,10 +73,21 @@ async def settled(*healers: IndexHealing) -> None:
     await until(lambda: not any(h.healing for h in healers), "healed")
 
 
+@pytest.fixture(params=["in-process", *TOPOLOGIES])
+async def any_redis(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
+    """The in-process index, one primary, a Redis Cluster and a Sentinel-managed master, emptied."""
+    if request.param == "in-process":
+        client = in_process_redis()
+    else:
+        client = connect(topology(request, request.param).url, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
 async def test_a_new_index_is_built_at_start_and_a_lost_one_once_by_one_of_two_gateways(
-    tmp_path: Path,
+    tmp_path: Path, any_redis: Any
 ) -> None:
-    redis, store = in_process_redis(), LocalStore(tmp_path / "store", prefix="sk")
+    redis, store = any_redis, LocalStore(tmp_path / "store", prefix="sk")
     (a, ma), (b, mb) = healer(redis, store), healer(redis, store)
     await a.start(wait=True)  # the first: the epoch is new, the index is built before it serves
     await b.start(wait=True)  # the second finds it built

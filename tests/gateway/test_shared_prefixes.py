@@ -17,6 +17,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from support.redis_topology import TOPOLOGIES, topology
 
 MODEL = "qwen35-seed0"
 SYSTEM = (
@@ -78,9 +79,19 @@ def _wait_stored(url: str, session: str, key: str = "none") -> None:
     raise AssertionError(f"{session} was never stored")
 
 
-def test_new_sessions_start_from_the_tenants_shared_prefix_live_and_after_a_restart(serve, tmp_path: Path):
+@pytest.fixture(params=["in-process", *TOPOLOGIES])
+def index_args(request: pytest.FixtureRequest) -> tuple[str, ...]:
+    """`serve`'s flags with each index: in-process, one primary, a Redis Cluster, Sentinel."""
+    if request.param == "in-process":
+        return ARGS
+    return (*ARGS, "--redis-url", topology(request, request.param).url)
+
+
+def test_new_sessions_start_from_the_tenants_shared_prefix_live_and_after_a_restart(
+    serve, tmp_path: Path, index_args: tuple[str, ...]
+):
     data = tmp_path / "data"
-    s = serve(data, slots=4, args=ARGS)
+    s = serve(data, slots=4, args=index_args)
     first = _chat(s.url, "Fix the failing test in parser.py.", headers={"X-Session-Id": "first"})
     assert first.headers["x-slotkeeper-cache"] == "cold" and first.json()["timings"]["cache_n"] == 0
     full = first.json()["usage"]["prompt_tokens"]
@@ -98,7 +109,7 @@ def test_new_sessions_start_from_the_tenants_shared_prefix_live_and_after_a_rest
     _wait_stored(s.url, "second")
 
     s.stop(signal.SIGKILL)
-    s = serve(data, slots=4, args=ARGS)  # a new process: nothing in any slot, the index rebuilt
+    s = serve(data, slots=4, args=index_args)  # a new process: nothing in any slot (the index rebuilt)
     r = _chat(s.url, "After the restart: review the open pull request.")
     assert r.headers["x-slotkeeper-cache"] == "stored-prefix", r.json()["slotkeeper"]
     assert r.json()["slotkeeper"]["restored"] is True and _own_share(r) < 0.25, r.json()["timings"]
@@ -109,10 +120,10 @@ def test_new_sessions_start_from_the_tenants_shared_prefix_live_and_after_a_rest
     )
 
 
-def test_another_tenant_with_the_same_prompt_gets_no_hit(serve, tmp_path: Path):
+def test_another_tenant_with_the_same_prompt_gets_no_hit(serve, tmp_path: Path, index_args: tuple[str, ...]):
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(TENANTS)
-    s = serve(tmp_path / "data", slots=4, tenants=tenants, args=ARGS)
+    s = serve(tmp_path / "data", slots=4, tenants=tenants, args=index_args)
     a = _chat(s.url, "Fix the failing test in parser.py.", key="key-acme")
     _wait_stored(s.url, a.headers["x-session-id"], "key-acme")
     again = _chat(s.url, "Another acme task.", key="key-acme")

@@ -45,7 +45,7 @@ def test_sessions_whose_records_swapped_slots_are_restored_not_reprefilled(
     assert a["state"] == b["state"] == "live" and a["engine"] == b["engine"] and a["slot"] != b["slot"]
 
     with redis.Redis.from_url(restartable_redis.url) as r:
-        keys = {sid: next(iter(r.scan_iter(match=f"slotkeeper:t:*:s:{sid}"))) for sid in convs}
+        keys = {sid: next(iter(r.scan_iter(match=f"slotkeeper:{{t:*}}:s:{sid}"))) for sid in convs}
 
         def swap(dirty: bool) -> None:
             """Each record names the other's slot (and says it holds more than it stored, `dirty`)."""

@@ -978,3 +978,65 @@ def test_the_image_is_what_build_image_builds_and_its_push_is_documented() -> No
     readme = (CHART / "README.md").read_text()
     assert f".ci/build-image {image}" in readme  # the tag the chart pulls
     assert "buildah push" in readme
+
+
+@pytest.mark.parametrize(
+    ("sets", "topology", "in_chart"),
+    [
+        (("redis.enabled=true",), "standalone", True),
+        (("redis.mode=standalone",), "standalone", True),
+        (("redis.url=redis://:pw@r.example:6379/0",), "standalone", False),
+        (("redis.mode=external", "redis.url=redis-cluster://a:6379\\,b:6379"), "cluster", False),
+        (
+            (
+                "redis.mode=cluster",
+                "redis.cluster.nodes={a:6379,b:6379}",
+                "redis.password=p@ss",
+                "redis.tls=true",
+            ),
+            "cluster",
+            False,
+        ),
+        (
+            ("redis.mode=sentinel", "redis.sentinel.nodes={s0:26379,s1:26379}", "redis.sentinel.password=x"),
+            "sentinel",
+            False,
+        ),
+    ],
+)
+def test_each_redis_mode_renders_a_url_the_processes_read(
+    sets: tuple[str, ...], topology: str, in_chart: bool
+) -> None:
+    """redis.mode: the chart's Secret holds a --redis-url of that topology, which the real settings
+    accept; only standalone runs a Redis in the release."""
+    import base64
+
+    from storage.index.topology import parse_redis_url
+
+    docs = render(sets=(KEY, "s3.bucket=b", *sets), set_json=(MODELS,))
+    secret = next(
+        d for (kind, _), d in docs.items() if kind == "Secret" and "redis-url" in (d.get("data") or {})
+    )
+    url = base64.b64decode(secret["data"]["redis-url"]).decode()
+    target = parse_redis_url(url)
+    assert target.topology.value == topology, url
+    if "redis.password=p@ss" in sets:
+        assert target.password == "p@ss" and target.tls
+    if topology == "sentinel":
+        assert target.master == "mymaster" and target.options == {"sentinel_password": "x"}
+    gw_env, _ = container_env(
+        docs, "Deployment", "sk-slotkeeper-gateway", {**FAKE, "SLOTKEEPER_REDIS_URL": url}
+    )
+    assert parse_settings([], gw_env).redis_url == url
+    assert (("Deployment", "sk-slotkeeper-redis") in docs) is in_chart
+
+
+@pytest.mark.parametrize(
+    ("sets", "where"),
+    [
+        (("redis.mode=cluster",), "redis.cluster.nodes"),
+        (("redis.mode=cluster", "redis.cluster.nodes={a}"), "/redis/cluster/nodes/0"),
+    ],
+)
+def test_a_redis_mode_without_its_nodes_is_refused(sets: tuple[str, ...], where: str) -> None:
+    assert where in render_error(KEY, "s3.bucket=b", *sets)

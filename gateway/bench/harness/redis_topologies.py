@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from gateway.bench.harness.servers import RedisProcess, free_port, stop
 
@@ -131,6 +132,48 @@ class ClusterProcesses:
         assert node.proc is not None
         stop(node.proc, signal.SIGKILL)
         return port
+
+    def primary_of(self, key: str) -> int:
+        """The port of the primary that holds ``key``'s hash slot now."""
+        slot = cli(self.alive()[0].port, "cluster", "keyslot", key).strip()
+        for parts in self._nodes():
+            if "master" in parts[2] and "fail" not in parts[2]:
+                for r in parts[8:]:
+                    low, _, high = r.partition("-")
+                    if low.isdigit() and int(low) <= int(slot) <= int(high or low):
+                        return int(parts[1].split("@")[0].rsplit(":", 1)[1])
+        raise LookupError(f"no primary holds slot {slot}")
+
+    def _nodes(self) -> list[list[str]]:
+        return [line.split() for line in cli(self.alive()[0].port, "cluster", "nodes").splitlines()]
+
+    def node_id(self, port: int) -> str:
+        return cli(port, "cluster", "myid").strip()
+
+    def migrate_slot(self, key: str, to_port: int, batch: int = 1, between: Any = None) -> None:
+        """Move ``key``'s hash slot to the primary on ``to_port`` as resharding does: IMPORTING /
+        MIGRATING, the keys ``batch`` at a time (``between()`` after each batch: clients see ASK
+        meanwhile), then the slot's new owner announced to every primary (clients see MOVED)."""
+        slot = cli(self.alive()[0].port, "cluster", "keyslot", key).strip()
+        src = self.primary_of(key)
+        src_id, dst_id = self.node_id(src), self.node_id(to_port)
+        cli(to_port, "cluster", "setslot", slot, "importing", src_id)
+        cli(src, "cluster", "setslot", slot, "migrating", dst_id)
+        while keys := cli(src, "cluster", "getkeysinslot", slot, str(batch)).split():
+            cli(src, "migrate", "127.0.0.1", str(to_port), "", "0", "5000", "keys", *keys)
+            if between is not None:
+                between()
+        for port in self.primary_ports():
+            cli(port, "cluster", "setslot", slot, "node", dst_id)
+
+    def kill_shard(self, port: int) -> None:
+        """SIGKILL a primary and its replicas: its slots have no primary left."""
+        nodes = self._nodes()
+        primary = next(p[0] for p in nodes if p[1].split("@")[0].endswith(f":{port}"))
+        doomed = {port} | {int(p[1].split("@")[0].rsplit(":", 1)[1]) for p in nodes if p[3] == primary}
+        for node in self.nodes:
+            if node.port in doomed and node.proc is not None:
+                stop(node.proc, signal.SIGKILL)
 
     def wait_promoted(self, dead: int, timeout_s: float = 60.0) -> None:
         """Until a replica replaced the dead primary and the cluster is ok again."""

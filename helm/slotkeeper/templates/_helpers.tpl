@@ -69,23 +69,40 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- join "," $urls }}
 {{- end }}
 
+{{/* The Redis topology (redis.mode): standalone (the in-chart pod), external, cluster or sentinel;
+unset, standalone with redis.enabled and external otherwise. */}}
+{{- define "slotkeeper.redisMode" -}}
+{{- .Values.redis.mode | default (ternary "standalone" "external" (and .Values.redis.enabled (not .Values.redis.url) (not .Values.redis.existingSecret))) }}
+{{- end }}
+
 {{/* Where the Redis URL comes from: "secretName/key". */}}
 {{- define "slotkeeper.redisUrlRef" -}}
-{{- if .Values.redis.existingSecret }}
+{{- $mode := include "slotkeeper.redisMode" . }}
+{{- if and (eq $mode "external") .Values.redis.existingSecret }}
 {{- printf "%s/%s" .Values.redis.existingSecret .Values.redis.existingSecretKey }}
-{{- else if or .Values.redis.url .Values.redis.enabled }}
+{{- else if include "slotkeeper.redisUrl" . }}
 {{- printf "%s/redis-url" (include "slotkeeper.secret.name" .) }}
 {{- else }}
-{{- fail "Slotkeeper needs a shared Redis: set redis.url, redis.existingSecret, or redis.enabled=true (demo only)" }}
+{{- fail "Slotkeeper needs a shared Redis: set redis.url or redis.existingSecret (redis.mode external), redis.cluster.nodes (cluster), redis.sentinel.nodes (sentinel), or redis.mode=standalone (demo only)" }}
 {{- end }}
 {{- end }}
 
-{{/* The Redis URL the chart stores itself (an explicit URL wins over the in-chart Redis). */}}
+{{/* The Redis URL the chart stores itself, by redis.mode (docs/operations.md gives the forms). */}}
 {{- define "slotkeeper.redisUrl" -}}
-{{- if .Values.redis.url }}
-{{- .Values.redis.url }}
-{{- else if .Values.redis.enabled }}
+{{- $r := .Values.redis }}
+{{- $mode := include "slotkeeper.redisMode" . }}
+{{- $auth := ternary (printf ":%s@" (urlquery $r.password)) "" (ne $r.password "") }}
+{{- if eq $mode "standalone" }}
 {{- printf "redis://%s.%s.svc.%s:6379/0" (include "slotkeeper.redis.name" .) .Release.Namespace .Values.clusterDomain }}
+{{- else if eq $mode "cluster" }}
+{{- with $r.cluster.nodes }}{{ printf "%s-cluster://%s%s" (ternary "rediss" "redis" $r.tls) $auth (join "," .) }}{{ end }}
+{{- else if eq $mode "sentinel" }}
+{{- with $r.sentinel.nodes }}
+{{- $query := ternary (printf "?sentinel_password=%s" (urlquery $r.sentinel.password)) "" (ne $r.sentinel.password "") }}
+{{- printf "%s-sentinel://%s%s/%s/%d%s" (ternary "rediss" "redis" $r.tls) $auth (join "," .) $r.sentinel.masterName (int $r.sentinel.db) $query }}
+{{- end }}
+{{- else }}
+{{- $r.url }}
 {{- end }}
 {{- end }}
 
@@ -189,7 +206,7 @@ operator names for an external Redis and S3 (`networkPolicy.egressTo`: NetworkPo
 - ports:
     - {protocol: UDP, port: 53}
     - {protocol: TCP, port: 53}
-{{- if .Values.redis.enabled }}
+{{- if eq (include "slotkeeper.redisMode" .) "standalone" }}
 - to:
     - podSelector:
         matchLabels:

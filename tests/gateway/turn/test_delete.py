@@ -16,6 +16,7 @@ import redis
 import redis.asyncio as aioredis
 
 from gateway.bench.harness.servers import RedisProcess, eventually
+from storage.index.keyspace import Keyspace
 from storage.index.session_index import SessionIndex
 
 from ..conftest import openai_client
@@ -35,7 +36,7 @@ def test_a_delete_that_waited_for_the_lock_leaves_the_slot_its_session_left(
     assert where["state"] == "live" and where["slot"] == 0
 
     # The eviction's part, by hand: a's lock held, then a spilled out of its slot.
-    lock = "slotkeeper:t:default:lock:a"
+    lock = Keyspace().lock("default", "a")
     engine_log = tmp_path / "data" / "engines" / where["engine"] / "engine.log"
 
     def slot_calls() -> int:
