@@ -31,6 +31,7 @@ import yaml
 from engine_pool.pool.settings import FLAGS as NODE_FLAGS
 from engine_pool.pool.settings import parse_node_settings
 from engine_pool.pool.supervisor import engine_argv
+from engine_pool.server.settings import parse_settings as parse_engine_settings
 from gateway.bench.harness.servers import free_port, wait_until
 from gateway.metrics import Metrics
 from gateway.settings import FLAGS as GATEWAY_FLAGS
@@ -252,6 +253,25 @@ def test_gpus_reach_the_engines_and_the_node_pods_limits() -> None:
     argv = engine_argv(node.engine_specs()[0], 9000, "i")
     assert argv[argv.index("-ngl") + 1] == "99" and argv[argv.index("-fa") + 1] == "on"
     assert "nvidia.com/gpu" not in str(pod_spec(gpus, "Deployment", "sk-slotkeeper-gateway"))
+
+
+def test_the_stored_checkpoint_ladder_reaches_the_engines() -> None:
+    """`node.storedCheckpoints` / `node.storedCheckpointBytes` become every engine's
+    `--stored-checkpoints` / `--stored-checkpoint-bytes`, ahead of `node.engineArgs`."""
+
+    def engine_settings(*sets: str) -> Any:
+        docs = render("demo-values.yaml", sets=sets)
+        node = parse_node_settings([], container_env(docs, "StatefulSet", "sk-slotkeeper-node", FAKE)[0])
+        argv = engine_argv(node.engine_specs()[0], 9000, "i")
+        return parse_engine_settings(argv[argv.index("engine") + 1 :], {})
+
+    plain = engine_settings()
+    assert (plain.max_stored_checkpoints, plain.max_stored_checkpoint_bytes) == (8, 512 << 20)
+    custom = engine_settings(
+        "node.storedCheckpoints=3", "node.storedCheckpointBytes=128M", "node.engineArgs={--no-warmup}"
+    )
+    assert (custom.max_stored_checkpoints, custom.max_stored_checkpoint_bytes) == (3, 128 << 20)
+    assert custom.no_warmup
 
 
 @pytest.mark.parametrize("values", VALUE_SETS)
