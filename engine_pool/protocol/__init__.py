@@ -1,8 +1,9 @@
 """The wire formats both ends speak: the client APIs' translations, SSE framing, the node API.
 
 The engine serves the OpenAI Responses and Anthropic Messages APIs by translating them onto its chat
-path (`openai_responses`, `anthropic_messages`, reading the chat answer through `chat_result`, with
-`engine_options`, `bounds` and `field_names` for what they pass on, refuse and rename); the gateway
+path (`openai_responses`, `anthropic_messages`, writing `chat_types`' chat request and reading the
+chat answer through `chat_result`, with `engine_options`, `bounds` and `field_names` for what they
+pass on, refuse and rename); the gateway
 imports the same translations and adds what needs state (stored responses, sessions). `sse` frames
 both ends' streams; `report` and `volatile` are the reuse report and the prompt rules the gateway
 and an engine exchange; `node` is the node agent's requests and results, used by the agent and by

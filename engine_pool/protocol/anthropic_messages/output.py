@@ -13,10 +13,67 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, NotRequired, TypedDict
 
 from ..chat_result import Call, ChatResult, Usage, read_completion
+from ..chat_types import json_object
 from .request import MessagesRequest
+
+
+class MessageUsage(TypedDict):
+    """The spec's `Usage`, less what this server has none of (server tools, ...)."""
+
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int
+    cache_read_input_tokens: int
+
+
+class ThinkingBlock(TypedDict):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str
+
+
+class TextBlock(TypedDict):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(TypedDict):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]  # the model's arguments as read (JSON)
+
+
+ContentBlock = ThinkingBlock | TextBlock | ToolUseBlock
+
+
+class CacheMiss(TypedDict):
+    """`diagnostics.cache_miss_reason`."""
+
+    type: str  # previous_message_not_found | system_changed | tools_changed | messages_changed
+    cache_missed_input_tokens: NotRequired[int]
+
+
+class Diagnostics(TypedDict):
+    cache_miss_reason: CacheMiss | None
+
+
+class MessageObject(TypedDict):
+    """A Message (`type: "message"`), as this server writes it."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[ContentBlock]
+    stop_reason: str | None
+    stop_sequence: str | None
+    usage: MessageUsage
+    slotkeeper: NotRequired[Mapping[str, Any]]  # the engine's reuse report, passed on as it came
+    diagnostics: NotRequired[Diagnostics]
 
 
 def tool_use_id(call_id: str) -> str:
@@ -34,7 +91,7 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"_raw_arguments": arguments}
 
 
-def usage_object(u: Usage) -> dict[str, Any]:
+def usage_object(u: Usage) -> MessageUsage:
     return {
         "input_tokens": max(0, u.prompt_tokens - u.cached_tokens),
         "output_tokens": u.completion_tokens,
@@ -54,7 +111,7 @@ def stop_reason(finish_reason: str | None, stopping_word: str, has_calls: bool) 
     return "end_turn", None
 
 
-def tool_use_block(call: Call) -> dict[str, Any]:
+def tool_use_block(call: Call) -> ToolUseBlock:
     return {
         "type": "tool_use",
         "id": tool_use_id(call.id),
@@ -63,8 +120,8 @@ def tool_use_block(call: Call) -> dict[str, Any]:
     }
 
 
-def content_blocks(result: ChatResult, *, parallel_tool_calls: bool) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
+def content_blocks(result: ChatResult, *, parallel_tool_calls: bool) -> list[ContentBlock]:
+    out: list[ContentBlock] = []
     if result.reasoning:
         out.append({"type": "thinking", "thinking": result.reasoning, "signature": ""})
     if result.content:
@@ -74,7 +131,7 @@ def content_blocks(result: ChatResult, *, parallel_tool_calls: bool) -> list[dic
     return out
 
 
-def message_shell(req: MessagesRequest, *, message_id: str, model: str) -> dict[str, Any]:
+def message_shell(req: MessagesRequest, *, message_id: str, model: str) -> MessageObject:
     """A Message without content, stop reason or usage yet (a stream's `message_start`)."""
     return {
         "id": message_id,
@@ -89,23 +146,22 @@ def message_shell(req: MessagesRequest, *, message_id: str, model: str) -> dict[
 
 
 def message_object(req: MessagesRequest, chat: Mapping[str, Any], *, message_id: str) -> dict[str, Any]:
-    """The complete Message for a `chat.completion` object."""
+    """The complete Message for a `chat.completion` object, as the JSON object a Messages answer is
+    (`json_object`)."""
     result = read_completion(chat)
     model = chat.get("model")
     message = message_shell(req, message_id=message_id, model=model if isinstance(model, str) else "")
     reason, sequence = stop_reason(result.finish_reason, result.stopping_word, bool(result.calls))
-    message.update(
-        content=content_blocks(result, parallel_tool_calls=req.parallel_tool_calls),
-        stop_reason=reason,
-        stop_sequence=sequence,
-        usage=usage_object(result.usage),
-    )
+    message["content"] = content_blocks(result, parallel_tool_calls=req.parallel_tool_calls)
+    message["stop_reason"] = reason
+    message["stop_sequence"] = sequence
+    message["usage"] = usage_object(result.usage)
     report = chat.get("slotkeeper")
     if isinstance(report, dict):  # how the prompt's state was served (beside usage)
         message["slotkeeper"] = report
     if req.diagnostics:
         message["diagnostics"] = {"cache_miss_reason": cache_miss_reason(req, report, result.usage)}
-    return message
+    return json_object(message)
 
 
 # Where a prompt left the state it was compared with (`slotkeeper.diverged.part`) → Anthropic's
@@ -113,7 +169,7 @@ def message_object(req: MessagesRequest, chat: Mapping[str, Any], *, message_id:
 _MISSES = {"system": "system_changed", "tools": "tools_changed", "message": "messages_changed"}
 
 
-def cache_miss_reason(req: MessagesRequest, report: Any, usage: Usage) -> dict[str, Any] | None:
+def cache_miss_reason(req: MessagesRequest, report: Any, usage: Usage) -> CacheMiss | None:
     """Anthropic's `diagnostics.cache_miss_reason` from the engine's report: what changed since the
     state this session's previous turn left (the comparison is with what the engine held, not with
     a stored fingerprint of `previous_message_id`). None: a first turn, or nothing missed."""

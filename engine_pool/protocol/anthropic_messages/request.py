@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from engine_pool.errors import BadRequest
 from engine_pool.http.body import Body, json_type
 
 from ..bounds import array_form, check_count
+from ..chat_types import ChatBody, ChatMessage, ChatTool, ChatToolCall, ChatToolChoice, chat_request
 from ..engine_options import engine_options, merge_template_kwargs
 from ..tools import tool_name, tools_of_type
 
@@ -43,14 +44,34 @@ TOOL_CHOICES = ("auto", "any", "tool", "none")
 THINKING_TYPES = ("enabled", "disabled", "adaptive")
 
 
+class Tool(TypedDict):
+    """A client tool as read (the spec's `Tool`, less what this server ignores: `cache_control`, ...)."""
+
+    name: str
+    input_schema: dict[str, Any]  # the client's JSON schema
+    description: NotRequired[str]
+
+
+class ToolChoice(TypedDict):
+    """`tool_choice` as read (the spec's ToolChoiceAuto, Any, Tool, None in one shape)."""
+
+    type: str  # auto | any | tool | none
+    name: NotRequired[str]  # tool
+    disable_parallel_tool_use: NotRequired[bool]  # not with none
+
+
+def _auto() -> ToolChoice:
+    return {"type": "auto"}
+
+
 @dataclass(frozen=True)
 class MessagesRequest:
     model: str
     max_tokens: int | None  # None only in a count_tokens request
-    messages: tuple[dict[str, Any], ...]  # the conversation as chat messages
+    messages: tuple[ChatMessage, ...]  # the conversation as chat messages
     system: str | None = None
-    tools: tuple[dict[str, Any], ...] = ()  # {name, description, input_schema}
-    tool_choice: dict[str, Any] = field(default_factory=lambda: {"type": "auto"})
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = field(default_factory=_auto)
     stop_sequences: tuple[str, ...] = ()
     temperature: float | None = None
     top_p: float | None = None
@@ -93,6 +114,7 @@ def _parse(body: Body, model: str, max_tokens: int | None, max_messages: int) ->
     choice = _tool_choice(body, [t["name"] for t in tools])
     thinking = _thinking(body, max_tokens)
     meta = body.get_object("metadata")
+    diagnostics, previous_message_id = _diagnostics(body)
     return MessagesRequest(
         model=model,
         max_tokens=max_tokens,
@@ -109,23 +131,25 @@ def _parse(body: Body, model: str, max_tokens: int | None, max_messages: int) ->
         output_schema=_output_schema(body),
         metadata=dict(meta.data) if meta else {},
         engine_options=engine_options(body.data, "messages"),
-        **_diagnostics(body),
+        diagnostics=diagnostics,
+        previous_message_id=previous_message_id,
     )
 
 
-def _diagnostics(body: Body) -> dict[str, Any]:
-    """`diagnostics: {previous_message_id}` (Anthropic's cache diagnostics): the id of this client's
-    previous response, or null on a first turn; at most 128 characters."""
+def _diagnostics(body: Body) -> tuple[bool, str | None]:
+    """`diagnostics: {previous_message_id}` (Anthropic's cache diagnostics): whether it was asked
+    for, and the id of this client's previous response (null on a first turn; at most 128
+    characters)."""
     diagnostics = body.get_object("diagnostics")
     if diagnostics is None:
-        return {}
+        return False, None
     previous = diagnostics.get_str("previous_message_id")
     if previous is not None and not 0 < len(previous) <= 128:
         raise BadRequest(
             "'diagnostics.previous_message_id' must be a message id of 1..128 characters",
             param="diagnostics.previous_message_id",
         )
-    return {"diagnostics": True, "previous_message_id": previous}
+    return True, previous
 
 
 def _cache_breakpoints(body: Body) -> None:
@@ -226,32 +250,33 @@ _SERVER_TOOL = (
 )
 
 
-def _tools(body: Body) -> tuple[dict[str, Any], ...]:
-    out: list[dict[str, Any]] = []
+def _tools(body: Body) -> tuple[Tool, ...]:
+    out: list[Tool] = []
     for tool in tools_of_type(body, "custom", "custom", _SERVER_TOOL):
         where = tool.path
         name = tool_name(tool, (t["name"] for t in out), "tool")
         schema = tool.get_object("input_schema")
         if schema is None:
             raise BadRequest(f"'{where}.input_schema' is required", param=f"{where}.input_schema")
-        entry: dict[str, Any] = {"name": name, "input_schema": schema.data}
-        if tool.has("description"):
-            entry["description"] = tool.get_str("description")
+        entry: Tool = {"name": name, "input_schema": schema.data}
+        description = tool.get_str("description")
+        if description is not None:
+            entry["description"] = description
         out.append(entry)
     return tuple(out)
 
 
-def _tool_choice(body: Body, names: list[str]) -> dict[str, Any]:
+def _tool_choice(body: Body, names: list[str]) -> ToolChoice:
     choice = body.get_object("tool_choice")
     if choice is None:
-        return {"type": "auto"}
+        return _auto()
     kind = choice.get_choice("type", "", TOOL_CHOICES)
-    out: dict[str, Any] = {"type": kind}
+    out: ToolChoice = {"type": kind}
     if kind in ("any", "tool") and not names:
         raise BadRequest(f"'tool_choice' is {kind!r} but no 'tools' were given", param="tool_choice")
     if kind == "tool":
         name = choice.get_str("name")
-        if name not in names:
+        if name is None or name not in names:
             raise BadRequest(
                 f"'tool_choice.name' names tool {name!r}, which is not among 'tools'",
                 param="tool_choice.name",
@@ -283,7 +308,7 @@ def _texts(blocks: Any, where: str, max_blocks: int) -> str:
             raise BadRequest(f"'{at}': {NO_IMAGES}", param=at)
         if kind != "text":
             raise _unsupported(at, kind, "text blocks only")
-        texts.append(_block_text(block, at, "text"))
+        texts.append(_block_text(Body(block, at), "text"))
     return "\n".join(texts)
 
 
@@ -291,19 +316,20 @@ def _unsupported(at: str, kind: Any, what: str) -> BadRequest:
     return BadRequest(f"'{at}': content block type {kind!r} is not supported here ({what})", param=at)
 
 
-def _block_text(block: dict[str, Any], at: str, key: str) -> str:
-    text = block.get(key)
+def _block_text(block: Body, key: str) -> str:
+    text = block.raw(key)
     if not isinstance(text, str):
-        raise BadRequest(f"'{at}.{key}' must be a string, got {json_type(text)}", param=f"{at}.{key}")
+        where = block.name(key)
+        raise BadRequest(f"'{where}' must be a string, got {json_type(text)}", param=where)
     return text
 
 
-def _messages(body: Body, max_messages: int) -> tuple[dict[str, Any], ...]:
+def _messages(body: Body, max_messages: int) -> tuple[ChatMessage, ...]:
     raw = body.get_list("messages")
     if raw is None:
         raise BadRequest("'messages' is required (an array of messages)", param="messages")
     check_count("messages", raw, max_messages, "messages")
-    out: list[dict[str, Any]] = []
+    out: list[ChatMessage] = []
     for msg in body.objects("messages"):
         where = msg.path
         role = msg.get_str("role")
@@ -331,33 +357,32 @@ def _messages(body: Body, max_messages: int) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
-def _blocks(
-    msg: Body, allowed: tuple[str, ...], other: tuple[str, ...]
-) -> list[tuple[str, dict[str, Any], str]]:
-    """(type, block, where) of each block of the message's content, refusing types this role cannot
-    send or this server cannot read."""
+def _blocks(msg: Body, allowed: tuple[str, ...], other: tuple[str, ...]) -> list[tuple[str, Body]]:
+    """(type, block) of each block of the message's content, refusing types this role cannot send
+    or this server cannot read."""
     out = []
-    for entry in msg.objects("content"):
-        block, at = entry.data, entry.path
-        kind = block.get("type")
+    for block in msg.objects("content"):
+        at = block.path
+        kind = block.raw("type")
         if kind == "image":
             raise BadRequest(f"'{at}': {NO_IMAGES}", param=at)
         if kind not in allowed:
             if kind in other:
                 raise BadRequest(f"'{at}': a {kind!r} block does not belong in this role's message", param=at)
             raise _unsupported(at, kind, f"this server reads {', '.join(allowed)} blocks in this role")
-        out.append((kind, block, at))
+        out.append((kind, block))
     return out
 
 
-def _user(msg: Body, max_blocks: int) -> list[dict[str, Any]]:
+def _user(msg: Body, max_blocks: int) -> list[ChatMessage]:
     """Tool results first (as `tool` messages), then the user's text."""
-    tools, texts = [], []
-    for kind, block, at in _blocks(msg, USER_BLOCKS, ASSISTANT_BLOCKS):
+    tools: list[ChatMessage] = []
+    texts = []
+    for kind, result in _blocks(msg, USER_BLOCKS, ASSISTANT_BLOCKS):
+        at = result.path
         if kind == "text":
-            texts.append(_block_text(block, at, "text"))
+            texts.append(_block_text(result, "text"))
             continue
-        result = Body(block, at)
         tool_use_id = result.get_str("tool_use_id")
         if not tool_use_id:
             raise BadRequest(f"'{at}.tool_use_id' must be a non-empty string", param=f"{at}.tool_use_id")
@@ -371,15 +396,16 @@ def _user(msg: Body, max_blocks: int) -> list[dict[str, Any]]:
     return tools
 
 
-def _assistant(msg: Body, max_blocks: int) -> list[dict[str, Any]]:
-    texts, thoughts, calls = [], [], []
-    for kind, block, at in _blocks(msg, ASSISTANT_BLOCKS, USER_BLOCKS):
+def _assistant(msg: Body, max_blocks: int) -> list[ChatMessage]:
+    texts, thoughts = [], []
+    calls: list[ChatToolCall] = []
+    for kind, use in _blocks(msg, ASSISTANT_BLOCKS, USER_BLOCKS):
+        at = use.path
         if kind == "text":
-            texts.append(_block_text(block, at, "text"))
+            texts.append(_block_text(use, "text"))
         elif kind == "thinking":
-            thoughts.append(_block_text(block, at, "thinking"))
+            thoughts.append(_block_text(use, "thinking"))
         elif kind == "tool_use":
-            use = Body(block, at)
             call_id, name = use.get_str("id"), use.get_str("name")
             if not call_id or not name:
                 raise BadRequest(f"'{at}' needs a non-empty 'id' and 'name'", param=at)
@@ -388,7 +414,7 @@ def _assistant(msg: Body, max_blocks: int) -> list[dict[str, Any]]:
             calls.append(
                 {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             )
-    message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts) if texts else None}
+    message: ChatMessage = {"role": "assistant", "content": "\n".join(texts) if texts else None}
     if thoughts:
         message["reasoning_content"] = "\n".join(thoughts)
     if calls:
@@ -397,50 +423,50 @@ def _assistant(msg: Body, max_blocks: int) -> list[dict[str, Any]]:
 
 
 # -- chat body ----------------------------------------------------------------------------------
-def chat_tool_choice(choice: dict[str, Any]) -> str | dict[str, Any]:
+def chat_tool_choice(choice: ToolChoice) -> ChatToolChoice:
     kind = choice["type"]
     if kind == "tool":
         return {"type": "function", "function": {"name": choice["name"]}}
     return {"auto": "auto", "any": "required", "none": "none"}[kind]
 
 
+def chat_tool(tool: Tool) -> ChatTool:
+    out: ChatTool = {
+        "type": "function",
+        "function": {"name": tool["name"], "parameters": tool["input_schema"]},
+    }
+    if tool.get("description"):
+        out["function"]["description"] = tool["description"]
+    return out
+
+
 def chat_body(req: MessagesRequest) -> dict[str, Any]:
     """The chat completions body for `req`: [system] + the conversation; a stream asks for usage,
     which the Messages stream reports in its `message_delta`."""
-    messages = [{"role": "system", "content": req.system}] if req.system else []
-    body: dict[str, Any] = {
-        "model": req.model,
-        "messages": messages + list(req.messages),
-        **req.engine_options,
-    }
+    system: list[ChatMessage] = [{"role": "system", "content": req.system}] if req.system else []
+    body: ChatBody = {"model": req.model, "messages": system + list(req.messages)}
     if req.max_tokens is not None:
         body["max_tokens"] = req.max_tokens
     if req.tools:
-        body["tools"] = [
-            {
-                "type": "function",
-                "function": {
-                    "name": t["name"],
-                    "parameters": t["input_schema"],
-                    **({"description": t["description"]} if t.get("description") else {}),
-                },
-            }
-            for t in req.tools
-        ]
+        body["tools"] = [chat_tool(t) for t in req.tools]
         body["tool_choice"] = chat_tool_choice(req.tool_choice)
     if req.stop_sequences:
         body["stop"] = list(req.stop_sequences)
-    for key in ("temperature", "top_p", "top_k"):
-        if getattr(req, key) is not None:
-            body[key] = getattr(req, key)
+    if req.temperature is not None:
+        body["temperature"] = req.temperature
+    if req.top_p is not None:
+        body["top_p"] = req.top_p
+    if req.top_k is not None:
+        body["top_k"] = req.top_k
     if req.output_schema is not None:
         body["response_format"] = {
             "type": "json_schema",
             "json_schema": {"name": "output", "schema": req.output_schema},
         }
-    if req.thinking is not None:
-        body = merge_template_kwargs(body, {"enable_thinking": req.thinking})
     if req.stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
-    return body
+    options = req.engine_options
+    if req.thinking is not None:
+        options = merge_template_kwargs(options, {"enable_thinking": req.thinking})
+    return chat_request(body, options)

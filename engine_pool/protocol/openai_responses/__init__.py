@@ -2,7 +2,8 @@
 
 request: `parse_request` -> `ResponsesRequest`; tools: function, custom, namespace and hosted tools
 and what the model sees of them; items: input/output items <-> chat messages and the chat body;
-output: Response objects; stream: `ResponseStream` (chat chunks -> Responses events).
+output: Response objects; stream: `ResponseStream` (chat chunks -> Responses events); objects: the
+items, tools and Response they build, as types.
 """
 
 from .items import chat_body, input_item_list, input_messages, items_to_messages, output_messages

@@ -13,10 +13,20 @@ reach a message. `function_call_output` and `custom_tool_call_output` items beco
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from ..chat_types import (
+    ChatBody,
+    ChatJsonSchema,
+    ChatMessage,
+    ChatResponseFormat,
+    ChatToolCall,
+    chat_request,
+    json_object,
+)
 from ..engine_options import merge_template_kwargs
+from .objects import ResponseFormat
 from .request import ResponsesRequest
 from .tools import chat_tool_choice, chat_tools, custom_arguments, model_name
 
@@ -32,20 +42,20 @@ def _text(parts: Any, field: str = "text") -> str:
     return "\n".join(t for t in texts if isinstance(t, str))
 
 
-def reasoning_text(item: dict[str, Any]) -> str:
+def reasoning_text(item: Mapping[str, Any]) -> str:
     """A reasoning item's text: its reasoning content, else its summary."""
     return _text(item.get("content")) or "\n\n".join(
         p["text"] for p in item.get("summary") or [] if isinstance(p, dict) and isinstance(p.get("text"), str)
     )
 
 
-def items_to_messages(items: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Responses items (input or output) as chat messages."""
-    out: list[dict[str, Any]] = []
-    turn: dict[str, Any] | None = None
+def items_to_messages(items: Iterable[Mapping[str, Any]]) -> list[ChatMessage]:
+    """Responses items (input or output: ours, or a stored response's as read back) as chat messages."""
+    out: list[ChatMessage] = []
+    turn: ChatMessage | None = None
     stage = 0
 
-    def assistant(at: int) -> dict[str, Any]:
+    def assistant(at: int) -> ChatMessage:
         """The assistant turn an item of stage `at` belongs to: the current one while items come in
         turn order (several calls share a turn), else a new one."""
         nonlocal turn, stage
@@ -66,22 +76,21 @@ def items_to_messages(items: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         elif kind in ("function_call", "custom_tool_call"):
             name = model_name(item.get("namespace"), str(item.get("name")))
             custom = kind == "custom_tool_call"
-            arguments = custom_arguments(str(item.get("input"))) if custom else item.get("arguments")
-            assistant(_CALLS).setdefault("tool_calls", []).append(
-                {
-                    "id": item.get("call_id"),
-                    "type": "function",
-                    "function": {"name": name, "arguments": arguments},
-                }
-            )
+            arguments = custom_arguments(str(item.get("input"))) if custom else item["arguments"]
+            call: ChatToolCall = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            }
+            assistant(_CALLS).setdefault("tool_calls", []).append(call)
         elif kind in ("function_call_output", "custom_tool_call_output"):
             turn, stage = None, 0
             out.append(
-                {"role": "tool", "tool_call_id": item.get("call_id"), "content": _text(item.get("output"))}
+                {"role": "tool", "tool_call_id": item["call_id"], "content": _text(item.get("output"))}
             )
         elif kind == "message":
             turn, stage = None, 0
-            role = item.get("role")
+            role = item["role"]
             out.append(
                 {"role": "system" if role == "developer" else role, "content": _text(item.get("content"))}
             )
@@ -90,37 +99,42 @@ def items_to_messages(items: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     """The request's input items as chat messages (not `instructions`: they do not carry over to a
-    response that continues this one)."""
-    return items_to_messages(req.items)
+    response that continues this one), as the gateway keeps a conversation (JSON)."""
+    return [json_object(m) for m in items_to_messages(req.items)]
 
 
-def output_messages(response: dict[str, Any]) -> list[dict[str, Any]]:
+def output_messages(response: Mapping[str, Any]) -> list[dict[str, Any]]:
     """A Response's output items as chat messages, for the conversation a later turn continues."""
     output = response.get("output")
-    return items_to_messages(i for i in output if isinstance(i, dict)) if isinstance(output, list) else []
+    items = [i for i in output if isinstance(i, dict)] if isinstance(output, list) else []
+    return [json_object(m) for m in items_to_messages(items)]
 
 
 def input_item_list(req: ResponsesRequest) -> list[dict[str, Any]]:
     """The request's input items as `GET /v1/responses/{id}/input_items` lists them (oldest first)."""
     out = []
     for item in req.items:
-        entry = dict(item)
-        if item["type"] != "reasoning":
+        entry = item.copy()
+        if entry["type"] != "reasoning":
             entry["status"] = "completed"
-        out.append(entry)
+        out.append(json_object(entry))
     return out
 
 
-def chat_response_format(fmt: dict[str, Any]) -> dict[str, Any] | None:
+def chat_response_format(fmt: ResponseFormat) -> ChatResponseFormat | None:
     if fmt["type"] == "json_schema":
-        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        schema: ChatJsonSchema = {"name": fmt["name"], "schema": fmt["schema"]}
+        if "strict" in fmt:
+            schema["strict"] = fmt["strict"]
+        if "description" in fmt:
+            schema["description"] = fmt["description"]
         return {"type": "json_schema", "json_schema": schema}
     if fmt["type"] == "json_object":
         return {"type": "json_object"}
     return None
 
 
-def merge_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def merge_leading_system(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """The system messages a conversation starts with as one (blank-line separated): `instructions`
     and the developer messages an agent sends first are one system prompt to a chat template, and
     many templates accept a system message only as the first message."""
@@ -128,21 +142,23 @@ def merge_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
     while n < len(messages) and messages[n]["role"] == "system":
         n += 1
     if n < 2:
-        return messages
-    text = "\n\n".join(m["content"] for m in messages[:n] if m["content"])
-    return [{"role": "system", "content": text}, *messages[n:]]
+        return list(messages)
+    system: ChatMessage = {
+        "role": "system",
+        "content": "\n\n".join(m["content"] for m in messages[:n] if m["content"]),
+    }
+    return [system, *messages[n:]]
 
 
-def chat_body(req: ResponsesRequest, history: list[dict[str, Any]]) -> dict[str, Any]:
+def chat_body(req: ResponsesRequest, history: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The chat completions body for `req` after `history` (the chat messages of the responses it
-    continues): [system: instructions] + history + the input, leading system messages merged; a
-    stream asks for usage, which the Responses stream reports at its end. Reasoning effort "none"
-    turns the template's thinking off."""
-    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    body: dict[str, Any] = {
+    continues, as stored): [system: instructions] + history + the input, leading system messages
+    merged; a stream asks for usage, which the Responses stream reports at its end. Reasoning
+    effort "none" turns the template's thinking off."""
+    system: list[ChatMessage] = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    body: ChatBody = {
         "model": req.model,
-        "messages": merge_leading_system(messages + list(history) + input_messages(req)),
-        **req.engine_options,
+        "messages": merge_leading_system([*system, *history, *items_to_messages(req.items)]),
     }
     if req.tools.offered:
         body["tools"] = chat_tools(req.tools)
@@ -150,14 +166,16 @@ def chat_body(req: ResponsesRequest, history: list[dict[str, Any]]) -> dict[str,
         body["parallel_tool_calls"] = req.parallel_tool_calls
     if req.max_output_tokens is not None:
         body["max_tokens"] = req.max_output_tokens
-    for key in ("temperature", "top_p"):
-        if getattr(req, key) is not None:
-            body[key] = getattr(req, key)
+    if req.temperature is not None:
+        body["temperature"] = req.temperature
+    if req.top_p is not None:
+        body["top_p"] = req.top_p
     if (fmt := chat_response_format(req.text_format)) is not None:
         body["response_format"] = fmt
-    if req.reasoning and req.reasoning.get("effort") == "none":
-        body = merge_template_kwargs(body, {"enable_thinking": False})
     if req.stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
-    return body
+    options = req.engine_options
+    if req.reasoning and req.reasoning["effort"] == "none":
+        options = merge_template_kwargs(options, {"enable_thinking": False})
+    return chat_request(body, options)

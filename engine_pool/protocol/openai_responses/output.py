@@ -25,6 +25,17 @@ from typing import Any
 from engine_pool.errors import ApiError
 
 from ..chat_result import Call, ChatResult, Usage, read_completion
+from ..chat_types import json_object
+from .objects import (
+    CustomToolCallItem,
+    FunctionCallItem,
+    MessageItem,
+    OutputText,
+    ReasoningItem,
+    ResponseObject,
+    ResponseText,
+    ResponseUsage,
+)
 from .request import ResponsesRequest
 from .tools import custom_input
 
@@ -33,7 +44,7 @@ Seal = Callable[[str], str] | None
 ENCRYPTED = "reasoning.encrypted_content"
 
 
-def usage_object(u: Usage) -> dict[str, Any]:
+def usage_object(u: Usage) -> ResponseUsage:
     return {
         "input_tokens": u.prompt_tokens,
         "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
@@ -52,7 +63,7 @@ def new_id(prefix: str) -> str:
 
 
 def reasoning_item(item_id: str, text: str, status: str, sealed: str | None = None) -> dict[str, Any]:
-    item = {
+    item: ReasoningItem = {
         "id": item_id,
         "type": "reasoning",
         "summary": [],
@@ -61,7 +72,7 @@ def reasoning_item(item_id: str, text: str, status: str, sealed: str | None = No
     }
     if sealed is not None:
         item["encrypted_content"] = sealed
-    return item
+    return json_object(item)
 
 
 def sealer(req: ResponsesRequest, seal: Seal) -> Seal:
@@ -69,19 +80,20 @@ def sealer(req: ResponsesRequest, seal: Seal) -> Seal:
     return seal if ENCRYPTED in req.include else None
 
 
-def text_part(text: str) -> dict[str, Any]:
+def text_part(text: str) -> OutputText:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
 def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     """An assistant message item; `text` None: no content part yet (a stream's item just added)."""
-    return {
+    item: MessageItem = {
         "id": item_id,
         "type": "message",
         "role": "assistant",
         "status": status,
         "content": [] if text is None else [text_part(text)],
     }
+    return json_object(item)
 
 
 def call_item(req: ResponsesRequest, item_id: str, call: Call, status: str) -> dict[str, Any]:
@@ -89,7 +101,7 @@ def call_item(req: ResponsesRequest, item_id: str, call: Call, status: str) -> d
     model's name for it), a custom tool's with its input; a name no tool has is a function's."""
     tool = req.tools.named(call.name)
     if tool is None:
-        return {
+        unknown: FunctionCallItem = {
             "id": item_id,
             "type": "function_call",
             "call_id": call.id,
@@ -97,21 +109,29 @@ def call_item(req: ResponsesRequest, item_id: str, call: Call, status: str) -> d
             "arguments": call.arguments,
             "status": status,
         }
-    custom = tool.kind == "custom"
-    out: dict[str, Any] = {
+        return json_object(unknown)
+    if tool.kind == "custom":  # (the spec's CustomToolCall has no status)
+        custom: CustomToolCallItem = {
+            "id": item_id,
+            "type": "custom_tool_call",
+            "call_id": call.id,
+            "name": tool.name,
+            "input": custom_input(call.arguments),
+        }
+        if tool.namespace is not None:
+            custom["namespace"] = tool.namespace
+        return json_object(custom)
+    function: FunctionCallItem = {
         "id": item_id,
-        "type": "custom_tool_call" if custom else "function_call",
+        "type": "function_call",
         "call_id": call.id,
+        "name": tool.name,
+        "arguments": call.arguments,
+        "status": status,
     }
     if tool.namespace is not None:
-        out["namespace"] = tool.namespace
-    out["name"] = tool.name
-    if custom:  # (the spec's CustomToolCall has no status)
-        out["input"] = custom_input(call.arguments)
-        return out
-    out["arguments"] = call.arguments
-    out["status"] = status
-    return out
+        function["namespace"] = tool.namespace
+    return json_object(function)
 
 
 def call_prefix(req: ResponsesRequest, call: Call) -> str:
@@ -123,7 +143,10 @@ def response_shell(
     req: ResponsesRequest, *, response_id: str, created_at: int, model: str, status: str
 ) -> dict[str, Any]:
     """A Response with the request's settings echoed, no output and no usage yet."""
-    return {
+    text: ResponseText = {"format": req.text_format}
+    if req.verbosity:
+        text["verbosity"] = req.verbosity
+    shell: ResponseObject = {
         "id": response_id,
         "object": "response",
         "created_at": created_at,
@@ -143,16 +166,18 @@ def response_shell(
         "safety_identifier": req.safety_identifier,
         "store": req.store,
         "temperature": req.temperature,
-        "text": {"format": req.text_format, **({"verbosity": req.verbosity} if req.verbosity else {})},
+        "text": text,
         "tool_choice": req.tool_choice,
-        "tools": [dict(t) for t in req.tools.echo],
+        "tools": [t.copy() for t in req.tools.echo],
         "top_p": req.top_p,
         "truncation": "disabled",
         "usage": None,
         "user": req.user,
         "metadata": dict(req.metadata),
-        **_omitted(req),
     }
+    if req.tools.omitted:
+        shell["slotkeeper"] = {"omitted_tools": [o.report() for o in req.tools.omitted]}
+    return json_object(shell)
 
 
 # The answer's header naming the hosted tools left out of the prompt (their types, comma-separated).
@@ -165,13 +190,7 @@ def omitted_header(req: ResponsesRequest) -> dict[str, str]:
     return {OMITTED_HEADER: types} if types else {}
 
 
-def _omitted(req: ResponsesRequest) -> dict[str, Any]:
-    if not req.tools.omitted:
-        return {}
-    return {"slotkeeper": {"omitted_tools": [o.report() for o in req.tools.omitted]}}
-
-
-def with_report(response: dict[str, Any], report: dict[str, Any] | None) -> None:
+def with_report(response: dict[str, Any], report: Mapping[str, Any] | None) -> None:
     """`response`'s `slotkeeper` with the engine's report of how it served the prompt added."""
     if report is not None:
         response["slotkeeper"] = {**response.get("slotkeeper", {}), **report}
@@ -182,18 +201,20 @@ def finalize(
 ) -> None:
     """Make `response` final: its output, completed or incomplete (the token limit), its usage."""
     incomplete = is_incomplete(finish_reason)
-    response.update(
-        status="incomplete" if incomplete else "completed",
-        incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
-        output=output,
-        usage=usage_object(u),
-    )
+    response["status"] = "incomplete" if incomplete else "completed"
+    response["incomplete_details"] = {"reason": "max_output_tokens"} if incomplete else None
+    response["output"] = output
+    response["usage"] = usage_object(u)
 
 
 def mark_failed(response: dict[str, Any], output: list[dict[str, Any]], err: ApiError) -> None:
     """Make `response` a failed one: ResponseError's `code` is one of a fixed set."""
-    code = "rate_limit_exceeded" if err.status == 429 else "server_error"
-    response.update(status="failed", output=output, error={"code": code, "message": err.message})
+    response["status"] = "failed"
+    response["output"] = output
+    response["error"] = {
+        "code": "rate_limit_exceeded" if err.status == 429 else "server_error",
+        "message": err.message,
+    }
 
 
 def output_items(
@@ -201,7 +222,7 @@ def output_items(
 ) -> list[dict[str, Any]]:
     # The token limit cuts the last item only (a stream closes each item as the next one starts).
     status = "incomplete" if is_incomplete(result.finish_reason) else "completed"
-    out = []
+    out: list[dict[str, Any]] = []
     if result.reasoning:
         cut = status if not (result.content or result.calls) else "completed"
         sealed = seal(result.reasoning) if seal is not None else None
@@ -217,7 +238,8 @@ def response_object(
     req: ResponsesRequest, chat: Mapping[str, Any], *, response_id: str, created_at: int, seal: Seal = None
 ) -> dict[str, Any]:
     """The complete Response for a `chat.completion` object (`seal`: how reasoning is sealed for
-    `encrypted_content`, used when the request includes it)."""
+    `encrypted_content`, used when the request includes it), as the JSON object the gateway answers
+    and stores (`json_object`)."""
     result = read_completion(chat)
     model = chat.get("model")
     response = response_shell(

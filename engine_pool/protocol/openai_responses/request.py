@@ -28,6 +28,21 @@ from engine_pool.http.body import Body, json_type
 
 from ..bounds import array_form, check_count
 from ..engine_options import engine_options
+from .objects import (
+    CallOutputItem,
+    CustomToolCallItem,
+    FunctionCallItem,
+    InputItem,
+    InputText,
+    MessageItem,
+    OutputText,
+    ReasoningConfig,
+    ReasoningItem,
+    ReasoningText,
+    ResponseFormat,
+    SummaryText,
+    ToolChoice,
+)
 from .tools import Tools, check_grammars_with_format, parse_tool_choice, parse_tools
 
 ROLES = ("user", "system", "developer", "assistant")
@@ -62,14 +77,18 @@ UNSUPPORTED = {
 }
 
 
+def _text_format() -> ResponseFormat:
+    return {"type": "text"}
+
+
 @dataclass(frozen=True)
 class ResponsesRequest:
     model: str
-    items: tuple[dict[str, Any], ...]  # the input as Responses items, ids included
+    items: tuple[InputItem, ...]  # the input as Responses items, ids included
     instructions: str | None = None
     tools: Tools = field(default_factory=Tools)  # offered, echoed, omitted (openai_responses.tools)
     # auto | none | required | {"type": "function" | "custom", "name": its model name}
-    tool_choice: str | dict[str, Any] = "auto"
+    tool_choice: ToolChoice = "auto"
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -78,9 +97,9 @@ class ResponsesRequest:
     previous_response_id: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     parallel_tool_calls: bool = True
-    text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
+    text_format: ResponseFormat = field(default_factory=_text_format)
     verbosity: str | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: ReasoningConfig | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
@@ -97,12 +116,13 @@ Open = Callable[[str, str], str]
 def with_reasoning_opened(req: ResponsesRequest, open_sealed: Open) -> ResponsesRequest:
     """`req` with each reasoning item that carries `encrypted_content` rendered from its opened
     text (what the sealed turn generated, whatever `content` the client sent beside it)."""
-    items = []
+    items: list[InputItem] = []
     for i, item in enumerate(req.items):
-        sealed = item.get("encrypted_content") if item["type"] == "reasoning" else None
-        if sealed is not None:
-            text = open_sealed(sealed, f"input[{i}].encrypted_content")
-            item = {**item, "content": [{"type": "reasoning_text", "text": text}]}
+        if item["type"] == "reasoning" and "encrypted_content" in item:
+            text = open_sealed(item["encrypted_content"], f"input[{i}].encrypted_content")
+            opened = item.copy()
+            opened["content"] = [{"type": "reasoning_text", "text": text}]
+            item = opened
         items.append(item)
     return replace(req, items=tuple(items))
 
@@ -134,7 +154,7 @@ def parse_request(data: dict[str, Any], *, max_items: int, hosted: str = "omit")
     model = body.get_str("model") or ""
     tools = parse_tools(body, hosted, max_items)
     tool_choice = parse_tool_choice(body, tools)
-    text_format = _text_format(body)
+    text_format = _format(body)
     check_grammars_with_format(tools, tool_choice, text_format["type"])
     return ResponsesRequest(
         model=model,
@@ -227,11 +247,11 @@ def _include(body: Body) -> tuple[str, ...]:
     return tuple(values)
 
 
-def _reasoning(body: Body) -> dict[str, Any] | None:
+def _reasoning(body: Body) -> ReasoningConfig | None:
     reasoning = body.get_object("reasoning")
     if reasoning is None:
         return None
-    out: dict[str, Any] = {"effort": None, "summary": None}
+    out: ReasoningConfig = {"effort": None, "summary": None}
     if reasoning.has("effort"):
         out["effort"] = reasoning.get_choice("effort", "medium", REASONING_EFFORTS)
     for name in ("summary", "generate_summary"):
@@ -249,12 +269,12 @@ def _verbosity(body: Body) -> str | None:
     return text.get_choice("verbosity", "medium", VERBOSITIES) if text and text.has("verbosity") else None
 
 
-def _text_format(body: Body) -> dict[str, Any]:
+def _format(body: Body) -> ResponseFormat:
     """`text.format`: text, json_object or json_schema {name, schema, strict, description}."""
     text = _text(body)
     fmt = text.get_object("format") if text else None
     if fmt is None:
-        return {"type": "text"}
+        return _text_format()
     kind = fmt.get_choice("type", "text", ("text", "json_object", "json_schema"))
     if kind != "json_schema":
         return {"type": kind}
@@ -267,28 +287,31 @@ def _text_format(body: Body) -> dict[str, Any]:
             f"'text.format.schema' must be a JSON schema object, got {json_type(schema)}",
             param="text.format.schema",
         )
-    out: dict[str, Any] = {"type": "json_schema", "name": name, "schema": schema}
+    out: ResponseFormat = {"type": "json_schema", "name": name, "schema": schema}
     if fmt.has("strict"):
         out["strict"] = fmt.get_bool("strict", False)
-    if fmt.has("description"):
-        out["description"] = fmt.get_str("description")
+    description = fmt.get_str("description")
+    if description is not None:
+        out["description"] = description
     return out
 
 
 # -- input items --------------------------------------------------------------------------------
-def _input(body: Body, max_items: int) -> tuple[dict[str, Any], ...]:
+def _input(body: Body, max_items: int) -> tuple[InputItem, ...]:
     raw = body.raw("input")
     if raw is None:
         raise BadRequest("'input' is required", param="input")
     if isinstance(raw, str):
-        return (_message_item(None, "user", [{"type": "input_text", "text": raw}]),)
+        return (
+            {"type": "message", "role": "user", "content": [_input_text(raw)], "id": new_item_id("message")},
+        )
     items = array_form(raw, "input", max_items, "items")
     if not items:
         raise BadRequest("'input' must not be an empty array", param="input")
     return tuple(_item(item, f"input[{i}]", max_items) for i, item in enumerate(items))
 
 
-def _item(raw: Any, where: str, max_parts: int) -> dict[str, Any]:
+def _item(raw: Any, where: str, max_parts: int) -> InputItem:
     if not isinstance(raw, dict):
         raise BadRequest(f"'{where}' must be an object, got {json_type(raw)}", param=where)
     kind = raw.get("type") or ("message" if "role" in raw else None)
@@ -305,12 +328,7 @@ def _item(raw: Any, where: str, max_parts: int) -> dict[str, Any]:
             param=where,
         )
     item = Body(raw, where)
-    item_id = item.get_str("id")
-    return _ITEMS[kind](item, max_parts) | {"id": item_id or new_item_id(kind)}
-
-
-def _message_item(item_id: str | None, role: str, content: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"type": "message", "role": role, "content": content, "id": item_id or new_item_id("message")}
+    return _ITEMS[kind](item, item.get_str("id") or new_item_id(kind), max_parts)
 
 
 def _required_str(item: Body, name: str) -> str:
@@ -320,26 +338,24 @@ def _required_str(item: Body, name: str) -> str:
     return value
 
 
-def _message(item: Body, max_parts: int) -> dict[str, Any]:
+def _message(item: Body, item_id: str, max_parts: int) -> MessageItem:
     role = item.get_str("role")
-    if role not in ROLES:
+    if role is None or role not in ROLES:
         raise BadRequest(
             f"'{item.name('role')}' must be one of {', '.join(ROLES)}; got {role!r}", param=item.name("role")
         )
-    text_type = "output_text" if role == "assistant" else "input_text"
     content = item.raw("content")
-    if isinstance(content, str):
-        return {"type": "message", "role": role, "content": [_text_part(text_type, content)]}
-    parts = _text_parts(item, "content", max_parts)
-    return {"type": "message", "role": role, "content": [_text_part(text_type, t) for t in parts]}
+    texts = [content] if isinstance(content, str) else _text_parts(item, "content", max_parts)
+    part = _output_text if role == "assistant" else _input_text
+    return {"type": "message", "role": role, "content": [part(t) for t in texts], "id": item_id}
 
 
-def _text_part(kind: str, text: str) -> dict[str, Any]:
-    return (
-        {"type": kind, "text": text, "annotations": []}
-        if kind == "output_text"
-        else {"type": kind, "text": text}
-    )
+def _input_text(text: str) -> InputText:
+    return {"type": "input_text", "text": text}
+
+
+def _output_text(text: str) -> OutputText:
+    return {"type": "output_text", "text": text, "annotations": []}
 
 
 def _text_parts(item: Body, field: str, max_parts: int) -> list[str]:
@@ -363,71 +379,91 @@ def _text_parts(item: Body, field: str, max_parts: int) -> list[str]:
     return texts
 
 
-def _namespace(item: Body) -> dict[str, str]:
+def _namespace(item: Body) -> str | None:
     """An item's `namespace` (a namespaced tool's call), when it has one."""
     if not item.has("namespace"):
-        return {}
+        return None
     value = item.get_str("namespace")
     where = item.name("namespace")
     if not value or len(value) > MAX_NAMESPACE_CHARS:
         raise BadRequest(
             f"'{where}' must be a non-empty string of at most {MAX_NAMESPACE_CHARS} characters", param=where
         )
-    return {"namespace": value}
+    return value
 
 
-def _function_call(item: Body, max_parts: int) -> dict[str, Any]:
+def _function_call(item: Body, item_id: str, max_parts: int) -> FunctionCallItem:
     arguments = item.get_str("arguments")
     if arguments is None:
         raise BadRequest(f"'{item.name('arguments')}' must be a JSON string", param=item.name("arguments"))
-    return {
+    call_id, namespace = _required_str(item, "call_id"), _namespace(item)
+    out: FunctionCallItem = {
         "type": "function_call",
-        "call_id": _required_str(item, "call_id"),
-        **_namespace(item),
+        "call_id": call_id,
         "name": _required_str(item, "name"),
         "arguments": arguments,
+        "id": item_id,
     }
+    if namespace is not None:
+        out["namespace"] = namespace
+    return out
 
 
-def _custom_tool_call(item: Body, max_parts: int) -> dict[str, Any]:
+def _custom_tool_call(item: Body, item_id: str, max_parts: int) -> CustomToolCallItem:
     text = item.get_str("input")
     if text is None:
         raise BadRequest(f"'{item.name('input')}' must be a string", param=item.name("input"))
-    return {
+    call_id, namespace = _required_str(item, "call_id"), _namespace(item)
+    out: CustomToolCallItem = {
         "type": "custom_tool_call",
-        "call_id": _required_str(item, "call_id"),
-        **_namespace(item),
+        "call_id": call_id,
         "name": _required_str(item, "name"),
         "input": text,
+        "id": item_id,
     }
+    if namespace is not None:
+        out["namespace"] = namespace
+    return out
 
 
-def _call_output(item: Body, max_parts: int) -> dict[str, Any]:
+def _call_output(item: Body, item_id: str, max_parts: int) -> CallOutputItem:
     """A function's or a custom tool's output (a string, or content parts whose texts are joined)."""
     output = item.raw("output")
     if output is None:
         raise BadRequest(f"'{item.name('output')}' is required", param=item.name("output"))
     text = output if isinstance(output, str) else "\n".join(_text_parts(item, "output", max_parts))
-    return {"type": item.data["type"], "call_id": _required_str(item, "call_id"), "output": text}
+    custom = item.data["type"] == "custom_tool_call_output"
+    return {
+        "type": "custom_tool_call_output" if custom else "function_call_output",
+        "call_id": _required_str(item, "call_id"),
+        "output": text,
+        "id": item_id,
+    }
 
 
-def _reasoning_item(item: Body, max_parts: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"type": "reasoning"}
-    for name, part_type in (("summary", "summary_text"), ("content", "reasoning_text")):
-        parts = item.get_list(name)
-        if parts is None:
-            continue
-        check_count(item.name(name), parts, max_parts, "parts")
-        for j, part in enumerate(parts):
-            at = f"{item.name(name)}[{j}]"
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != part_type
-                or not isinstance(part.get("text"), str)
-            ):
-                raise BadRequest(f'\'{at}\' must be {{"type": "{part_type}", "text": ...}}', param=at)
-        out[name] = [{"type": part_type, "text": p["text"]} for p in parts]
-    out.setdefault("summary", [])
+def _reasoning_texts(item: Body, name: str, part_type: str, max_parts: int) -> list[str] | None:
+    """The texts of a reasoning item's `summary` or `content` parts (all of `part_type`)."""
+    parts = item.get_list(name)
+    if parts is None:
+        return None
+    check_count(item.name(name), parts, max_parts, "parts")
+    for j, part in enumerate(parts):
+        at = f"{item.name(name)}[{j}]"
+        if (
+            not isinstance(part, dict)
+            or part.get("type") != part_type
+            or not isinstance(part.get("text"), str)
+        ):
+            raise BadRequest(f'\'{at}\' must be {{"type": "{part_type}", "text": ...}}', param=at)
+    return [p["text"] for p in parts]
+
+
+def _reasoning_item(item: Body, item_id: str, max_parts: int) -> ReasoningItem:
+    summary = _reasoning_texts(item, "summary", "summary_text", max_parts) or []
+    content = _reasoning_texts(item, "content", "reasoning_text", max_parts)
+    out: ReasoningItem = {"type": "reasoning", "summary": [_summary_text(t) for t in summary], "id": item_id}
+    if content is not None:
+        out["content"] = [_reasoning_text(t) for t in content]
     if item.has("encrypted_content"):
         sealed = item.get_str("encrypted_content")
         assert sealed is not None
@@ -442,7 +478,15 @@ def _reasoning_item(item: Body, max_parts: int) -> dict[str, Any]:
     return out
 
 
-_ITEMS: dict[str, Callable[[Body, int], dict[str, Any]]] = {
+def _summary_text(text: str) -> SummaryText:
+    return {"type": "summary_text", "text": text}
+
+
+def _reasoning_text(text: str) -> ReasoningText:
+    return {"type": "reasoning_text", "text": text}
+
+
+_ITEMS: dict[str, Callable[[Body, str, int], InputItem]] = {
     "message": _message,
     "function_call": _function_call,
     "function_call_output": _call_output,

@@ -32,8 +32,19 @@ from engine_pool.errors import BadRequest
 from engine_pool.http.body import Body, json_type
 
 from ..bounds import check_count
+from ..chat_types import ChatFunction, ChatTool, ChatToolChoice
 from ..tool_grammar import parse_grammar
 from ..tools import tool_choice_mode
+from .objects import (
+    CustomFormat,
+    CustomTextFormat,
+    CustomToolEcho,
+    FunctionToolEcho,
+    NamedToolChoice,
+    NamespaceEcho,
+    ToolChoice,
+    ToolEcho,
+)
 
 SEPARATOR = "."
 MAX_NAMESPACES = 32
@@ -65,7 +76,11 @@ INPUT_PARAMETERS: dict[str, Any] = {
     "properties": {"input": {"type": "string"}},
     "required": ["input"],
 }
-TEXT_FORMAT: dict[str, Any] = {"type": "text"}
+
+
+def _free_text() -> CustomTextFormat:
+    """A custom tool's `format` when it sets none: free text."""
+    return {"type": "text"}
 
 
 def model_name(namespace: str | None, name: str) -> str:
@@ -84,23 +99,26 @@ class Offered:
     description: str | None = None
     parameters: dict[str, Any] | None = None  # function
     strict: bool | None = None  # function
-    format: dict[str, Any] = field(default_factory=lambda: dict(TEXT_FORMAT))  # custom
+    format: CustomFormat = field(default_factory=_free_text)  # custom
 
     @property
     def model_name(self) -> str:
         return model_name(self.namespace, self.name)
 
-    def echo(self) -> dict[str, Any]:
-        """As the response's `tools` shows it (inside its namespace's, for a namespaced one)."""
+    def echo(self, description: str | None = None) -> FunctionToolEcho | CustomToolEcho:
+        """As the response's `tools` shows it, with `description` (default: the one the model sees;
+        a namespaced tool's own inside its namespace's)."""
+        if description is None:
+            description = self.description
         if self.kind == "custom":
-            out: dict[str, Any] = {"type": "custom", "name": self.name, "format": self.format}
-            if self.description is not None:
-                out["description"] = self.description
+            out: CustomToolEcho = {"type": "custom", "name": self.name, "format": self.format}
+            if description is not None:
+                out["description"] = description
             return out
         return {
             "type": "function",
             "name": self.name,
-            "description": self.description,
+            "description": description,
             "parameters": self.parameters,
             "strict": self.strict,
         }
@@ -120,7 +138,7 @@ class Omitted:
 @dataclass(frozen=True)
 class Tools:
     offered: tuple[Offered, ...] = ()
-    echo: tuple[dict[str, Any], ...] = ()  # the response's `tools`: function, custom, namespace
+    echo: tuple[ToolEcho, ...] = ()  # the response's `tools`: function, custom, namespace
     omitted: tuple[Omitted, ...] = ()
 
     def named(self, name: str) -> Offered | None:
@@ -133,7 +151,7 @@ def parse_tools(body: Body, hosted: str, max_tools: int) -> Tools:
     raw = body.get_list("tools") or []
     check_count("tools", raw, max_tools, "tools")
     offered: list[Offered] = []
-    echo: list[dict[str, Any]] = []
+    echo: list[ToolEcho] = []
     omitted: list[Omitted] = []
     namespaces = 0
     for tool in body.objects("tools"):
@@ -217,20 +235,27 @@ def _namespace(tool: Body, taken: list[Offered]) -> list[Offered]:
     return out
 
 
-def _namespace_echo(tool: Body, inner: list[Offered]) -> dict[str, Any]:
-    tools = []
-    for entry, sub in zip(inner, tool.objects("tools"), strict=True):
-        echoed = entry.echo()
-        echoed["description"] = sub.get_str("description")  # its own, not the one the model sees
-        if entry.kind == "custom" and echoed["description"] is None:
-            del echoed["description"]
-        tools.append(echoed)
+def _namespace_echo(tool: Body, inner: list[Offered]) -> NamespaceEcho:
+    # Each tool with its own description, not the one the model sees.
+    tools = [
+        entry.echo(sub.get_str("description")) if sub.has("description") else _undescribed(entry)
+        for entry, sub in zip(inner, tool.objects("tools"), strict=True)
+    ]
     return {
         "type": "namespace",
         "name": tool.get_str("name"),
         "description": tool.get_str("description"),
         "tools": tools,
     }
+
+
+def _undescribed(entry: Offered) -> FunctionToolEcho | CustomToolEcho:
+    echoed = entry.echo()
+    if echoed["type"] == "custom":
+        echoed.pop("description", None)
+    else:
+        echoed["description"] = None
+    return echoed
 
 
 def _tool(tool: Body, kind: str, namespace: str | None, taken: Iterable[Offered]) -> Offered:
@@ -262,15 +287,15 @@ def _tool(tool: Body, kind: str, namespace: str | None, taken: Iterable[Offered]
     return Offered("function", name, tool.path, namespace, description, parameters, strict)
 
 
-def _format(tool: Body) -> dict[str, Any]:
+def _format(tool: Body) -> CustomFormat:
     """A custom tool's `format`: text, or a grammar the engine can enforce (read here, so that
     what it cannot enforce is refused before any work)."""
     fmt = tool.get_object("format")
     if fmt is None:
-        return dict(TEXT_FORMAT)
+        return _free_text()
     kind = fmt.get_choice("type", "text", ("text", "grammar"))
     if kind == "text":
-        return dict(TEXT_FORMAT)
+        return _free_text()
     syntax = fmt.get_choice("syntax", "", ("lark", "regex")) if fmt.has("syntax") else None
     definition = fmt.get_str("definition")
     if syntax is None or definition is None:
@@ -281,10 +306,10 @@ def _format(tool: Body) -> dict[str, Any]:
 
 
 def has_grammar(tool: Offered) -> bool:
-    return tool.kind == "custom" and tool.format.get("type") == "grammar"
+    return tool.kind == "custom" and tool.format["type"] == "grammar"
 
 
-def parse_tool_choice(body: Body, tools: Tools) -> str | dict[str, Any]:
+def parse_tool_choice(body: Body, tools: Tools) -> ToolChoice:
     """`tool_choice`: auto | none | required, or a function or custom tool by its model name."""
     raw = body.raw("tool_choice", "auto")
     names = [t.model_name for t in tools.offered]
@@ -315,10 +340,11 @@ def parse_tool_choice(body: Body, tools: Tools) -> str | dict[str, Any]:
             f"their model name, NAMESPACE{SEPARATOR}NAME)",
             param="tool_choice",
         )
-    return {"type": kind, "name": name}
+    named: NamedToolChoice = {"type": kind, "name": tool.model_name}  # (the name asked for)
+    return named
 
 
-def check_grammars_with_format(tools: Tools, tool_choice: str | dict[str, Any], text_format: str) -> None:
+def check_grammars_with_format(tools: Tools, tool_choice: ToolChoice, text_format: str) -> None:
     """A grammar-constrained custom tool under tool_choice auto holds the model's calls to a grammar
     from their first tag on, which a constrained reply (`text.format`) cannot share: refused."""
     if tool_choice != "auto" or text_format == "text":
@@ -334,28 +360,32 @@ def check_grammars_with_format(tools: Tools, tool_choice: str | dict[str, Any], 
 
 
 # -- the chat path's view -------------------------------------------------------------------------
-def chat_tools(tools: Tools) -> list[dict[str, Any]]:
+def chat_tools(tools: Tools) -> list[ChatTool]:
     """The offered tools as chat function tools, under their model names."""
-    out = []
+    out: list[ChatTool] = []
     for tool in tools.offered:
-        fn: dict[str, Any] = {"name": tool.model_name}
+        fn: ChatFunction = {"name": tool.model_name}
         if tool.description is not None:
             fn["description"] = tool.description
         if tool.kind == "custom":
             fn["parameters"] = INPUT_PARAMETERS
-            entry: dict[str, Any] = {"type": "function", "function": fn}
-            if has_grammar(tool):
-                entry["input_grammar"] = {k: tool.format[k] for k in ("syntax", "definition")}
+            entry: ChatTool = {"type": "function", "function": fn}
+            if tool.format["type"] == "grammar":
+                entry["input_grammar"] = {
+                    "syntax": tool.format["syntax"],
+                    "definition": tool.format["definition"],
+                }
             out.append(entry)
             continue
-        for key in ("parameters", "strict"):
-            if getattr(tool, key) is not None:
-                fn[key] = getattr(tool, key)
+        if tool.parameters is not None:
+            fn["parameters"] = tool.parameters
+        if tool.strict is not None:
+            fn["strict"] = tool.strict
         out.append({"type": "function", "function": fn})
     return out
 
 
-def chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+def chat_tool_choice(choice: ToolChoice) -> ChatToolChoice:
     if isinstance(choice, dict):
         return {"type": "function", "function": {"name": choice["name"]}}
     return choice
