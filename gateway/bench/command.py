@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, str] = {
     "prefix": "new sessions sharing a system prompt, side by side with llama-server",
     "resume": "a long session's next turn, live and after save/restart/restore",
     "routing": "the gateway's routing decision in process, no servers",
+    "sessions": "agent sessions taking turns on fewer slots, side by side with llama-server",
     "soak": "load, a hostile client and engine crashes at once",
     "storage": "storage/ against raw transfers and a full save per turn",
     "throughput": "prefill and decode tokens/s with busy slots, side by side",

@@ -122,12 +122,14 @@ class Chat:
         self.client = httpx.Client(timeout=3600)
 
     def ask(
-        self, messages: list[dict[str, Any]], session: str | None = None
+        self, messages: list[dict[str, Any]], session: str | None = None, max_tokens: int = 1
     ) -> tuple[dict[str, Any], float, str]:
+        """The answer, its wall time in ms (with one token answered: the time to first token) and how
+        the gateway served it (empty for llama-server)."""
         body = {
             "messages": [{"role": "system", "content": self.system}, *messages],
             "tools": self.tools,
-            "max_tokens": 1,
+            "max_tokens": max_tokens,
             "temperature": 0,
             "top_k": 1,
             "model": "m",

@@ -51,7 +51,16 @@ def _json(path: Path) -> dict[str, Any]:
 
 def test_bench_lists_every_suite() -> None:
     out = bench("--help")
-    for name in ("gateway", "prefix", "resume", "soak", "storage", "throughput", "upstream-suite"):
+    for name in (
+        "gateway",
+        "prefix",
+        "resume",
+        "sessions",
+        "soak",
+        "storage",
+        "throughput",
+        "upstream-suite",
+    ):
         assert name in out
 
 
@@ -93,6 +102,41 @@ def test_gateway_suites(tiny_model, tmp_path: Path) -> None:
     assert all(b["decisions_per_s"] > 0 for b in routing["backends"])
     assert report["restore_ok"] is True
     assert "== 3." in out
+
+
+@needs_upstream
+def test_sessions_side_by_side(tiny_model, tmp_path: Path) -> None:
+    out_json = tmp_path / "sessions.json"
+    bench(
+        "sessions --system-tokens 300 --tools 2 --task-tokens 200 --sessions 3 --slots 2 --rounds 3"
+        " --ctx 2048 --max-tokens 4 --live-turns 2",
+        *("--model", tiny_model("qwen35")),
+        *("--workdir", str(tmp_path / "work")),
+        *("--json", str(out_json)),
+        timeout=900,
+    )
+    report = _json(out_json)
+    turns = report["turns"]
+    assert sorted({(t["server"], t["round"]) for t in turns}) == [
+        ("llama-server", 1),
+        ("llama-server", 2),
+        ("llama-server", 3),
+        ("slotkeeper", 0),
+        ("slotkeeper", 1),
+        ("slotkeeper", 2),
+        ("slotkeeper", 3),
+    ]
+    # The harness measures what it claims: three sessions on two slots come back restored, and
+    # evaluate their new message (and the template's tokens), not their history.
+    later = [t for t in turns if t["server"] == "slotkeeper" and t["round"] >= 2]
+    assert len(later) == 6 and all(t["served"] == "restored" for t in later)
+    assert all(t["prompt_n"] < t["prompt_tokens"] // 4 for t in later)
+    live = [t for t in turns if t["round"] == 0]
+    assert len(live) == 2 and all(t["served"] == "live" for t in live)
+    summary = report["summary"]
+    assert summary["slotkeeper"]["rounds 2.."]["evaluated"] == sum(t["prompt_n"] for t in later)
+    assert set(summary["goals"]) == {"rounds 2.. <= 1.2x a live turn", "rounds 2.. >= 10x llama-server"}
+    assert all(isinstance(v, bool) for v in summary["goals"].values())
 
 
 @needs_upstream
