@@ -30,6 +30,7 @@ from .objects import (
     CustomToolCallItem,
     FunctionCallItem,
     MessageItem,
+    OutputItem,
     OutputText,
     ReasoningItem,
     ResponseObject,
@@ -62,7 +63,7 @@ def new_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
-def reasoning_item(item_id: str, text: str, status: str, sealed: str | None = None) -> dict[str, Any]:
+def reasoning_item(item_id: str, text: str, status: str, sealed: str | None = None) -> ReasoningItem:
     item: ReasoningItem = {
         "id": item_id,
         "type": "reasoning",
@@ -72,7 +73,7 @@ def reasoning_item(item_id: str, text: str, status: str, sealed: str | None = No
     }
     if sealed is not None:
         item["encrypted_content"] = sealed
-    return json_object(item)
+    return item
 
 
 def sealer(req: ResponsesRequest, seal: Seal) -> Seal:
@@ -84,24 +85,25 @@ def text_part(text: str) -> OutputText:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+def message_item(item_id: str, text: str | None, status: str) -> MessageItem:
     """An assistant message item; `text` None: no content part yet (a stream's item just added)."""
-    item: MessageItem = {
+    return {
         "id": item_id,
         "type": "message",
         "role": "assistant",
         "status": status,
         "content": [] if text is None else [text_part(text)],
     }
-    return json_object(item)
 
 
-def call_item(req: ResponsesRequest, item_id: str, call: Call, status: str) -> dict[str, Any]:
+def call_item(
+    req: ResponsesRequest, item_id: str, call: Call, status: str
+) -> FunctionCallItem | CustomToolCallItem:
     """The item for a chat tool call: named as the request's tools name it (`call.name` is the
     model's name for it), a custom tool's with its input; a name no tool has is a function's."""
     tool = req.tools.named(call.name)
     if tool is None:
-        unknown: FunctionCallItem = {
+        return {
             "id": item_id,
             "type": "function_call",
             "call_id": call.id,
@@ -109,7 +111,6 @@ def call_item(req: ResponsesRequest, item_id: str, call: Call, status: str) -> d
             "arguments": call.arguments,
             "status": status,
         }
-        return json_object(unknown)
     if tool.kind == "custom":  # (the spec's CustomToolCall has no status)
         custom: CustomToolCallItem = {
             "id": item_id,
@@ -120,7 +121,7 @@ def call_item(req: ResponsesRequest, item_id: str, call: Call, status: str) -> d
         }
         if tool.namespace is not None:
             custom["namespace"] = tool.namespace
-        return json_object(custom)
+        return custom
     function: FunctionCallItem = {
         "id": item_id,
         "type": "function_call",
@@ -131,7 +132,7 @@ def call_item(req: ResponsesRequest, item_id: str, call: Call, status: str) -> d
     }
     if tool.namespace is not None:
         function["namespace"] = tool.namespace
-    return json_object(function)
+    return function
 
 
 def call_prefix(req: ResponsesRequest, call: Call) -> str:
@@ -141,7 +142,7 @@ def call_prefix(req: ResponsesRequest, call: Call) -> str:
 
 def response_shell(
     req: ResponsesRequest, *, response_id: str, created_at: int, model: str, status: str
-) -> dict[str, Any]:
+) -> ResponseObject:
     """A Response with the request's settings echoed, no output and no usage yet."""
     text: ResponseText = {"format": req.text_format}
     if req.verbosity:
@@ -177,7 +178,7 @@ def response_shell(
     }
     if req.tools.omitted:
         shell["slotkeeper"] = {"omitted_tools": [o.report() for o in req.tools.omitted]}
-    return json_object(shell)
+    return shell
 
 
 # The answer's header naming the hosted tools left out of the prompt (their types, comma-separated).
@@ -190,15 +191,13 @@ def omitted_header(req: ResponsesRequest) -> dict[str, str]:
     return {OMITTED_HEADER: types} if types else {}
 
 
-def with_report(response: dict[str, Any], report: Mapping[str, Any] | None) -> None:
+def with_report(response: ResponseObject, report: Mapping[str, Any] | None) -> None:
     """`response`'s `slotkeeper` with the engine's report of how it served the prompt added."""
     if report is not None:
         response["slotkeeper"] = {**response.get("slotkeeper", {}), **report}
 
 
-def finalize(
-    response: dict[str, Any], output: list[dict[str, Any]], finish_reason: str | None, u: Usage
-) -> None:
+def finalize(response: ResponseObject, output: list[OutputItem], finish_reason: str | None, u: Usage) -> None:
     """Make `response` final: its output, completed or incomplete (the token limit), its usage."""
     incomplete = is_incomplete(finish_reason)
     response["status"] = "incomplete" if incomplete else "completed"
@@ -207,7 +206,7 @@ def finalize(
     response["usage"] = usage_object(u)
 
 
-def mark_failed(response: dict[str, Any], output: list[dict[str, Any]], err: ApiError) -> None:
+def mark_failed(response: ResponseObject, output: list[OutputItem], err: ApiError) -> None:
     """Make `response` a failed one: ResponseError's `code` is one of a fixed set."""
     response["status"] = "failed"
     response["output"] = output
@@ -219,10 +218,10 @@ def mark_failed(response: dict[str, Any], output: list[dict[str, Any]], err: Api
 
 def output_items(
     req: ResponsesRequest, result: ChatResult, *, parallel_tool_calls: bool, seal: Seal = None
-) -> list[dict[str, Any]]:
+) -> list[OutputItem]:
     # The token limit cuts the last item only (a stream closes each item as the next one starts).
     status = "incomplete" if is_incomplete(result.finish_reason) else "completed"
-    out: list[dict[str, Any]] = []
+    out: list[OutputItem] = []
     if result.reasoning:
         cut = status if not (result.content or result.calls) else "completed"
         sealed = seal(result.reasoning) if seal is not None else None
@@ -253,4 +252,4 @@ def response_object(
     finalize(response, output, result.finish_reason, result.usage)
     if isinstance(chat.get("slotkeeper"), dict):  # how the prompt's state was served (beside usage)
         with_report(response, chat["slotkeeper"])
-    return response
+    return json_object(response)

@@ -24,6 +24,7 @@ from typing import Any
 from engine_pool.errors import ApiError
 
 from ..chat_result import Call, ChunkStream, Event, Usage
+from .objects import OutputItem, ResponseObject
 from .output import (
     Seal,
     call_item,
@@ -52,7 +53,7 @@ class _Item:
         self.id = item_id
         self.call = call
         self.text = ""
-        self.done: dict[str, Any] | None = None
+        self.done: OutputItem | None = None
 
 
 class ResponseStream(ChunkStream[_Item]):
@@ -69,7 +70,7 @@ class ResponseStream(ChunkStream[_Item]):
         self._seal = sealer(req, seal)
         self.response_id = response_id
         self.created_at = created_at
-        self.response: dict[str, Any] | None = None
+        self.response: ResponseObject | None = None
         self._seq = 0
         self._started = False
         self._items: list[_Item] = []
@@ -80,7 +81,7 @@ class ResponseStream(ChunkStream[_Item]):
         self._seq += 1
         return kind, data
 
-    def _shell(self, status: str) -> dict[str, Any]:
+    def _shell(self, status: str) -> ResponseObject:
         return response_shell(
             self.req,
             response_id=self.response_id,
@@ -123,7 +124,7 @@ class ResponseStream(ChunkStream[_Item]):
         return out
 
     # -- items --------------------------------------------------------------------------------
-    def _snapshot(self, item: _Item) -> dict[str, Any]:
+    def _snapshot(self, item: _Item) -> OutputItem:
         """An item as it stands (in progress)."""
         if item.kind == "reasoning":
             return reasoning_item(item.id, item.text, "in_progress")
@@ -139,6 +140,7 @@ class ResponseStream(ChunkStream[_Item]):
         item = _Item(kind, len(self._items), new_id(prefix), call)
         self._items.append(item)
         self._open = item
+        added: OutputItem
         if kind == "reasoning":
             added = reasoning_item(item.id, "", "in_progress") | {"content": []}
         elif kind == "message":
