@@ -1,9 +1,11 @@
 """`slotkeeper bench routing` (also part 2 of `slotkeeper bench gateway`): the gateway's routing
 decision, in process, no servers: 100,000 sessions (live in 8 engines x 4 slots, the rest spilled)
-with their message-prefix digests, indexed in the in-process index and in a real redis-server; the
-decision per request (implicit resolve by prefix digests, the record, the pool view,
-`choose_placement`) timed stage by stage, one at a time and concurrently, with the Redis commands
-each stage sends.
+with their message-prefix digests, indexed in the in-process index, in a real redis-server and in a
+Redis Cluster of three primaries without replicas (``--topologies``); the decision per request
+(implicit resolve by prefix digests, the record, the pool view, `choose_placement`) timed stage by
+stage, one at a time and concurrently, with the Redis commands each stage sends (one primary) and
+the Redis memory each indexed session takes (``used_memory`` of the primaries, loaded minus empty,
+over the sessions).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from gateway.bench.harness.redis_topologies import redis_cluster
 from gateway.bench.harness.report import pct, table
 from gateway.bench.harness.servers import redis_server
 
@@ -200,6 +203,7 @@ class RoutingResult:
     commands: list[float] | None  # Redis commands per stage (redis-server only)
     serves: dict[str, int]
     pool_view: list[Any]  # the engines as the decisions saw them (for choose_placement alone)
+    bytes_per_session: float | None = None  # Redis used_memory per indexed session (real servers)
 
 
 async def _sequential(
@@ -261,9 +265,17 @@ async def _commands_per_stage(redis: Any, decider: Decider, fleet: Fleet, n: int
 
 
 async def measure_backend(
-    name: str, redis: Any, fleet: Fleet, args: argparse.Namespace, workdir: Path, count_commands: bool
+    name: str,
+    redis: Any,
+    fleet: Fleet,
+    args: argparse.Namespace,
+    workdir: Path,
+    count_commands: bool,
+    used_memory: Callable[[], int] | None = None,
 ) -> RoutingResult:
+    empty = used_memory() if used_memory is not None else 0
     load_s = await load_fleet(redis, fleet)
+    per_session = (used_memory() - empty) / len(fleet.sessions) if used_memory is not None else None
     decider, close = await make_decider(redis, fleet, workdir, args)
     try:
         pool_view = await _sanity(decider, fleet)
@@ -272,7 +284,7 @@ async def measure_backend(
         commands = await _commands_per_stage(redis, decider, fleet) if count_commands else None
     finally:
         await close()
-    return RoutingResult(name, load_s, stage_us, seq, conc, commands, serves, pool_view)
+    return RoutingResult(name, load_s, stage_us, seq, conc, commands, serves, pool_view, per_session)
 
 
 async def _sanity(decider: Decider, fleet: Fleet) -> list[Any]:
@@ -309,6 +321,9 @@ async def _routing_async(args: argparse.Namespace, workdir: Path) -> list[dict[s
     import redis.asyncio as aioredis
 
     from storage.index.session_index import in_process_redis
+    from storage.index.topology import connect
+
+    topologies = [t for t in str(args.topologies).split(",") if t]
 
     reports = []
     for n_sessions in (int(n) for n in str(args.sessions).split(",")):
@@ -323,19 +338,51 @@ async def _routing_async(args: argparse.Namespace, workdir: Path) -> list[dict[s
             finally:
                 await fake.aclose()
                 del fake  # frees the in-process keyspace before the next backend
-        data = workdir / f"redis-{n_sessions}"
-        data.mkdir(exist_ok=True)
-        with redis_server(data) as port:
-            real = aioredis.from_url(f"redis://127.0.0.1:{port}", decode_responses=True)
-            try:
-                results.append(await measure_backend("redis-server", real, fleet, args, workdir, True))
-            finally:
-                await real.aclose()
+        if "standalone" in topologies:
+            data = workdir / f"redis-{n_sessions}"
+            data.mkdir(exist_ok=True)
+            with redis_server(data) as port:
+                real = aioredis.from_url(f"redis://127.0.0.1:{port}", decode_responses=True)
+                try:
+                    memory = _used_memory_of(port)
+                    results.append(
+                        await measure_backend("redis-server", real, fleet, args, workdir, True, memory)
+                    )
+                finally:
+                    await real.aclose()
+        if "cluster" in topologies:
+            with redis_cluster(workdir / f"redis-cluster-{n_sessions}", replicas=0) as servers:
+                client = connect(servers.url, decode_responses=True)
+                try:
+                    results.append(
+                        await measure_backend(
+                            "redis-cluster (3 primaries, no replicas)",
+                            client,
+                            fleet,
+                            args,
+                            workdir,
+                            False,
+                            servers.used_memory,
+                        )
+                    )
+                finally:
+                    await client.aclose()
         pure = pure_choose(fleet, results[0].pool_view, args)
         _print_routing(fleet, results, pure, digests_s, args)
         reports.append(_routing_report(fleet, results, pure))
         del fleet
     return reports
+
+
+def _used_memory_of(port: int) -> Callable[[], int]:
+    """``used_memory`` of the redis-server on ``port``, read when called."""
+    from gateway.bench.harness.redis_topologies import cli
+
+    def read() -> int:
+        line = next(x for x in cli(port, "info", "memory").splitlines() if x.startswith("used_memory:"))
+        return int(line.split(":")[1])
+
+    return read
 
 
 def _routing_report(fleet: Fleet, results: list[RoutingResult], pure: float) -> dict[str, Any]:
@@ -351,7 +398,10 @@ def _routing_report(fleet: Fleet, results: list[RoutingResult], pure: float) -> 
                 "decisions_per_s": r.sequential_per_s,
                 "decisions_per_s_concurrent": r.concurrent_per_s,
                 "redis_commands_per_stage": r.commands,
+                "redis_bytes_per_session": r.bytes_per_session,
                 "stage_p50_us": [pct(us, 50) for us in r.stage_us],
+                "decision_p50_us": pct([sum(v) for v in zip(*r.stage_us, strict=True)], 50),
+                "decision_p99_us": pct([sum(v) for v in zip(*r.stage_us, strict=True)], 99),
                 "placements": r.serves,
             }
             for r in results
@@ -429,11 +479,12 @@ def _print_routing(
             f"{len(r.stage_us[0])}",
             f"{r.sequential_per_s:,.0f}",
             f"{r.concurrent_per_s:,.0f}",
+            "" if r.bytes_per_session is None else f"{r.bytes_per_session:,.0f}",
             ",".join(f"{k}:{v}" for k, v in sorted(r.serves.items())),
         ]
         for r in results
     ]
-    rows.append(["choose_placement alone", "", "", f"{pure:,.0f}", "", ""])
+    rows.append(["choose_placement alone", "", "", f"{pure:,.0f}", "", "", ""])
     print()
     print(
         table(
@@ -443,6 +494,7 @@ def _print_routing(
                 "decisions",
                 "decisions/s (1 at a time)",
                 f"decisions/s ({args.concurrency} concurrent)",
+                "redis bytes/session",
                 "placements",
             ],
             rows,
@@ -457,6 +509,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--sessions",
         default="100000,1000000",
         help="indexed sessions, comma-separated (in-process index: up to 200,000)",
+    )
+    g.add_argument(
+        "--topologies",
+        default="standalone,cluster",
+        help="Redis topologies, comma-separated: standalone (one redis-server), cluster (3 primaries, "
+        "no replicas)",
     )
     g.add_argument("--tenants", type=int, default=10)
     g.add_argument("--engines", type=int, default=1000, help="simulated engines in the registry")

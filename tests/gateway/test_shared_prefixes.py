@@ -87,11 +87,9 @@ def index_args(request: pytest.FixtureRequest) -> tuple[str, ...]:
     return (*ARGS, "--redis-url", topology(request, request.param).url)
 
 
-def test_new_sessions_start_from_the_tenants_shared_prefix_live_and_after_a_restart(
-    serve, tmp_path: Path, index_args: tuple[str, ...]
-):
+def test_new_sessions_start_from_the_tenants_shared_prefix_live_and_after_a_restart(serve, tmp_path: Path):
     data = tmp_path / "data"
-    s = serve(data, slots=4, args=index_args)
+    s = serve(data, slots=4, args=ARGS)
     first = _chat(s.url, "Fix the failing test in parser.py.", headers={"X-Session-Id": "first"})
     assert first.headers["x-slotkeeper-cache"] == "cold" and first.json()["timings"]["cache_n"] == 0
     full = first.json()["usage"]["prompt_tokens"]
@@ -109,7 +107,7 @@ def test_new_sessions_start_from_the_tenants_shared_prefix_live_and_after_a_rest
     _wait_stored(s.url, "second")
 
     s.stop(signal.SIGKILL)
-    s = serve(data, slots=4, args=index_args)  # a new process: nothing in any slot (the index rebuilt)
+    s = serve(data, slots=4, args=ARGS)  # a new process: nothing in any slot, the index rebuilt
     r = _chat(s.url, "After the restart: review the open pull request.")
     assert r.headers["x-slotkeeper-cache"] == "stored-prefix", r.json()["slotkeeper"]
     assert r.json()["slotkeeper"]["restored"] is True and _own_share(r) < 0.25, r.json()["timings"]
