@@ -15,12 +15,11 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass, replace
-from typing import Any
 
 import httpx
 
 from engine_pool.protocol.handoff import holds_sessions
-from engine_pool.protocol.node import UNSTORED, UnstoredCopy, UnstoredList
+from engine_pool.protocol.node import UNSTORED, EngineList, NodeEngine, UnstoredCopy, UnstoredList
 from storage.index.engines import EngineInfo, EngineRegistry
 from storage.index.session_index import SessionIndex
 
@@ -92,21 +91,20 @@ class LabelledSlot:
     model: str = ""
 
 
-def failed_models(engines: list[dict[str, Any]]) -> dict[str, str]:
+def failed_models(engines: list[NodeEngine]) -> dict[str, str]:
     """Model → why, for each model every listed engine of which is ``failed`` (given up by its
     supervisor; one engine of the model still running or retrying keeps it off the list)."""
     out: dict[str, str] = {}
     running: set[str] = set()
     for e in engines:
-        model = str(e["model"])
-        if e.get("state") == "failed":
-            out.setdefault(model, str(e.get("error") or e.get("last_error") or "").split("\n", 1)[0])
+        if e.state == "failed":
+            out.setdefault(e.model, (e.error or e.last_error).split("\n", 1)[0])
         else:
-            running.add(model)
+            running.add(e.model)
     return {m: why for m, why in out.items() if m not in running}
 
 
-def not_ready_reason(engines: list[dict[str, Any]], complete: bool, n_nodes: int) -> str:
+def not_ready_reason(engines: list[NodeEngine], complete: bool, n_nodes: int) -> str:
     """Why no engine serves, in one line, from the node agents' engine lists (`complete`: every
     node answered): engines that gave up say their own reason, starting ones their state."""
     if not engines:
@@ -115,8 +113,8 @@ def not_ready_reason(engines: list[dict[str, Any]], complete: bool, n_nodes: int
         return "the node agents run no engine"
     parts = []
     for e in engines:
-        name, state = e.get("id") or e["model"], str(e.get("state") or "unknown")
-        why = str(e.get("error") or e.get("last_error") or "").split("\n", 1)[0]
+        name, state = e.id or e.model, e.state or "unknown"
+        why = (e.error or e.last_error).split("\n", 1)[0]
         said = {"failed": f"{name} gave up: {why}", "crashed": f"{name} crashed ({why}), restarting"}
         parts.append(said.get(state, f"{name} is {state}"))
     if not complete:
@@ -142,7 +140,7 @@ class Cluster:
         self._random = rng or random.Random()
         self._http = http
         self._nodes: dict[str, str] = {}  # node id -> agent URL
-        self._configured: list[dict[str, Any]] = []  # the nodes' engines as /v1/engines lists them
+        self._configured: list[NodeEngine] = []  # the nodes' engines as /v1/engines lists them
         self._configured_at = -_CONFIGURED_TTL_S
         self._cache: _Listing | None = None  # the cached registry (None: read it)
         self._epoch = -1
@@ -193,7 +191,7 @@ class Cluster:
         """The models the node agents run engines for, ready or not: tells a model that is restarting
         (503) from one that does not exist (404). None when a node did not answer (nobody can tell)."""
         engines, complete = await self._node_engines()
-        return {str(e["model"]) for e in engines} if complete else None
+        return {e.model for e in engines} if complete else None
 
     async def failed_models(self) -> dict[str, str]:
         """Models whose every engine on the nodes that answered was given up (state ``failed``: it
@@ -206,19 +204,19 @@ class Cluster:
         engines, complete = await self._node_engines(fresh=True)
         return not_ready_reason(engines, complete, len(self._node_urls))
 
-    async def _node_engines(self, fresh: bool = False) -> tuple[list[dict[str, Any]], bool]:
+    async def _node_engines(self, fresh: bool = False) -> tuple[list[NodeEngine], bool]:
         """Every engine the node agents run, ready or not, as their /v1/engines lists it, and whether
-        every node answered. A complete answer is kept a few seconds (``fresh``: ask anyway); an
-        incomplete one is asked again next time."""
+        every node answered (a listing that is not an `EngineList` counts as no answer). A complete
+        answer is kept a few seconds (``fresh``: ask anyway); an incomplete one is asked again next
+        time."""
         if not fresh and time.monotonic() - self._configured_at <= _CONFIGURED_TTL_S:
             return self._configured, True
 
-        async def listed(url: str) -> list[dict[str, Any]] | None:
+        async def listed(url: str) -> tuple[NodeEngine, ...] | None:
             try:
                 resp = await self._http.get(url.rstrip("/") + "/v1/engines", timeout=5.0)
-                engines = resp.json()["engines"]
-                return [e for e in engines if isinstance(e, dict) and "model" in e]
-            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                return EngineList.from_json(resp.json()).engines
+            except (httpx.HTTPError, ValueError):  # (the codec's WireError is a ValueError)
                 return None
 
         found = await asyncio.gather(*(listed(u) for u in self._node_urls))
@@ -235,13 +233,11 @@ class Cluster:
         listing kept from before may show an engine still starting)."""
         engines, _ = await self._node_engines(fresh=True)
 
-        async def labelled(engine: dict[str, Any]) -> list[LabelledSlot]:
+        async def labelled(engine: NodeEngine) -> list[LabelledSlot]:
             try:
-                resp = await self._http.get(str(engine["url"]).rstrip("/") + "/slots", timeout=5.0)
+                resp = await self._http.get(str(engine.url).rstrip("/") + "/slots", timeout=5.0)
                 return [
-                    LabelledSlot(
-                        str(engine["id"]), int(s["id"]), s["owner"], s["session"], int(s["n_tokens"])
-                    )
+                    LabelledSlot(engine.id, int(s["id"]), s["owner"], s["session"], int(s["n_tokens"]))
                     for s in resp.json()
                     if isinstance(s.get("session"), str)
                     and isinstance(s.get("owner"), str)
@@ -250,9 +246,9 @@ class Cluster:
             except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
                 return []
 
-        ready = [e for e in engines if e.get("state") == "ready" and e.get("url")]
+        ready = [e for e in engines if e.state == "ready" and e.url]
         found = await asyncio.gather(*(labelled(e) for e in ready))
-        models = {str(e["id"]): str(e["model"]) for e in ready}
+        models = {e.id: e.model for e in ready}
         return [replace(s, model=models[s.engine]) for listing in found for s in listing]
 
     async def unstored_copies(

@@ -10,7 +10,7 @@ header) or Bearer; errors leave in Anthropic's shape (engine_pool.errors.error_s
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,10 +39,10 @@ class MessagesDialect:
     req: Any  # api.MessagesRequest
     message_id: str = field(default_factory=lambda: "msg_" + secrets.token_hex(12))
 
-    async def answer(self, payload: dict[str, Any], turn: Turn) -> dict[str, Any]:
+    async def answer(self, payload: Mapping[str, Any], turn: Turn) -> api.MessageObject:
         return api.message_object(self.req, payload, message_id=self.message_id)
 
-    async def stream(self, chunks: AsyncIterator[dict[str, Any]], turn: Turn) -> AsyncIterator[bytes]:
+    async def stream(self, chunks: AsyncIterator[Mapping[str, Any]], turn: Turn) -> AsyncIterator[bytes]:
         events = api.MessageStream(self.req, message_id=self.message_id)
         async for name, data in client_events(events, chunks):
             yield named_event(name, data)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -125,7 +125,7 @@ class Metrics:
             " (probes and scrapes excluded)",
         )
 
-    def turn_served(self, tenant: str, cache: str, timings: dict[str, Any]) -> None:
+    def turn_served(self, tenant: str, cache: str, timings: Mapping[str, Any]) -> None:
         """One turn's prompt tokens, from the engine's `timings` (llama-server's numbers); `cache`
         is how the session was served (`X-Slotkeeper-Cache`: a restore that reused nothing is
         counted). Tenants come from the tenants file: the label's values are bounded."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from starlette.requests import Request
@@ -123,8 +123,9 @@ async def stateless_request(request: Request) -> tuple[Services, dict[str, Any],
     return svc, body, await served_model(svc, tenant, body.get("model"))
 
 
-async def forward_stateless(svc: Services, model: str, path: str, data: dict[str, Any]) -> dict[str, Any]:
-    """A request that involves no session (token counting), answered by any ready engine of the model."""
+async def forward_stateless(svc: Services, model: str, path: str, data: dict[str, Any]) -> Mapping[str, Any]:
+    """A request that involves no session (token counting), answered by any ready engine of the model
+    (its JSON as it came)."""
     engines = await svc.cluster.engines(model)
     if not engines:
         raise Unavailable(f"no engine of {model!r} is ready; retry", retry_after=2)

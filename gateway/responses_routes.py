@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,14 +57,15 @@ class ResponsesDialect:
     tenant: Tenant
     req: Any  # api.ResponsesRequest
     model: str
-    history: list[dict[str, Any]]
+    history: Sequence[Mapping[str, Any]]  # the conversation it continues (stored JSON, read back)
     response_id: str = field(default_factory=new_response_id)
     created_at: int = field(default_factory=lambda: int(time.time()))
 
-    async def _store(self, response: dict[str, Any], turn: Turn) -> None:
+    async def _store(self, response: Mapping[str, Any], turn: Turn) -> None:
+        """Store `response` (the answer, or a stream's final event's) with the conversation so far."""
         if not self.req.store:
             return
-        history = self.history + api.input_messages(self.req) + api.output_messages(response)
+        history = [*self.history, *api.input_messages(self.req), *api.output_messages(response)]
         stored = StoredResponse(
             self.response_id,
             self.tenant.name,
@@ -79,14 +80,14 @@ class ResponsesDialect:
     def _seal(self, text: str) -> str:
         return self.svc.sealing.seal(self.tenant.name, text)
 
-    async def answer(self, payload: dict[str, Any], turn: Turn) -> dict[str, Any]:
+    async def answer(self, payload: Mapping[str, Any], turn: Turn) -> api.ResponseObject:
         response = api.response_object(
             self.req, payload, response_id=self.response_id, created_at=self.created_at, seal=self._seal
         )
         await self._store(response, turn)
         return response
 
-    async def stream(self, chunks: AsyncIterator[dict[str, Any]], turn: Turn) -> AsyncIterator[bytes]:
+    async def stream(self, chunks: AsyncIterator[Mapping[str, Any]], turn: Turn) -> AsyncIterator[bytes]:
         events = api.ResponseStream(
             self.req, response_id=self.response_id, created_at=self.created_at, seal=self._seal
         )
@@ -121,7 +122,7 @@ async def create(request: Request) -> Response:
         )
         _say_omitted(svc, tenant, req)
         model = await served_model(svc, tenant, req.model)
-        history: list[dict[str, Any]] = []
+        history: Sequence[Mapping[str, Any]] = []
         session: tuple[str, str] | None = None
         if req.previous_response_id:
             previous = await svc.responses.load(tenant.name, req.previous_response_id)

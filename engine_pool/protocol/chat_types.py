@@ -10,8 +10,7 @@ Two things in a chat body are JSON that no type here checks: a JSON schema a cli
 `parameters`, `response_format.json_schema.schema`), and llama-server's options a request passes
 through unread (`engine_options`), which `chat_request` adds to the typed body. The chat path reads
 the result as any chat body, through `engine_pool.http.body.Body`: `chat_request` is where a typed
-body becomes that JSON object, as `json_object` is for the other objects a translation hands to a
-reader of JSON (the gateway's turn, its stored responses).
+body becomes that JSON object.
 """
 
 from __future__ import annotations
@@ -120,10 +119,3 @@ def chat_request(body: ChatBody, engine_options: Mapping[str, Any]) -> dict[str,
     unread (`engine_options`, whose names the translation defines no field for, so neither
     overrides the other)."""
     return {**body, **engine_options}
-
-
-def json_object(value: Mapping[str, Any]) -> dict[str, Any]:
-    """An object a translation built (a TypedDict: a dict at run time), handed as the JSON object it
-    is to a reader that takes any (the gateway's turn and its stored responses): the same dict."""
-    assert isinstance(value, dict)
-    return value

@@ -33,7 +33,7 @@ message's header, which any conversation sharing the prefix shares too.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
@@ -113,7 +113,7 @@ class ChatTemplate:
     ) -> str:
         if self._template is None:
             raise BadRequest(self.error)
-        messages = normalise(
+        shaped = normalise(
             messages, tools, self.caps, developer_role=self.developer_role, write_calls=self.write_calls
         )
         # llama-server tells every template whether the model reasons (`enable_thinking`, unless the
@@ -121,7 +121,7 @@ class ChatTemplate:
         # prompt opens anyway is closed.
         thinking = self.reasoning != "off"
         kwargs = {"enable_thinking": thinking, **(kwargs or {})}
-        text = self._render(messages, tools, add_generation_prompt, kwargs)
+        text = self._render(shaped, tools, add_generation_prompt, kwargs)
         if add_generation_prompt and kwargs["enable_thinking"] is False and opened_by(text):
             text = f"{text.rstrip()}\n{THINK_CLOSE}"
         return text
@@ -140,7 +140,7 @@ class ChatTemplate:
 
     def _render(
         self,
-        messages: Sequence[dict[str, Any]],
+        messages: Sequence[Mapping[str, Any]],  # normalised (`TemplateMessage`s), or template_caps' probes
         tools: Sequence[dict[str, Any]] | None,
         add_generation_prompt: bool,
         kwargs: dict[str, Any] | None,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from engine_pool.errors import (
     ApiError,
@@ -27,6 +27,7 @@ from engine_pool.errors import (
     for_status,
     slot_changed,
 )
+from engine_pool.protocol.engine_answers import FunctionDelta
 from gateway import engine_http
 from gateway.engine_http import EngineHttp, EngineHttpError, EngineResponse
 
@@ -38,14 +39,18 @@ _BROKE = "the engine stream broke off; retry (the session resumes from its last 
 
 @dataclass
 class TurnOutcome:
-    """What the engine answered, for the session bookkeeping after the turn."""
+    """What the engine answered, for the session bookkeeping after the turn.
+
+    `tool_calls`, `usage`, `timings` and `report` are the engine's JSON as it came (an engine of
+    ours sends `engine_answers.Usage`, `Timings` and `report.ReuseReport`; read here, a type would
+    be no check: their readers take what they need and go without what is not there)."""
 
     ok: bool = False
     content: str = ""
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
-    usage: dict[str, Any] = field(default_factory=dict)
-    timings: dict[str, Any] = field(default_factory=dict)  # numbers only (prompt_n, cache_n, ...)
-    report: dict[str, Any] = field(default_factory=dict)  # the engine's `slotkeeper` (how it reused)
+    tool_calls: list[Mapping[str, Any]] = field(default_factory=list)  # the first choice's
+    usage: Mapping[str, Any] = field(default_factory=dict)
+    timings: Mapping[str, Any] = field(default_factory=dict)  # numbers only (prompt_n, cache_n, ...)
+    report: Mapping[str, Any] = field(default_factory=dict)  # the engine's `slotkeeper` (how it reused)
     error: str = ""
     body: bytes = b""  # a non-streamed answer's bytes as the engine sent them
     moved: bool = False  # refused: the slot holds another session's state (engine SlotChanged)
@@ -142,7 +147,7 @@ async def _read(resp: EngineResponse) -> bytes:
 
 async def forward_json(
     client: EngineHttp, url: str, body: bytes | Mapping[str, Any], headers: Mapping[str, str] | None = None
-) -> tuple[dict[str, Any], TurnOutcome]:
+) -> tuple[Mapping[str, Any], TurnOutcome]:
     """Non-streaming request: the engine's JSON and what it means for the session (its bytes
     are `TurnOutcome.body`, to pass on without encoding them again)."""
     resp = await _send(client, url, body, headers)
@@ -185,6 +190,15 @@ async def input_tokens(client: EngineHttp, url: str, body: dict[str, Any]) -> li
     return tokens
 
 
+class _Call(TypedDict):
+    """A tool call as a stream's deltas (`engine_answers.ToolCallDelta`) put it together: `id` and
+    `type` from the delta that names it, the name and the argument pieces that follow."""
+
+    function: FunctionDelta
+    id: NotRequired[str]
+    type: NotRequired[str]
+
+
 class StreamRelay:
     """An open engine stream: iterate `chunks()` to relay it; `outcome` fills in as it goes."""
 
@@ -192,7 +206,7 @@ class StreamRelay:
         self._response = response
         self.outcome = TurnOutcome()
         self._buffer = b""
-        self._calls: dict[int, dict[str, Any]] = {}
+        self._calls: dict[int, _Call] = {}
 
     @classmethod
     async def open(
@@ -221,10 +235,10 @@ class StreamRelay:
         (left early — the client went away — it is closed, which cancels the engine's request)."""
         return self._response.iter_any()
 
-    def _observe(self, data: bytes) -> list[dict[str, Any]]:
+    def _observe(self, data: bytes) -> list[Mapping[str, Any]]:
         """Read the complete events in `data` (with what was buffered): the chunks they carry."""
         self._buffer += data
-        chunks = []
+        chunks: list[Mapping[str, Any]] = []
         while b"\n\n" in self._buffer:
             event, self._buffer = self._buffer.split(b"\n\n", 1)
             for line in event.split(b"\n"):
@@ -243,7 +257,7 @@ class StreamRelay:
                     chunks.append(chunk)
         return chunks
 
-    def _take(self, chunk: dict[str, Any]) -> None:
+    def _take(self, chunk: Mapping[str, Any]) -> None:
         if "error" in chunk:
             self.outcome.error = str(chunk["error"].get("message", "engine error"))
             return
@@ -271,7 +285,7 @@ class StreamRelay:
                 self.outcome.ok = True
         self.outcome.tool_calls = [self._calls[i] for i in sorted(self._calls)]
 
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
+    async def events(self) -> AsyncIterator[Mapping[str, Any]]:
         """The stream's chunks as objects (for a caller that re-renders them in another API's
         shape); a broken stream ends with an `{"error": ...}` object."""
         raw = self._raw()

@@ -17,14 +17,16 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol, TypeVar
+from typing import Any, NoReturn, Protocol, TypedDict, TypeVar
 
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine_pool.errors import ApiError, ClientGone, ServerError, slot_changed
-from engine_pool.protocol.report import SERVED
+from engine_pool.protocol.anthropic_messages import MessageObject
+from engine_pool.protocol.openai_responses import ResponseObject
+from engine_pool.protocol.report import SERVED, CallerContext
 from engine_pool.protocol.sse import NamedEvent
 from gateway.access_log import note
 from gateway.services import Services
@@ -40,15 +42,20 @@ T = TypeVar("T")
 BRANCH_HEADER = "X-Slotkeeper-Branch-Of"
 
 
+# A client API's answer: what a `Dialect` makes of the engine's (the engine's JSON as it came: a
+# type would be no check, and the translations read it through `chat_result`).
+ClientAnswer = ResponseObject | MessageObject
+
+
 class Dialect(Protocol):
     """How one API's turn maps onto the engine's chat completions (None: passed through as is)."""
 
-    async def answer(self, payload: dict[str, Any], turn: Turn) -> dict[str, Any]:
+    async def answer(self, payload: Mapping[str, Any], turn: Turn) -> ClientAnswer:
         """The API's answer for the engine's JSON answer (and what the API keeps of it, stored
         before the answer goes out)."""
         ...
 
-    def stream(self, chunks: AsyncIterator[dict[str, Any]], turn: Turn) -> AsyncIterator[bytes]:
+    def stream(self, chunks: AsyncIterator[Mapping[str, Any]], turn: Turn) -> AsyncIterator[bytes]:
         """The API's event stream for the engine's chunks (an `{"error": ...}` chunk ends it)."""
         ...
 
@@ -56,13 +63,13 @@ class Dialect(Protocol):
 class ClientStream(Protocol):
     """A client API's stream translator (`engine_pool.protocol`'s `MessageStream`, `ResponseStream`)."""
 
-    def feed(self, chunk: dict[str, Any]) -> list[NamedEvent]: ...
+    def feed(self, chunk: Mapping[str, Any]) -> list[NamedEvent]: ...
     def finish(self) -> list[NamedEvent]: ...
     def failed(self, err: ApiError) -> list[NamedEvent]: ...
 
 
 async def client_events(
-    events: ClientStream, chunks: AsyncIterator[dict[str, Any]]
+    events: ClientStream, chunks: AsyncIterator[Mapping[str, Any]]
 ) -> AsyncGenerator[NamedEvent, None]:
     """The client API's events for the engine's chunks; an `{"error": ...}` chunk ends them with the
     API's failure events, and a stream that ended without its usage chunk is closed by `finish`."""
@@ -77,7 +84,7 @@ async def client_events(
         yield event
 
 
-def stream_failure(chunk: dict[str, Any]) -> ServerError:
+def stream_failure(chunk: Mapping[str, Any]) -> ServerError:
     """The error an engine chunk reported mid-stream, to be rendered in the client's API shape."""
     err = chunk.get("error")
     if not isinstance(err, dict):
@@ -126,6 +133,22 @@ class Asked:
         return engine_body(self.raw, self.body, fields)
 
 
+class EngineFields(TypedDict, total=False):
+    """The gateway's fields on a turn's chat body (`engine_fields`), as the engine reads them
+    (engine_pool.server.sampling); a field set to None is dropped from the tenant's body."""
+
+    id_slot: int
+    model: str
+    cache_prompt: bool
+    prefix_slots: list[int]
+    slot_owner: str
+    slot_session: str
+    slotkeeper: CallerContext
+    slot_expect: str | None
+    prompt_cache_key: None
+    max_tokens_default: int
+
+
 class SlotChanged(Exception):
     """The engine refused a turn on the session's live slot (SlotChanged); its record now says it is
     stored (or new), and the turn may be placed again."""
@@ -140,7 +163,7 @@ def engine_fields(
     rules: list[str],
     cap: int = 0,
     own_restore: bool = False,
-) -> dict[str, Any]:
+) -> EngineFields:
     """The gateway's fields over the tenant's: the slot, and the slots its prompt may start from
     (the tenant's own on that engine, and only while they still are: `slot_owner`), are never
     theirs to choose. `slot_session` labels the slot with the session (gateway.healing reads the
@@ -149,10 +172,10 @@ def engine_fields(
     one another placement took meanwhile, is refused with 409 slot_changed, and the turn is placed
     again)."""
     prefix = placement.prefix_slots if isinstance(placement, Placement) else ()
-    context: dict[str, Any] = {"served": served_as(placement)}
+    context: CallerContext = {"served": served_as(placement)}
     if rules:
         context["rules"] = rules
-    fields: dict[str, Any] = {
+    fields: EngineFields = {
         "id_slot": placement.slot,
         "model": model,
         "cache_prompt": True,

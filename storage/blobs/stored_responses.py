@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,13 +37,17 @@ def new_response_id() -> str:
 
 @dataclass(frozen=True)
 class StoredResponse:
+    """One stored response. Its JSON is the Responses translation's objects as the gateway saves
+    them (engine_pool.protocol.openai_responses), and when loaded, JSON checked only as far as
+    `decode` says: objects, whatever keys they hold (storage knows no API's types)."""
+
     id: str
     tenant: str
     session: str
     model: str
-    response: dict[str, Any]  # the Response object as answered
-    input_items: list[dict[str, Any]]
-    history: list[dict[str, Any]]  # chat messages up to and including this response's output
+    response: Mapping[str, Any]  # the Response object as answered
+    input_items: Sequence[Mapping[str, Any]]
+    history: Sequence[Mapping[str, Any]]  # chat messages up to and including this response's output
 
     def encode(self) -> bytes:
         doc = {

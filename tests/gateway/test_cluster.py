@@ -19,6 +19,7 @@ import openai
 import pytest
 from support.weather_agent import weather_agent
 
+from engine_pool.protocol.node import NodeEngine
 from gateway.bench.harness.servers import free_port, stop, wait_until
 from gateway.cluster import failed_models
 
@@ -254,14 +255,19 @@ def test_agent_apis_continue_on_another_node(cluster, procs_to_stop):
     assert final == "sunny" and len(cities) == 1
 
 
+def _listed(**fields: object) -> NodeEngine:
+    """An engine as a node's /v1/engines lists it, with `fields` over a stopped one's."""
+    return NodeEngine.from_json({"id": "", "url": None, "n_slots": 1, "restarts": 0, "pid": None, **fields})
+
+
 def test_a_model_is_failed_only_when_every_engine_of_it_was_given_up() -> None:
     engines = [
-        {"model": "alien", "state": "failed", "error": "exited with code 1 while starting: no arch"},
-        {"model": "alien", "state": "failed", "error": "exited with code 1 while starting: no arch"},
-        {"model": "qwen", "state": "failed", "error": "not healthy within 120 s"},
-        {"model": "qwen", "state": "starting", "error": ""},  # still trying on another node
-        {"model": "llama", "state": "ready"},
-        {"model": "old", "state": "failed", "last_error": "model /m.gguf: does not exist\nlast output:\n…"},
+        _listed(model="alien", state="failed", error="exited with code 1 while starting: no arch"),
+        _listed(model="alien", state="failed", error="exited with code 1 while starting: no arch"),
+        _listed(model="qwen", state="failed", error="not healthy within 120 s"),
+        _listed(model="qwen", state="starting", error=""),  # still trying on another node
+        _listed(model="llama", state="ready"),
+        _listed(model="old", state="failed", last_error="model /m.gguf: does not exist\nlast output:\n…"),
     ]
     assert failed_models(engines) == {
         "alien": "exited with code 1 while starting: no arch",
@@ -273,9 +279,9 @@ def test_not_ready_reason_says_why_no_engine_serves() -> None:
     """What /ready answers with its 503: an engine's own reason for giving up, states otherwise."""
     from gateway.cluster import not_ready_reason
 
-    gave_up = {"id": "n-e0", "model": "m", "state": "failed", "error": "the model failed to load: x"}
-    starting = {"id": "n-e1", "model": "m2", "state": "starting"}
-    crashed = {"id": "n-e2", "model": "m3", "state": "crashed", "last_error": "exited with code 1\nlog..."}
+    gave_up = _listed(id="n-e0", model="m", state="failed", error="the model failed to load: x")
+    starting = _listed(id="n-e1", model="m2", state="starting")
+    crashed = _listed(id="n-e2", model="m3", state="crashed", last_error="exited with code 1\nlog...")
     assert not_ready_reason([gave_up], True, 1) == "n-e0 gave up: the model failed to load: x"
     assert not_ready_reason([starting, crashed], True, 1) == (
         "n-e1 is starting; n-e2 crashed (exited with code 1), restarting"

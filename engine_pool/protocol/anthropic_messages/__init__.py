@@ -4,11 +4,12 @@ request: `parse_request` / `parse_count_request` -> `MessagesRequest`, and `chat
 Message objects; stream: `MessageStream` (chat chunks -> Messages events).
 """
 
-from .output import message_object, usage_object
+from .output import MessageObject, message_object, usage_object
 from .request import MessagesRequest, chat_body, parse_count_request, parse_request
 from .stream import MessageStream
 
 __all__ = [
+    "MessageObject",
     "MessageStream",
     "MessagesRequest",
     "chat_body",

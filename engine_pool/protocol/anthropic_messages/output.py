@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from typing import Any, Literal, NotRequired, TypedDict
 
 from ..chat_result import Call, ChatResult, Usage, read_completion
-from ..chat_types import json_object
 from .request import MessagesRequest
 
 
@@ -145,9 +144,8 @@ def message_shell(req: MessagesRequest, *, message_id: str, model: str) -> Messa
     }
 
 
-def message_object(req: MessagesRequest, chat: Mapping[str, Any], *, message_id: str) -> dict[str, Any]:
-    """The complete Message for a `chat.completion` object, as the JSON object a Messages answer is
-    (`json_object`)."""
+def message_object(req: MessagesRequest, chat: Mapping[str, Any], *, message_id: str) -> MessageObject:
+    """The complete Message for a `chat.completion` object."""
     result = read_completion(chat)
     model = chat.get("model")
     message = message_shell(req, message_id=message_id, model=model if isinstance(model, str) else "")
@@ -161,7 +159,7 @@ def message_object(req: MessagesRequest, chat: Mapping[str, Any], *, message_id:
         message["slotkeeper"] = report
     if req.diagnostics:
         message["diagnostics"] = {"cache_miss_reason": cache_miss_reason(req, report, result.usage)}
-    return json_object(message)
+    return message
 
 
 # Where a prompt left the state it was compared with (`slotkeeper.diverged.part`) → Anthropic's

@@ -7,6 +7,7 @@ items, tools and Response they build, as types.
 """
 
 from .items import chat_body, input_item_list, input_messages, items_to_messages, output_messages
+from .objects import ResponseObject
 from .output import OMITTED_HEADER, omitted_header, response_object, usage_object
 from .request import ResponsesRequest, parse_request, with_reasoning_opened
 from .stream import ResponseStream
@@ -16,6 +17,7 @@ __all__ = [
     "HOSTED",
     "HOSTED_POLICIES",
     "OMITTED_HEADER",
+    "ResponseObject",
     "ResponseStream",
     "ResponsesRequest",
     "chat_body",

@@ -23,10 +23,9 @@ from ..chat_types import (
     ChatResponseFormat,
     ChatToolCall,
     chat_request,
-    json_object,
 )
 from ..engine_options import merge_template_kwargs
-from .objects import ResponseFormat
+from .objects import InputItem, ResponseFormat
 from .request import ResponsesRequest
 from .tools import chat_tool_choice, chat_tools, custom_arguments, model_name
 
@@ -97,27 +96,27 @@ def items_to_messages(items: Iterable[Mapping[str, Any]]) -> list[ChatMessage]:
     return out
 
 
-def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
     """The request's input items as chat messages (not `instructions`: they do not carry over to a
-    response that continues this one), as the gateway keeps a conversation (JSON)."""
-    return [json_object(m) for m in items_to_messages(req.items)]
+    response that continues this one), as the gateway keeps a conversation."""
+    return items_to_messages(req.items)
 
 
-def output_messages(response: Mapping[str, Any]) -> list[dict[str, Any]]:
+def output_messages(response: Mapping[str, Any]) -> list[ChatMessage]:
     """A Response's output items as chat messages, for the conversation a later turn continues."""
     output = response.get("output")
     items = [i for i in output if isinstance(i, dict)] if isinstance(output, list) else []
-    return [json_object(m) for m in items_to_messages(items)]
+    return items_to_messages(items)
 
 
-def input_item_list(req: ResponsesRequest) -> list[dict[str, Any]]:
+def input_item_list(req: ResponsesRequest) -> list[InputItem]:
     """The request's input items as `GET /v1/responses/{id}/input_items` lists them (oldest first)."""
     out = []
     for item in req.items:
         entry = item.copy()
         if entry["type"] != "reasoning":
             entry["status"] = "completed"
-        out.append(json_object(entry))
+        out.append(entry)
     return out
 
 

@@ -25,7 +25,6 @@ from typing import Any
 from engine_pool.errors import ApiError
 
 from ..chat_result import Call, ChatResult, Usage, read_completion
-from ..chat_types import json_object
 from .objects import (
     CustomToolCallItem,
     FunctionCallItem,
@@ -235,10 +234,9 @@ def output_items(
 
 def response_object(
     req: ResponsesRequest, chat: Mapping[str, Any], *, response_id: str, created_at: int, seal: Seal = None
-) -> dict[str, Any]:
+) -> ResponseObject:
     """The complete Response for a `chat.completion` object (`seal`: how reasoning is sealed for
-    `encrypted_content`, used when the request includes it), as the JSON object the gateway answers
-    and stores (`json_object`)."""
+    `encrypted_content`, used when the request includes it), which the gateway answers and stores."""
     result = read_completion(chat)
     model = chat.get("model")
     response = response_shell(
@@ -252,4 +250,4 @@ def response_object(
     finalize(response, output, result.finish_reason, result.usage)
     if isinstance(chat.get("slotkeeper"), dict):  # how the prompt's state was served (beside usage)
         with_report(response, chat["slotkeeper"])
-    return json_object(response)
+    return response

@@ -24,8 +24,8 @@ Nothing is dropped. The caller's messages are not changed.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, NotRequired, TypedDict
 
 from ..template_caps import TemplateCaps
 from . import hermes
@@ -36,14 +36,41 @@ WriteCalls = Callable[[Sequence[tuple[str, Any]]], str]
 _RESPONSE_OPEN, _RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 
 
+class TextPart(TypedDict):
+    type: Literal["text"]
+    text: str
+
+
+class TemplateFunction(TypedDict):
+    name: Any  # the client's (a string, once engine_pool.server.chat_request checked it)
+    arguments: Any  # a mapping for a template that iterates them, JSON text for one that writes text
+
+
+class TemplateToolCall(TypedDict):
+    id: NotRequired[str]
+    type: Literal["function"]
+    function: TemplateFunction
+
+
+class TemplateMessage(TypedDict):
+    """A message as `normalise` hands it to a template (llama.cpp's shape; see the module)."""
+
+    role: Any  # the client's (a non-empty string, once chat_request checked it)
+    content: str | Sequence[Mapping[str, Any]]  # text, or the client's parts (or `TextPart`s)
+    reasoning_content: NotRequired[str]
+    name: NotRequired[str]
+    tool_call_id: NotRequired[str]
+    tool_calls: NotRequired[list[TemplateToolCall]]
+
+
 def normalise(
-    messages: Sequence[dict[str, Any]],
-    tools: Sequence[dict[str, Any]] | None,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
     caps: TemplateCaps,
     *,
     developer_role: bool = False,
     write_calls: WriteCalls = hermes.write_calls,
-) -> list[dict[str, Any]]:
+) -> list[TemplateMessage]:
     """`messages` in the one shape templates get, with `caps`' gaps filled (see the module)."""
     out = [_canonical(m, caps, developer_role) for m in messages]
     if tools and not caps.tools:
@@ -59,9 +86,12 @@ def normalise(
     return out
 
 
-def _as_parts(m: dict[str, Any]) -> dict[str, Any]:
+def _as_parts(m: TemplateMessage) -> TemplateMessage:
     content = m["content"]
-    return {**m, "content": [{"type": "text", "text": content}]} if isinstance(content, str) else m
+    if not isinstance(content, str):
+        return m
+    part: TextPart = {"type": "text", "text": content}
+    return {**m, "content": [part]}
 
 
 def _text(content: Any) -> str:
@@ -74,7 +104,7 @@ def _text(content: Any) -> str:
     return ""
 
 
-def _canonical(m: dict[str, Any], caps: TemplateCaps, developer_role: bool) -> dict[str, Any]:
+def _canonical(m: Mapping[str, Any], caps: TemplateCaps, developer_role: bool) -> TemplateMessage:
     role = m.get("role")
     if role == "developer" and not developer_role:
         role = "system"
@@ -83,19 +113,20 @@ def _canonical(m: dict[str, Any], caps: TemplateCaps, developer_role: bool) -> d
         content = ""
     elif isinstance(content, list) and not caps.typed_content:
         content = _text(content)
-    out: dict[str, Any] = {"role": role, "content": content}
+    out: TemplateMessage = {"role": role, "content": content}
     if isinstance(m.get("reasoning_content"), str) and m["reasoning_content"]:
         out["reasoning_content"] = m["reasoning_content"]
-    for key in ("name", "tool_call_id"):
-        if isinstance(m.get(key), str):
-            out[key] = m[key]
+    if isinstance(m.get("name"), str):
+        out["name"] = m["name"]
+    if isinstance(m.get("tool_call_id"), str):
+        out["tool_call_id"] = m["tool_call_id"]
     calls = m.get("tool_calls")
     if isinstance(calls, list) and calls:
         out["tool_calls"] = [_call(c, caps.object_arguments) for c in calls]
     return out
 
 
-def _call(call: dict[str, Any], object_arguments: bool) -> dict[str, Any]:
+def _call(call: Mapping[str, Any], object_arguments: bool) -> TemplateToolCall:
     fn = call.get("function") or {}
     args = fn.get("arguments", {})
     if object_arguments and isinstance(args, str):
@@ -107,10 +138,10 @@ def _call(call: dict[str, Any], object_arguments: bool) -> dict[str, Any]:
             args = parsed
     elif not object_arguments and not isinstance(args, str):
         args = json.dumps(args, ensure_ascii=False)
-    out: dict[str, Any] = {"type": "function", "function": {"name": fn.get("name", ""), "arguments": args}}
+    function: TemplateFunction = {"name": fn.get("name", ""), "arguments": args}
     if isinstance(call.get("id"), str):
-        out = {"id": call["id"], **out}
-    return out
+        return {"id": call["id"], "type": "function", "function": function}
+    return {"type": "function", "function": function}
 
 
 def _object(args: Any) -> Any:
@@ -123,8 +154,8 @@ def _object(args: Any) -> Any:
 
 
 def _with_tools_described(
-    messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]], write_calls: WriteCalls
-) -> list[dict[str, Any]]:
+    messages: list[TemplateMessage], tools: Sequence[Mapping[str, Any]], write_calls: WriteCalls
+) -> list[TemplateMessage]:
     listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     example = write_calls([("<function-name>", {"<argument>": "<value>"})])
     text = (
@@ -137,18 +168,19 @@ def _with_tools_described(
     return [{"role": "system", "content": text}, *messages]
 
 
-def _calls_in_content(m: dict[str, Any], write_calls: WriteCalls) -> dict[str, Any]:
+def _calls_in_content(m: TemplateMessage, write_calls: WriteCalls) -> TemplateMessage:
     calls = m.get("tool_calls")
     if not calls:
         return m
     text = write_calls([(c["function"]["name"], _object(c["function"]["arguments"])) for c in calls])
     head = _text(m["content"])
-    rest = {k: v for k, v in m.items() if k != "tool_calls"}
+    rest = m.copy()
+    del rest["tool_calls"]
     return {**rest, "content": f"{head}\n{text}" if head else text}
 
 
-def _results_as_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
+def _results_as_user(messages: list[TemplateMessage]) -> list[TemplateMessage]:
+    out: list[TemplateMessage] = []
     results = False  # the last message of `out` is results written as a user message
     for m in messages:
         if m["role"] == "tool":
@@ -169,7 +201,7 @@ def _results_as_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _system_merged(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _system_merged(messages: list[TemplateMessage]) -> list[TemplateMessage]:
     if not messages or messages[0]["role"] != "system":
         return messages
     system = _text(messages[0]["content"])

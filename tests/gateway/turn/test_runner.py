@@ -152,7 +152,16 @@ def test_fork_ids_are_always_valid_and_short_enough(parent: str) -> None:
 
 async def test_models_that_nodes_run_but_no_engine_serves_yet_are_told_from_unknown_ones(parts) -> None:
     index, locks, _, _ = parts
-    answers = {"http://n1": {"node": "n1", "engines": [{"model": "qwen35", "state": "crashed"}]}}
+    crashed = {
+        "id": "n1-e0",
+        "model": "qwen35",
+        "url": None,
+        "state": "crashed",
+        "n_slots": 1,
+        "restarts": 1,
+        "pid": None,
+    }
+    answers = {"http://n1": {"node": "n1", "engines": [crashed]}}
 
     def node(request: httpx.Request) -> httpx.Response:
         url = f"{request.url.scheme}://{request.url.host}"
