@@ -178,15 +178,21 @@ class IndexHealing:
         may have lost the last writes) renews the epoch, so that every gateway heals
         (storage.index.epoch)."""
         seen: set[str] = set()
+        last = ""  # the epoch as the previous read found it
         while True:
             await asyncio.sleep(self._interval_s)
             try:
                 histories = await self._epoch.histories()
-                if seen and histories - seen and self.known:
+                epoch, built = await self._epoch.read()
+                # A new history under the same epoch: a promoted replica, which kept the epoch but may
+                # have lost later writes. Under another epoch (or none) the index was lost outright
+                # (a server restarted empty: a new history too), which healing sees by itself.
+                if seen and histories - seen and epoch and epoch == last:
                     log.warning("index.failover", histories=sorted(histories - seen))
-                    await self._epoch.renew(self.known)
+                    epoch = await self._epoch.renew(epoch)
                 seen |= histories
-                self.saw(*await self._epoch.read())
+                last = epoch
+                self.saw(epoch, built)
             except StorageError as exc:
                 log.debug("index.watch_failed", error=str(exc))
 
