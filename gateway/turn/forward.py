@@ -125,6 +125,11 @@ class Asked:
         fields = engine_fields(self.body, self.tenant, session, self.model, where, self.rules, self.cap)
         return {**self.body, **fields}
 
+    def engine_call(self, turn: Turn, own_restore: bool) -> tuple[str, bytes]:
+        """Where the placed turn's engine call goes and what it sends."""
+        url = turn.engine_url.rstrip("/") + self.path
+        return url, self.engine_data(turn.session, turn.placement, own_restore)
+
     def engine_data(self, session: str, where: Placement | EarlyStart, own_restore: bool = False) -> bytes:
         """The bytes to send the engine for this turn in the slot ``where`` names."""
         fields = engine_fields(
@@ -325,10 +330,7 @@ async def answer_json(
 ) -> Response:
     """The turn's engine call and its JSON answer, in the client's API."""
     svc, ending = asked.svc, Ending(request, asked, turn)
-    url, data = (
-        turn.engine_url.rstrip("/") + asked.path,
-        asked.engine_data(turn.session, turn.placement, own_restore),
-    )
+    url, data = asked.engine_call(turn, own_restore)
     t0 = early.started if early is not None else time.perf_counter()
     call = early.result(lambda: forward_json(svc.engines, url, data)) if early is not None else None
     outcome = TurnOutcome()
@@ -359,10 +361,7 @@ async def answer_stream(
 ) -> Response:
     """The turn's engine call and its stream, in the client's API."""
     svc, ending = asked.svc, Ending(request, asked, turn)
-    url, data = (
-        turn.engine_url.rstrip("/") + asked.path,
-        asked.engine_data(turn.session, turn.placement, own_restore),
-    )
+    url, data = asked.engine_call(turn, own_restore)
     t0 = early.started if early is not None else time.perf_counter()
     try:
         if early is not None:
