@@ -19,7 +19,7 @@ import secrets
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
@@ -49,9 +49,11 @@ from .formats.reasoning import THINK_CLOSE, THINK_OPEN
 from .formats.upstream import UpstreamOutput, UpstreamPlan
 from .gbnf import check_grammar
 from .grammar import GrammarTriggers
+from .limits import RequestLimits
 from .openai_answer import Meta, Output, chat_choice, chat_chunks, extras, usage
 from .route_context import limits, runtime
 from .runtime import Runtime
+from .sampling import Sampling
 from .slot_leases import common_prefix
 
 log = structlog.get_logger("engine.chat")
@@ -105,6 +107,97 @@ async def run_chat(
     # checkpoint hint) and tokenizing: off the event loop, like the grammar below.
     prompt, opened = await asyncio.to_thread(chat_prompt, rt, req)  # opened: Qwen3.5, Nemotron-3
     prompt = held_back(prompt, body.get_int("prefill_hold_back", 0, lo=0, hi=1), req.sampling.n_predict)
+    how = await decoding_plan(rt, req, lim, fmt, opened)
+
+    def gen() -> AsyncGenerator[Decoded, None]:
+        return decode_on_slot(
+            rt,
+            prompt.tokens,
+            how.sampling,
+            grammar=how.constraint.grammar,
+            triggers=how.triggers,
+            checkpoint_hints=prompt.hints,
+            extra_bias=how.extra_bias,
+            endpoint="/v1/chat/completions",
+            preserved=how.preserved,
+        )
+
+    def output() -> Output:
+        if how.upstream is not None:
+            return UpstreamOutput(how.upstream, rt.settings.reasoning_format, how.constraint.parse_tools)
+        parser = fmt.stream(req.tools) if how.constraint.parse_tools else None
+        return ChatOutput(parser, rt.settings.reasoning_format, opened)
+
+    meta = Meta(
+        f"chatcmpl-{secrets.token_hex(12)}", "chat.completion", int(time.time()), rt.settings.model_id
+    )
+    pieces = token_pieces(engine)
+    context = caller_context(body)
+
+    async def explain(o: Outcome) -> None:
+        o.reuse.update(context)
+        o.reuse["served"] = served(o.reuse, o.cache_n)
+        await diagnose(rt, req, prompt, o)
+
+    debug = None
+    if body.get_bool("verbose", False) or rt.settings.verbose:  # llama-server's `__verbose`
+
+        async def debug(o: Outcome) -> LlamaCompletion:
+            text = await asyncio.to_thread(prompt_text, engine, prompt.tokens)
+            return verbose_result(rt, o, how.sampling, text, pieces)
+
+    if req.stream:
+        return chat_chunks(gen(), req, output(), meta, pieces, explain, debug, len(prompt.tokens))
+    outs = [output() for _ in range(req.n)]
+    parts: list[list[Piece]] = [[] for _ in range(req.n)]
+    outcomes = await collect_all([_read(gen(), outs[i], parts[i]) for i in range(req.n)], request)
+    await explain(outcomes[0])
+    choices = [
+        chat_choice(i, o, parts[i] + outs[i].finish(), req, pieces, several=req.n > 1)
+        for i, o in enumerate(outcomes)
+    ]
+    u = usage(outcomes, req.n)
+    u["completion_tokens_details"]["reasoning_tokens"] = sum(out.reasoning_tokens for out in outs)
+    response: ChatCompletion = {**meta.head(), "choices": choices, "usage": u}
+    if req.n == 1:
+        response.update(extras(outcomes[0]))
+    if debug is not None:
+        response["__verbose"] = await debug(outcomes[0])
+    return response
+
+
+async def _read(
+    items: AsyncGenerator[Decoded, None], out: Output, into: list[Piece]
+) -> AsyncGenerator[Decoded, None]:
+    """`items` passed on, their text fed to ``out`` and its pieces kept in ``into``: the same pieces
+    a stream would send, from the same deltas, so the two cannot disagree."""
+    async with aclosing(items):
+        async for item in items:
+            if isinstance(item, Delta):
+                into.extend(out.feed(item.text, len(item.tokens)))
+            yield item
+
+
+@dataclass(frozen=True)
+class DecodingPlan:
+    """How one chat request is decoded, the same for each of its choices: the constraint (grammar,
+    whether tool calls are parsed or banned) and its lazy triggers, the sampling with the template's
+    stop strings, the tokens a constraint never bans (`preserved`), a bias against a call tag no
+    call may start (`extra_bias`), and llama.cpp's chat layer's plan where it reads the template."""
+
+    constraint: Constraint
+    triggers: GrammarTriggers | None
+    sampling: Sampling
+    preserved: frozenset[int]
+    extra_bias: dict[int, float] | None
+    upstream: UpstreamPlan | None
+
+
+async def decoding_plan(
+    rt: Runtime, req: ChatRequest, lim: RequestLimits, fmt: ChatFormat, opened: bool
+) -> DecodingPlan:
+    """The request's `DecodingPlan`; grammars are built off the event loop. ``opened``: the prompt
+    opened a reasoning block the answer goes on with (Qwen3.5, Nemotron-3)."""
     plan = await _upstream_plan(rt, req)
     if plan is not None and req.input_grammars and req.tool_choice != "none":
         raise _no_input_grammars(req, plan)
@@ -125,76 +218,8 @@ async def run_chat(
     stops = (*rt.template.stops, *(plan.stops if plan is not None else ()))
     if stops:  # the built-in format's end of turn, should the model write it as text; llama.cpp's
         sampling = replace(sampling, stop=tuple(dict.fromkeys((*sampling.stop, *stops))))
-    preserved = _preserved(rt, fmt, plan)
     extra_bias = _tool_call_ban(rt, fmt) if con.ban_tool_calls and plan is None else None
-
-    def gen() -> AsyncGenerator[Decoded, None]:
-        return decode_on_slot(
-            rt,
-            prompt.tokens,
-            sampling,
-            grammar=con.grammar,
-            triggers=triggers,
-            checkpoint_hints=prompt.hints,
-            extra_bias=extra_bias,
-            endpoint="/v1/chat/completions",
-            preserved=preserved,
-        )
-
-    def output() -> Output:
-        if plan is not None:
-            return UpstreamOutput(plan, rt.settings.reasoning_format, con.parse_tools)
-        return ChatOutput(
-            fmt.stream(req.tools) if con.parse_tools else None, rt.settings.reasoning_format, opened
-        )
-
-    meta = Meta(
-        f"chatcmpl-{secrets.token_hex(12)}", "chat.completion", int(time.time()), rt.settings.model_id
-    )
-    pieces = token_pieces(engine)
-    context = caller_context(body)
-
-    async def explain(o: Outcome) -> None:
-        o.reuse.update(context)
-        o.reuse["served"] = served(o.reuse, o.cache_n)
-        await diagnose(rt, req, prompt, o)
-
-    debug = None
-    if body.get_bool("verbose", False) or rt.settings.verbose:  # llama-server's `__verbose`
-
-        async def debug(o: Outcome) -> LlamaCompletion:
-            text = await asyncio.to_thread(prompt_text, engine, prompt.tokens)
-            return verbose_result(rt, o, sampling, text, pieces)
-
-    if req.stream:
-        return chat_chunks(gen(), req, output(), meta, pieces, explain, debug, len(prompt.tokens))
-    outs = [output() for _ in range(req.n)]
-    parts: list[list[Piece]] = [[] for _ in range(req.n)]
-
-    async def read(
-        items: AsyncGenerator[Decoded, None], out: Output, into: list[Piece]
-    ) -> AsyncGenerator[Decoded, None]:
-        # The same pieces a stream would send, from the same deltas: the two cannot disagree.
-        async with aclosing(items):
-            async for item in items:
-                if isinstance(item, Delta):
-                    into.extend(out.feed(item.text, len(item.tokens)))
-                yield item
-
-    outcomes = await collect_all([read(gen(), outs[i], parts[i]) for i in range(req.n)], request)
-    await explain(outcomes[0])
-    choices = [
-        chat_choice(i, o, parts[i] + outs[i].finish(), req, pieces, several=req.n > 1)
-        for i, o in enumerate(outcomes)
-    ]
-    u = usage(outcomes, req.n)
-    u["completion_tokens_details"]["reasoning_tokens"] = sum(out.reasoning_tokens for out in outs)
-    response: ChatCompletion = {**meta.head(), "choices": choices, "usage": u}
-    if req.n == 1:
-        response.update(extras(outcomes[0]))
-    if debug is not None:
-        response["__verbose"] = await debug(outcomes[0])
-    return response
+    return DecodingPlan(con, triggers, sampling, _preserved(rt, fmt, plan), extra_bias, plan)
 
 
 def held_back(prompt: ChatPrompt, hold: int, n_predict: int) -> ChatPrompt:
