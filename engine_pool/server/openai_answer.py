@@ -128,58 +128,13 @@ async def chat_chunks(
     """The chunks of one streamed chat. The first (the assistant's role) also carries
     `slotkeeper.prompt_tokens`, the prompt's size once its evaluation is done, which the Messages
     stream reports in its `message_start`; the finishing one `__verbose` when asked for."""
-    head: Head = {**meta.head(), "object": "chat.completion.chunk"}
-    n_calls = 0
-    pending: list[TokenProb] = []  # probabilities of tokens whose text no chunk has carried yet
-
-    def chunk(delta: ChunkDelta, finish: str | None = None) -> ChatChunk:
-        choice: ChunkChoice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        c: ChatChunk = {**head, "choices": [choice]}
-        if req.include_usage:
-            c["usage"] = None
-        return c
-
-    def pieces(parts: list[Piece]) -> list[ChatChunk]:
-        nonlocal n_calls
-        chunks: list[ChatChunk] = []
-        for p in parts:
-            if isinstance(p, str):
-                if p:
-                    chunks.append(chunk({"content": p}))
-                continue
-            if isinstance(p, Reasoning):
-                if p.text:
-                    chunks.append(chunk({"reasoning_content": p.text}))
-                continue
-            fn_head: ToolCallDelta = {
-                "index": n_calls,
-                "id": p.id,
-                "type": "function",
-                "function": {"name": p.name, "arguments": ""},
-            }
-            chunks.append(chunk({"tool_calls": [fn_head]}))
-            chunks.append(chunk({"tool_calls": [{"index": n_calls, "function": {"arguments": p.arguments}}]}))
-            n_calls += 1
-        return chunks
-
-    def with_probs(chunks: list[ChatChunk]) -> list[ChatChunk]:
-        # A chunk carries the probabilities of the tokens that made it (and of held-back ones before).
-        if chunks and pending:
-            chunks[-1]["choices"][0]["logprobs"] = _chat_logprobs(pending, req, token_bytes)
-            pending.clear()
-        return chunks
-
-    def with_timings(chunks: list[ChatChunk], timings: Timings | None) -> list[ChatChunk]:
-        if chunks and timings is not None:  # `timings_per_token`: on the token's last chunk
-            chunks[-1]["timings"] = timings
-        return chunks
-
+    w = _ChunkWriter(req, meta, token_bytes)
     started = False
     async with aclosing(gen) as items:
         async for item in items:
             if not started:
                 started = True
-                first = chunk({"role": "assistant", "content": None})  # as OpenAI and llama-server
+                first = w.chunk({"role": "assistant", "content": None})  # as OpenAI and llama-server
                 first["slotkeeper"] = {"prompt_tokens": n_prompt}
                 if isinstance(item, Progress):
                     yield _with_progress(first, item, req.sampling.timings_per_token)
@@ -188,20 +143,20 @@ async def chat_chunks(
             if isinstance(item, Progress):
                 # llama-server's progress chunk: the assistant's role again, with the report.
                 yield _with_progress(
-                    chunk({"role": "assistant", "content": None}), item, req.sampling.timings_per_token
+                    w.chunk({"role": "assistant", "content": None}), item, req.sampling.timings_per_token
                 )
                 continue
             if isinstance(item, Delta):
-                pending.extend(item.probs)
-                for c in with_timings(
-                    with_probs(pieces(out.feed(item.text, len(item.tokens)))), item.timings
+                w.pending.extend(item.probs)
+                for c in w.with_timings(
+                    w.with_probs(w.pieces(out.feed(item.text, len(item.tokens)))), item.timings
                 ):
                     yield c
                 continue
-            for c in with_probs(pieces(out.finish())):
+            for c in w.with_probs(w.pieces(out.finish())):
                 yield c
             await explain(item)
-            last = with_probs([chunk({}, "tool_calls" if n_calls else item.finish_reason)])[0]
+            last = w.with_probs([w.chunk({}, "tool_calls" if w.n_calls else item.finish_reason)])[0]
             if item.stop_type == "word":
                 last["choices"][0]["stopping_word"] = item.stopping_word
             last.update(extras(item))
@@ -209,7 +164,62 @@ async def chat_chunks(
                 last["__verbose"] = await debug(item)
             yield last
             if req.include_usage:
-                yield {**head, "choices": [], "usage": _chat_usage(item, out), **extras(item)}
+                yield {**w.head, "choices": [], "usage": _chat_usage(item, out), **extras(item)}
+
+
+class _ChunkWriter:
+    """The chunks of one streamed chat choice: each carries the request's head, its tool calls are
+    numbered in order, and the probabilities of tokens whose text no chunk carried yet (`pending`)
+    go on the next chunk that carries text."""
+
+    def __init__(self, req: ChatRequest, meta: Meta, token_bytes: TokenBytes) -> None:
+        self.req, self.token_bytes = req, token_bytes
+        self.head: Head = {**meta.head(), "object": "chat.completion.chunk"}
+        self.n_calls = 0
+        self.pending: list[TokenProb] = []
+
+    def chunk(self, delta: ChunkDelta, finish: str | None = None) -> ChatChunk:
+        choice: ChunkChoice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        c: ChatChunk = {**self.head, "choices": [choice]}
+        if self.req.include_usage:
+            c["usage"] = None
+        return c
+
+    def pieces(self, parts: list[Piece]) -> list[ChatChunk]:
+        chunks: list[ChatChunk] = []
+        for p in parts:
+            if isinstance(p, str):
+                if p:
+                    chunks.append(self.chunk({"content": p}))
+                continue
+            if isinstance(p, Reasoning):
+                if p.text:
+                    chunks.append(self.chunk({"reasoning_content": p.text}))
+                continue
+            fn_head: ToolCallDelta = {
+                "index": self.n_calls,
+                "id": p.id,
+                "type": "function",
+                "function": {"name": p.name, "arguments": ""},
+            }
+            chunks.append(self.chunk({"tool_calls": [fn_head]}))
+            arguments: ToolCallDelta = {"index": self.n_calls, "function": {"arguments": p.arguments}}
+            chunks.append(self.chunk({"tool_calls": [arguments]}))
+            self.n_calls += 1
+        return chunks
+
+    def with_probs(self, chunks: list[ChatChunk]) -> list[ChatChunk]:
+        """A chunk carries the probabilities of the tokens that made it (and of held-back ones before)."""
+        if chunks and self.pending:
+            chunks[-1]["choices"][0]["logprobs"] = _chat_logprobs(self.pending, self.req, self.token_bytes)
+            self.pending.clear()
+        return chunks
+
+    @staticmethod
+    def with_timings(chunks: list[ChatChunk], timings: Timings | None) -> list[ChatChunk]:
+        if chunks and timings is not None:  # `timings_per_token`: on the token's last chunk
+            chunks[-1]["timings"] = timings
+        return chunks
 
 
 # -- text completions ----------------------------------------------------------------------------
