@@ -68,7 +68,7 @@ async def services(
         redis = connect(settings.redis_url) if settings.redis_url else in_process_redis()
     own_store = store is None
     store = store or make_store(settings, redis)
-    index = SessionIndex(redis, prefix=settings.redis_prefix)
+    index = SessionIndex(redis, prefix=settings.redis_prefix, routes_per_session=settings.routes_per_session)
     locks = SessionLocks(redis, prefix=settings.redis_prefix)
     registry = EngineRegistry(redis, prefix=settings.redis_prefix)
     await check_backends(store, redis, settings.redis_prefix, "gateway")  # refuse to start if unusable

@@ -38,6 +38,7 @@ from engine_pool.process.limit_flags import BODY_TIMEOUT_S, MAX_BODY_BYTES, MAX_
 from engine_pool.protocol.handoff import HANDOFF_MODES, parse_threshold
 
 __all__ = ["FLAGS", "GatewaySettings", "SettingsError", "parse_settings", "settings_from_args"]
+from storage.index.prefix_digests import DEFAULT_ROUTES_PER_SESSION
 from storage.index.topology import redis_url_check
 
 REDIS_URL = redis_url_check()
@@ -55,6 +56,14 @@ FLAGS: tuple[Flag, ...] = (
         REDIS_URL,
     ),
     str_flag("redis_prefix", "--redis-prefix", "slotkeeper", "prefix of every Redis key"),
+    int_flag(
+        "routes_per_session",
+        "--routes-per-session",
+        DEFAULT_ROUTES_PER_SESSION,
+        "implicit-routing keys a session keeps: its newest complete turns, its last head and "
+        f"prompt; a request going back further starts a new session ({DEFAULT_ROUTES_PER_SESSION})",
+        at_least(2),
+    ),
     str_flag("tenants", "--tenants", None, "tenants TOML file (default: one open tenant)"),
     str_flag("s3_endpoint", "--s3-endpoint", None, "S3 endpoint URL", S3_ENDPOINT),
     str_flag("s3_bucket", "--s3-bucket", None, "S3 bucket (default: a local store)"),
@@ -164,6 +173,7 @@ class GatewaySettings:
     nodes: tuple[str, ...] = _DEFAULT["nodes"]  # node agent URLs
     redis_url: str | None = _DEFAULT["redis_url"]  # None: the in-process index (one machine only)
     redis_prefix: str = _DEFAULT["redis_prefix"]
+    routes_per_session: int = _DEFAULT["routes_per_session"]  # storage.index.prefix_digests
     tenants: str | None = _DEFAULT["tenants"]  # tenants TOML; None: one open default tenant
     s3_endpoint: str | None = _DEFAULT["s3_endpoint"]
     s3_bucket: str | None = _DEFAULT["s3_bucket"]

@@ -28,6 +28,7 @@ import httpx
 from gateway.bench.harness.redis_topologies import redis_cluster
 from gateway.bench.harness.report import pct, table
 from gateway.bench.harness.servers import redis_server
+from storage.index.prefix_digests import DEFAULT_ROUTES_PER_SESSION, ROUTE
 
 # what each synthetic session's system prompt opens with (bench gateway's sessions open with it too)
 SYSTEM = (
@@ -48,6 +49,7 @@ class Fleet:
     digests: list[list[str]]  # per session: the digests finish() would have recorded
     requests: list[list[dict[str, str]]]  # per sampled request: its messages
     request_owner: list[int]  # per sampled request: the index of the session it resumes
+    routes_per_session: int  # the newest digests the index keeps per session
 
 
 def _history(tenant: str, i: int, turns: int) -> list[dict[str, str]]:
@@ -71,7 +73,8 @@ def build_fleet(args: argparse.Namespace, n_sessions: int) -> Fleet:
         _history(sessions[i][0], i, args.turns) + [{"role": "user", "content": "Next step."}] for i in owners
     ]
     engines = [f"bench-e{e}" for e in range(args.engines)]
-    return Fleet(model, tenants, engines, args.slots_per_engine, sessions, digests, requests, owners)
+    keep = args.routes_per_session
+    return Fleet(model, tenants, engines, args.slots_per_engine, sessions, digests, requests, owners, keep)
 
 
 async def load_fleet(redis: Any, fleet: Fleet, batch: int = 500) -> float:
@@ -108,9 +111,10 @@ async def load_fleet(redis: Any, fleet: Fleet, batch: int = 500) -> float:
                     pipe.sadd(keys.engine_live(engine), member(tenant, session))
                     pipe.zadd(keys.engine_idle(engine), {member(tenant, session): rec.last_used})
                     pipe.hset(keys.tenant_live(tenant), mapping={session: engine})
-                for d in fleet.digests[i]:
+                kept = fleet.digests[i][-fleet.routes_per_session :]  # what the index keeps of them
+                for d in kept:
                     pipe.set(keys.prefix_hash(tenant, d), session)
-                pipe.sadd(keys.session_prefixes(tenant, session), *fleet.digests[i])
+                pipe.zadd(keys.session_prefixes(tenant, session), {ROUTE + d: n for n, d in enumerate(kept)})
             await pipe.execute()
     return time.perf_counter() - t0
 
@@ -521,6 +525,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--placement-sample", type=int, default=8, help="engines one placement looks at")
     g.add_argument("--slots-per-engine", type=int, default=4)
     g.add_argument("--turns", type=int, default=3, help="complete turns (prefix digests) per session")
+    g.add_argument(
+        "--routes-per-session",
+        type=int,
+        default=DEFAULT_ROUTES_PER_SESSION,
+        help=f"route digests the index keeps per session, its newest ({DEFAULT_ROUTES_PER_SESSION})",
+    )
     g.add_argument("--decisions", type=int, default=2000, help="decisions per measurement, at most")
     g.add_argument("--concurrency", type=int, default=16)
     g.add_argument("--request-pool", type=int, default=2000, help="distinct requests cycled through")

@@ -37,7 +37,7 @@ class Bookkeeping:
     tokens: int | None = None  # the session's tokens now (None: unknown, kept)
     digests: tuple[str, ...] = ()  # the routes its next turn is found by (gateway.turn.prompt)
     shared: str | None = None  # its shared prefix's digest, for sessions that start from it
-    identical: str | None = None  # this prompt's digest, for a new session that sends it again
+    identical: str | None = None  # this prompt's digest, for a new session that sends it again (a pp key)
     head: str | None = None  # this turn's head: where its next turn goes on from (gateway.turn.branch)
     usage: Mapping[str, int] = field(default_factory=dict)
     inflight: str = ""  # the tenant's in-flight place to give back
@@ -57,11 +57,10 @@ class Bookkeeping:
 
     def queue(self, index: SessionIndex, ops: Ops, tenant: str, session: str) -> None:
         """Queue the writes besides the record on the record's own round trip."""
-        if self.routes:
-            index.queue_prefixes(ops, tenant, session, self.routes)
-        for digest in (self.shared, self.identical):
-            if digest:
-                index.queue_shared(ops, tenant, session, digest)
+        if self.routes or self.identical:  # kept bounded per session (storage.index.prefix_digests)
+            index.queue_prefixes(ops, tenant, session, self.routes, self.identical)
+        if self.shared:
+            index.queue_shared(ops, tenant, session, self.shared)
         if self.usage:
             index.queue_usage(ops, tenant, dict(self.usage))
         if self.inflight:
@@ -143,11 +142,10 @@ async def finish(
             # say (process exit, failed health, re-registration drop its sessions), not ours.
             log.warning("session.turn_failed", tenant=t, session=s, error=outcome.error)
         if not written:  # the record changed under us: the transaction wrote it; now the rest
-            if books.routes:
-                await parts.index.add_prefixes(t, s, books.routes)
-            for digest in (books.shared, books.identical):
-                if digest:
-                    await parts.index.add_shared(t, s, digest)
+            if books.routes or books.identical:
+                await parts.index.add_prefixes(t, s, books.routes, books.identical)
+            if books.shared:
+                await parts.index.add_shared(t, s, books.shared)
             if books.usage:
                 await parts.index.incr_usage(t, dict(books.usage))
         if books.save:

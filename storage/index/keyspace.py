@@ -92,7 +92,8 @@ class Keyspace:
         return f"{self.tenant(tenant)}:pp:{digest}"
 
     def session_prefixes(self, tenant: str, session: str) -> str:
-        """SET (with a TTL) of the prefix digests pointing at a session (to delete them with it)."""
+        """ZSET (with a TTL) of the routing keys pointing at a session, newest last: ``px:`` and
+        ``pp:`` + a digest (:mod:`storage.index.prefix_digests`: kept bounded, deleted with it)."""
         return f"{self.tenant(tenant)}:sx:{validate_id(session, 'session id')}"
 
     def tenant_live(self, tenant: str) -> str:

@@ -45,7 +45,14 @@ from storage.ids import validate_generation, validate_id
 from storage.index.keyspace import Keyspace, in_process_redis, member, redis_errors, text, transact
 from storage.index.locks import SessionLock, check_owner
 from storage.index.occupancy import EngineOccupancy, OccupancyWrites
-from storage.index.prefix_digests import DEFAULT_ROUTE_TTL_S, PrefixRouting, route_ttl_ms, validate_digest
+from storage.index.prefix_digests import (
+    DEFAULT_ROUTE_TTL_S,
+    DEFAULT_ROUTES_PER_SESSION,
+    PrefixRouting,
+    route_ttl_ms,
+    routes_kept,
+    validate_digest,
+)
 from storage.index.records import SessionRecord, SessionState, checked
 from storage.index.shared_prefixes import SharedPrefixes
 from storage.index.topology import is_cluster
@@ -77,10 +84,13 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
         prefix: str = "slotkeeper",
         clock: Callable[[], float] = time.time,
         route_ttl_s: float = DEFAULT_ROUTE_TTL_S,
+        routes_per_session: int = DEFAULT_ROUTES_PER_SESSION,
         floor_ttl_s: float | None = DEFAULT_FLOOR_TTL_S,
         split: bool | None = None,
     ) -> None:
         """``route_ttl_s``: how long implicit routes live after the session last recorded them.
+        ``routes_per_session``: how many routing keys a session keeps, its newest (at least 2; see
+        :mod:`storage.index.prefix_digests`).
         ``floor_ttl_s``: how long a deleted session's generation floor is kept (None: until the id
         is used again); it must outlast any stale copy (a node that was down during the delete).
         ``split``: write the engines' sets beside transitions, not in them (default: when
@@ -92,6 +102,7 @@ class SessionIndex(EngineOccupancy, PrefixRouting, SharedPrefixes, TenantCounter
         self._clock = clock
         self._floor_px = None if floor_ttl_s is None else max(1, round(floor_ttl_s * 1000))
         self.route_ttl_ms = route_ttl_ms(route_ttl_s)
+        self.routes_per_session = routes_kept(routes_per_session)
         self._scripts: dict[str, Any] = {}  # registered Lua scripts by name (storage.index.turnops)
         self.split = is_cluster(redis) if split is None else split
         self._globals: tuple[float, list[Any]] | None = None  # split: the global keys as last read

@@ -46,6 +46,7 @@ from storage.errors import LockLost
 from storage.index.keyspace import IDLE, LIVE, Keyspace, member, redis_errors, text
 from storage.index.locks import TURN, SessionLock, new_token
 from storage.index.occupancy import OccupancyWrites
+from storage.index.prefix_digests import ROUTES_LUA
 from storage.index.records import SessionRecord, checked
 
 # KEYS: rate window ('' slot unused when no limit), in-flight zset, lock, record, sessions zset,
@@ -101,8 +102,11 @@ return {'ok', rate, locked, left, redis.call('HGETALL', KEYS[4]), redis.call('ZC
 GLOBALS_TTL_S = 0.5  # Redis Cluster: how old the global keys a turn decides on may be (module doc)
 
 # KEYS[1] lock, KEYS[2] record, then every key the ops touch. ARGV: lock token ('' = no lock),
-# 2n, the n expected record fields and values, then ops: command, key index, argc, args...
-_GUARDED = """
+# 2n, the n expected record fields and values, then ops: command, key index, argc, args... — a
+# command, or ROUTES: a session's routing keys (storage.index.prefix_digests.ROUTES_LUA).
+_GUARDED = (
+    ROUTES_LUA
+    + """
 local unpack = unpack or table.unpack
 if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 'lock' end
 local n = tonumber(ARGV[2])
@@ -118,11 +122,13 @@ while i <= #ARGV do
   local argc = tonumber(ARGV[i + 2])
   local args = {}
   for j = 1, argc do args[j] = ARGV[i + 2 + j] end
-  redis.call(ARGV[i], KEYS[tonumber(ARGV[i + 1])], unpack(args))
+  local key = KEYS[tonumber(ARGV[i + 1])]
+  if ARGV[i] == 'ROUTES' then record_routes(key, args) else redis.call(ARGV[i], key, unpack(args)) end
   i = i + 3 + argc
 end
 return 'ok'
 """
+)
 
 
 class Ops:
@@ -173,6 +179,11 @@ class Ops:
 
     def pexpire(self, key: str, ms: int) -> None:
         self._op("PEXPIRE", key, int(ms))
+
+    def routes(self, key: str, *args: Any) -> None:
+        """A session's routing keys recorded in its set ``key`` (storage.index.prefix_digests:
+        ``record_routes`` and its arguments; the keys it points are built from the set's slot)."""
+        self._op("ROUTES", key, *args)
 
     def delete(self, *keys: str) -> None:
         for key in keys:

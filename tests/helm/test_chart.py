@@ -54,6 +54,8 @@ NAME = re.compile(r"SLOTKEEPER_[A-Z0-9_]+")
 NOT_SET: dict[str, str] = {
     "SLOTKEEPER_SEALING_KEY": "derived from the internal key, which the chart keeps in its Secret across "
     "upgrades: every gateway replica derives the same one",
+    "SLOTKEEPER_ROUTES_PER_SESSION": "a bound on each session's routing keys, whose default suits agents "
+    "(storage.index.prefix_digests); a chart value for it is not built yet",
 }
 # Variables the gateway gets that are not its own settings: boto3's credential chain.
 BOTO_ENV = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}

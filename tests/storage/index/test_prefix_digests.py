@@ -75,3 +75,77 @@ async def test_match_skips_routes_of_deleted_sessions_in_one_batch(redis_client:
         await index.add_prefixes("acme", "s1", ["NOT-HEX-0000000000"])
     with pytest.raises(InvalidId):
         await index.add_prefixes("acme", "a:b", [A])
+
+
+def _turn(n: int) -> tuple[list[str], str]:
+    """What finishing turn ``n`` of one conversation records: the digests of its complete turns
+    1..n and its head (oldest first), and its prompt's digest."""
+    return [f"{t:032x}" for t in range(1, n + 1)] + [f"{0xAAAA0000 + n:032x}"], f"{0xBBBB0000 + n:032x}"
+
+
+async def session_routing(redis: Any, index: SessionIndex, tenant: str) -> tuple[int, int]:
+    """How many routing keys (``px``, ``pp`` and the ``sx`` set) the tenant has, and the bytes they
+    name and hold (key names, values, the set's members)."""
+    keys = [text(k) async for k in redis.scan_iter(match=f"{index.keys.tenant(tenant)}:*")]
+    size = 0
+    for key in keys:
+        if ":sx:" in key:
+            size += len(key) + sum(len(text(m)) for m in await redis.zrange(key, 0, -1))
+        elif ":px:" in key or ":pp:" in key:
+            size += len(key) + len(text(await redis.get(key)))
+    return len([k for k in keys if ":px:" in k or ":pp:" in k or ":sx:" in k]), size
+
+
+async def test_a_long_session_keeps_its_newest_routes_only(redis_client: Any) -> None:
+    index = SessionIndex(redis_client, prefix="sk", routes_per_session=4)
+    await index.create("acme", "s1", model="fp")
+    sizes = []
+    for n in range(1, 51):
+        digests, prompt = _turn(n)
+        await index.add_prefixes("acme", "s1", digests, prompt)
+        sizes.append(await session_routing(redis_client, index, "acme"))
+    assert sizes[3] == sizes[11] == sizes[49], sizes  # 4 keys and their set from the 4th turn on
+    assert sizes[49][0] == 5
+    last, prompt = _turn(50)
+    # turn 51 is found by its last complete turn or its head, a retry of turn 50 by turn 49's route
+    assert await index.match_prefix("acme", [last[-2], last[-1]]) == (last[-2], "s1")
+    assert await index.match_prefix("acme", [last[-1]]) == (last[-1], "s1")
+    assert await index.match_prefix("acme", [last[-3]]) == (last[-3], "s1")
+    assert await index.find_shared("acme", prompt) is not None  # the last prompt, sent again
+    # older branch points are no longer found: such a request starts a new session
+    assert await index.match_prefix("acme", list(reversed(last[:-3]))) is None
+    assert await index.find_shared("acme", _turn(49)[1]) is None
+    await index.delete("acme", "s1")
+    assert await session_routing(redis_client, index, "acme") == (0, 0)
+    with pytest.raises(ValueError):
+        SessionIndex(redis_client, routes_per_session=1)
+
+
+async def test_dropping_a_route_keeps_it_for_the_session_it_was_repointed_to(redis_client: Any) -> None:
+    index = SessionIndex(redis_client, prefix="sk", routes_per_session=2)
+    for s in ("s1", "s2"):
+        await index.create("acme", s, model="fp")
+    await index.add_prefixes("acme", "s1", [A])
+    await index.add_prefixes("acme", "s2", [A, B])  # a branch of s1's conversation: A is s2's now
+    await index.add_prefixes("acme", "s1", [C, "d" * 16])  # s1 goes on and drops A
+    assert await index.match_prefix("acme", [A]) == (A, "s2")
+    assert await index.match_prefix("acme", [C]) == (C, "s1")
+
+
+async def test_a_turns_routes_ride_its_guarded_write_bounded(redis_client: Any) -> None:
+    index = SessionIndex(redis_client, prefix="sk", routes_per_session=3)
+    record = await index.create("acme", "s1", model="fp")
+    for n in range(1, 13):
+        digests, prompt = _turn(n)
+
+        def also(ops: Any, digests: list[str] = digests, prompt: str = prompt) -> None:
+            index.queue_prefixes(ops, "acme", "s1", digests, prompt)
+
+        written = await index.apply(record, lambda old: old, lock=None, also=also)
+        assert written is not None
+        record = written
+        count, _ = await session_routing(redis_client, index, "acme")
+        assert count == 1 + min(3, n + 2), (n, count)
+    last, prompt = _turn(12)
+    assert await index.match_prefix("acme", [last[-2]]) == (last[-2], "s1")
+    assert await index.find_shared("acme", prompt) is not None
