@@ -79,13 +79,6 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         f"[env {env_name('models')}, comma-separated]",
     )
     first.add_argument(
-        "--role",
-        action="append",
-        choices=ROLES,
-        help="role of the Nth --model's engine in a prefill/decode split: prefill, decode or mixed "
-        "(default mixed); give a model twice for a prefill and a decode engine of it",
-    )
-    first.add_argument(
         "--slots",
         default=environ.get(env_name("slots"), "2"),
         help=f"slots (sessions live at once) per engine (default 2) [env {env_name('slots')}]",
@@ -109,6 +102,14 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help=f"node agent port (default: --port + 1) [env {env_name('node_port')}]",
     )
     rest.add_argument(
+        "--role",
+        action="append",
+        choices=ROLES,
+        help="role of the Nth --model's engine in a prefill/decode split: prefill, decode or mixed "
+        "(default mixed); give a model twice for a prefill and a decode engine of it "
+        f"[env {env_name('roles')}, comma-separated]",
+    )
+    rest.add_argument(
         "--keep-running",
         action="store_const",
         const="on",
@@ -125,7 +126,10 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     others = [f for name, f in by_field.items() if name not in _FIRST + _STORAGE]
     add_flags(rest, others)
-    ap.set_defaults(env_models=[m for m in environ.get(env_name("models"), "").split(",") if m])
+    ap.set_defaults(
+        env_models=[m for m in environ.get(env_name("models"), "").split(",") if m],
+        env_roles=[r for r in environ.get(env_name("roles"), "").split(",") if r],
+    )
     return ap
 
 
@@ -182,18 +186,9 @@ def main(argv: list[str]) -> int:
         return report("serve", err, settings.log_format)
 
 
-def _serve(ns: argparse.Namespace, settings: GatewaySettings) -> int:
-    data = Path(settings.data_dir)
-    node_port = ns.node_port or settings.port + 1
-    try:
-        keep_running = parse_bool(ns.keep_running)
-    except ValueError as exc:
-        raise StartError(f"{env_name('keep_running')}: {exc}", "set it to on or off", EXIT_USAGE) from None
-    sockets = _Sockets(
-        listen_socket(settings.host, settings.port, "--port"),
-        listen_socket("127.0.0.1", node_port, "--node-port"),
-    )
-    models = ns.model or ns.env_models
+def _models(ns: argparse.Namespace, data: Path) -> list[str]:
+    """The models to serve, each a GGUF file: those named, else the tiny demo model (said loudly)."""
+    models: list[str] = ns.model or ns.env_models
     if not models:
         try:
             models = [cached_model(data / "models", "qwen35", size="tiny")]
@@ -209,9 +204,16 @@ def _serve(ns: argparse.Namespace, settings: GatewaySettings) -> int:
     if bad_models:
         hint = "pass --model with the path of a GGUF file (llama.cpp's format)"
         raise StartError("; ".join(bad_models), hint, EXIT_USAGE)
+    return models
+
+
+def _node_argv(
+    ns: argparse.Namespace, settings: GatewaySettings, models: list[str], node_port: int, data: Path
+) -> list[str]:
+    """The node agent's command line, from serve's own flags and settings."""
     node_argv = [
         *[a for m in models for a in ("--model", m)],
-        *[a for r in ns.role or () for a in ("--role", r)],
+        *[a for r in ns.role or ns.env_roles for a in ("--role", r)],
         *("--slots", ns.slots),
         *("--ctx", ns.ctx),
         *("--host", "127.0.0.1"),
@@ -237,6 +239,22 @@ def _serve(ns: argparse.Namespace, settings: GatewaySettings) -> int:
         node_argv += ["--spill-bytes", "0"]
     if settings.redis_url:
         node_argv += ["--redis-url", settings.redis_url]
+    return node_argv
+
+
+def _serve(ns: argparse.Namespace, settings: GatewaySettings) -> int:
+    data = Path(settings.data_dir)
+    node_port = ns.node_port or settings.port + 1
+    try:
+        keep_running = parse_bool(ns.keep_running)
+    except ValueError as exc:
+        raise StartError(f"{env_name('keep_running')}: {exc}", "set it to on or off", EXIT_USAGE) from None
+    sockets = _Sockets(
+        listen_socket(settings.host, settings.port, "--port"),
+        listen_socket("127.0.0.1", node_port, "--node-port"),
+    )
+    models = _models(ns, data)
+    node_argv = _node_argv(ns, settings, models, node_port, data)
     # The node API and the engines answer only this credential; one machine: a fresh one per start.
     internal_key = settings.internal_key or new_key()
     try:
