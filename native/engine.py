@@ -132,8 +132,10 @@ class Engine:
     def snapshot_slot(self, slot: int) -> _native.SlotSnapshot:
         return self._raw.snapshot_slot(slot)
 
-    def write_snapshot(self, snapshot: _native.SlotSnapshot, path: str) -> _native.SlotFileInfo:
-        return self._raw.write_snapshot(snapshot, path)
+    def write_snapshot(
+        self, snapshot: _native.SlotSnapshot, path: str, durable: bool = True
+    ) -> _native.SlotFileInfo:
+        return self._raw.write_snapshot(snapshot, path, durable)
 
     def restore_slot(self, slot: int, path: str) -> _native.SlotFileInfo:
         return self._raw.restore_slot(slot, path)

@@ -294,7 +294,8 @@ PYBIND11_MODULE(_native, m) {
         .def("event_fd", &Engine::event_fd)
         .def("save_slot", &Engine::save_slot, py::arg("slot"), py::arg("path"), rel())
         .def("snapshot_slot", &Engine::snapshot_slot, py::arg("slot"), rel())
-        .def("write_snapshot", &Engine::write_snapshot, py::arg("snapshot"), py::arg("path"), rel())
+        .def("write_snapshot", &Engine::write_snapshot, py::arg("snapshot"), py::arg("path"),
+             py::arg("durable") = true, rel())
         .def("restore_slot", &Engine::restore_slot, py::arg("slot"), py::arg("path"), rel())
         .def("erase_slot", &Engine::erase_slot, py::arg("slot"), rel())
         .def("slots", &Engine::slots, rel())

@@ -93,7 +93,9 @@ public:
     // The slot's state now (SlotBusyError while it processes a request); its file is written by
     // write_snapshot, which touches nothing of the engine's but its metrics.
     std::shared_ptr<SlotSnapshot> snapshot_slot(int slot);
-    SlotFileInfo write_snapshot(const SlotSnapshot & snap, const std::string & path);
+    // `durable`: synced to its disk before the rename (a handoff's file, read once on this node
+    // and deleted, needs no sync: its loss is a crash's, which ends the handoff anyway).
+    SlotFileInfo write_snapshot(const SlotSnapshot & snap, const std::string & path, bool durable = true);
     SlotFileInfo restore_slot(int slot, const std::string & path);
     int erase_slot(int slot);
     std::vector<SlotInfo> slots();
@@ -154,6 +156,8 @@ private:
     // `to` becomes a copy of `from` (memory, tokens, checkpoints, logits); false (and `to` empty)
     // when llama.cpp refuses it.
     bool copy_slot(const Slot & from, Slot & to);
+    // A sliding-window copy's own window, apart from its source's (engine_prefix.cpp says why).
+    bool own_window(const Slot & s);
     MemoryView memory_view(const Slot & s) const;
     bool slot_busy(const Slot & s) const;
 

@@ -44,6 +44,7 @@ bool Engine::copy_slot(const Slot & from, Slot & to) {
         // One KV stream: the cells gain the target sequence and nothing is copied; a recurrent
         // cell is shared until the target's next decode or checkpoint rollback gives it its own.
         llama_memory_seq_cp(mem, from.id, to.id, -1, -1);
+        ok = own_window(to);
     } else {
         // A stream per slot: llama.cpp copies across streams only whole buffers, at the next
         // decode; a copy through the sequence state is complete when it returns (a save of the
@@ -71,6 +72,29 @@ bool Engine::copy_slot(const Slot & from, Slot & to) {
     to.owner = from.owner;
     bump("prefix_copies");
     return true;
+}
+
+bool Engine::own_window(const Slot & s) {
+    // A sliding-window cache keeps the cells that left the window until it needs them, and then
+    // reuses only a cell that ONE sequence holds (llama.cpp's find_slot). Cells seq_cp shares
+    // between the source and the copy are never reused: once a prompt of the window cache's size
+    // or more filled it (n_swa * n_slots + n_ubatch cells), the copy's next llama_decode — and the
+    // source's — found no cell and failed with code 1 (a second handoff of one prompt on gemma2).
+    // The copy takes its own window instead: a sequence's partial state holds only its unmasked
+    // cells (the window, plus a recurrent state on a hybrid), and reading it back drops the copy
+    // from the shared cells first, which then belong to the source alone. The full-attention
+    // cells stay shared: that cache is sized for every slot's context.
+    if (model().n_swa <= 0 || cfg_.swa_full) return true;
+    constexpr auto kPartial = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY;
+    const size_t size = llama_state_seq_get_size_ext(ctx_.get(), s.id, kPartial);
+    std::vector<uint8_t> window;
+    try {
+        window.resize(size);
+    } catch (const std::bad_alloc &) {
+        return false;
+    }
+    return size >= 8 && llama_state_seq_get_data_ext(ctx_.get(), window.data(), size, s.id, kPartial) == size &&
+           llama_state_seq_set_data_ext(ctx_.get(), window.data(), size, s.id, kPartial) == size;
 }
 
 }  // namespace sk

@@ -54,7 +54,7 @@ std::shared_ptr<SlotSnapshot> Engine::snapshot_slot(int slot) {
     });
 }
 
-SlotFileInfo Engine::write_snapshot(const SlotSnapshot & snap, const std::string & path) {
+SlotFileInfo Engine::write_snapshot(const SlotSnapshot & snap, const std::string & path, bool durable) {
     const int slot = snap.slot;
     check_slot_id(slot);
     SlotFileMeta meta;
@@ -72,7 +72,7 @@ SlotFileInfo Engine::write_snapshot(const SlotSnapshot & snap, const std::string
     info.n_tokens = int(snap.tokens.size());
     info.n_checkpoints = int(snap.checkpoints.size());
     info.n_bytes = write_slot_file(path, meta, snap.tokens, one_stream_parts(snap.state, snap.layout), snap.logits,
-                                   snap.checkpoints);
+                                   snap.checkpoints, durable);
     info.ms = ms_since(snap.t0);
     bump("slot_saves");
     bump("slot_save_bytes", int64_t(info.n_bytes));

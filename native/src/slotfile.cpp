@@ -269,7 +269,7 @@ CheckpointKind checkpoint_kind_from_name(const std::string & s) {
 
 uint64_t write_slot_file(const std::string & path, const SlotFileMeta & meta, const std::vector<llama_token> & tokens,
                          const std::vector<ByteSpan> & memory_state, const std::vector<float> & last_logits,
-                         const std::vector<Checkpoint> & checkpoints) {
+                         const std::vector<Checkpoint> & checkpoints, bool durable) {
     const std::string tmp = path + ".tmp." + std::to_string(::getpid());
     {
         std::unique_ptr<FILE, FileCloser> f(std::fopen(tmp.c_str(), "wb"));
@@ -346,7 +346,7 @@ uint64_t write_slot_file(const std::string & path, const SlotFileMeta & meta, co
             const uint32_t tr_crc = crc32_update(0, tr, 60);
             std::memcpy(tr + 60, &tr_crc, 4);
             w.raw(tr, kTrailerSize);
-            if (std::fflush(f.get()) != 0 || ::fsync(::fileno(f.get())) != 0) {
+            if (std::fflush(f.get()) != 0 || (durable && ::fsync(::fileno(f.get())) != 0)) {
                 throw SlotFileError("io", "flush failed for " + tmp + ": " + std::strerror(errno));
             }
         } catch (...) {

@@ -71,10 +71,12 @@ struct SlotFileMeta {
 // Writes `path` atomically (temp file + rename). `memory_state` is the memory's part of
 // llama_state_seq_get_data's output (after its 8-byte in-memory prefix, which the base payload
 // drops as save_file does), in the one-stream form (seqstate.h), in pieces written one after the
-// other. Returns the file size. Throws SlotFileError("io", ...) on write failure.
+// other. `durable`: fsync before the rename (a file that only carries a handoff on one node skips
+// it; its checksums are written all the same). Returns the file size. Throws
+// SlotFileError("io", ...) on write failure.
 uint64_t write_slot_file(const std::string & path, const SlotFileMeta & meta, const std::vector<llama_token> & tokens,
                          const std::vector<ByteSpan> & memory_state, const std::vector<float> & last_logits,
-                         const std::vector<Checkpoint> & checkpoints);
+                         const std::vector<Checkpoint> & checkpoints, bool durable = true);
 
 // The bytes of a slot file being read: the file mapped privately (its pages come from the page
 // cache, populated at once; a write changes this process's copy of that page only), or, where a

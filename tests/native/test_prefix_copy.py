@@ -128,3 +128,21 @@ def test_a_request_starts_only_from_slots_of_its_own_owner(make_engine, greedy, 
     assert theirs.timings.cache_n == 0
     again = eng.generate(1, greedy(SYSTEM + SECOND, 2, owner="acme"))
     assert again.timings.cache_n > 0  # (its own state now)
+
+
+@pytest.mark.parametrize("kv_unified", [False, True])
+def test_a_copy_of_a_prompt_longer_than_the_window_cache_goes_on(make_engine, greedy, kv_unified) -> None:
+    """gemma2 (a 32-token window): a prompt longer than the window cache (2 slots: 32 * 2 + 256,
+    rounded up to 512 cells) fills it with cells kept past the window; a copy shares them with its
+    source, and llama.cpp reuses only a cell one sequence holds: the next llama_decode of the copy
+    or of its source found no cell (code 1). Each goes on, as a fresh engine's slot would."""
+    eng = make_engine("gemma2", n_slots=2, kv_unified=kv_unified)
+    prompt = [1 + (i * 7919) % 200 for i in range(700)]
+    eng.generate(0, greedy(prompt, 0))
+    copy = eng.generate(1, greedy(prompt, 0, prefix_sources=[0]))
+    assert copy.timings.source_slot == 0 and copy.timings.prompt_n == 0
+    scratch = make_engine("gemma2", n_slots=2)
+    expected = scratch.generate(0, greedy([*prompt, 5, 6], 6)).tokens
+    for slot in (1, 0):
+        got = eng.generate(slot, greedy([*prompt, 5, 6], 6))
+        assert got.timings.prompt_n == 2 and got.tokens == expected
