@@ -97,6 +97,7 @@ async def services(
         handoff=settings.handoff,
         handoff_threshold=settings.handoff_threshold,
         handoff_wait_s=settings.handoff_wait_s,
+        handoff_timeout_s=settings.handoff_timeout_s,
         internal_key=settings.internal_key,
         keep_generations=settings.keep_generations,
         max_inflight=settings.max_inflight,

@@ -109,6 +109,14 @@ FLAGS: tuple[Flag, ...] = (
         "seconds a split turn waits for a free prefill slot; then it runs unsplit (2)",
         within(0, 600),
     ),
+    float_flag(
+        "handoff_timeout_s",
+        "--handoff-timeout-s",
+        300.0,
+        "seconds a split turn's prefill may take on the prefill engine; then it is cancelled there "
+        "and the turn runs unsplit (300)",
+        within(1, 3600),
+    ),
     bool_flag(
         "early_start",
         "--early-start",
@@ -202,10 +210,11 @@ class GatewaySettings:
     # not after it (gateway.turn.early): the read's round trip leaves the turn's latency.
     early_start: bool = _DEFAULT["early_start"]
     # The prefill/decode split (gateway.turn.handoff): what is handed over, from how long an uncached
-    # tail (None: never), and how long a turn waits for a prefill slot.
+    # tail (None: never), how long a turn waits for a prefill slot, and how long its prefill may take.
     handoff: str = _DEFAULT["handoff"]
     handoff_threshold: int | None = _DEFAULT["handoff_threshold"]
     handoff_wait_s: float = _DEFAULT["handoff_wait_s"]
+    handoff_timeout_s: float = _DEFAULT["handoff_timeout_s"]
     keep_generations: int = _DEFAULT["keep_generations"]  # stored generations kept per session (the newest K)
     collect_interval_s: float = _DEFAULT[
         "collect_interval_s"

@@ -24,7 +24,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -308,7 +308,7 @@ class NodeAgent:
         try:
             prefill = choose(sup, self.engines.get(req.prefill_engine), req.prefill_engine, roles)
             out = await hand_off(self.parts.http, self.prefill_slots, self._slot_call, sup, n, prefill, req)
-        except Exception as exc:
+        except (Exception, asyncio.CancelledError) as exc:
             result = outcome_of(exc)
             self.metrics.handoff_failed(result, time.monotonic() - t0)
             log.warning(
@@ -550,11 +550,11 @@ class NodeAgent:
         slot: int,
         answer: type[SlotAnswer],
         filename: str | None = None,
-        label: dict[str, str] | None = None,
+        label: Mapping[str, Any] | None = None,
     ) -> SlotAnswer:
         """One llama-server slot action, named by its ``answer`` (``label``: the slot label a save
-        expects, or a restore gives); the engine's own errors keep their status, type and message,
-        an answer that is not what the action answers is a 502."""
+        expects, or a restore gives, and a save's `durable`); the engine's own errors keep their
+        status, type and message, an answer that is not what the action answers is a 502."""
         engine_id, action = sup.spec.engine_id, answer.action
         try:
             r = await self.parts.http.post(

@@ -12,8 +12,11 @@ with the session — with the slot file's checks: another model or state format,
 truncated file, is refused (the slot is left empty) and the gateway runs the turn unsplit.
 
 Steps, each with its own failure: choose (`choose`, pure: the engine is a ready prefill engine of
-the decode engine's model), prefill (a chat completion with `n_predict` 0 on the lent slot), export
-(the save), install (the restore).
+the decode engine's model), carry (`carry` only: the session's state saved from the decode slot,
+linked and restored into the lent slot), prefill (a chat completion with `n_predict` 0 on the lent
+slot, bounded by the request's `timeout_s`, cancelled on the engine past it or when the caller
+leaves), export (the save, no sync to disk), install (the restore; a carried session's own state is
+put back in its slot when the install fails).
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +56,12 @@ _DECODE_ONLY = (
     "stream_options",
 )
 
-# The agent's one slot action (`NodeAgent._slot_call`): engine, slot, the answer it expects, file, label.
-SlotCall = Callable[[EngineSupervisor, int, type[Any], str | None, dict[str, str] | None], Awaitable[Any]]
+# The agent's one slot action (`NodeAgent._slot_call`): engine, slot, the answer it expects, file, and
+# the body's other fields (a label, `durable`).
+SlotCall = Callable[[EngineSupervisor, int, type[Any], str | None, Mapping[str, Any] | None], Awaitable[Any]]
+# A handoff's files are read once, on this node, and deleted: written without a sync to disk (a
+# crash ends the handoff anyway; the checksums still catch a damaged file).
+TRANSIENT: Mapping[str, Any] = {"durable": False}
 
 
 def choose(
@@ -90,6 +98,8 @@ def prefill_body(body: dict[str, Any], tenant: str, slot: int, mode: str) -> dic
 
 def outcome_of(exc: BaseException) -> HandoffOutcome:
     """How a failed handoff counts (`handoffs_total{result}`)."""
+    if isinstance(exc, asyncio.CancelledError):
+        return HandoffOutcome.CANCELLED  # its caller left (the gateway's client did)
     if isinstance(exc, ApiError) and exc.extra.get("kind") is not None:
         return HandoffOutcome.REFUSED  # the decode engine's slot-file checks said no
     if isinstance(exc, Unavailable):
@@ -135,21 +145,34 @@ async def hand_off(
     t0 = time.monotonic()
     lent = await slots.lend(prefill.spec.engine_id, req.wait_s)
     name = f"handoff-{uuid.uuid4().hex}.slot"
-    exported = prefill.spec.slot_dir / name
+    exported, installed = prefill.spec.slot_dir / name, decode.spec.slot_dir / name
+    files: list[Path] = []  # whatever this handoff wrote: gone when it ends, however it ends
+    carried: _Carried | None = None
     try:
-        answer = await _prefill(http, prefill, prefill_body(req.body, req.tenant, lent, req.mode))
-        t1 = time.monotonic()
-        saved: SlotSaved = await slot_call(prefill, lent, SlotSaved, name, None)
-    finally:
-        slots.give_back(prefill.spec.engine_id, lent)
-    t2 = time.monotonic()
-    installed = decode.spec.slot_dir / name
-    try:
+        try:
+            if req.carry:
+                carried = await _carry(slot_call, decode, slot, prefill, lent, req, files)
+            t_carry = time.monotonic()
+            body = prefill_body(req.body, req.tenant, lent, req.mode)
+            answer = await _prefill(http, prefill, body, req.timeout_s)
+            t1 = time.monotonic()
+            files.append(exported)
+            saved: SlotSaved = await slot_call(prefill, lent, SlotSaved, name, TRANSIENT)
+        finally:
+            slots.give_back(prefill.spec.engine_id, lent)
+        t2 = time.monotonic()
+        files.append(installed)
         await asyncio.to_thread(_move, exported, installed)
         label = {"slot_owner": req.tenant, "slot_session": req.session}
-        restored: SlotRestored = await slot_call(decode, slot, SlotRestored, name, label)
+        try:
+            restored: SlotRestored = await slot_call(decode, slot, SlotRestored, name, label)
+        except BaseException:
+            if carried is not None:  # the session's own state back where it was: the turn runs there
+                with suppress(ApiError):
+                    await slot_call(decode, slot, SlotRestored, carried.name, label)
+            raise
     finally:
-        await asyncio.to_thread(_unlink, exported, installed)
+        await asyncio.to_thread(_unlink, *files)
     t3 = time.monotonic()
     timings = answer.get("timings") if isinstance(answer.get("timings"), dict) else {}
     prompt_n = timings.get("prompt_n", -1) if isinstance(timings, dict) else -1
@@ -161,20 +184,63 @@ async def hand_off(
         saved.n_written,
         restored.n_checkpoints,
         req.mode,
-        prefill_ms=round((t1 - t0) * 1000, 2),
+        prefill_ms=round((t1 - t_carry) * 1000, 2),
         export_ms=round((t2 - t1) * 1000, 2),
         install_ms=round((t3 - t2) * 1000, 2),
         ms=round((t3 - t0) * 1000, 2),
+        carried_bytes=carried.bytes if carried is not None else 0,
+        carry_ms=round((t_carry - carried.t0) * 1000, 2) if carried is not None else 0.0,
     )
 
 
+@dataclass(frozen=True)
+class _Carried:
+    name: str  # its file in the decode engine's slot directory (put back from there on a failure)
+    bytes: int
+    t0: float
+
+
+async def _carry(
+    slot_call: SlotCall,
+    decode: EngineSupervisor,
+    slot: int,
+    prefill: EngineSupervisor,
+    lent: int,
+    req: HandoffRequest,
+    files: list[Path],
+) -> _Carried:
+    """The session's state from its decode slot onto the lent prefill slot: saved (only while the
+    slot still holds the session: else 409, and the turn runs unsplit), linked, restored. The slot
+    keeps its state meanwhile; the file stays until the handoff ends, to put it back should the
+    install fail."""
+    t0 = time.monotonic()
+    name = f"carry-{uuid.uuid4().hex}.slot"
+    src, dest = decode.spec.slot_dir / name, prefill.spec.slot_dir / name
+    files += [src, dest]
+    expect = {"slot_owner": req.tenant, "slot_expect": req.session, **TRANSIENT}
+    saved: SlotSaved = await slot_call(decode, slot, SlotSaved, name, expect)
+    await asyncio.to_thread(_move, src, dest)
+    # (No label: the prefill's body, labelled with the tenant, then starts from this state.)
+    await slot_call(prefill, lent, SlotRestored, name, None)
+    return _Carried(name, saved.n_written, t0)
+
+
 async def _prefill(
-    http: httpx.AsyncClient, prefill: EngineSupervisor, body: dict[str, Any]
+    http: httpx.AsyncClient, prefill: EngineSupervisor, body: dict[str, Any], timeout_s: float
 ) -> dict[str, Any]:
-    """The prompt evaluated on the prefill engine; its answer (with its timings)."""
+    """The prompt evaluated on the prefill engine within ``timeout_s``; its answer (with its
+    timings). Past the bound, or when the caller is cancelled (the gateway's client left), the
+    request is abandoned: its connection closes, and the engine cancels a request whose client is
+    gone."""
     engine_id = prefill.spec.engine_id
     try:
-        r = await http.post(f"{prefill.url}/v1/chat/completions", json=body, timeout=PREFILL_TIMEOUT)
+        async with asyncio.timeout(timeout_s):
+            r = await http.post(f"{prefill.url}/v1/chat/completions", json=body, timeout=PREFILL_TIMEOUT)
+    except TimeoutError:
+        raise Unavailable(
+            f"prefill engine {engine_id} took longer than {timeout_s:g} s; the prefill was cancelled",
+            retry_after=1,
+        ) from None
     except httpx.HTTPError as exc:
         raise Upstream(f"prefill engine {engine_id}: {type(exc).__name__}: {exc}") from exc
     answer = answer_json(r)

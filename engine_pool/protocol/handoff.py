@@ -9,6 +9,10 @@ file, and installs it in the decode engine's slot, which then samples the first 
 handed logits: 0 prompt tokens evaluated there. `last-token` is the comparison design most
 systems use: the prefill stops one token early and the decode side evaluates the last one.
 
+A turn of a session whose state is in the decode slot already (live there, or restored there for
+the turn) is split with `carry`: that state goes to the prefill slot first (saved, linked,
+restored), the prefill engine evaluates only the new tail, and the result comes back as above.
+
 Pure: no I/O here.
 """
 
@@ -60,6 +64,7 @@ class HandoffOutcome(StrEnum):
     REFUSED = "refused"  # the decode engine refused the state (another model or format, damaged)
     UNAVAILABLE = "unavailable"  # no prefill engine, or it was busy past its bound
     FAILED = "failed"  # the prefill engine failed, or the node did
+    CANCELLED = "cancelled"  # the caller left during it (the client did): cancelled where it ran
 
 
 HANDOFF_OUTCOMES = tuple(o.value for o in HandoffOutcome)
@@ -81,7 +86,10 @@ def _mode(value: Any, where: str) -> str:
 class HandoffRequest(Wire):
     """Prefill ``body`` (the engine's chat completions body, as the turn would send it) on
     ``prefill_engine`` of the same node, and install the state in this slot labelled (tenant,
-    session). ``wait_s``: the longest the prefill may wait for a free prefill slot (then 503)."""
+    session). ``wait_s``: the longest the prefill may wait for a free prefill slot (then 503);
+    ``timeout_s``: the longest the prefill itself may take (then it is cancelled there, 503).
+    ``carry``: this slot holds the session's state (labelled so): it is carried to the prefill slot
+    first, which then evaluates only the prompt's new tail."""
 
     sparse = True
 
@@ -91,12 +99,15 @@ class HandoffRequest(Wire):
     body: dict[str, Any] = field(metadata=wire(parse=_chat_body))
     mode: str = field(default=HandoffMode.LOGITS.value, metadata=wire(parse=_mode))
     wait_s: float = field(default=2.0, metadata=wire(lo=0, hi=600))
+    timeout_s: float = field(default=600.0, metadata=wire(lo=0.001, hi=3600))
+    carry: bool = False
 
 
 @dataclass(frozen=True)
 class HandoffResult(Wire):
     """A handoff done: the prompt tokens the prefill engine evaluated, the state's tokens and bytes,
-    and where the time went (prefill, export: the slot file written, install: restored there)."""
+    and where the time went (carry: a carried state's way to the prefill slot, prefill, export: the
+    slot file written, install: restored there)."""
 
     prefill_engine: str
     prefill_slot: int
@@ -109,3 +120,5 @@ class HandoffResult(Wire):
     export_ms: float
     install_ms: float
     ms: float
+    carried_bytes: int = 0  # the session's state carried to the prefill slot (`carry`), else 0
+    carry_ms: float = 0.0

@@ -178,7 +178,10 @@ async def slot_action(request: Request) -> Response:
         return JSONResponse(SlotCancelled(slot, await rt.cancel_slot(slot)).to_json())
     body = await read_json(request, limits(request).body)
     if action == "save":
-        saved = await slot_files.save(rt, slot, body.raw("filename"), _named(body, "slot_expect"))
+        # `durable` (ours): false for a file read once on this node and deleted (a handoff's): no
+        # sync to disk before it is renamed into place.
+        durable = body.get_bool("durable", True)
+        saved = await slot_files.save(rt, slot, body.raw("filename"), _named(body, "slot_expect"), durable)
         return JSONResponse(saved.to_json())
     restored = await slot_files.restore(rt, slot, body.raw("filename"), _named(body, "slot_session"))
     return JSONResponse(restored.to_json())

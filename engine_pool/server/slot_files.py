@@ -99,16 +99,20 @@ def _log(event: str, slot: int, filename: str, info: native.SlotFileInfo) -> Non
     )
 
 
-async def save(rt: Runtime, slot: int, filename: Any, expect: tuple[str, str] | None = None) -> SlotSaved:
+async def save(
+    rt: Runtime, slot: int, filename: Any, expect: tuple[str, str] | None = None, durable: bool = True
+) -> SlotSaved:
     """The slot's state is copied under the slot's lease (memory speed) and written to its file
     after the lease: the session's next turn starts on the slot while the file is written (a
     write-behind save of a long session writes hundreds of MB and syncs them). ``expect``: the
     (owner, session) whose state the caller means to save (the slot's label), checked under the
-    lease."""
+    lease. ``durable`` false: a handoff's file, read once on this node and deleted while a turn
+    waits for it: not synced to disk, and written at the engine's priority, not in the background."""
     engine = rt.require()
     path = slot_file_path(rt.slot_dir, filename)
     snapshot = await _on_slot(rt, slot, "save", lambda: engine.snapshot_slot(slot), expect)
-    info = await in_background(engine.write_snapshot, snapshot, str(path))
+    write = in_background if durable else asyncio.to_thread
+    info = await write(engine.write_snapshot, snapshot, str(path), durable)
     _log("slot.saved", slot, filename, info)
     return SlotSaved(slot, filename, info.n_tokens, info.n_bytes, info.n_checkpoints, SaveTimings(info.ms))
 

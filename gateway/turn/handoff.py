@@ -5,14 +5,17 @@ last logits — in the turn's slot, labelled with its session, and the turn then
 any other: the engine finds the whole prompt there and samples the first token from the handed
 logits (0 prompt tokens evaluated), and the session lives on in that slot.
 
-`split_for` decides (pure): never for a session live in its slot or restored there (its state is
-on the decode side already; carrying it to the prefill engine and back is not done yet), nor for one
-that starts from another slot's state on its engine (a shared prefix the prefill engine lacks),
-unless the threshold is 0; else when the prompt — all of it uncached in a cold slot — is at least
-the tenant's threshold. `prefill_engine` picks one of the model's prefill engines on the decode
-engine's node (pure). `hand_off` carries it out; whatever goes wrong (no prefill engine, busy past
-`--handoff-wait-s`, a failed prefill, a state the decode engine refuses) leaves the turn unsplit,
-counted and logged with the reason: one turn slower, never an error. Tenants never name engines.
+`split_for` decides (pure): when the prompt's uncached tail (`uncached_tail`) is at least the
+tenant's threshold — in a cold slot the whole prompt; in the slot a session is live in, or was
+just restored into, what its prompt adds to the session's state (the node then carries that state
+to the prefill slot first: 30k tokens of a tool's output on a running session are prefilled
+there, not where other sessions decode) — but not for a turn that starts from another slot's state
+on its engine (a shared prefix the prefill engine lacks), unless the threshold is 0.
+`prefill_engine` picks one of the model's prefill engines on the decode engine's node (pure).
+`hand_off` carries it out; whatever goes wrong (no prefill engine, busy past `--handoff-wait-s`, a
+prefill past `--handoff-timeout-s`, a failed prefill, a state the decode engine refuses) leaves the
+turn unsplit, counted and logged with the reason: one turn slower, never an error. Tenants never
+name engines.
 """
 
 from __future__ import annotations
@@ -45,17 +48,32 @@ def threshold_for(tenant: Tenant, settings: TurnSettings) -> int | None:
 
 def may_split(placement: Placement, threshold: int | None) -> bool:
     """Whether the turn could be split at all, before its prompt's size is known."""
-    if threshold is None or placement.serve is not Serve.COLD or placement.handed_off:
+    if threshold is None or placement.handed_off:
         return False
-    return threshold == 0 or placement.prefix_from is None
+    return threshold == 0 or placement.serve is not Serve.COLD or placement.prefix_from is None
 
 
-def split_for(placement: Placement, threshold: int | None, prompt_tokens: int | None) -> bool:
-    """Whether the turn is prefilled elsewhere: a cold slot's uncached tail is the whole prompt."""
+def carries(placement: Placement) -> bool:
+    """Whether a split of the turn carries its session's state to the prefill slot first: its slot
+    holds it (live there, or restored there for this turn)."""
+    return placement.serve is not Serve.COLD
+
+
+def uncached_tail(placement: Placement, prompt_tokens: int | None, state_tokens: int) -> int | None:
+    """The prompt tokens its slot would evaluate: all of them in a cold slot; those past the
+    session's state (``state_tokens``) in its live or restored slot — at least: a prompt that
+    renders the last reply anew first rolls back to the checkpoint before it. None: unknown."""
+    if prompt_tokens is None:
+        return None
+    return prompt_tokens if not carries(placement) else max(0, prompt_tokens - state_tokens)
+
+
+def split_for(placement: Placement, threshold: int | None, tail: int | None) -> bool:
+    """Whether the turn is prefilled elsewhere: its uncached tail reaches the threshold."""
     if not may_split(placement, threshold):
         return False
     assert threshold is not None
-    return threshold == 0 or (prompt_tokens is not None and prompt_tokens >= threshold)
+    return threshold == 0 or (tail is not None and tail >= threshold)
 
 
 def prefill_engine(engines: Sequence[EngineRef], node: str, turn_number: int = 0) -> EngineRef | None:
@@ -93,11 +111,13 @@ class Handoffs:
         prefill = prefill_engine(await parts.cluster.prefill_engines(turn.model), decode.node, self._turns)
         if prefill is None:
             return turn
-        size = None
+        tail = None
         if threshold:  # the prompt's size, as the decode engine tokenizes it
             tokens = await _prompt_tokens(parts, turn, prompt)
-            size = None if tokens is None else len(tokens)
-        if not split_for(placement, threshold, size):
+            record = turn.hold.record
+            state = record.tokens if record is not None else 0
+            tail = uncached_tail(placement, None if tokens is None else len(tokens), state)
+        if not split_for(placement, threshold, tail):
             return turn
         self._turns += 1
         request = HandoffRequest(
@@ -107,6 +127,8 @@ class Handoffs:
             body,
             mode=parts.settings.handoff,
             wait_s=parts.settings.handoff_wait_s,
+            timeout_s=parts.settings.handoff_timeout_s,
+            carry=carries(placement),
         )
         try:
             result = await turn.node.handoff(placement.engine, placement.slot, request)

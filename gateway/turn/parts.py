@@ -40,7 +40,8 @@ class TurnSettings:
     inflight_ttl_s: float = 660.0  # a place lapses after this (its gateway died)
     handoff: str = "logits"  # the prefill/decode split (gateway.turn.handoff): what is handed over,
     handoff_threshold: int | None = 2048  # from how long an uncached tail for tenants that set none
-    handoff_wait_s: float = 2.0  # (None: never), and how long a turn waits for a prefill slot
+    handoff_wait_s: float = 2.0  # (None: never), how long a turn waits for a prefill slot, and how
+    handoff_timeout_s: float = 300.0  # long its prefill may take there
 
 
 @dataclass

@@ -26,7 +26,7 @@ from gateway.access_log import note
 from gateway.services import Services
 from gateway.tenants import Tenant
 from gateway.turn.engine_call import CHAT_PATH, TurnOutcome
-from gateway.turn.forward import Asked, Dialect, SlotChanged, answer, launch
+from gateway.turn.forward import Asked, Dialect, SlotChanged, answer, launch, unless_client_leaves
 from gateway.turn.parts import Turn
 from gateway.turn.prompt import Prompt
 
@@ -80,7 +80,7 @@ async def serve_turn(
         )
         found, turn = started.found, started.turn
         if started.early is None and prompt is not None:  # (an early start runs on its live slot)
-            turn = await _split(svc, asked, turn)
+            turn = await _split(request, svc, asked, turn)
         own = check_restore and turn.forked_from is None  # a restore of its own state, labelled with it
         try:
             return await answer(request, asked, turn, started.early, own)
@@ -89,13 +89,13 @@ async def serve_turn(
     raise Unavailable("the session's slot changed hands while it was placed; retry", retry_after=1)
 
 
-async def _split(svc: Services, asked: Asked, turn: Turn) -> Turn:
+async def _split(request: Request, svc: Services, asked: Asked, turn: Turn) -> Turn:
     """The turn, prefilled on a prefill engine when its policy says so (gateway.turn.handoff); a
-    turn cancelled meanwhile (the client left) still ends once."""
+    client that leaves meanwhile cancels it (the node call closes, and the node cancels the prefill
+    where it runs), and the turn still ends once."""
     try:
-        return await svc.runner.handoffs.hand_off(
-            turn, asked.engine_json(turn.session, turn.placement), asked.prompt
-        )
+        body = asked.engine_json(turn.session, turn.placement)
+        return await unless_client_leaves(request, svc.runner.handoffs.hand_off(turn, body, asked.prompt))
     except BaseException:
         svc.runner.finish_soon(turn, asked.messages, TurnOutcome(error="cancelled"))
         raise

@@ -2,15 +2,20 @@
 prefill and a decode engine of the tiny qwen35, tenants with thresholds of 0 (always), off (never)
 and the default (2048 uncached tokens).
 
-A split turn's decode side evaluates 0 prompt tokens and answers exactly as an unsplit turn; its
-session then lives on the decode engine; a prefill engine that is gone costs one unsplit turn,
-never an error. Roles show in the node's engine listing, the engines' /v1/models and the metrics.
+A split turn's decode side evaluates 0 prompt tokens and answers exactly as an unsplit turn — a new
+session's, and a live session's long new message (its state carried to the prefill engine and
+back); its session then lives on the decode engine; a prefill engine that is gone, hung past
+--handoff-timeout-s or of another model (its state refused) costs one unsplit turn, never an
+error, and a client that leaves during the prefill cancels it there. Roles show in the node's
+engine listing, the engines' /v1/models and the metrics.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,17 +37,21 @@ keys = ["key-whole"]
 handoff_threshold = "off"
 [tenants.usual]
 keys = ["key-usual"]
+[tenants.agent]
+keys = ["key-agent"]
+handoff_threshold = 300
 """
 SYSTEM = "You are a careful assistant. Answer briefly and exactly. " * 6
 
 
-@pytest.fixture
-def split_serve(tiny_model: Callable[..., str], tmp_path: Path) -> Iterator[Serve]:
-    model = tiny_model("qwen35")
+def _start(prefill_model: str, decode_model: str, tmp_path: Path, *args: str) -> Serve:
+    """serve with a prefill engine of ``prefill_model`` and a decode engine of ``decode_model``
+    (one model id: the file name)."""
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(TENANTS)
-    args = ("--model", model, "--role", "prefill", "--role", "decode")
-    s = start_serve(model, tmp_path / "data", tmp_path / "serve.log", slots=2, tenants=tenants, args=args)
+    argv = ("--model", decode_model, "--role", "prefill", "--role", "decode", *args)
+    log = tmp_path / "serve.log"
+    s = start_serve(prefill_model, tmp_path / "data", log, slots=2, tenants=tenants, args=argv)
     # Ready once one engine is registered: wait for the other too.
     eventually("both engines ready", lambda: [e["state"] for e in s.engines()] == ["ready", "ready"], 60)
     probe = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
@@ -59,14 +68,23 @@ def split_serve(tiny_model: Callable[..., str], tmp_path: Path) -> Iterator[Serv
         ),
         30,
     )
+    return s
+
+
+@pytest.fixture
+def split_serve(tiny_model: Callable[..., str], tmp_path: Path) -> Iterator[Serve]:
+    model = tiny_model("qwen35")
+    s = _start(model, model, tmp_path, "--handoff-timeout-s", "20")
     yield s
     s.stop(signal.SIGKILL, timeout=30)
 
 
-def _chat(s: Serve, key: str, session: str, messages: list[dict[str, Any]]) -> httpx.Response:
+def _chat(
+    s: Serve, key: str, session: str, messages: list[dict[str, Any]], timeout: float = 120
+) -> httpx.Response:
     body = {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0}
     headers = {"Authorization": f"Bearer {key}", "X-Session-Id": session}
-    r = httpx.post(s.url + "/v1/chat/completions", json=body, headers=headers, timeout=120)
+    r = httpx.post(s.url + "/v1/chat/completions", json=body, headers=headers, timeout=timeout)
     assert r.status_code == 200, r.text
     return r
 
@@ -109,15 +127,17 @@ def test_a_split_turn_evaluates_nothing_on_the_decode_side_and_answers_as_unspli
     assert _metric(s.url, "slotkeeper_gateway_handoff_bytes_total") > 0
     assert _metric(s.node_url, 'slotkeeper_node_handoffs_total{result="done"}', INTERNAL_AUTH) == 1
 
-    # The session lives on the decode engine: its next turn runs live there, on the new tokens only.
-    messages += [
-        {"role": "assistant", "content": _text(split)},
-        {"role": "user", "content": "And the day after?"},
-    ]
-    follow = _chat(s, "key-split", "s1", messages)
-    assert follow.headers["X-Slotkeeper-Cache"] == "live"
-    assert 0 < follow.json()["timings"]["prompt_n"] < 40
-    assert _metric(s.url, 'slotkeeper_gateway_handoffs_total{result="done"}') == 1
+    # The session lives on the decode engine. Its next turn, with a threshold of 0, is split too: its
+    # state goes to the prefill engine, which evaluates the new tokens only, and comes back.
+    more = [{"role": "assistant", "content": _text(split)}, {"role": "user", "content": "And the day after?"}]
+    follow = _chat(s, "key-split", "s1", [*messages, *more])
+    assert follow.headers["X-Slotkeeper-Cache"] == "handoff"
+    assert follow.json()["timings"]["prompt_n"] == 0
+    assert _metric(s.url, 'slotkeeper_gateway_handoffs_total{result="done"}') == 2
+    # Unsplit, the same turn of the never-split session evaluates the new tokens only: the same answer.
+    again = _chat(s, "key-whole", "w1", [*messages, {"role": "assistant", "content": _text(whole)}, more[1]])
+    assert again.headers["X-Slotkeeper-Cache"] == "live" and 0 < again.json()["timings"]["prompt_n"] < 40
+    assert _text(again) == _text(follow)
 
     # The default threshold (2048 uncached tokens) leaves a short prompt where it is.
     usual = _chat(s, "key-usual", "u1", _conversation("Tell me about the weather, the time and the place."))
@@ -157,3 +177,136 @@ def test_a_prefill_engine_gone_costs_one_unsplit_turn(split_serve: Serve) -> Non
         return r.status_code == 200 and r.headers["X-Slotkeeper-Cache"] == "handoff"
 
     eventually("a split turn after the restart", split_again, 30)
+
+
+def _tool_output(n: int) -> str:
+    return "\n".join(
+        f"row {i}: sensor {i % 17} read {i * 7 % 101} at {i % 24:02d}:{i % 60:02d}" for i in range(n)
+    )
+
+
+def test_a_long_tool_output_on_a_live_session_is_prefilled_on_the_prefill_engine(split_serve: Serve) -> None:
+    """What agents send: a running session, then a long tool output. Its first turn is short (under
+    the tenant's threshold of 300 uncached tokens: unsplit); its second adds ~1,000 tokens to the
+    live session: the session's state goes to the prefill engine, the tail is prefilled there, and
+    the decode engine evaluates nothing — the same answer as the same session never split."""
+    s = split_serve
+    first = _conversation("Fetch the sensor table and tell me what stands out.")
+    answers = {key: _chat(s, key, f"{key}-1", first) for key in ("key-agent", "key-whole")}
+    assert answers["key-agent"].headers["X-Slotkeeper-Cache"] == "cold"  # short: under the threshold
+    turn2 = {
+        key: [
+            *first,
+            {"role": "assistant", "content": _text(answers[key])},
+            {"role": "user", "content": "The tool's output:\n" + _tool_output(40)},
+        ]
+        for key in answers
+    }
+    whole = _chat(s, "key-whole", "key-whole-1", turn2["key-whole"])
+    assert whole.headers["X-Slotkeeper-Cache"] == "live"
+    tail = whole.json()["timings"]["prompt_n"]
+    assert tail > 300 and whole.json()["timings"]["cache_n"] > 100
+    split = _chat(s, "key-agent", "key-agent-1", turn2["key-agent"])
+    assert split.headers["X-Slotkeeper-Cache"] == "handoff"
+    assert split.json()["timings"]["prompt_n"] == 0
+    assert split.json()["usage"]["prompt_tokens"] == whole.json()["usage"]["prompt_tokens"]
+    assert _text(split) == _text(whole)
+    assert _metric(s.url, 'slotkeeper_gateway_handoffs_total{result="done"}') == 1
+
+
+def test_a_hung_prefill_engine_costs_one_turn_its_bound(
+    tiny_model: Callable[..., str], tmp_path: Path
+) -> None:
+    model = tiny_model("qwen35")
+    s = _start(model, model, tmp_path, "--handoff-timeout-s", "1")
+    try:
+        prefill = s.engines()[0]
+        os.kill(prefill["pid"], signal.SIGSTOP)  # alive, answering nothing
+        try:
+            r = _chat(s, "key-split", "h1", _conversation("Who comes to the meeting?"))
+        finally:
+            os.kill(prefill["pid"], signal.SIGCONT)
+        assert r.headers["X-Slotkeeper-Cache"] == "cold"
+        assert r.json()["timings"]["prompt_n"] == r.json()["usage"]["prompt_tokens"]
+        assert _metric(s.url, 'slotkeeper_gateway_handoffs_total{result="unavailable"}') == 1
+        eventually(  # the prefill engine, running again, takes the next split turn
+            "a split turn after the hang",
+            lambda: (
+                _chat(s, "key-split", f"h2-{time.monotonic()}", _conversation("Who?")).headers[
+                    "X-Slotkeeper-Cache"
+                ]
+                == "handoff"
+            ),
+            30,
+        )
+    finally:
+        s.stop(signal.SIGKILL, timeout=30)
+
+
+def test_a_client_that_leaves_during_the_prefill_cancels_it_there(
+    tiny_model: Callable[..., str], tmp_path: Path
+) -> None:
+    model = tiny_model("qwen35")
+    s = _start(model, model, tmp_path)
+    try:
+        prefill = s.engines()[0]
+        os.kill(prefill["pid"], signal.SIGSTOP)  # the prefill lasts until the client is gone
+        try:
+            with pytest.raises(httpx.ReadTimeout):
+                _chat(s, "key-split", "c1", _conversation("Who comes to the meeting?"), timeout=1.5)
+            eventually(
+                "the node cancelled the handoff",
+                lambda: (
+                    _metric(s.node_url, 'slotkeeper_node_handoffs_total{result="cancelled"}', INTERNAL_AUTH)
+                    == 1
+                ),
+                20,
+            )
+        finally:
+            os.kill(prefill["pid"], signal.SIGCONT)
+        slots = httpx.get(prefill["url"] + "/slots", headers=INTERNAL_AUTH, timeout=5).json()
+        eventually(  # the engine saw its client (the node) go: nothing runs there
+            "the prefill engine idle",
+            lambda: (
+                not any(
+                    x["is_processing"]
+                    for x in httpx.get(prefill["url"] + "/slots", headers=INTERNAL_AUTH, timeout=5).json()
+                )
+            ),
+            20,
+        )
+        assert len(slots) == 2
+        assert _metric(s.url, 'slotkeeper_gateway_handoffs_total{result="done"}') == 0
+    finally:
+        s.stop(signal.SIGKILL, timeout=30)
+
+
+def test_a_state_the_decode_engine_refuses_costs_one_unsplit_turn(
+    tiny_model: Callable[..., str], tmp_path: Path
+) -> None:
+    """The prefill engine serves another model under the same id (another file of the same name):
+    its state fails the decode engine's fingerprint check, and the turn is prefilled there,
+    the same answer as never split."""
+    model = tiny_model("qwen35")
+    other = tmp_path / "other" / Path(model).name
+    other.parent.mkdir()
+    shutil.copyfile(tiny_model("qwen35", seed=1), other)
+    s = _start(str(other), model, tmp_path)
+    try:
+        messages = _conversation("What is on the agenda of the meeting tomorrow morning?")
+        whole = _chat(s, "key-whole", "w1", messages)
+        r = _chat(s, "key-split", "r1", messages)
+        assert r.headers["X-Slotkeeper-Cache"] == "cold"
+        assert r.json()["timings"]["prompt_n"] == r.json()["usage"]["prompt_tokens"]
+        assert _text(r) == _text(whole)
+        assert _metric(s.url, 'slotkeeper_gateway_handoffs_total{result="refused"}') == 1
+        # The session goes on from the state its turn left in its slot.
+        follow = _chat(
+            s,
+            "key-split",
+            "r1",
+            [*messages, {"role": "assistant", "content": _text(r)}, {"role": "user", "content": "Why?"}],
+        )
+        assert follow.headers["X-Slotkeeper-Cache"] in ("live", "handoff")
+    finally:
+        s.stop(signal.SIGKILL, timeout=30)

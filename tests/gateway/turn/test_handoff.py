@@ -9,11 +9,13 @@ from engine_pool.errors import ApiError, Unavailable
 from engine_pool.protocol.handoff import HandoffOutcome, HandoffRequest, parse_threshold
 from gateway.cluster import EngineRef
 from gateway.tenants import Tenant, TenantConfigError, parse_tenants
-from gateway.turn.handoff import failure, prefill_engine, split_for, threshold_for
+from gateway.turn.handoff import carries, failure, prefill_engine, split_for, threshold_for, uncached_tail
 from gateway.turn.parts import TurnSettings
 from gateway.turn.slot_choice import Placement, Serve
 
 COLD = Placement("e1", 0, Serve.COLD)
+LIVE = Placement("e1", 0, Serve.LIVE)
+RESTORED = Placement("e1", 0, Serve.RESTORE)
 
 
 @pytest.mark.parametrize(
@@ -25,8 +27,11 @@ COLD = Placement("e1", 0, Serve.COLD)
         (COLD, 2048, None, False),  # its size unknown: left where it is
         (COLD, 0, None, True),  # always
         (COLD, None, 100_000, False),  # off
-        (Placement("e1", 0, Serve.LIVE), 0, 100_000, False),  # its state is on the decode side
-        (Placement("e1", 0, Serve.RESTORE), 0, 100_000, False),
+        (LIVE, 2048, 30_000, True),  # a live session's long new tail: its state is carried over
+        (LIVE, 2048, 2047, False),
+        (RESTORED, 2048, 4096, True),
+        (LIVE, 0, 0, True),  # always
+        (LIVE, None, 30_000, False),
         (Placement("e1", 0, Serve.COLD, prefix_from="s0"), 2048, 100_000, False),  # a prefix there
         (Placement("e1", 0, Serve.COLD, prefix_from="s0"), 0, 10, True),
         (Placement("e1", 0, Serve.COLD, handed_off=True), 0, 10, False),  # once
@@ -36,6 +41,15 @@ def test_which_turns_are_split(
     placement: Placement, threshold: int | None, tokens: int | None, split: bool
 ) -> None:
     assert split_for(placement, threshold, tokens) is split
+
+
+def test_the_uncached_tail_is_what_the_slot_would_evaluate() -> None:
+    assert uncached_tail(COLD, 5000, 4000) == 5000  # a cold slot: the whole prompt
+    assert uncached_tail(LIVE, 34_000, 4000) == 30_000  # its session's state there already
+    assert uncached_tail(RESTORED, 3000, 4000) == 0  # (a prompt that leaves it early: rolled back)
+    assert uncached_tail(LIVE, None, 4000) is None
+    assert carries(LIVE) and carries(RESTORED) and not carries(COLD)
+    assert not carries(Placement("e1", 0, Serve.COLD, prefix_from="s0"))
 
 
 def test_a_prefill_engine_of_the_same_node_in_turn() -> None:
@@ -81,7 +95,10 @@ def test_the_request_is_checked_where_it_arrives() -> None:
 
     ok = HandoffRequest("t", "s", "n1-e0", {"messages": []})
     assert HandoffRequest.from_json(ok.to_json()) == ok
-    assert "mode" not in ok.to_json()  # sparse: defaults left out
-    for bad in ({**ok.to_json(), "mode": "tokens"}, {**ok.to_json(), "body": []}, {"tenant": "t"}):
+    assert "mode" not in ok.to_json() and "carry" not in ok.to_json()  # sparse: defaults left out
+    carried = HandoffRequest("t", "s", "n1-e0", {"messages": []}, timeout_s=30, carry=True)
+    assert HandoffRequest.from_json(carried.to_json()) == carried
+    bad_ones = ({**ok.to_json(), "mode": "tokens"}, {**ok.to_json(), "body": []}, {"tenant": "t"})
+    for bad in (*bad_ones, {**ok.to_json(), "timeout_s": 0}, {**ok.to_json(), "carry": "yes"}):
         with pytest.raises(BadRequest):
             HandoffRequest.from_body(Body(bad))
