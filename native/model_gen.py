@@ -16,6 +16,7 @@ extension (`python native/model_gen.py --arch qwen35 out.gguf`, or `slotkeeper m
 
 import argparse
 import itertools
+import logging
 import os
 import string
 import sys
@@ -597,6 +598,8 @@ def write_model(
     tensors = _tensors(spec, dims)
     path = Path(path)
     partial = path.with_name(path.name + ".part")
+    # The writer's info lines (endianness, the file list) are nothing a caller of serve asked for.
+    logging.getLogger(gguf.gguf_writer.__name__).setLevel(logging.WARNING)
     writer = gguf.GGUFWriter(partial, arch)
     try:
         for key, value in _metadata(arch, spec, dims, size, seed, template).items():
