@@ -115,64 +115,82 @@ def _skip_value(cur: _Cursor, vtype: int, key: str) -> None:
 def gguf_problem(f: BinaryIO, size: int) -> str | None:
     """What is wrong with the GGUF in the stream `f` of `size` bytes, or None. Reads the header and
     the tensor table only; checks that the file holds the tensor data the table describes."""
-    if size == 0:
-        return "is empty, not a GGUF file"
-    cur = _Cursor(f, size)
     try:
-        head = f.read(4)
-        if head != _MAGIC:
-            return f"is not a GGUF file (it starts with {head!r}, not {_MAGIC!r})"
-        cur.pos = 4
-        version = cur.u32("the version")
-        if version not in READER_SUPPORTED_VERSIONS:
-            swapped = struct.unpack("<I", struct.pack(">I", version))[0]
-            if swapped in READER_SUPPORTED_VERSIONS:
-                return "is a big-endian GGUF file (this machine reads little-endian ones)"
-            supported = ", ".join(str(v) for v in READER_SUPPORTED_VERSIONS)
-            return f"is GGUF version {version}, which llama.cpp does not read (it reads {supported})"
-        n_tensors, n_kv = cur.u64("the tensor count"), cur.u64("the key count")
-        if n_tensors > _MAX_TENSORS or n_kv > _MAX_KEYS:
-            return f"has an implausible GGUF header ({n_tensors} tensors, {n_kv} keys)"
-        if n_tensors * _MIN_TENSOR_BYTES + n_kv * _MIN_KV_BYTES > cur.left:
-            fit = f"{n_tensors} tensors and {n_kv} keys cannot fit in {size} bytes"
-            return f"has a truncated GGUF header ({fit})"
-        alignment = GGUF_DEFAULT_ALIGNMENT
-        for i in range(n_kv):
-            key = cur.string(f"key {i}").decode("utf-8", "replace")
-            vtype = cur.u32(f"the type of {key!r}")
-            if key == "general.alignment" and vtype == GGUFValueType.UINT32:
-                alignment = cur.u32(f"the value of {key!r}")
-                if alignment == 0 or alignment & (alignment - 1):
-                    return f"is a damaged GGUF file (general.alignment is {alignment}, not a power of two)"
-            else:
-                _skip_value(cur, vtype, key)
-        data_end = 0
-        for i in range(n_tensors):
-            name = cur.string(f"the name of tensor {i}").decode("utf-8", "replace")
-            n_dims = cur.u32(f"tensor {name!r}")
-            if not 1 <= n_dims <= _MAX_DIMS:
-                return f"is a damaged GGUF file (tensor {name!r} has {n_dims} dimensions)"
-            elements = 1
-            dims = [cur.u64(f"tensor {name!r}") for _ in range(n_dims)]
-            for d in dims:
-                elements *= d
-            ttype, offset = cur.u32(f"tensor {name!r}"), cur.u64(f"tensor {name!r}")
-            sizes = GGML_QUANT_SIZES.get(ttype)  # type: ignore[call-overload]
-            if sizes is None:
-                return f"is a damaged GGUF file (tensor {name!r} has unknown type {ttype})"
-            block, type_size = sizes
-            if dims[0] % block:
-                return f"is a damaged GGUF file (tensor {name!r}: {dims[0]} is not a multiple of {block})"
-            data_end = max(data_end, offset + elements // block * type_size)
-        data_start = -(-cur.pos // alignment) * alignment
-        if data_start + data_end > size:
-            return (
-                f"is truncated: its tensors end at byte {data_start + data_end}, the file has {size} "
-                "bytes (an interrupted download?)"
-            )
+        _walk(f, size)
     except _Bad as exc:
         return str(exc)
     return None
+
+
+def tensor_types(path: str) -> set[int]:
+    """The ggml types (`gguf.GGMLQuantizationType` values) of the model's tensors, from its header
+    alone; empty when the file is no readable GGUF (loading it then fails and says why)."""
+    try:
+        with open(path, "rb", buffering=1 << 16) as f:
+            return _walk(f, os.fstat(f.fileno()).st_size)
+    except (OSError, _Bad):
+        return set()
+
+
+def _walk(f: BinaryIO, size: int) -> set[int]:
+    """Walks the header and the tensor table; the tensors' types, or _Bad saying what is wrong."""
+    if size == 0:
+        raise _Bad("is empty, not a GGUF file")
+    cur = _Cursor(f, size)
+    types: set[int] = set()
+    head = f.read(4)
+    if head != _MAGIC:
+        raise _Bad(f"is not a GGUF file (it starts with {head!r}, not {_MAGIC!r})")
+    cur.pos = 4
+    version = cur.u32("the version")
+    if version not in READER_SUPPORTED_VERSIONS:
+        swapped = struct.unpack("<I", struct.pack(">I", version))[0]
+        if swapped in READER_SUPPORTED_VERSIONS:
+            raise _Bad("is a big-endian GGUF file (this machine reads little-endian ones)")
+        supported = ", ".join(str(v) for v in READER_SUPPORTED_VERSIONS)
+        raise _Bad(f"is GGUF version {version}, which llama.cpp does not read (it reads {supported})")
+    n_tensors, n_kv = cur.u64("the tensor count"), cur.u64("the key count")
+    if n_tensors > _MAX_TENSORS or n_kv > _MAX_KEYS:
+        raise _Bad(f"has an implausible GGUF header ({n_tensors} tensors, {n_kv} keys)")
+    if n_tensors * _MIN_TENSOR_BYTES + n_kv * _MIN_KV_BYTES > cur.left:
+        fit = f"{n_tensors} tensors and {n_kv} keys cannot fit in {size} bytes"
+        raise _Bad(f"has a truncated GGUF header ({fit})")
+    alignment = GGUF_DEFAULT_ALIGNMENT
+    for i in range(n_kv):
+        key = cur.string(f"key {i}").decode("utf-8", "replace")
+        vtype = cur.u32(f"the type of {key!r}")
+        if key == "general.alignment" and vtype == GGUFValueType.UINT32:
+            alignment = cur.u32(f"the value of {key!r}")
+            if alignment == 0 or alignment & (alignment - 1):
+                raise _Bad(f"is a damaged GGUF file (general.alignment is {alignment}, not a power of two)")
+        else:
+            _skip_value(cur, vtype, key)
+    data_end = 0
+    for i in range(n_tensors):
+        name = cur.string(f"the name of tensor {i}").decode("utf-8", "replace")
+        n_dims = cur.u32(f"tensor {name!r}")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise _Bad(f"is a damaged GGUF file (tensor {name!r} has {n_dims} dimensions)")
+        elements = 1
+        dims = [cur.u64(f"tensor {name!r}") for _ in range(n_dims)]
+        for d in dims:
+            elements *= d
+        ttype, offset = cur.u32(f"tensor {name!r}"), cur.u64(f"tensor {name!r}")
+        sizes = GGML_QUANT_SIZES.get(ttype)  # type: ignore[call-overload]
+        if sizes is None:
+            raise _Bad(f"is a damaged GGUF file (tensor {name!r} has unknown type {ttype})")
+        block, type_size = sizes
+        if dims[0] % block:
+            raise _Bad(f"is a damaged GGUF file (tensor {name!r}: {dims[0]} is not a multiple of {block})")
+        types.add(ttype)
+        data_end = max(data_end, offset + elements // block * type_size)
+    data_start = -(-cur.pos // alignment) * alignment
+    if data_start + data_end > size:
+        raise _Bad(
+            f"is truncated: its tensors end at byte {data_start + data_end}, the file has {size} "
+            "bytes (an interrupted download?)"
+        )
+    return types
 
 
 def model_problem(path: str) -> str | None:

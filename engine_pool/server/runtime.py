@@ -18,6 +18,7 @@ import structlog
 
 import native
 from engine_pool.errors import ServerError, Unavailable
+from engine_pool.pool.model_check import tensor_types
 
 from .chat_template import ChatTemplate, TemplateConfigError, select_template, template_override
 from .formats import UPSTREAM, select_format
@@ -29,13 +30,28 @@ from .slot_leases import SlotLeases
 
 
 def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether the CPU has AMX tiles: llama.cpp's AMX buffer type crashes on multi-token batches
-    over quantized weights there (llama.cpp #20824), so such engines load without repacking."""
+    """Whether the CPU has AMX tiles, where llama.cpp's repacking puts weights in its AMX buffer
+    type (`repack_weights`)."""
     try:
         text = Path(cpuinfo).read_text(errors="replace")
     except OSError:
         return False
     return any(line.startswith("flags") and " amx_tile" in line for line in text.splitlines())
+
+
+# Weight types that stay unquantized under repacking: F32, F16, BF16 (gguf.GGMLQuantizationType).
+_PLAIN_TYPES = frozenset({0, 1, 30})
+
+
+def repack_weights(no_repack: bool, amx: bool, weight_types: set[int]) -> bool:
+    """Whether the engine loads with llama.cpp's extra weight buffer types (repacking). On AMX CPUs
+    the AMX buffer type crashes multi-token batches over quantized weights (llama.cpp #20824: Q4_K),
+    so a quantized model loads without it there; an F16/BF16/F32 model keeps it, as llama-server
+    does: its F16 matmuls in the AMX buffer use fewer cycles per prompt token (docs/benchmarks.md,
+    Prefill), and they were llama-server's whole lead on long prompts."""
+    if no_repack:
+        return False
+    return not amx or weight_types <= _PLAIN_TYPES
 
 
 log = structlog.get_logger("engine.runtime")
@@ -86,7 +102,7 @@ class Runtime:
             max_slot_file_bytes=s.max_slot_file_bytes,
             swa_full=s.swa_full,
             flash_attn=s.flash_attn,
-            repack=not s.no_repack and not cpu_has_amx(),
+            repack=repack_weights(s.no_repack, cpu_has_amx(), tensor_types(s.model)),
             kv_unified=s.kv_unified,
             cache_type_k=s.cache_type_k,
             cache_type_v=s.cache_type_v,
@@ -113,7 +129,10 @@ class Runtime:
         try:
             if self.slot_dir is not None:
                 self.slot_dir.mkdir(parents=True, exist_ok=True)
-            engine = await asyncio.to_thread(native.Engine, self.engine_config(), self._note_load_progress)
+            # engine_config reads the model's header (its tensor types): off the event loop too.
+            engine = await asyncio.to_thread(
+                lambda: native.Engine(self.engine_config(), self._note_load_progress)
+            )
         except (native.NativeError, OSError) as exc:
             self.state, self.error = "failed", f"the model failed to load: {type(exc).__name__}: {exc}"
             log.error("engine.load_failed", model=self.settings.model, error=self.error)

@@ -379,7 +379,8 @@ FLAGS: tuple[Flag, ...] = (
     switch(
         "no_repack",
         "-nr --no-repack",
-        "no weight repacking (llama.cpp extra buffer types); always off on CPUs with AMX",
+        "no weight repacking (llama.cpp extra buffer types); always off for quantized models on CPUs "
+        "with AMX",
     ),
     switch("jinja", "--jinja", "jinja chat templates (always on)", default=True),
     str_flag(
@@ -489,7 +490,7 @@ class EngineSettings:
     role: str = _DEFAULT["role"]  # prefill | decode | mixed (engine_pool.protocol.handoff)
     no_repack: bool = _DEFAULT[
         "no_repack"
-    ]  # llama-server's --no-repack (also forced on CPUs with AMX: runtime.py)
+    ]  # llama-server's --no-repack (also forced for quantized models on CPUs with AMX: runtime.py)
     # llama-server drop-in flags (issue 10); each wired where its behaviour lives.
     kv_unified: bool = _DEFAULT["kv_unified"]  # one slot may grow into the whole shared KV pool
     cache_type_k: str = _DEFAULT["cache_type_k"]  # -ctk: KV cache type (f16, q8_0, ...)

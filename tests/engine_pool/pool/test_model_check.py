@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from engine_pool.pool import model_check
-from engine_pool.pool.model_check import check_models, gguf_problem, model_problem
+from engine_pool.pool.model_check import check_models, gguf_problem, model_problem, tensor_types
 
 
 @pytest.fixture
@@ -26,6 +26,16 @@ def tiny(tiny_model: Callable[..., str]) -> bytes:
 def test_a_sound_model_passes(tiny_model: Callable[..., str]) -> None:
     assert model_problem(tiny_model("llama")) is None
     assert check_models([tiny_model("llama"), tiny_model("qwen35")]) == []
+
+
+def test_tensor_types_from_the_header(tiny_model: Callable[..., str], tmp_path: Path) -> None:
+    import gguf
+
+    path = tiny_model("qwen35")
+    expected = {int(t.tensor_type) for t in gguf.GGUFReader(path).tensors}
+    assert tensor_types(path) == expected and expected
+    (tmp_path / "page.gguf").write_bytes(b"<!DOCTYPE html><html>404</html>")
+    assert tensor_types(str(tmp_path / "page.gguf")) == set() == tensor_types(str(tmp_path / "nope"))
 
 
 def test_files_that_are_not_models(tmp_path: Path) -> None:

@@ -194,8 +194,8 @@ def test_request_limits_come_from_settings_once() -> None:
     assert (lim.max_grammar_bytes, lim.max_text_chars, lim.schema.max_rules) == (8 << 10, 1 << 20, 99)
 
 
-def test_repacking_is_off_when_asked_or_on_cpus_with_amx(tmp_path):
-    from engine_pool.server.runtime import cpu_has_amx
+def test_repacking_is_off_when_asked_or_on_cpus_with_amx_over_quantized_weights(tmp_path):
+    from engine_pool.server.runtime import cpu_has_amx, repack_weights
 
     assert parse_settings(["-m", "m.gguf", "--no-repack"], {}).no_repack is True
     assert parse_settings(["-m", "m.gguf"], {"SLOTKEEPER_NO_REPACK": "on"}).no_repack is True
@@ -205,6 +205,11 @@ def test_repacking_is_off_when_asked_or_on_cpus_with_amx(tmp_path):
     plain = tmp_path / "plain"
     plain.write_text("processor\t: 0\nflags\t\t: fpu sse avx2\n")
     assert cpu_has_amx(str(amx)) and not cpu_has_amx(str(plain)) and not cpu_has_amx(str(tmp_path / "no"))
+    f32, f16, q8_0, q4_k = 0, 1, 8, 12  # gguf.GGMLQuantizationType
+    assert repack_weights(False, amx=True, weight_types={f32, f16})  # llama-server's AMX F16 matmuls
+    assert not repack_weights(False, amx=True, weight_types={f32, q8_0, q4_k})  # llama.cpp #20824
+    assert repack_weights(False, amx=False, weight_types={f32, q4_k})
+    assert not repack_weights(True, amx=False, weight_types={f32})
 
 
 def test_template_and_format_flags():
