@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 # name on the command line → what it measures; the module is gateway.bench.<name with _ for ->.
 BENCHMARKS: dict[str, str] = {
+    "disagg": "decoding sessions while long prompts arrive: unsplit, split with logits, last-token",
     "fuzz": "malformed and valid bodies for N minutes; no answer may be a 5xx",
     "gateway": "what the gateway costs: overhead, routing decision, restore",
     "prefix": "new sessions sharing a system prompt, side by side with llama-server",

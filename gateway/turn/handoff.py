@@ -105,6 +105,8 @@ class Handoffs:
         threshold = threshold_for(turn.tenant, parts.settings)
         if prompt is None or not may_split(placement, threshold):
             return turn
+        if carries(placement) and turn.forked_from is not None:
+            return turn  # its slot holds the parent's state, labelled so: not its own to carry
         decode = await parts.cluster.engine(placement.engine)
         if decode is None:
             return turn

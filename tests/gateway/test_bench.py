@@ -227,3 +227,22 @@ def test_prefix_side_by_side(tiny_model, tmp_path: Path) -> None:
     )
     assert report["summary"]["goals"]["own tokens + <= 64 in every phase"] is True
     assert len(report["resumed"]) == 3
+
+
+def test_disagg_runs_each_configuration(tiny_model, tmp_path: Path) -> None:
+    """A small run on the tiny qwen35: the split configurations hand the long prompt over (its
+    decode side evaluates 0 tokens with logits, 1 with last-token); unsplit evaluates it all."""
+    out_json = tmp_path / "disagg.json"
+    out = bench(
+        "disagg --prompt-tokens 600 --sessions 1 --arrivals 1 --decode-tokens 4 --quiet-s 1 --cores 0:0",
+        "--model",
+        tiny_model("qwen35"),
+        "--json",
+        str(out_json),
+    )
+    assert "| logits |" in out
+    rows = {r["config"]: r for r in json.loads(out_json.read_text())}
+    assert rows["logits"]["decode_side_prompt_n"] == [0] and rows["logits"]["served"] == ["handoff"]
+    assert rows["last-token"]["decode_side_prompt_n"] == [1]
+    assert rows["unsplit"]["decode_side_prompt_n"][0] > 300 and rows["unsplit"]["served"] == ["cold"]
+    assert rows["logits"]["handoff_mb"] > 0 and not rows["logits"]["errors"]
