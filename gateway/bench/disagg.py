@@ -88,9 +88,9 @@ def _stream(
     return stamps, last
 
 
-def _decoder(url: str, model: str, k: int, run: Run, n: int) -> None:
-    """Session k: streamed turns back to back, the session live in its slot; each gap between two
-    tokens counted in the phase it ended in."""
+def _decoder(url: str, model: str, k: int, run: Run, n: int, placed: threading.Event) -> None:
+    """Session k: streamed turns back to back, the session live in its slot (``placed`` set after
+    its first turn); each gap between two tokens counted in the phase it ended in."""
     messages = [{"role": "user", "content": f"Session {k}: count slowly and say nothing else."}]
     with httpx.Client(base_url=url, timeout=600) as client:
         while not run.stop:
@@ -99,6 +99,8 @@ def _decoder(url: str, model: str, k: int, run: Run, n: int) -> None:
             except (httpx.HTTPError, RuntimeError) as exc:
                 run.errors.append(str(exc))
                 continue
+            finally:
+                placed.set()
             for a, b in zip(stamps, stamps[1:], strict=False):
                 (run.busy if run.arrivals_on else run.quiet).gaps.append(b - a)
 
@@ -143,14 +145,13 @@ def _one(config: str, args: argparse.Namespace, model: str, work: Path) -> dict[
             time.sleep(0.2)
         _pin(serve, args.cores.split(":"))
         run = Run()
-        decoders = [
-            threading.Thread(
-                target=_decoder, args=(serve.url, model_id, k, run, args.decode_tokens), daemon=True
-            )
-            for k in range(args.sessions)
-        ]
-        for t in decoders:
-            t.start()
+        decoders = []
+        for k in range(args.sessions):  # one after the other: each placed seeing the others live
+            placed = threading.Event()
+            fields = (serve.url, model_id, k, run, args.decode_tokens, placed)
+            decoders.append(threading.Thread(target=_decoder, args=fields, daemon=True))
+            decoders[-1].start()
+            placed.wait(600)
         time.sleep(args.quiet_s)  # the quiet phase: decoding only (a measurement window, not a wait)
         run.arrivals_on = True
         with httpx.Client(base_url=serve.url, timeout=3600) as client:
@@ -177,6 +178,7 @@ def _one(config: str, args: argparse.Namespace, model: str, work: Path) -> dict[
         "itl_quiet_p99_ms": 1e3 * _pct(run.quiet.gaps, 99),
         "itl_busy_p50_ms": 1e3 * _pct(run.busy.gaps, 50),
         "itl_busy_p99_ms": 1e3 * _pct(run.busy.gaps, 99),
+        "itl_busy_max_ms": 1e3 * max(run.busy.gaps, default=float("nan")),
         "ttft_s": [round(x, 2) for x in run.ttft],
         "decode_side_prompt_n": run.prompt_n,
         "served": run.served,
@@ -214,7 +216,7 @@ def main(argv: list[str]) -> int:
             print(json.dumps(row), flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} at the end", flush=True)
     print(
-        "| config | ITL p50 / p99 quiet (ms) | ITL p50 / p99 with arrivals (ms) | TTFT (s) | "
+        "| config | ITL p50 / p99 quiet (ms) | ITL p50 / p99 / max with arrivals (ms) | TTFT (s) | "
         "prompt_n where answered | state MB, transfer ms (MB/s) |\n|---|---|---|---|---|---|"
     )
     for r in rows:
@@ -222,7 +224,8 @@ def main(argv: list[str]) -> int:
         moved = f"{mb} MB, {ms} ms ({rate})" if mb else "-"
         print(
             f"| {r['config']} | {r['itl_quiet_p50_ms']:.0f} / {r['itl_quiet_p99_ms']:.0f} | "
-            f"{r['itl_busy_p50_ms']:.0f} / {r['itl_busy_p99_ms']:.0f} | {', '.join(map(str, r['ttft_s']))} | "
+            f"{r['itl_busy_p50_ms']:.0f} / {r['itl_busy_p99_ms']:.0f} / {r['itl_busy_max_ms']:.0f} | "
+            f"{', '.join(map(str, r['ttft_s']))} | "
             f"{', '.join(map(str, r['decode_side_prompt_n']))} | {moved} |"
         )
     if args.json:
