@@ -5,10 +5,7 @@ leaves through `render_error`; everything but `/health` requires the internal cr
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any
 
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -21,7 +18,6 @@ from starlette.routing import Route
 from engine_pool.errors import (
     ApiError,
     BadRequest,
-    ClientGone,
     NotFound,
     api_error,
     is_expected,
@@ -29,6 +25,7 @@ from engine_pool.errors import (
 )
 from engine_pool.http.body import read_json
 from engine_pool.http.credentials import RequireKey
+from engine_pool.http.disconnect import unless_caller_leaves
 from storage.errors import StorageError
 from storage.ids import SlotRef, validate_id
 from storage.index.prefix_digests import STORED_ROUTES
@@ -55,32 +52,7 @@ from .agent import NodeAgent
 from .supervisor import EngineSnapshot
 
 log = structlog.get_logger("engine.node")
-T = TypeVar("T")
 PUBLIC_PATHS = frozenset({HEALTH})  # probes; nothing a tenant sent
-
-
-async def unless_caller_leaves(request: Request, work: Awaitable[T]) -> T:
-    """`work`'s result, unless the caller disconnects first: then `work` is cancelled (its own
-    calls to engines close, which cancels what they run there) and 499 is answered to nobody."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        raise ClientGone("the caller disconnected; the operation was cancelled")
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task  # (its cleanup — files, lent slots — done before this answer is)
-
-
-async def _disconnected(request: Request) -> None:
-    # The body was read whole before the operation: the next message is the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def agent(request: Request) -> NodeAgent:
@@ -154,7 +126,10 @@ async def slot_operation(request: Request) -> Response:
         validate_id(handoff.tenant, "tenant")
         validate_id(handoff.session, "session")
         # The gateway's client gone (its call to this node closed): the prefill is cancelled.
-        done = await unless_caller_leaves(request, a.handoff(p["engine"], p["slot"], handoff))
+        operation = a.handoff(p["engine"], p["slot"], handoff)
+        done = await unless_caller_leaves(
+            request, operation, "the caller disconnected; the operation was cancelled", settle=True
+        )
         return JSONResponse(done.to_json())
     elif op == "fill":
         fill = FillRequest.from_body(await read_json(request))

@@ -13,7 +13,6 @@ go through their `Dialect`.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
@@ -23,7 +22,8 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine_pool.errors import ApiError, ClientGone, ServerError, slot_changed
+from engine_pool.errors import ApiError, ServerError, slot_changed
+from engine_pool.http.disconnect import unless_caller_leaves
 from engine_pool.protocol.anthropic_messages import MessageObject
 from engine_pool.protocol.openai_responses import ResponseObject
 from engine_pool.protocol.report import SERVED, CallerContext
@@ -307,22 +307,7 @@ async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
     """`work`'s result, unless the client disconnects first: then `work` is cancelled (closing its
     engine connection, which is how the engine learns to stop generating: a non-streamed answer
     nobody waits for must not keep a slot busy) and ClientGone is raised."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        raise ClientGone("the client disconnected; the turn was cancelled")
-    finally:
-        gone.cancel()
-        task.cancel()  # (no-op once done) its cancellation closes the engine connection
-
-
-async def _disconnected(request: Request) -> None:
-    # The body was read whole before the turn: the next message is the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    return await unless_caller_leaves(request, work, "the client disconnected; the turn was cancelled")
 
 
 async def answer_json(
