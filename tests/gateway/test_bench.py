@@ -98,6 +98,7 @@ def test_gateway_suites(tiny_model, tmp_path: Path) -> None:
     assert routing["sessions"] == 3000 and {b["backend"] for b in routing["backends"]} == {
         "in-process",
         "redis-server",
+        "redis-cluster (3 primaries, no replicas)",  # --topologies standalone,cluster by default
     }
     assert all(b["decisions_per_s"] > 0 for b in routing["backends"])
     assert report["restore_ok"] is True
