@@ -119,11 +119,16 @@ class Asked:
         own = self.tenant.default_max_tokens
         return self.svc.settings.default_max_tokens if own is None else own
 
+    def fields(self, session: str, where: Placement | EarlyStart, own_restore: bool = False) -> EngineFields:
+        """The gateway's fields on this turn's body in the slot ``where`` names (`engine_fields`)."""
+        return engine_fields(
+            self.body, self.tenant, session, self.model, where, self.rules, self.cap, own_restore
+        )
+
     def engine_json(self, session: str, where: Placement) -> dict[str, Any]:
         """The engine's body for this turn in the slot ``where`` names, as an object (a handoff's
         prefill runs it: gateway.turn.handoff)."""
-        fields = engine_fields(self.body, self.tenant, session, self.model, where, self.rules, self.cap)
-        return {**self.body, **fields}
+        return {**self.body, **self.fields(session, where)}
 
     def engine_call(self, turn: Turn, own_restore: bool) -> tuple[str, bytes]:
         """Where the placed turn's engine call goes and what it sends."""
@@ -132,10 +137,7 @@ class Asked:
 
     def engine_data(self, session: str, where: Placement | EarlyStart, own_restore: bool = False) -> bytes:
         """The bytes to send the engine for this turn in the slot ``where`` names."""
-        fields = engine_fields(
-            self.body, self.tenant, session, self.model, where, self.rules, self.cap, own_restore
-        )
-        return engine_body(self.raw, self.body, fields)
+        return engine_body(self.raw, self.body, self.fields(session, where, own_restore))
 
 
 class EngineFields(TypedDict, total=False):
