@@ -6,6 +6,12 @@ published `CreateChatCompletionRequest` (a key the spec makes optional is `NotRe
 TypedDict is `total=False`), with llama-server's additions: a message's `reasoning_content`, a
 tool's `input_grammar` (a custom tool's grammar, which the engine enforces on its calls), `top_k`.
 
+The engine reads a client's chat messages and tools as these same types once
+`engine_pool.server.chat_request` has checked them, so a few fields are wider than a translation
+writes them: content as text parts (`ChatTextPart`), a past call's arguments as the JSON object
+itself and its `id`/`type` left out (llama-server takes both), `reasoning_content` null, a tool
+without `type`, a function's `parameters` null.
+
 Two things in a chat body are JSON that no type here checks: a JSON schema a client sent (a tool's
 `parameters`, `response_format.json_schema.schema`), and llama-server's options a request passes
 through unread (`engine_options`), which `chat_request` adds to the typed body. The chat path reads
@@ -21,26 +27,36 @@ from typing import Any, Literal, NotRequired, Required, TypedDict
 
 class ChatFunctionCall(TypedDict):
     name: str
-    arguments: str  # a JSON text
+    # A JSON text; a client may send the object itself (llama-server's), which the template writes.
+    arguments: NotRequired[str | dict[str, Any]]
 
 
 class ChatToolCall(TypedDict):
     """An assistant message's `tool_calls[]` (`ChatCompletionMessageToolCall`)."""
 
-    id: str
-    type: Literal["function"]
+    id: NotRequired[str]  # (a translation always writes it; a client may leave it out)
+    type: NotRequired[Literal["function"]]  # (likewise)
     function: ChatFunctionCall
+
+
+class ChatTextPart(TypedDict):
+    """A content part of a client's message: the engine takes text parts only."""
+
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(TypedDict):
     """One message of `messages`: system, user, assistant or tool (one shape for the four roles the
-    translations write, as llama-server reads them)."""
+    translations write, as llama-server reads them; the engine reads a client's in it too)."""
 
     role: str
-    content: str | None  # None: an assistant turn of tool calls (or reasoning) only
-    reasoning_content: NotRequired[str]  # assistant (llama-server's)
+    # None: an assistant turn of tool calls (or reasoning) only; parts: a client's (never written here)
+    content: str | list[ChatTextPart] | None
+    reasoning_content: NotRequired[str | None]  # assistant (llama-server's; a client may send null)
     tool_calls: NotRequired[list[ChatToolCall]]  # assistant
     tool_call_id: NotRequired[str]  # tool
+    name: NotRequired[str]  # the sender's name (a tool message's function, in some templates)
 
 
 class ChatFunction(TypedDict):
@@ -48,7 +64,7 @@ class ChatFunction(TypedDict):
 
     name: str
     description: NotRequired[str]
-    parameters: NotRequired[dict[str, Any]]  # the client's JSON schema
+    parameters: NotRequired[dict[str, Any] | None]  # the client's JSON schema (a client may send null)
     strict: NotRequired[bool]
 
 
@@ -60,7 +76,7 @@ class InputGrammar(TypedDict):
 
 
 class ChatTool(TypedDict):
-    type: Literal["function"]
+    type: NotRequired[Literal["function"]]  # (a translation always writes it; a client may leave it out)
     function: ChatFunction
     input_grammar: NotRequired[InputGrammar]
 

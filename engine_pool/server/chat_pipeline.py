@@ -17,10 +17,9 @@ import math
 import re
 import secrets
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
-from typing import Any
 
 import structlog
 from starlette.requests import Request
@@ -29,6 +28,7 @@ import native
 from engine_pool.errors import BadRequest
 from engine_pool.http.body import Body
 
+from ..protocol.chat_types import ChatMessage, ChatTool
 from ..protocol.engine_answers import ChatChunk, ChatCompletion, LlamaCompletion
 from ..protocol.report import Divergence, caller_context, served
 from .chat_request import (
@@ -244,7 +244,7 @@ async def diagnose(rt: Runtime, req: ChatRequest, prompt: ChatPrompt, o: Outcome
         return
     history, tools = req.messages, req.tools or None
 
-    def render(messages: Any, with_tools: Any) -> list[int]:
+    def render(messages: Sequence[ChatMessage], with_tools: Sequence[ChatTool] | None) -> list[int]:
         try:
             text = rt.template.render(
                 messages, with_tools, add_generation_prompt=False, kwargs=req.template_kwargs
@@ -259,7 +259,7 @@ async def diagnose(rt: Runtime, req: ChatRequest, prompt: ChatPrompt, o: Outcome
     o.reuse["diverged"] = await asyncio.to_thread(located)
 
 
-def system_spans(rt: Runtime, prompt: ChatPrompt, messages: list[dict[str, Any]]) -> list[tuple[int, int]]:
+def system_spans(rt: Runtime, prompt: ChatPrompt, messages: list[ChatMessage]) -> list[tuple[int, int]]:
     """Where the leading system messages' text lies in the prompt, in tokens (those found in its
     text). Tokenizes the prompt's text up to each: call it in a worker thread."""
     spans, start = [], 0

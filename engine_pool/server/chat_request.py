@@ -15,14 +15,15 @@ last message is the assistant's, exactly as llama-server does) instead of openin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 from engine_pool.errors import BadRequest
 from engine_pool.http.body import Body, json_type
 
 from ..protocol.bounds import array_form, check_count
+from ..protocol.chat_types import ChatMessage, ChatTool
 from ..protocol.tool_grammar import SYNTAXES, TextGrammar, parse_grammar
 from ..protocol.tools import tool_choice_mode
 from .formats import FORMATS, ChatFormat
@@ -49,8 +50,8 @@ INPUT_GRAMMAR_FIELD = "input_grammar"
 
 @dataclass(frozen=True)
 class ChatRequest:
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]]
+    messages: list[ChatMessage]
+    tools: list[ChatTool]  # without `input_grammar` (in `input_grammars`)
     tool_choice: str  # none | auto | required | function
     tool_name: str | None  # the function forced by tool_choice {"type": "function", ...}
     response_format: str  # text | json_object | json_schema
@@ -58,7 +59,7 @@ class ChatRequest:
     grammar: str  # llama-server's raw `grammar` field
     stream: bool
     include_usage: bool
-    template_kwargs: dict[str, Any]
+    template_kwargs: Mapping[str, object]  # the client's `chat_template_kwargs`, for the template
     sampling: Sampling
     n: int = 1  # choices, each its own generation of the same prompt
     top_logprobs: int | None = None  # None: no logprobs; else alternatives per token
@@ -77,8 +78,9 @@ class Constraint:
     lazy: bool = False  # the grammar applies from the chat format's call tag on (chat_pipeline)
 
 
-def parse_messages(body: Body, limits: RequestLimits, *, empty_ok: bool = False) -> list[dict[str, Any]]:
-    """`empty_ok`: an empty array is a conversation too (the Messages API, as llama-server's: the
+def parse_messages(body: Body, limits: RequestLimits, *, empty_ok: bool = False) -> list[ChatMessage]:
+    """The client's messages, checked to be `ChatMessage`s (copies, with any other keys they have).
+    `empty_ok`: an empty array is a conversation too (the Messages API, as llama-server's: the
     template renders no turn, then the generation prompt)."""
     raw = body.get_list("messages")
     if raw is None or (not raw and not empty_ok):
@@ -86,7 +88,7 @@ def parse_messages(body: Body, limits: RequestLimits, *, empty_ok: bool = False)
     check_count("messages", raw, limits.max_messages, "messages")
     # Everything a template may render counts: content, names, tool call arguments, extras.
     check_text("messages", raw, limits.max_text_chars)
-    out = []
+    out: list[ChatMessage] = []
     for message in body.objects("messages"):
         where, m = message.path, message.data
         role = m.get("role")
@@ -104,7 +106,7 @@ def parse_messages(body: Body, limits: RequestLimits, *, empty_ok: bool = False)
             raise BadRequest(
                 f"'{where}.reasoning_content' must be a string", param=f"{where}.reasoning_content"
             )
-        out.append(dict(m))
+        out.append(cast(ChatMessage, dict(m)))  # its role, content and calls checked above
     return out
 
 
@@ -134,7 +136,8 @@ def _check_tool_calls(calls: Any, where: str, max_calls: int) -> None:
             raise BadRequest(f"'{where}[{j}].function.arguments' must be a JSON string", param=where)
 
 
-def parse_tools(body: Body, limits: RequestLimits) -> list[dict[str, Any]]:
+def parse_tools(body: Body, limits: RequestLimits) -> list[ChatTool]:
+    """The client's function tools, checked to be `ChatTool`s (copies, without `input_grammar`)."""
     raw = body.get_list("tools") or []
     check_count("tools", raw, limits.max_tools, "tools")
     for i, t in enumerate(raw):
@@ -147,7 +150,7 @@ def parse_tools(body: Body, limits: RequestLimits) -> list[dict[str, Any]]:
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise BadRequest(f"'{where}.function.parameters' must be a JSON schema object", param=where)
     # The template renders the tools: an extension of ours must not reach the prompt.
-    return [{k: v for k, v in t.items() if k != INPUT_GRAMMAR_FIELD} for t in raw]
+    return [cast(ChatTool, {k: v for k, v in t.items() if k != INPUT_GRAMMAR_FIELD}) for t in raw]
 
 
 def parse_input_grammars(body: Body) -> dict[str, TextGrammar]:
@@ -250,7 +253,7 @@ def _logprobs(body: Body, max_n: int, n_probs: int) -> int | None:
 
 
 def continuation(
-    messages: Sequence[dict[str, Any]], add_generation_prompt: bool, continue_final: Any
+    messages: Sequence[ChatMessage], add_generation_prompt: bool, continue_final: Any
 ) -> tuple[bool, bool]:
     """(continue the last message, add the generation prompt), by llama-server's rules: a last
     message from the assistant is continued (prefill, whatever `add_generation_prompt` says), and
@@ -273,7 +276,7 @@ def continuation(
             f"'continue_final_message' must be a boolean or \"content\", got {json_type(continue_final)}",
             param="continue_final_message",
         )
-    last = messages[-1] if messages else {}
+    last: Mapping[str, object] = messages[-1] if messages else {}
     if explicit:
         if add_generation_prompt:
             raise BadRequest(
@@ -297,7 +300,7 @@ def continuation(
     return True, False
 
 
-def message_text(message: dict[str, Any]) -> str:
+def message_text(message: ChatMessage) -> str:
     """The text of a message's content: the string, or its text parts joined (the assistant
     message a prefill continues, a system prompt the reuse report looks for)."""
     content = message.get("content")
@@ -306,7 +309,7 @@ def message_text(message: dict[str, Any]) -> str:
     return content if isinstance(content, str) else ""
 
 
-def prefill_text(message: dict[str, Any]) -> str:
+def prefill_text(message: ChatMessage) -> str:
     """The text a prefill continues: the final assistant message's string, or its text parts joined
     by a blank line, as llama-server joins them (`[Wh, ill]` continues `Wh\\n\\nill`)."""
     content = message.get("content")

@@ -38,15 +38,15 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any
 
 import jinja2
 
 from engine_pool.errors import BadRequest
 
+from ..protocol.chat_types import ChatMessage, ChatTool
 from .builtin_templates import BUILTIN_TEMPLATES, CHATML, END_OF_TURN
 from .formats import hermes
-from .formats.history import WriteCalls, normalise
+from .formats.history import TemplateMessage, WriteCalls, normalise
 from .formats.reasoning import THINK_CLOSE, opened_by
 from .jinja_env import environment
 from .slot_leases import common_prefix
@@ -105,11 +105,11 @@ class ChatTemplate:
 
     def render(
         self,
-        messages: Sequence[dict[str, Any]],
-        tools: Sequence[dict[str, Any]] | None = None,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[ChatTool] | None = None,
         *,
         add_generation_prompt: bool = True,
-        kwargs: dict[str, Any] | None = None,
+        kwargs: Mapping[str, object] | None = None,
     ) -> str:
         if self._template is None:
             raise BadRequest(self.error)
@@ -120,9 +120,9 @@ class ChatTemplate:
         # request's chat_template_kwargs say otherwise); with --reasoning off a block the generation
         # prompt opens anyway is closed.
         thinking = self.reasoning != "off"
-        kwargs = {"enable_thinking": thinking, **(kwargs or {})}
-        text = self._render(shaped, tools, add_generation_prompt, kwargs)
-        if add_generation_prompt and kwargs["enable_thinking"] is False and opened_by(text):
+        variables = {"enable_thinking": thinking, **(kwargs or {})}
+        text = self._render(shaped, tools, add_generation_prompt, variables)
+        if add_generation_prompt and variables["enable_thinking"] is False and opened_by(text):
             text = f"{text.rstrip()}\n{THINK_CLOSE}"
         return text
 
@@ -140,14 +140,14 @@ class ChatTemplate:
 
     def _render(
         self,
-        messages: Sequence[Mapping[str, Any]],  # normalised (`TemplateMessage`s), or template_caps' probes
-        tools: Sequence[dict[str, Any]] | None,
+        messages: Sequence[TemplateMessage | ChatMessage],  # normalised, or template_caps' probes
+        tools: Sequence[ChatTool] | None,
         add_generation_prompt: bool,
-        kwargs: dict[str, Any] | None,
+        kwargs: Mapping[str, object] | None,
     ) -> str:
         assert self._template is not None
         today = datetime.now()
-        variables: dict[str, Any] = {
+        variables: dict[str, object] = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
             "datetime": today.strftime("%b %d %Y"),  # llama.cpp's extra context
@@ -170,9 +170,9 @@ class ChatTemplate:
     def prompt(
         self,
         tokenize: Tokenizer,
-        messages: Sequence[dict[str, Any]],
-        tools: Sequence[dict[str, Any]] | None = None,
-        kwargs: dict[str, Any] | None = None,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[ChatTool] | None = None,
+        kwargs: Mapping[str, object] | None = None,
     ) -> ChatPrompt:
         """Render, tokenize and place checkpoint hints at the message boundaries and where the next
         turn's re-rendered history will leave this prompt."""
@@ -207,9 +207,9 @@ class ChatTemplate:
 
     def followed_head(
         self,
-        messages: Sequence[dict[str, Any]],
-        tools: Sequence[dict[str, Any]] | None,
-        kwargs: dict[str, Any] | None,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[ChatTool] | None,
+        kwargs: Mapping[str, object] | None,
     ) -> str:
         """What the template renders for `messages` before any user message that follows them:
         the common prefix of the conversation continued by two placeholder user messages (for a
@@ -217,7 +217,7 @@ class ChatTemplate:
         longer conversation). "" when it refuses those too."""
         texts = []
         for filler in _PLACEHOLDERS:
-            following = [*messages, {"role": "user", "content": filler}]
+            following: list[ChatMessage] = [*messages, {"role": "user", "content": filler}]
             try:
                 texts.append(self.render(following, tools, add_generation_prompt=False, kwargs=kwargs))
             except BadRequest:
@@ -226,9 +226,9 @@ class ChatTemplate:
 
     def next_turn_divergence(
         self,
-        messages: Sequence[dict[str, Any]],
-        tools: Sequence[dict[str, Any]] | None,
-        kwargs: dict[str, Any] | None,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[ChatTool] | None,
+        kwargs: Mapping[str, object] | None,
         text: str,
     ) -> int:
         """Characters of `text` (this prompt) that the next turn's prompt will repeat.
@@ -243,7 +243,10 @@ class ChatTemplate:
         """
         ends = []
         for filler in _PLACEHOLDERS:
-            following = [{"role": "assistant", "content": filler}, {"role": "user", "content": filler}]
+            following: list[ChatMessage] = [
+                {"role": "assistant", "content": filler},
+                {"role": "user", "content": filler},
+            ]
             try:
                 nxt = self.render([*messages, *following], tools, add_generation_prompt=False, kwargs=kwargs)
             except BadRequest:
@@ -261,7 +264,7 @@ class ChatTemplate:
         """How many tokens the generation prompt adds to a conversation (0 when it cannot tell): a
         conversation that a turn re-renders leaves the prompt before it at most this far from its
         end (Qwen3.5's `<think>`), so a prompt leaving another's earlier is another conversation."""
-        conversation = [{"role": "user", "content": "Hello"}]
+        conversation: list[ChatMessage] = [{"role": "user", "content": "Hello"}]
         try:
             opened = self.tokenize(tokenize, self.render(conversation, add_generation_prompt=True))
             closed = self.tokenize(tokenize, self.render(conversation, add_generation_prompt=False))
@@ -289,7 +292,7 @@ class TemplateChoice:
     fallback_reason: str = ""
 
 
-_SMOKE = [{"role": "user", "content": "Hello"}]
+_SMOKE: list[ChatMessage] = [{"role": "user", "content": "Hello"}]
 
 
 def _syntax_error(exc: jinja2.TemplateSyntaxError) -> str:
@@ -363,7 +366,7 @@ def select_template(override: TemplateChoice | None, gguf_template: str) -> Temp
     return TemplateChoice(gguf_template, "gguf")
 
 
-def boundary_cuts(messages: Sequence[dict[str, Any]], has_tools: bool) -> list[int]:
+def boundary_cuts(messages: Sequence[ChatMessage], has_tools: bool) -> list[int]:
     """Message counts whose rendered prefix ends at a checkpoint-worthy boundary.
 
     - after the leading system message(s) — or before the first message when only tools form the

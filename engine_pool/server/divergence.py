@@ -20,12 +20,12 @@ without tools counts as tools.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
+from ..protocol.chat_types import ChatMessage, ChatTool
 from ..protocol.report import Divergence, ReuseReport
 from .slot_leases import common_prefix
 
-Render = Callable[[Sequence[dict[str, Any]], Sequence[dict[str, Any]] | None], list[int]]
+Render = Callable[[Sequence[ChatMessage], Sequence[ChatTool] | None], list[int]]
 
 
 def left_at(report: ReuseReport, n_prompt: int) -> int | None:
@@ -48,8 +48,8 @@ def in_last_turn(report: ReuseReport, at: int, slack: int) -> bool:
 
 def locate(
     render: Render,
-    messages: Sequence[dict[str, Any]],
-    tools: Sequence[dict[str, Any]] | None,
+    messages: Sequence[ChatMessage],
+    tools: Sequence[ChatTool] | None,
     prompt: Sequence[int],
     at: int,
     system_spans: Sequence[tuple[int, int]] = (),
@@ -83,7 +83,7 @@ def locate(
     return {"at": at, "part": "message", "message": lo, "role": str(messages[lo].get("role", ""))}
 
 
-def last_reply(messages: Sequence[dict[str, Any]], at: int) -> Divergence:
+def last_reply(messages: Sequence[ChatMessage], at: int) -> Divergence:
     """The expected case: the prompt left the state in (or right before) its last reply."""
     index = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
     out: Divergence = {"at": at, "part": "reply"}

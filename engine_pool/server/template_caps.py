@@ -16,16 +16,17 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-Render = Callable[[Sequence[dict[str, Any]], Sequence[dict[str, Any]] | None], str]
+from ..protocol.chat_types import ChatMessage, ChatTool, ChatToolCall
+
+Render = Callable[[Sequence[ChatMessage], Sequence[ChatTool] | None], str]
 
 _SYSTEM = "SKPROBE-SYSTEM"
 _USER = "SKPROBE-USER"
 _TOOL_DESC = "SKPROBE-TOOL-DESCRIPTION"
 _ARG = "SKPROBE-ARGUMENT"
 _RESULT = "SKPROBE-RESULT"
-_PROBE_TOOLS = [
+_PROBE_TOOLS: list[ChatTool] = [
     {
         "type": "function",
         "function": {
@@ -48,17 +49,15 @@ class TemplateCaps:
     object_arguments: bool = False  # wants a call's arguments as a mapping, not a JSON text
 
 
-def _renders(
-    render: Render, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-) -> str | None:
+def _renders(render: Render, messages: list[ChatMessage], tools: list[ChatTool] | None = None) -> str | None:
     try:
         return render(messages, tools)
     except Exception:  # noqa: BLE001 — any failure of a probe only says the template cannot do it
         return None
 
 
-def _tool_conversation(arguments: Any) -> list[dict[str, Any]]:
-    call = {
+def _tool_conversation(arguments: str | dict[str, str]) -> list[ChatMessage]:
+    call: ChatToolCall = {
         "id": "call00001",
         "type": "function",
         "function": {"name": "skprobe_tool", "arguments": arguments},

@@ -18,6 +18,7 @@ from typing import Any
 
 from engine_pool.errors import ServerError
 
+from ...protocol.chat_types import ChatTool
 from ..grammar import CallRule, GrammarLimits, calls_grammar
 from . import hermes, lfm2, nemotron_h, qwen_xml
 from .calls import CallStream, ToolCall
@@ -55,7 +56,7 @@ class ChatFormat:
     # Past calls ((name, arguments) pairs) as text, for a template without a syntax for them.
     write_calls: Callable[[Sequence[tuple[str, Any]]], str]
 
-    def stream(self, tools: Sequence[dict[str, Any]]) -> CallStream:
+    def stream(self, tools: Sequence[ChatTool]) -> CallStream:
         """A stream reading this format's calls of `tools` (OpenAI tool objects) from text."""
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
         return CallStream(self.open, self.close, lambda block: self.parse_block(block, schemas))

@@ -18,14 +18,15 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import structlog
 
 import native
 
+from ...protocol.chat_types import ChatMessage, ChatTool
 from ..grammar import GrammarTriggers
 from .calls import ToolCall, loads_json
 from .output import Piece
@@ -40,19 +41,17 @@ NAME = "llama.cpp"  # the --chat-format name
 CONTENT_ONLY = "Content-only"  # llama.cpp's name of the format of a template without tool syntax
 
 # A probe conversation with one tool: the format llama.cpp gives it is the template's tool format.
-_PROBE: dict[str, Any] = {
-    "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
-    "tools": [
-        {
-            "type": "function",
-            "function": {
-                "name": "get_weather",
-                "description": "The weather in a city",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-            },
-        }
-    ],
-}
+_PROBE_MESSAGES: list[ChatMessage] = [{"role": "user", "content": "What is the weather in Paris?"}]
+_PROBE_TOOLS: list[ChatTool] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 _PROBE_CALL = ("get_weather", {"city": "Paris"})
 
@@ -65,6 +64,28 @@ _PARSE_STEP = 256
 Tokenize = Callable[[str], list[int]]
 
 
+class GrammarTrigger(TypedDict):
+    """One of the plan's `grammar_triggers`, as native.ChatLayer writes it (native/src/chat.cpp)."""
+
+    type: str  # word | pattern | pattern_full | token
+    value: str
+    token: int  # the trigger token (type token), else -1
+
+
+class ParsedCall(TypedDict):
+    name: str
+    arguments: str  # a JSON text ("" when the model wrote none)
+    id: str  # the id the model wrote, else ""
+
+
+class ParsedMessage(TypedDict):
+    """What native.ChatParser.parse reads from an output (native/src/chat.cpp)."""
+
+    content: str
+    reasoning_content: str
+    tool_calls: list[ParsedCall]
+
+
 @dataclass(frozen=True)
 class UpstreamPlan:
     """What llama.cpp's chat layer derives for one request."""
@@ -74,7 +95,7 @@ class UpstreamPlan:
     generation_prompt: str
     grammar: str
     grammar_lazy: bool
-    triggers: list[dict[str, Any]]
+    triggers: list[GrammarTrigger]
     preserved: tuple[str, ...]
     stops: tuple[str, ...]
 
@@ -84,7 +105,7 @@ class UpstreamPlan:
         if opened_by(self.generation_prompt):  # a model closes the block the prompt opened first
             text = f"{THINK_CLOSE}\n\n{text}"
         try:
-            msg = json.loads(parser.parse(text, False))
+            msg: ParsedMessage = json.loads(parser.parse(text, False))
             calls = [(c["name"], loads_json(c["arguments"] or "{}")) for c in msg["tool_calls"]]
         except (native.InvalidRequestError, ValueError):
             return False
@@ -147,8 +168,8 @@ class UpstreamChat:
         try:
             chat = cls(source, bos, eos)
             plan = chat.plan(
-                _PROBE["messages"],
-                _PROBE["tools"],
+                _PROBE_MESSAGES,
+                _PROBE_TOOLS,
                 "auto",
                 enable_thinking=False,
                 reasoning_format="auto",
@@ -165,13 +186,13 @@ class UpstreamChat:
 
     def plan(
         self,
-        messages: Sequence[dict[str, Any]],
-        tools: Sequence[dict[str, Any]],
+        messages: Sequence[ChatMessage],
+        tools: Sequence[ChatTool],
         tool_choice: str,
         *,
         enable_thinking: bool,
         reasoning_format: str,
-        kwargs: dict[str, Any],
+        kwargs: Mapping[str, object],  # the request's `chat_template_kwargs`
     ) -> UpstreamPlan:
         """The format, parser and grammar for a request (InvalidRequestError when llama.cpp refuses
         the conversation). `tool_choice`: auto | required | none."""
@@ -182,7 +203,7 @@ class UpstreamChat:
             "parallel_tool_calls": True,
             "enable_thinking": enable_thinking,
             "reasoning_format": reasoning_format,
-            "chat_template_kwargs": kwargs,
+            "chat_template_kwargs": dict(kwargs),
         }
         p = json.loads(self._layer.apply(json.dumps(request, ensure_ascii=False)))
         return UpstreamPlan(
@@ -223,7 +244,7 @@ class UpstreamOutput:
             return []
         self._parsed_at = len(self._text)
         try:
-            msg = json.loads(self._parser.parse(self._text, True))
+            msg: ParsedMessage = json.loads(self._parser.parse(self._text, True))
         except native.InvalidRequestError:
             return []  # not readable yet: the final parse decides
         out = self._grown(msg)
@@ -234,14 +255,14 @@ class UpstreamOutput:
 
     def finish(self) -> list[Piece]:
         try:
-            msg = json.loads(self._parser.parse(self._text, False))
+            msg: ParsedMessage = json.loads(self._parser.parse(self._text, False))
             calls = [_call(c) for c in msg["tool_calls"]]
         except (native.InvalidRequestError, ValueError) as exc:
             log.warning("engine.output_unparsed", error=str(exc), chars=len(self._text))
             return self._unparsed()
         return self._grown(msg, calls=calls)
 
-    def _grown(self, msg: dict[str, Any], *, calls: list[ToolCall] | None = None) -> list[Piece]:
+    def _grown(self, msg: ParsedMessage, *, calls: list[ToolCall] | None = None) -> list[Piece]:
         """What the parse `msg` adds to what was sent; `calls` with the final parse."""
         final = calls is not None
         out: list[Piece] = []
@@ -264,7 +285,7 @@ class UpstreamOutput:
         return [self._text]
 
 
-def _call(raw: dict[str, Any]) -> ToolCall:
+def _call(raw: ParsedCall) -> ToolCall:
     """A parsed call, its arguments checked to be a JSON object (ValueError otherwise)."""
     args = loads_json(raw["arguments"] or "{}")
     if not isinstance(args, dict):
