@@ -44,25 +44,27 @@ class ChatResult:
     usage: Usage
 
 
-def _int(value: Any) -> int:
+# The JSON read here is another service's answer (or run_chat's), read field by field: whatever is
+# not what a field should be reads as absent.
+def _int(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-def _dict(value: Any) -> dict[str, Any]:
+def _object(value: object) -> Mapping[str, object]:
     return value if isinstance(value, dict) else {}
 
 
-def _str(value: Any) -> str:
+def _str(value: object) -> str:
     return value if isinstance(value, str) else ""
 
 
-def read_usage(usage: Any) -> Usage:
-    u = _dict(usage)
+def read_usage(usage: object) -> Usage:
+    u = _object(usage)
     return Usage(
         prompt_tokens=_int(u.get("prompt_tokens")),
         completion_tokens=_int(u.get("completion_tokens")),
-        cached_tokens=_int(_dict(u.get("prompt_tokens_details")).get("cached_tokens")),
-        reasoning_tokens=_int(_dict(u.get("completion_tokens_details")).get("reasoning_tokens")),
+        cached_tokens=_int(_object(u.get("prompt_tokens_details")).get("cached_tokens")),
+        reasoning_tokens=_int(_object(u.get("completion_tokens_details")).get("reasoning_tokens")),
     )
 
 
@@ -70,9 +72,9 @@ def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-def _call(raw: Any) -> Call:
-    call = _dict(raw)
-    fn = _dict(call.get("function"))
+def _call(raw: object) -> Call:
+    call = _object(raw)
+    fn = _object(call.get("function"))
     args = fn.get("arguments")
     return Call(
         id=_str(call.get("id")) or new_call_id(),
@@ -81,11 +83,11 @@ def _call(raw: Any) -> Call:
     )
 
 
-def read_completion(chat: Mapping[str, Any]) -> ChatResult:
+def read_completion(chat: Mapping[str, object]) -> ChatResult:
     """The first choice and the usage of a `chat.completion` object."""
     choices = chat.get("choices")
-    choice = _dict(choices[0]) if isinstance(choices, list) and choices else {}
-    message = _dict(choice.get("message"))
+    choice = _object(choices[0]) if isinstance(choices, list) and choices else {}
+    message = _object(choice.get("message"))
     calls = message.get("tool_calls")
     finish = choice.get("finish_reason")
     return ChatResult(
@@ -146,42 +148,46 @@ class ChunkReader:
     def __init__(self) -> None:
         self.model = ""
         self.prompt_tokens = 0  # the prompt's size, from the first chunk (`slotkeeper.prompt_tokens`)
-        self.report: dict[str, Any] | None = None  # the engine's reuse report (`slotkeeper`), when sent
-        self.timings: dict[str, Any] | None = None  # the engine's last `timings` (the last chunk's: final)
+        # The engine's reuse report (`slotkeeper`), when sent, and its last `timings` (the last
+        # chunk's: final), passed on as they came.
+        self.report: Mapping[str, object] | None = None
+        self.timings: Mapping[str, object] | None = None
         self._calls: set[int] = set()
 
-    def feed(self, chunk: Mapping[str, Any]) -> list[Piece]:
+    def feed(self, chunk: Mapping[str, object]) -> list[Piece]:
         self.model = self.model or _str(chunk.get("model"))
-        if isinstance(chunk.get("timings"), dict):
-            self.timings = chunk["timings"]
-        engine = _dict(chunk.get("slotkeeper"))
+        timings = chunk.get("timings")
+        if isinstance(timings, dict):
+            self.timings = timings
+        engine = _object(chunk.get("slotkeeper"))
         if "reuse" in engine:  # the last chunk's report (the first one carries the prompt's size only)
             self.report = engine
         self.prompt_tokens = self.prompt_tokens or _int(engine.get("prompt_tokens"))
         out: list[Piece] = []
         choices = chunk.get("choices")
-        for choice in choices if isinstance(choices, list) else []:
-            choice = _dict(choice)
+        for raw in choices if isinstance(choices, list) else []:
+            choice = _object(raw)
             if _int(choice.get("index")) != 0:
                 continue
-            delta = _dict(choice.get("delta"))
+            delta = _object(choice.get("delta"))
             if reasoning := _str(delta.get("reasoning_content")):
                 out.append(Reasoning(reasoning))
             if content := _str(delta.get("content")):
                 out.append(Text(content))
             calls = delta.get("tool_calls")
             for call in calls if isinstance(calls, list) else []:
-                out.extend(self._call(_dict(call)))
+                out.extend(self._call(_object(call)))
             finish = choice.get("finish_reason")
             if isinstance(finish, str) and finish:
                 out.append(Finish(finish, _str(choice.get("stopping_word"))))
-        if isinstance(chunk.get("usage"), dict):
-            out.append(UsageSeen(read_usage(chunk["usage"])))
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            out.append(UsageSeen(read_usage(usage)))
         return out
 
-    def _call(self, call: dict[str, Any]) -> list[Piece]:
+    def _call(self, call: Mapping[str, object]) -> list[Piece]:
         index = _int(call.get("index"))
-        fn = _dict(call.get("function"))
+        fn = _object(call.get("function"))
         out: list[Piece] = []
         if index not in self._calls:
             self._calls.add(index)
@@ -217,9 +223,9 @@ class ChunkStream(ABC, Generic[Open]):
         self._ended = False
         self._finish: str | None = None
         self._stopping_word = ""
-        self._report: dict[str, Any] | None = None  # the engine's `slotkeeper` (how it reused the prompt)
+        self._report: Mapping[str, object] | None = None  # the engine's `slotkeeper` (how it reused it)
 
-    def feed(self, chunk: Mapping[str, Any]) -> list[Event]:
+    def feed(self, chunk: Mapping[str, object]) -> list[Event]:
         """The events for one chat chunk (the first chunk also starts the stream)."""
         if self._ended:
             return []
@@ -228,7 +234,7 @@ class ChunkStream(ABC, Generic[Open]):
         out = self._start()
         progress = chunk.get("prompt_progress")
         if isinstance(progress, dict):  # llama-server's `return_progress`
-            out = self._progress(out, progress, _dict(chunk.get("timings")))
+            out = self._progress(out, progress, _object(chunk.get("timings")))
         text: list[Event] = []  # the events of this chunk's text, which its `timings` belong to
         for piece in pieces:
             if isinstance(piece, Reasoning):
@@ -253,13 +259,15 @@ class ChunkStream(ABC, Generic[Open]):
             self._timed(text[-1], timings)  # `timings_per_token`: a token's chunk
         return out
 
-    def _progress(self, out: list[Event], progress: dict[str, Any], timings: dict[str, Any]) -> list[Event]:
+    def _progress(
+        self, out: list[Event], progress: Mapping[str, object], timings: Mapping[str, object]
+    ) -> list[Event]:
         """`out` with a prompt progress report (`prompt_progress`, and the `timings` so far when
         the chunk has them) in the API's form; the default drops it (llama-server's Messages stream
         shows none)."""
         return out
 
-    def _timed(self, event: Event, timings: dict[str, Any]) -> None:
+    def _timed(self, event: Event, timings: Mapping[str, object]) -> None:
         """Put a token's `timings` (`timings_per_token`) on the last event of its text; the
         default drops them."""
 

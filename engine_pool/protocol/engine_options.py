@@ -9,7 +9,7 @@ API does not define is ignored, since the chat path would read it with chat sema
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 # Field -> the APIs that pass it (a field the API defines itself is translated, never passed).
 PASSED: dict[str, frozenset[str]] = {
@@ -34,12 +34,15 @@ PASSED: dict[str, frozenset[str]] = {
 }
 
 
-def engine_options(data: dict[str, Any], api: str) -> dict[str, Any]:
-    """The pass-through fields `data` holds, for `api` ("responses" or "messages"); nulls are absent."""
+def engine_options(data: Mapping[str, object], api: str) -> Mapping[str, object]:
+    """The pass-through fields `data` holds, for `api` ("responses" or "messages"); nulls are absent.
+    Their values are the client's JSON, unread here (the chat path checks them)."""
     return {k: data[k] for k, apis in PASSED.items() if api in apis and data.get(k) is not None}
 
 
-def merge_template_kwargs(options: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+def merge_template_kwargs(
+    options: Mapping[str, object], kwargs: Mapping[str, object]
+) -> Mapping[str, object]:
     """`options` with `kwargs` added to its `chat_template_kwargs` (the API's own setting wins over a
     passed-through one; a passed value that is not an object is left for the chat path to refuse)."""
     if not kwargs:

@@ -24,6 +24,7 @@ not enforced: thinking counts against `max_tokens`.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NotRequired, TypedDict
 
@@ -84,7 +85,7 @@ class MessagesRequest:
     # null on a first turn), and that id.
     diagnostics: bool = False
     previous_message_id: str | None = None
-    engine_options: dict[str, Any] = field(default_factory=dict)  # llama-server extras, passed on
+    engine_options: Mapping[str, object] = field(default_factory=dict)  # llama-server extras, passed on
 
     @property
     def parallel_tool_calls(self) -> bool:

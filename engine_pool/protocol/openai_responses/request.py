@@ -19,7 +19,7 @@ gateway's (gateway.sealing).
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -104,7 +104,7 @@ class ResponsesRequest:
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     include: tuple[str, ...] = ()
-    engine_options: dict[str, Any] = field(default_factory=dict)  # llama-server extras, passed on
+    engine_options: Mapping[str, object] = field(default_factory=dict)  # llama-server extras, passed on
     client_metadata: dict[str, str] = field(default_factory=dict)
 
 

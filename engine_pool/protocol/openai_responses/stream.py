@@ -19,6 +19,7 @@ event and `response.failed` (`failed`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from engine_pool.errors import ApiError
@@ -99,7 +100,9 @@ class ResponseStream(ChunkStream[_Item]):
             self._event("response.in_progress", response=self._shell("in_progress")),
         ]
 
-    def _progress(self, out: list[Event], progress: dict[str, Any], timings: dict[str, Any]) -> list[Event]:
+    def _progress(
+        self, out: list[Event], progress: Mapping[str, object], timings: Mapping[str, object]
+    ) -> list[Event]:
         # llama-server's: on the `response.in_progress` that opens the stream, later on one of its own.
         if not out:
             out = [self._event("response.in_progress", response=self._shell("in_progress"))]
@@ -109,7 +112,7 @@ class ResponseStream(ChunkStream[_Item]):
         data["prompt_progress"] = progress
         return out
 
-    def _timed(self, event: Event, timings: dict[str, Any]) -> None:
+    def _timed(self, event: Event, timings: Mapping[str, object]) -> None:
         event[1]["timings"] = timings
 
     def failed(self, err: ApiError) -> list[Event]:
