@@ -224,12 +224,16 @@ def _qwen35_block(d: Dims, il: int) -> list[Tensor]:
 # --------------------------------------------------------------------------------------------------
 # Architecture-specific metadata (keys without the "{arch}." prefix)
 
+# A GGUF header value, as `_add_kv` writes it: a boolean, an integer (u32), a float (f32), a string,
+# or an array of one of those.
+MetaValue = bool | int | float | str | list[int] | list[float] | list[str]
 
-def _llama_meta(d: Dims) -> dict[str, Any]:
+
+def _llama_meta(d: Dims) -> dict[str, MetaValue]:
     return {"rope.dimension_count": d.head_dim}
 
 
-def _gemma2_meta(d: Dims) -> dict[str, Any]:
+def _gemma2_meta(d: Dims) -> dict[str, MetaValue]:
     return {
         "attention.key_length": d.head_dim,
         "attention.value_length": d.head_dim,
@@ -240,7 +244,7 @@ def _gemma2_meta(d: Dims) -> dict[str, Any]:
     }
 
 
-def _mamba2_meta(d: Dims) -> dict[str, Any]:
+def _mamba2_meta(d: Dims) -> dict[str, MetaValue]:
     return {
         "ssm.conv_kernel": d.ssm.conv,
         "ssm.inner_size": d.ssm.inner,
@@ -250,13 +254,13 @@ def _mamba2_meta(d: Dims) -> dict[str, Any]:
     }
 
 
-def _lfm2_meta(d: Dims) -> dict[str, Any]:
+def _lfm2_meta(d: Dims) -> dict[str, MetaValue]:
     # head_count_kv == 0 is what marks a shortconv layer.
     kv = [d.n_head_kv if d.is_attention(il) else 0 for il in range(d.n_layer)]
     return {"shortconv.l_cache": d.ssm.conv, "attention.head_count_kv": kv}
 
 
-def _qwen35_meta(d: Dims) -> dict[str, Any]:
+def _qwen35_meta(d: Dims) -> dict[str, MetaValue]:
     # Partial rotary embedding as in Qwen3.5 (a quarter of the head); the text-only M-RoPE sections
     # count rotated pairs and must sum to n_rot / 2.
     n_rot = d.head_dim // 4
@@ -282,7 +286,7 @@ class ArchSpec:
 
     sizes: Mapping[str, Dims]
     block: Callable[[Dims, int], list[Tensor]]
-    metadata: Callable[[Dims], dict[str, Any]]
+    metadata: Callable[[Dims], dict[str, MetaValue]]
     output_norm: str = "output_norm"  # lfm2 names its final norm token_embd_norm
 
 
@@ -489,7 +493,7 @@ def chat_template(name: str) -> str:
 CHAT_TEMPLATE = chat_template("hermes")
 
 
-def _tokenizer_metadata(vocab: Vocab, template: str) -> dict[str, Any]:
+def _tokenizer_metadata(vocab: Vocab, template: str) -> dict[str, MetaValue]:
     return {
         "tokenizer.ggml.model": "llama",
         "tokenizer.ggml.tokens": vocab.tokens,
@@ -513,8 +517,10 @@ def _tokenizer_metadata(vocab: Vocab, template: str) -> dict[str, Any]:
 # Writing
 
 
-def _metadata(arch: str, spec: ArchSpec, d: Dims, size: str, seed: int, template: str) -> dict[str, Any]:
-    common = {
+def _metadata(
+    arch: str, spec: ArchSpec, d: Dims, size: str, seed: int, template: str
+) -> dict[str, MetaValue]:
+    common: dict[str, MetaValue] = {
         "vocab_size": d.n_vocab,
         "context_length": d.n_ctx_train,
         "embedding_length": d.n_embd,
@@ -526,7 +532,7 @@ def _metadata(arch: str, spec: ArchSpec, d: Dims, size: str, seed: int, template
         "rope.freq_base": 10000.0,
     }
     arch_keys = {f"{arch}.{key}": value for key, value in (common | spec.metadata(d)).items()}
-    general = {
+    general: dict[str, MetaValue] = {
         "general.name": f"slotkeeper-{arch}-{size}-seed{seed}",
         "general.file_type": int(gguf.LlamaFileType.MOSTLY_F16 if d.f16 else gguf.LlamaFileType.ALL_F32),
         "slotkeeper.seed": seed,
@@ -535,7 +541,7 @@ def _metadata(arch: str, spec: ArchSpec, d: Dims, size: str, seed: int, template
     return general | arch_keys | _tokenizer_metadata(build_vocab(d.n_vocab), chat_template(template))
 
 
-def _add_kv(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
+def _add_kv(writer: gguf.GGUFWriter, key: str, value: MetaValue) -> None:
     # llama.cpp reads scalar integers as u32 and accepts i32 arrays for u32 array keys.
     if isinstance(value, bool):
         writer.add_bool(key, value)
