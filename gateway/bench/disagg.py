@@ -23,11 +23,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 
+from engine_pool.protocol.codec import encode
+from engine_pool.protocol.handoff import HandoffResult
+from engine_pool.protocol.node import NodeEngine
 from gateway.bench.gateway import Serve, serving
+from gateway.bench.harness.answers import Timings, timings
 from native.model_gen import cached_model
 
 CONFIGS = {  # name -> (roles, --handoff)
@@ -55,6 +58,35 @@ class Run:
     stop: bool = False
 
 
+@dataclass(frozen=True)
+class Streamed:
+    """How a streamed turn was served (X-Slotkeeper-Cache) and its last timings (None: none)."""
+
+    served: str
+    timings: Timings | None
+
+
+@dataclass(frozen=True)
+class ConfigRow:
+    """One configuration's run: inter-token latencies quiet and with arrivals, the arrivals' TTFT,
+    prompt tokens evaluated where they were answered and how they were served, the handoffs."""
+
+    config: str
+    itl_quiet_p50_ms: float
+    itl_quiet_p99_ms: float
+    itl_busy_p50_ms: float
+    itl_busy_p99_ms: float
+    itl_busy_max_ms: float
+    ttft_s: list[float]
+    decode_side_prompt_n: list[int]
+    served: list[str]
+    handoff_mb: float
+    handoff_transfer_ms: float
+    handoff_mb_per_s: float | None  # None: nothing handed over
+    gaps: tuple[int, int]  # token gaps counted: quiet, busy
+    errors: list[str]  # the first three
+
+
 def _pct(xs: list[float], p: float) -> float:
     if not xs:
         return float("nan")
@@ -64,28 +96,26 @@ def _pct(xs: list[float], p: float) -> float:
 
 def _stream(
     client: httpx.Client, model: str, session: str, messages: list[dict[str, str]], n: int
-) -> tuple[list[float], dict[str, Any]]:
-    """One streamed chat turn: the arrival time of each content chunk, and the last chunk's fields
-    (timings) with the response's X-Slotkeeper-Cache."""
+) -> tuple[list[float], Streamed]:
+    """One streamed chat turn: the arrival time of each content chunk, and how it was served."""
     body = {"model": model, "messages": messages, "max_tokens": n, "temperature": 0, "stream": True}
     body["ignore_eos"] = True
     stamps: list[float] = []
-    last: dict[str, Any] = {}
+    last: Timings | None = None
     with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-Session-Id": session}) as r:
         if r.status_code != 200:
             r.read()
             raise RuntimeError(f"{session}: {r.status_code} {r.text[:300]}")
-        last["served"] = r.headers.get("X-Slotkeeper-Cache", "")
+        served = r.headers.get("X-Slotkeeper-Cache", "")
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if chunk.get("timings"):
-                last["timings"] = chunk["timings"]
+            last = timings(chunk) or last
             choices = chunk.get("choices") or [{}]
             if (choices[0].get("delta") or {}).get("content"):
                 stamps.append(time.perf_counter())
-    return stamps, last
+    return stamps, Streamed(served, last)
 
 
 def _decoder(url: str, model: str, k: int, run: Run, n: int, placed: threading.Event) -> None:
@@ -105,27 +135,16 @@ def _decoder(url: str, model: str, k: int, run: Run, n: int, placed: threading.E
                 (run.busy if run.arrivals_on else run.quiet).gaps.append(b - a)
 
 
-def _pin(serve: Serve, cores: list[str]) -> list[dict[str, Any]]:
+def _pin(serve: Serve, cores: list[str]) -> list[NodeEngine]:
     """Each engine's threads onto its own cores (taskset); the engines, as listed."""
     engines = serve.engines()
     for engine, cpus in zip(engines, cores, strict=True):
-        pin = ["taskset", "-a", "-p", "-c", cpus, str(engine["pid"])]
+        pin = ["taskset", "-a", "-p", "-c", cpus, str(engine.pid)]
         subprocess.run(pin, check=True, capture_output=True)
     return engines
 
 
-def _handoffs(log: Path) -> list[dict[str, Any]]:
-    out = []
-    for line in log.read_text(errors="replace").splitlines():
-        if '"turn.handed_off"' in line:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-    return out
-
-
-def _one(config: str, args: argparse.Namespace, model: str, work: Path) -> dict[str, Any]:
+def _one(config: str, args: argparse.Namespace, model: str, work: Path) -> ConfigRow:
     roles, mode = CONFIGS[config]
     model_id = Path(model).name.removesuffix(".gguf")
     flags = [
@@ -139,7 +158,7 @@ def _one(config: str, args: argparse.Namespace, model: str, work: Path) -> dict[
     env = {**os.environ, "SLOTKEEPER_ENGINE_ARGS": f"-t,{args.threads}"}  # (serve passes the node's)
     with serving(work, config, flags, env) as serve:
         deadline = time.monotonic() + 180
-        while [e["state"] for e in serve.engines()] != ["ready", "ready"]:
+        while [e.state for e in serve.engines()] != ["ready", "ready"]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"engines not ready:\n{serve.tail()}")
             time.sleep(0.2)
@@ -162,32 +181,32 @@ def _one(config: str, args: argparse.Namespace, model: str, work: Path) -> dict[
                 t0 = time.perf_counter()
                 stamps, last = _stream(client, model_id, f"arrival-{config}-{i}", messages, 4)
                 run.ttft.append((stamps[0] if stamps else time.perf_counter()) - t0)
-                run.prompt_n.append(int((last.get("timings") or {}).get("prompt_n", -1)))
-                run.served.append(str(last.get("served")))
+                run.prompt_n.append(last.timings.prompt_n if last.timings else -1)
+                run.served.append(last.served)
         run.arrivals_on = False
         run.stop = True
         for t in decoders:
             t.join(600)
-        handed = _handoffs(serve.log)
-    moved = [h for h in handed if h.get("bytes")]
-    state = sum(h["bytes"] for h in moved)
-    transfer_ms = sum(h.get("export_ms", 0) + h.get("install_ms", 0) for h in moved)
-    return {
-        "config": config,
-        "itl_quiet_p50_ms": 1e3 * _pct(run.quiet.gaps, 50),
-        "itl_quiet_p99_ms": 1e3 * _pct(run.quiet.gaps, 99),
-        "itl_busy_p50_ms": 1e3 * _pct(run.busy.gaps, 50),
-        "itl_busy_p99_ms": 1e3 * _pct(run.busy.gaps, 99),
-        "itl_busy_max_ms": 1e3 * max(run.busy.gaps, default=float("nan")),
-        "ttft_s": [round(x, 2) for x in run.ttft],
-        "decode_side_prompt_n": run.prompt_n,
-        "served": run.served,
-        "handoff_mb": round(state / 1e6, 1),
-        "handoff_transfer_ms": round(transfer_ms, 1),
-        "handoff_mb_per_s": round(state / 1e3 / transfer_ms, 0) if transfer_ms else None,
-        "gaps": (len(run.quiet.gaps), len(run.busy.gaps)),
-        "errors": run.errors[:3],
-    }
+        handed = serve.events("turn.handed_off", HandoffResult)
+    moved = [h for h in handed if h.bytes]
+    state = sum(h.bytes for h in moved)
+    transfer_ms = sum(h.export_ms + h.install_ms for h in moved)
+    return ConfigRow(
+        config=config,
+        itl_quiet_p50_ms=1e3 * _pct(run.quiet.gaps, 50),
+        itl_quiet_p99_ms=1e3 * _pct(run.quiet.gaps, 99),
+        itl_busy_p50_ms=1e3 * _pct(run.busy.gaps, 50),
+        itl_busy_p99_ms=1e3 * _pct(run.busy.gaps, 99),
+        itl_busy_max_ms=1e3 * max(run.busy.gaps, default=float("nan")),
+        ttft_s=[round(x, 2) for x in run.ttft],
+        decode_side_prompt_n=run.prompt_n,
+        served=run.served,
+        handoff_mb=round(state / 1e6, 1),
+        handoff_transfer_ms=round(transfer_ms, 1),
+        handoff_mb_per_s=round(state / 1e3 / transfer_ms, 0) if transfer_ms else None,
+        gaps=(len(run.quiet.gaps), len(run.busy.gaps)),
+        errors=run.errors[:3],
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -213,21 +232,21 @@ def main(argv: list[str]) -> int:
         for config in args.configs.split(","):
             row = _one(config, args, model, Path(tmp))
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps(encode(row)), flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} at the end", flush=True)
     print(
         "| config | ITL p50 / p99 quiet (ms) | ITL p50 / p99 / max with arrivals (ms) | TTFT (s) | "
         "prompt_n where answered | state MB, transfer ms (MB/s) |\n|---|---|---|---|---|---|"
     )
     for r in rows:
-        mb, ms, rate = r["handoff_mb"], r["handoff_transfer_ms"], r["handoff_mb_per_s"]
+        mb, ms, rate = r.handoff_mb, r.handoff_transfer_ms, r.handoff_mb_per_s
         moved = f"{mb} MB, {ms} ms ({rate})" if mb else "-"
         print(
-            f"| {r['config']} | {r['itl_quiet_p50_ms']:.0f} / {r['itl_quiet_p99_ms']:.0f} | "
-            f"{r['itl_busy_p50_ms']:.0f} / {r['itl_busy_p99_ms']:.0f} / {r['itl_busy_max_ms']:.0f} | "
-            f"{', '.join(map(str, r['ttft_s']))} | "
-            f"{', '.join(map(str, r['decode_side_prompt_n']))} | {moved} |"
+            f"| {r.config} | {r.itl_quiet_p50_ms:.0f} / {r.itl_quiet_p99_ms:.0f} | "
+            f"{r.itl_busy_p50_ms:.0f} / {r.itl_busy_p99_ms:.0f} / {r.itl_busy_max_ms:.0f} | "
+            f"{', '.join(map(str, r.ttft_s))} | "
+            f"{', '.join(map(str, r.decode_side_prompt_n))} | {moved} |"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        Path(args.json).write_text(json.dumps([encode(r) for r in rows], indent=2))
     return 0

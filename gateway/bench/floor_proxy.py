@@ -13,20 +13,20 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
 
 import uvicorn
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.engine_http import EngineHttp
 
 _JSON = [(b"content-type", b"application/json")]
 
 
-def build(engine: str, key: str) -> Any:
+def build(engine: str, key: str) -> ASGIApp:
     client = EngineHttp({"authorization": f"Bearer {key}"}, read_timeout_s=600)
     target = engine.rstrip("/") + "/v1/chat/completions"
 
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await receive()  # startup
             await send({"type": "lifespan.startup.complete"})

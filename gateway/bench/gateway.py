@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -33,11 +34,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict, TypeVar
 
 import httpx
 
+from engine_pool.protocol.chat_types import ChatBody
+from engine_pool.protocol.codec import Wire, decode
+from engine_pool.protocol.node import FillResult, NodeEngine
 from gateway.bench import routing
+from gateway.bench.harness.answers import Timings, Tokens, engine_list, engine_url, timed, timings
 from gateway.bench.harness.prompts import CHUNK, SYSTEM
 from gateway.bench.harness.report import pct, table
 from gateway.bench.harness.servers import (
@@ -50,8 +55,10 @@ from gateway.bench.harness.servers import (
     stop,
     wait_until,
 )
+from gateway.bench.routing import RoutingReport
 from native.model_gen import cached_model
 
+T = TypeVar("T")
 BUCKET = "slots"  # created by MotoProcess before it listens
 INTERNAL_KEY = "bench-internal-key-0123456789"  # serve's credential for its node and engines
 INTERNAL_AUTH = {"Authorization": f"Bearer {INTERNAL_KEY}"}
@@ -77,18 +84,18 @@ class Serve:
     log: Path
     engine_pids: set[int] = field(default_factory=set)
 
-    def engines(self) -> list[dict[str, Any]]:
-        resp = httpx.get(self.node_url + "/v1/engines", headers=INTERNAL_AUTH, timeout=5)
-        return list(resp.json()["engines"])
+    def engines(self) -> list[NodeEngine]:
+        return engine_list(httpx.get(self.node_url + "/v1/engines", headers=INTERNAL_AUTH, timeout=5))
 
-    def events(self, name: str) -> list[dict[str, Any]]:
-        """The serve log's JSON events called `name`."""
+    def events(self, name: str, payload: type[T]) -> list[T]:
+        """The serve log's JSON events called `name`, each read as `payload` (a dataclass of the
+        fields the event carries; other lines are skipped)."""
         out = []
         for line in self.log.read_text(errors="replace").splitlines():
             if f'"{name}"' in line:
                 try:
-                    out.append(json.loads(line))
-                except ValueError:
+                    out.append(decode(payload, json.loads(line)))
+                except ValueError:  # (a WireError is one)
                     continue
         return out
 
@@ -126,7 +133,7 @@ class Serve:
         if self.proc.poll() is not None:
             return
         try:
-            self.engine_pids |= {int(e["pid"]) for e in self.engines() if e.get("pid")}
+            self.engine_pids |= {e.pid for e in self.engines() if e.pid}
         except (httpx.HTTPError, ValueError, KeyError):
             pass
 
@@ -174,17 +181,24 @@ def serving(workdir: Path, name: str, flags: list[str], env: dict[str, str] | No
 
 
 # =============================================================================== 1. gateway overhead
+class EngineOptions(TypedDict, total=False):
+    """What a direct call to the engine adds to the chat body: the slot, and its prompt cache."""
+
+    id_slot: int
+    cache_prompt: bool
+
+
 @dataclass
 class Target:
     name: str
     url: str
     headers: dict[str, str]
-    extra: dict[str, Any]
+    extra: EngineOptions
     latencies_ms: list[float] = field(default_factory=list)
     prompt_n: list[int] = field(default_factory=list)
     caches: dict[str, int] = field(default_factory=dict)
 
-    def send(self, client: httpx.Client, body: dict[str, Any], record: bool) -> None:
+    def send(self, client: httpx.Client, body: ChatBody, record: bool) -> None:
         t0 = time.perf_counter()
         resp = client.post(self.url, json={**body, **self.extra}, headers=self.headers)
         payload = resp.json()
@@ -193,14 +207,36 @@ class Target:
             raise RuntimeError(f"{self.name}: HTTP {resp.status_code}: {payload}")
         if record:
             self.latencies_ms.append(elapsed)
-            self.prompt_n.append(int(payload["timings"]["prompt_n"]))
+            self.prompt_n.append(timed(payload).prompt_n)
             cache = resp.headers.get("x-slotkeeper-cache", "-")
             if resp.headers.get("x-session-id", "") != self.headers.get("X-Session-Id", ""):
                 cache += " (forked)"  # the gateway found the session busy and served a copy of it
             self.caches[cache] = self.caches.get(cache, 0) + 1
 
 
-def overhead(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class TargetLatency:
+    """One target's latencies, and what each adds over the direct engine call (the first)."""
+
+    target: str
+    p50_ms: float
+    p99_ms: float
+    added_p50_ms: float
+    added_p99_ms: float
+    caches: dict[str, int]  # X-Slotkeeper-Cache -> requests
+
+
+@dataclass(frozen=True)
+class OverheadReport:
+    """Part 1 with one index backend."""
+
+    index: str
+    rounds: int
+    targets: list[TargetLatency]
+    early_starts: dict[str, int]  # outcome -> count
+
+
+def overhead(args: argparse.Namespace, workdir: Path) -> list[OverheadReport]:
     """Once per index backend: serve's in-process Redis, and a redis-server (`--redis-url`)."""
     model = os.path.abspath(args.tiny_model or cached_model(args.models_dir, "qwen35", size="tiny"))
     tenants = workdir / "tenants.toml"
@@ -227,7 +263,7 @@ def overhead(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
             targets, done = _overhead_rounds(serve, args, other)
             early = _early_starts(serve.url)
         _print_overhead(targets, done, args, backend, early)
-        reports.append({**_overhead_report(targets, done, backend), "early_starts": early})
+        reports.append(_overhead_report(targets, done, backend, early))
     return reports
 
 
@@ -247,8 +283,8 @@ def _overhead_rounds(
     serve: Serve, args: argparse.Namespace, other: Serve | None = None
 ) -> tuple[list[Target], int]:
     engine = serve.engines()[0]
-    body = {
-        "model": engine["model"],
+    body: ChatBody = {
+        "model": engine.model,
         "messages": [{"role": "user", "content": "Say hi."}],
         "max_tokens": 1,
         "temperature": 0,
@@ -272,8 +308,8 @@ def _overhead_rounds(
             )
             off.send(client, body, record=False)
             own = other.engines()[0]
-            slot = min(set(range(int(own["n_slots"]))) - {_session_slot(other.url, off.headers)})
-            url = own["url"] + "/v1/chat/completions"
+            slot = min(set(range(own.n_slots)) - {_session_slot(other.url, off.headers)})
+            url = engine_url(own) + "/v1/chat/completions"
             direct = Target(
                 f"no early start: direct engine (slot {slot})",
                 url,
@@ -284,15 +320,15 @@ def _overhead_rounds(
         for t in targets:  # places both sessions first: the direct target takes the slot left over
             t.send(client, body, record=False)
         used = {_session_slot(serve.url, t.headers) for t in targets}
-        free = min(set(range(int(engine["n_slots"]))) - used)
+        free = min(set(range(engine.n_slots)) - used)
         direct = Target(
             f"direct engine (slot {free})",
-            engine["url"] + "/v1/chat/completions",
+            engine_url(engine) + "/v1/chat/completions",
             INTERNAL_AUTH,
             {"id_slot": free, "cache_prompt": True},
         )
         targets.insert(0, direct)
-        with floor_proxy(engine["url"], serve.log.parent) as floor:
+        with floor_proxy(engine_url(engine), serve.log.parent) as floor:
             # the same slot as the direct calls (one request at a time: they never overlap)
             targets.insert(1, Target("bare proxy (floor)", floor + "/v1/chat/completions", {}, direct.extra))
             targets += extra
@@ -336,24 +372,23 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _overhead_report(targets: list[Target], rounds: int, backend: str) -> dict[str, Any]:
+def _overhead_report(
+    targets: list[Target], rounds: int, backend: str, early: dict[str, int]
+) -> OverheadReport:
     direct = targets[0]
     d50, d99 = pct(direct.latencies_ms, 50), pct(direct.latencies_ms, 99)
-    return {
-        "index": backend,
-        "rounds": rounds,
-        "targets": [
-            {
-                "target": t.name,
-                "p50_ms": pct(t.latencies_ms, 50),
-                "p99_ms": pct(t.latencies_ms, 99),
-                "added_p50_ms": pct(t.latencies_ms, 50) - d50,
-                "added_p99_ms": pct(t.latencies_ms, 99) - d99,
-                "caches": t.caches,
-            }
-            for t in targets
-        ],
-    }
+    latencies = [
+        TargetLatency(
+            t.name,
+            pct(t.latencies_ms, 50),
+            pct(t.latencies_ms, 99),
+            pct(t.latencies_ms, 50) - d50,
+            pct(t.latencies_ms, 99) - d99,
+            t.caches,
+        )
+        for t in targets
+    ]
+    return OverheadReport(backend, rounds, latencies, early)
 
 
 def _session_slot(url: str, headers: dict[str, str]) -> int:
@@ -362,9 +397,7 @@ def _session_slot(url: str, headers: dict[str, str]) -> int:
     return int(httpx.get(f"{url}/v1/sessions/{sid}", headers=auth, timeout=5).json()["slot"])
 
 
-def _rounds(
-    client: httpx.Client, targets: list[Target], body: dict[str, Any], args: argparse.Namespace
-) -> int:
+def _rounds(client: httpx.Client, targets: list[Target], body: ChatBody, args: argparse.Namespace) -> int:
     """Warm-up, then rounds of one request per target (the order rotates every round)."""
     deadline = time.monotonic() + args.overhead_time_limit
     done = 0
@@ -436,12 +469,12 @@ def _print_overhead(
 
 
 # ================================================================================ 3. restored TTFT
-@dataclass
+@dataclass(frozen=True)
 class TurnResult:
     ttft_ms: float
     total_ms: float
     content: str
-    timings: dict[str, Any]
+    timings: Timings | None  # the stream's last; None when it carried none
     cache: str
 
 
@@ -458,7 +491,7 @@ def stream_turn(
         "stream_options": {"include_usage": True},
     }
     content: list[str] = []
-    timings: dict[str, Any] = {}
+    last: Timings | None = None
     ttft: float | None = None
     t0 = time.perf_counter()
     with httpx.stream(
@@ -473,7 +506,7 @@ def stream_turn(
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(f"stream error: {chunk['error']}")
-            timings = chunk.get("timings") or timings
+            last = timings(chunk) or last
             for choice in chunk.get("choices") or []:
                 delta = choice.get("delta") or {}
                 text = delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
@@ -481,17 +514,14 @@ def stream_turn(
                     ttft = time.perf_counter() - t0
                 content.append(delta.get("content") or "")
     total = time.perf_counter() - t0
-    return TurnResult((ttft or total) * 1000, total * 1000, "".join(content), timings, cache)
+    return TurnResult((ttft or total) * 1000, total * 1000, "".join(content), last, cache)
 
 
 def long_prompt(serve: Serve, tokens: int) -> list[dict[str, str]]:
     """System + a user message of about `tokens` tokens (counted with the engine's tokenizer)."""
-    engine = serve.engines()[0]["url"]
-    per_chunk = len(
-        httpx.post(engine + "/tokenize", json={"content": CHUNK}, headers=INTERNAL_AUTH, timeout=30).json()[
-            "tokens"
-        ]
-    )
+    engine = engine_url(serve.engines()[0])
+    tokenized = httpx.post(engine + "/tokenize", json={"content": CHUNK}, headers=INTERNAL_AUTH, timeout=30)
+    per_chunk = len(Tokens.from_json(tokenized.json()).tokens)
     user = "Review this code:\n" + CHUNK * max(1, (tokens - 60) // per_chunk)
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
@@ -518,12 +548,22 @@ def wipe_local(data: Path) -> int:
     return size
 
 
-@dataclass
+@dataclass(frozen=True)
+class Restart:
+    """A pass's restart: SIGTERM to exit, the local state wiped, a fresh start to ready."""
+
+    drain_s: float
+    wiped_bytes: int
+    start_s: float
+
+
+@dataclass(frozen=True)
 class Pass:
     turn1: TurnResult
     turn2: TurnResult
     messages2: list[dict[str, str]]
-    notes: dict[str, Any] = field(default_factory=dict)
+    restart: Restart | None  # None: turn 2 served live
+    fill: FillResult | None  # the node's last fill (its `node.filled` event), if any
 
 
 def _serve_flags(args: argparse.Namespace, model: str, data: Path, endpoint: str, prefix: str) -> list[str]:
@@ -547,7 +587,7 @@ def run_pass(args: argparse.Namespace, workdir: Path, endpoint: str, name: str, 
     session = f"agent-{name}"
     serve = start_serve(workdir, f"restore-{name}", flags, env)
     try:
-        model_id = serve.engines()[0]["model"]
+        model_id = serve.engines()[0].model
         msgs = long_prompt(serve, args.tokens)
         turn1 = stream_turn(serve.url, model_id, msgs, session, args.n_predict)
         msgs2 = msgs + [
@@ -555,14 +595,12 @@ def run_pass(args: argparse.Namespace, workdir: Path, endpoint: str, name: str, 
             {"role": "user", "content": "Fix the bug in handler and run the tests."},
         ]
         _wait_durable(serve.url, session)
-        notes: dict[str, Any] = {}
+        restarted = None
         if restart:
-            serve, notes = _restart(serve, workdir, name, flags, env, data, args)
+            serve, restarted = _restart(serve, workdir, name, flags, env, data, args)
         turn2 = stream_turn(serve.url, model_id, msgs2, session, args.n_predict)
-        fills = serve.events("node.filled")
-        if fills:
-            notes["fill"] = fills[-1]
-        return Pass(turn1, turn2, msgs2, notes)
+        fills = serve.events("node.filled", FillResult)
+        return Pass(turn1, turn2, msgs2, restarted, fills[-1] if fills else None)
     finally:
         serve.close(timeout=args.drain_timeout)
 
@@ -575,7 +613,7 @@ def _restart(
     env: dict[str, str],
     data: Path,
     args: argparse.Namespace,
-) -> tuple[Serve, dict[str, Any]]:
+) -> tuple[Serve, Restart]:
     t0 = time.perf_counter()
     rc = serve.terminate(timeout=args.drain_timeout)
     drain_s = time.perf_counter() - t0
@@ -584,7 +622,7 @@ def _restart(
     wiped = wipe_local(data)
     t0 = time.perf_counter()
     fresh = start_serve(workdir, f"restore-{name}-restarted", flags, env)
-    return fresh, {"drain_s": drain_s, "wiped_bytes": wiped, "start_s": time.perf_counter() - t0}
+    return fresh, Restart(drain_s, wiped, time.perf_counter() - t0)
 
 
 def restore(args: argparse.Namespace, workdir: Path) -> int:
@@ -608,30 +646,40 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def _prompt_n(t: TurnResult) -> int | None:
+    return t.timings.prompt_n if t.timings else None
+
+
+def _shown(count: int | None) -> str:
+    return "?" if count is None else str(count)
+
+
 def _turn_row(name: str, turns: list[TurnResult]) -> list[str]:
     ttft = [t.ttft_ms for t in turns]
-    engine_ms = [float(t.timings.get("prompt_ms", "nan")) for t in turns]
+    engine_ms = [t.timings.prompt_ms if t.timings else math.nan for t in turns]
     return [
         name,
         ",".join(sorted({t.cache for t in turns})),
         ", ".join(f"{v:.0f}" for v in ttft),
         f"{_median(ttft):.0f}",
-        ",".join(sorted({str(t.timings.get("prompt_n", "?")) for t in turns})),
-        ",".join(sorted({str(t.timings.get("cache_n", "?")) for t in turns})),
+        ",".join(sorted({_shown(_prompt_n(t)) for t in turns})),
+        ",".join(sorted({_shown(t.timings.cache_n if t.timings else None) for t in turns})),
         f"{_median(engine_ms):.0f}",
     ]
 
 
-def _restart_line(back: list[Pass], fills: list[dict[str, Any]]) -> str:
-    def med(key: str, scale: float = 1.0) -> float:
-        return _median([float(p.notes.get(key, "nan")) / scale for p in back])
-
-    sources = ",".join(sorted({str(f.get("source")) for f in fills}))
-    fill_mib = _median([float(f.get("bytes", "nan")) / 2**20 for f in fills])
-    fill_ms = _median([float(f.get("ms", "nan")) for f in fills])
+def _restart_line(back: list[Pass]) -> str:
+    restarts = [p.restart for p in back]
+    drain_s = _median([r.drain_s if r else math.nan for r in restarts])
+    wiped_mib = _median([r.wiped_bytes / 2**20 if r else math.nan for r in restarts])
+    start_s = _median([r.start_s if r else math.nan for r in restarts])
+    fills = [p.fill for p in back]
+    sources = ",".join(sorted({str(f.source) if f else "None" for f in fills}))
+    fill_mib = _median([f.bytes / 2**20 if f else math.nan for f in fills])
+    fill_ms = _median([f.ms if f else math.nan for f in fills])
     return (
-        f"restart (medians): drain (SIGTERM -> exit) {med('drain_s'):.1f} s, wiped "
-        f"{med('wiped_bytes', 2**20):.0f} MiB of local state, start to ready {med('start_s'):.1f} s; "
+        f"restart (medians): drain (SIGTERM -> exit) {drain_s:.1f} s, wiped "
+        f"{wiped_mib:.0f} MiB of local state, start to ready {start_s:.1f} s; "
         f"fill from {sources}: {fill_mib:.1f} MiB in {fill_ms:.0f} ms (download + restore, inside the "
         "restored TTFT)"
     )
@@ -639,7 +687,7 @@ def _restart_line(back: list[Pass], fills: list[dict[str, Any]]) -> str:
 
 def _print_restore(live: list[Pass], back: list[Pass]) -> int:
     passes = live + back
-    first = passes[0].turn1.timings.get("prompt_n", "?")
+    first = _shown(_prompt_n(passes[0].turn1))
     print(
         f"\n== 3. restored vs live turn: bench qwen35, {first}-token first prompt, serve with S3 (moto), "
         f"{len(live)} pass(es) each way =="
@@ -658,17 +706,16 @@ def _print_restore(live: list[Pass], back: list[Pass]) -> int:
         f"restored/live TTFT (medians): {back_ms / live_ms:.2f}x ({back_ms - live_ms:+.0f} ms); "
         f"restored/cold: {back_ms / cold_ms:.3f}; live/cold: {live_ms / cold_ms:.3f}"
     )
-    fills = [p.notes.get("fill", {}) for p in back]
-    print(_restart_line(back, fills))
+    print(_restart_line(back))
     same_turn = all(p.messages2 == passes[0].messages2 for p in passes)
-    prompt_ns = {p.turn2.timings.get("prompt_n") for p in passes}
+    prompt_ns = {_prompt_n(p.turn2) for p in passes}
     same_out = len({p.turn2.content for p in passes}) == 1
     print(
         f"same turn-2 messages in every pass: {same_turn}; turn-2 prompt_n equal: {len(prompt_ns) == 1}; "
         f"same turn-2 output: {same_out}"
     )
     restored = all(p.turn2.cache == "restored" for p in back) and all(
-        f.get("source") == "store" for f in fills
+        p.fill is not None and p.fill.source == "store" for p in back
     )
     return 0 if same_turn and len(prompt_ns) == 1 and restored else 1
 
@@ -725,6 +772,17 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+@dataclass(frozen=True)
+class GatewayReport(Wire):
+    """What `--json` writes: the parts that ran (the others absent)."""
+
+    sparse = True
+    bench: str
+    overhead: list[OverheadReport] | None = None
+    routing: list[RoutingReport] | None = None
+    restore_ok: bool | None = None
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     parts = args.only or ["overhead", "routing", "restore"]
@@ -733,16 +791,15 @@ def main(argv: list[str]) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         rc = 0
         t0 = time.perf_counter()
-        report: dict[str, Any] = {"bench": "gateway"}
-        if "overhead" in parts:
-            report["overhead"] = overhead(args, workdir)
-        if "routing" in parts:
-            report["routing"] = routing.routing(args, workdir)
+        overheads = overhead(args, workdir) if "overhead" in parts else None
+        routings = routing.routing(args, workdir) if "routing" in parts else None
+        restore_ok = None
         if "restore" in parts:
             rc = restore(args, workdir)
-            report["restore_ok"] = rc == 0
+            restore_ok = rc == 0
         if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=2))
+            report = GatewayReport("gateway", overheads, routings, restore_ok)
+            Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
         print(
             f"\n(wall {time.perf_counter() - t0:.0f} s; logs in {workdir if args.workdir else 'a temp dir'})"
         )

@@ -33,15 +33,17 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 
+from engine_pool.protocol.chat_types import ChatBody, ChatMessage, ChatTool
+from engine_pool.protocol.codec import Wire
 from gateway.bench import gateway as gateway_bench
+from gateway.bench.harness.answers import ChatAnswer, InputTokens, Timings, chat_answer
 from gateway.bench.harness.servers import CREDS, make_bucket, weed_mini
 from gateway.bench.harness.upstream import Flags, start
 from native.model_gen import cached_model
@@ -63,7 +65,7 @@ TASKS = (
 TEMPLATE_SLACK = 64  # tokens a new session may evaluate beyond its own message (the template's)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Row:
     server: str
     phase: str
@@ -72,6 +74,58 @@ class Row:
     prompt_n: int
     ttft_ms: float
     served: str
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """A resumed turn of the last live session (its next message)."""
+
+    prompt_n: int
+    ttft_ms: float
+    served: str
+
+
+@dataclass(frozen=True)
+class OursRun:
+    """Our phases: the rows, the calibrated system prompt, the shared prefix's and a first message's
+    own tokens, the resumed turns; `second_node` says why that phase was skipped (None: it ran)."""
+
+    rows: list[Row]
+    system: str
+    prefix_tokens: int
+    own_tokens: int
+    resumed: list[Resumed]
+    second_node: str | None
+
+
+@dataclass(frozen=True)
+class PhaseSummary:
+    """One server's phase: its first session's and the median and max prompt_n and TTFT, and
+    whether every session after the first evaluated its own tokens plus the template's alone."""
+
+    first_prompt_n: int
+    first_ttft_ms: float
+    median_prompt_n: float
+    max_prompt_n: int
+    median_ttft_ms: float
+    within_own_plus_64: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefixReport(Wire):
+    """What `--json` writes; `second_node` only when that phase was skipped (why)."""
+
+    sparse = True
+    bench: str
+    model: str
+    sessions: int
+    slots: int
+    prefix_tokens: int
+    own_tokens: int
+    resumed: list[Resumed]
+    second_node: str | None = None
+    rows: list[Row]
+    summary: dict[str, object]  # see `summary`
 
 
 def system_prompt(words: int) -> str:
@@ -84,7 +138,7 @@ def system_prompt(words: int) -> str:
     return "You are a coding agent working in a large repository.\n" + "\n".join(lines)
 
 
-def tools(count: int) -> list[dict[str, Any]]:
+def tools(count: int) -> list[ChatTool]:
     def word(n: int) -> str:
         return WORDS[n % len(WORDS)]
 
@@ -116,17 +170,18 @@ def first_message(phase: str, i: int) -> str:
 class Chat:
     """One server's chat completions endpoint, as an agent calls it."""
 
-    def __init__(self, name: str, url: str, system: str, tool_list: list[dict[str, Any]]) -> None:
+    def __init__(self, name: str, url: str, system: str, tool_list: list[ChatTool]) -> None:
         self.name, self.url = name, url
         self.system, self.tools = system, tool_list
         self.client = httpx.Client(timeout=3600)
 
     def ask(
-        self, messages: list[dict[str, Any]], session: str | None = None, max_tokens: int = 1
-    ) -> tuple[dict[str, Any], float, str]:
+        self, messages: Sequence[Mapping[str, object]], session: str | None = None, max_tokens: int = 1
+    ) -> tuple[ChatAnswer, float, str]:
         """The answer, its wall time in ms (with one token answered: the time to first token) and how
-        the gateway served it (empty for llama-server)."""
-        body = {
+        the gateway served it (empty for llama-server). `messages`: those we write, and the messages
+        answered before, as they came."""
+        body: ChatBody = {
             "messages": [{"role": "system", "content": self.system}, *messages],
             "tools": self.tools,
             "max_tokens": max_tokens,
@@ -140,31 +195,34 @@ class Chat:
         wall = (time.perf_counter() - t0) * 1000
         if resp.status_code != 200:
             raise RuntimeError(f"{self.name}: HTTP {resp.status_code}: {resp.text[:400]}")
-        return resp.json(), wall, resp.headers.get("x-slotkeeper-cache", "")
+        return chat_answer(resp.json()), wall, resp.headers.get("x-slotkeeper-cache", "")
 
     def row(self, phase: str, i: int, session: str | None) -> Row:
-        out, wall, served = self.ask([{"role": "user", "content": first_message(phase, i)}], session)
-        usage, timings = out["usage"], out["timings"]
+        out, wall, served = self.ask([user(first_message(phase, i))], session)
+        timings = out.timed()
         return Row(
-            self.name,
-            phase,
-            i,
-            int(usage["prompt_tokens"]),
-            int(timings["prompt_n"]),
-            wall,
-            served or f"cache_n={timings.get('cache_n', '')}",
+            self.name, phase, i, out.prompt_tokens(), timings.prompt_n, wall, served or cache_n(timings)
         )
 
     def close(self) -> None:
         self.client.close()
 
 
-def count_tokens(chat: Chat, user: str) -> int:
-    """The prompt's tokens for a first message `user`, as the engine renders it."""
-    messages = [{"role": "system", "content": chat.system}, {"role": "user", "content": user}]
-    body = {"model": "m", "messages": messages, "tools": chat.tools}
+def user(text: str) -> ChatMessage:
+    return {"role": "user", "content": text}
+
+
+def cache_n(timings: Timings) -> str:
+    """How llama-server served a turn: the prompt tokens its cache gave."""
+    return f"cache_n={'' if timings.cache_n is None else timings.cache_n}"
+
+
+def count_tokens(chat: Chat, text: str) -> int:
+    """The prompt's tokens for a first message `text`, as the engine renders it."""
+    messages: list[ChatMessage] = [{"role": "system", "content": chat.system}, user(text)]
+    body: ChatBody = {"model": "m", "messages": messages, "tools": chat.tools}
     resp = chat.client.post(chat.url + "/v1/chat/completions/input_tokens", json=body)
-    return int(resp.json()["input_tokens"])
+    return InputTokens.from_json(resp.json()).input_tokens
 
 
 def calibrate(chat: Chat, target: int) -> None:
@@ -192,13 +250,7 @@ def store(args: argparse.Namespace, workdir: Path) -> Iterator[list[str]]:
         yield ["--s3-endpoint", endpoint, "--s3-bucket", "slots"]
 
 
-def ours(
-    args: argparse.Namespace,
-    model: str,
-    tool_list: list[dict[str, Any]],
-    workdir: Path,
-    report: dict[str, Any],
-) -> list[Row]:
+def ours(args: argparse.Namespace, model: str, tool_list: list[ChatTool], workdir: Path) -> OursRun:
     gw = gateway_bench
     env = {
         **os.environ,
@@ -206,6 +258,7 @@ def ours(
         "AWS_SECRET_ACCESS_KEY": CREDS["aws_secret_access_key"],
     }
     rows: list[Row] = []
+    second_node = None
     with store(args, workdir) as s3:
 
         def flags(data: str) -> list[str]:
@@ -222,33 +275,31 @@ def ours(
         chat = Chat("slotkeeper", serve.url, "", tool_list)
         try:
             calibrate(chat, args.system_tokens)
-            report["system_text"] = chat.system
-            report["prefix_tokens"] = count_tokens(chat, "")
-            report["own_tokens"] = count_tokens(chat, first_message("live", 0)) - report["prefix_tokens"]
+            system = chat.system
+            prefix_tokens = count_tokens(chat, "")
+            own_tokens = count_tokens(chat, first_message("live", 0)) - prefix_tokens
             rows += sessions(chat, serve.url, "live", args.sessions)
             # Resumed turns: the last session's next three messages, one after another (each goes
             # on from the turn before it: a turn from an earlier point would start a branch).
             last = args.sessions - 1
             session = f"live-{last}"
-            first = {"role": "user", "content": first_message("live", last)}
+            first = user(first_message("live", last))
 
-            def turn(messages: list[dict[str, Any]]) -> tuple[dict[str, Any], float, str]:
+            def turn(messages: list[Mapping[str, object]]) -> tuple[ChatAnswer, float, str]:
                 # Each once the one before has been saved (as the new sessions are).
                 before = generation(serve.url, session)
                 out = chat.ask(messages, session)
                 wait_durable(serve.url, [session], above=before)
                 return out
 
-            answer = turn([first])[0]["choices"][0]["message"]  # (identical: nothing evaluated)
-            resumed, history = [], [first, answer]
+            answer = turn([first])[0].message  # (identical: nothing evaluated)
+            resumed: list[Resumed] = []
+            history: list[Mapping[str, object]] = [first, answer]
             for k in range(3):
-                history.append({"role": "user", "content": first_message(f"next{k}", last)})
+                history.append(user(first_message(f"next{k}", last)))
                 out, wall, served = turn(history)
-                history.append(out["choices"][0]["message"])
-                resumed.append(
-                    {"prompt_n": int(out["timings"]["prompt_n"]), "ttft_ms": wall, "served": served}
-                )
-            report["resumed"] = resumed
+                history.append(out.message)
+                resumed.append(Resumed(out.timed().prompt_n, wall, served))
         finally:
             chat.close()
             serve.kill()  # SIGKILL: nothing saved on the way out
@@ -256,7 +307,7 @@ def ours(
         def phase(name: str, log: str, data: str) -> list[Row]:
             """New sessions on a new serve process (the one before was SIGKILLed)."""
             serve = gw.start_serve(workdir, log, flags(data), env)
-            chat = Chat("slotkeeper", serve.url, report["system_text"], tool_list)
+            chat = Chat("slotkeeper", serve.url, system, tool_list)
             try:
                 return sessions(chat, serve.url, name, args.sessions)
             finally:
@@ -267,8 +318,8 @@ def ours(
         if s3:
             rows += phase("second node", "serve-second-node", "node-b")
         else:
-            report["second_node"] = "skipped: no SeaweedFS (weed) to share a bucket between two processes"
-    return rows
+            second_node = "skipped: no SeaweedFS (weed) to share a bucket between two processes"
+    return OursRun(rows, system, prefix_tokens, own_tokens, resumed, second_node)
 
 
 def sessions(chat: Chat, url: str, phase: str, n: int) -> list[Row]:
@@ -298,7 +349,7 @@ def wait_durable(url: str, sessions: list[str], above: int = 0, timeout: float =
 
 
 def upstream(
-    args: argparse.Namespace, model: str, system: str, tool_list: list[dict[str, Any]], workdir: Path
+    args: argparse.Namespace, model: str, system: str, tool_list: list[ChatTool], workdir: Path
 ) -> list[Row]:
     flags = Flags(model, slots=args.slots, ctx=args.ctx * args.slots)
     rows: list[Row] = []
@@ -313,9 +364,11 @@ def upstream(
     return rows
 
 
-def summary(rows: list[Row], report: dict[str, Any]) -> dict[str, Any]:
-    own = int(report.get("own_tokens", 0))
-    out: dict[str, Any] = {}
+def summary(rows: list[Row], own: int, resumed: list[Resumed]) -> dict[str, object]:
+    """The summary's JSON object: a `PhaseSummary` under "SERVER / PHASE" for each phase that ran,
+    `new_vs_resumed_ttft` and `restart_first_ttft_ratio` when there is what they compare, and the
+    goals (name -> met)."""
+    phases: dict[str, PhaseSummary] = {}
     for server in ("slotkeeper", "llama-server"):
         for phase in ("live", "restart", "second node"):
             got = [r for r in rows if (r.server, r.phase) == (server, phase)]
@@ -324,20 +377,21 @@ def summary(rows: list[Row], report: dict[str, Any]) -> dict[str, Any]:
             # The first live session evaluates everything (nothing to share yet), and llama-server's
             # first one in each phase (it keeps nothing across a restart).
             later = got[1:] if server == "llama-server" or phase == "live" else got
-            out[f"{server} / {phase}"] = {
-                "first_prompt_n": got[0].prompt_n,
-                "first_ttft_ms": round(got[0].ttft_ms, 1),
-                "median_prompt_n": statistics.median(r.prompt_n for r in got),
-                "max_prompt_n": max(r.prompt_n for r in got),
-                "median_ttft_ms": round(statistics.median(r.ttft_ms for r in got), 1),
-                "within_own_plus_64": all(r.prompt_n <= own + TEMPLATE_SLACK for r in later),
-            }
-    resumed = report.get("resumed") or []
-    if resumed and "slotkeeper / live" in out:
-        resumed_ms = statistics.median(r["ttft_ms"] for r in resumed)
+            phases[f"{server} / {phase}"] = PhaseSummary(
+                first_prompt_n=got[0].prompt_n,
+                first_ttft_ms=round(got[0].ttft_ms, 1),
+                median_prompt_n=statistics.median(r.prompt_n for r in got),
+                max_prompt_n=max(r.prompt_n for r in got),
+                median_ttft_ms=round(statistics.median(r.ttft_ms for r in got), 1),
+                within_own_plus_64=all(r.prompt_n <= own + TEMPLATE_SLACK for r in later),
+            )
+    out: dict[str, object] = dict(phases)
+    new_vs_resumed, restart_ratio = 99.0, 0.0  # (goals not met when there is nothing to compare)
+    if resumed and "slotkeeper / live" in phases:
+        resumed_ms = statistics.median(r.ttft_ms for r in resumed)
         new = [r.ttft_ms for r in rows if r.server == "slotkeeper" and r.phase == "live"][1:]
         new_ms = statistics.median(new) if new else resumed_ms
-        out["new_vs_resumed_ttft"] = round(new_ms / resumed_ms, 2)
+        out["new_vs_resumed_ttft"] = new_vs_resumed = round(new_ms / resumed_ms, 2)
     ours_first = next(
         (r for r in rows if (r.server, r.phase, r.session) == ("slotkeeper", "restart", 0)), None
     )
@@ -345,17 +399,14 @@ def summary(rows: list[Row], report: dict[str, Any]) -> dict[str, Any]:
         (r for r in rows if (r.server, r.phase, r.session) == ("llama-server", "restart", 0)), None
     )
     if ours_first and theirs_first:
-        out["restart_first_ttft_ratio"] = round(theirs_first.ttft_ms / ours_first.ttft_ms, 1)
-    goals = {
+        out["restart_first_ttft_ratio"] = restart_ratio = round(theirs_first.ttft_ms / ours_first.ttft_ms, 1)
+    out["goals"] = {
         "own tokens + <= 64 in every phase": all(
-            v["within_own_plus_64"]
-            for k, v in out.items()
-            if k.startswith("slotkeeper") and isinstance(v, dict)
+            v.within_own_plus_64 for k, v in phases.items() if k.startswith("slotkeeper")
         ),
-        "new session TTFT <= 1.3x a resumed turn": out.get("new_vs_resumed_ttft", 99.0) <= 1.3,
-        "after a restart >= 10x less TTFT than llama-server": out.get("restart_first_ttft_ratio", 0.0) >= 10,
+        "new session TTFT <= 1.3x a resumed turn": new_vs_resumed <= 1.3,
+        "after a restart >= 10x less TTFT than llama-server": restart_ratio >= 10,
     }
-    out["goals"] = goals
     return out
 
 
@@ -378,29 +429,31 @@ def main(argv: list[str]) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # (one line per request otherwise)
     model = os.path.abspath(args.model or cached_model(args.models_dir, "qwen35", size="bench"))
     tool_list = tools(args.tools)
-    report: dict[str, Any] = {
-        "bench": "prefix",
-        "model": os.path.basename(model),
-        "sessions": args.sessions,
-        "slots": args.slots,
-    }
     with tempfile.TemporaryDirectory(prefix="bench-prefix-") as tmp:
         workdir = Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        rows = ours(args, model, tool_list, workdir, report)
-        if not args.no_upstream:
-            rows += upstream(args, model, report["system_text"], tool_list, workdir)
-    report["rows"] = [asdict(r) for r in rows]
-    del report["system_text"]
-    report["summary"] = summary(rows, report)
+        run = ours(args, model, tool_list, workdir)
+        theirs = [] if args.no_upstream else upstream(args, model, run.system, tool_list, workdir)
+    rows = run.rows + theirs
+    report = PrefixReport(
+        bench="prefix",
+        model=os.path.basename(model),
+        sessions=args.sessions,
+        slots=args.slots,
+        prefix_tokens=run.prefix_tokens,
+        own_tokens=run.own_tokens,
+        resumed=run.resumed,
+        second_node=run.second_node,
+        rows=rows,
+        summary=summary(rows, run.own_tokens, run.resumed),
+    )
+    written = report.to_json()
     print(f"{'server':13} {'phase':12} {'#':>3} {'prompt':>7} {'prompt_n':>8} {'ttft ms':>9}  served")
     for r in rows:
         line = f"{r.server:13} {r.phase:12} {r.session:3d} {r.prompt_tokens:7d} {r.prompt_n:8d}"
         print(f"{line} {r.ttft_ms:9.1f}  {r.served}")
-    print(
-        f"own tokens of a first message: {report.get('own_tokens')}; resumed turns: {report.get('resumed')}"
-    )
-    print(json.dumps(report["summary"], indent=2))
+    print(f"own tokens of a first message: {run.own_tokens}; resumed turns: {written['resumed']}")
+    print(json.dumps(written["summary"], indent=2))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        Path(args.json).write_text(json.dumps(written, indent=2))
     return 0

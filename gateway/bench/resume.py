@@ -19,12 +19,13 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import jinja2.sandbox
 
 import native
+from engine_pool.protocol.codec import Wire
 from gateway.bench.harness import sidebyside
 from gateway.bench.harness.prompts import CHUNK, SYSTEM
 from gateway.bench.harness.upstream import Flags
@@ -34,6 +35,44 @@ CHATML = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+@dataclass(frozen=True)
+class CaseRow:
+    """One in-process case: prompt tokens evaluated, the engine's prompt ms, the wall ms (the
+    restore included when restored)."""
+
+    case: str
+    prompt_n: int
+    prompt_ms: float
+    wall_ms: float
+
+
+@dataclass(frozen=True)
+class InProcess:
+    prompt_tokens: int
+    slot_file_bytes: int
+    restored_tokens_equal_live: bool
+    rows: list[CaseRow]
+
+
+@dataclass(frozen=True)
+class SideBySide:
+    summary: sidebyside.Summary
+    rows: dict[str, list[sidebyside.Row]]  # per server kind
+
+
+@dataclass(frozen=True)
+class ResumeReport(Wire):
+    """What `--json` writes; the parts over HTTP only when they ran (absent otherwise)."""
+
+    sparse = True
+    bench: str
+    model: str
+    tokens: int
+    in_process: InProcess
+    side_by_side: SideBySide | None = None
+    ttft_curve: dict[str, list[sidebyside.CurvePoint]] | None = None
 
 
 def _render(template: str, messages: list[dict[str, str]]) -> str:
@@ -79,19 +118,21 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--json", help="also write the results here as JSON")
     args = ap.parse_args(argv)
     model = args.model or cached_model(args.models_dir, "qwen35", size="bench")
-    report: dict[str, Any] = {"bench": "resume", "model": os.path.basename(model), "tokens": args.tokens}
-    rc = _in_process(model, args, report)
+    rc, in_process = _in_process(model, args)
+    side: SideBySide | None = None
+    curve: dict[str, list[sidebyside.CurvePoint]] | None = None
     if args.upstream or args.curve:
         with tempfile.TemporaryDirectory(prefix="bench-resume-") as tmp:
             workdir = Path(args.workdir or tmp)
             workdir.mkdir(parents=True, exist_ok=True)
-            _over_http(model, args, workdir, report)
+            side, curve = _over_http(model, args, workdir)
+    report = ResumeReport("resume", os.path.basename(model), args.tokens, in_process, side, curve)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
     return rc
 
 
-def _in_process(model: str, args: argparse.Namespace, report: dict[str, Any]) -> int:
+def _in_process(model: str, args: argparse.Namespace) -> tuple[int, InProcess]:
     eng = _engine(model, args)
     tmpl = eng.model.chat_template or CHATML
     user = ""
@@ -159,13 +200,8 @@ def _in_process(model: str, args: argparse.Namespace, report: dict[str, Any]) ->
         f"prompt ms ratio {rows[2][2] / max(rows[1][2], 1e-9):.2f}, wall incl. restore ratio "
         f"{rows[2][3] / max(rows[1][3], 1e-9):.2f}; tokens identical: {same}"
     )
-    report["in_process"] = {
-        "prompt_tokens": len(prompt1),
-        "slot_file_bytes": saved.n_bytes,
-        "restored_tokens_equal_live": same,
-        "rows": [{"case": r[0], "prompt_n": r[1], "prompt_ms": r[2], "wall_ms": r[3]} for r in rows],
-    }
-    return 0 if same else 1
+    cases = [CaseRow(*r) for r in rows]
+    return (0 if same else 1), InProcess(len(prompt1), saved.n_bytes, same, cases)
 
 
 def _conversation(eng: native.Engine, tmpl: str, tokens: int) -> list[dict[str, str]]:
@@ -177,8 +213,11 @@ def _conversation(eng: native.Engine, tmpl: str, tokens: int) -> list[dict[str, 
     return msgs
 
 
-def _over_http(model: str, args: argparse.Namespace, workdir: Path, report: dict[str, Any]) -> None:
-    """Our engine process and llama-server on the same model, flags and conversations."""
+def _over_http(
+    model: str, args: argparse.Namespace, workdir: Path
+) -> tuple[SideBySide | None, dict[str, list[sidebyside.CurvePoint]] | None]:
+    """Our engine process and llama-server on the same model, flags and conversations: the side by
+    side rows (with `--upstream`) and the TTFT curve (with `--curve`)."""
     tokenizer = native.Engine(native.EngineConfig(model, n_slots=1, n_ctx=512))  # vocab + template only
     tmpl = tokenizer.model.chat_template or CHATML
     first = _conversation(tokenizer, tmpl, args.tokens)
@@ -192,6 +231,8 @@ def _over_http(model: str, args: argparse.Namespace, workdir: Path, report: dict
     tokenizer.close()
     flags = Flags(model, slots=1, ctx=args.ctx, threads=args.threads)
     follow_up = "Fix the bug."
+    side: SideBySide | None = None
+    curve: dict[str, list[sidebyside.CurvePoint]] | None = None
     if args.upstream:
         print(
             f"\n== over HTTP (chat completions), side by side: ~{args.tokens}-token conversation, "
@@ -201,16 +242,12 @@ def _over_http(model: str, args: argparse.Namespace, workdir: Path, report: dict
             k: sidebyside.resume_rows(k, flags, first, follow_up, divergent, args.n_predict, workdir)
             for k in sidebyside.KINDS
         }
-        summary = sidebyside.print_side_by_side(rows)
-        report["side_by_side"] = {
-            "summary": summary,
-            "rows": {k: [vars(r) for r in v] for k, v in rows.items()},
-        }
+        side = SideBySide(sidebyside.print_side_by_side(rows), rows)
     if lengths:
         print("\n== restored next turn: time to first token against the session's length ==")
         kinds = sidebyside.KINDS if args.upstream else ("slotkeeper",)
         curve = sidebyside.ttft_curve(kinds, flags, lengths, builds.__getitem__, follow_up, workdir)
-        report["ttft_curve"] = curve
         if args.plot:
             sidebyside.plot(curve, Path(args.plot), f"{os.path.basename(model)}: next turn after a restart")
             print(f"plot: {args.plot}")
+    return side, curve

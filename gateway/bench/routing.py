@@ -21,14 +21,18 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from engine_pool.protocol.codec import Wire
 from gateway.bench.harness.redis_topologies import redis_cluster
 from gateway.bench.harness.report import pct, table
 from gateway.bench.harness.servers import redis_server
 from storage.index.prefix_digests import DEFAULT_ROUTES_PER_SESSION, ROUTE
+
+if TYPE_CHECKING:
+    from gateway.tenants import Tenant
 
 # what each synthetic session's system prompt opens with (bench gateway's sessions open with it too)
 SYSTEM = (
@@ -126,7 +130,7 @@ class Decider:
     runner: Any
     cluster: Any
     index: Any
-    tenants: dict[str, Any]
+    tenants: dict[str, Tenant]
     model: str
 
     async def stages(self, messages: list[dict[str, str]]) -> tuple[Any, list[float]]:
@@ -321,7 +325,42 @@ def pure_choose(fleet: Fleet, pool_view: list[Any], args: argparse.Namespace) ->
     return n / (time.perf_counter() - t0)
 
 
-async def _routing_async(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class BackendReport:
+    """One index backend's decisions: rates, per-stage p50s, Redis commands and memory."""
+
+    backend: str
+    load_s: float
+    decisions_per_s: float
+    decisions_per_s_concurrent: float
+    redis_commands_per_stage: list[float] | None  # redis-server only
+    redis_bytes_per_session: float | None  # real servers only
+    stage_p50_us: list[float]
+    decision_p50_us: float
+    decision_p99_us: float
+    placements: dict[str, int]  # how the decisions would serve -> count
+
+
+@dataclass(frozen=True)
+class RoutingReport:
+    """One population's decisions on every backend, and `choose_placement` alone."""
+
+    sessions: int
+    engines: int
+    slots: int
+    choose_placement_per_s: float
+    backends: list[BackendReport]
+
+
+@dataclass(frozen=True)
+class RoutingBenchReport(Wire):
+    """What `slotkeeper bench routing --json` writes."""
+
+    bench: str
+    routing: list[RoutingReport]
+
+
+async def _routing_async(args: argparse.Namespace, workdir: Path) -> list[RoutingReport]:
     import redis.asyncio as aioredis
 
     from storage.index.session_index import in_process_redis
@@ -389,31 +428,26 @@ def _used_memory_of(port: int) -> Callable[[], int]:
     return read
 
 
-def _routing_report(fleet: Fleet, results: list[RoutingResult], pure: float) -> dict[str, Any]:
-    return {
-        "sessions": len(fleet.sessions),
-        "engines": len(fleet.engines),
-        "slots": fleet.slots,
-        "choose_placement_per_s": pure,
-        "backends": [
-            {
-                "backend": r.backend,
-                "load_s": r.load_s,
-                "decisions_per_s": r.sequential_per_s,
-                "decisions_per_s_concurrent": r.concurrent_per_s,
-                "redis_commands_per_stage": r.commands,
-                "redis_bytes_per_session": r.bytes_per_session,
-                "stage_p50_us": [pct(us, 50) for us in r.stage_us],
-                "decision_p50_us": pct([sum(v) for v in zip(*r.stage_us, strict=True)], 50),
-                "decision_p99_us": pct([sum(v) for v in zip(*r.stage_us, strict=True)], 99),
-                "placements": r.serves,
-            }
-            for r in results
-        ],
-    }
+def _routing_report(fleet: Fleet, results: list[RoutingResult], pure: float) -> RoutingReport:
+    backends = [
+        BackendReport(
+            backend=r.backend,
+            load_s=r.load_s,
+            decisions_per_s=r.sequential_per_s,
+            decisions_per_s_concurrent=r.concurrent_per_s,
+            redis_commands_per_stage=r.commands,
+            redis_bytes_per_session=r.bytes_per_session,
+            stage_p50_us=[pct(us, 50) for us in r.stage_us],
+            decision_p50_us=pct([sum(v) for v in zip(*r.stage_us, strict=True)], 50),
+            decision_p99_us=pct([sum(v) for v in zip(*r.stage_us, strict=True)], 99),
+            placements=r.serves,
+        )
+        for r in results
+    ]
+    return RoutingReport(len(fleet.sessions), len(fleet.engines), fleet.slots, pure, backends)
 
 
-def routing(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+def routing(args: argparse.Namespace, workdir: Path) -> list[RoutingReport]:
     from engine_pool.process import logs
 
     logs.configure("json", "warning")  # the index logs every registration; keep the table readable
@@ -546,7 +580,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
         workdir = Path(args.workdir or tmp).resolve()
         workdir.mkdir(parents=True, exist_ok=True)
-        report = {"bench": "routing", "routing": routing(args, workdir)}
+        report = RoutingBenchReport("routing", routing(args, workdir))
         if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=2))
+            Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
     return 0

@@ -29,20 +29,33 @@ import logging
 import os
 import statistics
 import tempfile
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
+from engine_pool.protocol.chat_types import ChatTool
+from engine_pool.protocol.codec import Wire
 from gateway.bench import gateway as gateway_bench
 from gateway.bench.harness.upstream import Flags, start
-from gateway.bench.prefix import WORDS, Chat, calibrate, count_tokens, generation, tools, wait_durable
+from gateway.bench.prefix import (
+    WORDS,
+    Chat,
+    cache_n,
+    calibrate,
+    count_tokens,
+    generation,
+    tools,
+    user,
+    wait_durable,
+)
 from native.model_gen import cached_model
 
 LIVE_SLACK = 1.2  # rounds 2.. against a live turn
 UPSTREAM_FACTOR = 10.0  # rounds 2.. against llama-server's
 
 
-@dataclass
+@dataclass(frozen=True)
 class Turn:
     server: str
     round: int  # 1: the session's first turn; "live" turns are round 0
@@ -51,6 +64,45 @@ class Turn:
     prompt_n: int  # tokens evaluated
     ms: float  # time to answer
     served: str  # how the gateway served it (llama-server: its cache_n)
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Turns of a round (or the whole run): prompt tokens evaluated and sent, times to answer."""
+
+    turns: int
+    evaluated: int
+    prompt_tokens: int
+    median_ms: float
+    p90_ms: float
+    answering_ms: float
+
+
+# A server's rounds in the summary (its keys are the report's, spaces included).
+ServerRounds = TypedDict(
+    "ServerRounds",
+    {
+        "rounds": dict[str, Stats],  # round number -> its turns
+        "rounds 2..": Stats | None,  # None: one round only
+        "whole run": Stats,
+    },
+)
+
+
+@dataclass(frozen=True)
+class SessionsReport(Wire):
+    """What `--json` writes."""
+
+    bench: str
+    model: str
+    sessions: int
+    slots: int
+    rounds: int
+    max_tokens: int
+    system_tokens: int
+    task_lines: int
+    turns: list[Turn]
+    summary: dict[str, object]  # see `summary`
 
 
 def task_text(session: int, lines: int) -> str:
@@ -79,27 +131,28 @@ class Agent:
 
     def __init__(self, index: int, lines: int) -> None:
         self.index, self.session = index, f"agent-{index}"
-        self.history: list[dict[str, Any]] = [{"role": "user", "content": task_text(index, lines)}]
+        # the messages we write, and those answered, as they came (an agent sends them back)
+        self.history: list[Mapping[str, object]] = [user(task_text(index, lines))]
 
     def turn(self, chat: Chat, server: str, round_no: int, max_tokens: int, session: bool) -> Turn:
         if round_no != 1:
-            self.history.append({"role": "user", "content": next_message(round_no, self.index)})
+            self.history.append(user(next_message(round_no, self.index)))
         out, ms, served = chat.ask(self.history, self.session if session else None, max_tokens)
-        self.history.append(out["choices"][0]["message"])  # what it answered, as an agent sends it back
-        timings = out["timings"]
+        self.history.append(out.message)
+        timings = out.timed()
         return Turn(
             server,
             round_no,
             self.index,
-            int(out["usage"]["prompt_tokens"]),
-            int(timings["prompt_n"]),
+            out.prompt_tokens(),
+            timings.prompt_n,
             ms,
-            served or f"cache_n={timings.get('cache_n', '')}",
+            served or cache_n(timings),
         )
 
 
 def ours(
-    args: argparse.Namespace, model: str, tool_list: list[dict[str, Any]], workdir: Path
+    args: argparse.Namespace, model: str, tool_list: list[ChatTool], workdir: Path
 ) -> tuple[list[Turn], str, int]:
     """Our rounds and live turns, and the system prompt and file length they used."""
     flags = [
@@ -135,7 +188,7 @@ def upstream(
     args: argparse.Namespace,
     model: str,
     system: str,
-    tool_list: list[dict[str, Any]],
+    tool_list: list[ChatTool],
     lines: int,
     workdir: Path,
 ) -> list[Turn]:
@@ -161,46 +214,53 @@ def p90(values: list[float]) -> float:
     return statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
 
 
-def stats(turns: list[Turn]) -> dict[str, Any]:
+def stats(turns: list[Turn]) -> Stats:
     ms = [t.ms for t in turns]
-    return {
-        "turns": len(turns),
-        "evaluated": sum(t.prompt_n for t in turns),
-        "prompt_tokens": sum(t.prompt_tokens for t in turns),
-        "median_ms": round(statistics.median(ms), 1),
-        "p90_ms": round(p90(ms), 1),
-        "answering_ms": round(sum(ms), 1),
-    }
+    return Stats(
+        turns=len(turns),
+        evaluated=sum(t.prompt_n for t in turns),
+        prompt_tokens=sum(t.prompt_tokens for t in turns),
+        median_ms=round(statistics.median(ms), 1),
+        p90_ms=round(p90(ms), 1),
+        answering_ms=round(sum(ms), 1),
+    )
 
 
-def summary(turns: list[Turn], rounds: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def summary(turns: list[Turn], rounds: int) -> dict[str, object]:
+    """The summary's JSON object: each server's `ServerRounds` under its name, the live turns'
+    `Stats` ("live turn"), the ratios of rounds 2.. when there is what they compare, and the goals
+    (name -> met, None: not measured)."""
+    servers: dict[str, ServerRounds] = {}
     for server in ("slotkeeper", "llama-server"):
         mine = [t for t in turns if t.server == server and t.round >= 1]
         if not mine:
             continue
         per_round = {str(r): stats([t for t in mine if t.round == r]) for r in range(1, rounds + 1)}
         later = [t for t in mine if t.round >= 2]
-        out[server] = {
+        servers[server] = {
             "rounds": per_round,
             "rounds 2..": stats(later) if later else None,
             "whole run": stats(mine),
         }
+    out: dict[str, object] = dict(servers)
     live = [t for t in turns if t.round == 0]
-    if live:
-        out["live turn"] = stats(live)
-    ours_later = (out.get("slotkeeper") or {}).get("rounds 2..")
-    theirs_later = (out.get("llama-server") or {}).get("rounds 2..")
+    live_turn = stats(live) if live else None
+    if live_turn:
+        out["live turn"] = live_turn
+    ours_later = servers["slotkeeper"]["rounds 2.."] if "slotkeeper" in servers else None
+    theirs_later = servers["llama-server"]["rounds 2.."] if "llama-server" in servers else None
     goals: dict[str, bool | None] = {
         "rounds 2.. <= 1.2x a live turn": None,
         "rounds 2.. >= 10x llama-server": None,
     }
-    if ours_later and live:
-        out["rounds 2.. / live turn"] = round(ours_later["median_ms"] / out["live turn"]["median_ms"], 2)
-        goals["rounds 2.. <= 1.2x a live turn"] = out["rounds 2.. / live turn"] <= LIVE_SLACK
+    if ours_later and live_turn:
+        out["rounds 2.. / live turn"] = ratio = round(ours_later.median_ms / live_turn.median_ms, 2)
+        goals["rounds 2.. <= 1.2x a live turn"] = ratio <= LIVE_SLACK
     if ours_later and theirs_later:
-        out["llama-server / ours, rounds 2.."] = round(theirs_later["median_ms"] / ours_later["median_ms"], 1)
-        goals["rounds 2.. >= 10x llama-server"] = out["llama-server / ours, rounds 2.."] >= UPSTREAM_FACTOR
+        out["llama-server / ours, rounds 2.."] = ratio = round(
+            theirs_later.median_ms / ours_later.median_ms, 1
+        )
+        goals["rounds 2.. >= 10x llama-server"] = ratio >= UPSTREAM_FACTOR
     out["goals"] = goals
     return out
 
@@ -237,14 +297,18 @@ def main(argv: list[str]) -> int:
         turns, system, lines = ours(args, model, tool_list, workdir)
         if not args.no_upstream:
             turns += upstream(args, model, system, tool_list, lines, workdir)
-    report: dict[str, Any] = {
-        "bench": "sessions",
-        "model": os.path.basename(model),
-        **{k: getattr(args, k) for k in ("sessions", "slots", "rounds", "max_tokens", "system_tokens")},
-        "task_lines": lines,
-        "turns": [asdict(t) for t in turns],
-        "summary": summary(turns, args.rounds),
-    }
+    report = SessionsReport(
+        bench="sessions",
+        model=os.path.basename(model),
+        sessions=args.sessions,
+        slots=args.slots,
+        rounds=args.rounds,
+        max_tokens=args.max_tokens,
+        system_tokens=args.system_tokens,
+        task_lines=lines,
+        turns=turns,
+        summary=summary(turns, args.rounds),
+    ).to_json()
     print(f"{'server':13} {'round':>5} {'#':>3} {'prompt':>7} {'prompt_n':>8} {'ms':>9}  served")
     for t in turns:
         line = f"{t.server:13} {t.round or 'live':>5} {t.session:3d} {t.prompt_tokens:7d} {t.prompt_n:8d}"

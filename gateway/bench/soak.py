@@ -57,6 +57,9 @@ from typing import Any
 
 import httpx
 
+from engine_pool.protocol.codec import Wire
+from engine_pool.protocol.node import NodeEngine
+from gateway.bench.harness.answers import chat_answer, engine_list
 from gateway.bench.harness.report import pct, table
 from gateway.bench.harness.servers import (
     AWS_ENV,
@@ -113,13 +116,13 @@ class Serve:
     proc: subprocess.Popen[bytes]
     engine_pids: set[int] = field(default_factory=set)
 
-    def engines(self) -> list[dict[str, Any]]:
+    def engines(self) -> list[NodeEngine]:
         r = httpx.get(
             self.node_url + "/v1/engines", headers={"Authorization": f"Bearer {self.key}"}, timeout=5
         )
         r.raise_for_status()
-        engines = list(r.json()["engines"])
-        self.engine_pids |= {int(e["pid"]) for e in engines if e.get("pid")}
+        engines = engine_list(r)
+        self.engine_pids |= {e.pid for e in engines if e.pid}
         return engines
 
     def close(self, graceful: bool) -> None:
@@ -263,10 +266,9 @@ async def honest_turn(client: httpx.AsyncClient, soak: Soak, s: Session, final: 
             h.other[r.status_code] += 1
             h.sample(r.status_code, f"{soak.at()} {s.id}: HTTP {r.status_code}: {r.text}")
             return str(r.status_code)
-        payload = r.json()
+        answer = chat_answer(r.json())
         cache = r.headers.get("x-slotkeeper-cache", "-")
-        details = (payload.get("usage") or {}).get("prompt_tokens_details") or {}
-        cached = details.get("cached_tokens")  # None when missing: nothing to judge reuse by
+        cached = answer.cached_tokens  # None when missing: nothing to judge reuse by
         h.served[s.tenant] += 1
         h.caches[cache] += 1
         h.latency_ms.setdefault(s.tenant, []).append(ms)
@@ -276,8 +278,7 @@ async def honest_turn(client: httpx.AsyncClient, soak: Soak, s: Session, final: 
         if (cache == "cold" or cached == 0) and s.protected(soak, sent):
             why = f"{soak.at()} {'final' if final else 'soak'} turn served {cache}, cached_tokens {cached}, "
             (h.lost if cache == "cold" else h.reprefilled)[s.id] = f"{why}after {len(s.done_at)} turns"
-        content = (payload.get("choices") or [{}])[0].get("message", {}).get("content") or ""
-        s.history += [user, {"role": "assistant", "content": content}]
+        s.history += [user, {"role": "assistant", "content": answer.content}]
         s.done_at.append(time.monotonic())
         s.waited.append(cache in ("restored", "cold") and not forked)
         return cache
@@ -312,8 +313,91 @@ async def honest_worker(client: httpx.AsyncClient, soak: Soak, sessions: list[Se
             s.busy = False
 
 
+# ---------------------------------------------------------------------------------------- the report
+@dataclass(frozen=True)
+class Latency:
+    n: int
+    p50: float
+    p99: float
+
+
+@dataclass(frozen=True)
+class HonestReport:
+    """The honest tenants' requests: statuses (a Counter's keys: status codes), latencies per
+    tenant (and "all honest"), how they were served, samples of what went wrong, and the sessions
+    lost or re-prefilled (id -> why)."""
+
+    served: int
+    status_429: int
+    status_503: int
+    throttled_without_retry_after: int
+    other_statuses: dict[int, int]
+    latency_ms: dict[str, Latency]
+    turn_p99_ms_with_retries: float
+    served_as: dict[str, int]
+    forked: int
+    rollover_deletes: dict[int, int]
+    samples: list[str]
+    lost: dict[str, str]
+    reprefilled: dict[str, str]
+
+
+@dataclass(frozen=True)
+class FinalTurn:
+    """After the soak: engines ready again, the sessions' records by state, their last turn served as."""
+
+    engines_ready: bool
+    records: dict[str, int]
+    served: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Outages:
+    n: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class EngineFaults:
+    sigkills_sent: int
+    restarts_reported: int  # by the node
+    recovery_s: list[float]
+
+
+@dataclass(frozen=True)
+class KindReport:
+    """One hostile input: what is expected, the statuses seen, the unexpected answers (samples)."""
+
+    expect: str
+    statuses: dict[str, int]
+    throttled_then_retried: int
+    p99_ms: float
+    unexpected: list[str]
+
+
+@dataclass(frozen=True)
+class HostileReport:
+    rounds: int
+    kinds: dict[str, KindReport]
+
+
+@dataclass(frozen=True)
+class SoakReport(Wire):
+    """What `--json` writes (and `print_report` prints); `goals`: name -> count, each 0 to pass."""
+
+    duration_s: float
+    honest: HonestReport
+    final_turn: FinalTurn
+    faults: dict[str, Outages]  # per outage kind
+    engines: EngineFaults
+    hostile: HostileReport
+    gateway_request_series: int
+    goals: dict[str, int]
+    ok: bool
+
+
 # ---------------------------------------------------------------------------------------- the soak
-async def verify(client: httpx.AsyncClient, soak: Soak, sessions: list[Session]) -> dict[str, Any]:
+async def verify(client: httpx.AsyncClient, soak: Soak, sessions: list[Session]) -> FinalTurn:
     """Engines ready, then one more turn for every honest session that has completed turns."""
     ready = await engines_ready(client, soak, old_pid=-1, within_s=180)
     records: Counter[str] = Counter()
@@ -335,14 +419,14 @@ async def verify(client: httpx.AsyncClient, soak: Soak, sessions: list[Session])
             served[await honest_turn(client, soak, s, final=True)] += 1
 
     await asyncio.gather(*(one(s) for s in sessions if s.done_at))
-    return {"engines_ready": ready, "records": dict(records), "served": dict(served)}
+    return FinalTurn(ready, dict(records), dict(served))
 
 
 async def soak_run(
-    args: argparse.Namespace, serve: Serve, engine: dict[str, Any], backends: Backends
-) -> dict[str, Any]:
+    args: argparse.Namespace, serve: Serve, engine: NodeEngine, backends: Backends
+) -> SoakReport:
     deadline = time.monotonic() + args.duration_s
-    soak = Soak(args, serve.url, serve.node_url, engine["model"], engine["id"], serve.key, deadline)
+    soak = Soak(args, serve.url, serve.node_url, engine.model, engine.id, serve.key, deadline)
     sessions = make_sessions(args.seed)
     # Idle connections are dropped before the gateway's keep-alive timeout (5 s) can close them under
     # a request in flight: a transport error then is the gateway's, not the keep-alive race's.
@@ -375,7 +459,7 @@ async def soak_run(
         text = (await other.get(serve.url + "/metrics")).text
         series = sum(ln.startswith("slotkeeper_gateway_requests_total{") for ln in text.splitlines())
         leak = "h404-" in text  # a random path became a label value
-        restarts = sum(int(e.get("restarts") or 0) for e in await list_engines(other, soak))
+        restarts = sum(e.restarts for e in await list_engines(other, soak))
     h = soak.honest
     everyone = [x for v in h.latency_ms.values() for x in v]
     goals = {
@@ -386,107 +470,100 @@ async def soak_run(
         "sessions re-prefilled (live/restored, cached_tokens 0)": len(h.reprefilled),
         "hostile answers unexpected": sum(k.n_unexpected for k in soak.kinds.values()),
         f"request series over {MAX_SERIES}, or a 404 path as label": int(series > MAX_SERIES or leak),
-        "engines not ready again within 120 s": soak.not_recovered + (not final["engines_ready"]),
+        "engines not ready again within 120 s": soak.not_recovered + (not final.engines_ready),
     }
     kinds = {
-        n: {
-            "expect": k.expect,
-            "statuses": dict(k.statuses),
-            "throttled_then_retried": k.throttled,
-            "p99_ms": pct(k.ms, 99),
-            "unexpected": k.unexpected,
-        }
+        n: KindReport(k.expect, dict(k.statuses), k.throttled, pct(k.ms, 99), k.unexpected)
         for n, k in soak.kinds.items()
     }
     latency = {
-        t: {"n": len(v), "p50": pct(v, 50), "p99": pct(v, 99)}
+        t: Latency(len(v), pct(v, 50), pct(v, 99))
         for t, v in [*sorted(h.latency_ms.items()), ("all honest", everyone)]
     }
-    return {
-        "duration_s": round(soak_s, 1),
-        "honest": {
-            "served": sum(h.served.values()),
-            "status_429": h.throttled[429],
-            "status_503": h.throttled[503],
-            "throttled_without_retry_after": h.no_retry_after,
-            "other_statuses": dict(h.other),
-            "latency_ms": latency,
-            "turn_p99_ms_with_retries": pct(h.turn_ms, 99),
-            "served_as": dict(h.caches),
-            "forked": h.forked,
-            "rollover_deletes": dict(h.deletes),
-            "samples": h.samples,
-            "lost": h.lost,
-            "reprefilled": h.reprefilled,
-        },
-        "final_turn": final,
-        "faults": {
-            kind: {
-                "n": sum(1 for k, _, _ in soak.faults if k == kind),
-                "seconds": round(sum(t1 - t0 for k, t0, t1 in soak.faults if k == kind), 1),
-            }
-            for kind in args.fault_kinds
-            if kind != "engine"
-        },
-        "engines": {
-            "sigkills_sent": len(soak.kills),
-            "restarts_reported": restarts,
-            "recovery_s": [round(x, 1) for x in soak.recoveries_s],
-        },
-        "hostile": {"rounds": hostile.round, "kinds": kinds},
-        "gateway_request_series": series,
-        "goals": goals,
-        "ok": not any(goals.values()),
-    }
-
-
-def print_report(r: dict[str, Any]) -> None:
-    h, e, f = r["honest"], r["engines"], r["final_turn"]
-    print(
-        f"\n== soak: {r['duration_s']} s, 64 honest sessions of 2 tenants on 8 slots, a hostile tenant, "
-        f"{e['sigkills_sent']} engine SIGKILLs =="
+    honest_report = HonestReport(
+        served=sum(h.served.values()),
+        status_429=h.throttled[429],
+        status_503=h.throttled[503],
+        throttled_without_retry_after=h.no_retry_after,
+        other_statuses=dict(h.other),
+        latency_ms=latency,
+        turn_p99_ms_with_retries=pct(h.turn_ms, 99),
+        served_as=dict(h.caches),
+        forked=h.forked,
+        rollover_deletes=dict(h.deletes),
+        samples=h.samples,
+        lost=h.lost,
+        reprefilled=h.reprefilled,
     )
-    outages = ", ".join(f"{k}: {v['n']} ({v['seconds']:.0f} s)" for k, v in r["faults"].items())
+    outages = {
+        kind: Outages(
+            sum(1 for k, _, _ in soak.faults if k == kind),
+            round(sum(t1 - t0 for k, t0, t1 in soak.faults if k == kind), 1),
+        )
+        for kind in args.fault_kinds
+        if kind != "engine"
+    }
+    engines = EngineFaults(len(soak.kills), restarts, [round(x, 1) for x in soak.recoveries_s])
+    return SoakReport(
+        duration_s=round(soak_s, 1),
+        honest=honest_report,
+        final_turn=final,
+        faults=outages,
+        engines=engines,
+        hostile=HostileReport(hostile.round, kinds),
+        gateway_request_series=series,
+        goals=goals,
+        ok=not any(goals.values()),
+    )
+
+
+def print_report(r: SoakReport) -> None:
+    h, e, f = r.honest, r.engines, r.final_turn
+    print(
+        f"\n== soak: {r.duration_s} s, 64 honest sessions of 2 tenants on 8 slots, a hostile tenant, "
+        f"{e.sigkills_sent} engine SIGKILLs =="
+    )
+    outages = ", ".join(f"{k}: {v.n} ({v.seconds:.0f} s)" for k, v in r.faults.items())
     print(f"outages: {outages or 'none'}")
-    rows = [[t, str(v["n"]), f"{v['p50']:.0f}", f"{v['p99']:.0f}"] for t, v in h["latency_ms"].items()]
+    rows = [[t, str(v.n), f"{v.p50:.0f}", f"{v.p99:.0f}"] for t, v in h.latency_ms.items()]
     print(table(["honest tenant", "served (200)", "p50 ms", "p99 ms"], rows))
     print(
-        f"429: {h['status_429']}, 503: {h['status_503']} (retried after Retry-After; "
-        f"{h['throttled_without_retry_after']} had none); other statuses: {h['other_statuses'] or 'none'}; "
-        f"turn p99 with retries {h['turn_p99_ms_with_retries']:.0f} ms"
+        f"429: {h.status_429}, 503: {h.status_503} (retried after Retry-After; "
+        f"{h.throttled_without_retry_after} had none); other statuses: {h.other_statuses or 'none'}; "
+        f"turn p99 with retries {h.turn_p99_ms_with_retries:.0f} ms"
     )
-    print(f"served as {h['served_as']}, forked {h['forked']}, rollover DELETEs {h['rollover_deletes']}")
+    print(f"served as {h.served_as}, forked {h.forked}, rollover DELETEs {h.rollover_deletes}")
     print(
-        f"final turn: records {f['records']}, served {f['served']}; sessions lost: {len(h['lost'])}, "
-        f"re-prefilled: {len(h['reprefilled'])}"
+        f"final turn: records {f.records}, served {f.served}; sessions lost: {len(h.lost)}, "
+        f"re-prefilled: {len(h.reprefilled)}"
     )
     print(
-        f"engines: {e['sigkills_sent']} SIGKILLs, {e['restarts_reported']} restarts reported by the node, "
-        f"ready again after {e['recovery_s']} s"
+        f"engines: {e.sigkills_sent} SIGKILLs, {e.restarts_reported} restarts reported by the node, "
+        f"ready again after {e.recovery_s} s"
     )
-    lost = [f"lost {sid}: {why}" for sid, why in h["lost"].items()]
-    lost += [f"re-prefilled {sid}: {why}" for sid, why in h["reprefilled"].items()]
-    for line in h["samples"] + lost[:12]:
+    lost = [f"lost {sid}: {why}" for sid, why in h.lost.items()]
+    lost += [f"re-prefilled {sid}: {why}" for sid, why in h.reprefilled.items()]
+    for line in h.samples + lost[:12]:
         print(f"  ! {line}")
-    print(f"\n-- hostile tenant: {r['hostile']['rounds']} rounds --")
-    kinds = r["hostile"]["kinds"].items()
+    print(f"\n-- hostile tenant: {r.hostile.rounds} rounds --")
+    kinds = r.hostile.kinds.items()
     rows = [
         [
             n,
-            k["expect"],
-            ", ".join(f"{s}:{c}" for s, c in sorted(k["statuses"].items())) or "-",
-            str(k["throttled_then_retried"]),
-            f"{k['p99_ms']:.0f}",
+            k.expect,
+            ", ".join(f"{s}:{c}" for s, c in sorted(k.statuses.items())) or "-",
+            str(k.throttled_then_retried),
+            f"{k.p99_ms:.0f}",
         ]
         for n, k in kinds
     ]
     print(table(["input", "expected", "statuses", "429/503 waited", "p99 ms"], rows))
     for name, k in kinds:
-        for sample in k["unexpected"]:
+        for sample in k.unexpected:
             print(f"  ! {name}: {sample}")
-    print(f"gateway request series after the 404 paths: {r['gateway_request_series']}\n")
-    print(table(["goal", "value (0)"], [[g, str(v)] for g, v in r["goals"].items()]))
-    print("PASS" if r["ok"] else "FAIL")
+    print(f"gateway request series after the 404 paths: {r.gateway_request_series}\n")
+    print(table(["goal", "value (0)"], [[g, str(v)] for g, v in r.goals.items()]))
+    print("PASS" if r.ok else "FAIL")
 
 
 # ========================================================================================= command
@@ -573,6 +650,8 @@ def main(argv: list[str]) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     if args.json:
-        plain = json.loads(json.dumps(result, default=str), parse_constant=lambda _: None)  # NaN -> null
+        plain = json.loads(
+            json.dumps(result.to_json(), default=str), parse_constant=lambda _: None
+        )  # NaN -> null
         Path(args.json).write_text(json.dumps(plain, indent=2) + "\n")
-    return 0 if result["ok"] else 1
+    return 0 if result.ok else 1

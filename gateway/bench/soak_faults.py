@@ -22,10 +22,11 @@ import random
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 
+from engine_pool.protocol.node import NodeEngine
+from gateway.bench.harness.answers import engine_list
 from gateway.bench.harness.servers import RedisProcess, is_engine_process
 from gateway.bench.harness.slow_link import SlowLink
 from gateway.bench.soak_state import HONEST, Soak
@@ -51,11 +52,11 @@ class Backends:
     store_link: SlowLink  # serve's way to S3
 
 
-async def list_engines(client: httpx.AsyncClient, soak: Soak) -> list[dict[str, Any]]:
+async def list_engines(client: httpx.AsyncClient, soak: Soak) -> list[NodeEngine]:
     r = await client.get(soak.node_url + "/v1/engines", headers={"Authorization": f"Bearer {soak.key}"})
     r.raise_for_status()
-    engines = list(r.json()["engines"])
-    soak.engine_pids |= {int(e["pid"]) for e in engines if e.get("pid")}
+    engines = engine_list(r)
+    soak.engine_pids |= {e.pid for e in engines if e.pid}
     return engines
 
 
@@ -65,7 +66,7 @@ async def engines_ready(client: httpx.AsyncClient, soak: Soak, old_pid: int, wit
     while time.monotonic() < until:
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
             engines = await list_engines(client, soak)
-            if all(e["state"] == "ready" and e.get("pid") not in (None, old_pid) for e in engines):
+            if all(e.state == "ready" and e.pid not in (None, old_pid) for e in engines):
                 if engines and (await client.get(soak.url + "/ready")).status_code == 200:
                     return True
         await asyncio.sleep(0.5)
@@ -86,7 +87,7 @@ async def note_durable(client: httpx.AsyncClient, soak: Soak) -> None:
 
 async def kill_engine(client: httpx.AsyncClient, soak: Soak, rng: random.Random) -> None:
     """SIGKILL a ready engine; then wait for its replacement to be ready."""
-    ready = [int(e["pid"]) for e in await list_engines(client, soak) if e["state"] == "ready" and e["pid"]]
+    ready = [e.pid for e in await list_engines(client, soak) if e.state == "ready" and e.pid]
     pid = rng.choice(ready) if ready else 0
     if not pid or not is_engine_process(pid):
         return

@@ -10,7 +10,7 @@ import random
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypedDict
 from urllib.parse import urlsplit
 
 import httpx
@@ -42,7 +42,17 @@ KINDS = {  # hostile input -> what is expected of the gateway (each check is in 
     "burst over requests/minute": "429 + Retry-After",
     "trickled headers": f"closed within {HEADER_TIMEOUT_S:.0f} s",
 }
-Probe = tuple[str, frozenset[int], str, str, dict[str, Any]]  # kind, good statuses, method, url, kw
+
+
+class RequestOptions(TypedDict, total=False):
+    """What a probe hands `httpx.AsyncClient.request`: a JSON body, or raw bytes, and headers."""
+
+    json: object
+    content: bytes
+    headers: dict[str, str]
+
+
+Probe = tuple[str, frozenset[int], str, str, RequestOptions]  # kind, good statuses, method, url, kw
 
 
 class Hostile:
@@ -58,7 +68,8 @@ class Hostile:
         self.round = 0
         soak.kinds.update({name: Kind(expect) for name, expect in KINDS.items()})
 
-    def body(self, text: str, **extra: Any) -> dict[str, Any]:
+    def body(self, text: str, **extra: object) -> dict[str, object]:
+        """A chat request of the hostile tenant (its JSON), with `extra` fields."""
         msgs = [{"role": "user", "content": text}]
         return {"model": self.soak.model, "messages": msgs, "max_tokens": 4, "temperature": 0, **extra}
 
@@ -73,7 +84,15 @@ class Hostile:
         parens = "(" * 50_000 + ")" * 50_000
         deep = b'{"model": "x", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
         ref, s400, s401 = {"tenant": "mallory", "session": "h-reuse", "generation": 1}, {400}, {401}
-        table: list[tuple[str, set[int], str, str, dict[str, Any]]] = [
+        unkeyed: list[tuple[str, str, RequestOptions]] = [
+            ("GET", "/v1/engines", {}),
+            ("GET", "/metrics", {}),
+            ("POST", f"/v1/engines/{engine}/slots/0/spill", {"json": ref}),
+            ("POST", f"/v1/engines/{engine}/slots/0/fill", {"json": ref}),
+            ("POST", f"/v1/engines/{engine}/slots/0/erase", {}),
+            ("DELETE", "/v1/sessions/alpha/alpha-s00-e0", {}),
+        ]
+        table: list[tuple[str, set[int], str, str, RequestOptions]] = [
             (
                 "grammar: 50k nested parens",
                 s400,
@@ -114,21 +133,11 @@ class Hostile:
                     s400,
                     "POST",
                     chat,
-                    {"json": self.body("hi"), "headers": {**self.auth, "X-Session-Id": sid}},
+                    RequestOptions(json=self.body("hi"), headers={**self.auth, "X-Session-Id": sid}),
                 )
                 for sid in ("../x", "x" * 129)
             ),
-            *(
-                ("node API without the key", s401, method, node + path, kw)
-                for method, path, kw in [
-                    ("GET", "/v1/engines", {}),
-                    ("GET", "/metrics", {}),
-                    ("POST", f"/v1/engines/{engine}/slots/0/spill", {"json": ref}),
-                    ("POST", f"/v1/engines/{engine}/slots/0/fill", {"json": ref}),
-                    ("POST", f"/v1/engines/{engine}/slots/0/erase", {}),
-                    ("DELETE", "/v1/sessions/alpha/alpha-s00-e0", {}),
-                ]
-            ),
+            *(("node API without the key", s401, method, node + path, kw) for method, path, kw in unkeyed),
         ]
         return [(kind, frozenset(good), method, url, kw) for kind, good, method, url, kw in table]
 
@@ -154,7 +163,7 @@ class Hostile:
                     self.soak.note(kind, "transport error", False, f"{type(exc).__name__}: {exc}")
 
     async def call(
-        self, kind: str, good: frozenset[int], method: str, url: str, kw: dict[str, Any]
+        self, kind: str, good: frozenset[int], method: str, url: str, kw: RequestOptions
     ) -> httpx.Response | None:
         """One request of `kind`. A 429/503 with Retry-After outside `good` (the rate window spent, an
         engine restarting, a backend away) is waited out, twice at most, and then counted as what it
@@ -223,8 +232,11 @@ class Hostile:
     async def delete_reuse(self) -> None:
         """A turn, DELETE, a turn with the same id: a new, cold session (the old state must not return)."""
         kind, sid, ok = "delete, then reuse the id", "h-reuse", frozenset({200})
-        turn = {"json": self.body("remember: 7"), "headers": {**self.auth, "X-Session-Id": sid}}
-        delete = {"headers": self.auth}
+        turn: RequestOptions = {
+            "json": self.body("remember: 7"),
+            "headers": {**self.auth, "X-Session-Id": sid},
+        }
+        delete: RequestOptions = {"headers": self.auth}
         for method, url, kw in (
             ("POST", self.chat, turn),
             ("DELETE", f"{self.soak.url}/v1/sessions/{sid}", delete),
@@ -241,7 +253,7 @@ class Hostile:
     async def fork_dot2(self) -> None:
         """Two turns of `dot2.` at once: one finds it busy and is served by a fork (deleted after)."""
         kind, ok = "X-Session-Id dot2. while busy", frozenset({200})
-        kw = {
+        kw: RequestOptions = {
             "json": self.body(f"count slowly to fifty, round {self.round}", max_tokens=48),
             "headers": {**self.auth, "X-Session-Id": "dot2."},
         }

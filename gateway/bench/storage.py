@@ -44,13 +44,16 @@ import urllib.request
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from engine_pool.protocol.codec import Wire, decode
 from gateway.bench import gateway as gateway_bench
-from gateway.bench.harness.served import ServedStore
+from gateway.bench.harness.answers import chat_answer
+from gateway.bench.harness.served import Manifest, ServedStore
 from gateway.bench.harness.servers import eventually
 
 if TYPE_CHECKING:
@@ -59,6 +62,79 @@ if TYPE_CHECKING:
 
 MiB = 1 << 20
 TARGET = 0.7
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One slot file through the store and raw: MB/s of each (`ours_up`, `raw_down`, ...) and the
+    ratios ours/raw (`upload`, `download`)."""
+
+    bytes: int
+    part_size_mib: int
+    concurrency: int
+    fsync: bool
+    mb_per_s: dict[str, float]
+    ratio: dict[str, float]
+    target: float
+
+
+@dataclass(frozen=True)
+class TurnRow:
+    """A session turn: its prompt tokens, a full save's bytes, the bytes written after it (the
+    gateway's metric) and what the store holds then."""
+
+    turn: int
+    tokens: int
+    full: int
+    written: float
+    stored: int
+
+
+@dataclass(frozen=True)
+class SessionReport:
+    turns: list[TurnRow]
+    written_total: float
+    full_save_per_turn_total: int
+    median_written_over_full: float
+    max_written_over_full: float
+    max_stored_over_full: float
+
+
+@dataclass(frozen=True)
+class RestoreTimes:
+    """Seconds (the best of the repeats): the newest generation from its chunks, a raw read of as
+    many bytes; and each pair's raw/ours, sorted."""
+
+    bytes: int
+    ours_s: float
+    raw_s: float
+    pair_ratios: list[float]
+
+
+@dataclass(frozen=True)
+class TtftTurn:
+    ttft_ms: float
+    cache: str
+    prompt_n: int | None  # None: the stream carried no timings
+
+
+@dataclass(frozen=True)
+class TtftReport:
+    restored: TtftTurn
+    live: TtftTurn
+    ratio: float  # restored / live
+
+
+@dataclass(frozen=True)
+class StorageReport(Wire):
+    """What `--json` prints: the suites that ran (the others absent)."""
+
+    sparse = True
+    backend: str
+    transfer: Transfer | None = None
+    session: SessionReport | None = None
+    restore: RestoreTimes | None = None
+    ttft: TtftReport | None = None
 
 
 def write_slot_file(path: Path, size: int) -> None:
@@ -307,11 +383,11 @@ def _messages(n_system: int) -> list[dict[str, str]]:
 
 def session_suite(
     args: argparse.Namespace, work: Path, store: ServedStore, env: dict[str, str]
-) -> dict[str, Any]:
+) -> SessionReport:
     """``--turns`` turns of one session; after each: bytes written, bytes stored, a full save."""
     gw, model = gateway_bench, _model(args, work)
     serve = _serve(gw, work, store, model, args, env)
-    rows: list[dict[str, Any]] = []
+    rows: list[TurnRow] = []
     msgs = _messages(args.system_repeat)
     written_metric = 'slotkeeper_gateway_store_written_bytes_total{why="after-turn"}'
     try:
@@ -323,44 +399,35 @@ def session_suite(
                 serve.url + "/v1/chat/completions", headers={"X-Session-Id": SESSION}, json=body, timeout=900
             )
             r.raise_for_status()
-            done = r.json()
-            msgs.append({"role": "assistant", "content": done["choices"][0]["message"]["content"] or ""})
+            done = chat_answer(r.json())
+            tokens = done.prompt_tokens()
+            msgs.append({"role": "assistant", "content": done.content})
 
             def durable(t: int = turn) -> bool:
                 rec = httpx.get(f"{serve.url}/v1/sessions/{SESSION}", timeout=10).json()
                 return int(rec.get("generation", 0)) >= t + 1
 
             eventually(f"turn {turn} durable", durable, timeout_s=300)
-            _, manifest = store.newest(SESSION)
-            full = int(manifest["plan"]["size"])
-            stored = eventually("collection settled", lambda: _settled(store), timeout_s=300)
+            full = decode(Manifest, store.newest(SESSION)[1]).plan.size
+            stored = int(eventually("collection settled", lambda: _settled(store), timeout_s=300))
             written = _metric(serve.url, written_metric) - before
-            rows.append(
-                {
-                    "turn": turn,
-                    "tokens": done["usage"]["prompt_tokens"],
-                    "full": full,
-                    "written": written,
-                    "stored": stored,
-                }
-            )
-            row = rows[-1]
+            rows.append(TurnRow(turn, tokens, full, written, stored))
             print(
-                f"  turn {turn}: {row['tokens']} tokens, full save {full}, wrote {int(written)} "
+                f"  turn {turn}: {tokens} tokens, full save {full}, wrote {int(written)} "
                 f"({written / full:.3f}x), stores {stored} ({stored / full:.3f}x)",
                 flush=True,
             )
     finally:
         serve.close()
     later = rows[1:] or rows
-    return {
-        "turns": rows,
-        "written_total": sum(r["written"] for r in rows),
-        "full_save_per_turn_total": sum(r["full"] for r in rows),
-        "median_written_over_full": statistics.median(r["written"] / r["full"] for r in later),
-        "max_written_over_full": max(r["written"] / r["full"] for r in later),
-        "max_stored_over_full": max(r["stored"] / r["full"] for r in rows),
-    }
+    return SessionReport(
+        turns=rows,
+        written_total=sum(r.written for r in rows),
+        full_save_per_turn_total=sum(r.full for r in rows),
+        median_written_over_full=statistics.median(r.written / r.full for r in later),
+        max_written_over_full=max(r.written / r.full for r in later),
+        max_stored_over_full=max(r.stored / r.full for r in rows),
+    )
 
 
 def _generation(url: str, session: str) -> int:
@@ -375,7 +442,7 @@ def _settled(store: ServedStore) -> int | None:
     return second if first == second else None
 
 
-async def _restore_times(store: ServedStore, work: Path, repeat: int) -> dict[str, Any]:
+async def _restore_times(store: ServedStore, work: Path, repeat: int) -> RestoreTimes:
     """Seconds: the newest generation assembled from its chunks, and a raw read of as many bytes."""
     from storage.blobs.localstore import LocalStore
     from storage.blobs.s3client import make_s3_client
@@ -429,12 +496,10 @@ async def _restore_times(store: ServedStore, work: Path, repeat: int) -> dict[st
         if c is not None:
             c.close()
     pairs = sorted(r / o for o, r in zip(ours, raw, strict=True))
-    return {"bytes": size, "ours_s": min(ours), "raw_s": min(raw), "pair_ratios": pairs}
+    return RestoreTimes(size, min(ours), min(raw), pairs)
 
 
-def ttft_suite(
-    args: argparse.Namespace, work: Path, store: ServedStore, env: dict[str, str]
-) -> dict[str, Any]:
+def ttft_suite(args: argparse.Namespace, work: Path, store: ServedStore, env: dict[str, str]) -> TtftReport:
     """A session of the same length as ``session``'s; restart (spill cache off); the restored turn's
     TTFT, then the next (live) turn's, same number of new tokens. The live turn starts once the
     restored one is durable, as an agent's next turn comes after its tools ran: sent at once it
@@ -451,7 +516,7 @@ def ttft_suite(
             msgs.append({"role": "assistant", "content": res.content})
         serve.terminate(300)  # drains: the session is in the store
         serve = _serve(gw, work, store, model, args, env)
-        out: dict[str, Any] = {}
+        out: dict[str, TtftTurn] = {}
         before = 0
         for name, turn in (("restored", 3), ("live", 4)):
             if name == "live" and not args.next_turn_at_once:
@@ -464,26 +529,27 @@ def ttft_suite(
             msgs.append({"role": "user", "content": f"Step {turn}: run the tests and fix what fails."})
             res = gw.stream_turn(serve.url, "any", msgs, session, 8)
             msgs.append({"role": "assistant", "content": res.content})
-            out[name] = {"ttft_ms": res.ttft_ms, "cache": res.cache, "prompt_n": res.timings.get("prompt_n")}
+            prompt_n = res.timings.prompt_n if res.timings else None
+            out[name] = TtftTurn(res.ttft_ms, res.cache, prompt_n)
     finally:
         serve.close()
-    out["ratio"] = out["restored"]["ttft_ms"] / out["live"]["ttft_ms"]
-    return out
+    restored, live = out["restored"], out["live"]
+    return TtftReport(restored, live, restored.ttft_ms / live.ttft_ms)
 
 
-def _print_session(rep: dict[str, Any]) -> None:
+def _print_session(rep: SessionReport) -> None:
     print("session: turn  tokens  full save  written  stored   written/full  stored/full")
-    for r in rep["turns"]:
+    for r in rep.turns:
         print(
-            f"  {r['turn']:>11} {r['tokens']:>7} {r['full']:>10} {int(r['written']):>8} {r['stored']:>8} "
-            f"{r['written'] / r['full']:>13.3f} {r['stored'] / r['full']:>12.3f}"
+            f"  {r.turn:>11} {r.tokens:>7} {r.full:>10} {int(r.written):>8} {r.stored:>8} "
+            f"{r.written / r.full:>13.3f} {r.stored / r.full:>12.3f}"
         )
-    total, full = rep["written_total"], rep["full_save_per_turn_total"]
-    median, most = rep["median_written_over_full"], rep["max_written_over_full"]
+    total, full = rep.written_total, rep.full_save_per_turn_total
+    median, most = rep.median_written_over_full, rep.max_written_over_full
     print(
-        f"  written over {len(rep['turns'])} turns: {total / MiB:.1f} MiB chunked vs {full / MiB:.1f} MiB "
+        f"  written over {len(rep.turns)} turns: {total / MiB:.1f} MiB chunked vs {full / MiB:.1f} MiB "
         f"with a full save per turn ({total / full:.3f}x); median turn {median:.3f}x of a full save, "
-        f"max {most:.3f}x; stored at most {rep['max_stored_over_full']:.3f}x a full save"
+        f"max {most:.3f}x; stored at most {rep.max_stored_over_full:.3f}x a full save"
     )
 
 
@@ -553,7 +619,10 @@ def main(argv: list[str] | None = None) -> int:
     suites = {"transfer", "session", "restore", "ttft"} if args.suite == "all" else {args.suite}
     if "restore" in suites:
         suites.add("session")  # restores the session's newest generation
-    report: dict[str, Any] = {"backend": args.backend}
+    transfer: Transfer | None = None
+    session: SessionReport | None = None
+    restore: RestoreTimes | None = None
+    ttft: TtftReport | None = None
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         work = Path(tmp)
         if args.backend in ("moto", "seaweedfs"):
@@ -562,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
             where = contextlib.nullcontext(args.endpoint)
         with where as endpoint:
             if "transfer" in suites:
-                report["transfer"] = _transfer(args, work, endpoint)
+                transfer = _transfer(args, work, endpoint)
 
             def served(name: str) -> ServedStore:
                 return ServedStore(
@@ -582,43 +651,42 @@ def main(argv: list[str] | None = None) -> int:
                 client.close()
             if "session" in suites:
                 store = served("session")
-                report["session"] = session_suite(args, work, store, env)
-                _print_session(report["session"])
+                session = session_suite(args, work, store, env)
+                _print_session(session)
                 if "restore" in suites:
-                    report["restore"] = asyncio.run(_restore_times(store, work, max(args.repeat, 3)))
-                    _print_restore(report["restore"])
+                    restore = asyncio.run(_restore_times(store, work, max(args.repeat, 3)))
+                    _print_restore(restore)
             if "ttft" in suites:
                 store = served("ttft")
-                report["ttft"] = ttft_suite(args, work, store, env)
-                t = report["ttft"]
-                back, live = t["restored"], t["live"]
+                ttft = ttft_suite(args, work, store, env)
+                back, live = ttft.restored, ttft.live
                 print(
-                    f"ttft: restored turn {back['ttft_ms']:.0f} ms ({back['cache']}, prompt_n "
-                    f"{back['prompt_n']}) vs live turn {live['ttft_ms']:.0f} ms ({live['cache']}, "
-                    f"prompt_n {live['prompt_n']}): {t['ratio']:.2f}x"
+                    f"ttft: restored turn {back.ttft_ms:.0f} ms ({back.cache}, prompt_n "
+                    f"{back.prompt_n}) vs live turn {live.ttft_ms:.0f} ms ({live.cache}, "
+                    f"prompt_n {live.prompt_n}): {ttft.ratio:.2f}x"
                 )
     if args.json:
-        print(json.dumps(report))
+        print(json.dumps(StorageReport(args.backend, transfer, session, restore, ttft).to_json()))
     return 0
 
 
-def _print_restore(r: dict[str, Any]) -> None:
-    ratio = r["raw_s"] / r["ours_s"]
+def _print_restore(r: RestoreTimes) -> None:
+    ratio = r.raw_s / r.ours_s
     verdict = "ok" if ratio >= TARGET else "BELOW TARGET"
-    n, ours, raw = r["bytes"], r["ours_s"], r["raw_s"]
+    n, ours, raw = r.bytes, r.ours_s, r.raw_s
     print(
         f"restore: {n / MiB:.1f} MiB from chunks in {ours * 1000:.1f} ms ({n / ours / 1e6:.0f} MB/s) "
         f"vs a raw read {raw * 1000:.1f} ms ({n / raw / 1e6:.0f} MB/s): ratio {ratio:.2f} "
         f"({verdict}, target {TARGET})"
     )
-    pairs = r["pair_ratios"]  # (each restore against the raw read right after it: the noise of one moment)
+    pairs = r.pair_ratios  # (each restore against the raw read right after it: the noise of one moment)
     print(
         f"restore: ratio per pair {statistics.median(pairs):.2f} median, {pairs[0]:.2f}-{pairs[-1]:.2f} "
         f"over {len(pairs)}"
     )
 
 
-def _transfer(args: argparse.Namespace, work: Path, endpoint: str | None) -> dict[str, Any]:
+def _transfer(args: argparse.Namespace, work: Path, endpoint: str | None) -> Transfer:
     src = work / "bench.slot"
     write_slot_file(src, args.size_mib * MiB)
     size = src.stat().st_size
@@ -644,15 +712,7 @@ def _transfer(args: argparse.Namespace, work: Path, endpoint: str | None) -> dic
             f"  {op:<8} storage {rates[ours]:8.1f} MB/s   raw {rates[raw]:8.1f} MB/s   "
             f"ratio {ratios[op]:.2f} ({verdict}, target {TARGET})"
         )
-    return {
-        "bytes": size,
-        "part_size_mib": args.part_size_mib,
-        "concurrency": args.concurrency,
-        "fsync": not args.no_fsync,
-        "mb_per_s": rates,
-        "ratio": ratios,
-        "target": TARGET,
-    }
+    return Transfer(size, args.part_size_mib, args.concurrency, not args.no_fsync, rates, ratios, TARGET)
 
 
 if __name__ == "__main__":

@@ -22,11 +22,13 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 
+from engine_pool.protocol.codec import Wire
+from gateway.bench.harness.answers import Timings, timed
 from gateway.bench.harness.upstream import Flags, start
 from native.model_gen import cached_model
 
@@ -34,6 +36,63 @@ WORDS = (
     "the model state is saved in a slot cache then restored for the user every session keeps its "
     "state so that the next turn only has to process what is new agents call tools and read files"
 ).split()
+
+
+@dataclass(frozen=True)
+class Round:
+    """N concurrent requests: the round's wall time, prompt tokens evaluated and tokens generated."""
+
+    wall_s: float
+    prompt_tokens: int
+    generated: int
+
+
+@dataclass(frozen=True)
+class Level:
+    """One concurrency level: its rates on the client's clock, and the two rounds they come from."""
+
+    slots: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    prefill: Round
+    decode: Round
+
+
+@dataclass(frozen=True)
+class Best:
+    """A level's best rates over the runs."""
+
+    slots: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """Ours over llama-server's, at one level."""
+
+    slots: int
+    prefill_ratio: float
+    decode_ratio: float
+
+
+@dataclass(frozen=True)
+class UrlReport(Wire):
+    """`--json` against a running engine (`--url`)."""
+
+    url: str
+    rows: list[Level]
+
+
+@dataclass(frozen=True)
+class ServersReport(Wire):
+    """`--json` for the servers this script starts: every run, the best of each level, and (with
+    `--upstream`) the ratios; `ratios` absent without it."""
+
+    sparse = True
+    runs: dict[str, list[list[Level]]]  # per server kind, per run
+    best: dict[str, list[Best]]
+    ratios: list[Ratio] | None = None
 
 
 def _prompt(i: int, n_words: int) -> str:
@@ -51,10 +110,10 @@ def _flags(args: argparse.Namespace, n_slots: int) -> Flags:
     )
 
 
-async def _round(client: httpx.AsyncClient, n: int, words: int, n_predict: int, tag: int) -> dict[str, Any]:
+async def _round(client: httpx.AsyncClient, n: int, words: int, n_predict: int, tag: int) -> Round:
     """N concurrent requests, one per slot, distinct prompts of `words` words, no prompt cache."""
 
-    async def one(i: int) -> dict[str, Any]:
+    async def one(i: int) -> Timings:
         body = {
             "prompt": _prompt(i + 100 * tag, words),
             "id_slot": i,
@@ -65,34 +124,23 @@ async def _round(client: httpx.AsyncClient, n: int, words: int, n_predict: int, 
         }
         r = await client.post("/completion", json=body)
         r.raise_for_status()
-        out: dict[str, Any] = r.json()
-        return out
+        return timed(r.json())
 
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one(i) for i in range(n)))
     wall = time.perf_counter() - t0
-    return {
-        "wall_s": wall,
-        "prompt_tokens": sum(r["timings"]["prompt_n"] for r in results),
-        "generated": sum(r["timings"]["predicted_n"] for r in results),
-    }
+    return Round(wall, sum(t.prompt_n for t in results), sum(t.predicted_n for t in results))
 
 
-async def _level(client: httpx.AsyncClient, n: int, args: argparse.Namespace, words: int) -> dict[str, Any]:
+async def _level(client: httpx.AsyncClient, n: int, args: argparse.Namespace, words: int) -> Level:
     """One concurrency level, measured by the client's clock (both servers alike): prefill = long
     prompts, one token each; decode = a few-word prompt, `--n-predict` tokens each."""
     pre = await _round(client, n, words, 1, 1 + n)
     dec = await _round(client, n, 2, args.n_predict, 50 + n)
-    return {
-        "slots": n,
-        "prefill_tokens_per_s": pre["prompt_tokens"] / pre["wall_s"],
-        "decode_tokens_per_s": dec["generated"] / dec["wall_s"],
-        "prefill": pre,
-        "decode": dec,
-    }
+    return Level(n, pre.prompt_tokens / pre.wall_s, dec.generated / dec.wall_s, pre, dec)
 
 
-async def _bench(url: str, args: argparse.Namespace, concurrency: list[int]) -> list[dict[str, Any]]:
+async def _bench(url: str, args: argparse.Namespace, concurrency: list[int]) -> list[Level]:
     async with httpx.AsyncClient(base_url=url, timeout=args.request_timeout) as client:
         props = (await client.get("/props")).json()
         arch = (props.get("slotkeeper") or {}).get("arch", "llama-server")
@@ -112,8 +160,8 @@ async def _bench(url: str, args: argparse.Namespace, concurrency: list[int]) -> 
             row = await _level(client, n, args, words)
             rows.append(row)
             print(
-                f"  {n} busy slot(s): prefill {row['prefill_tokens_per_s']:8.1f} tok/s, "
-                f"decode {row['decode_tokens_per_s']:7.1f} tok/s",
+                f"  {n} busy slot(s): prefill {row.prefill_tokens_per_s:8.1f} tok/s, "
+                f"decode {row.decode_tokens_per_s:7.1f} tok/s",
                 flush=True,
             )
         return rows
@@ -135,11 +183,12 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     concurrency = [int(x) for x in args.slots.split(",") if x.strip()]
 
+    report: Wire
     if args.url is not None:
-        report: dict[str, Any] = {"url": args.url, "rows": asyncio.run(_bench(args.url, args, concurrency))}
+        report = UrlReport(args.url, asyncio.run(_bench(args.url, args, concurrency)))
     else:
         kinds = ("slotkeeper", "llama-server") if args.upstream else ("slotkeeper",)
-        runs: dict[str, list[list[dict[str, Any]]]] = {k: [] for k in kinds}
+        runs: dict[str, list[list[Level]]] = {k: [] for k in kinds}
         with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
             for _ in range(args.repeat if args.upstream else 1):
                 for kind in kinds:  # one server at a time: never both on the CPU
@@ -150,45 +199,43 @@ def main(argv: list[str]) -> int:
                     finally:
                         srv.stop()
         best = {k: [_best(rounds, i) for i in range(len(concurrency))] for k, rounds in runs.items()}
-        report = {"runs": runs, "best": best}
-        if args.upstream:
-            report["ratios"] = _print_ratios(best, concurrency)
+        ratios = _print_ratios(best, concurrency) if args.upstream else None
+        report = ServersReport(runs, best, ratios)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
     return 0
 
 
-def _best(runs: list[list[dict[str, Any]]], i: int) -> dict[str, Any]:
+def _best(runs: list[list[Level]], i: int) -> Best:
     """The i-th concurrency level's best round over the runs (noise only ever slows a run down)."""
     rows = [run[i] for run in runs]
-    return {
-        "slots": rows[0]["slots"],
-        "prefill_tokens_per_s": max(r["prefill_tokens_per_s"] for r in rows),
-        "decode_tokens_per_s": max(r["decode_tokens_per_s"] for r in rows),
-    }
+    return Best(
+        rows[0].slots,
+        max(r.prefill_tokens_per_s for r in rows),
+        max(r.decode_tokens_per_s for r in rows),
+    )
 
 
-def _print_ratios(best: dict[str, list[dict[str, Any]]], concurrency: list[int]) -> list[dict[str, Any]]:
+def _print_ratios(best: dict[str, list[Best]], concurrency: list[int]) -> list[Ratio]:
     print(
         f"\n{'busy slots':>10} {'prefill ours':>13} {'llama-srv':>10} {'ratio':>6} {'decode ours':>12} "
         f"{'llama-srv':>10} {'ratio':>6}"
     )
     out = []
     for ours, up in zip(best["slotkeeper"], best["llama-server"], strict=True):
-        p = ours["prefill_tokens_per_s"] / max(up["prefill_tokens_per_s"], 1e-9)
-        d = ours["decode_tokens_per_s"] / max(up["decode_tokens_per_s"], 1e-9)
+        p = ours.prefill_tokens_per_s / max(up.prefill_tokens_per_s, 1e-9)
+        d = ours.decode_tokens_per_s / max(up.decode_tokens_per_s, 1e-9)
         cells = [
-            ours["prefill_tokens_per_s"],
-            up["prefill_tokens_per_s"],
+            ours.prefill_tokens_per_s,
+            up.prefill_tokens_per_s,
             p,
-            ours["decode_tokens_per_s"],
-            up["decode_tokens_per_s"],
+            ours.decode_tokens_per_s,
+            up.decode_tokens_per_s,
             d,
         ]
         widths = ((13, 1), (10, 1), (6, 2), (12, 1), (10, 1), (6, 2))
         print(
-            f"{ours['slots']:>10} "
-            + " ".join(f"{c:{w}.{k}f}" for c, (w, k) in zip(cells, widths, strict=True))
+            f"{ours.slots:>10} " + " ".join(f"{c:{w}.{k}f}" for c, (w, k) in zip(cells, widths, strict=True))
         )
-        out.append({"slots": ours["slots"], "prefill_ratio": p, "decode_ratio": d})
+        out.append(Ratio(ours.slots, p, d))
     return out

@@ -73,9 +73,9 @@ def encode(value: Any, *, ascii_only: bool = True) -> bytes:
 # ------------------------------------------------------------------------------- valid values
 def _merged(schema: Schema, node: Mapping[str, Any]) -> Mapping[str, Any]:
     """An allOf node as one object node (properties and required united): what the specs use it for."""
-    out: dict[str, Any] = {k: v for k, v in node.items() if k != "allOf"}
-    props: dict[str, Any] = dict(out.get("properties") or {})
-    required: list[str] = list(out.get("required") or [])
+    out: dict[str, object] = {k: v for k, v in node.items() if k != "allOf"}
+    props: dict[str, object] = dict(node.get("properties") or {})
+    required: list[str] = list(node.get("required") or [])
     for part in node.get("allOf") or []:
         if isinstance(part, Mapping) and "$ref" in part:
             part = schema.resolve(part["$ref"]) or {}
@@ -134,7 +134,7 @@ def _object(schema: Schema, node: Mapping[str, Any], depth: int) -> st.SearchStr
     extra = node.get("additionalProperties")
 
     @st.composite
-    def build(draw: st.DrawFn) -> dict[str, Any]:
+    def build(draw: st.DrawFn) -> dict[str, object]:
         keys = list(required)
         if optional and depth <= MAX_DEPTH:  # deeper: the required properties only
             keys += draw(st.lists(st.sampled_from(optional), max_size=MAX_OPTIONAL, unique=True))

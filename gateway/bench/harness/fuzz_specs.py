@@ -58,7 +58,7 @@ def request_schema(vendor: str, path: str) -> Schema:
 # completions request: /apply-template takes "chat turns in the same format as /v1/chat/completions".
 _TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 300}}
 _PROMPT_PART = {"anyOf": [{"type": "string"}, _TOKENS, {"type": "integer", "minimum": 0, "maximum": 300}]}
-_LLAMA_SCHEMAS: dict[str, Any] = {
+_LLAMA_SCHEMAS: dict[str, Mapping[str, object]] = {
     "Completion": {
         "type": "object",
         "required": ["prompt"],

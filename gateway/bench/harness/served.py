@@ -5,11 +5,24 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gateway.bench.harness.servers import CREDS
+
+
+@dataclass(frozen=True)
+class ManifestPlan:
+    size: int  # the slot file's bytes: what a full save of the generation writes
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What the benchmarks read of a chunked generation's manifest (the codec reads it)."""
+
+    plan: ManifestPlan
 
 
 @dataclass(frozen=True)
@@ -73,7 +86,8 @@ class ServedStore:
     def stored_bytes(self) -> int:
         return sum(self.objects().values())
 
-    def newest(self, session: str) -> tuple[str, dict[str, Any]]:
-        """The key and document of the session's newest manifest."""
+    def newest(self, session: str) -> tuple[str, Mapping[str, object]]:
+        """The key and document of the session's newest manifest (`decode(Manifest, document)`
+        reads what a bench needs of it)."""
         keys = sorted(k for k in self.objects() if k.endswith(".manifest") and f"/{session}/" in k)
         return keys[-1], json.loads(self.read(keys[-1]))

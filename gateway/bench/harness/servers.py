@@ -15,7 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -234,7 +234,7 @@ def http_answers(url: str) -> bool:
 
 
 @contextmanager
-def weed_mini(data: Path, s3_config: dict[str, Any] | None = None) -> Iterator[str]:
+def weed_mini(data: Path, s3_config: Mapping[str, object] | None = None) -> Iterator[str]:
     """SeaweedFS ``weed mini`` on free loopback ports; yields its S3 endpoint. With ``s3_config``
     (identities) its S3 gateway checks credentials and signatures; without, it accepts any."""
     ports = {name: free_port(also_plus=10000) for name in ("master", "volume", "filer", "s3", "admin")}

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from gateway.bench.harness.upstream import Flags, Server, start
 
@@ -27,7 +27,7 @@ KINDS = ("slotkeeper", "llama-server")
 Messages = list[dict[str, str]]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Row:
     case: str
     prompt_n: int
@@ -36,13 +36,30 @@ class Row:
     content: str
 
 
+@dataclass(frozen=True)
+class Summary:
+    """Ours restored against ours live, and llama-server's restored next turn against ours."""
+
+    restored_over_live_ours: float
+    upstream_restored_over_ours: float
+    restored_answer_equal_live: bool
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    """The restored next turn of a session of `tokens` tokens (the cold turn's prompt_n)."""
+
+    tokens: float
+    ttft_ms: float
+    prompt_n: int
+
+
 def _row(case: str, srv: Server, messages: Messages, n_predict: int, restore_ms: float = 0.0) -> Row:
     t0 = time.perf_counter()
     out = srv.chat(messages, n_predict)
     wall = (time.perf_counter() - t0) * 1000 + restore_ms
-    t = out["timings"]
-    content = str(out["choices"][0]["message"].get("content") or "")
-    return Row(case, int(t["prompt_n"]), float(t["prompt_ms"]), wall, content)
+    t = out.timed()
+    return Row(case, t.prompt_n, t.prompt_ms, wall, out.content)
 
 
 def _restored(kind: str, flags: Flags, log: Path, case: str, prompt: Messages, n_predict: int) -> Row:
@@ -73,7 +90,11 @@ def resume_rows(
     srv = start(kind, flags, log)
     try:
         cold = _row("cold first turn", srv, first, n_predict)
-        nxt = [*first, {"role": "assistant", "content": cold.content}, {"role": "user", "content": follow_up}]
+        nxt: Messages = [
+            *first,
+            {"role": "assistant", "content": cold.content},
+            {"role": "user", "content": follow_up},
+        ]
         srv.slot("save", 0, "session.slot")
         live = _row("live next turn", srv, nxt, n_predict)
     finally:
@@ -87,7 +108,7 @@ def resume_rows(
     ]
 
 
-def print_side_by_side(rows: dict[str, list[Row]]) -> dict[str, Any]:
+def print_side_by_side(rows: dict[str, list[Row]]) -> Summary:
     ours, up = rows["slotkeeper"], rows["llama-server"]
     print(
         f"\n{'case':28} {'prompt_n ours':>13} {'llama-srv':>9} {'wall ms ours':>12} {'llama-srv':>10} "
@@ -99,28 +120,33 @@ def print_side_by_side(rows: dict[str, list[Row]]) -> dict[str, Any]:
             f"{b.wall_ms / max(a.wall_ms, 1e-9):14.1f}"
         )
     live, back = ours[1], ours[2]
-    summary = {
-        "restored_over_live_ours": back.wall_ms / max(live.wall_ms, 1e-9),
-        "upstream_restored_over_ours": up[2].wall_ms / max(back.wall_ms, 1e-9),
-        "restored_answer_equal_live": back.content == live.content,
-    }
+    summary = Summary(
+        restored_over_live_ours=back.wall_ms / max(live.wall_ms, 1e-9),
+        upstream_restored_over_ours=up[2].wall_ms / max(back.wall_ms, 1e-9),
+        restored_answer_equal_live=back.content == live.content,
+    )
     print(
         f"ours: restored next turn {back.wall_ms:.0f} ms (restore included) vs live {live.wall_ms:.0f} ms "
         "= "
-        f"{summary['restored_over_live_ours']:.2f}x; llama-server's restored next turn is "
-        f"{summary['upstream_restored_over_ours']:.1f}x ours; restored answer == live answer: "
-        f"{summary['restored_answer_equal_live']}"
+        f"{summary.restored_over_live_ours:.2f}x; llama-server's restored next turn is "
+        f"{summary.upstream_restored_over_ours:.1f}x ours; restored answer == live answer: "
+        f"{summary.restored_answer_equal_live}"
     )
     return summary
 
 
 def ttft_curve(
-    kinds: tuple[str, ...], flags: Flags, lengths: list[int], build: Any, follow_up: str, workdir: Path
-) -> dict[str, list[dict[str, float]]]:
+    kinds: tuple[str, ...],
+    flags: Flags,
+    lengths: list[int],
+    build: Callable[[int], Messages],
+    follow_up: str,
+    workdir: Path,
+) -> dict[str, list[CurvePoint]]:
     """Per kind and session length: the restored next turn's time to first token (restore + a
     one-token answer), after a cold turn of that length was saved and the server restarted.
     `build(length)` returns the first conversation."""
-    curve: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
+    curve: dict[str, list[CurvePoint]] = {k: [] for k in kinds}
     for length in lengths:
         first = build(length)
         for kind in kinds:
@@ -133,15 +159,13 @@ def ttft_curve(
                     srv.slot("save", 0, "session.slot")
                 finally:
                     srv.stop()
-                nxt = [
+                nxt: Messages = [
                     *first,
                     {"role": "assistant", "content": cold.content},
                     {"role": "user", "content": follow_up},
                 ]
                 row = _restored(kind, f, log, "restored next turn", nxt, 1)
-            curve[kind].append(
-                {"tokens": float(cold.prompt_n), "ttft_ms": row.wall_ms, "prompt_n": row.prompt_n}
-            )
+            curve[kind].append(CurvePoint(float(cold.prompt_n), row.wall_ms, row.prompt_n))
             print(
                 f"  {kind:12} {cold.prompt_n:6d}-token session: restored next turn's TTFT "
                 f"{row.wall_ms:8.0f} ms (prompt_n {row.prompt_n})",
@@ -150,7 +174,7 @@ def ttft_curve(
     return curve
 
 
-def plot(curve: dict[str, list[dict[str, float]]], path: Path, title: str) -> None:
+def plot(curve: dict[str, list[CurvePoint]], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -159,8 +183,8 @@ def plot(curve: dict[str, list[dict[str, float]]], path: Path, title: str) -> No
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for kind, points in curve.items():
         ax.plot(
-            [p["tokens"] for p in points],
-            [p["ttft_ms"] / 1000 for p in points],
+            [p.tokens for p in points],
+            [p.ttft_ms / 1000 for p in points],
             marker="o",
             label="Slotkeeper (restored from its slot file)"
             if kind == "slotkeeper"

