@@ -81,6 +81,8 @@ class IndexHealing:
         self.known: str | None = None  # the epoch this process holds the index to be in
         self.healing = False  # records may be missing: look sessions up before calling them new
         self._task: asyncio.Task[None] | None = None
+        self._histories: set[str] = set()  # the primaries' replication histories seen so far
+        self._last = ""  # the epoch as the previous watch found it
 
     async def start(self, *, wait: bool) -> None:
         """Claim the epoch at start-up. A fresh epoch (an empty Redis, or a first start) means the
@@ -88,6 +90,8 @@ class IndexHealing:
         index: nothing else fills it), else in the background like any loss."""
         epoch, created = await self._epoch.claim()
         self.known = epoch
+        # The primaries as they are now: a failover from here on shows a history not seen (_look).
+        self._histories, self._last = set(await self._epoch.histories()), epoch
         if created and wait:
             await self._heal()
         else:
@@ -173,28 +177,28 @@ class IndexHealing:
             self._task = asyncio.create_task(self._heal(), name="index-healing")
 
     async def watch(self) -> None:
-        """Read the epoch every ``interval_s`` (a loop to run as a task; a Redis away is retried),
-        and the primaries' replication histories: one never seen before (a replica promoted, which
-        may have lost the last writes) renews the epoch, so that every gateway heals
-        (storage.index.epoch)."""
-        seen: set[str] = set()
-        last = ""  # the epoch as the previous read found it
+        """:meth:`_look` every ``interval_s`` (a loop to run as a task; a Redis away is retried)."""
         while True:
             await asyncio.sleep(self._interval_s)
             try:
-                histories = await self._epoch.histories()
-                epoch, built = await self._epoch.read()
-                # A new history under the same epoch: a promoted replica, which kept the epoch but may
-                # have lost later writes. Under another epoch (or none) the index was lost outright
-                # (a server restarted empty: a new history too), which healing sees by itself.
-                if seen and histories - seen and epoch and epoch == last:
-                    log.warning("index.failover", histories=sorted(histories - seen))
-                    epoch = await self._epoch.renew(epoch)
-                seen |= histories
-                last = epoch
-                self.saw(epoch, built)
+                await self._look()
             except StorageError as exc:
                 log.debug("index.watch_failed", error=str(exc))
+
+    async def _look(self) -> None:
+        """Read the epoch and the primaries' replication histories: a history never seen before (a
+        replica promoted, which may have lost the last writes) under the epoch the previous look
+        found renews the epoch, so that every gateway heals (storage.index.epoch). Under another
+        epoch (or none) the index was lost outright (a server restarted empty shows a new history
+        too), which :meth:`saw` heals by itself."""
+        histories = await self._epoch.histories()
+        epoch, built = await self._epoch.read()
+        if self._histories and histories - self._histories and epoch and epoch == self._last:
+            log.warning("index.failover", histories=sorted(histories - self._histories))
+            epoch = await self._epoch.renew(epoch)
+        self._histories |= histories
+        self._last = epoch
+        self.saw(epoch, built)
 
     async def _rebuilt(self, tenant: str, session: str) -> SessionRecord | None:
         """The session's record once this process's rebuild is over (at most ``wait_s``)."""

@@ -195,3 +195,34 @@ async def test_a_record_not_behind_is_not_looked_up(tmp_path: Path) -> None:
     assert await a.catch_up(failed) is failed  # the store away and no node copy: as it was
     assert not behind(replace(failed, state=SessionState.LIVE, engine="e", slot=0))  # its slot is newer
     assert metrics.index_recovered._value.get() == 0  # type: ignore[attr-defined]
+
+
+class Primaries(IndexEpoch):
+    """The epoch keys on the in-process Redis, with replication histories the test sets (a promoted
+    replica shows one never seen; the in-process index has none of its own)."""
+
+    now: frozenset[str] = frozenset({"first"})
+    looks = 0
+
+    async def histories(self) -> frozenset[str]:
+        self.looks += 1
+        return self.now
+
+
+async def test_a_failover_before_the_first_watch_is_noticed(tmp_path: Path) -> None:
+    redis, store = in_process_redis(), LocalStore(tmp_path / "store", prefix="sk")
+    metrics, epoch = Metrics(), Primaries(redis, prefix="sk")
+    a = IndexHealing(epoch, store, SessionIndex(redis, prefix="sk"), metrics, interval_s=0.01)
+    await a.start(wait=True)
+    assert rebuilds(metrics) == 1
+    epoch.now = frozenset({"promoted"})  # the primary died and its replica took over at once
+    watching = asyncio.create_task(a.watch())
+    try:
+        await until(lambda: rebuilds(metrics) == 2, "rebuilt after the failover")
+        await settled(a)
+        looked = epoch.looks
+        await until(lambda: epoch.looks >= looked + 5, "five watches more")
+        assert rebuilds(metrics) == 2  # one failover, one rebuild
+    finally:
+        watching.cancel()
+        await a.close()
