@@ -29,8 +29,8 @@ import httpx
 from engine_pool.protocol.codec import encode
 from engine_pool.protocol.handoff import HandoffResult
 from engine_pool.protocol.node import NodeEngine
-from gateway.bench.gateway import Serve, serving
 from gateway.bench.harness.answers import Timings, timings
+from gateway.bench.harness.serve import Serve, serving
 from native.model_gen import cached_model
 
 CONFIGS = {  # name -> (roles, --handoff)

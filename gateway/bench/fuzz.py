@@ -34,12 +34,12 @@ from pathlib import Path
 import httpx
 from hypothesis import HealthCheck, Phase, given, settings
 
-from gateway.bench import gateway as gateway_bench
 from gateway.bench.harness import upstream
 from gateway.bench.harness.fuzz_bodies import Case, cases
 from gateway.bench.harness.fuzz_specs import CHAT, COMPLETION, ENGINE_ENDPOINTS, GATEWAY_ENDPOINTS, Endpoint
 from gateway.bench.harness.fuzz_verdict import Answer, send, verdict
 from gateway.bench.harness.report import table
+from gateway.bench.harness.serve import serving
 from native.model_gen import cached_model
 
 TARGETS = ("gateway", "engine", "llama-server")
@@ -157,7 +157,7 @@ def main(argv: list[str]) -> int:
             client = stack.enter_context(httpx.Client(timeout=120.0))
             if name == "gateway":
                 serve = stack.enter_context(
-                    gateway_bench.serving(
+                    serving(
                         out,
                         "serve",
                         [

@@ -42,8 +42,8 @@ import httpx
 
 from engine_pool.protocol.chat_types import ChatBody, ChatMessage, ChatTool
 from engine_pool.protocol.codec import Wire
-from gateway.bench import gateway as gateway_bench
 from gateway.bench.harness.answers import ChatAnswer, InputTokens, Timings, chat_answer
+from gateway.bench.harness.serve import start_serve
 from gateway.bench.harness.servers import CREDS, make_bucket, weed_mini
 from gateway.bench.harness.upstream import Flags, start
 from native.model_gen import cached_model
@@ -251,7 +251,6 @@ def store(args: argparse.Namespace, workdir: Path) -> Iterator[list[str]]:
 
 
 def ours(args: argparse.Namespace, model: str, tool_list: list[ChatTool], workdir: Path) -> OursRun:
-    gw = gateway_bench
     env = {
         **os.environ,
         "AWS_ACCESS_KEY_ID": CREDS["aws_access_key_id"],
@@ -271,7 +270,7 @@ def ours(args: argparse.Namespace, model: str, tool_list: list[ChatTool], workdi
                 *s3,
             ]
 
-        serve = gw.start_serve(workdir, "serve-live", flags("node-a"), env)
+        serve = start_serve(workdir, "serve-live", flags("node-a"), env)
         chat = Chat("slotkeeper", serve.url, "", tool_list)
         try:
             calibrate(chat, args.system_tokens)
@@ -306,7 +305,7 @@ def ours(args: argparse.Namespace, model: str, tool_list: list[ChatTool], workdi
 
         def phase(name: str, log: str, data: str) -> list[Row]:
             """New sessions on a new serve process (the one before was SIGKILLed)."""
-            serve = gw.start_serve(workdir, log, flags(data), env)
+            serve = start_serve(workdir, log, flags(data), env)
             chat = Chat("slotkeeper", serve.url, system, tool_list)
             try:
                 return sessions(chat, serve.url, name, args.sessions)

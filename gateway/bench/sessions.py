@@ -36,7 +36,7 @@ from typing import TypedDict
 
 from engine_pool.protocol.chat_types import ChatTool
 from engine_pool.protocol.codec import Wire
-from gateway.bench import gateway as gateway_bench
+from gateway.bench.harness.serve import serving
 from gateway.bench.harness.upstream import Flags, start
 from gateway.bench.prefix import (
     WORDS,
@@ -163,7 +163,7 @@ def ours(
         *("--log-level", "warning"),
     ]
     turns: list[Turn] = []
-    with gateway_bench.serving(workdir, "serve", flags) as serve:
+    with serving(workdir, "serve", flags) as serve:
         chat = Chat("slotkeeper", serve.url, "", tool_list)
         try:
             calibrate(chat, args.system_tokens)

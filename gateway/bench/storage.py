@@ -51,8 +51,9 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from engine_pool.protocol.codec import Wire, decode
-from gateway.bench import gateway as gateway_bench
+from gateway.bench.gateway import stream_turn
 from gateway.bench.harness.answers import chat_answer
+from gateway.bench.harness.serve import Serve, start_serve
 from gateway.bench.harness.served import Manifest, ServedStore
 from gateway.bench.harness.servers import eventually
 
@@ -361,8 +362,8 @@ def _model(args: argparse.Namespace, work: Path) -> str:
 
 
 def _serve(
-    gw: Any, work: Path, store: ServedStore, model: str, args: argparse.Namespace, env: dict[str, str]
-) -> Any:
+    work: Path, store: ServedStore, model: str, args: argparse.Namespace, env: dict[str, str]
+) -> Serve:
     flags = [
         *("--data-dir", str(store.data)),
         *store.flags(),
@@ -372,9 +373,9 @@ def _serve(
     ]
     flags += ["--log-level", "warning", "--store-compression", args.store_compression]
     try:
-        return gw.start_serve(work, "serve", flags, env)
+        return start_serve(work, "serve", flags, env)
     except RuntimeError:  # a port taken between the probe and the bind: once more, on new ports
-        return gw.start_serve(work, "serve", flags, env)
+        return start_serve(work, "serve", flags, env)
 
 
 def _messages(n_system: int) -> list[dict[str, str]]:
@@ -385,8 +386,8 @@ def session_suite(
     args: argparse.Namespace, work: Path, store: ServedStore, env: dict[str, str]
 ) -> SessionReport:
     """``--turns`` turns of one session; after each: bytes written, bytes stored, a full save."""
-    gw, model = gateway_bench, _model(args, work)
-    serve = _serve(gw, work, store, model, args, env)
+    model = _model(args, work)
+    serve = _serve(work, store, model, args, env)
     rows: list[TurnRow] = []
     msgs = _messages(args.system_repeat)
     written_metric = 'slotkeeper_gateway_store_written_bytes_total{why="after-turn"}'
@@ -504,18 +505,18 @@ def ttft_suite(args: argparse.Namespace, work: Path, store: ServedStore, env: di
     TTFT, then the next (live) turn's, same number of new tokens. The live turn starts once the
     restored one is durable, as an agent's next turn comes after its tools ran: sent at once it
     would share the cores with the restored turn's write-behind save."""
-    gw, model = gateway_bench, _model(args, work)
+    model = _model(args, work)
     env = {**env, "SLOTKEEPER_SPILL_BYTES": "0"}  # a restore reads the store, never a local copy
     session = "ttft-agent"
     msgs = _messages(args.system_repeat)
-    serve = _serve(gw, work, store, model, args, env)
+    serve = _serve(work, store, model, args, env)
     try:
         for turn in range(3):
             msgs.append({"role": "user", "content": f"Step {turn}: run the tests and fix what fails."})
-            res = gw.stream_turn(serve.url, "any", msgs, session, 8)
+            res = stream_turn(serve.url, "any", msgs, session, 8)
             msgs.append({"role": "assistant", "content": res.content})
         serve.terminate(300)  # drains: the session is in the store
-        serve = _serve(gw, work, store, model, args, env)
+        serve = _serve(work, store, model, args, env)
         out: dict[str, TtftTurn] = {}
         before = 0
         for name, turn in (("restored", 3), ("live", 4)):
@@ -527,7 +528,7 @@ def ttft_suite(args: argparse.Namespace, work: Path, store: ServedStore, env: di
                 eventually("the restored turn durable", restored_durable, timeout_s=300)
             before = _generation(serve.url, session)
             msgs.append({"role": "user", "content": f"Step {turn}: run the tests and fix what fails."})
-            res = gw.stream_turn(serve.url, "any", msgs, session, 8)
+            res = stream_turn(serve.url, "any", msgs, session, 8)
             msgs.append({"role": "assistant", "content": res.content})
             prompt_n = res.timings.prompt_n if res.timings else None
             out[name] = TtftTurn(res.ttft_ms, res.cache, prompt_n)

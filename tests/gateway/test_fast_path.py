@@ -30,8 +30,8 @@ import uvicorn
 from redis.asyncio.connection import Connection
 
 from gateway.app import build_app
-from gateway.bench.gateway import TENANTS_TOML
 from gateway.bench.harness.servers import INTERNAL_KEY, free_port, stop, wait_until
+from gateway.bench.overhead import TENANTS_TOML
 from gateway.main import services
 from gateway.metrics import Metrics
 from gateway.services import Services
