@@ -282,6 +282,14 @@ class Cluster:
             return None
         return cache.refs.get(engine_id)
 
+    def cached_prefill_engines(self, model: str) -> list[EngineRef]:
+        """The prefill engines of `model` as the cached listing has them, without reading anything
+        ([] when not cached, or the cache is stale)."""
+        cache = self._cache
+        if cache is None or self.registry.now() >= cache.valid_until:
+            return []
+        return cache.prefill.get(model, [])
+
     async def pool_view(
         self,
         model: str,

@@ -76,6 +76,17 @@ def split_for(placement: Placement, threshold: int | None, tail: int | None) -> 
     return threshold == 0 or (tail is not None and tail >= threshold)
 
 
+def stays_whole(threshold: int | None, added_at_most: int | None, prefill_here: bool) -> bool:
+    """Whether a warm turn is certainly not split, before its prompt is tokenized: no prefill engine
+    on its engine's node (``prefill_here``), no threshold, or what it adds to its session's state
+    (``added_at_most``: a bound, None when unknown) stays below the threshold. Only such a turn may
+    be sent early (gateway.turn.early): one that may be split waits for its opening read and for
+    `split_for`."""
+    if not prefill_here or threshold is None:
+        return True
+    return threshold > 0 and added_at_most is not None and added_at_most < threshold
+
+
 def prefill_engine(engines: Sequence[EngineRef], node: str, turn_number: int = 0) -> EngineRef | None:
     """A prefill engine on ``node`` (the state moves through that node's disk), taken in turn
     (``turn_number``) when there are several; None when the node has none."""

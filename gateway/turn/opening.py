@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine_pool.errors import ApiError, QuotaExceeded, RateLimited
+from gateway.cluster import EngineRef
 from gateway.tenants import Tenant
 from gateway.turn.early import EarlyCall, EarlyStart, early_start
+from gateway.turn.handoff import prefill_engine, stays_whole, threshold_for
 from gateway.turn.hold import SessionHold
 from gateway.turn.parts import TurnParts
 from storage.index.records import SessionRecord
@@ -141,11 +143,12 @@ async def open_turn(
     model: str,
     goes_on: Callable[[SessionRecord | None], bool] = lambda record: True,
     launch: Callable[[EarlyStart], EarlyCall[Any]] | None = None,
+    adds: Callable[[SessionRecord], int | None] = lambda record: 0,
 ) -> Opened:
     """The turn's opening: `plan` it, start its engine call early where the plan says it may
     (``launch``), and `admit` it (the opening read). A call started early is discarded (counted as
     abandoned) when the read refuses the turn."""
-    opening = await plan(parts, admissions, tenant, session, model, goes_on)
+    opening = await plan(parts, admissions, tenant, session, model, goes_on, adds)
     call = None
     if opening.early is not None and launch is not None:
         try:
@@ -175,13 +178,15 @@ async def plan(
     session: str,
     model: str,
     goes_on: Callable[[SessionRecord | None], bool] = lambda record: True,
+    adds: Callable[[SessionRecord], int | None] = lambda record: 0,
 ) -> Opening:
     """Take this process's hold on the session over from its previous turn (when it has one and
     no request runs on it), and decide whether the turn may start before its opening read: only on
-    such a hold, while this process's last reads of the tenant left room (`Admission.room`), and
-    only when the turn goes on from the state the hold's record says its slot holds (``goes_on``:
-    else the turn branches, gateway.turn.branch, and its slot must not see it). Hand the `Opening`
-    to `admit`, or to `abandon` when giving up before."""
+    such a hold, while this process's last reads of the tenant left room (`Admission.room`), only
+    when the turn goes on from the state the hold's record says its slot holds (``goes_on``:
+    else the turn branches, gateway.turn.branch, and its slot must not see it), and only when it
+    is certainly not split (`stays_whole`, with ``adds``: the prompt tokens it adds to that state,
+    at most). Hand the `Opening` to `admit`, or to `abandon` when giving up before."""
     limit = tenant.quotas.inflight or parts.settings.max_inflight
     own = parts.holds.get(tenant.name, session)
     if own is not None and not await parts.holds.take_over(own):
@@ -194,12 +199,29 @@ async def plan(
                 rec = own.record
                 engine = parts.cluster.cached_engine(rec.engine) if rec is not None and rec.engine else None
                 margin_s = parts.settings.lock_ttl_s / 3
-                early = early_start(own, engine, model, time.monotonic(), margin_s=margin_s)
+                if engine is not None and rec is not None and _whole(parts, tenant, model, engine, rec, adds):
+                    early = early_start(own, engine, model, time.monotonic(), margin_s=margin_s)
     except BaseException:
         if own is not None:
             await parts.holds.let_go(own, turn=True)
         raise
     return Opening(tenant, session, model, limit, own, early)
+
+
+def _whole(
+    parts: TurnParts,
+    tenant: Tenant,
+    model: str,
+    engine: EngineRef,
+    record: SessionRecord,
+    adds: Callable[[SessionRecord], int | None],
+) -> bool:
+    """Whether a warm turn on ``engine`` certainly stays unsplit (gateway.turn.handoff); what the
+    turn adds is counted only where a split could be (a prefill engine on the node, a threshold)."""
+    threshold = threshold_for(tenant, parts.settings)
+    prefill_here = prefill_engine(parts.cluster.cached_prefill_engines(model), engine.node) is not None
+    added = adds(record) if prefill_here and threshold else None
+    return stays_whole(threshold, added, prefill_here)
 
 
 async def abandon(parts: TurnParts, opening: Opening) -> None:

@@ -93,6 +93,29 @@ def prefix_digests(messages: Sequence[Mapping[str, Any]], model: str) -> list[st
     return out
 
 
+# The tokens a chat template wraps one message in (role markers, a tool result's tags), or the
+# generation prompt, at most.
+TEMPLATE_TOKENS = 16
+
+
+def tokens_at_most(messages: Sequence[Mapping[str, Any]]) -> int:
+    """How many prompt tokens ``messages`` render to, at most, whatever the tokenizer: a text token
+    covers at least one byte of the text it renders; a template adds `TEMPLATE_TOKENS` around each
+    message and for the generation prompt, and may write a call's JSON arguments anew with a space
+    after each separator (at most twice their bytes)."""
+    total = TEMPLATE_TOKENS
+    for m in messages:
+        total += TEMPLATE_TOKENS + len(_utf8(_content_text(m.get("content"))))
+        total += len(_utf8(str(m.get("name") or ""))) + len(_utf8(str(m.get("tool_call_id") or "")))
+        for call in _listed(m.get("tool_calls")):
+            fn = call.get("function") if isinstance(call, Mapping) else None
+            if isinstance(fn, Mapping):
+                arguments = fn.get("arguments", "")
+                text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+                total += TEMPLATE_TOKENS + len(_utf8(str(fn.get("name", "")))) + 2 * len(_utf8(text))
+    return total
+
+
 def turn_digests(messages: Sequence[Mapping[str, Any]], model: str) -> list[str]:
     """The digests worth recording for a history: prefixes that end with an assistant message."""
     digests = prefix_digests(messages, model)
@@ -230,6 +253,18 @@ class Prompt:
             d for d, m in zip(self.chain, messages, strict=True) if m.get("role") == "assistant"
         )
         self.head = head_digest(self.chain[-1], self.tools_key) if messages else None
+
+    def added_at_most(self, head: str) -> int | None:
+        """The prompt tokens this prompt adds to the state of a session whose last turn had ``head``
+        (its prompt and reply), at most: 0 for that prompt again; None when it does not go on from
+        there. A bound, before any tokenizer: `tokens_at_most` of the messages after that reply."""
+        if head == self.head:
+            return 0
+        for i in range(len(self.messages) - 1, 0, -1):
+            reply = self.messages[i].get("role") == "assistant"
+            if reply and head_digest(self.chain[i - 1], self.tools_key) == head:
+                return tokens_at_most(self.messages[i + 1 :])
+        return None
 
     @functools.cached_property
     def shared(self) -> str | None:

@@ -118,6 +118,9 @@ class TurnRunner:
         def goes_on(record: SessionRecord | None) -> bool:
             return continuation(record, prompt) is Continuation.EXACT
 
+        def adds(record: SessionRecord) -> int | None:  # (a turn without a chat prompt is never split)
+            return 0 if prompt is None else prompt.added_at_most(record.head) if record.head else None
+
         opened = await open_turn(
             self.parts,
             self._admission,
@@ -126,6 +129,7 @@ class TurnRunner:
             model,
             goes_on,
             functools.partial(launch, session) if launch is not None else None,
+            adds,
         )
         try:
             turn = await self._begin(opened.opening, opened.admitted, source, prompt)

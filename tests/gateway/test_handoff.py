@@ -74,10 +74,9 @@ def _start(prefill_model: str, decode_model: str, tmp_path: Path, *args: str) ->
 @pytest.fixture
 def split_serve(tiny_model: Callable[..., str], tmp_path: Path) -> Iterator[Serve]:
     model = tiny_model("qwen35")
-    # A warm turn sent beside its opening read (an early start) is never split (docs/disaggregation.md):
-    # whether the follow-up turns below go early depends on whether the previous turn's hold is
-    # still kept when they arrive, so early starts are off here and the split is always considered.
-    s = _start(model, model, tmp_path, "--handoff-timeout-s", "20", "--early-start", "off")
+    # Early starts on (the default): a follow-up turn below that may be split is not sent early, even
+    # when it arrives while its previous turn's hold is still kept (gateway.turn.opening).
+    s = _start(model, model, tmp_path, "--handoff-timeout-s", "20")
     yield s
     s.stop(signal.SIGKILL, timeout=30)
 
@@ -215,6 +214,34 @@ def test_a_long_tool_output_on_a_live_session_is_prefilled_on_the_prefill_engine
     assert split.json()["usage"]["prompt_tokens"] == whole.json()["usage"]["prompt_tokens"]
     assert _text(split) == _text(whole)
     assert _metric(s.url, 'slotkeeper_gateway_handoffs_total{result="done"}') == 1
+
+
+def test_a_turn_that_may_be_split_is_not_sent_early(tiny_model: Callable[..., str], tmp_path: Path) -> None:
+    """Saves wait 10 s after each answer, so this gateway still holds the session when its next turn
+    comes: a short follow-up goes early (beside its opening read) and unsplit; a long tool output
+    right after it does not go early, and is split."""
+    model = tiny_model("qwen35")
+    s = _start(model, model, tmp_path, "--save-grace-s", "10")
+    try:
+        conversation = _conversation("Fetch the sensor table and tell me what stands out.")
+        first = _chat(s, "key-agent", "e1", conversation)
+        conversation += [
+            {"role": "assistant", "content": _text(first)},
+            {"role": "user", "content": "Fetch it, please."},
+        ]
+        short = _chat(s, "key-agent", "e1", conversation)
+        assert short.headers["X-Slotkeeper-Cache"] == "live"
+        assert _metric(s.url, 'slotkeeper_gateway_early_starts_total{outcome="answered"}') == 1
+        conversation += [
+            {"role": "assistant", "content": _text(short)},
+            {"role": "user", "content": "The tool's output:\n" + _tool_output(40)},
+        ]
+        long = _chat(s, "key-agent", "e1", conversation)
+        assert long.headers["X-Slotkeeper-Cache"] == "handoff"
+        assert long.json()["timings"]["prompt_n"] == 0
+        assert _metric(s.url, 'slotkeeper_gateway_early_starts_total{outcome="answered"}') == 1
+    finally:
+        s.stop(signal.SIGKILL, timeout=30)
 
 
 def test_a_hung_prefill_engine_costs_one_turn_its_bound(

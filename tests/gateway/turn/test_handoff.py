@@ -9,7 +9,15 @@ from engine_pool.errors import ApiError, Unavailable
 from engine_pool.protocol.handoff import HandoffOutcome, HandoffRequest, parse_threshold
 from gateway.cluster import EngineRef
 from gateway.tenants import Tenant, TenantConfigError, parse_tenants
-from gateway.turn.handoff import carries, failure, prefill_engine, split_for, threshold_for, uncached_tail
+from gateway.turn.handoff import (
+    carries,
+    failure,
+    prefill_engine,
+    split_for,
+    stays_whole,
+    threshold_for,
+    uncached_tail,
+)
 from gateway.turn.parts import TurnSettings
 from gateway.turn.slot_choice import Placement, Serve
 
@@ -41,6 +49,23 @@ def test_which_turns_are_split(
     placement: Placement, threshold: int | None, tokens: int | None, split: bool
 ) -> None:
     assert split_for(placement, threshold, tokens) is split
+
+
+@pytest.mark.parametrize(
+    ("threshold", "added", "prefill_here", "whole"),
+    [
+        (2048, 2047, True, True),  # what it adds stays below: it may go early
+        (2048, 2048, True, False),  # it may reach the threshold: the split decides after the read
+        (2048, None, True, False),  # what it adds is unknown
+        (0, 0, True, False),  # always split
+        (None, 100_000, True, True),  # never split
+        (0, 100_000, False, True),  # no prefill engine on its node
+    ],
+)
+def test_a_warm_turn_goes_early_only_when_it_is_certainly_not_split(
+    threshold: int | None, added: int | None, prefill_here: bool, whole: bool
+) -> None:
+    assert stays_whole(threshold, added, prefill_here) is whole
 
 
 def test_the_uncached_tail_is_what_the_slot_would_evaluate() -> None:

@@ -59,3 +59,27 @@ def test_the_system_digest_scopes_an_agents_conversations_by_their_system_prompt
     assert system_digest(a) == system_digest(parts) == system_digest([SYS, {"role": "user", "content": "x"}])
     assert system_digest([{"role": "system", "content": "You are a sub-agent."}, a[1]]) != system_digest(a)
     assert system_digest([{"role": "user", "content": "no system"}]) is None
+
+
+def test_what_a_prompt_adds_to_its_sessions_state_is_bounded_before_any_tokenizer():
+    from gateway.turn.prompt import TEMPLATE_TOKENS, Prompt, tokens_at_most
+
+    first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "List the sensors."}]
+    reply = {"role": "assistant", "content": "Sensor 1 and sensor 2."}
+    output = "row: 23.5 °C\n" * 400  # a tool's output, non-ASCII included
+    turn2 = [*first, reply, {"role": "user", "content": output}]
+    head = Prompt(first, "m", {}).head
+    assert head is not None
+    added = Prompt(turn2, "m", {}).added_at_most(head)
+    # Every byte of the new message's text, and the template's wrapping.
+    assert added == len(output.encode()) + 2 * TEMPLATE_TOKENS
+    calls = [{"function": {"name": "f", "arguments": "{}"}}]
+    called = [*turn2, {"role": "assistant", "content": None, "tool_calls": calls}]
+    result = {"role": "tool", "content": "ok", "tool_call_id": "c1"}
+    # The reply with its call is in the state already: the tool's result and its call's id are new.
+    assert Prompt([*called, result], "m", {}).added_at_most(Prompt(turn2, "m", {}).head or "") == 36
+    assert tokens_at_most(called[-1:]) == 3 * TEMPLATE_TOKENS + 1 + 2 * 2  # a call: its name, its arguments
+    assert Prompt(first, "m", {}).added_at_most(head) == 0  # the same prompt again
+    assert Prompt(turn2, "m", {}, tools=[{"type": "function"}]).added_at_most(head) is None  # other tools
+    other = [*first[:1], {"role": "user", "content": "Something else."}, reply, turn2[-1]]
+    assert Prompt(other, "m", {}).added_at_most(head) is None  # it does not go on from that state
