@@ -2,7 +2,7 @@
 
 Every list and every string a client controls is bounded, so that no tenant can make the engine
 parse, render, tokenize or compile without limit — on the event loop, on the decode loop, or in
-llama.cpp's recursive grammar parser. Each limit is a setting (settings.FLAGS) and each refusal is
+llama.cpp's recursive grammar parser. Each limit is a setting (engine_flags.FLAGS) and each refusal is
 a 400 (413/408 for the body itself) whose message names the field, what it holds and the limit,
 with `extra.limit` for programs. `RequestLimits` is built once by the app (`from_settings`) and
 read by every route; the checks are pure.

@@ -1,4 +1,5 @@
-"""engine_pool/server/settings.py: llama-server's flags, SLOTKEEPER_* variables, one frozen object."""
+"""engine_pool/server/settings.py and engine_flags.py: llama-server's flags, SLOTKEEPER_* variables,
+one frozen object."""
 
 from __future__ import annotations
 
