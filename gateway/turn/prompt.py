@@ -106,6 +106,7 @@ def tokens_at_most(messages: Sequence[Mapping[str, Any]]) -> int:
     total = TEMPLATE_TOKENS
     for m in messages:
         total += TEMPLATE_TOKENS + len(_utf8(_content_text(m.get("content"))))
+        total += len(_utf8(_content_text(m.get("reasoning_content"))))  # templates may render it
         total += len(_utf8(str(m.get("name") or ""))) + len(_utf8(str(m.get("tool_call_id") or "")))
         for call in _listed(m.get("tool_calls")):
             fn = call.get("function") if isinstance(call, Mapping) else None

@@ -79,6 +79,8 @@ def test_what_a_prompt_adds_to_its_sessions_state_is_bounded_before_any_tokenize
     # The reply with its call is in the state already: the tool's result and its call's id are new.
     assert Prompt([*called, result], "m", {}).added_at_most(Prompt(turn2, "m", {}).head or "") == 36
     assert tokens_at_most(called[-1:]) == 3 * TEMPLATE_TOKENS + 1 + 2 * 2  # a call: its name, its arguments
+    thought = {"role": "assistant", "content": "Yes.", "reasoning_content": "Check twice."}
+    assert tokens_at_most([thought]) == 2 * TEMPLATE_TOKENS + 4 + 12  # its reasoning counts too
     assert Prompt(first, "m", {}).added_at_most(head) == 0  # the same prompt again
     assert Prompt(turn2, "m", {}, tools=[{"type": "function"}]).added_at_most(head) is None  # other tools
     other = [*first[:1], {"role": "user", "content": "Something else."}, reply, turn2[-1]]
