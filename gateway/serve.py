@@ -46,11 +46,20 @@ log = structlog.get_logger("slotkeeper.serve")
 
 
 class _QuietServer(uvicorn.Server):
-    """The gateway's server: signals belong to the node server, which drains and then ends both."""
+    """The gateway's server: signals belong to the node server, which drains and then ends both; a
+    start-up that fails (Redis or the store refused: `storage.probe` printed why) returns instead of
+    ending the process from inside a task, so that the node stops its engines and serve says it
+    did not start (`_serve`)."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await super().startup(sockets)
+        except SystemExit:  # uvicorn's exit after a failed lifespan start
+            self.should_exit = True
 
 
 # A model whose GGUF has no usable chat template is rendered as ChatML (with a warning): these give
@@ -143,6 +152,8 @@ async def _run(
     node_server: NodeServer, gateway_server: uvicorn.Server, sockets: _Sockets, keep_running: bool
 ) -> None:
     gateway = asyncio.create_task(gateway_server.serve(sockets=[sockets.gateway]))
+    # A gateway that ended (its start failed) ends the node too: serve without it serves nothing.
+    gateway.add_done_callback(lambda _: setattr(node_server, "should_exit", True))
     watch = None if keep_running else asyncio.create_task(_stop_when_no_engines(node_server))
     try:
         await node_server.serve(sockets=[sockets.node])  # returns after a drain, a give-up or a failed start

@@ -519,6 +519,39 @@ def test_a_port_in_use_ends_serve_at_once_naming_the_flag(which: str, tiny_model
     assert which in event["hint"] and str(busy) in event["error"]
 
 
+def test_a_redis_serve_cannot_reach_ends_it_saying_why_and_stops_its_engines(
+    tiny_model, tmp_path: Path
+) -> None:
+    """The gateway's start-up probe fails (nothing listens at the Redis URL): serve ends with status 3,
+    the probe's cause and serve's own last words on the console, no traceback, and the engine the
+    node had begun to start is stopped (the node shuts down with the gateway, not the process from
+    inside a task)."""
+    redis_url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    argv = serve_argv(
+        tiny_model("llama"), tmp_path / "data", free_port(), free_port(), "--redis-url", redis_url, *CONSOLE
+    )
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    assert any(line.startswith("slotkeeper gateway: cannot start: redis at 127.0.0.1:") for line in lines)
+    assert lines[-2] == "slotkeeper serve: error: serve did not start (the error above says why)"
+    assert "Traceback" not in done.stderr and "Task exception" not in done.stderr, done.stderr[-3000:]
+    assert not _processes_naming(tmp_path / "data")  # no engine outlives it
+
+
+def _processes_naming(path: Path) -> list[str]:
+    """The command lines of the processes running now that name ``path``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # (not a process, or gone)
+            continue
+        if str(path) in cmdline:
+            found.append(cmdline)
+    return found
+
+
 @pytest.mark.parametrize(
     ("flag", "value", "forms"),
     [
