@@ -29,7 +29,7 @@ import httpx
 from engine_pool.protocol.codec import encode
 from engine_pool.protocol.handoff import HandoffResult
 from engine_pool.protocol.node import NodeEngine
-from gateway.bench.harness.answers import Timings, timings
+from gateway.bench.harness.answers import Timings, stream_chunks, timings
 from gateway.bench.harness.serve import Serve, serving
 from native.model_gen import cached_model
 
@@ -107,10 +107,7 @@ def _stream(
             r.read()
             raise RuntimeError(f"{session}: {r.status_code} {r.text[:300]}")
         served = r.headers.get("X-Slotkeeper-Cache", "")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        for chunk in stream_chunks(r.iter_lines()):
             last = timings(chunk) or last
             choices = chunk.get("choices") or [{}]
             if (choices[0].get("delta") or {}).get("content"):

@@ -34,7 +34,7 @@ import httpx
 from engine_pool.protocol.codec import Wire
 from engine_pool.protocol.node import FillResult
 from gateway.bench import routing
-from gateway.bench.harness.answers import Timings, Tokens, engine_url, timings
+from gateway.bench.harness.answers import Timings, Tokens, engine_url, stream_chunks, timings
 from gateway.bench.harness.prompts import CHUNK, SYSTEM
 from gateway.bench.harness.report import table
 from gateway.bench.harness.serve import INTERNAL_AUTH, Serve, start_serve
@@ -81,10 +81,7 @@ def stream_turn(
         if resp.status_code != 200:
             raise RuntimeError(f"turn failed: HTTP {resp.status_code}: {resp.read()!r}")
         cache = resp.headers.get("x-slotkeeper-cache", "-")
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        for chunk in stream_chunks(resp.iter_lines()):
             if "error" in chunk:
                 raise RuntimeError(f"stream error: {chunk['error']}")
             last = timings(chunk) or last

@@ -9,8 +9,10 @@ A chat answer's message is kept as it came: an agent sends it back unchanged in 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -83,6 +85,14 @@ class ChatAnswer:
         if self.usage is None or self.usage.prompt_tokens is None:
             raise WireError("'usage.prompt_tokens' is required", "usage.prompt_tokens")
         return self.usage.prompt_tokens
+
+
+def stream_chunks(lines: Iterable[str]) -> Iterator[Any]:
+    """The JSON chunks of a chat stream's lines (`data: {...}`; the closing `[DONE]` and any other
+    line skipped)."""
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
 
 
 def timings(data: object) -> Timings | None:
