@@ -25,6 +25,7 @@ from gateway.bench.harness.serve import INTERNAL_AUTH, INTERNAL_KEY, Serve, serv
 from gateway.bench.harness.servers import (
     PACKAGE_ROOT,
     free_port,
+    listening,
     redis_server,
     stop,
     wait_until,
@@ -209,7 +210,7 @@ def floor_proxy(engine_url: str, logs: Path) -> Iterator[str]:
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _listening(port), proc, "floor proxy", timeout=60)
+        wait_until(lambda: listening(port), proc, "floor proxy", timeout=60)
         yield url
     finally:
         stop(proc)
@@ -224,13 +225,6 @@ def _early_starts(url: str) -> dict[str, int]:
             labels, value = line.rsplit(" ", 1)
             out[labels.split('outcome="', 1)[1].split('"', 1)[0]] = int(float(value))
     return out
-
-
-def _listening(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _overhead_report(

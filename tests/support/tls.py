@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import socket
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,7 +18,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from gateway.bench.harness.servers import free_port, stop, wait_until
+from gateway.bench.harness.servers import free_port, listening, stop, wait_until
 
 
 @dataclass(frozen=True)
@@ -98,15 +97,10 @@ def tls_redis(data: Path, certs: Certificates, *, client_certificates: bool = Fa
     with open(data / "redis.log", "ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True)
     try:
-        wait_until(lambda: _listening(port), proc, "redis-server (TLS)")
+        wait_until(lambda: listening(port), proc, "redis-server (TLS)")
         yield port
     finally:
         stop(proc)
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def rediss_url(port: int, **options: Path | str) -> str:

@@ -67,6 +67,12 @@ def free_port(also_plus: int = 0) -> int:
     raise RuntimeError("no free port")
 
 
+def listening(port: int, host: str = "127.0.0.1") -> bool:
+    """Something accepts connections on ``host``:``port`` (whatever it speaks: TLS, HTTP, RESP)."""
+    with socket.socket() as s:
+        return s.connect_ex((host, port)) == 0
+
+
 def wait_until(probe: Any, proc: subprocess.Popen[bytes], what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
