@@ -498,13 +498,15 @@ class EngineSupervisor:
     async def _exited(self, rc: int) -> None:
         self._cancel_helpers()
         self._signal(signal.SIGKILL)  # whatever the engine left in its group goes with it
-        self._proc, self._last_exit = None, rc
         if self._state is State.DRAINING:
+            self._proc, self._last_exit = None, rc
             how = self._kill_reason or f"exited with code {rc}"
             self._transition(State.STOPPED, how, returncode=rc)
             return
         reason = self._kill_reason or f"exited with code {rc} while {self._state}"
         tail = await asyncio.to_thread(read_tail, self.spec.log_path, self.policy.log_tail_lines)
+        # The process goes with the state change, never before it: no snapshot is ready without a pid.
+        self._proc, self._last_exit = None, rc
         # A process that failed to start said why (a ready one's last error may be about a request).
         said = engine_error(tail) if self._state is State.STARTING and not self._kill_reason else ""
         self._crash(f"{reason}: {said}" if said else reason, tail, rc)

@@ -353,6 +353,31 @@ async def test_failing_health_checks_get_the_engine_restarted(tmp_path: Path, ru
     ]
 
 
+async def test_an_exited_engine_is_never_ready_without_its_process(
+    tmp_path: Path, running: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Reading the dead engine's log tail takes a while; a router looking meanwhile must not find
+    # a ready engine whose process (and soon its address) is gone.
+    import engine_pool.pool.supervisor as supervisor_module
+
+    seen: list[Any] = []
+    sup = running(EngineSupervisor(spec(tmp_path, "unused"), FAST, argv=fake_argv(tmp_path, "ok")))
+
+    def reading(path: Path, lines: int, max_bytes: int = 16384) -> str:
+        seen.append(sup.snapshot())
+        return read_tail(path, lines, max_bytes)
+
+    monkeypatch.setattr(supervisor_module, "read_tail", reading)
+    first = await sup.wait_for(State.READY, timeout_s=20)
+    assert first.pid
+    os.killpg(first.pid, signal.SIGKILL)
+    crashed = await sup.wait_for(State.CRASHED, timeout_s=10)
+    # (The first read: the engine's facts, as it became ready.)
+    assert [(s.state, s.pid) for s in seen] == [(State.STARTING, first.pid), (State.READY, first.pid)]
+    assert crashed.pid is None and crashed.last_exit == -9
+    await sup.stop()
+
+
 async def test_start_deadline(tmp_path: Path, running: Any) -> None:
     policy = SupervisorPolicy(start_timeout_s=0.5, backoff_base_s=5)
     sup = running(
