@@ -24,8 +24,8 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Mapping
-from contextlib import suppress
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,7 +59,7 @@ from storage.index.session_index import SessionIndex
 from storage.slotfile.reader import SlotFile, read_slot_file, whole_file_crc32
 
 from ..protocol.codec import WireError
-from ..protocol.handoff import HandoffRequest, HandoffResult, Role
+from ..protocol.handoff import HandoffOutcome, HandoffRequest, HandoffResult, Prefilled, Role
 from ..protocol.node import (
     CancelResult,
     EraseResult,
@@ -69,7 +69,8 @@ from ..protocol.node import (
     UnstoredCopy,
 )
 from ..protocol.slot_actions import SlotAnswer, SlotCancelled, SlotErased, SlotRestored, SlotSaved
-from .handoff import PrefillSlots, choose, hand_off, outcome_of
+from .handoff import PrefillSlots, choose, hand_off, outcome_of, prefill_to_file
+from .handoff_peer import hand_off_remote
 from .metrics import NodeMetrics
 from .settings import NodeSettings
 from .supervisor import EngineSnapshot, EngineSpec, EngineSupervisor, State
@@ -273,59 +274,56 @@ class NodeAgent:
         fenced: bool = False,
     ) -> SlotResult:
         sup, n = self._engine(engine_id, slot)
-        self._inflight += 1
-        self._idle.clear()
         t0 = time.monotonic()
         result: SlotResult | None = None
-        try:
-            if op == "erase":
-                result = EraseResult((await self._slot_call(sup, n, SlotErased)).n_erased)
-            elif op == "cancel":  # the generation running there ends (a busy session's DELETE)
-                result = CancelResult((await self._slot_call(sup, n, SlotCancelled)).cancelled)
-            else:
-                assert ref is not None
-                spill = op == "spill"
-                result = await (
-                    self._spill(sup, n, ref, route, share, fenced)
-                    if spill
-                    else self._fill(sup, n, ref, tokens, prefix)
-                )
-            return result
-        finally:
-            self.metrics.observe(op, time.monotonic() - t0, result)
-            self._inflight -= 1
-            if not self._inflight:
-                self._idle.set()
+        with self._admitted():
+            try:
+                if op == "erase":
+                    result = EraseResult((await self._slot_call(sup, n, SlotErased)).n_erased)
+                elif op == "cancel":  # the generation running there ends (a busy session's DELETE)
+                    result = CancelResult((await self._slot_call(sup, n, SlotCancelled)).cancelled)
+                else:
+                    assert ref is not None
+                    spill = op == "spill"
+                    result = await (
+                        self._spill(sup, n, ref, route, share, fenced)
+                        if spill
+                        else self._fill(sup, n, ref, tokens, prefix)
+                    )
+                return result
+            finally:
+                self.metrics.observe(op, time.monotonic() - t0, result)
 
     async def handoff(self, engine_id: str, slot: str, req: HandoffRequest) -> HandoffResult:
-        """A turn's prompt prefilled on a prefill engine of this node and installed in this slot
-        (engine_pool.pool.handoff); counted by how it ended, logged either way."""
+        """A turn's prompt prefilled on a prefill engine — of this node (engine_pool.pool.handoff) or
+        of the node agent at ``req.prefill_node`` (engine_pool.pool.handoff_peer) — and installed in
+        this slot; counted by how it ended, logged either way."""
         sup, n = self._engine(engine_id, slot)
-        roles = {e: s.spec.role for e, s in self.engines.items()}
-        self._inflight += 1
-        self._idle.clear()
-        t0 = time.monotonic()
-        try:
-            prefill = choose(sup, self.engines.get(req.prefill_engine), req.prefill_engine, roles)
-            out = await hand_off(self.parts.http, self.prefill_slots, self._slot_call, sup, n, prefill, req)
-        except (Exception, asyncio.CancelledError) as exc:
-            result = outcome_of(exc)
-            self.metrics.handoff_failed(result, time.monotonic() - t0)
-            log.warning(
-                "node.handoff_failed",
-                engine=engine_id,
-                slot=n,
-                prefill=req.prefill_engine,
-                tenant=req.tenant,
-                session=req.session,
-                result=result.value,
-                error=str(exc),
-            )
-            raise
-        finally:
-            self._inflight -= 1
-            if not self._inflight:
-                self._idle.set()
+        with self._admitted():
+            t0 = time.monotonic()
+            try:
+                if req.prefill_node:
+                    out = await hand_off_remote(self.parts.http, self._slot_call, sup, n, req)
+                else:
+                    prefill = self.prefill_engine(req.prefill_engine, sup.spec.model_id)
+                    out = await hand_off(
+                        self.parts.http, self.prefill_slots, self._slot_call, sup, n, prefill, req
+                    )
+            except (Exception, asyncio.CancelledError) as exc:
+                result = outcome_of(exc)
+                self.metrics.handoff_failed(result, time.monotonic() - t0)
+                log.warning(
+                    "node.handoff_failed",
+                    engine=engine_id,
+                    slot=n,
+                    prefill=req.prefill_engine,
+                    prefill_node=req.prefill_node or None,
+                    tenant=req.tenant,
+                    session=req.session,
+                    result=result.value,
+                    error=str(exc),
+                )
+                raise
         self.metrics.handoff_done(out)
         log.info(
             "node.handed_off",
@@ -336,6 +334,59 @@ class NodeAgent:
             **out.to_json(),
         )
         return out
+
+    def prefill_engine(self, engine_id: str, model: str) -> EngineSupervisor:
+        """A ready prefill engine of this node serving ``model`` ('' any), or 404/400/503."""
+        if self.draining:
+            raise Unavailable("the node is draining", retry_after=self.settings.retry_after_s)
+        roles = {e: s.spec.role for e, s in self.engines.items()}
+        return choose(self.engines.get(engine_id), engine_id, model, roles)
+
+    async def prefill(
+        self, engine_id: str, req: HandoffRequest, carried: Path | None, name: str
+    ) -> Prefilled:
+        """Another node's handoff: ``req``'s prompt prefilled on a lent slot of this node's prefill
+        engine (from the ``carried`` state, a file in its slot directory, if any) and exported as
+        ``name`` there (engine_pool.pool.handoff_peer); counted by how it ended."""
+        prefill = self.prefill_engine(engine_id, req.model)
+        with self._admitted():
+            try:
+                done = await prefill_to_file(
+                    self.parts.http,
+                    self.prefill_slots,
+                    self._slot_call,
+                    prefill,
+                    req,
+                    carried.name if carried is not None else None,
+                    name,
+                )
+            except (Exception, asyncio.CancelledError) as exc:
+                result = outcome_of(exc)
+                self.metrics.peer_prefills.labels(result.value).inc()
+                log.warning(
+                    "node.prefill_failed",
+                    engine=engine_id,
+                    tenant=req.tenant,
+                    session=req.session,
+                    result=result.value,
+                    error=str(exc),
+                )
+                raise
+        self.metrics.peer_prefills.labels(HandoffOutcome.DONE.value).inc()
+        log.info("node.prefilled", engine=engine_id, tenant=req.tenant, session=req.session, **done.to_json())
+        return done
+
+    @contextmanager
+    def _admitted(self) -> Iterator[None]:
+        """An operation the drain waits for."""
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._inflight -= 1
+            if not self._inflight:
+                self._idle.set()
 
     async def forget(self, tenant: str, session: str) -> int:
         """Discard every spill-cache file of the session, confirmed or not; returns how many."""

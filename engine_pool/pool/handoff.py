@@ -12,11 +12,14 @@ with the session — with the slot file's checks: another model or state format,
 truncated file, is refused (the slot is left empty) and the gateway runs the turn unsplit.
 
 Steps, each with its own failure: choose (`choose`, pure: the engine is a ready prefill engine of
-the decode engine's model), carry (`carry` only: the session's state saved from the decode slot,
-linked and restored into the lent slot), prefill (a chat completion with `n_predict` 0 on the lent
-slot, bounded by the request's `timeout_s`, cancelled on the engine past it or when the caller
-leaves), export (the save, no sync to disk), install (the restore; a carried session's own state is
-put back in its slot when the install fails).
+the decode engine's model), carry (`carry` only, `carry_out`: the session's state saved from the
+decode slot, linked into the prefill engine's directory, restored into the lent slot), prefill (a
+chat completion with `n_predict` 0 on the lent slot, bounded by the request's `timeout_s`,
+cancelled on the engine past it or when the caller leaves), export (the save, no sync to disk),
+install (`install`: the restore; a carried session's own state is put back in its slot when the
+install fails). `prefill_to_file` (lend, restore a carried state, prefill, export) and `install`
+serve a handoff with a prefill engine on another node too (engine_pool.pool.handoff_peer), where
+the files go over the network instead of being linked.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import structlog
 from engine_pool.errors import ApiError, BadRequest, NotFound, Unavailable, Upstream
 from engine_pool.http.answers import answer_json, error_object
 
-from ..protocol.handoff import HandoffMode, HandoffOutcome, HandoffRequest, HandoffResult, Role
+from ..protocol.handoff import HandoffMode, HandoffOutcome, HandoffRequest, HandoffResult, Prefilled, Role
 from ..protocol.slot_actions import SlotRestored, SlotSaved
 from .supervisor import EngineSupervisor, State
 
@@ -65,18 +68,17 @@ TRANSIENT: Mapping[str, Any] = {"durable": False}
 
 
 def choose(
-    decode: EngineSupervisor, prefill: EngineSupervisor | None, engine_id: str, roles: dict[str, str]
+    prefill: EngineSupervisor | None, engine_id: str, model: str, roles: dict[str, str]
 ) -> EngineSupervisor:
     """The prefill engine a handoff may use, or why not: 404 (not on this node), 400 (not a prefill
-    engine, or of another model), 503 (not ready)."""
+    engine, or not of ``model``: '' when unknown), 503 (not ready)."""
     if prefill is None:
         raise NotFound(f"engine {engine_id!r} is not on this node", param="prefill_engine")
     if roles.get(engine_id) != Role.PREFILL:
         raise BadRequest(f"engine {engine_id!r} is not a prefill engine", param="prefill_engine")
-    if prefill.spec.model_id != decode.spec.model_id:
+    if model and prefill.spec.model_id != model:
         raise BadRequest(
-            f"engine {engine_id!r} serves {prefill.spec.model_id!r}, not {decode.spec.model_id!r}",
-            param="prefill_engine",
+            f"engine {engine_id!r} serves {prefill.spec.model_id!r}, not {model!r}", param="prefill_engine"
         )
     if prefill.state is not State.READY:
         raise Unavailable(f"prefill engine {engine_id} is {prefill.state}", retry_after=1)
@@ -141,88 +143,152 @@ async def hand_off(
     prefill: EngineSupervisor,
     req: HandoffRequest,
 ) -> HandoffResult:
-    """The handoff `req` asks for, into ``decode``'s ``slot`` (see the module doc)."""
+    """The handoff `req` asks for, into ``decode``'s ``slot``, with a prefill engine of this node (see
+    the module doc)."""
     t0 = time.monotonic()
-    lent = await slots.lend(prefill.spec.engine_id, req.wait_s)
-    name = f"handoff-{uuid.uuid4().hex}.slot"
-    exported, installed = prefill.spec.slot_dir / name, decode.spec.slot_dir / name
     files: list[Path] = []  # whatever this handoff wrote: gone when it ends, however it ends
-    carried: _Carried | None = None
+    carried: Carried | None = None
     try:
-        try:
-            if req.carry:
-                carried = await _carry(slot_call, decode, slot, prefill, lent, req, files)
-            t_carry = time.monotonic()
-            body = prefill_body(req.body, req.tenant, lent, req.mode)
-            answer = await _prefill(http, prefill, body, req.timeout_s)
-            t1 = time.monotonic()
-            files.append(exported)
-            saved: SlotSaved = await slot_call(prefill, lent, SlotSaved, name, TRANSIENT)
-        finally:
-            slots.give_back(prefill.spec.engine_id, lent)
-        t2 = time.monotonic()
-        files.append(installed)
+        carried_here: str | None = None
+        if req.carry:
+            carried = await carry_out(slot_call, decode, slot, req, files)
+            dest = prefill.spec.slot_dir / carried.name
+            files.append(dest)
+            await asyncio.to_thread(_move, carried.path, dest)
+            carried_here = carried.name
+        t_carry = time.monotonic()
+        name = f"handoff-{uuid.uuid4().hex}.slot"
+        exported, installed = prefill.spec.slot_dir / name, decode.spec.slot_dir / name
+        files += [exported, installed]
+        done = await prefill_to_file(http, slots, slot_call, prefill, req, carried_here, name)
+        t_moved = time.monotonic()
         await asyncio.to_thread(_move, exported, installed)
-        label = {"slot_owner": req.tenant, "slot_session": req.session}
-        try:
-            restored: SlotRestored = await slot_call(decode, slot, SlotRestored, name, label)
-        except BaseException:
-            if carried is not None:  # the session's own state back where it was: the turn runs there
-                with suppress(ApiError):
-                    await slot_call(decode, slot, SlotRestored, carried.name, label)
-            raise
+        t_export = time.monotonic()
+        restored = await install(slot_call, decode, slot, name, req, carried)
     finally:
         await asyncio.to_thread(_unlink, *files)
+    carry_s = t_carry - carried.t0 if carried is not None else 0.0
+    return result_of(done, restored, req, prefill.spec.engine_id, carry_s, t_export - t_moved, t_export, t0)
+
+
+def result_of(
+    done: Prefilled,
+    restored: SlotRestored,
+    req: HandoffRequest,
+    prefill_engine: str,
+    carry_s: float,
+    transfer_s: float,
+    t_export: float,
+    t0: float,
+) -> HandoffResult:
+    """A handoff's result from the prefill side's account (``done``) and the decode side's times:
+    ``carry_s`` a carried state's save and way to the prefill side, ``transfer_s`` the exported
+    file's way to the decode engine's directory (a link, or the network), reached at ``t_export``;
+    the install ends now; ``t0`` the handoff's start."""
     t3 = time.monotonic()
-    timings = answer.get("timings") if isinstance(answer.get("timings"), dict) else {}
-    prompt_n = timings.get("prompt_n", -1) if isinstance(timings, dict) else -1
     return HandoffResult(
-        prefill.spec.engine_id,
-        lent,
+        prefill_engine,
+        done.prefill_slot,
         restored.n_restored,
-        int(prompt_n) if isinstance(prompt_n, int | float) else -1,
-        saved.n_written,
+        done.prompt_n,
+        done.bytes,
         restored.n_checkpoints,
         req.mode,
-        prefill_ms=round((t1 - t_carry) * 1000, 2),
-        export_ms=round((t2 - t1) * 1000, 2),
-        install_ms=round((t3 - t2) * 1000, 2),
+        prefill_ms=done.prefill_ms,
+        export_ms=round(done.export_ms + transfer_s * 1000, 2),
+        install_ms=round((t3 - t_export) * 1000, 2),
         ms=round((t3 - t0) * 1000, 2),
-        carried_bytes=carried.bytes if carried is not None else 0,
-        carry_ms=round((t_carry - carried.t0) * 1000, 2) if carried is not None else 0.0,
+        carried_bytes=done.carried_bytes,
+        carry_ms=round(carry_s * 1000 + done.carry_ms, 2) if req.carry else 0.0,
+        prefill_node=req.prefill_node,
     )
 
 
-@dataclass(frozen=True)
-class _Carried:
-    name: str  # its file in the decode engine's slot directory (put back from there on a failure)
-    bytes: int
-    t0: float
+async def prefill_to_file(
+    http: httpx.AsyncClient,
+    slots: PrefillSlots,
+    slot_call: SlotCall,
+    prefill: EngineSupervisor,
+    req: HandoffRequest,
+    carried: str | None,
+    name: str,
+) -> Prefilled:
+    """``req``'s prompt evaluated on a lent slot of ``prefill`` and exported as ``name`` in its slot
+    directory (the caller removes it). ``carried``: a slot file there to restore into the lent slot
+    first (a session's state: only the prompt's new tail is evaluated)."""
+    lent = await slots.lend(prefill.spec.engine_id, req.wait_s)
+    try:
+        carried_bytes, t0 = 0, time.monotonic()
+        if carried is not None:  # (no label: the prefill's body, labelled with the tenant, starts from it)
+            carried_bytes = (await slot_call(prefill, lent, SlotRestored, carried, None)).n_read
+        t1 = time.monotonic()
+        body = prefill_body(req.body, req.tenant, lent, req.mode)
+        answer = await _prefill(http, prefill, body, req.timeout_s)
+        t2 = time.monotonic()
+        saved: SlotSaved = await slot_call(prefill, lent, SlotSaved, name, TRANSIENT)
+    finally:
+        slots.give_back(prefill.spec.engine_id, lent)
+    timings = answer.get("timings")
+    prompt_n = timings.get("prompt_n", -1) if isinstance(timings, dict) else -1
+    return Prefilled(
+        lent,
+        int(prompt_n) if isinstance(prompt_n, int | float) else -1,
+        saved.n_written,
+        saved.n_checkpoints,
+        prefill_ms=round((t2 - t1) * 1000, 2),
+        export_ms=round((time.monotonic() - t2) * 1000, 2),
+        carried_bytes=carried_bytes,
+        carry_ms=round((t1 - t0) * 1000, 2),
+    )
 
 
-async def _carry(
+async def install(
     slot_call: SlotCall,
     decode: EngineSupervisor,
     slot: int,
-    prefill: EngineSupervisor,
-    lent: int,
+    name: str,
     req: HandoffRequest,
-    files: list[Path],
-) -> _Carried:
-    """The session's state from its decode slot onto the lent prefill slot: saved (only while the
-    slot still holds the session: else 409, and the turn runs unsplit), linked, restored. The slot
-    keeps its state meanwhile; the file stays until the handoff ends, to put it back should the
-    install fail."""
+    carried: Carried | None,
+) -> SlotRestored:
+    """The handed state (``name`` in the decode engine's slot directory) restored into the turn's
+    slot, labelled with the session; should that fail, a carried session's own state is put back in
+    its slot (the turn then runs there, unsplit)."""
+    label = {"slot_owner": req.tenant, "slot_session": req.session}
+    try:
+        restored: SlotRestored = await slot_call(decode, slot, SlotRestored, name, label)
+    except BaseException:
+        if carried is not None:
+            with suppress(ApiError):
+                await slot_call(decode, slot, SlotRestored, carried.name, label)
+        raise
+    return restored
+
+
+@dataclass(frozen=True)
+class Carried:
+    """A session's state saved from its decode slot for a carried handoff: kept in the decode
+    engine's slot directory until the handoff ends, to put it back should the install fail."""
+
+    path: Path
+    t0: float
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+async def carry_out(
+    slot_call: SlotCall, decode: EngineSupervisor, slot: int, req: HandoffRequest, files: list[Path]
+) -> Carried:
+    """The session's state saved from its decode slot (only while the slot still holds the session,
+    or the parent it was forked from, `carry_from`: else 409, and the turn runs unsplit); the slot
+    keeps its state meanwhile."""
     t0 = time.monotonic()
-    name = f"carry-{uuid.uuid4().hex}.slot"
-    src, dest = decode.spec.slot_dir / name, prefill.spec.slot_dir / name
-    files += [src, dest]
-    expect = {"slot_owner": req.tenant, "slot_expect": req.session, **TRANSIENT}
-    saved: SlotSaved = await slot_call(decode, slot, SlotSaved, name, expect)
-    await asyncio.to_thread(_move, src, dest)
-    # (No label: the prefill's body, labelled with the tenant, then starts from this state.)
-    await slot_call(prefill, lent, SlotRestored, name, None)
-    return _Carried(name, saved.n_written, t0)
+    path = decode.spec.slot_dir / f"carry-{uuid.uuid4().hex}.slot"
+    files.append(path)
+    expect = {"slot_owner": req.tenant, "slot_expect": req.carry_from or req.session, **TRANSIENT}
+    await slot_call(decode, slot, SlotSaved, path.name, expect)
+    return Carried(path, t0)
 
 
 async def _prefill(

@@ -1,5 +1,6 @@
 """The node agent's Prometheus metrics: slot moves (spill/fill/erase) with their bytes and seconds,
-handoffs (prefill/decode split) by result with their bytes and seconds, engines by state and role
+handoffs (prefill/decode split) by result with their bytes and seconds, prefills run for other
+nodes' handoffs by result, engines by state and role
 and their restarts, and the spill cache (bytes held, uploads pending)."""
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ class NodeMetrics:
         self.roles = Gauge("slotkeeper_node_engine_roles", "Engines by role", ["role"], registry=r)
         self.handoffs = Counter(
             "slotkeeper_node_handoffs", "Prefill/decode handoffs by result", ["result"], registry=r
+        )
+        self.peer_prefills = Counter(
+            "slotkeeper_node_peer_prefills",
+            "Prefills run on this node's prefill engines for other nodes' handoffs, by result",
+            ["result"],
+            registry=r,
         )
         self.handoff_bytes = Counter(
             "slotkeeper_node_handoff_bytes", "State bytes handed from prefill to decode engines", registry=r

@@ -5,14 +5,17 @@ leaves through `render_error`; everything but `/health` requires the internal cr
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from typing import Any
 
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine_pool.errors import (
@@ -23,14 +26,14 @@ from engine_pool.errors import (
     is_expected,
     render_error,
 )
-from engine_pool.http.body import read_json
+from engine_pool.http.body import Body, parse_json_object, read_json
 from engine_pool.http.credentials import RequireKey
 from engine_pool.http.disconnect import unless_caller_leaves
 from storage.errors import StorageError
 from storage.ids import SlotRef, validate_id
 from storage.index.prefix_digests import STORED_ROUTES
 
-from ..protocol.handoff import HandoffRequest
+from ..protocol.handoff import HANDOFF_MEDIA, PREFILL, HandoffRequest
 from ..protocol.node import (
     ENGINES,
     HEALTH,
@@ -49,6 +52,7 @@ from ..protocol.node import (
     UnstoredList,
 )
 from .agent import NodeAgent
+from .handoff_peer import exported_frames, nothing_more, read_head, receive_carried
 from .supervisor import EngineSnapshot
 
 log = structlog.get_logger("engine.node")
@@ -125,6 +129,8 @@ async def slot_operation(request: Request) -> Response:
         handoff = HandoffRequest.from_body(await read_json(request))
         validate_id(handoff.tenant, "tenant")
         validate_id(handoff.session, "session")
+        if handoff.carry_from:
+            validate_id(handoff.carry_from, "carry_from")
         # The gateway's client gone (its call to this node closed): the prefill is cancelled.
         operation = a.handoff(p["engine"], p["slot"], handoff)
         done = await unless_caller_leaves(
@@ -138,6 +144,42 @@ async def slot_operation(request: Request) -> Response:
     else:
         result = await a.operation(op, p["engine"], p["slot"], None)
     return JSONResponse(result.to_json())
+
+
+async def prefill(request: Request) -> Response:
+    """Another node's handoff (engine_pool.pool.handoff_peer): a frame in — the `HandoffRequest`'s
+    JSON line, then a carried state's slot file when `carry` — and a frame out: `Prefilled`'s JSON
+    line, then the exported slot file. Cancelled on the prefill engine when the caller leaves."""
+    a, engine = agent(request), request.path_params["engine"]
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != HANDOFF_MEDIA:
+        raise BadRequest(f"the body must be a {HANDOFF_MEDIA} frame, not {media or 'untyped'}")
+    head, rest = await read_head(request.stream())
+    req = HandoffRequest.from_body(Body(parse_json_object(head)))
+    validate_id(req.tenant, "tenant")
+    validate_id(req.session, "session")
+    if req.prefill_node:
+        raise BadRequest("a prefill is not sent on to a third node", param="prefill_node")
+    engine_sup = a.prefill_engine(engine, req.model)  # (404, 400, 503 before the carried state is read)
+    carried = await receive_carried(rest, engine_sup) if req.carry else None
+    if carried is None:
+        await nothing_more(rest)
+    name = f"handoff-{uuid.uuid4().hex}.slot"
+    try:
+        done = await unless_caller_leaves(
+            request,
+            a.prefill(engine, req, carried, name),
+            "the caller disconnected; the prefill was cancelled",
+            settle=True,
+        )
+        frames, close = await exported_frames(done, engine_sup.spec.slot_dir / name)
+    except BaseException:
+        await asyncio.to_thread((engine_sup.spec.slot_dir / name).unlink, missing_ok=True)
+        raise
+    finally:
+        if carried is not None:
+            await asyncio.to_thread(carried.unlink, missing_ok=True)
+    return StreamingResponse(frames, media_type=HANDOFF_MEDIA, background=BackgroundTask(close))
 
 
 async def handle_error(request: Request, exc: Exception) -> Response:
@@ -180,6 +222,7 @@ def build_node_app(lifespan: Any, internal_key: str | None) -> Starlette:
             Route(ENGINES, engines, methods=["GET"]),
             Route(METRICS, metrics, methods=["GET"]),
             Route(SLOT_OPERATION, slot_operation, methods=["POST"]),
+            Route(PREFILL, prefill, methods=["POST"]),
             Route(SESSION, forget_session, methods=["DELETE"]),
             Route(UNSTORED, unstored, methods=["GET"]),
         ],

@@ -13,11 +13,17 @@ A turn of a session whose state is in the decode slot already (live there, or re
 the turn) is split with `carry`: that state goes to the prefill slot first (saved, linked,
 restored), the prefill engine evaluates only the new tail, and the result comes back as above.
 
+A prefill engine on another node (`prefill_node`: that node agent's URL) is reached node to node:
+the decode engine's node sends it a `PREFILL` request — a frame (`HANDOFF_MEDIA`: one line of
+compact JSON, the `HandoffRequest`, then a carried state's slot file, if any) — and reads back a
+frame of the same form: one line of JSON (`Prefilled`), then the exported slot file.
+
 Pure: no I/O here.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -25,6 +31,16 @@ from typing import Any
 from engine_pool.http.body import json_type
 
 from .codec import Wire, WireError, wire
+
+# A node-to-node prefill's request and answer: one line of compact JSON, then a slot file's bytes.
+HANDOFF_MEDIA = "application/x-slotkeeper-handoff"
+PREFILL = "/v1/engines/{engine}/prefill"  # on the prefill engine's node
+MAX_FRAME_HEAD = 1 << 28  # the JSON line's bytes at most (a turn's chat body, past any body limit)
+_NODE_URL = re.compile(r"https?://[^\s/?#@]+(/[^\s?#]*)?")
+
+
+def prefill_path(engine: str) -> str:
+    return PREFILL.format(engine=engine)
 
 
 class Role(StrEnum):
@@ -76,6 +92,15 @@ def _chat_body(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
+def _node_url(value: Any, where: str) -> str:
+    """A node agent's http(s) URL, or '' (this node)."""
+    if value == "":
+        return value
+    if not isinstance(value, str) or len(value) > 2048 or not _NODE_URL.fullmatch(value):
+        raise WireError(f"'{where}' must be a node agent's http(s) URL", where)
+    return value
+
+
 def _mode(value: Any, where: str) -> str:
     if value not in HANDOFF_MODES:
         raise WireError(f"'{where}' must be one of {', '.join(HANDOFF_MODES)}", where)
@@ -89,7 +114,11 @@ class HandoffRequest(Wire):
     session). ``wait_s``: the longest the prefill may wait for a free prefill slot (then 503);
     ``timeout_s``: the longest the prefill itself may take (then it is cancelled there, 503).
     ``carry``: this slot holds the session's state (labelled so): it is carried to the prefill slot
-    first, which then evaluates only the prompt's new tail."""
+    first, which then evaluates only the prompt's new tail. ``prefill_node``: the URL of the node
+    agent that runs ``prefill_engine`` when it is not this one (node to node); ``model``: the model
+    the prefill engine must serve (set in a node-to-node request: the peer knows no decode engine);
+    ``carry_from``: the session the slot's state is labelled with when not this one (a fork's or a
+    branch's parent, restored there for this turn)."""
 
     sparse = True
 
@@ -101,6 +130,25 @@ class HandoffRequest(Wire):
     wait_s: float = field(default=2.0, metadata=wire(lo=0, hi=600))
     timeout_s: float = field(default=600.0, metadata=wire(lo=0.001, hi=3600))
     carry: bool = False
+    prefill_node: str = field(default="", metadata=wire(parse=_node_url))
+    model: str = ""
+    carry_from: str = ""
+
+
+@dataclass(frozen=True)
+class Prefilled(Wire):
+    """A prompt prefilled on a lent slot of a prefill engine and exported as a slot file of
+    ``bytes`` bytes (its frame's rest); ``carried_bytes``: the carried state restored there first,
+    in ``carry_ms``."""
+
+    prefill_slot: int
+    prompt_n: int
+    bytes: int
+    checkpoints: int
+    prefill_ms: float
+    export_ms: float
+    carried_bytes: int = 0
+    carry_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -122,3 +170,4 @@ class HandoffResult(Wire):
     ms: float
     carried_bytes: int = 0  # the session's state carried to the prefill slot (`carry`), else 0
     carry_ms: float = 0.0
+    prefill_node: str = ""  # the node agent the prefill ran on, when not the decode engine's

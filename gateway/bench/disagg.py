@@ -2,7 +2,9 @@
 
 Per configuration, one `slotkeeper serve` with two engines of one model, each pinned with `taskset`
 to its own cores (standing in for separate devices): `unsplit` (two mixed engines, no handoff),
-`logits` and `last-token` (a prefill and a decode engine, `--handoff` of that name). K sessions
+`logits` and `last-token` (a prefill and a decode engine, `--handoff` of that name), and
+`logits-nodes` (the prefill engine on one node agent, the decode engine on another, behind one
+gateway: the state goes node to node over loopback). K sessions
 decode without pause (streamed turns, `--decode-tokens` each, the session live in its slot) while,
 after a quiet phase, long prompts of new sessions arrive one after the other. Reported per
 configuration: the decoding sessions' inter-token latency p50/p99 in the quiet phase and while long
@@ -21,8 +23,11 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import httpx
 
@@ -30,14 +35,31 @@ from engine_pool.protocol.codec import encode
 from engine_pool.protocol.handoff import HandoffResult
 from engine_pool.protocol.node import NodeEngine
 from gateway.bench.harness.answers import Timings, stream_chunks, timings
-from gateway.bench.harness.serve import Serve, serving
+from gateway.bench.harness.cluster import clustered
+from gateway.bench.harness.serve import serving
 from native.model_gen import cached_model
 
-CONFIGS = {  # name -> (roles, --handoff)
-    "unsplit": (("mixed", "mixed"), None),
-    "logits": (("prefill", "decode"), "logits"),
-    "last-token": (("prefill", "decode"), "last-token"),
+CONFIGS = {  # name -> (roles, --handoff, the engines on two nodes)
+    "unsplit": (("mixed", "mixed"), None, False),
+    "logits": (("prefill", "decode"), "logits", False),
+    "last-token": (("prefill", "decode"), "last-token", False),
+    "logits-nodes": (("prefill", "decode"), "logits", True),
 }
+
+
+class Servers(Protocol):
+    """What a configuration runs on: `slotkeeper serve`, or a gateway and two nodes."""
+
+    url: str
+
+    def engines(self) -> list[NodeEngine]: ...
+
+    def events(self, name: str, payload: type[T]) -> list[T]: ...
+
+    def tail(self) -> str: ...
+
+
+T = TypeVar("T")
 ROWS = [f"row {i}: sensor {i % 17} read {i * 7 % 101} at {i % 24:02d}h" for i in range(4000)]
 
 
@@ -132,7 +154,7 @@ def _decoder(url: str, model: str, k: int, run: Run, n: int, placed: threading.E
                 (run.busy if run.arrivals_on else run.quiet).gaps.append(b - a)
 
 
-def _pin(serve: Serve, cores: list[str]) -> list[NodeEngine]:
+def _pin(serve: Servers, cores: list[str]) -> list[NodeEngine]:
     """Each engine's threads onto its own cores (taskset); the engines, as listed."""
     engines = serve.engines()
     for engine, cpus in zip(engines, cores, strict=True):
@@ -141,19 +163,37 @@ def _pin(serve: Serve, cores: list[str]) -> list[NodeEngine]:
     return engines
 
 
-def _one(config: str, args: argparse.Namespace, model: str, work: Path) -> ConfigRow:
-    roles, mode = CONFIGS[config]
-    model_id = Path(model).name.removesuffix(".gguf")
-    flags = [
-        *("--model", model, "--model", model),
-        *("--role", roles[0], "--role", roles[1]),
-        *("--slots", str(args.sessions + 1), "--ctx", str(args.ctx)),
-        *("--data-dir", str(work / config), "--log-level", "info", "--log-format", "json"),
+@contextmanager
+def _servers(config: str, args: argparse.Namespace, model: str, work: Path) -> Iterator[Servers]:
+    """The configuration's engines: both under one `slotkeeper serve`, or (across nodes) the
+    prefill engine on node n1 and the decode engine on n2, behind one gateway."""
+    roles, mode, across = CONFIGS[config]
+    slots = ("--slots", str(args.sessions + 1), "--ctx", str(args.ctx))
+    split = [
         *("--handoff-threshold", str(args.prompt_tokens // 2) if mode else "off"),
         *("--handoff", mode or "logits"),
     ]
-    env = {**os.environ, "SLOTKEEPER_ENGINE_ARGS": f"-t,{args.threads}"}  # (serve passes the node's)
+    logging = ["--log-level", "info", "--log-format", "json"]
+    env = {**os.environ, "SLOTKEEPER_ENGINE_ARGS": f"-t,{args.threads}"}  # (each node reads it)
+    if across:
+        nodes = [["--model", model, "--role", role, *slots, "--log-level", "warning"] for role in roles]
+        with clustered(work, config, nodes, [*split, *logging], env) as cluster:
+            yield cluster
+        return
+    flags = [
+        *("--model", model, "--model", model),
+        *("--role", roles[0], "--role", roles[1]),
+        *slots,
+        *("--data-dir", str(work / config), *logging),
+        *split,
+    ]
     with serving(work, config, flags, env) as serve:
+        yield serve
+
+
+def _one(config: str, args: argparse.Namespace, model: str, work: Path) -> ConfigRow:
+    model_id = Path(model).name.removesuffix(".gguf")
+    with _servers(config, args, model, work) as serve:
         deadline = time.monotonic() + 180
         while [e.state for e in serve.engines()] != ["ready", "ready"]:
             if time.monotonic() > deadline:
@@ -210,7 +250,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="slotkeeper bench disagg", description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="a GGUF (default: the generated qwen35 bench model)")
     ap.add_argument("--models-dir", default=os.path.join(tempfile.gettempdir(), "slotkeeper-bench-models"))
-    ap.add_argument("--configs", default="unsplit,logits,last-token")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--sessions", type=int, default=2, help="K sessions decoding (2)")
     ap.add_argument("--decode-tokens", type=int, default=32, help="tokens per decoding turn (32)")
     ap.add_argument("--arrivals", type=int, default=2, help="long prompts, one after the other (2)")

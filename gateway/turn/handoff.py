@@ -1,9 +1,11 @@
 """The prefill/decode split of a turn (engine_pool.protocol.handoff): a turn placed on a decode (or
-mixed) engine whose uncached tail is long is prefilled on a prefill engine of its model on the same
-node; the node installs the state — attention KV, recurrent state, the checkpoint ladder and the
-last logits — in the turn's slot, labelled with its session, and the turn then goes to its slot as
-any other: the engine finds the whole prompt there and samples the first token from the handed
-logits (0 prompt tokens evaluated), and the session lives on in that slot.
+mixed) engine whose uncached tail is long is prefilled on a prefill engine of its model — one on the
+same node when there is one (the state moves through that node's disk), else one on another node
+(the state goes node to node); the decode engine's node installs the state — attention KV,
+recurrent state, the checkpoint ladder and the last logits — in the turn's slot, labelled with its
+session, and the turn then goes to its slot as any other: the engine finds the whole prompt there
+and samples the first token from the handed logits (0 prompt tokens evaluated), and the session
+lives on in that slot.
 
 `split_for` decides (pure): when the prompt's uncached tail (`uncached_tail`) is at least the
 tenant's threshold — in a cold slot the whole prompt; in the slot a session is live in, or was
@@ -11,7 +13,7 @@ just restored into, what its prompt adds to the session's state (the node then c
 to the prefill slot first: 30k tokens of a tool's output on a running session are prefilled
 there, not where other sessions decode) — but not for a turn that starts from another slot's state
 on its engine (a shared prefix the prefill engine lacks), unless the threshold is 0.
-`prefill_engine` picks one of the model's prefill engines on the decode engine's node (pure).
+`prefill_engine` picks one of the model's prefill engines, the decode engine's node's first (pure).
 `hand_off` carries it out; whatever goes wrong (no prefill engine, busy past `--handoff-wait-s`, a
 prefill past `--handoff-timeout-s`, a failed prefill, a state the decode engine refuses) leaves the
 turn unsplit, counted and logged with the reason: one turn slower, never an error. Tenants never
@@ -59,6 +61,12 @@ def carries(placement: Placement) -> bool:
     return placement.serve is not Serve.COLD
 
 
+def carried_from(placement: Placement, forked_from: str | None) -> str:
+    """The session a carried slot's state is labelled with, when not the turn's own: a fork's (or a
+    branch's) parent, restored there for this turn. '' otherwise."""
+    return forked_from or "" if carries(placement) else ""
+
+
 def uncached_tail(placement: Placement, prompt_tokens: int | None, state_tokens: int) -> int | None:
     """The prompt tokens its slot would evaluate: all of them in a cold slot; those past the
     session's state (``state_tokens``) in its live or restored slot — at least: a prompt that
@@ -78,7 +86,7 @@ def split_for(placement: Placement, threshold: int | None, tail: int | None) -> 
 
 def stays_whole(threshold: int | None, added_at_most: int | None, prefill_here: bool) -> bool:
     """Whether a warm turn is certainly not split, before its prompt is tokenized: no prefill engine
-    on its engine's node (``prefill_here``), no threshold, or what it adds to its session's state
+    of its model (``prefill_here``), no threshold, or what it adds to its session's state
     (``added_at_most``: a bound, None when unknown) stays below the threshold. Only such a turn may
     be sent early (gateway.turn.early): one that may be split waits for its opening read and for
     `split_for`."""
@@ -88,10 +96,12 @@ def stays_whole(threshold: int | None, added_at_most: int | None, prefill_here: 
 
 
 def prefill_engine(engines: Sequence[EngineRef], node: str, turn_number: int = 0) -> EngineRef | None:
-    """A prefill engine on ``node`` (the state moves through that node's disk), taken in turn
-    (``turn_number``) when there are several; None when the node has none."""
+    """A prefill engine on ``node`` (the state moves through that node's disk), else on any other
+    node (node to node), taken in turn (``turn_number``) when there are several; None when the
+    model has none."""
     here = sorted((e for e in engines if e.node == node), key=lambda e: e.engine)
-    return here[turn_number % len(here)] if here else None
+    pool = here or sorted(engines, key=lambda e: (e.node, e.engine))
+    return pool[turn_number % len(pool)] if pool else None
 
 
 class Handoffs:
@@ -116,14 +126,17 @@ class Handoffs:
         threshold = threshold_for(turn.tenant, parts.settings)
         if prompt is None or not may_split(placement, threshold):
             return turn
-        if carries(placement) and turn.forked_from is not None:
-            return turn  # its slot holds the parent's state, labelled so: not its own to carry
         decode = await parts.cluster.engine(placement.engine)
         if decode is None:
             return turn
         prefill = prefill_engine(await parts.cluster.prefill_engines(turn.model), decode.node, self._turns)
         if prefill is None:
             return turn
+        peer = ""
+        if prefill.node != decode.node:  # node to node: the decode engine's node asks the prefill's
+            peer = await parts.cluster.node_url(prefill.node) or ""
+            if not peer:
+                return turn
         tail = None
         if threshold:  # the prompt's size, as the decode engine tokenizes it
             tokens = await _prompt_tokens(parts, turn, prompt)
@@ -142,6 +155,8 @@ class Handoffs:
             wait_s=parts.settings.handoff_wait_s,
             timeout_s=parts.settings.handoff_timeout_s,
             carry=carries(placement),
+            prefill_node=peer,
+            carry_from=carried_from(placement, turn.forked_from),
         )
         try:
             result = await turn.node.handoff(placement.engine, placement.slot, request)

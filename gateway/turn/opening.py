@@ -217,7 +217,7 @@ def _whole(
     adds: Callable[[SessionRecord], int | None],
 ) -> bool:
     """Whether a warm turn on ``engine`` certainly stays unsplit (gateway.turn.handoff); what the
-    turn adds is counted only where a split could be (a prefill engine on the node, a threshold)."""
+    turn adds is counted only where a split could be (a prefill engine of the model, a threshold)."""
     threshold = threshold_for(tenant, parts.settings)
     prefill_here = prefill_engine(parts.cluster.cached_prefill_engines(model), engine.node) is not None
     added = adds(record) if prefill_here and threshold else None

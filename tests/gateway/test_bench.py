@@ -232,7 +232,8 @@ def test_prefix_side_by_side(tiny_model, tmp_path: Path) -> None:
 
 def test_disagg_runs_each_configuration(tiny_model, tmp_path: Path) -> None:
     """A small run on the tiny qwen35: the split configurations hand the long prompt over (its
-    decode side evaluates 0 tokens with logits, 1 with last-token); unsplit evaluates it all."""
+    decode side evaluates 0 tokens with logits, 1 with last-token; logits across two nodes too);
+    unsplit evaluates it all."""
     out_json = tmp_path / "disagg.json"
     out = bench(
         "disagg --prompt-tokens 600 --sessions 1 --arrivals 1 --decode-tokens 4 --quiet-s 1 --cores 0:0",
@@ -247,3 +248,7 @@ def test_disagg_runs_each_configuration(tiny_model, tmp_path: Path) -> None:
     assert rows["last-token"]["decode_side_prompt_n"] == [1]
     assert rows["unsplit"]["decode_side_prompt_n"][0] > 300 and rows["unsplit"]["served"] == ["cold"]
     assert rows["logits"]["handoff_mb"] > 0 and not rows["logits"]["errors"]
+    # Across two nodes: the same handoff, its state node to node.
+    across = rows["logits-nodes"]
+    assert across["decode_side_prompt_n"] == [0] and across["served"] == ["handoff"]
+    assert across["handoff_mb"] == rows["logits"]["handoff_mb"] and not across["errors"]

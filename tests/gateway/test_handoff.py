@@ -7,7 +7,8 @@ session's, and a live session's long new message (its state carried to the prefi
 back); its session then lives on the decode engine; a prefill engine that is gone, hung past
 --handoff-timeout-s or of another model (its state refused) costs one unsplit turn, never an
 error, and a client that leaves during the prefill cancels it there. Roles show in the node's
-engine listing, the engines' /v1/models and the metrics.
+engine listing, the engines' /v1/models and the metrics. Across two nodes (a gateway and two node
+agents, processes), the state goes node to node.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.bench.harness.servers import INTERNAL_AUTH
+from gateway.bench.harness.servers import AWS_ENV, INTERNAL_AUTH, INTERNAL_KEY, free_port, stop
 
 from .conftest import Serve, eventually, start_serve
 
@@ -340,3 +344,105 @@ def test_a_state_the_decode_engine_refuses_costs_one_unsplit_turn(
         assert follow.headers["X-Slotkeeper-Cache"] in ("live", "handoff")
     finally:
         s.stop(signal.SIGKILL, timeout=30)
+
+
+def test_a_turn_is_split_across_two_nodes_and_a_peer_gone_costs_one_unsplit_turn(
+    tiny_model: Callable[..., str], redis_port: int, moto_server: Any, tmp_path: Path
+) -> None:
+    """A gateway and two node agents (processes, the internal credential on every call): n1 runs
+    the prefill engine, n2 the decode engine. A new session's turn and its carried follow-up are
+    prefilled on n1, their state sent node to node and installed on n2: 0 prompt tokens there, the
+    answers of the never-split session. With n1 killed, a split turn runs unsplit on n2."""
+    model, prefix = tiny_model("qwen35"), f"x{uuid.uuid4().hex[:8]}"
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(TENANTS)
+    common = [
+        *("--redis-url", f"redis://127.0.0.1:{redis_port}", "--redis-prefix", prefix),
+        *("--s3-endpoint", moto_server.endpoint, "--s3-bucket", "slots", "--s3-prefix", prefix),
+        *("--log-level", "info"),
+    ]
+    env = {**os.environ, **AWS_ENV, "SLOTKEEPER_INTERNAL_KEY": INTERNAL_KEY}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    urls: dict[str, str] = {}
+
+    def launch(name: str, argv: list[str]) -> None:
+        with (tmp_path / f"{name}.log").open("wb") as out:
+            procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "gateway.cli", *argv],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+            )
+
+    try:
+        for name, role in (("n1", "prefill"), ("n2", "decode")):
+            port = free_port()
+            urls[name] = f"http://127.0.0.1:{port}"
+            launch(
+                name,
+                [
+                    *("node", "--model", model, "--role", role, "--slots", "2", "--ctx", "2048"),
+                    *("--port", str(port), "--node-id", name, "--data-dir", str(tmp_path / name)),
+                    "--engine-arg=-t",
+                    "--engine-arg=1",
+                    *common,
+                ],
+            )
+        port = free_port()
+        s = Serve(f"http://127.0.0.1:{port}", procs["n1"], tmp_path / "gateway.log", node_url=urls["n2"])
+        launch(
+            "gateway",
+            [
+                *("gateway", "--port", str(port), "--data-dir", str(tmp_path / "gw")),
+                *("--node", urls["n1"], "--node", urls["n2"], "--tenants", str(tenants)),
+                *("--handoff-timeout-s", "20", *common),
+            ],
+        )
+
+        def answers() -> bool:
+            try:
+                body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+                auth = {"Authorization": "Bearer key-whole"}
+                return (
+                    httpx.post(
+                        s.url + "/v1/chat/completions", json=body, headers=auth, timeout=60
+                    ).status_code
+                    == 200
+                )
+            except httpx.TransportError:
+                return False
+
+        eventually("the gateway answering with both nodes' engines", answers, 120)
+        messages = _conversation("Tell me about the weather, the time and the place of the meeting.")
+        whole = _chat(s, "key-whole", "w1", messages)
+        split = _chat(s, "key-split", "s1", messages)
+        assert split.headers["X-Slotkeeper-Cache"] == "handoff"
+        assert split.json()["timings"]["prompt_n"] == 0
+        assert _text(split) == _text(whole) and _text(split)
+        more = [
+            {"role": "assistant", "content": _text(split)},
+            {"role": "user", "content": "And the day after?"},
+        ]
+        follow = _chat(s, "key-split", "s1", [*messages, *more])  # its state carried to n1 and back
+        assert follow.headers["X-Slotkeeper-Cache"] == "handoff"
+        assert follow.json()["timings"]["prompt_n"] == 0
+        again = _chat(
+            s, "key-whole", "w1", [*messages, {"role": "assistant", "content": _text(whole)}, more[1]]
+        )
+        assert _text(again) == _text(follow)
+        assert _metric(s.url, 'slotkeeper_gateway_handoffs_total{result="done"}') == 2
+        assert _metric(urls["n1"], 'slotkeeper_node_peer_prefills_total{result="done"}', INTERNAL_AUTH) == 2
+        assert _metric(urls["n2"], 'slotkeeper_node_handoffs_total{result="done"}', INTERNAL_AUTH) == 2
+
+        procs["n1"].kill()  # the prefill engine's node gone: one unsplit turn, never an error
+        procs["n1"].wait(10)
+        r = _chat(s, "key-split", "s2", _conversation("What is on the agenda of the meeting tomorrow?"))
+        assert r.headers["X-Slotkeeper-Cache"] in ("cold", "prefix")  # (the system prompt is live on n2)
+        assert r.json()["timings"]["prompt_n"] > 0  # prefilled on the decode engine
+        # n1's engine still listed (its registration has not lapsed): tried, failed at once.
+        assert _metric(s.url, 'slotkeeper_gateway_handoffs_total{result="failed"}') == 1
+        assert _metric(urls["n2"], 'slotkeeper_node_handoffs_total{result="failed"}', INTERNAL_AUTH) == 1
+    finally:
+        for proc in procs.values():
+            stop(proc, signal.SIGKILL)

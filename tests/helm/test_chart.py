@@ -528,7 +528,7 @@ def _peer_labels(rule: dict[str, Any]) -> list[dict[str, str]]:
 
 
 @pytest.mark.parametrize("egress", [False, True])
-def test_network_policies_let_only_gateway_pods_reach_nodes_and_engines(egress: bool) -> None:
+def test_network_policies_let_gateway_pods_reach_nodes_and_nodes_each_others_agents(egress: bool) -> None:
     sets = ("networkPolicy.enabled=true", f"networkPolicy.restrictEgress={str(egress).lower()}")
     s3 = 'networkPolicy.egressTo=[{"to":[{"ipBlock":{"cidr":"10.0.0.0/16"}}],"ports":[{"port":443}]}]'
     docs = render("demo-values.yaml", sets=sets, set_json=(s3,))
@@ -555,17 +555,23 @@ def test_network_policies_let_only_gateway_pods_reach_nodes_and_engines(egress: 
     # Each policy selects its own pods, and no one else's.
     assert _selects(node_policy, node) and not _selects(node_policy, gateway)
     assert _selects(policies["sk-slotkeeper-gateway"], gateway) and _selects(redis_policy, redis)
-    # Nodes (agent and engines, every TCP port): from gateway pods only. Redis: gateway and nodes.
-    (rule,) = node_policy["spec"]["ingress"]
+    # Nodes (agent and engines, every TCP port): from gateway pods; from other nodes (a handoff's
+    # prefill on another node), the agent's port only. Redis: gateway and nodes.
+    rule, peers = node_policy["spec"]["ingress"]
     (peer,) = _peer_labels(rule)
     assert _matches(peer, gateway) and not _matches(peer, node)
     assert rule["ports"] == [{"protocol": "TCP", "port": 1, "endPort": 65535}]
+    (peer,) = _peer_labels(peers)
+    assert _matches(peer, node) and not _matches(peer, gateway)
+    assert peers["ports"] == [{"protocol": "TCP", "port": 8070}]
     froms = _peer_labels(redis_policy["spec"]["ingress"][0])
     assert any(_matches(f, gateway) for f in froms) and any(_matches(f, node) for f in froms)
     assert ("Egress" in node_policy["spec"]["policyTypes"]) is egress
     if egress:
         rules = node_policy["spec"]["egress"]
         assert {"ipBlock": {"cidr": "10.0.0.0/16"}} in [p for r in rules for p in r.get("to", [])]
+        to_nodes = [r for r in rules if any(_matches(p, node) for p in _peer_labels(r))]
+        assert [r["ports"] for r in to_nodes] == [[{"protocol": "TCP", "port": 8070}]]
         assert any({"protocol": "UDP", "port": 53} in r.get("ports", []) for r in rules)  # DNS
 
 

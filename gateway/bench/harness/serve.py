@@ -44,16 +44,8 @@ class Serve:
         return engine_list(httpx.get(self.node_url + "/v1/engines", headers=INTERNAL_AUTH, timeout=5))
 
     def events(self, name: str, payload: type[T]) -> list[T]:
-        """The serve log's JSON events called `name`, each read as `payload` (a dataclass of the
-        fields the event carries; other lines are skipped)."""
-        out = []
-        for line in self.log.read_text(errors="replace").splitlines():
-            if f'"{name}"' in line:
-                try:
-                    out.append(decode(payload, json.loads(line)))
-                except ValueError:  # (a WireError is one)
-                    continue
-        return out
+        """The serve log's JSON events called `name` (see `log_events`)."""
+        return log_events(self.log, name, payload)
 
     def terminate(self, timeout: float) -> int:
         """SIGTERM (the node drains: every live session is saved and uploaded), then wait."""
@@ -95,6 +87,19 @@ class Serve:
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-3000:]
+
+
+def log_events(log: Path, name: str, payload: type[T]) -> list[T]:
+    """A JSON log's events called `name`, each read as `payload` (a dataclass of the fields the
+    event carries; other lines are skipped)."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        if f'"{name}"' in line:
+            try:
+                out.append(decode(payload, json.loads(line)))
+            except ValueError:  # (a WireError is one)
+                continue
+    return out
 
 
 def _ready(url: str) -> bool:

@@ -299,6 +299,32 @@ async def test_a_live_sessions_long_tail_is_prefilled_on_the_prefill_engine(
     assert not _leftovers(agent)
 
 
+async def test_a_forks_slot_is_carried_from_its_parents_state(
+    node: Callable[..., Any], tiny_model: Callable[..., str]
+) -> None:
+    """A fork's slot holds its parent's state, labelled with the parent: carried only as that
+    (`carry_from`), installed as the fork's own."""
+    model = tiny_model("qwen35")
+    agent = await node(model, model, 4096)
+    _, decode = _engines(agent)
+    first = await _chat(agent, 0, "parent")
+    assert _text(await _chat(agent, 1, "s-whole")) == _text(first)
+    messages = _next_turn(first, _tool_output(30))
+    whole = await _chat(agent, 1, "s-whole", served="live", messages=messages)
+    # Without `carry_from` the slot's label (the parent) is not the turn's session: refused, kept.
+    with pytest.raises(ApiError) as err:
+        await agent.handoff(decode, "0", _request(agent, "fork", messages=messages, carry=True))
+    assert err.value.status == 409
+    out = await agent.handoff(
+        decode, "0", _request(agent, "fork", messages=messages, carry=True, carry_from="parent")
+    )
+    assert out.carried_bytes > 0 and out.tokens == whole["usage"]["prompt_tokens"]
+    split = await _chat(agent, 0, "fork", served="handoff", messages=messages)
+    assert split["timings"]["prompt_n"] == 0
+    assert _text(split) == _text(whole)
+    assert not _leftovers(agent)
+
+
 async def test_a_carried_session_keeps_its_state_when_the_install_is_refused(
     node: Callable[..., Any], tiny_model: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -406,7 +432,7 @@ async def test_a_decode_engine_killed_mid_install_fails_the_handoff_at_once(
 
     async def restarted() -> bool:
         sup = agent.engines[decode]
-        return sup.state is State.READY and sup.snapshot().pid != pid
+        return sup.state is State.READY and sup.snapshot().pid not in (None, pid)
 
     await _until(restarted, 60)
     out = await agent.handoff(decode, "0", _request(agent, "s2"))

@@ -10,6 +10,7 @@ from engine_pool.protocol.handoff import HandoffOutcome, HandoffRequest, parse_t
 from gateway.cluster import EngineRef
 from gateway.tenants import Tenant, TenantConfigError, parse_tenants
 from gateway.turn.handoff import (
+    carried_from,
     carries,
     failure,
     prefill_engine,
@@ -75,13 +76,19 @@ def test_the_uncached_tail_is_what_the_slot_would_evaluate() -> None:
     assert uncached_tail(LIVE, None, 4000) is None
     assert carries(LIVE) and carries(RESTORED) and not carries(COLD)
     assert not carries(Placement("e1", 0, Serve.COLD, prefix_from="s0"))
+    # A fork's slot holds its parent's state, labelled with the parent: carried as that.
+    assert carried_from(RESTORED, "parent") == "parent" and carried_from(RESTORED, None) == ""
+    assert carried_from(COLD, "parent") == ""
 
 
-def test_a_prefill_engine_of_the_same_node_in_turn() -> None:
+def test_a_prefill_engine_of_the_same_node_first_else_of_another_in_turn() -> None:
     engines = [EngineRef(f"n{n}-e{i}", f"n{n}", "", "m", 2, role="prefill") for n in (1, 2) for i in (0, 1)]
-    assert prefill_engine(engines, "n3") is None  # the state moves through one node's disk
     picked = [prefill_engine(engines, "n2", k) for k in range(3)]
     assert [e.engine for e in picked if e is not None] == ["n2-e0", "n2-e1", "n2-e0"]
+    # None on the decode engine's node: the state goes node to node, from any node's in turn.
+    away = [prefill_engine(engines, "n3", k) for k in range(5)]
+    assert [e.engine for e in away if e is not None] == ["n1-e0", "n1-e1", "n2-e0", "n2-e1", "n1-e0"]
+    assert prefill_engine([], "n1") is None
 
 
 def test_the_tenants_threshold_over_the_gateways() -> None:
