@@ -19,11 +19,11 @@ import zlib
 from typing import Any
 
 import structlog
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from storage.blobs.blobstore import BlobStore
 from storage.errors import StorageError, StoreMisconfigured
-from storage.index.keyspace import Keyspace, redis_address, redis_error, text
+from storage.index.keyspace import REDIS_FAILURES, Keyspace, redis_address, redis_error, text
 
 log = structlog.get_logger("slotkeeper.storage")
 MIN_REDIS_VERSION = (7, 0)  # PEXPIRE NX/GT (in-flight admission)
@@ -58,7 +58,7 @@ async def probe_redis(redis: Any, *, prefix: str = "slotkeeper") -> None:
         got = await redis.get(key)
         await redis.delete(key)
         version = await _server_version(redis)
-    except RedisError as exc:
+    except REDIS_FAILURES as exc:
         raise redis_error(exc, where) from exc
     if got is None or text(got) != value:
         raise StoreMisconfigured(

@@ -25,6 +25,8 @@ from redis.exceptions import (
     ClusterDownError,
     NoPermissionError,
     ReadOnlyError,
+    RedisClusterException,
+    RedisClusterUnreachableError,
     RedisError,
     TryAgainError,
     WatchError,
@@ -36,6 +38,9 @@ from storage.errors import StorageError, StoreMisconfigured, StoreUnavailable, W
 from storage.ids import validate_id
 
 T = TypeVar("T")
+# What redis-py raises when a server fails a call: its own errors, and a cluster's that are not one
+# of them (a cluster none of whose nodes can be reached: all down, or refusing the client's TLS).
+REDIS_FAILURES = (RedisError, RedisClusterException)
 # an engine's idle LRU and live set: `Keyspace.occupancy_prefix()` + the engine id + suffix
 IDLE, LIVE = "}:idle", "}:live"
 _PREFIX = re.compile(r"[A-Za-z0-9_.\-]{1,64}(:[A-Za-z0-9_.\-]{1,64})*")
@@ -205,12 +210,18 @@ def redis_error(exc: Exception, where: str = "redis") -> StorageError:
     """The storage error a redis-py exception stands for: refused credentials or permissions and
     read-only replicas are :class:`StoreMisconfigured`, connection failures, timeouts, a full
     server (``OOM``), a cluster slot without a primary (``CLUSTERDOWN``) and one being moved
-    (``TRYAGAIN``, once redis-py's own retries are spent) :class:`StoreUnavailable`, anything else a
-    plain :class:`StorageError`."""
+    (``TRYAGAIN``, once redis-py's own retries are spent) and a cluster none of whose nodes can be
+    reached :class:`StoreUnavailable`, anything else a plain :class:`StorageError`."""
     for cls, code in _REDIS_CONFIG_ERRORS:
         if isinstance(exc, cls):
             return StoreMisconfigured(f"{where}: {exc}", service="redis", error_code=code, where=where)
-    transient = RedisConnectionError | RedisTimeoutError | ClusterDownError | TryAgainError
+    transient = (
+        RedisConnectionError
+        | RedisTimeoutError
+        | ClusterDownError
+        | TryAgainError
+        | RedisClusterUnreachableError
+    )
     if isinstance(exc, transient) or str(exc).startswith("OOM"):
         return StoreUnavailable(f"{where}: {exc}")
     return StorageError(f"{where}: {exc}")
@@ -221,7 +232,7 @@ async def redis_errors() -> AsyncIterator[None]:
     """redis-py exceptions leave as storage errors (see :func:`redis_error`)."""
     try:
         yield
-    except RedisError as exc:  # WatchError never gets here: transact() handles it inside
+    except REDIS_FAILURES as exc:  # WatchError never gets here: transact() handles it inside
         raise redis_error(exc) from exc
 
 

@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from redis.exceptions import RedisError
 
-from storage.index.keyspace import Keyspace, parse_member, redis_errors, text
+from storage.index.keyspace import REDIS_FAILURES, Keyspace, parse_member, redis_errors, text
 from storage.index.records import SessionState
 
 log = structlog.get_logger("slotkeeper.storage")
@@ -90,7 +89,7 @@ class OccupancyWrites:
                 await pipe.execute()
 
         for outcome in await asyncio.gather(*(one(c) for c in by_key.values()), return_exceptions=True):
-            if isinstance(outcome, RedisError):
+            if isinstance(outcome, REDIS_FAILURES):
                 log.warning("index.occupancy_write_failed", error=str(outcome))
             elif isinstance(outcome, BaseException):
                 raise outcome
@@ -182,7 +181,7 @@ class EngineOccupancy:
             all (a round trip per shard, at once), or, when a shard fails it, one per group."""
             try:
                 flat = await pipelined([c for g in groups for c in g])
-            except RedisError:
+            except REDIS_FAILURES:
                 return list(await asyncio.gather(*(pipelined(g) for g in groups), return_exceptions=True))
             out, at = [], 0
             for g in groups:
@@ -196,7 +195,7 @@ class EngineOccupancy:
         read = await gathered([sets(e) for e in engines])
         members: dict[str, list[tuple[int, str, bool]]] = {}  # tenant -> (engine index, session, idle)
         for i, got in enumerate(read):
-            if isinstance(got, RedisError):
+            if isinstance(got, REDIS_FAILURES):
                 skipped.add(engines[i])
                 continue
             if isinstance(got, BaseException):
@@ -217,7 +216,7 @@ class EngineOccupancy:
         replies = await gathered([records(t) for t in tenants]) if tenants else []
         rows = []
         for tenant, got in zip(tenants, replies, strict=True):
-            if isinstance(got, RedisError):
+            if isinstance(got, REDIS_FAILURES):
                 skipped.update(engines[i] for i, _, _ in members[tenant])
                 continue
             if isinstance(got, BaseException):

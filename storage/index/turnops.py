@@ -40,10 +40,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from storage.errors import LockLost
-from storage.index.keyspace import IDLE, LIVE, Keyspace, member, redis_errors, text
+from storage.index.keyspace import IDLE, LIVE, REDIS_FAILURES, Keyspace, member, redis_errors, text
 from storage.index.locks import TURN, SessionLock, new_token
 from storage.index.occupancy import OccupancyWrites
 from storage.index.prefix_digests import ROUTES_LUA
@@ -243,7 +241,7 @@ class TurnOps:
             keys = [self.keys.registry_epoch(), self.keys.index_epoch(), self.keys.index_built()]
             try:
                 self._globals = (now, list(await self._redis.mget(keys)))
-            except RedisError:
+            except REDIS_FAILURES:
                 if self._globals is None:
                     raise
                 # their shard is away: the turns of tenants elsewhere go on with what was read last

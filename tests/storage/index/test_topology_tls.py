@@ -1,6 +1,8 @@
 """storage.index.topology over TLS against a real redis-server (TLS only, its plain port off): a
 `rediss://` URL with the CA reaches it, a client that does not trust its certificate is refused, and
-a server that wants clients' certificates takes the one the URL names (`ssl_certfile`/`ssl_keyfile`)."""
+a server that wants clients' certificates takes the one the URL names (`ssl_certfile`/`ssl_keyfile`).
+`rediss-cluster://` reaches a Redis Cluster speaking TLS only (on its bus too), and
+`rediss-sentinel://` a Sentinel and its master, both TLS only — each refused without the CA."""
 
 from __future__ import annotations
 
@@ -8,9 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.tls import Certificates, make_certificates, rediss_url, tls_redis
+from support.tls import Certificates, make_certificates, rediss_url, tls_cluster, tls_redis, tls_sentinel
 
-from storage.errors import StorageError
+from storage.errors import StorageError, StoreUnavailable
 from storage.index.session_index import SessionIndex
 from storage.index.topology import connect
 
@@ -69,3 +71,30 @@ async def test_a_client_certificate_named_in_the_url_is_presented(
     await _session_round_trip(mutual)
     with pytest.raises(StorageError):  # the server drops the handshake
         await _session_round_trip(rediss_url(mutual_port, ssl_ca_certs=certificates.ca))
+
+
+async def test_a_rediss_cluster_url_reaches_a_tls_cluster(tmp_path: Path, certificates: Certificates) -> None:
+    with tls_cluster(tmp_path, certificates) as ports:
+        seeds = ",".join(f"127.0.0.1:{p}" for p in ports[:2])
+        url = f"rediss-cluster://{seeds}?ssl_ca_certs={certificates.ca}"
+        for tenant in ("acme", "globex", "initech", "umbrella"):  # (spread over the shards)
+            client = connect(url, decode_responses=True)
+            try:
+                index = SessionIndex(client, prefix="tls")
+                await index.create(tenant, "s1", model="m")
+                assert (await index.get(tenant, "s1")).model == "m"
+            finally:
+                await client.aclose()
+        with pytest.raises(StoreUnavailable, match="(?i)certificate verify failed"):  # (a 503)
+            await _session_round_trip(f"rediss-cluster://{seeds}")
+
+
+async def test_a_rediss_sentinel_url_reaches_a_tls_master_through_a_tls_sentinel(
+    tmp_path: Path, certificates: Certificates
+) -> None:
+    with tls_sentinel(tmp_path, certificates) as (_, sentinel):
+        await _session_round_trip(
+            f"rediss-sentinel://127.0.0.1:{sentinel}/slotkeeper?ssl_ca_certs={certificates.ca}"
+        )
+        with pytest.raises(StorageError):
+            await _session_round_trip(f"rediss-sentinel://127.0.0.1:{sentinel}/slotkeeper")
