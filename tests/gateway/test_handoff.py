@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -189,6 +190,47 @@ def _tool_output(n: int) -> str:
     return "\n".join(
         f"row {i}: sensor {i % 17} read {i * 7 % 101} at {i % 24:02d}:{i % 60:02d}" for i in range(n)
     )
+
+
+@pytest.fixture
+def long_split_serve(tiny_model: Callable[..., str], tmp_path: Path) -> Iterator[Serve]:
+    """split_serve with room for prompts that take the tiny model seconds to prefill."""
+    model = tiny_model("qwen35")
+    s = _start(model, model, tmp_path, "--handoff-timeout-s", "60", "--ctx", "12288")
+    yield s
+    s.stop(signal.SIGKILL, timeout=30)
+
+
+def test_a_prefill_engine_killed_mid_prompt_costs_one_unsplit_turn(long_split_serve: Serve) -> None:
+    """The prefill engine dies while it evaluates a split turn's prompt: that turn is prefilled on
+    the decode engine instead (200, the same answer), and a session living there goes on live."""
+    s = long_split_serve
+    before = _conversation("What is on the agenda of the meeting tomorrow morning?")
+    kept = _chat(s, "key-split", "k0", before)
+    assert kept.headers["X-Slotkeeper-Cache"] == "handoff"
+    prefill = s.engines()[0]
+    long = _conversation("The tool's output:\n" + _tool_output(300) + "\nWhat stands out?")
+    answer: list[httpx.Response] = []
+    turn = threading.Thread(target=lambda: answer.append(_chat(s, "key-split", "m1", long)))
+    turn.start()
+
+    def prefilling() -> bool:
+        slots = httpx.get(prefill["url"] + "/slots", headers=INTERNAL_AUTH, timeout=5).json()
+        return any(x["is_processing"] for x in slots)
+
+    eventually("the prefill engine evaluating the prompt", prefilling, 30)
+    os.kill(prefill["pid"], signal.SIGSTOP)  # (frozen mid-prompt, then killed)
+    os.kill(prefill["pid"], signal.SIGKILL)
+    turn.join(120)
+    (r,) = answer
+    assert r.headers["X-Slotkeeper-Cache"] != "handoff"
+    assert r.json()["timings"]["prompt_n"] > 5000  # prefilled on the decode engine
+    assert _metric(s.url, 'slotkeeper_gateway_handoffs_total{result="failed"}') == 1
+    whole = _chat(s, "key-whole", "m2", long)  # the same prompt never split: the same answer
+    assert _text(r) == _text(whole)
+    more = [*before, {"role": "assistant", "content": _text(kept)}, {"role": "user", "content": "Why?"}]
+    after = _chat(s, "key-split", "k0", more)
+    assert after.headers["X-Slotkeeper-Cache"] in ("live", "handoff")
 
 
 def test_a_long_tool_output_on_a_live_session_is_prefilled_on_the_prefill_engine(split_serve: Serve) -> None:
