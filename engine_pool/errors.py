@@ -152,6 +152,11 @@ class Upstream(ApiError, status=502, type="upstream_error", code="upstream_error
     """An engine, a node or the store failed in a way the caller cannot fix by changing its request."""
 
 
+class PeerUnreachable(Upstream, code="peer_unreachable"):
+    """A node could not connect to another node (a handoff's prefill there): the caller may reach
+    both, and go through the store instead (engine_pool.pool.handoff_store)."""
+
+
 class GatewayTimeout(ApiError, status=504, type="timeout_error", code="engine_timeout"):
     """An engine did not answer within the request timeout: this request fails, nothing else."""
 

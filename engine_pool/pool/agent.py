@@ -69,8 +69,9 @@ from ..protocol.node import (
     UnstoredCopy,
 )
 from ..protocol.slot_actions import SlotAnswer, SlotCancelled, SlotErased, SlotRestored, SlotSaved
-from .handoff import PrefillSlots, choose, hand_off, outcome_of, prefill_to_file
+from .handoff import PrefillSlots, choose, hand_off, one_source, outcome_of, prefill_to_file
 from .handoff_peer import hand_off_remote
+from .handoff_store import hand_off_stored
 from .metrics import NodeMetrics
 from .settings import NodeSettings
 from .supervisor import EngineSnapshot, EngineSpec, EngineSupervisor, State
@@ -296,13 +297,17 @@ class NodeAgent:
 
     async def handoff(self, engine_id: str, slot: str, req: HandoffRequest) -> HandoffResult:
         """A turn's prompt prefilled on a prefill engine — of this node (engine_pool.pool.handoff) or
-        of the node agent at ``req.prefill_node`` (engine_pool.pool.handoff_peer) — and installed in
+        of the node agent at ``req.prefill_node`` (engine_pool.pool.handoff_peer), or its state
+        taken from the store (``req.from_store``: engine_pool.pool.handoff_store) — and installed in
         this slot; counted by how it ended, logged either way."""
+        one_source(req)
         sup, n = self._engine(engine_id, slot)
         with self._admitted():
             t0 = time.monotonic()
             try:
-                if req.prefill_node:
+                if req.from_store:
+                    out = await hand_off_stored(self.parts.store, self._slot_call, sup, n, req)
+                elif req.prefill_node:
                     out = await hand_off_remote(self.parts.http, self._slot_call, sup, n, req)
                 else:
                     prefill = self.prefill_engine(req.prefill_engine, sup.spec.model_id)

@@ -15,6 +15,7 @@ when the request surely never left (connect errors); the others are retried on a
 
 from __future__ import annotations
 
+import json
 from types import TracebackType
 from typing import Any, Self
 
@@ -25,7 +26,7 @@ from engine_pool.http.answers import answer_json, error_object
 from engine_pool.http.credentials import auth_headers
 
 from ..protocol import node
-from ..protocol.handoff import HandoffRequest, HandoffResult
+from ..protocol.handoff import HANDOFF_MEDIA, HandoffRequest, HandoffResult, Prefilled, prefill_path
 
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 _NO_RESPONSE = (*_NOT_SENT, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ReadTimeout)
@@ -125,6 +126,14 @@ class NodeClient:
         )
         return HandoffResult.from_json(out)
 
+    async def prefill_to_store(self, engine: str, request: HandoffRequest) -> Prefilled:
+        """Prefill ``request.body`` on this node's prefill engine ``engine`` and export its state to
+        the store object ``request.to_store`` (a handoff through the store,
+        engine_pool.pool.handoff_store). Retried only when it surely never left."""
+        frame = json.dumps(request.to_json(), separators=(",", ":")).encode() + b"\n"
+        out = await self._call("POST", prefill_path(engine), frame=frame, retry_on=_NOT_SENT)
+        return Prefilled.from_json(out)
+
     async def forget(self, tenant: str, session: str) -> int:
         """Drop every spill-cache file of the session on this node (pending uploads too)."""
         out = await self._call("DELETE", node.session_path(tenant, session), retry_on=_NO_RESPONSE)
@@ -150,20 +159,27 @@ class NodeClient:
         retry_on: tuple[type[Exception], ...],
         ok: tuple[int, ...] = (200,),
         keys: tuple[str, ...] = (),
+        frame: bytes | None = None,
     ) -> dict[str, Any]:
         """The JSON object the node answered with a status in ``ok`` and holding ``keys``; any
-        other answer is its `NodeError`. Retried once on ``retry_on`` (see the module doc)."""
-        r = await self._answer(method, path, body, retry_on)
+        other answer is its `NodeError`. Retried once on ``retry_on`` (see the module doc).
+        ``frame``: the body is this handoff frame (engine_pool.protocol.handoff), not ``body``."""
+        r = await self._answer(method, path, body, retry_on, frame)
         data = answer_json(r)
         if r.status_code not in ok or not isinstance(data, dict) or not all(k in data for k in keys):
             raise _error(r, data)
         return data
 
     async def _answer(
-        self, method: str, path: str, body: dict[str, Any] | None, retry_on: tuple[type[Exception], ...]
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        retry_on: tuple[type[Exception], ...],
+        frame: bytes | None = None,
     ) -> httpx.Response:
         try:
-            return await self._once(self._http, method, path, body)
+            return await self._once(self._http, method, path, body, frame)
         except retry_on:
             pass  # nothing of the response arrived: once more, on a connection of its own
         except httpx.HTTPError as exc:
@@ -172,15 +188,18 @@ class NodeClient:
             base_url=self.base_url, timeout=self._timeout, headers=self._headers
         ) as fresh:
             try:
-                return await self._once(fresh, method, path, body)
+                return await self._once(fresh, method, path, body, frame)
             except httpx.HTTPError as exc:
                 raise _unreachable(method, path, exc) from exc
 
     @staticmethod
     async def _once(
-        http: httpx.AsyncClient, method: str, path: str, body: dict[str, Any] | None
+        http: httpx.AsyncClient, method: str, path: str, body: dict[str, Any] | None, frame: bytes | None
     ) -> httpx.Response:
-        request = http.build_request(method, path, json=body)
+        if frame is not None:
+            request = http.build_request(method, path, content=frame, headers={"content-type": HANDOFF_MEDIA})
+        else:
+            request = http.build_request(method, path, json=body)
         response = await http.send(request, stream=True)  # returns once the status line and headers are in
         try:
             await response.aread()

@@ -85,6 +85,16 @@ def choose(
     return prefill
 
 
+def one_source(req: HandoffRequest) -> None:
+    """A handoff asked of the decode engine's node takes its state from one place: a prefill
+    engine (of this node, or of ``prefill_node``), or the store (``from_store``, never carried);
+    ``to_store`` belongs to the prefill engine's node's request. 400 otherwise."""
+    if req.to_store:
+        raise BadRequest("'to_store' belongs to a prefill request, not a handoff", param="to_store")
+    if req.from_store and (req.carry or req.prefill_node):
+        raise BadRequest("a state from the store is not carried, nor fetched from a node", param="from_store")
+
+
 def prefill_body(body: dict[str, Any], tenant: str, slot: int, mode: str) -> dict[str, Any]:
     """The chat body the prefill engine runs: the turn's (so the same template, tools and checkpoint
     hints give the same tokens), on the lent slot, labelled with the tenant (a slot another tenant

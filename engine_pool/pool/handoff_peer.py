@@ -15,9 +15,11 @@ runs the prefill on a lent slot as a handoff on one node does (`prefill_to_file`
 exported file back from an open handle, the file itself unlinked at once: nothing is left behind
 however the answer ends.
 
-A peer that cannot be reached, answers an error, or breaks off mid-file fails the handoff (the
-gateway runs the turn unsplit); the caller leaving cancels the prefill on the peer (its request's
-connection closes, and the peer's route cancels the prefill when its caller is gone).
+A peer that answers an error or breaks off mid-file fails the handoff (the gateway runs the turn
+unsplit); one that cannot be reached at all fails it as `PeerUnreachable`, and the gateway may go
+through the store instead (engine_pool.pool.handoff_store). The caller leaving cancels the prefill
+on the peer (its request's connection closes, and the peer's route cancels the prefill when its
+caller is gone).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import IO
 
 import httpx
 
-from engine_pool.errors import ApiError, BadRequest, PayloadTooLarge, Unavailable, Upstream
+from engine_pool.errors import ApiError, BadRequest, PayloadTooLarge, PeerUnreachable, Unavailable, Upstream
 from engine_pool.http.answers import answer_json, error_object
 
 from ..protocol.codec import WireError
@@ -99,6 +101,8 @@ async def _fetch(
             if n != done.bytes:
                 raise Upstream(f"{where}: the state broke off after {n} of {done.bytes} bytes")
             return done, time.monotonic() - t
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing was sent: the nodes cannot meet
+        raise PeerUnreachable(f"{where}: {type(exc).__name__}: {exc}") from exc
     except httpx.HTTPError as exc:
         raise Upstream(f"{where}: {type(exc).__name__}: {exc}") from exc
     except (WireError, ValueError) as exc:  # (json's errors are ValueErrors)

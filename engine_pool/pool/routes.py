@@ -53,6 +53,7 @@ from ..protocol.node import (
 )
 from .agent import NodeAgent
 from .handoff_peer import exported_frames, nothing_more, read_head, receive_carried
+from .handoff_store import export
 from .supervisor import EngineSnapshot
 
 log = structlog.get_logger("engine.node")
@@ -149,7 +150,9 @@ async def slot_operation(request: Request) -> Response:
 async def prefill(request: Request) -> Response:
     """Another node's handoff (engine_pool.pool.handoff_peer): a frame in — the `HandoffRequest`'s
     JSON line, then a carried state's slot file when `carry` — and a frame out: `Prefilled`'s JSON
-    line, then the exported slot file. Cancelled on the prefill engine when the caller leaves."""
+    line, then the exported slot file; with `to_store`, the file goes to that store object instead
+    and the answer is `Prefilled` alone (engine_pool.pool.handoff_store). Cancelled on the prefill
+    engine when the caller leaves."""
     a, engine = agent(request), request.path_params["engine"]
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media != HANDOFF_MEDIA:
@@ -160,6 +163,8 @@ async def prefill(request: Request) -> Response:
     validate_id(req.session, "session")
     if req.prefill_node:
         raise BadRequest("a prefill is not sent on to a third node", param="prefill_node")
+    if req.from_store:
+        raise BadRequest("'from_store' belongs to a handoff, not a prefill request", param="from_store")
     engine_sup = a.prefill_engine(engine, req.model)  # (404, 400, 503 before the carried state is read)
     carried = await receive_carried(rest, engine_sup) if req.carry else None
     if carried is None:
@@ -172,6 +177,10 @@ async def prefill(request: Request) -> Response:
             "the caller disconnected; the prefill was cancelled",
             settle=True,
         )
+        if req.to_store:  # through the store: the answer is the account alone
+            await export(a.parts.store, req.to_store, engine_sup.spec.slot_dir / name)
+            await asyncio.to_thread((engine_sup.spec.slot_dir / name).unlink)
+            return JSONResponse(done.to_json())
         frames, close = await exported_frames(done, engine_sup.spec.slot_dir / name)
     except BaseException:
         await asyncio.to_thread((engine_sup.spec.slot_dir / name).unlink, missing_ok=True)

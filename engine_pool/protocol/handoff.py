@@ -16,7 +16,11 @@ restored), the prefill engine evaluates only the new tail, and the result comes 
 A prefill engine on another node (`prefill_node`: that node agent's URL) is reached node to node:
 the decode engine's node sends it a `PREFILL` request — a frame (`HANDOFF_MEDIA`: one line of
 compact JSON, the `HandoffRequest`, then a carried state's slot file, if any) — and reads back a
-frame of the same form: one line of JSON (`Prefilled`), then the exported slot file.
+frame of the same form: one line of JSON (`Prefilled`), then the exported slot file. When the two
+nodes cannot reach each other (the decode engine's node answers `peer_unreachable`), the gateway
+goes through the store: it asks the prefill engine's node to export into a transient object
+(`to_store`, a `handoff_key`; the answer is `Prefilled` alone) and the decode engine's node to
+install from it (`from_store`), and deletes the object.
 
 Pure: no I/O here.
 """
@@ -37,10 +41,22 @@ HANDOFF_MEDIA = "application/x-slotkeeper-handoff"
 PREFILL = "/v1/engines/{engine}/prefill"  # on the prefill engine's node
 MAX_FRAME_HEAD = 1 << 28  # the JSON line's bytes at most (a turn's chat body, past any body limit)
 _NODE_URL = re.compile(r"https?://[^\s/?#@]+(/[^\s?#]*)?")
+_HANDOFF_KEY = re.compile(r"\.handoffs/[0-9a-f]{32}\.slot")  # (under the store's prefix)
 
 
 def prefill_path(engine: str) -> str:
     return PREFILL.format(engine=engine)
+
+
+def handoff_key(token: str) -> str:
+    """The store key (under the store's prefix) of a handoff's state going through the store; a
+    folder no tenant can be named after (tenant ids never start with a dot)."""
+    return f".handoffs/{token}.slot"
+
+
+def stored_at(prefix: str, key: str) -> str:
+    """A `handoff_key` as a store with ``prefix`` names its object."""
+    return f"{prefix}/{key}" if prefix else key
 
 
 class Role(StrEnum):
@@ -101,6 +117,15 @@ def _node_url(value: Any, where: str) -> str:
     return value
 
 
+def _store_key(value: Any, where: str) -> str:
+    """A `handoff_key`, or '' (none)."""
+    if value == "":
+        return value
+    if not isinstance(value, str) or not _HANDOFF_KEY.fullmatch(value):
+        raise WireError(f"'{where}' must be a handoff's store key (.handoffs/<32 hex>.slot)", where)
+    return value
+
+
 def _mode(value: Any, where: str) -> str:
     if value not in HANDOFF_MODES:
         raise WireError(f"'{where}' must be one of {', '.join(HANDOFF_MODES)}", where)
@@ -118,7 +143,9 @@ class HandoffRequest(Wire):
     agent that runs ``prefill_engine`` when it is not this one (node to node); ``model``: the model
     the prefill engine must serve (set in a node-to-node request: the peer knows no decode engine);
     ``carry_from``: the session the slot's state is labelled with when not this one (a fork's or a
-    branch's parent, restored there for this turn)."""
+    branch's parent, restored there for this turn). Through the store: ``to_store`` (to the prefill
+    engine's node) exports the state into that object instead of answering it; ``from_store`` (to
+    the decode engine's node) installs the state from that object instead of prefilling."""
 
     sparse = True
 
@@ -133,6 +160,8 @@ class HandoffRequest(Wire):
     prefill_node: str = field(default="", metadata=wire(parse=_node_url))
     model: str = ""
     carry_from: str = ""
+    to_store: str = field(default="", metadata=wire(parse=_store_key))
+    from_store: str = field(default="", metadata=wire(parse=_store_key))
 
 
 @dataclass(frozen=True)
@@ -171,3 +200,4 @@ class HandoffResult(Wire):
     carried_bytes: int = 0  # the session's state carried to the prefill slot (`carry`), else 0
     carry_ms: float = 0.0
     prefill_node: str = ""  # the node agent the prefill ran on, when not the decode engine's
+    through_store: bool = False  # its state went through the store (the nodes could not meet)

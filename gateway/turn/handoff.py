@@ -14,6 +14,8 @@ to the prefill slot first: 30k tokens of a tool's output on a running session ar
 there, not where other sessions decode) — but not for a turn that starts from another slot's state
 on its engine (a shared prefix the prefill engine lacks), unless the threshold is 0.
 `prefill_engine` picks one of the model's prefill engines, the decode engine's node's first (pure).
+Two nodes that cannot reach each other (the decode engine's node answers `peer_unreachable`) hand a
+new turn's state over through the store instead (`through_store`; engine_pool.pool.handoff_store).
 `hand_off` carries it out; whatever goes wrong (no prefill engine, busy past `--handoff-wait-s`, a
 prefill past `--handoff-timeout-s`, a failed prefill, a state the decode engine refuses) leaves the
 turn unsplit, counted and logged with the reason: one turn slower, never an error. Tenants never
@@ -23,19 +25,22 @@ name engines.
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from collections.abc import Sequence
+from contextlib import suppress
 from typing import Any
 
 import structlog
 
 from engine_pool.errors import ApiError
-from engine_pool.protocol.handoff import HandoffOutcome, HandoffRequest, HandoffResult
+from engine_pool.protocol.handoff import HandoffOutcome, HandoffRequest, HandoffResult, handoff_key, stored_at
 from gateway.cluster import EngineRef
 from gateway.tenants import Tenant
 from gateway.turn.engine_call import CHAT_PATH, input_tokens
 from gateway.turn.parts import Turn, TurnParts, TurnSettings
 from gateway.turn.prompt import Prompt
 from gateway.turn.slot_choice import Placement, Serve
+from storage.errors import StorageError
 
 log = structlog.get_logger("slotkeeper.gateway")
 
@@ -161,10 +166,40 @@ class Handoffs:
         try:
             result = await turn.node.handoff(placement.engine, placement.slot, request)
         except ApiError as exc:
-            self._failed(turn, prefill, exc)
-            return turn
+            if not through_store(exc, request):
+                self._failed(turn, prefill, exc)
+                return turn
+            try:
+                result = await self._through_store(turn, prefill, request)
+            except ApiError as again:
+                self._failed(turn, prefill, again)
+                return turn
         self._done(turn, result)
         return dataclasses.replace(turn, placement=dataclasses.replace(placement, handed_off=True))
+
+    async def _through_store(self, turn: Turn, prefill: EngineRef, request: HandoffRequest) -> HandoffResult:
+        """The handoff through the store (engine_pool.pool.handoff_store): the prefill engine's node
+        exports into a transient object, the decode engine's node installs from it; the object is
+        deleted however it ends. The result: the decode node's, with the prefill's account."""
+        parts, placement = self.parts, turn.placement
+        key = handoff_key(uuid.uuid4().hex)
+        try:
+            prefill_node = await parts.node(prefill.node)
+            ask = dataclasses.replace(request, prefill_node="", to_store=key)
+            done = await prefill_node.prefill_to_store(prefill.engine, ask)
+            install = dataclasses.replace(request, prefill_node="", from_store=key)
+            got = await turn.node.handoff(placement.engine, placement.slot, install)
+        finally:
+            with suppress(StorageError):  # (left behind, it is bytes nothing reads)
+                await parts.store.delete_object(stored_at(parts.store.prefix, key))
+        return dataclasses.replace(
+            got,
+            prefill_slot=done.prefill_slot,
+            prompt_n=done.prompt_n,
+            prefill_ms=done.prefill_ms,
+            export_ms=round(done.export_ms + got.export_ms, 2),
+            prefill_node=request.prefill_node,
+        )
 
     def _done(self, turn: Turn, result: HandoffResult) -> None:
         metrics = self.parts.metrics
@@ -192,6 +227,14 @@ class Handoffs:
             result=outcome.value,
             error=str(exc),
         )
+
+
+def through_store(exc: Exception, request: HandoffRequest) -> bool:
+    """Whether a failed node-to-node handoff goes through the store instead: the decode engine's
+    node could not reach the prefill engine's at all (nothing was sent), and no state is carried
+    (a carried turn runs unsplit)."""
+    unreachable = isinstance(exc, ApiError) and exc.code == "peer_unreachable"
+    return unreachable and bool(request.prefill_node) and not request.carry
 
 
 def failure(exc: Exception) -> HandoffOutcome:

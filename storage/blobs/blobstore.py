@@ -206,6 +206,15 @@ class BlobStore(ABC):
     async def get_object(self, key: str) -> bytes:
         """One object's bytes; :class:`NotStored` if absent."""
 
+    @abstractmethod
+    async def put_object_file(self, key: str, path: Path) -> None:
+        """Write (or replace) one object from a file, streamed: never the whole file in memory."""
+
+    @abstractmethod
+    async def get_object_file(self, key: str, dest: Path) -> int:
+        """One object written to the new file ``dest``, streamed; its bytes. :class:`NotStored` if
+        absent."""
+
     async def view_object(self, key: str) -> bytes | mmap.mmap:
         """One object's bytes as cheaply as the store can hand them over, for a reader that only
         slices them (the pieces a restore assembles): by default :meth:`get_object`'s."""

@@ -17,6 +17,7 @@ import errno
 import json
 import mmap
 import os
+import shutil
 import stat
 import uuid
 import zlib
@@ -260,6 +261,24 @@ class LocalStore(BlobStore):
         except FileNotFoundError:
             raise NotStored(f"object {key} not found") from None
 
+    async def put_object_file(self, key: str, path: Path) -> None:
+        await asyncio.to_thread(self._put_file_object, self.root / key, path)
+
+    def _put_file_object(self, dest: Path, path: Path) -> None:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temp_beside(dest, new_writer_id())
+        try:
+            shutil.copyfile(path, tmp)
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    async def get_object_file(self, key: str, dest: Path) -> int:
+        try:
+            return await asyncio.to_thread(_copy_new, self.root / key, dest)
+        except FileNotFoundError:
+            raise NotStored(f"object {key} not found") from None
+
     async def view_object(self, key: str) -> bytes | mmap.mmap:
         """A read-only map of the object's file, its pages loaded at once (one copy fewer than
         reading it: a restore writes the pieces straight from the page cache). Safe against
@@ -383,3 +402,10 @@ def _map_file(path: Path) -> bytes | mmap.mmap:
             if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
                 raise
             return f.read()
+
+
+def _copy_new(src: Path, dest: Path) -> int:
+    """``src`` copied to the new file ``dest`` (which must not exist); its bytes."""
+    with open(src, "rb") as fin, open(dest, "xb") as fout:
+        shutil.copyfileobj(fin, fout, 1 << 20)
+        return fout.tell()

@@ -366,6 +366,23 @@ class S3Store(BlobStore):
                 raise NotStored(f"object {key} not found") from None
             raise
 
+    @_boundary
+    async def put_object_file(self, key: str, path: Path) -> None:
+        # boto3's managed transfer: parts read from the file and sent as they are read.
+        upload = functools.partial(self.client.upload_file, str(path), self.bucket, key)
+        await self.retried("upload_file", upload, key=key)
+
+    @_boundary
+    async def get_object_file(self, key: str, dest: Path) -> int:
+        download = functools.partial(self.client.download_file, self.bucket, key, str(dest))
+        try:
+            await self.retried("download_file", download, key=key)
+        except ClientError as exc:
+            if is_missing(exc):
+                raise NotStored(f"object {key} not found") from None
+            raise
+        return (await asyncio.to_thread(dest.stat)).st_size
+
     async def _get_bytes(self, key: str) -> bytes:
         """One object's bytes: the request and its body read in one pool call (one thread hop, not
         two, for each of a restore's pieces), retried whole when either fails transiently."""

@@ -569,6 +569,12 @@ class ChunkedStore(BlobStore):
     async def get_object(self, key: str) -> bytes:
         return await self.inner.get_object(key)
 
+    async def put_object_file(self, key: str, path: Path) -> None:
+        await self.inner.put_object_file(key, path)
+
+    async def get_object_file(self, key: str, dest: Path) -> int:
+        return await self.inner.get_object_file(key, dest)
+
     async def object_size(self, key: str) -> int | None:
         return await self.inner.object_size(key)
 

@@ -53,7 +53,7 @@ class Cluster:
     logs: Path
 
 
-def _node(lab: netns.Lab, name: str, model: str, redis: str, store: str, logs: Path) -> str:
+def _node(lab: netns.Lab, name: str, model: str, redis: str, store: str, logs: Path, *extra: str) -> str:
     host = lab.host(name)
     data = logs / name
     data.mkdir()
@@ -67,6 +67,7 @@ def _node(lab: netns.Lab, name: str, model: str, redis: str, store: str, logs: P
             *("--s3-endpoint", store, "--s3-bucket", "slots", "--s3-prefix", PREFIX),
             *("--heartbeat-ttl", str(HEARTBEAT_TTL_S), "--flush-interval", "1", "--spill-bytes", "0"),
             *("--engine-arg=-t", "--engine-arg=1", "--log-level", "info"),
+            *extra,
         ],
         logs / f"{name}.log",
         env={**AWS_ENV, "SLOTKEEPER_INTERNAL_KEY": INTERNAL_KEY},
@@ -213,3 +214,95 @@ def test_a_slow_lossy_store_link_still_serves_and_saves_catch_up(cluster: Cluste
         assert cluster.store_link.stalls > 0  # the loss happened
     finally:
         cluster.store_link.delay_s, cluster.store_link.loss = 0.0, 0.0
+
+
+TENANTS = """
+[tenants.split]
+keys = ["key-split"]
+handoff_threshold = 0
+[tenants.whole]
+keys = ["key-whole"]
+handoff_threshold = "off"
+"""
+
+
+def _chat(url: str, key: str, session: str, messages: list[dict[str, Any]]) -> httpx.Response:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0}
+    headers = {"Authorization": f"Bearer {key}", "X-Session-Id": session}
+    r = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_two_nodes_that_cannot_meet_hand_a_state_over_through_the_store(
+    tiny_model: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """n1 runs the prefill engine, n2 the decode engine, and n2 cannot reach n1 (no route), while
+    the gateway reaches both: a new session's split turn goes through the store — 0 prompt tokens
+    on n2, the never-split answer, the transient object deleted. A carried follow-up cannot go
+    that way: it runs unsplit, live on n2."""
+    logs = tmp_path_factory.mktemp("apart")
+    model = tiny_model("qwen35")
+    tenants = logs / "tenants.toml"
+    tenants.write_text(TENANTS)
+    with netns.lab() as lab:
+        redis_host, s3_host = lab.host("redis"), lab.host("s3")
+        redis = RedisProcess(logs, port=6379, host=redis_host.address)
+        redis.start(launch=redis_host.popen)
+        moto = MotoProcess(logs, port=5000, host=s3_host.address)
+        moto.start(launch=s3_host.popen)
+        store = moto.endpoint
+        nodes = [
+            _node(lab, name, model, redis.url, store, logs, "--role", role)
+            for name, role in (("n1", "prefill"), ("n2", "decode"))
+        ]
+        lab.keep_apart("n2", "n1")
+        gw = lab.host("gw")
+        gw.popen(
+            [
+                *(sys.executable, "-m", "gateway.cli", "gateway"),
+                *("--host", gw.address, "--port", "8080"),
+                *[a for url in nodes for a in ("--node", url)],
+                *("--redis-url", redis.url, "--redis-prefix", PREFIX),
+                *("--s3-endpoint", store, "--s3-bucket", "slots", "--s3-prefix", PREFIX),
+                *("--tenants", str(tenants), "--log-level", "info"),
+            ],
+            logs / "gateway.log",
+            env={**AWS_ENV, "SLOTKEEPER_INTERNAL_KEY": INTERNAL_KEY},
+        )
+        url = f"http://{gw.address}:8080"
+
+        def answers() -> bool:
+            try:
+                _chat(url, "key-whole", "probe", [{"role": "user", "content": "Hi"}])
+                return True
+            except (httpx.TransportError, AssertionError):
+                return False
+
+        try:
+            eventually("the gateway answering with both nodes' engines", answers, timeout_s=120)
+            messages = [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "Tell me about the weather, the time and the place."},
+            ]
+            whole = _chat(url, "key-whole", "w1", messages)
+            split = _chat(url, "key-split", "s1", messages)
+            assert split.headers["X-Slotkeeper-Cache"] == "handoff"
+            assert split.json()["timings"]["prompt_n"] == 0
+            text = split.json()["choices"][0]["message"]["content"]
+            assert text == whole.json()["choices"][0]["message"]["content"] and text
+            gateway_log = (logs / "gateway.log").read_text()
+            assert '"through_store": true' in gateway_log or "through_store=True" in gateway_log
+            client = moto.client()
+            try:
+                listed = client.list_objects_v2(Bucket="slots", Prefix=f"{PREFIX}/.handoffs/")
+            finally:
+                client.close()
+            assert listed.get("KeyCount", 0) == 0  # the transient object is gone
+            more = [*messages, {"role": "assistant", "content": text}, {"role": "user", "content": "And?"}]
+            follow = _chat(url, "key-split", "s1", more)
+            assert follow.headers["X-Slotkeeper-Cache"] == "live"  # a carried state goes no such way
+        except BaseException:
+            for log in sorted(logs.glob("*.log")):
+                print(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}")
+            raise

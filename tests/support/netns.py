@@ -103,6 +103,11 @@ class Lab:
     def mend(self, name: str) -> None:
         _ip("link", "set", self.hosts[name].link, "up")
 
+    def keep_apart(self, name: str, other: str) -> None:
+        """``name`` can no longer reach ``other`` (its connections fail at once: no route), while
+        both still reach every other host and are reached by them."""
+        _ip("route", "add", "unreachable", f"{self.hosts[other].address}/32", netns=self.hosts[name].netns)
+
     def close(self) -> None:
         for host in self.hosts.values():
             for proc in host.procs:

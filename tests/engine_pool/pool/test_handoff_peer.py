@@ -1,6 +1,7 @@
 """Handoffs node to node (engine_pool.pool.handoff_peer): two node agents in this process, each
 supervising real engine processes — n1 a prefill engine, n2 a decode engine of one model — and
-n1's node API served on loopback with the internal credential, as a node serves it.
+n1's node API served on loopback with the internal credential, as a node serves it
+(support.node_pair).
 
 The strong way: the decode engine's turn after a handoff from the other node evaluates 0 prompt
 tokens and answers as a turn that never left the decode engine — a new session's, and a live
@@ -15,156 +16,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
+from support.node_pair import MESSAGES, count, node_pairs, until
 
 from engine_pool.errors import ApiError, Upstream
-from engine_pool.http.credentials import auth_headers
 from engine_pool.pool import handoff_peer
-from engine_pool.pool.agent import NodeAgent, NodeParts
-from engine_pool.pool.routes import build_node_app
-from engine_pool.pool.settings import NodeSettings
-from engine_pool.pool.supervisor import State
 from engine_pool.protocol.handoff import HANDOFF_MEDIA, HandoffRequest, prefill_path
-from gateway.bench.harness.servers import INTERNAL_KEY, free_port
-
-MESSAGES = [
-    {"role": "system", "content": "You are a careful assistant. Answer briefly and exactly. " * 6},
-    {"role": "user", "content": "Tell me about the weather, the time and the place of the meeting."},
-]
-BODY = {"messages": MESSAGES, "max_tokens": 12, "temperature": 0}
-
-
-class Pair:
-    """n1 (a prefill engine, its node API at ``url``) and n2 (a decode engine)."""
-
-    def __init__(self, prefill: NodeAgent, decode: NodeAgent, url: str) -> None:
-        self.prefill, self.decode, self.url = prefill, decode, url
-        self.prefill_engine = next(iter(prefill.engines))
-        self.decode_engine = next(iter(decode.engines))
-
-    def request(
-        self, session: str, messages: list[dict[str, Any]] | None = None, **kw: Any
-    ) -> HandoffRequest:
-        body = {**BODY, "model": "m", "cache_prompt": True, "slot_owner": "t1", "slot_session": session}
-        if messages is not None:
-            body["messages"] = messages
-        return HandoffRequest("t1", session, self.prefill_engine, body, prefill_node=self.url, **kw)
-
-    async def handoff(self, session: str, slot: int = 0, **kw: Any) -> Any:
-        return await self.decode.handoff(self.decode_engine, str(slot), self.request(session, **kw))
-
-    async def chat(
-        self, slot: int, session: str, served: str = "cold", messages: list[dict[str, Any]] | None = None
-    ) -> dict[str, Any]:
-        """The turn on the decode engine's ``slot``, as the gateway sends it."""
-        body = {
-            **BODY,
-            "messages": messages or MESSAGES,
-            "id_slot": slot,
-            "slot_owner": "t1",
-            "slot_session": session,
-            "slotkeeper": {"served": served},
-        }
-        url = self.decode.engines[self.decode_engine].url
-        r = await self.decode.parts.http.post(f"{url}/v1/chat/completions", json=body)
-        assert r.status_code == 200, r.text
-        out: dict[str, Any] = r.json()
-        return out
-
-    async def slot_tokens(self, slot: int) -> int:
-        url = self.decode.engines[self.decode_engine].url
-        return int((await self.decode.parts.http.get(f"{url}/slots")).json()[slot]["n_tokens"])
-
-    def leftovers(self) -> list[Path]:
-        agents = (self.prefill, self.decode)
-        return [f for a in agents for sup in a.engines.values() for f in sup.spec.slot_dir.iterdir()]
-
-
-def _count(metric: Any, result: str) -> float:
-    return float(metric.labels(result)._value.get())
-
-
-async def _until(probe: Callable[[], Any], within_s: float) -> None:
-    async with asyncio.timeout(within_s):
-        while True:
-            if await probe():
-                return
-            await asyncio.sleep(0.02)
+from gateway.bench.harness.servers import free_port
 
 
 @pytest.fixture
 async def pair(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
-    """`await pair(prefill_model, decode_model, ctx)`: the two nodes, each engine 2 slots."""
-    agents: list[NodeAgent] = []
-    closers: list[Callable[[], Any]] = []
-
-    async def agent_of(name: str, model: str, role: str, ctx: int) -> NodeAgent:
-        settings = NodeSettings(
-            models=(model,),
-            aliases=("m",),
-            roles=(role,),
-            node_id=name,
-            n_slots=2,
-            ctx_per_slot=ctx,
-            data_dir=str(tmp_path / name),
-            engine_args=("-t", "1"),
-            internal_key=INTERNAL_KEY,
-        )
-        http = httpx.AsyncClient(timeout=60, headers=auth_headers(INTERNAL_KEY))
-        closers.append(http.aclose)
-        parts = NodeParts(store=None, cache=None, index=None, registry=None, http=http)  # type: ignore[arg-type]
-        agent = NodeAgent(settings, parts, settings.engine_specs(os.environ))
-        agents.append(agent)
-        for sup in agent.engines.values():
-            sup.spec.slot_dir.mkdir(parents=True, exist_ok=True)
-            agent._tasks.append(asyncio.create_task(sup.run()))
-            sup.start()
-        return agent
-
-    async def start(prefill_model: str, decode_model: str, ctx: int = 1024) -> Pair:
-        prefill = await agent_of("n1", prefill_model, "prefill", ctx)
-        decode = await agent_of("n2", decode_model, "decode", ctx)
-
-        @asynccontextmanager
-        async def lifespan(app: Any) -> AsyncIterator[None]:
-            app.state.agent = prefill
-            yield
-
-        port = free_port()
-        config = uvicorn.Config(
-            build_node_app(lifespan, INTERNAL_KEY), host="127.0.0.1", port=port, log_level="warning"
-        )
-        server = uvicorn.Server(config)
-        task = asyncio.create_task(server.serve())
-
-        async def stop_server() -> None:
-            server.should_exit = True
-            await task
-
-        closers.append(stop_server)
-
-        async def ready() -> bool:
-            engines = [sup for a in (prefill, decode) for sup in a.engines.values()]
-            if any(sup.state is State.FAILED for sup in engines):
-                raise AssertionError([sup.snapshot().error for sup in engines])
-            return server.started and all(sup.state is State.READY for sup in engines)
-
-        await _until(ready, 90)
-        return Pair(prefill, decode, f"http://127.0.0.1:{port}")
-
-    yield start
-    for agent in agents:
-        await agent.close()
-    for close in reversed(closers):
-        await close()
+    async with node_pairs(tmp_path) as start:
+        yield start
 
 
 def _tool_output(n: int) -> str:
@@ -200,8 +69,8 @@ async def test_a_prefill_on_another_node_hands_its_state_and_logits_over(
     assert split["timings"]["prompt_n"] == 0  # the first token sampled from the handed logits
     assert split["timings"]["cache_n"] == n_prompt
     assert _text(split) == _text(unsplit) and _text(split)
-    assert _count(p.decode.metrics.handoffs, "done") == 1
-    assert _count(p.prefill.metrics.peer_prefills, "done") == 1
+    assert count(p.decode.metrics.handoffs, "done") == 1
+    assert count(p.prefill.metrics.peer_prefills, "done") == 1
     assert not p.leftovers()
 
 
@@ -248,7 +117,7 @@ async def test_a_state_damaged_on_the_way_is_refused_and_a_carried_session_keeps
         await p.handoff("s1")
     assert err.value.status == 400 and err.value.extra.get("kind") == "checksum_mismatch"
     assert await p.slot_tokens(0) == 0
-    assert _count(p.decode.metrics.handoffs, "refused") == 1
+    assert count(p.decode.metrics.handoffs, "refused") == 1
 
     # A live session: its own state is put back, and its turn runs there, unsplit.
     first = await p.chat(1, "s2")
@@ -283,14 +152,14 @@ async def test_a_peer_that_breaks_off_or_cannot_be_reached_fails_the_handoff_at_
         await p.handoff("s1")
     monkeypatch.setattr(handoff_peer, "_frames", frames)
     assert await p.slot_tokens(0) == 0
-    assert _count(p.decode.metrics.handoffs, "failed") == 1
+    assert count(p.decode.metrics.handoffs, "failed") == 1
 
     gone = HandoffRequest(
         "t1", "s1", p.prefill_engine, p.request("s1").body, prefill_node=f"http://127.0.0.1:{free_port()}"
     )
     with pytest.raises(Upstream, match="ConnectError"):
         await p.decode.handoff(p.decode_engine, "0", gone)
-    assert _count(p.decode.metrics.handoffs, "failed") == 2
+    assert count(p.decode.metrics.handoffs, "failed") == 2
     out = await p.handoff("s1")  # and the peer serves the next one
     assert out.tokens > 100
     assert not p.leftovers()
@@ -308,7 +177,7 @@ async def test_a_caller_that_leaves_cancels_the_prefill_on_the_other_node(
     async def processing() -> bool:
         return any(s["is_processing"] for s in (await http.get(f"{url}/slots")).json())
 
-    await _until(processing, 30)
+    await until(processing, 30)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -316,13 +185,13 @@ async def test_a_caller_that_leaves_cancels_the_prefill_on_the_other_node(
     async def idle() -> bool:
         return not await processing()
 
-    await _until(idle, 10)  # the peer saw its caller go, and its engine stopped at its next batch
-    assert _count(p.decode.metrics.handoffs, "cancelled") == 1
+    await until(idle, 10)  # the peer saw its caller go, and its engine stopped at its next batch
+    assert count(p.decode.metrics.handoffs, "cancelled") == 1
 
     async def counted() -> bool:
-        return _count(p.prefill.metrics.peer_prefills, "cancelled") == 1
+        return count(p.prefill.metrics.peer_prefills, "cancelled") == 1
 
-    await _until(counted, 10)
+    await until(counted, 10)
     assert await p.slot_tokens(0) == 0
     assert not p.leftovers()
 

@@ -7,7 +7,14 @@ import pytest
 
 from engine_pool.errors import BadRequest
 from engine_pool.http.body import Body
-from engine_pool.protocol.handoff import HandoffRequest, HandoffResult, Prefilled, prefill_path
+from engine_pool.protocol.handoff import (
+    HandoffRequest,
+    HandoffResult,
+    Prefilled,
+    handoff_key,
+    prefill_path,
+    stored_at,
+)
 
 BODY = {"messages": [{"role": "user", "content": "Hi"}]}
 
@@ -64,3 +71,17 @@ def test_the_results_read_back() -> None:
         "n1-e0", 1, 900, 900, 12345, 3, "logits", 10.5, 2.0, 3.0, 20.0, prefill_node="http://n1:8070"
     )
     assert HandoffResult.from_json(result.to_json()) == result
+
+
+def test_a_store_key_is_a_handoff_key_and_nothing_else() -> None:
+    key = handoff_key("0123456789abcdef" * 2)
+    assert key == ".handoffs/0123456789abcdef0123456789abcdef.slot"
+    assert stored_at("pfx", key) == "pfx/" + key and stored_at("", key) == key
+    base = {"tenant": "t", "session": "s", "prefill_engine": "e", "body": BODY}
+    req = HandoffRequest.from_body(Body({**base, "to_store": key, "from_store": key}))
+    assert req.to_store == req.from_store == key
+    for bad in ("../acme/s1/00000000000000000001.slot", ".handoffs/x.slot", "acme/.handoffs/" + key, 7):
+        for field in ("to_store", "from_store"):
+            with pytest.raises(BadRequest) as err:
+                HandoffRequest.from_body(Body({**base, field: bad}))
+            assert err.value.param == field

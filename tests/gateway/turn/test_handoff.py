@@ -17,6 +17,7 @@ from gateway.turn.handoff import (
     split_for,
     stays_whole,
     threshold_for,
+    through_store,
     uncached_tail,
 )
 from gateway.turn.parts import TurnSettings
@@ -134,3 +135,16 @@ def test_the_request_is_checked_where_it_arrives() -> None:
     for bad in (*bad_ones, {**ok.to_json(), "timeout_s": 0}, {**ok.to_json(), "carry": "yes"}):
         with pytest.raises(BadRequest):
             HandoffRequest.from_body(Body(bad))
+
+
+def test_only_nodes_that_cannot_meet_go_through_the_store() -> None:
+    from engine_pool.errors import PeerUnreachable
+
+    peer = HandoffRequest("t", "s", "n1-e0", {"messages": []}, prefill_node="http://n1:8070")
+    unreachable = ApiError("no route", status=502, code="peer_unreachable")  # (as a NodeError reads)
+    assert through_store(unreachable, peer)
+    assert through_store(PeerUnreachable("no route"), peer)
+    assert not through_store(ApiError("broke off", status=502), peer)  # reached: it failed there
+    assert not through_store(unreachable, HandoffRequest("t", "s", "n1-e0", {"messages": []}))  # one node
+    carried = HandoffRequest("t", "s", "n1-e0", {"messages": []}, carry=True, prefill_node="http://n1:8070")
+    assert not through_store(unreachable, carried)  # a carried state never goes that way

@@ -168,6 +168,22 @@ async def test_missing_object(case: Case, tmp_path: Path) -> None:
     await case.store.delete(SlotRef("acme", "nope", 1))  # idempotent
 
 
+async def test_an_object_round_trips_through_files_streamed(case: Case, tmp_path: Path) -> None:
+    """A handoff's transient object (engine_pool.pool.handoff_store): written from a file, read into
+    a new one, several parts long on S3; it stays out of tenants' listings; deleted, it is gone."""
+    src = tmp_path / "state.bin"
+    src.write_bytes(os.urandom(12 * MiB + 123))
+    key = "/".join(p for p in (case.store.prefix, f".handoffs/{'ab' * 16}.slot") if p)
+    await case.store.put_object_file(key, src)
+    assert await case.store.get_object_file(key, tmp_path / "back.bin") == src.stat().st_size
+    assert (tmp_path / "back.bin").read_bytes() == src.read_bytes()
+    assert [t async for t in case.store.list_tenants()] == []
+    await case.store.delete_object(key)
+    with pytest.raises(NotStored):
+        await case.store.get_object_file(key, tmp_path / "gone.bin")
+    assert not (tmp_path / "gone.bin").exists()
+
+
 async def test_listing_latest_and_delete(case: Case, tmp_path: Path, slot_writer: Any) -> None:
     src = slot(tmp_path, slot_writer, "a.slot")
     refs = [
