@@ -172,6 +172,8 @@ def _servers(config: str, args: argparse.Namespace, model: str, work: Path) -> I
     split = [
         *("--handoff-threshold", str(args.prompt_tokens // 2) if mode else "off"),
         *("--handoff", mode or "logits"),
+        # (a long prompt's prefill on one core outlasts the default bound: it would run unsplit)
+        *("--handoff-timeout-s", str(args.handoff_timeout_s)),
     ]
     logging = ["--log-level", "info", "--log-format", "json"]
     env = {**os.environ, "SLOTKEEPER_ENGINE_ARGS": f"-t,{args.threads}"}  # (each node reads it)
@@ -259,6 +261,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--quiet-s", type=float, default=15.0, help="decoding alone first, seconds (15)")
     ap.add_argument("--threads", type=int, default=1, help="threads per engine (1)")
     ap.add_argument("--cores", default="0:1", help="taskset CPU lists of engine 0 and 1 (0:1)")
+    ap.add_argument(
+        "--handoff-timeout-s", type=float, default=3600.0, help="the longest a prefill may take (3600)"
+    )
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args(argv)
     args.ctx = args.ctx or args.prompt_tokens * 2 + 1024
