@@ -75,6 +75,24 @@ def _node(lab: netns.Lab, name: str, model: str, redis: str, store: str, logs: P
     return f"http://{host.address}:8070"
 
 
+def _gateway(lab: netns.Lab, nodes: list[str], redis: str, store: str, logs: Path, *extra: str) -> str:
+    """A gateway on host "gw" in front of ``nodes``; its URL."""
+    gw = lab.host("gw")
+    gw.popen(
+        [
+            *(sys.executable, "-m", "gateway.cli", "gateway"),
+            *("--host", gw.address, "--port", "8080"),
+            *[a for url in nodes for a in ("--node", url)],
+            *("--redis-url", redis, "--redis-prefix", PREFIX),
+            *("--s3-endpoint", store, "--s3-bucket", "slots", "--s3-prefix", PREFIX),
+            *("--log-level", "info", *extra),
+        ],
+        logs / "gateway.log",
+        env={**AWS_ENV, "SLOTKEEPER_INTERNAL_KEY": INTERNAL_KEY},
+    )
+    return f"http://{gw.address}:8080"
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     logs = tmp_path_factory.mktemp("partitions")
@@ -89,20 +107,7 @@ def cluster(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         link = SlowLink((lab.address, 0), (s3_host.address, 5000))
         store = f"http://{lab.address}:{link.port}"
         nodes = [_node(lab, name, model, redis.url, store, logs) for name in ("n1", "n2")]
-        gw = lab.host("gw")
-        gw.popen(
-            [
-                *(sys.executable, "-m", "gateway.cli", "gateway"),
-                *("--host", gw.address, "--port", "8080"),
-                *[a for url in nodes for a in ("--node", url)],
-                *("--redis-url", redis.url, "--redis-prefix", PREFIX),
-                *("--s3-endpoint", store, "--s3-bucket", "slots", "--s3-prefix", PREFIX),
-                *("--log-level", "info"),
-            ],
-            logs / "gateway.log",
-            env={**AWS_ENV, "SLOTKEEPER_INTERNAL_KEY": INTERNAL_KEY},
-        )
-        url = f"http://{gw.address}:8080"
+        url = _gateway(lab, nodes, redis.url, store, logs)
 
         def ready() -> bool:
             try:
@@ -257,20 +262,7 @@ def test_two_nodes_that_cannot_meet_hand_a_state_over_through_the_store(
             for name, role in (("n1", "prefill"), ("n2", "decode"))
         ]
         lab.keep_apart("n2", "n1")
-        gw = lab.host("gw")
-        gw.popen(
-            [
-                *(sys.executable, "-m", "gateway.cli", "gateway"),
-                *("--host", gw.address, "--port", "8080"),
-                *[a for url in nodes for a in ("--node", url)],
-                *("--redis-url", redis.url, "--redis-prefix", PREFIX),
-                *("--s3-endpoint", store, "--s3-bucket", "slots", "--s3-prefix", PREFIX),
-                *("--tenants", str(tenants), "--log-level", "info"),
-            ],
-            logs / "gateway.log",
-            env={**AWS_ENV, "SLOTKEEPER_INTERNAL_KEY": INTERNAL_KEY},
-        )
-        url = f"http://{gw.address}:8080"
+        url = _gateway(lab, nodes, redis.url, store, logs, "--tenants", str(tenants))
 
         def answers() -> bool:
             try:
