@@ -69,7 +69,7 @@ def carries(placement: Placement) -> bool:
 def carried_from(placement: Placement, forked_from: str | None) -> str:
     """The session a carried slot's state is labelled with, when not the turn's own: a fork's (or a
     branch's) parent, restored there for this turn. '' otherwise."""
-    return forked_from or "" if carries(placement) else ""
+    return (forked_from or "") if carries(placement) else ""
 
 
 def uncached_tail(placement: Placement, prompt_tokens: int | None, state_tokens: int) -> int | None:
