@@ -176,7 +176,7 @@ async def hand_off(
         t_export = time.monotonic()
         restored = await install(slot_call, decode, slot, name, req, carried)
     finally:
-        await asyncio.to_thread(_unlink, *files)
+        await asyncio.to_thread(remove_files, *files)
     carry_s = t_carry - carried.t0 if carried is not None else 0.0
     return result_of(done, restored, req, prefill.spec.engine_id, carry_s, t_export - t_moved, t_export, t0)
 
@@ -339,7 +339,8 @@ def _move(src: Path, dest: Path) -> None:
         shutil.copyfile(src, dest)
 
 
-def _unlink(*paths: Path) -> None:
+def remove_files(*paths: Path) -> None:
+    """Each of ``paths`` gone, whether it was there or not (a handoff's files, however it ended)."""
     for path in paths:
         with suppress(OSError):
             path.unlink()

@@ -30,7 +30,6 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from contextlib import suppress
 from pathlib import Path
 from typing import IO
 
@@ -48,7 +47,7 @@ from ..protocol.handoff import (
     Prefilled,
     prefill_path,
 )
-from .handoff import Carried, SlotCall, carry_out, install, result_of
+from .handoff import Carried, SlotCall, carry_out, install, remove_files, result_of
 from .supervisor import EngineSupervisor
 
 CHUNK = 1 << 20  # bytes read from, and written to, a slot file at a time
@@ -74,7 +73,7 @@ async def hand_off_remote(
         t_export = time.monotonic()
         restored = await install(slot_call, decode, slot, installed.name, req, carried)
     finally:
-        await asyncio.to_thread(_unlink, *files)
+        await asyncio.to_thread(remove_files, *files)
     carry_s = t_carry - carried.t0 if carried is not None else 0.0
     return result_of(done, restored, req, req.prefill_engine, carry_s, transfer_s, t_export, t0)
 
@@ -189,10 +188,10 @@ async def receive_carried(chunks: AsyncIterator[bytes], prefill: EngineSuperviso
     try:
         n = await write_file(chunks, dest, MAX_CARRIED_BYTES)
     except BaseException:
-        await asyncio.to_thread(_unlink, dest)
+        await asyncio.to_thread(remove_files, dest)
         raise
     if not n:
-        await asyncio.to_thread(_unlink, dest)
+        await asyncio.to_thread(remove_files, dest)
         raise BadRequest("'carry' is set, but no carried state follows the frame's JSON line", param="carry")
     return dest
 
@@ -209,7 +208,7 @@ async def exported_frames(done: Prefilled, path: Path) -> tuple[AsyncIterator[by
     The file is unlinked at once: the open handle reads it, and nothing is left however the answer
     ends."""
     fh = await asyncio.to_thread(path.open, "rb")
-    await asyncio.to_thread(_unlink, path)
+    await asyncio.to_thread(remove_files, path)
     return _frames(done, fh), fh.close
 
 
@@ -220,9 +219,3 @@ async def _frames(done: Prefilled, fh: IO[bytes]) -> AsyncIterator[bytes]:
             yield chunk
     finally:
         fh.close()
-
-
-def _unlink(*paths: Path) -> None:
-    for path in paths:
-        with suppress(OSError):
-            path.unlink()

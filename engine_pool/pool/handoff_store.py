@@ -16,7 +16,6 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from contextlib import suppress
 from pathlib import Path
 
 from engine_pool.errors import Upstream
@@ -24,7 +23,7 @@ from storage.blobs.blobstore import BlobStore
 from storage.errors import StorageError
 
 from ..protocol.handoff import HandoffRequest, HandoffResult, Prefilled, stored_at
-from .handoff import SlotCall, install, result_of
+from .handoff import SlotCall, install, remove_files, result_of
 from .supervisor import EngineSupervisor
 
 
@@ -49,8 +48,7 @@ async def hand_off_stored(
         t_export = time.monotonic()
         restored = await install(slot_call, decode, slot, installed.name, req, None)
     finally:
-        with suppress(OSError):
-            await asyncio.to_thread(installed.unlink)
+        await asyncio.to_thread(remove_files, installed)
     here = Prefilled(-1, -1, n, restored.n_checkpoints, prefill_ms=0.0, export_ms=0.0)
     out = result_of(here, restored, req, req.prefill_engine, 0.0, t_export - t0, t_export, t0)
     return dataclasses.replace(out, through_store=True)
