@@ -68,7 +68,7 @@ from gateway.bench.harness.servers import (
     RedisProcess,
     free_port,
     http_ok,
-    is_engine_process,
+    kill_engines,
     wait_until,
 )
 from gateway.bench.harness.slow_link import SlowLink
@@ -137,10 +137,7 @@ class Serve:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
-        for pid in self.engine_pids:
-            if is_engine_process(pid):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
+        kill_engines(self.engine_pids)
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from gateway.bench.harness.servers import (
     PACKAGE_ROOT,
     MotoProcess,
     free_port,
-    is_engine_process,
+    kill_engines,
     make_bucket,
     redis_server,
     stop,
@@ -63,9 +63,7 @@ class Cluster:
             pass
         for proc in self.procs:
             stop(proc, signal.SIGKILL)
-        for pid in self.engine_pids:
-            if is_engine_process(pid):
-                os.killpg(pid, signal.SIGKILL)
+        kill_engines(self.engine_pids)
 
     def tail(self) -> str:
         return "\n".join(f"== {log.name}\n{log.read_text(errors='replace')[-1500:]}" for log in self.logs)

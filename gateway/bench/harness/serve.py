@@ -23,7 +23,7 @@ from gateway.bench.harness.answers import engine_list
 from gateway.bench.harness.servers import (
     PACKAGE_ROOT,
     free_port,
-    is_engine_process,
+    kill_engines,
     wait_until,
 )
 
@@ -73,9 +73,7 @@ class Serve:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
-        for pid in self.engine_pids:
-            if is_engine_process(pid):
-                os.killpg(pid, signal.SIGKILL)
+        kill_engines(self.engine_pids)
 
     def _note_engines(self) -> None:
         if self.proc.poll() is not None:

@@ -15,8 +15,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,15 @@ def is_engine_process(pid: int) -> bool:
     except OSError:
         return False
     return b"gateway.cli" in cmdline and b"engine" in cmdline
+
+
+def kill_engines(pids: Iterable[int]) -> None:
+    """SIGKILL the process group of each of ``pids`` that is still one of our engines (each leads
+    its own group, beyond whatever started it); one that is gone meanwhile is left alone."""
+    for pid in pids:
+        if is_engine_process(pid):
+            with suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
 
 
 def free_port(also_plus: int = 0) -> int:
