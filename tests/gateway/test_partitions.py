@@ -75,6 +75,22 @@ def _node(lab: netns.Lab, name: str, model: str, redis: str, store: str, logs: P
     return f"http://{host.address}:8070"
 
 
+def _backends(lab: netns.Lab, logs: Path) -> tuple[RedisProcess, MotoProcess]:
+    """redis-server and moto's S3 server, each on a host of its own ("redis", "s3")."""
+    redis_host, s3_host = lab.host("redis"), lab.host("s3")
+    redis = RedisProcess(logs, port=6379, host=redis_host.address)
+    redis.start(launch=redis_host.popen)
+    moto = MotoProcess(logs, port=5000, host=s3_host.address)
+    moto.start(launch=s3_host.popen)
+    return redis, moto
+
+
+def _show_logs(logs: Path) -> None:
+    """Every process's last lines, for a test that failed."""
+    for log in sorted(logs.glob("*.log")):
+        print(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}")
+
+
 def _gateway(lab: netns.Lab, nodes: list[str], redis: str, store: str, logs: Path, *extra: str) -> str:
     """A gateway on host "gw" in front of ``nodes``; its URL."""
     gw = lab.host("gw")
@@ -98,13 +114,9 @@ def cluster(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     logs = tmp_path_factory.mktemp("partitions")
     model = tiny_model("qwen35")
     with netns.lab() as lab:
-        redis_host, s3_host = lab.host("redis"), lab.host("s3")
-        redis = RedisProcess(logs, port=6379, host=redis_host.address)
-        redis.start(launch=redis_host.popen)
-        moto = MotoProcess(logs, port=5000, host=s3_host.address)
-        moto.start(launch=s3_host.popen)
+        redis, moto = _backends(lab, logs)
         # The nodes reach the store through a link the test can slow down (on the bridge's address).
-        link = SlowLink((lab.address, 0), (s3_host.address, 5000))
+        link = SlowLink((lab.address, 0), (moto.host, moto.port))
         store = f"http://{lab.address}:{link.port}"
         nodes = [_node(lab, name, model, redis.url, store, logs) for name in ("n1", "n2")]
         url = _gateway(lab, nodes, redis.url, store, logs)
@@ -124,8 +136,7 @@ def cluster(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             eventually("the gateway ready with both nodes' engines", ready, timeout_s=120)
             yield Cluster(lab, url, link, moto, logs)
         except BaseException:
-            for log in sorted(logs.glob("*.log")):
-                print(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}")
+            _show_logs(logs)
             raise
         finally:
             link.close()
@@ -251,11 +262,7 @@ def test_two_nodes_that_cannot_meet_hand_a_state_over_through_the_store(
     tenants = logs / "tenants.toml"
     tenants.write_text(TENANTS)
     with netns.lab() as lab:
-        redis_host, s3_host = lab.host("redis"), lab.host("s3")
-        redis = RedisProcess(logs, port=6379, host=redis_host.address)
-        redis.start(launch=redis_host.popen)
-        moto = MotoProcess(logs, port=5000, host=s3_host.address)
-        moto.start(launch=s3_host.popen)
+        redis, moto = _backends(lab, logs)
         store = moto.endpoint
         nodes = [
             _node(lab, name, model, redis.url, store, logs, "--role", role)
@@ -295,6 +302,5 @@ def test_two_nodes_that_cannot_meet_hand_a_state_over_through_the_store(
             follow = _chat(url, "key-split", "s1", more)
             assert follow.headers["X-Slotkeeper-Cache"] == "live"  # a carried state goes no such way
         except BaseException:
-            for log in sorted(logs.glob("*.log")):
-                print(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}")
+            _show_logs(logs)
             raise
