@@ -28,10 +28,14 @@ namespace sk {
 FileBytes FileBytes::map_or_read(int fd, uint64_t size, const std::string & path) {
     FileBytes out;
     out.size_ = size_t(size);
-    // MAP_PRIVATE: the state prefix written in place never reaches the file. MAP_POPULATE: every
-    // page mapped now (the CRC pass reads them all anyway), not faulted in one by one.
-    void * m = ::mmap(nullptr, out.size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_POPULATE, fd, 0);
+    // MAP_PRIVATE: the state prefix written in place never reaches the file, and only the page it
+    // is written to becomes this process's own copy; every other page stays the page cache's,
+    // shared and reclaimable. No MAP_POPULATE: on a private writable mapping it copies every page
+    // (the whole file in anonymous memory, beside the state restored from it); the kernel reads
+    // ahead instead (MADV_WILLNEED) and the CRC pass faults the pages in, read-only.
+    void * m = ::mmap(nullptr, out.size_, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
     if (m != MAP_FAILED) {
+        ::madvise(m, out.size_, MADV_WILLNEED);  // advice only: a refusal changes nothing
         out.data_ = static_cast<uint8_t *>(m);
         out.mapped_ = true;
         return out;
