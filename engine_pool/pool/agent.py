@@ -73,6 +73,7 @@ from .handoff import PrefillSlots, choose, hand_off, one_source, outcome_of, pre
 from .handoff_peer import hand_off_remote
 from .handoff_store import hand_off_stored
 from .metrics import NodeMetrics
+from .restore_gate import RestoreGate
 from .settings import NodeSettings
 from .supervisor import EngineSnapshot, EngineSpec, EngineSupervisor, State
 
@@ -110,6 +111,7 @@ class NodeAgent:
         self.prefill_slots = PrefillSlots(
             {e: sup.spec.n_slots for e, sup in self.engines.items() if sup.spec.role == Role.PREFILL}
         )
+        self.restores = RestoreGate(settings.restore_bytes_in_flight)
         self.draining = False
         self._engines_changed = asyncio.Event()
         self._unregistered = asyncio.Event()  # set by the registry loop once draining took effect
@@ -534,19 +536,38 @@ class NodeAgent:
         cache, t0 = self.parts.cache, time.monotonic()
         source = "local" if ref in cache else "store"
         label = None if prefix else {"slot_owner": ref.tenant, "slot_session": ref.session}
-        out = await self._restore_cut(sup, slot, ref, tokens, label) if tokens and source == "store" else None
-        if out is not None:
-            source = "cut"
-        elif prefix and source == "store" and not await self.parts.store.shares_prefix(ref, tokens or []):
-            source = "none"
-        else:
-            out, source = await self._restore_whole(sup, slot, ref, source, label)
+        async with self.restores.admit(await self._restore_size(ref, source)) as waited:
+            if waited:
+                self.metrics.restores_waited.inc()
+                log.info("node.restore_waited", **_slot_fields(sup, slot, ref), ms=round(waited * 1000, 2))
+            out = (
+                await self._restore_cut(sup, slot, ref, tokens, label)
+                if tokens and source == "store"
+                else None
+            )
+            if out is not None:
+                source = "cut"
+            elif prefix and source == "store" and not await self.parts.store.shares_prefix(ref, tokens or []):
+                source = "none"
+            else:
+                out, source = await self._restore_whole(sup, slot, ref, source, label)
         await cache.evict()  # with a budget of 0 (one machine, local store) the copy goes now
         ms = round((time.monotonic() - t0) * 1000, 2)
         n_tokens, n_bytes = (out.n_restored, out.n_read) if out is not None else (0, 0)
         result = FillResult(n_tokens, n_bytes, source, ms)
         log.info("node.filled", **_slot_fields(sup, slot, ref), **result.to_json())
         return result
+
+    async def _restore_size(self, ref: SlotRef, source: str) -> int:
+        """The bytes a restore of ``ref`` holds in flight (:mod:`.restore_gate`): its file's size,
+        from the spill cache or from the store (a manifest read; none when restores are unbounded)."""
+        if not self.restores.budget:
+            return 0
+        if source == "local":
+            size = self.parts.cache.size_of(ref)
+            if size is not None:
+                return size
+        return (await self.parts.store.head(ref)).size
 
     async def _restore_cut(
         self, sup: EngineSupervisor, slot: int, ref: SlotRef, tokens: list[int], label: dict[str, str] | None

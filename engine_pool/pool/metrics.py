@@ -1,7 +1,8 @@
 """The node agent's Prometheus metrics: slot moves (spill/fill/erase) with their bytes and seconds,
 handoffs (prefill/decode split) by result with their bytes and seconds, prefills run for other
 nodes' handoffs by result, engines by state and role
-and their restarts, and the spill cache (bytes held, uploads pending)."""
+and their restarts, the spill cache (bytes held, uploads pending), and restores waiting for their
+bytes in flight."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from ..protocol.handoff import ROLES, HandoffOutcome, HandoffResult
 from ..protocol.node import FillResult, SlotResult, SpillResult
+from .restore_gate import RestoreGate
 from .supervisor import EngineSnapshot, State
 
 
@@ -55,6 +57,15 @@ class NodeMetrics:
         self.pending_bytes = Gauge(
             "slotkeeper_node_uploads_pending_bytes", "Bytes of spilled files not yet uploaded", registry=r
         )
+        self.restore_bytes = Gauge(
+            "slotkeeper_node_restore_bytes_in_flight", "Slot-file bytes restores hold now", registry=r
+        )
+        self.restores_waiting = Gauge(
+            "slotkeeper_node_restores_waiting", "Restores waiting for their bytes in flight", registry=r
+        )
+        self.restores_waited = Counter(
+            "slotkeeper_node_restores_waited", "Restores that waited for their bytes in flight", registry=r
+        )
 
     def observe(self, op: str, seconds: float, result: SlotResult | None) -> None:
         """One finished operation (`result` None when it failed)."""
@@ -76,7 +87,12 @@ class NodeMetrics:
         self.handoff_seconds.labels(outcome.value).observe(seconds)
 
     def render(
-        self, snaps: Iterable[EngineSnapshot], cache_bytes: int, pending: int, pending_bytes: int
+        self,
+        snaps: Iterable[EngineSnapshot],
+        cache_bytes: int,
+        pending: int,
+        pending_bytes: int,
+        restores: RestoreGate,
     ) -> bytes:
         counts = dict.fromkeys((s.value for s in State), 0)
         roles = dict.fromkeys(ROLES, 0)
@@ -91,4 +107,6 @@ class NodeMetrics:
         self.cache_bytes.set(cache_bytes)
         self.pending.set(pending)
         self.pending_bytes.set(pending_bytes)
+        self.restore_bytes.set(restores.in_flight)
+        self.restores_waiting.set(restores.waiting)
         return generate_latest(self.registry)

@@ -104,6 +104,7 @@ async def metrics(request: Request) -> Response:
         a.parts.cache.total_bytes,
         len(a.parts.cache.pending()),
         a.parts.cache.pending_bytes(),
+        a.restores,
     )
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 

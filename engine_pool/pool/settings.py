@@ -139,6 +139,14 @@ FLAGS: tuple[Flag, ...] = (
         "saves kept on disk while the store is down; past it a save answers 503 (32G)",
         at_least(0),
     ),
+    bytes_flag(
+        "restore_bytes_in_flight",
+        "--restore-bytes-in-flight",
+        4 << 30,
+        "bytes of slot files restores may hold at once; the others wait their turn, and one "
+        "larger than this runs alone (4G; 0: no bound)",
+        at_least(0),
+    ),
     str_flag(
         "store_compression",
         "--store-compression",
@@ -232,6 +240,7 @@ class NodeSettings:
     ]  # the credential every caller of the node API (and engines) presents
     spill_bytes: int = _DEFAULT["spill_bytes"]
     spill_pending_bytes: int = _DEFAULT["spill_pending_bytes"]
+    restore_bytes_in_flight: int = _DEFAULT["restore_bytes_in_flight"]
     store_compression: str = _DEFAULT[
         "store_compression"
     ]  # recurrent states and tails compressed: on, off, auto (in S3 only)

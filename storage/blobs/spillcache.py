@@ -107,6 +107,11 @@ class SpillCache:
         """Bytes of files whose upload is not confirmed (uploading now or waiting for the store)."""
         return sum(e.size for e in self._entries.values() if not e.uploaded)
 
+    def size_of(self, ref: SlotRef) -> int | None:
+        """The size of ``ref``'s file here (None when it is not here)."""
+        entry = self._entries.get(ref)
+        return entry.size if entry is not None else None
+
     def is_uploaded(self, ref: SlotRef) -> bool:
         return self._entries[ref].uploaded
 

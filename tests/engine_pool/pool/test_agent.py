@@ -186,7 +186,9 @@ async def slot_tokens(engine_url: str, slot: int) -> int:
 async def test_spill_erase_fill_through_the_local_store(
     start_node: Callable[..., NodeProcess], redis_url: str, prefix: str
 ) -> None:
-    node = start_node("--redis-url", redis_url, "--redis-prefix", prefix, "--s3-prefix", prefix)
+    # Restores one at a time (each is larger than a byte): the fills below go through the gate.
+    flags = ("--redis-url", redis_url, "--redis-prefix", prefix, "--s3-prefix", prefix)
+    node = start_node(*flags, "--restore-bytes-in-flight", "1")
     eng, url = node.engine["id"], node.engine["url"]
     assert (eng, node.engine["model"], node.engine["n_slots"]) == ("n1-e0", "qwen35-seed0", 2)
     first = await chat(url, 0)
@@ -233,7 +235,10 @@ async def test_spill_erase_fill_through_the_local_store(
             assert err.value.status == status, err.value
     async with httpx.AsyncClient(headers=INTERNAL_AUTH) as c:
         r = await c.post(f"{node.url}/v1/engines/{eng}/slots/0/fill", content=b"[1]")
-    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        metrics = (await c.get(f"{node.url}/metrics")).text
+    assert "slotkeeper_node_restore_bytes_in_flight 0.0" in metrics  # every fill gave its bytes back
+    assert "slotkeeper_node_restores_waiting 0.0" in metrics
 
 
 def _flip(path: Path, at: int) -> None:
