@@ -10,6 +10,10 @@ With `--upstream`, the same cases run over HTTP on our engine process and on ups
 (the `bench` extra installs it), same model, flags and token prompts, side by side with ratios; with
 `--curve 1000,2000,...` the restored next turn's time to first token against the session's length,
 for both, drawn to `--plot FILE.svg`. `--json FILE` writes every number.
+
+With several lengths (`--tokens 32768,65536,131072`, or `--long` for one): long agent sessions
+restored from the spill cache and from S3 on another node, with GB/s and memory
+(:mod:`gateway.bench.long_sessions`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import jinja2.sandbox
 
 import native
 from engine_pool.protocol.codec import Wire
+from gateway.bench import long_sessions
 from gateway.bench.harness import sidebyside
 from gateway.bench.harness.prompts import CHUNK, SYSTEM
 from gateway.bench.harness.upstream import Flags
@@ -107,7 +112,16 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="slotkeeper bench resume", description=__doc__)
     ap.add_argument("--model", help="GGUF model (default: the generated qwen35 bench model)")
     ap.add_argument("--models-dir", default=os.path.join(".bench", "models"))
-    ap.add_argument("--tokens", type=int, default=5000, help="approximate prompt length")
+    ap.add_argument(
+        "--tokens",
+        type=_lengths,
+        default=[5000],
+        help="approximate prompt length; several, comma-separated: the long-session bench "
+        "(gateway.bench.long_sessions) at each",
+    )
+    ap.add_argument("--long", action="store_true", help="the long-session bench even for one length")
+    ap.add_argument("--turn-tokens", type=int, default=4096, help="long sessions: tokens of each tool output")
+    ap.add_argument("--no-s3", action="store_true", help="long sessions: leave the S3 restore out")
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--n-predict", type=int, default=16)
@@ -118,6 +132,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--json", help="also write the results here as JSON")
     args = ap.parse_args(argv)
     model = args.model or cached_model(args.models_dir, "qwen35", size="bench")
+    if args.long or len(args.tokens) > 1:
+        return _long(model, args)
+    args.tokens = args.tokens[0]
     rc, in_process = _in_process(model, args)
     side: SideBySide | None = None
     curve: dict[str, list[sidebyside.CurvePoint]] | None = None
@@ -130,6 +147,31 @@ def main(argv: list[str]) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
     return rc
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: token counts, comma-separated") from None
+    if not lengths or min(lengths) < 64:
+        raise argparse.ArgumentTypeError(f"{text!r}: each length at least 64 tokens")
+    return lengths
+
+
+@dataclass(frozen=True)
+class LongReport(Wire):
+    bench: str
+    model: str
+    lengths: list[long_sessions.LengthReport]
+
+
+def _long(model: str, args: argparse.Namespace) -> int:
+    reports = long_sessions.run(model, args, args.tokens)
+    if args.json:
+        report = LongReport("resume-long", os.path.basename(model), reports)
+        Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
+    return 0 if all(r.same_tokens for length in reports for r in length.restores) else 1
 
 
 def _in_process(model: str, args: argparse.Namespace) -> tuple[int, InProcess]:

@@ -162,6 +162,29 @@ def test_resume_side_by_side_and_curve(tiny_model, tmp_path: Path) -> None:
     assert svg.read_text().lstrip().startswith("<?xml") and "<svg" in svg.read_text()
 
 
+def test_resume_long_sessions_from_the_spill_cache_and_s3(tiny_model, tmp_path: Path) -> None:
+    out_json = tmp_path / "long.json"
+    bench(
+        "resume --tokens 1000,2000 --turn-tokens 300 --n-predict 4",
+        *("--model", tiny_model("qwen35")),
+        *("--workdir", str(tmp_path / "work")),
+        *("--json", str(out_json)),
+    )
+    report = _json(out_json)
+    assert [length["tokens"] for length in report["lengths"]] == [1000, 2000]
+    for length in report["lengths"]:
+        assert length["turns"] >= 2 and length["slot_file_bytes"] > 0
+        assert 0 < length["checkpoints_stored"] <= length["checkpoints_live"]
+        rows = {r["source"]: r for r in length["restores"]}
+        assert set(rows) == {"spill cache, page cache", "spill cache, disk", "S3 (SeaweedFS), another node"}
+        for row in rows.values():
+            # The restored next turn evaluates what the live one did and answers the same tokens.
+            assert row["same_tokens"] is True and row["prompt_n"] == length["live_prompt_n"]
+            assert row["restore_ms"] > 0 and row["restore_memory"]["peak_mib"] >= 0
+        assert rows["S3 (SeaweedFS), another node"]["fetch_ms"] > 0
+        assert rows["S3 (SeaweedFS), another node"]["fetch_memory"] is not None
+
+
 @needs_upstream
 def test_throughput_side_by_side(tiny_model, tmp_path: Path) -> None:
     out_json = tmp_path / "throughput.json"
