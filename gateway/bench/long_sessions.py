@@ -10,12 +10,12 @@ the session's state went
 - to S3 (SeaweedFS, stored in chunks as a node stores them) and back on another node: fetched into
   a file as a node's fill does, then restored.
 
-Each restore into a fresh engine (a restart). Per restore: its milliseconds and GB/s, the peak of
-the process's resident memory above where it stood before (anonymous and file-backed apart: a
-mapped slot file's pages are the page cache's, which the kernel takes back under pressure); the
-restored next turn's time against the live one's, and whether its greedy tokens are the live
-ones'. Per length: the slot file's size and checkpoints (the stored ladder) and the cold session's
-time. `--json FILE` writes every number.
+Each restore into a fresh engine (a restart), `--repeat` times (medians). Per restore: its
+milliseconds and GB/s, the peak of the process's resident memory above where it stood before
+(anonymous and file-backed apart: a mapped slot file's pages are the page cache's, which the
+kernel takes back under pressure); the restored next turn's time against the live one's, and
+whether its greedy tokens are the live ones'. Per length: the slot file's size and checkpoints
+(the stored ladder) and the cold session's time. `--json FILE` writes every number.
 """
 
 from __future__ import annotations
@@ -24,14 +24,15 @@ import argparse
 import asyncio
 import os
 import shutil
+import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import native
 from gateway.bench.harness.prompts import CHUNK, SYSTEM
@@ -63,6 +64,15 @@ class RestoreRow:
     same_tokens: bool
     fetch_memory: Memory | None
     restore_memory: Memory
+
+
+@dataclass(frozen=True)
+class _Run:
+    restore_ms: float
+    gbps: float
+    memory: Memory
+    turn_ms: float
+    answer: native.Completion
 
 
 @dataclass(frozen=True)
@@ -193,7 +203,8 @@ def _measure(model: str, args: argparse.Namespace, tokens: int, work: Path, s3: 
         f"live next turn {live_ms:.0f} ms, prompt_n {live.timings.prompt_n}"
     )
 
-    def restored(source: str, file: Path, fetch_ms: float = 0.0, fetched: Memory | None = None) -> RestoreRow:
+    def restore_once(file: Path) -> _Run:
+        """Into a fresh engine (a restart), then the next turn."""
         fresh = _engine(model, args, n_ctx)
         try:
             with _peak_memory() as mem:
@@ -201,17 +212,28 @@ def _measure(model: str, args: argparse.Namespace, tokens: int, work: Path, s3: 
             done, turn_ms = _timed(lambda: fresh.generate(0, _request(nxt, args.n_predict)))
         finally:
             fresh.close()
+        return _Run(ms, info.n_bytes / ms / 1e6, mem[0], turn_ms, done)
+
+    def restored(source: str, file: Path, before: Callable[[], tuple[float, Memory | None]]) -> RestoreRow:
+        """``args.repeat`` restores from ``file``, each after ``before`` (which readies the file:
+        its ms and memory); the medians, the largest memory, every answer compared."""
+        fetches, runs = [], []
+        for _ in range(args.repeat):
+            fetches.append(before())
+            runs.append(restore_once(file))
+        fetch_ms, fetched = statistics.median(f[0] for f in fetches), _largest(f[1] for f in fetches)
+        done = runs[0].answer
         assert done.timings is not None
         row = RestoreRow(
             source,
             round(fetch_ms, 1),
-            round(ms, 1),
-            round(info.n_bytes / ms / 1e6, 2),
-            round(turn_ms, 1),
+            round(statistics.median(r.restore_ms for r in runs), 1),
+            round(statistics.median(r.gbps for r in runs), 2),
+            round(statistics.median(r.turn_ms for r in runs), 1),
             done.timings.prompt_n,
-            list(done.tokens) == list(live.tokens),
+            all(list(r.answer.tokens) == list(live.tokens) for r in runs),
             fetched,
-            mem[0],
+            _largest(r.memory for r in runs) or runs[0].memory,
         )
         print(
             f"  {source:28} fetch {row.fetch_ms:7.0f} ms  restore {row.restore_ms:6.0f} ms "
@@ -220,20 +242,30 @@ def _measure(model: str, args: argparse.Namespace, tokens: int, work: Path, s3: 
             f"({(row.fetch_ms + row.restore_ms + row.turn_ms) / live_ms:.2f}x live), "
             f"prompt_n {row.prompt_n}, same tokens: {row.same_tokens}"
             + (
-                f"; the fetch's peak +{fetched.peak_mib:.0f} MiB, anon +{fetched.peak_anon_mib:.0f}"
+                f"; fetch peak +{fetched.peak_mib:.0f} MiB, anon +{fetched.peak_anon_mib:.0f}"
                 if fetched
                 else ""
             )
         )
         return row
 
-    rows = [restored("spill cache, page cache", path)]
-    _drop_pages(path)
-    rows.append(restored("spill cache, disk", path))
+    def cached() -> tuple[float, Memory | None]:
+        return 0.0, None
+
+    def from_disk() -> tuple[float, Memory | None]:
+        _drop_pages(path)
+        return 0.0, None
+
+    rows = [restored("spill cache, page cache", path, cached), restored("spill cache, disk", path, from_disk)]
     if s3 is not None:
         dest = work / "fetched.slot"
-        fetch_ms, fetched = asyncio.run(_through_s3(s3, path, dest, model, len(history)))
-        rows.append(restored("S3 (SeaweedFS), another node", dest, fetch_ms, fetched))
+        stored = asyncio.run(_to_s3(s3, path, model, len(history)))
+
+        def fetch() -> tuple[float, Memory | None]:
+            dest.unlink(missing_ok=True)
+            return asyncio.run(_from_s3(s3, stored, dest))
+
+        rows.append(restored("S3 (SeaweedFS), another node", dest, fetch))
         dest.unlink()
     path.unlink()
     return LengthReport(
@@ -250,33 +282,42 @@ def _measure(model: str, args: argparse.Namespace, tokens: int, work: Path, s3: 
     )
 
 
-async def _through_s3(
-    endpoint: str, path: Path, dest: Path, model: str, n_tokens: int
-) -> tuple[float, Memory]:
-    """The slot file stored in chunks in S3, then fetched into ``dest`` as another node's fill
-    does: the fetch's milliseconds and peak memory."""
+def _s3_store(endpoint: str) -> Any:
     from storage.blobs.s3client import make_s3_client
     from storage.blobs.s3store import S3Store
     from storage.chunks.chunkstore import ChunkedStore
     from storage.chunks.ledger import ChunkLedger
-    from storage.ids import SlotRef
     from storage.index.keyspace import in_process_redis
 
     client = make_s3_client(endpoint_url=endpoint, access_key="any", secret_key="any")
-    try:
-        async with ChunkedStore(
-            S3Store(client, "bench", prefix="long"), ChunkLedger(in_process_redis())
-        ) as st:
-            ref = SlotRef("bench", "long", 1)
-            await st.put_file(ref, path, model=model, n_tokens=n_tokens)
-            with _peak_memory() as mem:
-                t0 = time.perf_counter()
-                await st.get_to_file(ref, dest, verify=False)  # as a node's fill (the engine checks)
-                ms = (time.perf_counter() - t0) * 1000
-            await st.delete(ref)
-    finally:
-        client.close()
+    inner = S3Store(client, "bench", prefix="long", close_client=True)
+    return ChunkedStore(inner, ChunkLedger(in_process_redis()))
+
+
+async def _to_s3(endpoint: str, path: Path, model: str, n_tokens: int) -> Any:
+    """The slot file stored in chunks in S3 as a node stores it; its ref."""
+    from storage.ids import SlotRef
+
+    ref = SlotRef("bench", f"long-{n_tokens}", 1)
+    async with _s3_store(endpoint) as store:
+        await store.put_file(ref, path, model=model, n_tokens=n_tokens)
+    return ref
+
+
+async def _from_s3(endpoint: str, ref: Any, dest: Path) -> tuple[float, Memory | None]:
+    """The slot file fetched into ``dest`` as another node's fill does (a store client of its
+    own): the fetch's milliseconds and peak memory."""
+    async with _s3_store(endpoint) as store:
+        with _peak_memory() as mem:
+            t0 = time.perf_counter()
+            await store.get_to_file(ref, dest, verify=False)  # as a node's fill (the engine checks)
+            ms = (time.perf_counter() - t0) * 1000
     return ms, mem[0]
+
+
+def _largest(memories: Iterable[Memory | None]) -> Memory | None:
+    known = [m for m in memories if m is not None]
+    return max(known, key=lambda m: m.peak_mib) if known else None
 
 
 def run(model: str, args: argparse.Namespace, lengths: list[int]) -> list[LengthReport]:

@@ -122,6 +122,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--long", action="store_true", help="the long-session bench even for one length")
     ap.add_argument("--turn-tokens", type=int, default=4096, help="long sessions: tokens of each tool output")
     ap.add_argument("--no-s3", action="store_true", help="long sessions: leave the S3 restore out")
+    ap.add_argument("--repeat", type=int, default=3, help="long sessions: restores of each kind (medians)")
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--n-predict", type=int, default=16)
