@@ -7,6 +7,8 @@ the session's state went
 
 - to the node's spill cache (a slot file on the local disk) and back, read from the page cache
   (the file just written) and from the disk (its pages dropped first: `posix_fadvise`);
+- to a host-memory tier in front of the spill cache (the file's bytes held in this process) and
+  back: written into a file for the engine to map (the "fetch" column), then restored;
 - to S3 (SeaweedFS, stored in chunks as a node stores them) and back on another node: fetched into
   a file as a node's fill does, then restored.
 
@@ -256,7 +258,22 @@ def _measure(model: str, args: argparse.Namespace, tokens: int, work: Path, s3: 
         _drop_pages(path)
         return 0.0, None
 
-    rows = [restored("spill cache, page cache", path, cached), restored("spill cache, disk", path, from_disk)]
+    held = [path.read_bytes()]  # what a host-memory tier in front of the spill cache would hold
+    written = work / "from-memory.slot"
+
+    def from_memory() -> tuple[float, Memory | None]:
+        """A tier's fill: the held bytes written into a file for the engine to map."""
+        written.unlink(missing_ok=True)
+        _, ms = _timed(lambda: written.write_bytes(held[0]))
+        return ms, None
+
+    rows = [
+        restored("spill cache, page cache", path, cached),
+        restored("spill cache, disk", path, from_disk),
+        restored("host memory, written out", written, from_memory),
+    ]
+    held.clear()
+    written.unlink()
     if s3 is not None:
         dest = work / "fetched.slot"
         stored = asyncio.run(_to_s3(s3, path, model, len(history)))
