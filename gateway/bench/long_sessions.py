@@ -154,7 +154,8 @@ def _engine(model: str, args: argparse.Namespace, n_ctx: int) -> native.Engine:
     )
 
 
-def _request(prompt: list[int], n: int, hints: list[int] | None = None) -> native.RequestParams:
+def greedy_request(prompt: list[int], n: int, hints: list[int] | None = None) -> native.RequestParams:
+    """``n`` greedy tokens after ``prompt`` (``hints``: checkpoint hints), as the resume benches ask."""
     p = native.RequestParams(prompt)
     p.n_predict = n
     p.temperature = 0.0
@@ -181,7 +182,7 @@ def _grow(eng: native.Engine, tokens: int, turn_tokens: int, n_predict: int) -> 
         while len(tool) < turn_tokens and start + len(tool) < tokens:
             tool += chunk
         prompt = history + tool
-        done = eng.generate(0, _request(prompt, n_predict, hints=[start]))
+        done = eng.generate(0, greedy_request(prompt, n_predict, hints=[start]))
         history = prompt + list(done.tokens)
     return history, turns
 
@@ -196,7 +197,7 @@ def _measure(model: str, args: argparse.Namespace, tokens: int, work: Path, s3: 
     nxt = history + eng.tokenize("\nNow fix the failing test and run it again.\n", False)
     path = work / "session.slot"
     saved = eng.save_slot(0, str(path))
-    live, live_ms = _timed(lambda: eng.generate(0, _request(nxt, args.n_predict)))
+    live, live_ms = _timed(lambda: eng.generate(0, greedy_request(nxt, args.n_predict)))
     assert live.timings is not None
     eng.close()
     print(
@@ -211,7 +212,7 @@ def _measure(model: str, args: argparse.Namespace, tokens: int, work: Path, s3: 
         try:
             with _peak_memory() as mem:
                 info, ms = _timed(lambda: fresh.restore_slot(0, str(file)))
-            done, turn_ms = _timed(lambda: fresh.generate(0, _request(nxt, args.n_predict)))
+            done, turn_ms = _timed(lambda: fresh.generate(0, greedy_request(nxt, args.n_predict)))
         finally:
             fresh.close()
         return _Run(ms, info.n_bytes / ms / 1e6, mem[0], turn_ms, done)

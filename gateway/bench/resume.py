@@ -100,14 +100,6 @@ def _engine(model: str, args: argparse.Namespace, max_checkpoints: int = 32) -> 
     )
 
 
-def _request(prompt: list[int], n: int, hints: list[int] | None = None) -> native.RequestParams:
-    p = native.RequestParams(prompt)
-    p.n_predict = n
-    p.temperature = 0.0
-    p.checkpoint_hints = hints or []
-    return p
-
-
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="slotkeeper bench resume", description=__doc__)
     ap.add_argument("--model", help="GGUF model (default: the generated qwen35 bench model)")
@@ -194,7 +186,7 @@ def _in_process(model: str, args: argparse.Namespace) -> tuple[int, InProcess]:
 
     def run(name: str, engine: native.Engine, prompt: list[int], extra_ms: float = 0.0, **kw: object):
         t0 = time.perf_counter()
-        done = engine.generate(0, _request(prompt, args.n_predict, **kw))  # type: ignore[arg-type]
+        done = engine.generate(0, long_sessions.greedy_request(prompt, args.n_predict, **kw))  # type: ignore[arg-type]
         wall = (time.perf_counter() - t0) * 1000 + extra_ms
         assert done.timings is not None
         rows.append((name, done.timings.prompt_n, done.timings.prompt_ms, wall))
