@@ -7,8 +7,11 @@ test suite's), which a plain install does not have, and listing them must work w
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
+import threading
 from collections.abc import Callable
+from typing import Any
 
 # name on the command line → what it measures; the module is gateway.bench.<name with _ for ->.
 BENCHMARKS: dict[str, str] = {
@@ -48,4 +51,16 @@ def main(argv: list[str]) -> int:
         print(f"slotkeeper bench {name}: {exc}; install slotkeeper[bench]", file=sys.stderr)
         return 2
     entry: Callable[[list[str]], int | None] = module.main
-    return int(entry(argv[1:]) or 0)
+    if threading.current_thread() is not threading.main_thread():  # (no signals there)
+        return int(entry(argv[1:]) or 0)
+    previous = signal.signal(signal.SIGTERM, _interrupted)
+    try:
+        return int(entry(argv[1:]) or 0)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    """SIGTERM cleans up like Ctrl-C: a bench's servers (Redis, S3, engines, llama-server) stop on
+    the way out instead of outliving it."""
+    raise KeyboardInterrupt

@@ -53,7 +53,6 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -592,10 +591,6 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _interrupted(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt  # SIGTERM cleans up like Ctrl-C
-
-
 def main(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -606,46 +601,42 @@ def main(argv: list[str]) -> int:
     args.workers = max(1, min(args.workers, 64))
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the CLI's logging says every request
     model = os.path.abspath(args.model or cached_model(args.models_dir, "qwen35", size="tiny"))
-    previous = signal.signal(signal.SIGTERM, _interrupted)
     done: list[bool] = []
     t0 = time.perf_counter()
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp:
-            workdir = Path(args.workdir or tmp).resolve()
-            workdir.mkdir(parents=True, exist_ok=True)
-            (workdir / "tenants.toml").write_text(TENANTS_TOML)
-            moto, redis = MotoProcess(workdir), RedisProcess(workdir)
-            moto.start()
-            redis.start()
-            # serve reaches both through relays, which the store and partition faults take down.
-            redis_link = SlowLink(("127.0.0.1", 0), ("127.0.0.1", redis.port))
-            store_link = SlowLink(("127.0.0.1", 0), ("127.0.0.1", moto.port))
-            try:
-                flags = [
-                    *("--model", model),
-                    *("--slots", "8"),
-                    *("--ctx", "2048"),
-                    *("--log-level", args.log_level),
-                    *("--tenants", str(workdir / "tenants.toml")),
-                    *("--data-dir", str(workdir / "data")),
-                    *("--redis-url", f"redis://127.0.0.1:{redis_link.port}/0"),
-                    *("--s3-endpoint", f"http://127.0.0.1:{store_link.port}"),
-                    *("--s3-bucket", "slots"),
-                ]
-                backends = Backends(redis, redis_link, store_link)
-                with serving(workdir, flags, f"soak-{secrets.token_hex(16)}", done) as serve:
-                    result = asyncio.run(soak_run(args, serve, serve.engines()[0], backends))
-                    done.append(True)
-            finally:
-                redis_link.close()
-                store_link.close()
-                redis.kill()
-                moto.kill()
-            print_report(result)
-            where = workdir if args.workdir else "a temporary directory, removed"
-            print(f"(wall {time.perf_counter() - t0:.0f} s; logs in {where})")
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp:
+        workdir = Path(args.workdir or tmp).resolve()
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "tenants.toml").write_text(TENANTS_TOML)
+        moto, redis = MotoProcess(workdir), RedisProcess(workdir)
+        moto.start()
+        redis.start()
+        # serve reaches both through relays, which the store and partition faults take down.
+        redis_link = SlowLink(("127.0.0.1", 0), ("127.0.0.1", redis.port))
+        store_link = SlowLink(("127.0.0.1", 0), ("127.0.0.1", moto.port))
+        try:
+            flags = [
+                *("--model", model),
+                *("--slots", "8"),
+                *("--ctx", "2048"),
+                *("--log-level", args.log_level),
+                *("--tenants", str(workdir / "tenants.toml")),
+                *("--data-dir", str(workdir / "data")),
+                *("--redis-url", f"redis://127.0.0.1:{redis_link.port}/0"),
+                *("--s3-endpoint", f"http://127.0.0.1:{store_link.port}"),
+                *("--s3-bucket", "slots"),
+            ]
+            backends = Backends(redis, redis_link, store_link)
+            with serving(workdir, flags, f"soak-{secrets.token_hex(16)}", done) as serve:
+                result = asyncio.run(soak_run(args, serve, serve.engines()[0], backends))
+                done.append(True)
+        finally:
+            redis_link.close()
+            store_link.close()
+            redis.kill()
+            moto.kill()
+        print_report(result)
+        where = workdir if args.workdir else "a temporary directory, removed"
+        print(f"(wall {time.perf_counter() - t0:.0f} s; logs in {where})")
     if args.json:
         plain = json.loads(
             json.dumps(result.to_json(), default=str), parse_constant=lambda _: None

@@ -9,8 +9,10 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +190,40 @@ def test_resume_long_sessions_from_the_spill_cache_and_s3(tiny_model, tmp_path: 
             assert row["restore_ms"] > 0 and row["restore_memory"]["peak_mib"] >= 0
         assert rows["S3 (SeaweedFS), another node"]["fetch_ms"] > 0
         assert rows["S3 (SeaweedFS), another node"]["fetch_memory"] is not None
+
+
+def _processes_under(path: Path) -> list[int]:
+    """The pids whose command line names something under ``path``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(path) in (entry / "cmdline").read_bytes().decode(
+                errors="replace"
+            ):
+                pids.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            continue
+    return pids
+
+
+def test_a_bench_stopped_by_sigterm_stops_its_servers(tiny_model, tmp_path: Path) -> None:
+    """SIGTERM while the long-session bench grows its session beside its SeaweedFS (a server in a
+    session of its own, which a killed parent leaves running): the bench stops it on the way out."""
+    work = tmp_path / "work"
+    cmd = [sys.executable, "-m", "gateway.cli", "bench", "resume", "--long", "--tokens", "60000"]
+    cmd += ["--turn-tokens", "300", "--model", tiny_model("qwen35"), "--workdir", str(work)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (servers := [p for p in _processes_under(work) if p != proc.pid]):
+            assert proc.poll() is None and time.monotonic() < deadline, "no SeaweedFS started"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) != 0
+        assert not _processes_under(work), f"left running: {servers}"
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @needs_upstream
