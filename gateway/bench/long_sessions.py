@@ -54,8 +54,9 @@ class Memory:
 
 @dataclass(frozen=True)
 class RestoreRow:
-    """One way back: `fetch_ms` (from the store into a file; 0 from the spill cache), `restore_ms`
-    (the engine's load of the file), `turn_ms` (the next turn after it, wall), `prompt_n`."""
+    """One way back: `fetch_ms` (the file made: fetched from the store, or a host-memory copy
+    written out; 0 from the spill cache), `restore_ms` (the engine's load of the file), `turn_ms`
+    (the next turn after it, wall), `prompt_n`; medians of the repeats."""
 
     source: str
     fetch_ms: float
