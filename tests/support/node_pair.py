@@ -42,9 +42,7 @@ class Pair:
     def request(
         self, session: str, messages: list[dict[str, Any]] | None = None, **kw: Any
     ) -> HandoffRequest:
-        body = {**BODY, "model": "m", "cache_prompt": True, "slot_owner": "t1", "slot_session": session}
-        if messages is not None:
-            body["messages"] = messages
+        body = handoff_body(session, messages)
         return HandoffRequest("t1", session, self.prefill_engine, body, prefill_node=self.url, **kw)
 
     async def handoff(self, session: str, slot: int = 0, **kw: Any) -> Any:
@@ -54,19 +52,9 @@ class Pair:
         self, slot: int, session: str, served: str = "cold", messages: list[dict[str, Any]] | None = None
     ) -> dict[str, Any]:
         """The turn on the decode engine's ``slot``, as the gateway sends it."""
-        body = {
-            **BODY,
-            "messages": messages or MESSAGES,
-            "id_slot": slot,
-            "slot_owner": "t1",
-            "slot_session": session,
-            "slotkeeper": {"served": served},
-        }
         url = self.decode.engines[self.decode_engine].url
-        r = await self.decode.parts.http.post(f"{url}/v1/chat/completions", json=body)
-        assert r.status_code == 200, r.text
-        out: dict[str, Any] = r.json()
-        return out
+        assert url is not None
+        return await chat(self.decode, url, turn_body(slot, session, served, messages))
 
     async def slot_tokens(self, slot: int) -> int:
         url = self.decode.engines[self.decode_engine].url
@@ -75,6 +63,50 @@ class Pair:
     def leftovers(self) -> list[Path]:
         agents = (self.prefill, self.decode)
         return [f for a in agents for sup in a.engines.values() for f in sup.spec.slot_dir.iterdir()]
+
+
+def handoff_body(session: str, messages: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The body of a handoff of tenant t1's ``session`` (``messages``: else the default turn's)."""
+    body = {**BODY, "model": "m", "cache_prompt": True, "slot_owner": "t1", "slot_session": session}
+    if messages is not None:
+        body["messages"] = messages
+    return body
+
+
+def turn_body(
+    slot: int, session: str, served: str = "cold", messages: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """A turn of tenant t1's ``session`` on ``slot`` as the gateway sends it to an engine."""
+    return {
+        **BODY,
+        "messages": messages or MESSAGES,
+        "id_slot": slot,
+        "slot_owner": "t1",
+        "slot_session": session,
+        "slotkeeper": {"served": served},
+    }
+
+
+async def chat(agent: NodeAgent, engine_url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` as a chat completion on the engine at ``engine_url``, through ``agent``'s client."""
+    r = await agent.parts.http.post(f"{engine_url}/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def start_agent(settings: NodeSettings, store: Any, closers: list[Callable[[], Any]]) -> NodeAgent:
+    """A node agent of ``settings`` in this process (no spill cache, index or registry), its
+    engines starting; its client's closer added to ``closers`` (the caller closes the agent)."""
+    http = httpx.AsyncClient(timeout=60, headers=auth_headers(INTERNAL_KEY))
+    closers.append(http.aclose)
+    parts = NodeParts(store=store, cache=None, index=None, registry=None, http=http)  # type: ignore[arg-type]
+    agent = NodeAgent(settings, parts, settings.engine_specs(os.environ))
+    for sup in agent.engines.values():
+        sup.spec.slot_dir.mkdir(parents=True, exist_ok=True)
+        agent._tasks.append(asyncio.create_task(sup.run()))
+        sup.start()
+    return agent
 
 
 def text(answer: dict[str, Any]) -> str:
@@ -115,15 +147,8 @@ async def node_pairs(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
             engine_args=("-t", "1"),
             internal_key=INTERNAL_KEY,
         )
-        http = httpx.AsyncClient(timeout=60, headers=auth_headers(INTERNAL_KEY))
-        closers.append(http.aclose)
-        parts = NodeParts(store=store, cache=None, index=None, registry=None, http=http)  # type: ignore[arg-type]
-        agent = NodeAgent(settings, parts, settings.engine_specs(os.environ))
+        agent = start_agent(settings, store, closers)
         agents.append(agent)
-        for sup in agent.engines.values():
-            sup.spec.slot_dir.mkdir(parents=True, exist_ok=True)
-            agent._tasks.append(asyncio.create_task(sup.run()))
-            sup.start()
         return agent
 
     async def start(prefill_model: str, decode_model: str, ctx: int = 1024, store: Any = None) -> Pair:

@@ -20,23 +20,16 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+from support.node_pair import MESSAGES, chat, handoff_body, start_agent, text, turn_body, until
 
 from engine_pool.errors import ApiError, Unavailable
-from engine_pool.http.credentials import auth_headers
 from engine_pool.pool import handoff as handoff_module
-from engine_pool.pool.agent import NodeAgent, NodeParts
+from engine_pool.pool.agent import NodeAgent
 from engine_pool.pool.settings import NodeSettings
 from engine_pool.pool.supervisor import State
 from engine_pool.protocol.handoff import HandoffRequest
 from gateway.bench.harness.servers import INTERNAL_KEY
-
-MESSAGES = [
-    {"role": "system", "content": "You are a careful assistant. Answer briefly and exactly. " * 6},
-    {"role": "user", "content": "Tell me about the weather, the time and the place of the meeting."},
-]
-BODY = {"messages": MESSAGES, "max_tokens": 12, "temperature": 0}
 
 
 async def _ready(agent: NodeAgent) -> None:
@@ -52,7 +45,7 @@ async def node(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
     """`await node(prefill_model, decode_model)`: an agent with a prefill engine (e0) and a decode
     engine (e1) serving them under one model id, 2 slots each."""
     agents: list[NodeAgent] = []
-    clients: list[httpx.AsyncClient] = []
+    closers: list[Callable[[], Any]] = []
 
     async def start(prefill_model: str, decode_model: str, ctx: int = 1024) -> NodeAgent:
         settings = NodeSettings(
@@ -66,23 +59,16 @@ async def node(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
             engine_args=("-t", "1"),
             internal_key=INTERNAL_KEY,
         )
-        http = httpx.AsyncClient(timeout=60, headers=auth_headers(INTERNAL_KEY))
-        clients.append(http)
-        parts = NodeParts(store=None, cache=None, index=None, registry=None, http=http)  # type: ignore[arg-type]
-        agent = NodeAgent(settings, parts, settings.engine_specs(os.environ))
+        agent = start_agent(settings, None, closers)
         agents.append(agent)
-        for sup in agent.engines.values():
-            sup.spec.slot_dir.mkdir(parents=True, exist_ok=True)
-            agent._tasks.append(asyncio.create_task(sup.run()))
-            sup.start()
         await _ready(agent)
         return agent
 
     yield start
     for agent in agents:
         await agent.close()
-    for http in clients:
-        await http.aclose()
+    for close in closers:
+        await close()
 
 
 def _engines(agent: NodeAgent) -> tuple[str, str]:
@@ -104,10 +90,7 @@ def _request(
     **kw: Any,
 ) -> HandoffRequest:
     prefill, _ = _engines(agent)
-    body = {**BODY, "model": "m", "cache_prompt": True, "slot_owner": "t1", "slot_session": session}
-    if messages is not None:
-        body["messages"] = messages
-    return HandoffRequest("t1", session, prefill, body, mode=mode, **kw)
+    return HandoffRequest("t1", session, prefill, handoff_body(session, messages), mode=mode, **kw)
 
 
 async def _chat(
@@ -121,28 +104,13 @@ async def _chat(
     """The turn on the decode engine's ``slot``, as the gateway sends it (``prefix_slots``: the
     tenant's other slots there, which its prompt may start from)."""
     _, decode = _engines(agent)
-    body = {
-        **BODY,
-        "messages": messages or MESSAGES,
-        "id_slot": slot,
-        "slot_owner": "t1",
-        "slot_session": session,
-        "slotkeeper": {"served": served},
-        "prefix_slots": list(prefix_slots),
-    }
-    r = await agent.parts.http.post(f"{_url(agent, decode)}/v1/chat/completions", json=body)
-    assert r.status_code == 200, r.text
-    out: dict[str, Any] = r.json()
-    return out
+    body = {**turn_body(slot, session, served, messages), "prefix_slots": list(prefix_slots)}
+    return await chat(agent, _url(agent, decode), body)
 
 
 async def _slot_tokens(agent: NodeAgent, engine: str, slot: int) -> int:
     r = await agent.parts.http.get(f"{_url(agent, engine)}/slots")
     return int(r.json()[slot]["n_tokens"])
-
-
-def _text(answer: dict[str, Any]) -> str:
-    return str(answer["choices"][0]["message"]["content"])
 
 
 @pytest.mark.parametrize("arch", ["qwen35", "gemma2", "llama"])
@@ -163,7 +131,7 @@ async def test_the_decode_side_evaluates_no_prompt_token_and_answers_as_unsplit(
     assert split["timings"]["prompt_n"] == 0  # the first token sampled from the handed logits
     assert split["timings"]["cache_n"] == n_prompt
     assert split["slotkeeper"]["served"] == "handoff"
-    assert _text(split) == _text(unsplit) and _text(split)
+    assert text(split) == text(unsplit) and text(split)
     done = agent.metrics.handoffs.labels("done")._value.get()  # type: ignore[attr-defined]
     assert done == 1
 
@@ -180,7 +148,7 @@ async def test_last_token_hands_over_all_but_the_last_token(
     assert out.mode == "last-token" and out.prompt_n == n_prompt - 1 and out.tokens == n_prompt - 1
     split = await _chat(agent, 0, "s-split", served="handoff")
     assert split["timings"]["prompt_n"] == 1  # the decode side evaluates the last prompt token
-    assert _text(split) == _text(unsplit)
+    assert text(split) == text(unsplit)
 
 
 async def test_a_state_damaged_in_flight_is_refused_and_leaves_the_slot_empty(
@@ -252,18 +220,9 @@ def _next_turn(first: dict[str, Any], tail: str) -> list[dict[str, Any]]:
     """The conversation after the first turn's answer, with a long new message."""
     return [
         *MESSAGES,
-        {"role": "assistant", "content": _text(first)},
+        {"role": "assistant", "content": text(first)},
         {"role": "user", "content": "Here is the tool's output:\n" + tail + "\nWhat stands out?"},
     ]
-
-
-async def _until(probe: Callable[[], Any], within_s: float) -> None:
-    """Poll ``probe`` (a coroutine function) until it is true, for at most ``within_s``."""
-    async with asyncio.timeout(within_s):
-        while True:
-            if await probe():
-                return
-            await asyncio.sleep(0.02)
 
 
 def _leftovers(agent: NodeAgent) -> list[Path]:
@@ -281,7 +240,7 @@ async def test_a_live_sessions_long_tail_is_prefilled_on_the_prefill_engine(
     agent = await node(model, model, 4096)
     _, decode = _engines(agent)
     first = await _chat(agent, 1, "s-whole")  # the same session twice: one stays unsplit
-    assert _text(await _chat(agent, 0, "s-split")) == _text(first)
+    assert text(await _chat(agent, 0, "s-split")) == text(first)
     messages = _next_turn(first, _tool_output(60))
     whole = await _chat(agent, 1, "s-whole", served="live", messages=messages)
     n_prompt, tail = whole["usage"]["prompt_tokens"], whole["timings"]["prompt_n"]
@@ -295,7 +254,7 @@ async def test_a_live_sessions_long_tail_is_prefilled_on_the_prefill_engine(
     assert tail <= out.prompt_n <= tail + 64
     split = await _chat(agent, 0, "s-split", served="handoff", messages=messages)
     assert split["timings"]["prompt_n"] == 0 and split["timings"]["cache_n"] == n_prompt
-    assert _text(split) == _text(whole) and _text(split)
+    assert text(split) == text(whole) and text(split)
     assert not _leftovers(agent)
 
 
@@ -308,7 +267,7 @@ async def test_a_forks_slot_is_carried_from_its_parents_state(
     agent = await node(model, model, 4096)
     _, decode = _engines(agent)
     first = await _chat(agent, 0, "parent")
-    assert _text(await _chat(agent, 1, "s-whole")) == _text(first)
+    assert text(await _chat(agent, 1, "s-whole")) == text(first)
     messages = _next_turn(first, _tool_output(30))
     whole = await _chat(agent, 1, "s-whole", served="live", messages=messages)
     # Without `carry_from` the slot's label (the parent) is not the turn's session: refused, kept.
@@ -321,7 +280,7 @@ async def test_a_forks_slot_is_carried_from_its_parents_state(
     assert out.carried_bytes > 0 and out.tokens == whole["usage"]["prompt_tokens"]
     split = await _chat(agent, 0, "fork", served="handoff", messages=messages)
     assert split["timings"]["prompt_n"] == 0
-    assert _text(split) == _text(whole)
+    assert text(split) == text(whole)
     assert not _leftovers(agent)
 
 
@@ -392,7 +351,7 @@ async def test_a_caller_that_leaves_cancels_the_prefill_where_it_runs(
     async def processing() -> bool:
         return any(s["is_processing"] for s in (await http.get(f"{url}/slots")).json())
 
-    await _until(processing, 30)
+    await until(processing, 30)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -400,7 +359,7 @@ async def test_a_caller_that_leaves_cancels_the_prefill_where_it_runs(
     async def idle() -> bool:
         return not await processing()
 
-    await _until(idle, 10)  # the engine saw its client go and stopped at its next batch
+    await until(idle, 10)  # the engine saw its client go and stopped at its next batch
     assert agent.metrics.handoffs.labels("cancelled")._value.get() == 1  # type: ignore[attr-defined]
     assert await _slot_tokens(agent, decode, 0) == 0
     assert not _leftovers(agent)
@@ -434,7 +393,7 @@ async def test_a_decode_engine_killed_mid_install_fails_the_handoff_at_once(
         sup = agent.engines[decode]
         return sup.state is State.READY and sup.snapshot().pid not in (None, pid)
 
-    await _until(restarted, 60)
+    await until(restarted, 60)
     out = await agent.handoff(decode, "0", _request(agent, "s2"))
     split = await _chat(agent, 0, "s2", served="handoff")
     assert out.tokens > 100 and split["timings"]["prompt_n"] == 0
@@ -458,14 +417,14 @@ async def test_sessions_of_one_long_prompt_on_a_sliding_window_model_go_on(
     out = await agent.handoff(decode, "0", _request(agent, "s-a", mode=mode, messages=messages))
     split = await _chat(agent, 0, "s-a", "handoff", messages=messages, prefix_slots=(1,))
     assert split["timings"]["prompt_n"] == (1 if mode == "last-token" else 0) and out.tokens > 800
-    assert _text(split) == _text(unsplit)
+    assert text(split) == text(unsplit)
     # Another session of the prompt, in slot 1: started from slot 0's state.
     twin = await _chat(agent, 1, "s-b", messages=messages, prefix_slots=(0,))
-    assert twin["timings"]["prompt_n"] == 0 and _text(twin) == _text(unsplit)
+    assert twin["timings"]["prompt_n"] == 0 and text(twin) == text(unsplit)
     for slot, session in ((1, "s-b"), (0, "s-a")):  # each goes on from its own state
         more = [
             *messages,
-            {"role": "assistant", "content": _text(unsplit)},
+            {"role": "assistant", "content": text(unsplit)},
             {"role": "user", "content": "And?"},
         ]
         nxt = await _chat(agent, slot, session, "live", messages=more, prefix_slots=(1 - slot,))
