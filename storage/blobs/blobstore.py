@@ -100,6 +100,10 @@ def temp_beside(dest: Path, writer: str) -> Path:
 class BlobStore(ABC):
     """Async store of slot files; implementations must be safe to share between tasks."""
 
+    window_bytes: int = 16 << 20
+    """How many bytes of pieces a chunked restore writes at once, fetching the next few such windows
+    meanwhile (:class:`storage.chunks.chunkstore.ChunkedStore`): what it holds of them."""
+
     def __init__(self, prefix: str) -> None:
         self.prefix = validate_prefix(prefix)
 

@@ -19,6 +19,7 @@ import mmap
 import os
 import shutil
 import stat
+import sys
 import uuid
 import zlib
 from collections.abc import AsyncIterator, Sequence
@@ -40,6 +41,8 @@ _META_SUFFIX = ".meta.json"
 
 class LocalStore(BlobStore):
     """Blob store rooted at ``root``; ``fsync`` makes a returned put durable across power loss."""
+
+    window_bytes = sys.maxsize  # its views are maps of its files (:meth:`view_object`): nothing held
 
     def __init__(
         self,

@@ -62,8 +62,8 @@ GGML_TYPES = {
     "bf16": 30,
 }
 _U32, _U64, _I32 = struct.Struct("<I"), struct.Struct("<Q"), struct.Struct("<i")
-_TYPE_ROW = struct.Struct("<iQ")  # type, row size
-_TYPE_EL = struct.Struct("<iII")  # type, element size, n_embd (transposed V)
+TYPE_ROW = struct.Struct("<iQ")  # type, row size
+TYPE_EL = struct.Struct("<iII")  # type, element size, n_embd (transposed V)
 _PARTS_MAGIC = b"SKPT"
 _SEQ_MAGIC = struct.pack("<I", 0xAF143CD8)  # llama_state_seq_get_data's prefix: magic, then seq id
 _CELL_SIZES = (12, 24)  # pos, n_seq_id, [2D position + token: 12], seq_id
@@ -275,25 +275,25 @@ def _parse_data(
         return None
     pos, k, v = meta_end + 8, [], []
     for _ in range(n_layer):
-        if pos + _TYPE_ROW.size > len(state):
+        if pos + TYPE_ROW.size > len(state):
             return None
-        t, row = _TYPE_ROW.unpack_from(state, pos)
-        pos += _TYPE_ROW.size + cells * row
+        t, row = TYPE_ROW.unpack_from(state, pos)
+        pos += TYPE_ROW.size + cells * row
         if t != k_id or row == 0 or pos > len(state):
             return None
         k.append((t, row))
     for _ in range(n_layer):
         if v_trans:
-            if pos + _TYPE_EL.size > len(state):
+            if pos + TYPE_EL.size > len(state):
                 return None
-            t, el, n_embd = _TYPE_EL.unpack_from(state, pos)
-            pos += _TYPE_EL.size + cells * el * n_embd
+            t, el, n_embd = TYPE_EL.unpack_from(state, pos)
+            pos += TYPE_EL.size + cells * el * n_embd
             v.append((t, el, n_embd))
         else:
-            if pos + _TYPE_ROW.size > len(state):
+            if pos + TYPE_ROW.size > len(state):
                 return None
-            t, row = _TYPE_ROW.unpack_from(state, pos)
-            pos += _TYPE_ROW.size + cells * row
+            t, row = TYPE_ROW.unpack_from(state, pos)
+            pos += TYPE_ROW.size + cells * row
             v.append((t, row, 0))
         if t != v_id or v[-1][1] == 0 or pos > len(state):
             return None
@@ -307,16 +307,16 @@ def _kv_blocks(state: memoryview, layout: KvLayout, cells: int) -> tuple[np.ndar
     recs = buf[8 : 8 + cells * layout.cell_bytes].reshape(cells, layout.cell_bytes)
     pos, blocks = 8 + cells * layout.cell_bytes + 8, []
     for _, row in layout.k:
-        pos += _TYPE_ROW.size
+        pos += TYPE_ROW.size
         blocks.append(buf[pos : pos + cells * row].reshape(cells, row))
         pos += cells * row
     for _, size, n_embd in layout.v:
         if layout.v_trans:
-            pos += _TYPE_EL.size
+            pos += TYPE_EL.size
             blocks.append(buf[pos : pos + cells * size * n_embd].reshape(n_embd, cells * size))
             pos += cells * size * n_embd
         else:
-            pos += _TYPE_ROW.size
+            pos += TYPE_ROW.size
             blocks.append(buf[pos : pos + cells * size].reshape(cells, size))
             pos += cells * size
     return recs, blocks
@@ -516,8 +516,6 @@ def _write_v1(
         if len(tail[0]) != 4 * n:
             raise ValueError("tail tokens do not match n_tokens")
         w.write(tail[0])
-        w.write(tail[1])
-        base_len = 12 + 4 * n + len(tail[1])
     else:
         ranges = [unpack_parts(objects[name], "chunk") for name, _ in plan["chunks"]]
         ranges.append(unpack_parts(bytes(tail[0]), "tail cells"))
@@ -537,20 +535,45 @@ def _write_v1(
             w.write(cells)
         w.write(_U32.pack(layout.v_trans) + _U32.pack(len(layout.k)))
         for i, (t, row) in enumerate(layout.k):
-            w.write(_TYPE_ROW.pack(t, row))
+            w.write(TYPE_ROW.pack(t, row))
             for r in ranges:
                 w.write(r[2 + i])
         for i, (t, size, n_embd) in enumerate(layout.v):
             part = 2 + len(layout.k) + i
             if layout.v_trans:
-                w.write(_TYPE_EL.pack(t, size, n_embd))
+                w.write(TYPE_EL.pack(t, size, n_embd))
                 w.write_columns([np.frombuffer(r[part], dtype=np.uint8).reshape(n_embd, -1) for r in ranges])
             else:
-                w.write(_TYPE_ROW.pack(t, size))
+                w.write(TYPE_ROW.pack(t, size))
                 for r in ranges:
                     w.write(r[part])
-        w.write(tail[1])
-        base_len = w.n
+    return _write_sections(w, plan, objects, tail, checksum)
+
+
+def write_v1_after_kv(out: Any, plan: Mapping[str, Any], objects: Mapping[str, bytes], at: int) -> int:
+    """What follows the KV cache in the v1 file of a plan with a KV layout — the base's tail, the
+    checkpoints, the records and the trailer, which carries the plan's ``body_crc32`` — written to
+    ``out`` as from offset ``at`` (:attr:`storage.chunks.placement.KvPlacement.end`); the file's
+    size. ``objects`` needs the tail and the checkpoints only."""
+    try:
+        w = _CrcWriter(out, checksum=False)
+        w.n = at
+        return _write_sections(w, plan, objects, unpack_parts(objects[plan["tail"][0]], "tail"), False)[0]
+    except (KeyError, IndexError, TypeError, ValueError, OverflowError, struct.error) as exc:
+        why = f"{type(exc).__name__}: {exc}"
+        raise SlotFileError("bad_layout", f"pieces do not fit the manifest: {why}") from exc
+
+
+def _write_sections(
+    w: _CrcWriter,
+    plan: Mapping[str, Any],
+    objects: Mapping[str, bytes],
+    tail: list[memoryview],
+    checksum: bool,
+) -> tuple[int, int]:
+    """The base's tail, then the checkpoint and record sections and the trailer."""
+    w.write(tail[1])
+    base_len = w.n
     ckpts = [unpack_parts(objects[entry[1]], "checkpoint") for entry in plan["checkpoints"]]
     seqs = [_I32.pack(int(entry[3])) if len(entry) > 3 else None for entry in plan["checkpoints"]]
     ckpt_off = ckpt_len = 0

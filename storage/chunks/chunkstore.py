@@ -14,9 +14,11 @@ contract — ``put_file`` a v1 slot file as a generation, ``get_to_file`` it bac
 
 A save uploads only the pieces the store lacks (one existence check each, skipped for pieces this
 process saw in the current collection epoch), so a turn writes its new tokens' KV, its new
-checkpoints and its tail. A restore fetches the pieces in parallel, assembles the v1 file beside
-the destination and checks the whole file's CRC (the original's, from the manifest) before the
-rename; when that fails, the piece whose bytes do not match the CRC in its name is named. A node
+checkpoints and its tail. A restore fetches the pieces in parallel and writes the v1 file beside
+the destination as they arrive, each KV piece into the places its plan gives it
+(:mod:`storage.chunks.placement`, :mod:`storage.chunks.assembly`: a window of pieces held at a time,
+not the state), then checks the whole file's CRC (the original's, from the manifest) before the
+rename; a piece whose bytes do not match the CRC in its name is named. A node
 restoring into an engine skips that pass (``verify=False``): the engine checks every byte against
 the trailer's CRC as it loads the file, and the node fetches again, checked, when it refuses. Pieces
 are shared by every session of one tenant whose tokens and bytes agree (forks, a common system
@@ -35,21 +37,20 @@ import asyncio
 import contextlib
 import json
 import os
-import threading
 import time
 import zlib
-from collections.abc import AsyncIterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
-import numpy as np
 import structlog
 
 from storage.background import in_background
 from storage.blobs.blobstore import BlobInfo, BlobMeta, BlobStore, ObjectInfo, PutOptions, temp_beside
 from storage.blobs.metadata import new_writer_id
+from storage.chunks.assembly import PlacedFile, threads, write_file
 from storage.chunks.chunking import (
     CHUNK_TOKENS,
     Piece,
@@ -57,12 +58,12 @@ from storage.chunks.chunking import (
     describe,
     objects_needed,
     split,
-    with_body_crc,
-    write_v1,
+    unpack_parts,
 )
 from storage.chunks.codec import MAGIC as CODEC_MAGIC
 from storage.chunks.codec import decode, encode
 from storage.chunks.ledger import ChunkLedger
+from storage.chunks.placement import KvPlacement, kv_placement
 from storage.chunks.prefixcut import cut, cut_point, hybrid, pieces_up_to, repeats_first_chunk
 from storage.errors import ChecksumError, NotStored, SlotFileError, StorageError, WriteConflict
 from storage.ids import (
@@ -80,6 +81,7 @@ log = structlog.get_logger("slotkeeper.storage")
 MANIFEST_FORMAT = "slotkeeper-manifest/1"
 _KNOWN_MAX = 200_000  # names remembered per tenant before the cache starts over
 _HOLD_EVERY = 64  # deletes between renewals of the collector's claim
+_WINDOWS_HELD = 3  # windows of KV pieces a restore holds: the one it writes, the next ones coming
 
 
 @dataclass
@@ -279,23 +281,21 @@ class ChunkedStore(BlobStore):
             doc = await self._read_manifest(ref)
         except NotStored:  # a v1 slot file stored before chunking
             return await self.inner.get_to_file(ref, dest, verify=verify)
-        t0, dest = time.monotonic(), Path(dest)
-        objects = await self._fetch(ref, doc)
-        plan = doc["plan"]
+        t0, dest, plan = time.monotonic(), Path(dest), doc["plan"]
+        placement = kv_placement(plan)
         tmp = temp_beside(dest, new_writer_id())
         try:
-            try:
-                size, crc = await asyncio.to_thread(_write_file, tmp, plan, objects, verify)
-                checked = verify or "body_crc32" not in plan  # (an old plan's trailer needs the CRC)
-                expected = (int(plan["size"]), int(plan["crc32"]) if checked else 0)
-                if (size, crc) != expected:
-                    raise ChecksumError(
-                        f"{self._manifest(ref)}: assembled {size} bytes crc32 {crc:08x}, "
-                        f"expected {expected[0]} crc32 {expected[1]:08x}"
-                    )
-            except (SlotFileError, ChecksumError):
-                await asyncio.to_thread(self._blame, ref, doc, objects)  # names the damaged piece
-                raise
+            if placement is None:
+                size, crc, pieces = await self._assemble_held(ref, doc, tmp, verify)
+            else:
+                size, crc, pieces = await self._assemble_placed(ref, doc, placement, tmp, verify)
+            checked = verify or "body_crc32" not in plan  # (an old plan's trailer needs the CRC)
+            expected = (int(plan["size"]), int(plan["crc32"]) if checked else 0)
+            if (size, crc) != expected:
+                raise ChecksumError(
+                    f"{self._manifest(ref)}: assembled {size} bytes crc32 {crc:08x}, "
+                    f"expected {expected[0]} crc32 {expected[1]:08x}"
+                )
             await asyncio.to_thread(os.replace, tmp, dest)
         finally:
             await asyncio.to_thread(tmp.unlink, missing_ok=True)
@@ -303,10 +303,95 @@ class ChunkedStore(BlobStore):
             "storage.chunked_get",
             key=self._manifest(ref),
             bytes=size,
-            pieces=len(objects),
+            pieces=pieces,
             ms=round((time.monotonic() - t0) * 1000, 2),
         )
         return self._meta(ref, doc)
+
+    async def _assemble_held(
+        self, ref: SlotRef, doc: Mapping[str, Any], tmp: Path, verify: bool
+    ) -> tuple[int, int, int]:
+        """A generation without KV chunks (its state is in the tail and checkpoints): every piece
+        fetched, then written; (size, crc32 or 0, pieces)."""
+        objects = await self._fetch(ref, doc)
+        try:
+            size, crc = await asyncio.to_thread(write_file, tmp, doc["plan"], objects, verify)
+        except (SlotFileError, ChecksumError):
+            await asyncio.to_thread(self._blame, ref, doc, objects)  # names the damaged piece
+            raise
+        return size, crc, len(objects)
+
+    async def _assemble_placed(
+        self, ref: SlotRef, doc: Mapping[str, Any], placement: KvPlacement, tmp: Path, verify: bool
+    ) -> tuple[int, int, int]:
+        """A generation with KV chunks, written as its pieces arrive: the tail and the checkpoints
+        first (the part after the KV cache is written from them meanwhile), then the chunks a
+        window of bytes at a time (the next windows fetched while this one is written; the tail's
+        cells with the last). What the restore holds is the checkpoints and a few windows — not
+        the state. With ``verify`` each piece is checked against the CRC in its name before it is
+        written, the file's CRC at the end."""
+        plan = doc["plan"]
+        tail = [("tl", str(plan["tail"][0]), int(plan["tail"][1]))]
+        ckpts = [("ck", str(e[1]), int(e[2])) for e in plan["checkpoints"]]
+        out = await asyncio.to_thread(PlacedFile, tmp, placement)
+        side = [asyncio.ensure_future(asyncio.to_thread(out.prepare))]  # while the pieces come
+        try:
+            held = await self._fetch_named(ref, doc, tail + ckpts)
+            await asyncio.to_thread(self._blame, ref, doc, held, tail + ckpts if verify else tail)
+            cells = bytes(unpack_parts(held[tail[0][1]], "tail")[0])
+            side.append(rest := asyncio.ensure_future(asyncio.to_thread(out.write_rest, plan, held)))
+            await self._place_chunks(ref, doc, out, (cells, self._tail(ref), zlib.crc32(cells)), verify)
+            try:
+                await rest
+            except SlotFileError:
+                await asyncio.to_thread(self._blame, ref, doc, held, ckpts)
+                raise
+            await side[0]
+            crc = await asyncio.to_thread(out.checksum, plan, verify)
+        finally:
+            for task in side:  # (a thread at work goes on: the file closes after it)
+                task.cancel()
+                task.add_done_callback(lambda f: f.cancelled() or f.exception())
+            out.close()
+        return placement.size, crc, len(plan["chunks"]) + len(held)
+
+    async def _place_chunks(
+        self,
+        ref: SlotRef,
+        doc: Mapping[str, Any],
+        out: PlacedFile,
+        cells: tuple[bytes, str, int],
+        verify: bool,
+    ) -> None:
+        """The KV chunks written into ``out`` window by window, ``cells`` (the tail's) with the last;
+        the windows after the one being written are fetched meanwhile."""
+        ns = str(doc["ns"])
+        chunks = [("kv", str(name), int(size)) for name, size in doc["plan"]["chunks"]]
+        windows = list(_windows([size for _, _, size in chunks], self.inner.window_bytes)) or [range(0)]
+
+        async def fetch(window: range) -> dict[str, bytes]:
+            return await self._fetch_named(ref, doc, [chunks[i] for i in window])
+
+        queued, ahead = iter(windows), deque[asyncio.Task[dict[str, bytes]]]()
+        try:
+            for window in windows:
+                while len(ahead) < _WINDOWS_HELD and (w := next(queued, None)) is not None:
+                    ahead.append(asyncio.create_task(fetch(w)))
+                got = await ahead[0]
+                ahead.popleft()
+                pieces = []
+                for i in window:
+                    name = chunks[i][1]
+                    key = self._piece(ref.tenant, ns, "kv", name)
+                    pieces.append((got[name], key, int(name.rsplit("-", 1)[-1], 16)))
+                if window is windows[-1]:
+                    pieces.append(cells)  # the tail's range follows the last chunk's
+                await asyncio.to_thread(out.place_window, window.start, pieces, verify)
+                del got, pieces
+        finally:
+            for task in ahead:
+                task.cancel()
+            await asyncio.gather(*ahead, return_exceptions=True)
 
     async def shares_prefix(self, ref: SlotRef, tokens: Sequence[int]) -> bool:
         """Whether the prompt repeats the generation's first KV chunk (its manifest only)."""
@@ -350,7 +435,7 @@ class ChunkedStore(BlobStore):
             return None
         tmp = temp_beside(dest, new_writer_id())
         try:
-            size, crc = await asyncio.to_thread(_write_file, tmp, cut_plan, cut_objects)
+            size, crc = await asyncio.to_thread(write_file, tmp, cut_plan, cut_objects)
             await asyncio.to_thread(os.replace, tmp, dest)
         finally:
             await asyncio.to_thread(tmp.unlink, missing_ok=True)
@@ -406,7 +491,8 @@ class ChunkedStore(BlobStore):
         failed assembly (the whole file's CRC is what a normal restore checks: one pass), or for
         each of ``named`` when there is no such CRC (a cut)."""
         items = list(named if named is not None else objects_needed(doc["plan"]))
-        crcs = _pool().map(lambda item: zlib.crc32(objects[item[1]]), items)  # in parallel: they free the GIL
+        # in parallel: they free the GIL
+        crcs = threads().map(lambda item: zlib.crc32(objects[item[1]]), items)
         for (kind, name, _), crc in zip(items, crcs, strict=True):
             if f"{crc:08x}" != name.rsplit("-", 1)[-1]:
                 key = self._tail(ref) if kind == "tl" else self._piece(ref.tenant, str(doc["ns"]), kind, name)
@@ -585,145 +671,13 @@ class ChunkedStore(BlobStore):
         await self.inner.delete_object(key)
 
 
-def _write_file(
-    path: Path, plan: Mapping[str, Any], objects: Mapping[str, bytes], verify: bool = True
-) -> tuple[int, int]:
-    """The assembled file and its (size, crc32). The bytes are gathered as views of the pieces,
-    then written by a few threads at their offsets; with ``verify`` another thread computes the CRC
-    meanwhile (both release the GIL), so a restore costs about the slower of the two, not their
-    sum. Without ``verify`` no CRC is computed (0 is returned for it): the trailer carries the
-    original's body CRC and the reader checks the bytes (the engine does, as it loads them), and a
-    transposed V cache is interleaved from its chunks while being written instead of joined into a
-    copy first. A plan without ``body_crc32`` (a cut, an old manifest) always gets the CRC: its
-    trailer is written last, once the CRC is known. Not fsynced: it is a cache the engine loads at
-    once, and a file a crash damaged fails its CRC there and is fetched again."""
-    known = "body_crc32" in plan
-    segments = _Segments(columns=known and not verify)  # the CRC reads joined parts in file order
-    size, _ = write_v1(segments, plan if known else {**plan, "body_crc32": 0}, objects, checksum=False)
-    pool = _pool()
-    with open(path, "xb") as f:
-        os.ftruncate(f.fileno(), size)
-        crc = pool.submit(_crc, segments.parts[:-1]) if verify or not known else None  # the trailer: last
-        for done in [pool.submit(_pwrite, f.fileno(), group) for group in segments.groups(_WRITERS)]:
-            done.result()
-        if crc is None:
-            return size, 0
-        body = crc.result()
-        offset, last = segments.parts[-1]
-        assert isinstance(last, memoryview)
-        if not known:
-            last = memoryview(with_body_crc(last, body))
-            _pwrite_all(f.fileno(), last, offset)
-    if known and body != int(plan["body_crc32"]):  # the trailer took the plan's word for it: check it
-        raise ChecksumError(
-            f"{path.name}: body crc32 {body:08x}, the manifest says {int(plan['body_crc32']):08x}"
-        )
-    return size, zlib.crc32(last, body)
-
-
-_WRITERS = 4
-_ROWS_BYTES = 1 << 20  # a transposed V is written through a buffer of about this many bytes of rows
-_writers: ThreadPoolExecutor | None = None
-_writers_made = threading.Lock()
-_scratch = threading.local()
-
-
-def _pool() -> ThreadPoolExecutor:
-    """The assembly threads, started once per process (their row buffers stay warm between
-    restores; concurrent restores share them)."""
-    global _writers
-    with _writers_made:
-        if _writers is None:
-            _writers = ThreadPoolExecutor(max_workers=_WRITERS + 1, thread_name_prefix="slotkeeper-assemble")
-        return _writers
-
-
-@dataclass(frozen=True)
-class _Columns:
-    """Column blocks (rows × their width each) written side by side, row after row."""
-
-    cols: tuple[np.ndarray, ...]
-    rows: int
-    width: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows * self.width
-
-
-class _Segments:
-    """A ``write`` target that keeps what it is given, with offsets (no copy)."""
-
-    def __init__(self, columns: bool) -> None:
-        self.parts: list[tuple[int, memoryview | _Columns]] = []
-        self.n = 0
-        self.columns = columns  # False: write_v1 joins column blocks into one part first
-
-    def write(self, data: Any) -> None:
-        view = memoryview(data).cast("B")
-        self.parts.append((self.n, view))
-        self.n += len(view)
-
-    def write_columns(self, cols: list[np.ndarray]) -> int:
-        rows = cols[0].shape[0] if cols else 0
-        part = _Columns(tuple(cols), rows, sum(c.shape[1] for c in cols))
-        self.parts.append((self.n, part))
-        self.n += part.nbytes
-        return part.nbytes
-
-    def groups(self, k: int) -> list[list[tuple[int, memoryview | _Columns]]]:
-        """The parts in ``k`` runs of about equal bytes (a column part split by rows)."""
-        out: list[list[tuple[int, memoryview | _Columns]]] = [[] for _ in range(k)]
-        share = max(1, self.n // k + 1)
-        for offset, part in self.parts:
-            if isinstance(part, _Columns) and part.rows > 1:
-                step = max(1, -(-part.rows // k))
-                for r in range(0, part.rows, step):
-                    rows = min(step, part.rows - r)
-                    piece = _Columns(tuple(c[r : r + rows] for c in part.cols), rows, part.width)
-                    at = offset + r * part.width
-                    out[min(at // share, k - 1)].append((at, piece))
-                continue
-            out[min(offset // share, k - 1)].append((offset, part))
-        return out
-
-
-def _crc(parts: list[tuple[int, memoryview | _Columns]]) -> int:
-    crc = 0
-    for _, view in parts:
-        assert isinstance(view, memoryview)
-        crc = zlib.crc32(view, crc)
-    return crc
-
-
-def _pwrite(fd: int, parts: list[tuple[int, memoryview | _Columns]]) -> None:
-    for offset, part in parts:
-        if isinstance(part, _Columns):
-            _pwrite_columns(fd, part, offset)
-        else:
-            _pwrite_all(fd, part, offset)
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
-
-
-def _pwrite_columns(fd: int, part: _Columns, offset: int) -> None:
-    """Rows of the joined columns, built a batch at a time in this thread's buffer and written."""
-    if not part.nbytes:
-        return
-    batch = max(1, min(part.rows, _ROWS_BYTES // part.width))
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.size < batch * part.width:
-        buf = _scratch.buf = np.empty(max(batch * part.width, _ROWS_BYTES), dtype=np.uint8)
-    for r in range(0, part.rows, batch):
-        rows = min(batch, part.rows - r)
-        out = buf[: rows * part.width].reshape(rows, part.width)
-        at = 0
-        for c in part.cols:
-            w = c.shape[1]
-            out[:, at : at + w] = c[r : r + rows]
-            at += w
-        _pwrite_all(fd, memoryview(out.data).cast("B"), offset + r * part.width)
+def _windows(sizes: Sequence[int], budget: int) -> Iterator[range]:
+    """Consecutive runs of pieces of at most ``budget`` bytes (a larger piece alone)."""
+    start, total = 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and total + size > budget:
+            yield range(start, i)
+            start, total = i, 0
+        total += size
+    if start < len(sizes):
+        yield range(start, len(sizes))

@@ -33,13 +33,11 @@ from support.chunks import (
     pieces_and_tails,
     put,
     restores,
-    same_bytes,
     split_of,
     within,
 )
 
 from storage.blobs.localstore import LocalStore
-from storage.chunks import chunkstore
 from storage.chunks.chunking import CHUNK_TOKENS
 from storage.chunks.chunkstore import ChunkedStore
 from storage.chunks.codec import MAGIC
@@ -48,7 +46,6 @@ from storage.errors import (
     LockLost,
     NotStored,
     SlotFileError,
-    StorageError,
     StoreUnavailable,
     WriteConflict,
 )
@@ -539,172 +536,6 @@ async def test_a_lapsed_lease_refuses_to_commit(redis_client: Any, inner: Faulty
         await put(store, SlotRef("acme", "s1", 1), slots.grow[2])
     assert [i async for i in store.list("acme")] == []
     assert files_under(inner.root, ".manifest") == set()
-
-
-# ------------------------------------------------------------------------------------- restore paths
-class _CountedSegments(chunkstore._Segments):
-    made = 0
-
-    def __init__(self, columns: bool) -> None:
-        super().__init__(columns)
-        type(self).made += 1
-
-
-def _rewrite_plan(inner: Faulty, ref: SlotRef, **changes: Any) -> dict[str, Any]:
-    """Change the stored manifest's plan: a value of None drops the field."""
-    path = inner.root / PREFIX / ref.tenant / ref.session / f"{ref.generation:020d}.manifest"
-    doc = json.loads(path.read_bytes())
-    for key, value in changes.items():
-        if value is None:
-            doc["plan"].pop(key, None)
-        else:
-            doc["plan"][key] = value
-    path.write_bytes(json.dumps(doc).encode())
-    plan: dict[str, Any] = doc["plan"]
-    return plan
-
-
-@pytest.mark.parametrize("which", ["grow3", "branch", "rec1"])
-async def test_restores_write_in_parallel_and_exactly(
-    store: ChunkedStore, slots: Slots, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, which: str
-) -> None:
-    """A manifest records the trailer's body CRC: the restore gathers the file's segments and writes
-    them with several threads while another computes the CRC; the bytes are the original's. So
-    they are unverified (as a node restores: the engine checks them), without the CRC."""
-    src = {"grow3": slots.grow[3], "branch": slots.branch, "rec1": slots.recurrent[1]}[which]
-    monkeypatch.setattr(chunkstore, "_Segments", _CountedSegments)
-    monkeypatch.setattr(_CountedSegments, "made", 0)
-    ref = SlotRef("acme", "s1", 1)
-    await put(store, ref, src)
-    await restores(store, ref, src, tmp_path / "back.slot")
-    assert _CountedSegments.made == 1
-    meta = await store.get_to_file(ref, tmp_path / "unverified.slot", verify=False)
-    assert same_bytes(tmp_path / "unverified.slot", src) and _CountedSegments.made == 2
-    assert (meta.size, meta.crc32) == ((await store.head(ref)).size, whole_file_crc32(src))
-
-
-async def test_a_manifest_without_body_crc_restores_with_the_trailer_written_last(
-    store: ChunkedStore, inner: Faulty, slots: Slots, tmp_path: Path
-) -> None:
-    """Manifests written before the body CRC (and the bounds) were recorded: the restore writes
-    the body, computes its CRC meanwhile and writes the trailer last, whether asked to verify or
-    not, and gives back exactly the original bytes."""
-    refs = [(SlotRef("acme", "s1", 1), slots.grow[3]), (SlotRef("acme", "r1", 1), slots.recurrent[1])]
-    for ref, src in refs:
-        await put(store, ref, src)
-        plan = _rewrite_plan(inner, ref, body_crc32=None, bounds=None)
-        assert "body_crc32" not in plan and "bounds" not in plan
-    for ref, src in refs:
-        await restores(store, ref, src, tmp_path / f"{ref.session}.slot")
-        await store.get_to_file(ref, tmp_path / f"{ref.session}.unverified", verify=False)
-        assert same_bytes(tmp_path / f"{ref.session}.unverified", src)
-        assert (await store.head(ref)).crc32 == whole_file_crc32(src)
-    # and a damaged piece is still named on that path
-    victim = sorted(inner.root.rglob("*.kv"))[0]
-    _flip(victim, victim.stat().st_size // 2)
-    with pytest.raises(ChecksumError, match=victim.name):
-        await store.get_to_file(refs[0][0], tmp_path / "bad.slot")
-    assert not (tmp_path / "bad.slot").exists()
-
-
-async def test_a_wrong_body_crc_in_a_manifest_is_not_restored(
-    store: ChunkedStore, inner: Faulty, slots: Slots, tmp_path: Path
-) -> None:
-    src, ref = slots.grow[3], SlotRef("acme", "s1", 1)
-    await put(store, ref, src)
-    good = read_slot_file(src).body_crc32
-    _rewrite_plan(inner, ref, body_crc32=good ^ 1)
-    dest = tmp_path / "dest.slot"
-    try:
-        await store.get_to_file(ref, dest)
-    except (ChecksumError, SlotFileError):
-        assert not dest.exists()  # refused: what the restore promises
-        return
-    assert read_slot_file(dest).checksum_ok, "restored a file whose body CRC is wrong"
-    assert same_bytes(dest, src)
-
-
-# ------------------------------------------------------------------------------------ damaged objects
-def _flip(path: Path, offset: int) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0x40
-    path.write_bytes(bytes(data))
-
-
-@pytest.mark.parametrize(
-    "where", ["kv-start", "kv-middle", "kv-end", "ck-middle", "tail-data", "kv-truncated"]
-)
-async def test_a_damaged_piece_fails_the_restore_and_leaves_dest_alone(
-    store: ChunkedStore, inner: Faulty, slots: Slots, tmp_path: Path, where: str
-) -> None:
-    ref = SlotRef("acme", "s1", 1)
-    await put(store, ref, slots.grow[3])
-    kind, at = where.split("-")
-    if kind == "tail":
-        target = inner.root / PREFIX / "acme" / "s1" / f"{1:020d}.tail"
-    else:
-        target = sorted(inner.root.rglob(f"*.{kind}"))[0]
-    size = target.stat().st_size
-    if at == "truncated":
-        target.write_bytes(target.read_bytes()[:-1])
-    else:
-        _flip(target, {"start": 0, "middle": size // 2, "end": size - 1, "data": size // 2}[at])
-    dest = tmp_path / "out" / "dest.slot"
-    dest.parent.mkdir()
-    dest.write_bytes(b"the previous file")
-    with pytest.raises(ChecksumError):
-        await store.get_to_file(ref, dest)
-    assert dest.read_bytes() == b"the previous file"
-    assert sorted(p.name for p in dest.parent.iterdir()) == ["dest.slot"]  # no temporary left
-    # unverified (the engine checks as it loads): refused now, or written with the original's
-    # CRC in its trailer, which the bytes then fail (the engine refuses them: never a wrong state)
-    try:
-        await store.get_to_file(ref, dest, verify=False)
-    except (ChecksumError, SlotFileError):
-        assert dest.read_bytes() == b"the previous file"
-    else:
-        assert not read_slot_file(dest).checksum_ok
-
-
-@pytest.mark.parametrize("offset", [0, 4])
-async def test_a_damaged_tail_header_is_a_checksum_error(
-    store: ChunkedStore, inner: Faulty, slots: Slots, tmp_path: Path, offset: int
-) -> None:
-    """Damage in a tail's framing makes the assembly fail; the tail's name carries its CRC, so the
-    restore names the damaged object with a storage ChecksumError (not a slot-file parse error)."""
-    ref = SlotRef("acme", "s1", 1)
-    await put(store, ref, slots.grow[3])
-    _flip(inner.root / PREFIX / "acme" / "s1" / f"{1:020d}.tail", offset)
-    with pytest.raises(ChecksumError):
-        await store.get_to_file(ref, tmp_path / "dest.slot")
-
-
-async def test_a_missing_piece_or_damaged_manifest_fails_the_restore(
-    store: ChunkedStore, inner: Faulty, slots: Slots, tmp_path: Path
-) -> None:
-    ref = SlotRef("acme", "s1", 1)
-    await put(store, ref, slots.grow[3])
-    dest = tmp_path / "dest.slot"
-    dest.write_bytes(b"old")
-    manifest = inner.root / PREFIX / "acme" / "s1" / f"{1:020d}.manifest"
-    good = manifest.read_bytes()
-    for bad in (
-        b"{",
-        b"[]",
-        json.dumps({**json.loads(good), "generation": 2}).encode(),
-        json.dumps({**json.loads(good), "format": "other"}).encode(),
-        json.dumps({**json.loads(good), "plan": {}}).encode(),
-    ):
-        manifest.write_bytes(bad)
-        with pytest.raises(SlotFileError):
-            await store.get_to_file(ref, dest)
-        with pytest.raises(SlotFileError):
-            await store.head(ref)
-    manifest.write_bytes(good)
-    sorted(inner.root.rglob("*.kv"))[0].unlink()
-    with pytest.raises(StorageError):
-        await store.get_to_file(ref, dest)
-    assert dest.read_bytes() == b"old"
 
 
 @pytest.mark.parametrize("damage", ["not json", "stored sizes"])
