@@ -36,7 +36,7 @@ from gateway.bench.harness.servers import INTERNAL_AUTH, INTERNAL_KEY, MotoProce
 from storage.blobs.localstore import LocalStore
 from storage.blobs.spillcache import SpillCache
 from storage.errors import NotStored, StoreUnavailable, WriteConflict
-from storage.ids import SlotRef
+from storage.ids import SlotRef, piece_key
 from storage.index.engines import EngineRegistry
 from storage.index.session_index import SessionIndex, SessionState
 from storage.slotfile.reader import read_slot_file
@@ -394,6 +394,47 @@ async def test_s3_store_down_during_spill_then_flushed(
             assert manifest["plan"]["size"] == down.bytes
             unlisted = lambda: not httpx.get(node.url + UNSTORED, headers=INTERNAL_AUTH).json()["copies"]  # noqa: E731
             wait_for(unlisted, "no longer listed once stored")
+    s3.close()
+
+
+async def test_a_long_session_from_s3_restores_whole_and_a_damaged_chunk_is_refused(
+    start_node: Callable[..., NodeProcess], restartable_moto: MotoProcess, prefix: str
+) -> None:
+    """A session of a few thousand tokens (a dozen KV chunks), stored in S3 and filled back by a node
+    that keeps no copy: the engine continues it as the live slot did. One chunk in the middle of
+    the plan damaged in the store: the engine refuses the bytes, the node fetches them again
+    checked, refuses the fill naming that chunk, and leaves the slot empty (the gateway's turn
+    then prefills)."""
+    node = s3_node(start_node, restartable_moto, prefix, "--ctx", "4096")
+    eng, url = node.engine["id"], node.engine["url"]
+    async with httpx.AsyncClient(timeout=10, headers=INTERNAL_AUTH) as c:
+        text = "The agent reads the failing test, edits the parser and runs the suite again. " * 200
+        tokens = (await c.post(f"{url}/tokenize", json={"content": text})).json()["tokens"][:3000]
+    first = await complete(url, 0, tokens)
+    s3 = restartable_moto.client()
+    async with NodeClient(node.url, key=INTERNAL_KEY) as client:
+        spilled = await client.spill(eng, 0, tenant="t1", session="s1", generation=1)
+        assert spilled.uploaded and spilled.tokens > 3000
+        await client.erase(eng, 0)
+        filled = await client.fill(eng, 1, tenant="t1", session="s1", generation=1)
+        assert (filled.source, filled.tokens, filled.bytes) == ("store", spilled.tokens, spilled.bytes)
+        again = await complete(url, 1, tokens)
+        assert again["timings"]["prompt_n"] <= 1 and again["content"] == first["content"]
+
+        await client.erase(eng, 1)
+        manifest = json.loads(s3.get_object(Bucket="slots", Key=spilled.key)["Body"].read())
+        chunks = manifest["plan"]["chunks"]
+        assert len(chunks) >= 10
+        name = chunks[len(chunks) // 2][0]
+        key = piece_key(prefix, "t1", manifest["ns"], name, "kv")
+        damaged = bytearray(s3.get_object(Bucket="slots", Key=key)["Body"].read())
+        damaged[len(damaged) // 2] ^= 0xFF
+        s3.put_object(Bucket="slots", Key=key, Body=bytes(damaged))
+        with pytest.raises(NodeError) as err:
+            await client.fill(eng, 1, tenant="t1", session="s1", generation=1)
+        assert name in err.value.message, err.value.message
+        assert await slot_tokens(url, 1) == 0
+        assert "node.fill_damaged" in node.log()
     s3.close()
 
 
