@@ -24,8 +24,8 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, suppress
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -308,13 +308,13 @@ class NodeAgent:
             t0 = time.monotonic()
             try:
                 if req.from_store:
-                    out = await hand_off_stored(self.parts.store, self._slot_call, sup, n, req)
+                    out = await hand_off_stored(self.parts.store, self._installing_call, sup, n, req)
                 elif req.prefill_node:
-                    out = await hand_off_remote(self.parts.http, self._slot_call, sup, n, req)
+                    out = await hand_off_remote(self.parts.http, self._installing_call, sup, n, req)
                 else:
                     prefill = self.prefill_engine(req.prefill_engine, sup.spec.model_id)
                     out = await hand_off(
-                        self.parts.http, self.prefill_slots, self._slot_call, sup, n, prefill, req
+                        self.parts.http, self.prefill_slots, self._installing_call, sup, n, prefill, req
                     )
             except (Exception, asyncio.CancelledError) as exc:
                 result = outcome_of(exc)
@@ -536,10 +536,7 @@ class NodeAgent:
         cache, t0 = self.parts.cache, time.monotonic()
         source = "local" if ref in cache else "store"
         label = None if prefix else {"slot_owner": ref.tenant, "slot_session": ref.session}
-        async with self.restores.admit(await self._restore_size(ref, source)) as waited:
-            if waited:
-                self.metrics.restores_waited.inc()
-                log.info("node.restore_waited", **_slot_fields(sup, slot, ref), ms=round(waited * 1000, 2))
+        async with self._restoring(await self._restore_size(ref, source), **_slot_fields(sup, slot, ref)):
             out = (
                 await self._restore_cut(sup, slot, ref, tokens, label)
                 if tokens and source == "store"
@@ -620,6 +617,34 @@ class NodeAgent:
         finally:
             await asyncio.to_thread(link.unlink, missing_ok=True)
             cache.unpin(ref)
+
+    async def _installing_call(
+        self,
+        sup: EngineSupervisor,
+        slot: int,
+        answer: type[SlotAnswer],
+        filename: str | None = None,
+        label: Mapping[str, Any] | None = None,
+    ) -> SlotAnswer:
+        """:meth:`_slot_call` for a handoff: a state restored into the slot (the handed state, or a
+        carried one put back) holds its file's bytes through the node's restore gate
+        (:mod:`.restore_gate`), as a fill does."""
+        if answer is not SlotRestored or filename is None:
+            return await self._slot_call(sup, slot, answer, filename, label)
+        size = await asyncio.to_thread(_size_of, sup.spec.slot_dir / filename) if self.restores.budget else 0
+        who = {"tenant": (label or {}).get("slot_owner"), "session": (label or {}).get("slot_session")}
+        async with self._restoring(size, engine=sup.spec.engine_id, slot=slot, **who):
+            return await self._slot_call(sup, slot, answer, filename, label)
+
+    @asynccontextmanager
+    async def _restoring(self, n: int, **fields: Any) -> AsyncIterator[None]:
+        """A restore of ``n`` bytes admitted by the node's gate (:mod:`.restore_gate`); a wait for it
+        counted and logged with ``fields``."""
+        async with self.restores.admit(n) as waited:
+            if waited:
+                self.metrics.restores_waited.inc()
+                log.info("node.restore_waited", **fields, ms=round(waited * 1000, 2))
+            yield
 
     async def _slot_call(
         self,
@@ -763,6 +788,14 @@ def _clear_dir(path: Path) -> None:
     for entry in path.iterdir():
         if entry.is_file():
             entry.unlink()
+
+
+def _size_of(path: Path) -> int:
+    """A file's size; 0 when it is not there (the engine says so as it is asked to restore it)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _link_or_copy(src: Path, dest: Path) -> None:

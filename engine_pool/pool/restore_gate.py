@@ -1,9 +1,11 @@
 """Restores admitted by the bytes they hold in flight on a node.
 
-A restore holds its generation's bytes twice on the way into a slot: a restore from the store
-holds the fetched pieces in the node agent's memory while it assembles the slot file, and the
-engine maps that file while it loads it. A node asked for many long sessions at once (a gateway
-restart, a node taking over another's sessions) would hold all of them at once. The gate lets
+A restore holds its generation's bytes on the way into a slot: the slot file it writes (the page
+cache's until it is written back) and the engine's map of it while it loads it; a restore from the
+store also holds the pieces it is writing (:mod:`storage.chunks.chunkstore`: a few windows of
+them). A handoff's install into its decode slot holds its file the same way. A node asked for many
+long sessions at once (a gateway restart, a node taking over another's sessions) would hold all of
+them at once. The gate lets
 restores start while the bytes in flight stay within the node's budget; the others wait in
 arrival order (a small restore never overtakes a large one that waits: it would starve). A
 restore larger than the whole budget starts when nothing else is in flight, alone.

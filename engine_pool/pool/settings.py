@@ -143,8 +143,8 @@ FLAGS: tuple[Flag, ...] = (
         "restore_bytes_in_flight",
         "--restore-bytes-in-flight",
         4 << 30,
-        "bytes of slot files restores may hold at once; the others wait their turn, and one "
-        "larger than this runs alone (4G; 0: no bound)",
+        "bytes of slot files restores (and handoff installs) may hold at once; the others wait "
+        "their turn, and one larger than this runs alone (4G; 0: no bound)",
         at_least(0),
     ),
     str_flag(

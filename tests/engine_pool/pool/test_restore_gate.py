@@ -12,11 +12,13 @@ from typing import Any
 
 import httpx
 import pytest
-from support.node_pair import until
+from support.node_pair import handoff_body, until
 
 from engine_pool.pool.agent import NodeAgent, NodeParts
 from engine_pool.pool.restore_gate import RestoreGate, admits
 from engine_pool.pool.settings import NodeSettings
+from engine_pool.pool.supervisor import State
+from engine_pool.protocol.handoff import HandoffRequest
 from storage.blobs.spillcache import SpillCache
 from storage.ids import SlotRef
 
@@ -218,3 +220,42 @@ async def test_the_node_fills_within_its_restore_budget(tmp_path: Path, budget: 
     waited = agent.metrics.restores_waited._value.get()
     assert waited == (1 if budget else 0)
     await http.aclose()
+
+
+class _HandedStore(_HeldStore):
+    """A store that also holds handed-off states (``size`` bytes each), handed over at once."""
+
+    prefix = "p"
+
+    async def get_object_file(self, key: str, dest: Path) -> int:
+        await asyncio.to_thread(Path(dest).write_bytes, b"x" * self.size)
+        return self.size
+
+
+async def test_a_handoff_install_waits_for_the_restore_budget(tmp_path: Path) -> None:
+    """A handed-off state installed into a slot holds its bytes as a fill does: while a fill of
+    1,000 bytes is under way, a handoff of 1,000 bytes within 1,500 waits for it — the handed state
+    is on this disk, the engine not yet asked — and installs once the fill has restored."""
+    store, cache = _HandedStore(1000), await SpillCache.open(tmp_path / "cache", max_bytes=1 << 30)
+    (slot_dir := tmp_path / "slots").mkdir()
+    sup, http = _engine(slot_dir)
+    sup.spec.n_slots, sup.spec.model_id, sup.state = 2, "m", State.READY
+    parts = NodeParts(store=store, cache=cache, index=None, registry=None, http=http)  # type: ignore[arg-type]
+    agent = NodeAgent(NodeSettings(models=(), restore_bytes_in_flight=1500), parts)
+    agent.engines["n1-e0"] = sup
+    fill = asyncio.create_task(agent._fill(sup, 0, SlotRef("t1", "s1", 1)))
+    await until(lambda: _true(store.fetching == ["s1"]), 10)
+    req = HandoffRequest("t1", "s2", "n2-e0", handoff_body("s2"), from_store=f".handoffs/{'ab' * 16}.slot")
+    handoff = asyncio.create_task(agent.handoff("n1-e0", "1", req))
+    await until(lambda: _true(agent.restores.waiting == 1), 10)
+    assert [p.name.startswith("handoff-") for p in slot_dir.iterdir()] == [True]  # fetched, not installed
+    store.go.set()
+    filled, handed = await asyncio.wait_for(asyncio.gather(fill, handoff), 10)
+    assert (filled.source, handed.through_store, handed.bytes) == ("store", True, 1000)
+    assert agent.restores.in_flight == 0 and agent.restores.waiting == 0
+    assert agent.metrics.restores_waited._value.get() == 1
+    await http.aclose()
+
+
+async def _true(value: bool) -> bool:
+    return value
