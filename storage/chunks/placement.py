@@ -52,10 +52,6 @@ class KvPlacement:
     cell_bytes: int
     seq: bytes | None  # the sequence id put into every cell; None: the pieces keep theirs
 
-    @property
-    def n_parts(self) -> int:
-        return len(self.ranges[0])
-
 
 def kv_placement(plan: Mapping[str, Any]) -> KvPlacement | None:
     """The placement of a plan's KV cache; None when the plan has no KV layout (the whole state is
@@ -71,6 +67,13 @@ def _placement(plan: Mapping[str, Any]) -> KvPlacement | None:
     if plan["layout"] is None:
         return None
     layout = KvLayout.from_json(plan["layout"])
+    rows = [layout.cell_bytes, *(row for _, row in layout.k), *(size for _, size, _ in layout.v)]
+    if (
+        layout.v_trans not in (0, 1)
+        or min(rows) <= 0
+        or any(e <= 0 for _, _, e in layout.v if layout.v_trans)
+    ):
+        raise ValueError("its KV layout has sizes that are not sizes")
     n = int(plan["n_tokens"])
     n_parts = 2 + len(layout.k) + len(layout.v)
     head, per_token = 8 + 8 * n_parts, layout.bytes_per_token()

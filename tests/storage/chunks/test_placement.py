@@ -133,6 +133,35 @@ def test_malformed_plans_raise_only_slot_file_error(
     _fits_or_slot_file_error(broken, objects, data, tmp_path / "missing.slot")
 
 
+@pytest.mark.parametrize("arch", ["qwen35", "llama-fa"])
+def test_malformed_layouts_raise_only_slot_file_error(
+    files: dict[str, Files], arch: str, tmp_path: Path
+) -> None:
+    data, _, s = load(files[arch].g1)
+    plan, objects = through_json(describe(s)), objects_of(s)
+    layouts = [
+        {**plan["layout"], key: bad} for key in ("cell_bytes", "v_trans", "k", "v") for bad in _BAD_VALUES
+    ]
+    layouts += [
+        {**plan["layout"], key: row}
+        for key, row in (
+            ("cell_bytes", -24),
+            ("cell_bytes", s.layout.cell_bytes - s.layout.bytes_per_token()),  # 0 bytes a token
+            ("k", [[1, 0]]),
+            ("k", [[1, -5]]),
+            ("v", [[1, 2, 0]]),
+            ("v", [[1, 0, 256]]),
+            ("v", [[1, 2, -1]]),
+            ("v", [[1, -2, 256]]),
+            ("v", [[1, 2, 1 << 40]]),
+            ("k", []),
+            ("v", []),
+        )
+    ]
+    for i, layout in enumerate(layouts):
+        _fits_or_slot_file_error({**plan, "layout": layout}, objects, data, tmp_path / f"{i}.slot")
+
+
 def test_chunk_sizes_that_are_not_whole_tokens_are_refused(files: dict[str, Files]) -> None:
     _, _, s = load(files["qwen35"].g1)
     plan = through_json(describe(s))
