@@ -5,10 +5,10 @@ cache's until it is written back) and the engine's map of it while it loads it; 
 store also holds the pieces it is writing (:mod:`storage.chunks.chunkstore`: a few windows of
 them). A handoff's install into its decode slot holds its file the same way. A node asked for many
 long sessions at once (a gateway restart, a node taking over another's sessions) would hold all of
-them at once. The gate lets
-restores start while the bytes in flight stay within the node's budget; the others wait in
-arrival order (a small restore never overtakes a large one that waits: it would starve). A
-restore larger than the whole budget starts when nothing else is in flight, alone.
+them at once. The gate lets restores start while the bytes in flight stay within the node's
+budget; the others wait in arrival order (a small restore never overtakes a large one that waits:
+it would starve). A restore larger than the whole budget starts when nothing else is in flight,
+alone.
 """
 
 from __future__ import annotations
