@@ -6,8 +6,8 @@ and carries out the node API (its routes: `engine_pool.pool.routes`):
 * spill — the engine saves the slot into its slot dir; the file moves into the spill cache
   (pinned), is uploaded with its model fingerprint and token count, and is confirmed. A store that
   is down leaves the file in the cache, unconfirmed (never evicted), for the flush loop.
-* fill — from the cache, else downloaded (CRC verified) into it; hard-linked into the engine's slot
-  dir for the restore, and unlinked after. A file the engine refuses leaves the slot empty.
+* fill — from the cache, else downloaded into it; hard-linked into the engine's slot dir for the
+  restore, and unlinked after (:mod:`.fill`). A file the engine refuses leaves the slot empty.
 * drain (SIGTERM) — stop admitting, spill every session the index says is live on our engines as
   its next generation and mark it spilled, flush, stop the engines.
 
@@ -20,15 +20,12 @@ loop (retries unconfirmed uploads with backoff).
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from contextlib import asynccontextmanager, contextmanager, suppress
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import structlog
@@ -39,15 +36,12 @@ from engine_pool.errors import (
     Unavailable,
     Upstream,
 )
-from engine_pool.http.answers import answer_json, error_object
 from engine_pool.process.loop import cancel_and_wait
 from storage.blobs.blobstore import BlobStore
 from storage.blobs.spillcache import SpillCache, stored_as
 from storage.errors import (
-    ChecksumError,
     LockBusy,
     LockLost,
-    SlotFileError,
     StorageError,
     StoreUnavailable,
     WriteConflict,
@@ -58,28 +52,26 @@ from storage.index.generations import save_as_next_generation
 from storage.index.session_index import SessionIndex
 from storage.slotfile.reader import SlotFile, read_slot_file, whole_file_crc32
 
-from ..protocol.codec import WireError
 from ..protocol.handoff import HandoffOutcome, HandoffRequest, HandoffResult, Prefilled, Role
 from ..protocol.node import (
     CancelResult,
     EraseResult,
-    FillResult,
     SlotResult,
     SpillResult,
     UnstoredCopy,
 )
-from ..protocol.slot_actions import SlotAnswer, SlotCancelled, SlotErased, SlotRestored, SlotSaved
+from ..protocol.slot_actions import SlotCancelled, SlotErased, SlotSaved
+from .fill import Filler, ref_fields
 from .handoff import PrefillSlots, choose, hand_off, one_source, outcome_of, prefill_to_file
 from .handoff_peer import hand_off_remote
 from .handoff_store import hand_off_stored
 from .metrics import NodeMetrics
 from .restore_gate import RestoreGate
 from .settings import NodeSettings
+from .slot_call import SlotCaller
 from .supervisor import EngineSnapshot, EngineSpec, EngineSupervisor, State
 
 log = structlog.get_logger("engine.node")
-SLOT_TIMEOUT = httpx.Timeout(600.0, connect=5.0)  # a save waits for the slot's running request
-DAMAGED = frozenset({"truncated", "bad_magic", "checksum_mismatch", "bad_layout"})
 
 
 @dataclass
@@ -111,7 +103,9 @@ class NodeAgent:
         self.prefill_slots = PrefillSlots(
             {e: sup.spec.n_slots for e, sup in self.engines.items() if sup.spec.role == Role.PREFILL}
         )
+        self._slot_call = SlotCaller(parts.http, settings.retry_after_s)
         self.restores = RestoreGate(settings.restore_bytes_in_flight)
+        self.filler = Filler(parts.store, parts.cache, self.restores, self.metrics, self._slot_call)
         self.draining = False
         self._engines_changed = asyncio.Event()
         self._unregistered = asyncio.Event()  # set by the registry loop once draining took effect
@@ -291,7 +285,7 @@ class NodeAgent:
                     result = await (
                         self._spill(sup, n, ref, route, share, fenced)
                         if spill
-                        else self._fill(sup, n, ref, tokens, prefix)
+                        else self.filler.fill(sup, n, ref, tokens, prefix)
                     )
                 return result
             finally:
@@ -308,13 +302,13 @@ class NodeAgent:
             t0 = time.monotonic()
             try:
                 if req.from_store:
-                    out = await hand_off_stored(self.parts.store, self._installing_call, sup, n, req)
+                    out = await hand_off_stored(self.parts.store, self.filler.installing_call, sup, n, req)
                 elif req.prefill_node:
-                    out = await hand_off_remote(self.parts.http, self._installing_call, sup, n, req)
+                    out = await hand_off_remote(self.parts.http, self.filler.installing_call, sup, n, req)
                 else:
                     prefill = self.prefill_engine(req.prefill_engine, sup.spec.model_id)
                     out = await hand_off(
-                        self.parts.http, self.prefill_slots, self._installing_call, sup, n, prefill, req
+                        self.parts.http, self.prefill_slots, self.filler.installing_call, sup, n, prefill, req
                     )
             except (Exception, asyncio.CancelledError) as exc:
                 result = outcome_of(exc)
@@ -508,185 +502,10 @@ class NodeAgent:
                 await cache.discard(ref)
                 raise
         if deferred is not None:
-            log.warning("node.upload_deferred", **_ref_fields(ref), error=deferred)
+            log.warning("node.upload_deferred", **ref_fields(ref), error=deferred)
             return None
         await cache.mark_uploaded(ref)
         return written
-
-    async def _fill(
-        self,
-        sup: EngineSupervisor,
-        slot: int,
-        ref: SlotRef,
-        tokens: list[int] | None = None,
-        prefix: bool = False,
-    ) -> FillResult:
-        """Restore ``ref`` into the slot. A file fetched for it is not checked by the store: the
-        engine checks every byte's CRC as it loads it, one pass instead of two. When the engine
-        finds the bytes damaged and the store holds the generation (a copy on this disk, or one
-        just assembled from the store), that copy goes, the store's copy is fetched again with the
-        store's own check (naming a damaged piece, if that is where the damage is) and restored.
-        With the prompt's ``tokens`` and no copy here, a prompt that leaves the generation early
-        gets only the part up to the checkpoint it continues from (:mod:`storage.chunks.prefixcut`).
-        ``prefix``: ``ref`` is another session's generation the prompt may start from (a shared
-        prefix): restored up to its checkpoint, else whole when the prompt repeats its first chunk,
-        else not at all (``source`` "none", the slot left as it was). The session's own generation
-        labels the slot with it (the gateway's turn then names it: the slot fence); a prefix is
-        nobody's there."""
-        cache, t0 = self.parts.cache, time.monotonic()
-        source = "local" if ref in cache else "store"
-        label = None if prefix else {"slot_owner": ref.tenant, "slot_session": ref.session}
-        async with self._restoring(await self._restore_size(ref, source), **_slot_fields(sup, slot, ref)):
-            out = (
-                await self._restore_cut(sup, slot, ref, tokens, label)
-                if tokens and source == "store"
-                else None
-            )
-            if out is not None:
-                source = "cut"
-            elif prefix and source == "store" and not await self.parts.store.shares_prefix(ref, tokens or []):
-                source = "none"
-            else:
-                out, source = await self._restore_whole(sup, slot, ref, source, label)
-        await cache.evict()  # with a budget of 0 (one machine, local store) the copy goes now
-        ms = round((time.monotonic() - t0) * 1000, 2)
-        n_tokens, n_bytes = (out.n_restored, out.n_read) if out is not None else (0, 0)
-        result = FillResult(n_tokens, n_bytes, source, ms)
-        log.info("node.filled", **_slot_fields(sup, slot, ref), **result.to_json())
-        return result
-
-    async def _restore_size(self, ref: SlotRef, source: str) -> int:
-        """The bytes a restore of ``ref`` holds in flight (:mod:`.restore_gate`): its file's size,
-        from the spill cache or from the store (a manifest read; none when restores are unbounded)."""
-        if not self.restores.budget:
-            return 0
-        if source == "local":
-            size = self.parts.cache.size_of(ref)
-            if size is not None:
-                return size
-        return (await self.parts.store.head(ref)).size
-
-    async def _restore_cut(
-        self, sup: EngineSupervisor, slot: int, ref: SlotRef, tokens: list[int], label: dict[str, str] | None
-    ) -> SlotRestored | None:
-        """The generation up to the prompt's checkpoint, restored; None when there is no such cut
-        (or the engine refused it: the whole generation is restored then)."""
-        name = f"fill-{uuid.uuid4().hex}.slot"
-        dest = sup.spec.slot_dir / name
-        try:
-            if await self.parts.store.get_prefix_to_file(ref, dest, tokens) is None:
-                return None
-            return await self._slot_call(sup, slot, SlotRestored, name, label)
-        except ApiError as err:
-            if err.extra.get("kind") not in DAMAGED:
-                raise
-            log.warning("node.cut_refused", **_slot_fields(sup, slot, ref), error=err.message)
-            return None
-        finally:
-            await asyncio.to_thread(dest.unlink, missing_ok=True)
-
-    async def _restore_whole(
-        self, sup: EngineSupervisor, slot: int, ref: SlotRef, source: str, label: dict[str, str] | None
-    ) -> tuple[SlotRestored, str]:
-        """The whole generation restored, and where it came from in the end (see :meth:`_fill`)."""
-        cache = self.parts.cache
-        try:
-            return await self._restore(sup, slot, ref, label, verify=False), source
-        except ApiError as err:
-            if err.extra.get("kind") not in DAMAGED or (ref in cache and not cache.is_uploaded(ref)):
-                raise  # not damage, or the only copy there is (not uploaded yet)
-            log.warning("node.fill_damaged", **_slot_fields(sup, slot, ref), source=source, error=err.message)
-            if ref in cache:
-                await cache.discard(ref)
-        try:
-            return await self._restore(sup, slot, ref, label, verify=True), "store"
-        except ChecksumError as exc:  # the store's own copy is damaged: no retry brings it back
-            log.error("node.stored_copy_damaged", **_slot_fields(sup, slot, ref), error=str(exc))
-            raise SlotFileError("checksum_mismatch", str(exc)) from exc
-
-    async def _restore(
-        self, sup: EngineSupervisor, slot: int, ref: SlotRef, label: dict[str, str] | None, *, verify: bool
-    ) -> SlotRestored:
-        cache = self.parts.cache
-        path = await cache.fill(self.parts.store, ref, verify=verify)  # pinned
-        name = f"fill-{uuid.uuid4().hex}.slot"
-        link = sup.spec.slot_dir / name
-        try:
-            await asyncio.to_thread(_link_or_copy, path, link)
-            return await self._slot_call(sup, slot, SlotRestored, name, label)
-        finally:
-            await asyncio.to_thread(link.unlink, missing_ok=True)
-            cache.unpin(ref)
-
-    async def _installing_call(
-        self,
-        sup: EngineSupervisor,
-        slot: int,
-        answer: type[SlotAnswer],
-        filename: str | None = None,
-        label: Mapping[str, Any] | None = None,
-    ) -> SlotAnswer:
-        """:meth:`_slot_call` for a handoff: a state restored into the slot (the handed state, or a
-        carried one put back) holds its file's bytes through the node's restore gate
-        (:mod:`.restore_gate`), as a fill does."""
-        if answer is not SlotRestored or filename is None:
-            return await self._slot_call(sup, slot, answer, filename, label)
-        size = await asyncio.to_thread(_size_of, sup.spec.slot_dir / filename) if self.restores.budget else 0
-        who = {"tenant": (label or {}).get("slot_owner"), "session": (label or {}).get("slot_session")}
-        async with self._restoring(size, engine=sup.spec.engine_id, slot=slot, **who):
-            return await self._slot_call(sup, slot, answer, filename, label)
-
-    @asynccontextmanager
-    async def _restoring(self, n: int, **fields: Any) -> AsyncIterator[None]:
-        """A restore of ``n`` bytes admitted by the node's gate (:mod:`.restore_gate`); a wait for it
-        counted and logged with ``fields``."""
-        async with self.restores.admit(n) as waited:
-            if waited:
-                self.metrics.restores_waited.inc()
-                log.info("node.restore_waited", **fields, ms=round(waited * 1000, 2))
-            yield
-
-    async def _slot_call(
-        self,
-        sup: EngineSupervisor,
-        slot: int,
-        answer: type[SlotAnswer],
-        filename: str | None = None,
-        label: Mapping[str, Any] | None = None,
-    ) -> SlotAnswer:
-        """One llama-server slot action, named by its ``answer`` (``label``: the slot label a save
-        expects, or a restore gives, and a save's `durable`); the engine's own errors keep their
-        status, type and message, an answer that is not what the action answers is a 502."""
-        engine_id, action = sup.spec.engine_id, answer.action
-        try:
-            r = await self.parts.http.post(
-                f"{sup.url}/slots/{slot}",
-                params={"action": action},
-                json={"filename": filename, **(label or {})} if filename else None,
-                timeout=SLOT_TIMEOUT,
-            )
-        except httpx.HTTPError as exc:
-            raise Upstream(f"engine {engine_id}: slot {action} failed: {type(exc).__name__}: {exc}") from exc
-        body = answer_json(r)
-        if r.status_code == 200 and isinstance(body, dict):
-            try:
-                return answer.from_json(body)
-            except WireError as exc:
-                raise Upstream(f"engine {engine_id}: slot {action} answered {exc}") from exc
-        error = error_object(body)
-        if error is None:
-            error = {"message": r.text[:500]}
-        status = r.status_code if r.status_code < 500 or r.status_code == 503 else 502
-        extra = {k: v for k, v in error.items() if k not in ("message", "type", "param", "code")}
-        code = error.get("code")
-        raise ApiError(
-            f"engine {engine_id}: {error.get('message')}",
-            status=status,
-            extra=extra,
-            type=str(error.get("type") or ("upstream_error" if status == 502 else "invalid_request_error")),
-            code=code if isinstance(code, str) else None,
-            retry_after=self.settings.retry_after_s if status == 503 else None,
-        )
 
     # -- background loops ------------------------------------------------------------------------
     async def _registry_loop(self) -> None:
@@ -761,16 +580,6 @@ class NodeAgent:
                 log.exception("node.flush_error", error=repr(exc), retry_in_s=delay)
 
 
-def _ref_fields(ref: SlotRef) -> dict[str, Any]:
-    """A generation's fields of a log event."""
-    return {"tenant": ref.tenant, "session": ref.session, "generation": ref.generation}
-
-
-def _slot_fields(sup: EngineSupervisor, slot: int, ref: SlotRef) -> dict[str, Any]:
-    """The fields of a log event about one generation in one engine's slot."""
-    return {"engine": sup.spec.engine_id, "slot": slot, **_ref_fields(ref)}
-
-
 def _describe(paths: list[Path]) -> list[tuple[int, int, str, float] | None]:
     """Size, tokens, model fingerprint and save time of each slot file (None: gone or unreadable)."""
     out: list[tuple[int, int, str, float] | None] = []
@@ -788,18 +597,3 @@ def _clear_dir(path: Path) -> None:
     for entry in path.iterdir():
         if entry.is_file():
             entry.unlink()
-
-
-def _size_of(path: Path) -> int:
-    """A file's size; 0 when it is not there (the engine says so as it is asked to restore it)."""
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
-def _link_or_copy(src: Path, dest: Path) -> None:
-    try:
-        os.link(src, dest)
-    except OSError:  # another filesystem
-        shutil.copyfile(src, dest)

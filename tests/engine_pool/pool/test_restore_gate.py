@@ -201,7 +201,7 @@ async def test_the_node_fills_within_its_restore_budget(tmp_path: Path, budget: 
     parts = NodeParts(store=store, cache=cache, index=None, registry=None, http=http)  # type: ignore[arg-type]
     agent = NodeAgent(NodeSettings(models=(), restore_bytes_in_flight=budget), parts)
     fills = [
-        asyncio.create_task(agent._fill(sup, slot, SlotRef("t1", session, 1)))
+        asyncio.create_task(agent.filler.fill(sup, slot, SlotRef("t1", session, 1)))
         for slot, session in enumerate(["s1", "s2"])
     ]
 
@@ -243,7 +243,7 @@ async def test_a_handoff_install_waits_for_the_restore_budget(tmp_path: Path) ->
     parts = NodeParts(store=store, cache=cache, index=None, registry=None, http=http)  # type: ignore[arg-type]
     agent = NodeAgent(NodeSettings(models=(), restore_bytes_in_flight=1500), parts)
     agent.engines["n1-e0"] = sup
-    fill = asyncio.create_task(agent._fill(sup, 0, SlotRef("t1", "s1", 1)))
+    fill = asyncio.create_task(agent.filler.fill(sup, 0, SlotRef("t1", "s1", 1)))
     await until(lambda: _true(store.fetching == ["s1"]), 10)
     req = HandoffRequest("t1", "s2", "n2-e0", handoff_body("s2"), from_store=f".handoffs/{'ab' * 16}.slot")
     handoff = asyncio.create_task(agent.handoff("n1-e0", "1", req))
