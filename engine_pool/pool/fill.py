@@ -71,14 +71,15 @@ class Filler:
         t0 = time.monotonic()
         source = "local" if ref in self.cache else "store"
         label = None if prefix else {"slot_owner": ref.tenant, "slot_session": ref.session}
-        async with self.restoring(await self._size(ref, source), **_slot_fields(sup, slot, ref)):
-            out = await self._cut(sup, slot, ref, tokens, label) if tokens and source == "store" else None
-            if out is not None:
-                source = "cut"
-            elif prefix and source == "store" and not await self.store.shares_prefix(ref, tokens or []):
-                source = "none"
-            else:
-                out, source = await self._whole(sup, slot, ref, source, label)
+        with self.store.one_read():  # its manifest read once, whatever the steps below ask of it
+            async with self.restoring(await self._size(ref, source), **_slot_fields(sup, slot, ref)):
+                out = await self._cut(sup, slot, ref, tokens, label) if tokens and source == "store" else None
+                if out is not None:
+                    source = "cut"
+                elif prefix and source == "store" and not await self.store.shares_prefix(ref, tokens or []):
+                    source = "none"
+                else:
+                    out, source = await self._whole(sup, slot, ref, source, label)
         await self.cache.evict()  # with a budget of 0 (one machine, local store) the copy goes now
         ms = round((time.monotonic() - t0) * 1000, 2)
         n_tokens, n_bytes = (out.n_restored, out.n_read) if out is not None else (0, 0)

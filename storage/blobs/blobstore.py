@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import mmap
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
@@ -165,6 +166,14 @@ class BlobStore(ABC):
     @abstractmethod
     async def head(self, ref: SlotRef) -> BlobMeta:
         """Metadata of one object; :class:`NotStored` if absent."""
+
+    def one_read(self) -> contextlib.AbstractContextManager[None]:
+        """A block (one fill: its size, its cut, its restore) in which what describes a generation
+        is read from the store once, not once per call: a chunked store's manifest
+        (:class:`storage.chunks.chunkstore.ChunkedStore`). A generation never changes once stored,
+        and the block is one task's, so nothing it reads goes stale in it. Whole-file stores have
+        nothing such to keep."""
+        return contextlib.nullcontext()
 
     @abstractmethod
     def list(self, tenant: str, session: str | None = None) -> AsyncIterator[BlobInfo]:

@@ -41,6 +41,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
@@ -82,6 +83,8 @@ MANIFEST_FORMAT = "slotkeeper-manifest/1"
 _KNOWN_MAX = 200_000  # names remembered per tenant before the cache starts over
 _HOLD_EVERY = 64  # deletes between renewals of the collector's claim
 _WINDOWS_HELD = 3  # windows of KV pieces a restore holds: the one it writes, the next ones coming
+# The manifests read in a `ChunkedStore.one_read` block, by key (their bytes); None outside one.
+_READ: ContextVar[dict[str, bytes] | None] = ContextVar("slotkeeper_manifests_read", default=None)
 
 
 @dataclass
@@ -252,8 +255,22 @@ class ChunkedStore(BlobStore):
         }
 
     # -- restore ----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def one_read(self) -> Iterator[None]:
+        """Manifests read in the block are kept for it (their bytes: each read parses its own)."""
+        token = _READ.set({})
+        try:
+            yield
+        finally:
+            _READ.reset(token)
+
     async def _read_manifest(self, ref: SlotRef) -> dict[str, Any]:
-        raw = await self.inner.get_object(self._manifest(ref))
+        key, read = self._manifest(ref), _READ.get()
+        raw = read.get(key) if read is not None else None
+        if raw is None:
+            raw = await self.inner.get_object(key)
+            if read is not None:
+                read[key] = raw
         try:
             doc = json.loads(raw)
             if not isinstance(doc, dict):

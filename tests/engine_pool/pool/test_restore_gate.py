@@ -5,7 +5,9 @@ place (and any bytes granted meanwhile) back; the node agent's fills go through 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -165,12 +167,23 @@ class _HeldStore:
         self.size, self.go = size, asyncio.Event()
         self.fetching: list[str] = []
         self.heads = 0
+        self.blocks, self.read_outside = 0, 0  # `one_read` blocks open; reads made with none open
+
+    @contextlib.contextmanager
+    def one_read(self) -> Iterator[None]:
+        self.blocks += 1
+        try:
+            yield
+        finally:
+            self.blocks -= 1
 
     async def head(self, ref: SlotRef) -> Any:
         self.heads += 1
+        self.read_outside += not self.blocks
         return SimpleNamespace(size=self.size)
 
     async def get_to_file(self, ref: SlotRef, dest: Path, *, verify: bool = True) -> Any:
+        self.read_outside += not self.blocks
         self.fetching.append(ref.session)
         await self.go.wait()
         await asyncio.to_thread(Path(dest).write_bytes, b"x" * self.size)
@@ -217,6 +230,7 @@ async def test_the_node_fills_within_its_restore_budget(tmp_path: Path, budget: 
     assert [(f.tokens, f.bytes, f.source) for f in done] == [(7, 1000, "store")] * 2
     assert agent.restores.in_flight == 0 and agent.restores.waiting == 0
     assert store.heads == (2 if budget else 0)  # the size is read only when it matters
+    assert store.read_outside == 0 and store.blocks == 0  # each fill's reads in a block of its own
     waited = agent.metrics.restores_waited._value.get()
     assert waited == (1 if budget else 0)
     await http.aclose()

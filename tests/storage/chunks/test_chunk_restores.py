@@ -239,6 +239,41 @@ async def test_a_missing_piece_or_damaged_manifest_fails_the_restore(
     assert dest.read_bytes() == b"old"
 
 
+async def test_a_manifest_is_read_once_in_one_read(
+    store: ChunkedStore, inner: Faulty, slots: Slots, tmp_path: Path
+) -> None:
+    """What a node's fill asks of a generation — its size, whether the prompt shares its start, its
+    cut, the whole file — reads the manifest from the store once in a `one_read` block, once per
+    call outside one; a later block reads it again (it holds nothing past its end)."""
+    ref, src = SlotRef("acme", "s1", 1), slots.grow[4]
+    await put(store, ref, src)
+    reads: list[str] = []
+
+    async def counted(key: str) -> None:
+        if key.endswith(".manifest"):
+            reads.append(key)
+
+    inner.hooks["get_object"] = counted
+
+    async def fill(dest: Path) -> None:
+        assert (await store.head(ref)).size == src.stat().st_size
+        await store.shares_prefix(ref, [1, 2, 3])
+        assert await store.get_prefix_to_file(ref, tmp_path / "cut.slot", []) is None
+        await store.get_to_file(ref, dest, verify=False)
+        assert same_bytes(dest, src)
+
+    await fill(tmp_path / "a.slot")
+    assert len(reads) == 4
+    for n in (1, 2):
+        reads.clear()
+        with store.one_read():
+            await fill(tmp_path / f"b{n}.slot")
+        assert len(reads) == 1
+    reads.clear()
+    await store.head(ref)
+    assert len(reads) == 1
+
+
 # ---------------------------------------------------------------------------------------------- S3
 async def test_a_restore_from_s3_writes_pieces_as_they_arrive_and_names_a_damaged_one(
     s3_endpoint: str, key_prefix: str, redis_client: Any, slots: Slots, tmp_path: Path
