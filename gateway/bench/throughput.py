@@ -123,7 +123,9 @@ async def _round(client: httpx.AsyncClient, n: int, words: int, n_predict: int, 
             "cache_prompt": False,
         }
         r = await client.post("/completion", json=body)
-        r.raise_for_status()
+        if r.status_code != 200:  # the server's reason (llama-server holds a slot to the model's
+            # training context: a prompt past it is refused), not a traceback
+            raise SystemExit(f"{client.base_url}/completion answered {r.status_code}: {r.text[:500]}")
         return timed(r.json())
 
     t0 = time.perf_counter()

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from gateway.bench.command import BENCHMARKS
-from gateway.bench.harness.upstream import binary
+from gateway.bench.harness.upstream import Flags, binary, start
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -240,6 +240,26 @@ def test_throughput_side_by_side(tiny_model, tmp_path: Path) -> None:
         assert [r["slots"] for r in rows] == [1, 2]
         assert all(r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
     assert len(report["ratios"]) == 2
+
+
+def test_throughput_names_a_refused_prompt(tiny_model, tmp_path: Path) -> None:
+    """A prompt the server refuses (here: past its context) ends the bench with the server's
+    answer, not a traceback."""
+    server = start("slotkeeper", Flags(tiny_model("qwen35"), ctx=256), tmp_path / "engine.log")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "bench", "throughput", "--url", server.url]
+            + ["--slots", "1", "--prompt-tokens", "2000"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        server.stop()
+    assert proc.returncode != 0
+    assert f"{server.url}/completion answered 400" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_storage_suites(tiny_model, tmp_path: Path) -> None:
