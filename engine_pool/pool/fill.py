@@ -9,8 +9,6 @@ install — holds its file's bytes through the node's :mod:`.restore_gate`.
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -29,6 +27,7 @@ from storage.ids import SlotRef
 
 from ..protocol.node import FillResult
 from ..protocol.slot_actions import SlotAnswer, SlotRestored
+from .handoff import link_or_copy
 from .metrics import NodeMetrics
 from .restore_gate import RestoreGate
 from .slot_call import SlotCaller
@@ -170,7 +169,7 @@ class Filler:
         name = f"fill-{uuid.uuid4().hex}.slot"
         link = sup.spec.slot_dir / name
         try:
-            await asyncio.to_thread(_link_or_copy, path, link)
+            await asyncio.to_thread(link_or_copy, path, link)
             return await self.slot_call(sup, slot, SlotRestored, name, label)
         finally:
             await asyncio.to_thread(link.unlink, missing_ok=True)
@@ -193,10 +192,3 @@ def _size_of(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
-
-
-def _link_or_copy(src: Path, dest: Path) -> None:
-    try:
-        os.link(src, dest)
-    except OSError:  # another filesystem
-        shutil.copyfile(src, dest)

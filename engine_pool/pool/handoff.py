@@ -164,7 +164,7 @@ async def hand_off(
             carried = await carry_out(slot_call, decode, slot, req, files)
             dest = prefill.spec.slot_dir / carried.name
             files.append(dest)
-            await asyncio.to_thread(_move, carried.path, dest)
+            await asyncio.to_thread(link_or_copy, carried.path, dest)
             carried_here = carried.name
         t_carry = time.monotonic()
         name = f"handoff-{uuid.uuid4().hex}.slot"
@@ -172,7 +172,7 @@ async def hand_off(
         files += [exported, installed]
         done = await prefill_to_file(http, slots, slot_call, prefill, req, carried_here, name)
         t_moved = time.monotonic()
-        await asyncio.to_thread(_move, exported, installed)
+        await asyncio.to_thread(link_or_copy, exported, installed)
         t_export = time.monotonic()
         restored = await install(slot_call, decode, slot, name, req, carried)
     finally:
@@ -330,9 +330,9 @@ async def _prefill(
     raise Upstream(f"prefill engine {engine_id}: {error.get('message')}")
 
 
-def _move(src: Path, dest: Path) -> None:
-    """The exported file into the decode engine's slot directory: a hard link (one file system:
-    no copy), else a copy."""
+def link_or_copy(src: Path, dest: Path) -> None:
+    """A file into an engine's slot directory (an exported state, a fill's copy from the spill
+    cache): a hard link (one file system: no copy), else a copy."""
     try:
         os.link(src, dest)
     except OSError:

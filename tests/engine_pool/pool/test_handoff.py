@@ -157,7 +157,7 @@ async def test_a_state_damaged_in_flight_is_refused_and_leaves_the_slot_empty(
     model = tiny_model("qwen35")
     agent = await node(model, model)
     _, decode = _engines(agent)
-    move = handoff_module._move
+    move = handoff_module.link_or_copy
 
     def damaged(src: Path, dest: Path) -> None:
         move(src, dest)
@@ -166,13 +166,13 @@ async def test_a_state_damaged_in_flight_is_refused_and_leaves_the_slot_empty(
         dest.unlink()  # (a hard link shares the prefill side's bytes: damage a copy of its own)
         dest.write_bytes(bytes(data))
 
-    monkeypatch.setattr(handoff_module, "_move", damaged)
+    monkeypatch.setattr(handoff_module, "link_or_copy", damaged)
     with pytest.raises(ApiError) as err:
         await agent.handoff(decode, "0", _request(agent, "s1"))
     assert err.value.status == 400 and err.value.extra.get("kind") == "checksum_mismatch"
     assert await _slot_tokens(agent, decode, 0) == 0
     assert agent.metrics.handoffs.labels("refused")._value.get() == 1  # type: ignore[attr-defined]
-    monkeypatch.setattr(handoff_module, "_move", move)
+    monkeypatch.setattr(handoff_module, "link_or_copy", move)
     # The turn then runs unsplit on the empty slot: a clean prefill.
     answer = await _chat(agent, 0, "s1")
     assert answer["timings"]["prompt_n"] == answer["usage"]["prompt_tokens"]
@@ -292,7 +292,7 @@ async def test_a_carried_session_keeps_its_state_when_the_install_is_refused(
     _, decode = _engines(agent)
     first = await _chat(agent, 0, "s1")
     held = await _slot_tokens(agent, decode, 0)
-    move = handoff_module._move
+    move = handoff_module.link_or_copy
 
     def damaged(src: Path, dest: Path) -> None:
         move(src, dest)
@@ -302,7 +302,7 @@ async def test_a_carried_session_keeps_its_state_when_the_install_is_refused(
             dest.unlink()
             dest.write_bytes(bytes(data))
 
-    monkeypatch.setattr(handoff_module, "_move", damaged)
+    monkeypatch.setattr(handoff_module, "link_or_copy", damaged)
     messages = _next_turn(first, _tool_output(20))
     with pytest.raises(ApiError) as err:
         await agent.handoff(decode, "0", _request(agent, "s1", messages=messages, carry=True))
@@ -373,20 +373,20 @@ async def test_a_decode_engine_killed_mid_install_fails_the_handoff_at_once(
     _, decode = _engines(agent)
     pid = agent.engines[decode].snapshot().pid
     assert pid is not None
-    move = handoff_module._move
+    move = handoff_module.link_or_copy
 
     def killing(src: Path, dest: Path) -> None:
         os.kill(pid, signal.SIGKILL)  # the install's restore then finds the engine gone
         move(src, dest)
 
-    monkeypatch.setattr(handoff_module, "_move", killing)
+    monkeypatch.setattr(handoff_module, "link_or_copy", killing)
     t0 = time.monotonic()
     with pytest.raises(ApiError):
         await agent.handoff(decode, "0", _request(agent, "s1"))
     assert time.monotonic() - t0 < 10
     failed = (agent.metrics.handoffs.labels(r)._value.get() for r in ("failed", "unavailable"))  # type: ignore[attr-defined]
     assert sum(failed) == 1  # (connection refused, or 503 from an engine going down)
-    monkeypatch.setattr(handoff_module, "_move", move)
+    monkeypatch.setattr(handoff_module, "link_or_copy", move)
     # Its supervisor restarts it; the next handoff to it works.
 
     async def restarted() -> bool:
