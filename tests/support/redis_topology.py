@@ -16,13 +16,13 @@ class RedisTopology:
     """One of the index's Redis topologies, as a test reaches it: its ``--redis-url`` and a way to
     empty it."""
 
-    name: str  # standalone | cluster | sentinel
+    name: str  # standalone | cluster | sentinel | valkey-cluster
     url: str
     flush: Callable[[], None]
     servers: Any = None  # the ClusterProcesses or SentinelProcesses (None: one redis-server)
 
 
-TOPOLOGIES = ["standalone", "cluster", "sentinel"]
+TOPOLOGIES = ["standalone", "cluster", "sentinel", "valkey-cluster"]
 
 
 def topology(request: pytest.FixtureRequest, name: str) -> RedisTopology:
@@ -38,7 +38,7 @@ def topology(request: pytest.FixtureRequest, name: str) -> RedisTopology:
 
         found = RedisTopology(name, url, flush)
     else:
-        servers = request.getfixturevalue(f"redis_{name}")
+        servers = request.getfixturevalue(f"redis_{name.replace('-', '_')}")
         found = RedisTopology(name, servers.url, servers.flush, servers)
     found.flush()
     return found

