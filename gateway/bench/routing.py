@@ -1,7 +1,8 @@
 """`slotkeeper bench routing` (also part 2 of `slotkeeper bench gateway`): the gateway's routing
-decision, in process, no servers: 100,000 sessions (live in 8 engines x 4 slots, the rest spilled)
-with their message-prefix digests, indexed in the in-process index, in a real redis-server and in a
-Redis Cluster of three primaries without replicas (``--topologies``); the decision per request
+decision, in process, no servers: 100,000 to 10,000,000 sessions (live in 1,000 engines x 4 slots,
+the rest spilled; gateway.bench.harness.fleet) with their message-prefix digests, indexed in the
+in-process index, in a real redis-server and in a Redis Cluster of three primaries without replicas
+(``--topologies``; of valkey-servers too); the decision per request
 (implicit resolve by prefix digests, the record, the pool view, `choose_placement`) timed stage by
 stage, one at a time and concurrently, with the Redis commands each stage sends (one primary) and
 the Redis memory each indexed session takes (``used_memory`` of the primaries, loaded minus empty,
@@ -14,7 +15,6 @@ import argparse
 import asyncio
 import json
 import math
-import random
 import statistics
 import tempfile
 import time
@@ -26,101 +26,14 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from engine_pool.protocol.codec import Wire
+from gateway.bench.harness.fleet import Fleet, build_fleet, load_fleet
 from gateway.bench.harness.redis_topologies import redis_cluster
 from gateway.bench.harness.report import pct, table
 from gateway.bench.harness.servers import redis_server
-from storage.index.prefix_digests import DEFAULT_ROUTES_PER_SESSION, ROUTE
+from storage.index.prefix_digests import DEFAULT_ROUTES_PER_SESSION
 
 if TYPE_CHECKING:
     from gateway.tenants import Tenant
-
-# what each synthetic session's system prompt opens with (bench gateway's sessions open with it too)
-SYSTEM = (
-    "You are a coding agent. You can read files, run tests and edit code. Think step by step, keep "
-    "answers short, and call tools with JSON arguments. "
-)
-
-
-@dataclass(frozen=True)
-class Fleet:
-    """The synthetic population: sessions, their digests and the request each one would send."""
-
-    model: str
-    tenants: list[str]
-    engines: list[str]
-    slots: int
-    sessions: list[tuple[str, str]]  # (tenant, session)
-    digests: list[list[str]]  # per session: the digests finish() would have recorded
-    requests: list[list[dict[str, str]]]  # per sampled request: its messages
-    request_owner: list[int]  # per sampled request: the index of the session it resumes
-    routes_per_session: int  # the newest digests the index keeps per session
-
-
-def _history(tenant: str, i: int, turns: int) -> list[dict[str, str]]:
-    msgs = [{"role": "system", "content": f"You are the coding agent of {tenant}. " + SYSTEM}]
-    for j in range(turns):
-        msgs.append({"role": "user", "content": f"Session {i}, step {j}: run the tests."})
-        msgs.append({"role": "assistant", "content": f"Step {j} of session {i}: 3 passed, 1 failed."})
-    return msgs
-
-
-def build_fleet(args: argparse.Namespace, n_sessions: int) -> Fleet:
-    from gateway.turn.prompt import turn_digests
-
-    model = "qwen35-bench-seed0"
-    tenants = [f"tenant{t}" for t in range(args.tenants)]
-    sessions = [(tenants[i % len(tenants)], f"s-{i:07d}") for i in range(n_sessions)]
-    digests = [turn_digests(_history(t, i, args.turns), model) for i, (t, _) in enumerate(sessions)]
-    rng = random.Random(7)
-    owners = [rng.randrange(len(sessions)) for _ in range(args.request_pool)]
-    requests = [
-        _history(sessions[i][0], i, args.turns) + [{"role": "user", "content": "Next step."}] for i in owners
-    ]
-    engines = [f"bench-e{e}" for e in range(args.engines)]
-    keep = args.routes_per_session
-    return Fleet(model, tenants, engines, args.slots_per_engine, sessions, digests, requests, owners, keep)
-
-
-async def load_fleet(redis: Any, fleet: Fleet, batch: int = 500) -> float:
-    """Write every record, listing, engine set, idle LRU entry and prefix route the index keeps, in
-    pipelines (the same keys SessionIndex's transactions write). Returns seconds taken."""
-    from storage.index.keyspace import member
-    from storage.index.session_index import SessionIndex, SessionRecord, SessionState
-
-    keys = SessionIndex(redis).keys
-    n_live = len(fleet.engines) * fleet.slots
-    t0 = time.perf_counter()
-    for start in range(0, len(fleet.sessions), batch):
-        async with redis.pipeline(transaction=False) as pipe:
-            for i in range(start, min(start + batch, len(fleet.sessions))):
-                tenant, session = fleet.sessions[i]
-                live = i < n_live
-                engine = fleet.engines[i // fleet.slots] if live else None
-                rec = SessionRecord(
-                    tenant,
-                    session,
-                    SessionState.LIVE if live else SessionState.SPILLED,
-                    model=fleet.model,
-                    tokens=4000,
-                    engine=engine,
-                    slot=i % fleet.slots if live else None,
-                    generation=1,
-                    blob_key=f"slotkeeper/{tenant}/{session}/{1:020d}.slot",
-                    bytes=1 << 26,
-                    last_used=1_700_000_000.0 + i,
-                )
-                pipe.hset(keys.session(tenant, session), mapping=rec.to_hash())
-                pipe.zadd(keys.sessions(tenant), {session: rec.last_used})
-                if engine is not None:
-                    pipe.sadd(keys.engine_live(engine), member(tenant, session))
-                    pipe.zadd(keys.engine_idle(engine), {member(tenant, session): rec.last_used})
-                    pipe.hset(keys.tenant_live(tenant), mapping={session: engine})
-                kept = fleet.digests[i][-fleet.routes_per_session :]  # what the index keeps of them
-                for d in kept:
-                    pipe.set(keys.prefix_hash(tenant, d), session)
-                pipe.zadd(keys.session_prefixes(tenant, session), {ROUTE + d: n for n, d in enumerate(kept)})
-            await pipe.execute()
-    return time.perf_counter() - t0
 
 
 @dataclass
@@ -283,7 +196,7 @@ async def measure_backend(
 ) -> RoutingResult:
     empty = used_memory() if used_memory is not None else 0
     load_s = await load_fleet(redis, fleet)
-    per_session = (used_memory() - empty) / len(fleet.sessions) if used_memory is not None else None
+    per_session = (used_memory() - empty) / fleet.n_sessions if used_memory is not None else None
     decider, close = await make_decider(redis, fleet, workdir, args)
     try:
         pool_view = await _sanity(decider, fleet)
@@ -297,7 +210,7 @@ async def measure_backend(
 
 async def _sanity(decider: Decider, fleet: Fleet) -> list[Any]:
     """The loaded keys read back through the index as the gateway would see them."""
-    n_live = len(fleet.engines) * fleet.slots
+    n_live = fleet.n_live
     sample, decider.cluster.sample = decider.cluster.sample, len(fleet.engines)  # the whole pool, once
     try:
         pool_view, _ = await decider.cluster.pool_view(fleet.model)
@@ -306,7 +219,7 @@ async def _sanity(decider: Decider, fleet: Fleet) -> list[Any]:
     occupied = sum(1 for e in pool_view for s in e.slots if s.session is not None)
     if len(pool_view) != len(fleet.engines) or occupied != n_live:
         raise RuntimeError(f"the pool view sees {len(pool_view)} engines and {occupied} live sessions")
-    tenant, session = fleet.sessions[-1]
+    tenant, session = fleet.session(fleet.n_sessions - 1)
     if await decider.index.find(tenant, session) is None:
         raise RuntimeError("the index does not find the loaded sessions")
     return pool_view
@@ -315,7 +228,8 @@ async def _sanity(decider: Decider, fleet: Fleet) -> list[Any]:
 def pure_choose(fleet: Fleet, pool_view: list[Any], args: argparse.Namespace) -> float:
     from gateway.turn.slot_choice import SessionView, choose_placement
 
-    views = [SessionView(t, s, None, None, 1) for t, s in fleet.sessions[: args.request_pool]]
+    first = range(min(fleet.n_sessions, args.request_pool))
+    views = [SessionView(t, s, None, None, 1) for t, s in map(fleet.session, first)]
     pool_view = pool_view[: args.placement_sample]  # what one placement looks at
     n, deadline = 0, time.monotonic() + min(5.0, args.routing_time_limit)
     t0 = time.perf_counter()
@@ -367,11 +281,22 @@ async def _routing_async(args: argparse.Namespace, workdir: Path) -> list[Routin
     from storage.index.topology import connect
 
     topologies = [t for t in str(args.topologies).split(",") if t]
+    if unknown := set(topologies) - set(TOPOLOGIES):
+        known = ", ".join(TOPOLOGIES)
+        raise SystemExit(f"--topologies: unknown {', '.join(sorted(unknown))} (one of {known})")
 
     reports = []
     for n_sessions in (int(n) for n in str(args.sessions).split(",")):
         t0 = time.perf_counter()
-        fleet = build_fleet(args, n_sessions)
+        fleet = build_fleet(
+            n_sessions,
+            tenants=args.tenants,
+            engines=args.engines,
+            slots=args.slots_per_engine,
+            turns=args.turns,
+            routes_per_session=args.routes_per_session,
+            request_pool=args.request_pool,
+        )
         digests_s = time.perf_counter() - t0
         results = []
         if n_sessions <= 200_000:
@@ -381,35 +306,36 @@ async def _routing_async(args: argparse.Namespace, workdir: Path) -> list[Routin
             finally:
                 await fake.aclose()
                 del fake  # frees the in-process keyspace before the next backend
-        if "standalone" in topologies:
-            data = workdir / f"redis-{n_sessions}"
-            data.mkdir(exist_ok=True)
-            with redis_server(data) as port:
-                real = aioredis.from_url(f"redis://127.0.0.1:{port}", decode_responses=True)
-                try:
-                    memory = _used_memory_of(port)
-                    results.append(
-                        await measure_backend("redis-server", real, fleet, args, workdir, True, memory)
-                    )
-                finally:
-                    await real.aclose()
-        if "cluster" in topologies:
-            with redis_cluster(workdir / f"redis-cluster-{n_sessions}", replicas=0) as servers:
-                client = connect(servers.url, decode_responses=True)
-                try:
-                    results.append(
-                        await measure_backend(
-                            "redis-cluster (3 primaries, no replicas)",
-                            client,
-                            fleet,
-                            args,
-                            workdir,
-                            False,
-                            servers.used_memory,
+        for name in topologies:
+            server = "valkey" if name.startswith("valkey") else "redis"
+            if name in ("standalone", "valkey"):
+                data = workdir / f"{server}-{n_sessions}"
+                data.mkdir(exist_ok=True)
+                with redis_server(data, server=server) as port:
+                    real = aioredis.from_url(f"redis://127.0.0.1:{port}", decode_responses=True)
+                    try:
+                        memory = _used_memory_of(port)
+                        kind = f"{server}-server"
+                        results.append(await measure_backend(kind, real, fleet, args, workdir, True, memory))
+                    finally:
+                        await real.aclose()
+            else:  # cluster, valkey-cluster
+                with redis_cluster(workdir / f"{name}-{n_sessions}", replicas=0, server=server) as servers:
+                    client = connect(servers.url, decode_responses=True)
+                    try:
+                        results.append(
+                            await measure_backend(
+                                f"{server}-cluster (3 primaries, no replicas)",
+                                client,
+                                fleet,
+                                args,
+                                workdir,
+                                False,
+                                servers.used_memory,
+                            )
                         )
-                    )
-                finally:
-                    await client.aclose()
+                    finally:
+                        await client.aclose()
         pure = pure_choose(fleet, results[0].pool_view, args)
         _print_routing(fleet, results, pure, digests_s, args)
         reports.append(_routing_report(fleet, results, pure))
@@ -444,7 +370,7 @@ def _routing_report(fleet: Fleet, results: list[RoutingResult], pure: float) -> 
         )
         for r in results
     ]
-    return RoutingReport(len(fleet.sessions), len(fleet.engines), fleet.slots, pure, backends)
+    return RoutingReport(fleet.n_sessions, len(fleet.engines), fleet.slots, pure, backends)
 
 
 def routing(args: argparse.Namespace, workdir: Path) -> list[RoutingReport]:
@@ -454,6 +380,7 @@ def routing(args: argparse.Namespace, workdir: Path) -> list[RoutingReport]:
     return asyncio.run(_routing_async(args, workdir))
 
 
+TOPOLOGIES = ("standalone", "cluster", "valkey", "valkey-cluster")
 STAGES = ["resolve (match_prefix)", "index.find", "own slot or sampled pool view", "choose_placement"]
 
 
@@ -473,13 +400,13 @@ def _bottleneck(r: RoutingResult, n_engines: int) -> str:
 def _print_routing(
     fleet: Fleet, results: list[RoutingResult], pure: float, digests_s: float, args: argparse.Namespace
 ) -> None:
-    n_live = len(fleet.engines) * fleet.slots
-    n_digests = sum(len(d) for d in fleet.digests)
+    n_live = fleet.n_live
     n_engines = len(fleet.engines)
     print(
-        f"\n== 2. routing decisions: {len(fleet.sessions):,} sessions ({n_live} live in {n_engines} "
+        f"\n== 2. routing decisions: {fleet.n_sessions:,} sessions ({n_live} live in {n_engines} "
         f"engines x {fleet.slots} slots, the rest spilled), {len(fleet.tenants)} tenants, "
-        f"{n_digests:,} prefix digests (computed in {digests_s:.1f} s) =="
+        f"{fleet.kept} route digests each (those of the {len(fleet.digests):,} live or resumed "
+        f"sessions computed in {digests_s:.1f} s) =="
     )
     rows = []
     for r in results:
@@ -552,7 +479,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--topologies",
         default="standalone,cluster",
         help="Redis topologies, comma-separated: standalone (one redis-server), cluster (3 primaries, "
-        "no replicas)",
+        "no replicas), valkey, valkey-cluster (the same of valkey-servers)",
     )
     g.add_argument("--tenants", type=int, default=10)
     g.add_argument("--engines", type=int, default=1000, help="simulated engines in the registry")
