@@ -125,6 +125,7 @@ class RoutingResult:
     serves: dict[str, int]
     pool_view: list[Any]  # the engines as the decisions saw them (for choose_placement alone)
     bytes_per_session: float | None = None  # Redis used_memory per indexed session (real servers)
+    server_us: float | None = None  # redis-server's own time per sequential decision (its commandstats)
 
 
 async def _sequential(
@@ -200,12 +201,23 @@ async def measure_backend(
     decider, close = await make_decider(redis, fleet, workdir, args)
     try:
         pool_view = await _sanity(decider, fleet)
+        if count_commands:
+            await redis.config_resetstat()
         stage_us, seq, serves = await _sequential(decider, fleet, args)
+        server_us = await _server_us(redis) / len(stage_us[0]) if count_commands else None
         conc = await _concurrent(decider, fleet, args)
         commands = await _commands_per_stage(redis, decider, fleet) if count_commands else None
     finally:
         await close()
-    return RoutingResult(name, load_s, stage_us, seq, conc, commands, serves, pool_view, per_session)
+    return RoutingResult(
+        name, load_s, stage_us, seq, conc, commands, serves, pool_view, per_session, server_us
+    )
+
+
+async def _server_us(redis: Any) -> float:
+    """Microseconds redis-server spent in commands since its stats were reset (but this INFO)."""
+    stats = await redis.info("commandstats")
+    return float(sum(v["usec"] for k, v in stats.items() if k != "cmdstat_info"))
 
 
 async def _sanity(decider: Decider, fleet: Fleet) -> list[Any]:
@@ -249,6 +261,7 @@ class BackendReport:
     decisions_per_s_concurrent: float
     redis_commands_per_stage: list[float] | None  # redis-server only
     redis_bytes_per_session: float | None  # real servers only
+    redis_server_us_per_decision: float | None  # redis-server only: its own time in the commands
     stage_p50_us: list[float]
     decision_p50_us: float
     decision_p99_us: float
@@ -363,6 +376,7 @@ def _routing_report(fleet: Fleet, results: list[RoutingResult], pure: float) -> 
             decisions_per_s_concurrent=r.concurrent_per_s,
             redis_commands_per_stage=r.commands,
             redis_bytes_per_session=r.bytes_per_session,
+            redis_server_us_per_decision=r.server_us,
             stage_p50_us=[pct(us, 50) for us in r.stage_us],
             decision_p50_us=pct([sum(v) for v in zip(*r.stage_us, strict=True)], 50),
             decision_p99_us=pct([sum(v) for v in zip(*r.stage_us, strict=True)], 99),
@@ -445,11 +459,12 @@ def _print_routing(
             f"{r.sequential_per_s:,.0f}",
             f"{r.concurrent_per_s:,.0f}",
             "" if r.bytes_per_session is None else f"{r.bytes_per_session:,.0f}",
+            "" if r.server_us is None else f"{r.server_us:,.0f}",
             ",".join(f"{k}:{v}" for k, v in sorted(r.serves.items())),
         ]
         for r in results
     ]
-    rows.append(["choose_placement alone", "", "", f"{pure:,.0f}", "", "", ""])
+    rows.append(["choose_placement alone", "", "", f"{pure:,.0f}", "", "", "", ""])
     print()
     print(
         table(
@@ -460,6 +475,7 @@ def _print_routing(
                 "decisions/s (1 at a time)",
                 f"decisions/s ({args.concurrency} concurrent)",
                 "redis bytes/session",
+                "redis-server us/decision",
                 "placements",
             ],
             rows,

@@ -141,7 +141,7 @@ _FILL = """
 local first, count, step, dlen = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local record, route, routes, entry = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
 local kept, nfields = tonumber(ARGV[9]), tonumber(ARGV[10])
-local digest = '%0' .. (dlen - 8) .. 'x%08x'  -- session index, then route number: unique in the tenant
+local made = '%0' .. (dlen - 8) .. 'x%08x'  -- a digest: session index, route number (unique in the tenant)
 local skip = {}
 for j = 11 + 2 * nfields, #ARGV do skip[tonumber(ARGV[j])] = true end
 local function put(template, sid, used, digest)
@@ -153,7 +153,7 @@ end
 for k = 0, count - 1 do
   local i = first + k * step
   if not skip[i] then
-    local sid = string.format('s-%07d', i)
+    local sid = string.format('s-%07d', i)  -- (Fleet.session's)
     local used = string.format('%d.0', LAST_USED + i)
     local h = {}
     for f = 0, nfields - 1 do
@@ -164,7 +164,7 @@ for k = 0, count - 1 do
     redis.call('ZADD', KEYS[1], LAST_USED + i, sid)
     local members = {}
     for n = 0, kept - 1 do
-      local d = string.format(digest, i, n)
+      local d = string.format(made, i, n)
       redis.call('SET', put(route, sid, nil, d), sid)
       members[#members + 1] = n
       members[#members + 1] = put(entry, sid, nil, d)
