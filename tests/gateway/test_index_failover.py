@@ -27,10 +27,10 @@ from .conftest import openai_client
 from .test_index_healing import MODEL, SESSIONS, SYSTEM, metric, retried, saved, turn, two_turns
 
 
-@pytest.fixture(params=["cluster", "sentinel", "valkey-cluster"])
+@pytest.fixture(params=["cluster", "sentinel", "valkey-cluster", "valkey-sentinel"])
 def topology(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
-    """A set-up of this test's own: the test kills its primary."""
-    start = redis_sentinel if request.param == "sentinel" else redis_cluster
+    """A set-up of this test's own (of redis-servers or valkey-servers): the test kills its primary."""
+    start = redis_sentinel if request.param.endswith("sentinel") else redis_cluster
     server = "valkey" if request.param.startswith("valkey") else "redis"
     with start(tmp_path / "redis", server=server) as servers:
         yield servers
