@@ -28,6 +28,7 @@ async def _check(redis: Any, fleet: Fleet, real: bool) -> None:
     index = SessionIndex(redis)
     keys = index.keys
     scripted = [i for i in range(fleet.n_sessions) if i not in fleet.digests]
+    digest_length = len(fleet.digests[0][0])
     assert scripted and len(scripted) > fleet.n_sessions // 2
     for i in range(fleet.n_sessions):
         tenant, session = fleet.session(i)
@@ -36,6 +37,7 @@ async def _check(redis: Any, fleet: Fleet, real: bool) -> None:
         assert await redis.zscore(keys.sessions(tenant), session) == fleet.record(i).last_used
         routes = await redis.zrange(keys.session_prefixes(tenant, session), 0, -1)
         assert len(routes) == fleet.kept and all(r.startswith(ROUTE) for r in routes)
+        assert all(len(r) == len(ROUTE) + digest_length for r in routes)  # the bytes a true one takes
         for r in routes:
             assert await redis.get(keys.prefix_hash(tenant, r[len(ROUTE) :])) == session
         if i in fleet.digests:
