@@ -22,7 +22,7 @@ import asyncio
 import bisect
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from storage.index.keyspace import member
@@ -63,20 +63,24 @@ class Fleet:
 
     def record(self, i: int) -> SessionRecord:
         """Session ``i``'s record as the index would hold it."""
-        tenant, session = self.session(i)
-        live = i < self.n_live
+        spilled = self.spilled(*self.session(i), LAST_USED + i)
+        if i >= self.n_live:
+            return spilled
+        engine, slot = self.engines[i // self.slots], i % self.slots
+        return replace(spilled, state=SessionState.LIVE, engine=engine, slot=slot)
+
+    def spilled(self, tenant: str, session: str, last_used: float) -> SessionRecord:
+        """The record of a spilled session of the fleet."""
         return SessionRecord(
             tenant,
             session,
-            SessionState.LIVE if live else SessionState.SPILLED,
+            SessionState.SPILLED,
             model=self.model,
             tokens=4000,
-            engine=self.engines[i // self.slots] if live else None,
-            slot=i % self.slots if live else None,
             generation=1,
             blob_key=f"slotkeeper/{tenant}/{session}/{1:020d}.slot",
             bytes=1 << 26,
-            last_used=LAST_USED + i,
+            last_used=last_used,
         )
 
     @property
@@ -226,26 +230,13 @@ def _queue(pipe: Any, keys: Any, fleet: Fleet, i: int) -> None:
 def _templates(keys: Any, fleet: Fleet) -> Any:
     """The script's arguments after the first three, for a tenant: its key templates and a spilled
     session's record, each with the marks the script fills in."""
-    any_digest = next(iter(fleet.digests.values()), ["0" * 32])
-    dlen = len(any_digest[0]) if any_digest else 32
-    spilled = fleet.record(fleet.n_sessions - 1)
+    dlen = next((len(d[0]) for d in fleet.digests.values() if d), 32)  # a true digest's length
 
     def marked(text: str) -> str:
         return text.replace(_SESSION_MARK, "\1").replace(_USED_MARK, "\2").replace(_DIGEST_MARK, "\3")
 
     def for_tenant(tenant: str) -> list[Any]:
-        rec = SessionRecord(
-            tenant,
-            _SESSION_MARK,
-            spilled.state,
-            model=spilled.model,
-            tokens=spilled.tokens,
-            generation=spilled.generation,
-            blob_key=f"slotkeeper/{tenant}/{_SESSION_MARK}/{1:020d}.slot",
-            bytes=spilled.bytes,
-            last_used=float(_USED_MARK),
-        )
-        fields = rec.to_hash()
+        fields = fleet.spilled(tenant, _SESSION_MARK, float(_USED_MARK)).to_hash()
         out: list[Any] = [
             dlen,
             marked(keys.session(tenant, _SESSION_MARK)),
