@@ -9,7 +9,8 @@ On Redis Cluster an engine's sets live in the engine's slot (``{e:ENGINE}``), it
 records in their tenants' slots, so no script reads both: the sets are written beside a transition
 rather than inside it (members added before the record says so, removed after), which makes a
 member a hint that the record confirms, never the truth. A pool view there is two round trips: the
-sets, then the members' records and locks (one pipeline, each command in its own slot).
+sets (a script per engine), then the members' records and locks (a script per tenant), each round
+one pipeline whose scripts run on their shards at once.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
+from redis.exceptions import NoScriptError
 
 from storage.index.keyspace import REDIS_FAILURES, Keyspace, parse_member, redis_errors, text
 from storage.index.records import SessionState
 
 log = structlog.get_logger("slotkeeper.storage")
-_OCCUPANT_FIELDS = ("state", "engine", "slot", "last_used")
 
 # KEYS: each engine's live SET and idle ZSET, in pairs. ARGV[1], ARGV[2]: what goes before and after
 # a tenant id in its keys (`Keyspace.tenant_parts`), so that records and locks are found as the
@@ -46,6 +47,20 @@ for i = 1, #KEYS, 2 do
     out[#out + 1] = table.concat({(i + 1) / 2, tenant, session, rec[1] or '', rec[2] or '', rec[3] or '',
       rec[4] or '', owner or '', idle[m] and '1' or '0'}, '\t')
   end
+end
+return out
+"""
+# Redis Cluster (module doc), round 1 — KEYS: an engine's live SET and idle ZSET. Its members, and
+# those of them idle.
+_ENGINE_SETS = "return {redis.call('SMEMBERS', KEYS[1]), redis.call('ZRANGE', KEYS[2], 0, -1)}"
+# Round 2 — KEYS: one tenant's records and locks, in pairs (one slot). One line per pair: state,
+# engine, slot, last_used, lock owner ('' for what is missing); tab-separated.
+_OCCUPANTS = """
+local out = {}
+for i = 1, #KEYS, 2 do
+  local rec = redis.call('HMGET', KEYS[i], 'state', 'engine', 'slot', 'last_used')
+  out[#out + 1] = table.concat({rec[1] or '', rec[2] or '', rec[3] or '', rec[4] or '',
+    redis.call('GET', KEYS[i + 1]) or ''}, '\t')
 end
 return out
 """
@@ -166,33 +181,40 @@ class EngineOccupancy:
 
     async def _split_occupants(self, engines: Sequence[str], skipped: set[str]) -> list[list[str]]:
         """What the ``_SLOTS`` script returns, read in two round trips (Redis Cluster: see the module
-        doc), each slot's commands in one pipeline, the slots at once. An engine whose sets, or
-        one of whose members' records, cannot be read (its shard away) is left out and named in
-        ``skipped``: a view must not take its unknown slots for free ones."""
+        doc): a script per engine, then one per tenant, each round one pipeline. An engine whose
+        sets, or one of whose members' records, cannot be read (its shard away) is left out and
+        named in ``skipped``: a view must not take its unknown slots for free ones."""
+        sets_sha = self._script_sha("engine_sets", _ENGINE_SETS)
+        occupants_sha = self._script_sha("occupants", _OCCUPANTS)
 
-        async def pipelined(calls: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for name, args in calls:
-                    getattr(pipe, name)(*args)
-                return list(await pipe.execute())
+        async def pipelined(calls: list[tuple[str, list[str]]]) -> list[Any]:
+            """Each call's reply (EVALSHA of a script by its SHA over its keys); a shard that lost
+            the scripts (restarted, failed over) is given them again and asked once more."""
+            for attempt in (1, 2):
+                try:
+                    async with self._redis.pipeline(transaction=False) as pipe:
+                        for sha, keys in calls:
+                            pipe.evalsha(sha, len(keys), *keys)
+                        return list(await pipe.execute())
+                except NoScriptError:
+                    if attempt == 2:
+                        raise
+                    for script in (_ENGINE_SETS, _OCCUPANTS):
+                        await self._redis.script_load(script)
+            raise AssertionError("unreachable")
 
-        async def gathered(groups: list[list[tuple[str, tuple[Any, ...]]]]) -> list[Any]:
-            """Each group's replies (or the error that kept it from being read): one pipeline for
-            all (a round trip per shard, at once), or, when a shard fails it, one per group."""
+        async def gathered(groups: list[tuple[str, list[str]]]) -> list[Any]:
+            """Each call's reply (or the error that kept it from being read): one pipeline for
+            all (a round trip per shard, at once), or, when a shard fails it, one per call."""
             try:
-                flat = await pipelined([c for g in groups for c in g])
+                return await pipelined(groups)
             except REDIS_FAILURES:
-                return list(await asyncio.gather(*(pipelined(g) for g in groups), return_exceptions=True))
-            out, at = [], 0
-            for g in groups:
-                out.append(flat[at : at + len(g)])
-                at += len(g)
-            return out
+                outcomes = await asyncio.gather(*(pipelined([g]) for g in groups), return_exceptions=True)
+                return [o[0] if isinstance(o, list) else o for o in outcomes]
 
-        def sets(e: str) -> list[tuple[str, tuple[Any, ...]]]:
-            return [("smembers", (self.keys.engine_live(e),)), ("zrange", (self.keys.engine_idle(e), 0, -1))]
-
-        read = await gathered([sets(e) for e in engines])
+        read = await gathered(
+            [(sets_sha, [self.keys.engine_live(e), self.keys.engine_idle(e)]) for e in engines]
+        )
         members: dict[str, list[tuple[int, str, bool]]] = {}  # tenant -> (engine index, session, idle)
         for i, got in enumerate(read):
             if isinstance(got, REDIS_FAILURES):
@@ -205,12 +227,11 @@ class EngineOccupancy:
                 tenant, session = parse_member(text(m))
                 members.setdefault(tenant, []).append((i, session, text(m) in idlers))
 
-        def records(tenant: str) -> list[tuple[str, tuple[Any, ...]]]:
-            calls: list[tuple[str, tuple[Any, ...]]] = []
+        def records(tenant: str) -> tuple[str, list[str]]:
+            keys = []
             for _, session, _ in members[tenant]:
-                calls.append(("hmget", (self.keys.session(tenant, session), *_OCCUPANT_FIELDS)))
-                calls.append(("get", (self.keys.lock(tenant, session),)))
-            return calls
+                keys += [self.keys.session(tenant, session), self.keys.lock(tenant, session)]
+            return occupants_sha, keys
 
         tenants = list(members)
         replies = await gathered([records(t) for t in tenants]) if tenants else []
@@ -221,13 +242,15 @@ class EngineOccupancy:
                 continue
             if isinstance(got, BaseException):
                 raise got
-            for n, (i, session, idle) in enumerate(members[tenant]):
-                fields, owner = got[2 * n], got[2 * n + 1]
-                rows.append(
-                    [str(i + 1), tenant, session, *("" if f is None else text(f) for f in fields)]
-                    + ["" if owner is None else text(owner), "1" if idle else "0"]
-                )
+            for (i, session, idle), line in zip(members[tenant], got, strict=True):
+                rows.append([str(i + 1), tenant, session, *text(line).split("\t"), "1" if idle else "0"])
         return [r for r in rows if engines[int(r[0]) - 1] not in skipped]
+
+    def _script_sha(self, name: str, source: str) -> str:
+        """The SHA of a script registered once per index (loaded on the servers on first use)."""
+        if name not in self._scripts:
+            self._scripts[name] = self._redis.register_script(source)
+        return str(self._scripts[name].sha)
 
     async def tenant_live_engines(self, tenant: str) -> set[str]:
         """The engines holding the tenant's live sessions (O(its live sessions))."""

@@ -270,6 +270,35 @@ async def test_one_script_reads_every_occupant_of_a_pool_view(index: SessionInde
     assert await index.slot_occupants([]) == []
 
 
+async def test_a_pool_view_reads_locks_and_survives_servers_that_lost_their_scripts(
+    index: SessionIndex, redis_client: Any
+) -> None:
+    """A shard restarted or promoted has no scripts cached: the next view loads them again
+    (Redis Cluster reads by scripts of its own, one per engine and one per tenant)."""
+    for n, tenant in enumerate(("acme", "beta", "gamma")):
+        await index.mark_live(tenant, "s", engine=f"e{n % 2}", slot=n, tokens=1)
+    await index.mark_idle("gamma", "s")
+    locks = SessionLocks(redis_client, prefix="sk")
+    lock = await locks.acquire("beta", "s", ttl_s=30)
+    assert lock is not None
+
+    async def seen() -> dict[tuple[str, tuple[str, str]], tuple[int | None, bool, bool]]:
+        rows = await index.slot_occupants(["e0", "e1", "e9"])
+        return {
+            (engine, pair): (occ.slot if occ else None, occ is not None and occ.owner is not None, idle)
+            for engine, pair, occ, idle in rows
+        }
+
+    expected = {
+        ("e0", ("acme", "s")): (0, False, False),
+        ("e1", ("beta", "s")): (1, True, False),
+        ("e0", ("gamma", "s")): (2, False, True),
+    }
+    assert await seen() == expected
+    await redis_client.script_flush()
+    assert await seen() == expected
+
+
 async def test_is_idle_tells_a_running_turn_from_bookkeeping(index: SessionIndex) -> None:
     assert not await index.is_idle("acme", "x")
     await index.mark_live("acme", "x", engine="e1", slot=0, tokens=1)
