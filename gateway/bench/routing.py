@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import statistics
@@ -27,7 +28,7 @@ import httpx
 
 from engine_pool.protocol.codec import Wire
 from gateway.bench.harness.fleet import Fleet, build_fleet, load_fleet
-from gateway.bench.harness.redis_topologies import redis_cluster
+from gateway.bench.harness.redis_topologies import redis_cluster, rehashing
 from gateway.bench.harness.report import pct, table
 from gateway.bench.harness.servers import redis_server
 from storage.index.prefix_digests import DEFAULT_ROUTES_PER_SESSION
@@ -126,6 +127,8 @@ class RoutingResult:
     pool_view: list[Any]  # the engines as the decisions saw them (for choose_placement alone)
     bytes_per_session: float | None = None  # Redis used_memory per indexed session (real servers)
     server_us: float | None = None  # redis-server's own time per sequential decision (its commandstats)
+    rehashing_per_s: float | None = None  # one at a time while the servers grew their key tables
+    settle_s: float | None = None  # how long the servers took to end that after the load
 
 
 async def _sequential(
@@ -194,13 +197,24 @@ async def measure_backend(
     workdir: Path,
     count_commands: bool,
     used_memory: Callable[[], int] | None = None,
+    rehashing: Callable[[], bool] | None = None,
 ) -> RoutingResult:
+    """One backend's decisions over ``fleet``. ``rehashing`` (real servers): whether a server is
+    still growing its key table after the load; the decisions are measured once while it does, and
+    then, as every other figure, once it is done (a steady index, whatever its size)."""
     empty = used_memory() if used_memory is not None else 0
     load_s = await load_fleet(redis, fleet)
     per_session = (used_memory() - empty) / fleet.n_sessions if used_memory is not None else None
     decider, close = await make_decider(redis, fleet, workdir, args)
     try:
         pool_view = await _sanity(decider, fleet)
+        rehashing_per_s, settle_s = None, None
+        if rehashing is not None:
+            t0 = time.perf_counter()
+            if await asyncio.to_thread(rehashing):
+                rehashing_per_s = (await _sequential(decider, fleet, args))[1]
+                await _settled(rehashing)
+            settle_s = time.perf_counter() - t0
         if count_commands:
             await redis.config_resetstat()
         stage_us, seq, serves = await _sequential(decider, fleet, args)
@@ -210,8 +224,29 @@ async def measure_backend(
     finally:
         await close()
     return RoutingResult(
-        name, load_s, stage_us, seq, conc, commands, serves, pool_view, per_session, server_us
+        name,
+        load_s,
+        stage_us,
+        seq,
+        conc,
+        commands,
+        serves,
+        pool_view,
+        per_session,
+        server_us,
+        rehashing_per_s,
+        settle_s,
     )
+
+
+async def _settled(rehashing: Callable[[], bool], timeout_s: float = 3600.0) -> None:
+    """Wait until no server is growing its key table any more (Redis does it a step per lookup and
+    a millisecond per tenth of a second; a 50-million-key table takes minutes)."""
+    deadline = time.monotonic() + timeout_s
+    while await asyncio.to_thread(rehashing):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the servers still grow their key tables after {timeout_s:.0f} s")
+        await asyncio.sleep(0.5)
 
 
 async def _server_us(redis: Any) -> float:
@@ -262,6 +297,9 @@ class BackendReport:
     redis_commands_per_stage: list[float] | None  # redis-server only
     redis_bytes_per_session: float | None  # real servers only
     redis_server_us_per_decision: float | None  # redis-server only: its own time in the commands
+    decisions_per_s_rehashing: float | None  # one at a time right after the load, while a server
+    # grew its key table (None: none did); every other figure is from after it
+    rehash_wait_s: float | None  # from the load's end until no server did (real servers)
     stage_p50_us: list[float]
     decision_p50_us: float
     decision_p99_us: float
@@ -329,7 +367,10 @@ async def _routing_async(args: argparse.Namespace, workdir: Path) -> list[Routin
                     try:
                         memory = _used_memory_of(port)
                         kind = f"{server}-server"
-                        results.append(await measure_backend(kind, real, fleet, args, workdir, True, memory))
+                        grows = functools.partial(rehashing, port)
+                        results.append(
+                            await measure_backend(kind, real, fleet, args, workdir, True, memory, grows)
+                        )
                     finally:
                         await real.aclose()
             else:  # cluster, valkey-cluster
@@ -345,6 +386,7 @@ async def _routing_async(args: argparse.Namespace, workdir: Path) -> list[Routin
                                 workdir,
                                 False,
                                 servers.used_memory,
+                                lambda: any(rehashing(p) for p in servers.primary_ports()),
                             )
                         )
                     finally:
@@ -377,6 +419,8 @@ def _routing_report(fleet: Fleet, results: list[RoutingResult], pure: float) -> 
             redis_commands_per_stage=r.commands,
             redis_bytes_per_session=r.bytes_per_session,
             redis_server_us_per_decision=r.server_us,
+            decisions_per_s_rehashing=r.rehashing_per_s,
+            rehash_wait_s=r.settle_s,
             stage_p50_us=[pct(us, 50) for us in r.stage_us],
             decision_p50_us=pct([sum(v) for v in zip(*r.stage_us, strict=True)], 50),
             decision_p99_us=pct([sum(v) for v in zip(*r.stage_us, strict=True)], 99),
@@ -460,11 +504,12 @@ def _print_routing(
             f"{r.concurrent_per_s:,.0f}",
             "" if r.bytes_per_session is None else f"{r.bytes_per_session:,.0f}",
             "" if r.server_us is None else f"{r.server_us:,.0f}",
+            _rehash_cell(r),
             ",".join(f"{k}:{v}" for k, v in sorted(r.serves.items())),
         ]
         for r in results
     ]
-    rows.append(["choose_placement alone", "", "", f"{pure:,.0f}", "", "", "", ""])
+    rows.append(["choose_placement alone", "", "", f"{pure:,.0f}", "", "", "", "", ""])
     print()
     print(
         table(
@@ -476,11 +521,22 @@ def _print_routing(
                 f"decisions/s ({args.concurrency} concurrent)",
                 "redis bytes/session",
                 "redis-server us/decision",
+                "1 at a time while rehashing (s to end)",
                 "placements",
             ],
             rows,
         )
     )
+
+
+def _rehash_cell(r: RoutingResult) -> str:
+    """The decisions/s right after the load while a server grew its key table, and how long it
+    took to end: what the table's other figures waited for."""
+    if r.settle_s is None:
+        return ""
+    if r.rehashing_per_s is None:
+        return "(not rehashing)"
+    return f"{r.rehashing_per_s:,.0f} ({r.settle_s:.0f} s)"
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ what the docs ask of a production cluster too.
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import time
@@ -50,6 +51,17 @@ def cli(port: int, *words: str, timeout: float = 30.0) -> str:
         check=False,
     )
     return out.stdout
+
+
+_REHASHING = re.compile(r"rehashing target|rehashing index: [0-9]")
+
+
+def rehashing(port: int) -> bool:
+    """Whether the server on ``port`` is growing its key table (DEBUG HTSTATS: redis-server names
+    a rehashing target, valkey-server a rehashing index). Until it is done, each key looked up also
+    moves a bucket of the old table into the new one: a table just grown past a power of two makes
+    every command slower for a while, whatever the number of keys."""
+    return bool(_REHASHING.search(cli(port, "debug", "htstats", "0")))
 
 
 def _wait(what: str, check: object, timeout_s: float = 60.0) -> None:

@@ -227,6 +227,7 @@ class RedisProcess:
             *("--save", ""),
             *("--appendonly", "no"),
             *("--dir", str(self.data)),
+            *("--enable-debug-command", "local"),  # DEBUG HTSTATS from loopback: the bench's `rehashing`
         ]
 
     def start(self, launch: Callable[[list[str], Path], subprocess.Popen[bytes]] | None = None) -> None:
