@@ -184,24 +184,17 @@ class EngineOccupancy:
         doc): a script per engine, then one per tenant, each round one pipeline. An engine whose
         sets, or one of whose members' records, cannot be read (its shard away) is left out and
         named in ``skipped``: a view must not take its unknown slots for free ones."""
-        sets_sha = self._script_sha("engine_sets", _ENGINE_SETS)
-        occupants_sha = self._script_sha("occupants", _OCCUPANTS)
+        scripts = {"engine_sets": _ENGINE_SETS, "occupants": _OCCUPANTS}
+        shas = {name: self._script_sha(name, source) for name, source in scripts.items()}
 
         async def pipelined(calls: list[tuple[str, list[str]]]) -> list[Any]:
-            """Each call's reply (EVALSHA of a script by its SHA over its keys); a shard that lost
-            the scripts (restarted, failed over) is given them again and asked once more."""
-            for attempt in (1, 2):
-                try:
-                    async with self._redis.pipeline(transaction=False) as pipe:
-                        for sha, keys in calls:
-                            pipe.evalsha(sha, len(keys), *keys)
-                        return list(await pipe.execute())
-                except NoScriptError:
-                    if attempt == 2:
-                        raise
-                    for script in (_ENGINE_SETS, _OCCUPANTS):
-                        await self._redis.script_load(script)
-            raise AssertionError("unreachable")
+            """Each call's reply: its script (by name) over its keys, by SHA; where a shard lost
+            the scripts (restarted, promoted) the whole pipeline is sent again with their bodies,
+            which that shard keeps for the next view."""
+            try:
+                return await self._evaluated("evalsha", calls, shas)
+            except NoScriptError:
+                return await self._evaluated("eval", calls, scripts)
 
         async def gathered(groups: list[tuple[str, list[str]]]) -> list[Any]:
             """Each call's reply (or the error that kept it from being read): one pipeline for
@@ -213,7 +206,7 @@ class EngineOccupancy:
                 return [o[0] if isinstance(o, list) else o for o in outcomes]
 
         read = await gathered(
-            [(sets_sha, [self.keys.engine_live(e), self.keys.engine_idle(e)]) for e in engines]
+            [("engine_sets", [self.keys.engine_live(e), self.keys.engine_idle(e)]) for e in engines]
         )
         members: dict[str, list[tuple[int, str, bool]]] = {}  # tenant -> (engine index, session, idle)
         for i, got in enumerate(read):
@@ -231,7 +224,7 @@ class EngineOccupancy:
             keys = []
             for _, session, _ in members[tenant]:
                 keys += [self.keys.session(tenant, session), self.keys.lock(tenant, session)]
-            return occupants_sha, keys
+            return "occupants", keys
 
         tenants = list(members)
         replies = await gathered([records(t) for t in tenants]) if tenants else []
@@ -245,6 +238,16 @@ class EngineOccupancy:
             for (i, session, idle), line in zip(members[tenant], got, strict=True):
                 rows.append([str(i + 1), tenant, session, *text(line).split("\t"), "1" if idle else "0"])
         return [r for r in rows if engines[int(r[0]) - 1] not in skipped]
+
+    async def _evaluated(
+        self, command: str, calls: list[tuple[str, list[str]]], scripts: dict[str, str]
+    ) -> list[Any]:
+        """One pipeline: each call's script over its keys, ``scripts`` giving it by name, as its
+        SHA (``command`` evalsha) or its body (eval)."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for name, keys in calls:
+                getattr(pipe, command)(scripts[name], len(keys), *keys)
+            return list(await pipe.execute())
 
     def _script_sha(self, name: str, source: str) -> str:
         """The SHA of a script registered once per index (loaded on the servers on first use)."""
