@@ -295,23 +295,25 @@ class Cluster:
         model: str,
         holder: tuple[str, str] | None = None,
         *,
-        with_tenant_engines: bool = False,
+        live_limit: int | None = None,
         also: str | None = None,
     ) -> tuple[list[EngineView], dict[str, EngineRef]]:
         """Engines serving `model` and who sits in their slots, in one round trip whatever the
         pool's and the index's size: above `sample` engines, a random sample of them (the best
         free slot or LRU victim among those: power-of-d choices), plus `also` (an engine the caller
-        would prefer) and, `with_tenant_engines`, every engine holding one of the holder tenant's
-        live sessions (its live-slot quota counts them). `holder` is the session whose lock the
-        caller holds: its own slot is not busy for it. Also returns those engines by id (their
-        URLs and nodes)."""
+        would prefer) and, when the holder's tenant holds its live-slot quota (`live_limit`)
+        already, every engine holding one of its other live sessions: it makes room among them
+        (gateway.turn.slot_choice). `holder` is the session whose lock the caller holds: its own
+        slot is not busy for it. Also returns those engines by id (their URLs and nodes)."""
         serving = await self.engines(model)
         if len(serving) > self.sample:
             picked = set(self._random.sample(range(len(serving)), self.sample))
             picked |= {i for i, e in enumerate(serving) if e.engine == also}
-            if with_tenant_engines and holder is not None:
-                own = await self.index.tenant_live_engines(holder[0])
-                picked |= {i for i, e in enumerate(serving) if e.engine in own}
+            if live_limit is not None and holder is not None:
+                live = await self.index.tenant_live_sessions(holder[0])
+                own = {e for s, e in live.items() if s != holder[1]}
+                if len(live) - (holder[1] in live) >= live_limit:
+                    picked |= {i for i, e in enumerate(serving) if e.engine in own}
             serving = [serving[i] for i in sorted(picked)]
         refs = {e.engine: e for e in serving}
         occupants: dict[str, dict[int, SlotView]] = {e: {} for e in refs}

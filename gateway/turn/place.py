@@ -236,7 +236,7 @@ async def _place_by_pool_view(
         pool_view, refs = await parts.cluster.pool_view(
             model,
             holder=(tenant.name, record.session),
-            with_tenant_engines=tenant.quotas.live_slots is not None,
+            live_limit=tenant.quotas.live_slots,
             also=prefer,
         )
         # No await from here to the reservation: what this choice sees and the slot it holds

@@ -255,7 +255,8 @@ class EngineOccupancy:
             self._scripts[name] = self._redis.register_script(source)
         return str(self._scripts[name].sha)
 
-    async def tenant_live_engines(self, tenant: str) -> set[str]:
-        """The engines holding the tenant's live sessions (O(its live sessions))."""
+    async def tenant_live_sessions(self, tenant: str) -> dict[str, str]:
+        """The tenant's live sessions and the engine each is live on (O(its live sessions))."""
         async with redis_errors():
-            return {text(e) for e in await self._redis.hvals(self.keys.tenant_live(tenant))}
+            found = await self._redis.hgetall(self.keys.tenant_live(tenant))
+        return {text(s): text(e) for s, e in found.items()}

@@ -1,6 +1,7 @@
 """Pool views cost the same whatever the pool's size: above `sample` engines a random sample
-is looked at, plus every engine holding one of the tenant's live sessions (its live-slot quota
-counts them); the registry is read from the gateway's cache until its epoch moves."""
+is looked at, plus, for a tenant at its live-slot quota, every engine holding one of its live
+sessions (it makes room among them); the registry is read from the gateway's cache until its epoch
+moves."""
 
 from __future__ import annotations
 
@@ -57,18 +58,23 @@ async def test_the_tenants_own_engines_join_the_sample_so_its_live_quota_holds(p
     await _live(index, "t", "b", "e31", 1)
     await _live(index, "other", "c", "e12", 0)
     cluster = cluster_of(4)
-    views, _ = await cluster.pool_view(MODEL, holder=("t", "new"), with_tenant_engines=True)
+    views, _ = await cluster.pool_view(MODEL, holder=("t", "new"), live_limit=2)
     engines = {v.engine for v in views}
     assert {"e07", "e31"} <= engines and len(engines) <= 6
     # With a quota of 2 the tenant makes room by evicting its own least recently used session,
     # although that engine was not in the random part of the sample.
     placement = choose_placement(views, MODEL, SessionView("t", "new"), live_limit=2)
     assert placement.evict is not None and (placement.evict.tenant, placement.evict.session) == ("t", "a")
-    # Spilled or deleted, a session leaves the tenant's live engines.
+    # Below its quota (its own session not counted) the tenant takes a slot like any other: the
+    # sample alone is read, however many live sessions it holds.
+    for holder, limit in ((("t", "new"), 3), (("t", "a"), 2)):
+        views, _ = await cluster.pool_view(MODEL, holder=holder, live_limit=limit)
+        assert len(views) == 4
+    # Spilled or deleted, a session leaves the tenant's live sessions.
     await index.mark_spilled("t", "a", generation=1, blob_key="k", nbytes=1)
     await index.delete("t", "b")
-    assert await index.tenant_live_engines("t") == set()
-    assert await index.tenant_live_engines("other") == {"e12"}
+    assert await index.tenant_live_sessions("t") == {}
+    assert await index.tenant_live_sessions("other") == {"c": "e12"}
 
 
 async def test_the_registry_is_cached_until_its_epoch_moves(pool) -> None:
