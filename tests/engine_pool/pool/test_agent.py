@@ -532,14 +532,14 @@ async def test_client_retries_only_before_the_first_byte() -> None:
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections.append(1)
-        await reader.readuntil(b"\r\n\r\n")
-        n = len(connections)
-        if mode == "close-first" and n == 1:
-            writer.close()  # like a keep-alive connection the server dropped: no byte of a response
-            return
-        writer.write(broken if mode == "broken" else ok)
-        await writer.drain()
-        writer.close()
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            if mode == "close-first" and len(connections) == 1:
+                return  # like a keep-alive connection the server dropped: no byte of a response
+            writer.write(broken if mode == "broken" else ok)
+            await writer.drain()
+        finally:  # also when the test's end cancels it: a socket left open warns wherever GC finds it
+            writer.close()
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
