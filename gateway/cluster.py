@@ -311,8 +311,9 @@ class Cluster:
             picked |= {i for i, e in enumerate(serving) if e.engine == also}
             if live_limit is not None and holder is not None:
                 live = await self.index.tenant_live_sessions(holder[0])
-                own = {e for s, e in live.items() if s != holder[1]}
-                if len(live) - (holder[1] in live) >= live_limit:
+                others = {s: e for s, e in live.items() if s != holder[1]}
+                if len(others) >= live_limit:
+                    own = set(others.values())
                     picked |= {i for i, e in enumerate(serving) if e.engine in own}
             serving = [serving[i] for i in sorted(picked)]
         refs = {e.engine: e for e in serving}
