@@ -44,7 +44,7 @@ from gateway.cluster import LabelledSlot
 from gateway.metrics import Metrics
 from storage.blobs.blobstore import BlobStore
 from storage.errors import StorageError
-from storage.index.epoch import IndexEpoch, IndexState, index_state
+from storage.index.epoch import IndexEpoch, IndexState, Lease, index_state
 from storage.index.records import SessionRecord, SessionState
 from storage.index.reindex import adopt_stored, reindex, reindex_session
 from storage.index.session_index import SessionIndex
@@ -247,9 +247,10 @@ class IndexHealing:
                 current, built = await self._epoch.read()
                 if current == epoch and built == epoch:
                     break
-                lease = await self._epoch.take_lease(self._lease_ttl_s)
-                if lease is None:  # another process rebuilds: wait for it (or for its lease to lapse)
+                answer, lease = await self._epoch.take_lease(epoch, self._lease_ttl_s)
+                if answer is Lease.HELD:  # another process rebuilds: wait for it (or its lease to lapse)
                     await asyncio.sleep(min(self._interval_s, 0.5))
+                if answer is not Lease.TAKEN:
                     continue
                 log.info("index.rebuilding", epoch=epoch)
                 try:

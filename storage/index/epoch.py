@@ -28,6 +28,7 @@ import secrets
 from typing import Any
 
 from storage.index.keyspace import Keyspace, redis_errors, text
+from storage.index.scripts import IndexScripts
 
 # Set ``index:built`` to the epoch only while the epoch is still that one (not lost again meanwhile)
 # and the rebuilding lease is still ours, then give the lease back.
@@ -42,6 +43,13 @@ _RENEW = """
 local current = redis.call('GET', KEYS[1])
 if current == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2]) return ARGV[2] end
 return current or ''
+"""
+# Take the rebuilding lease for an epoch that is still the index's and not yet built.
+_TAKE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 'moved' end
+if redis.call('GET', KEYS[2]) == ARGV[1] then return 'built' end
+if redis.call('SET', KEYS[3], ARGV[2], 'NX', 'PX', ARGV[3]) then return 'taken' end
+return 'held'
 """
 _GIVE_BACK = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
@@ -65,7 +73,16 @@ def index_state(known: str | None, epoch: str, built: str) -> IndexState:
     return IndexState.READY if built == epoch else IndexState.HEALING
 
 
-class IndexEpoch:
+class Lease(enum.Enum):
+    """What asking for the rebuilding lease of an epoch found."""
+
+    TAKEN = "taken"  # this process rebuilds
+    HELD = "held"  # another process rebuilds: wait for it (or for its lease to lapse)
+    BUILT = "built"  # the epoch is rebuilt already (perhaps just now, by another process)
+    MOVED = "moved"  # the epoch is no longer the index's: claim again
+
+
+class IndexEpoch(IndexScripts):
     """The three keys of the module doc, on one Redis client (share it: it keeps no state)."""
 
     def __init__(self, redis: Any, *, prefix: str = "slotkeeper") -> None:
@@ -73,8 +90,6 @@ class IndexEpoch:
         keys = Keyspace(prefix)
         self.epoch_key, self.built_key = keys.index_epoch(), keys.index_built()
         self.lease_key = keys.index_lease()
-        self._built: Any = None  # the scripts, registered on first use
-        self._give_back: Any = None
         self._scripts: dict[str, Any] = {}
 
     async def read(self) -> tuple[str, str]:
@@ -91,20 +106,23 @@ class IndexEpoch:
             current = token if created else await self._redis.get(self.epoch_key)
         return (text(current) if current else ""), created
 
-    async def take_lease(self, ttl_s: float) -> str | None:
-        """The rebuilding lease's token when this call took it, None when another process holds it."""
+    async def take_lease(self, epoch: str, ttl_s: float) -> tuple[Lease, str]:
+        """Ask for the rebuilding lease of ``epoch``, in one step with the check that it is still
+        the index's epoch and not built yet (a lease given back by a process that just marked it
+        built must not start a second rebuild); the answer, and the lease's token when TAKEN."""
         token = secrets.token_hex(16)
         async with redis_errors():
-            taken = await self._redis.set(self.lease_key, token, nx=True, px=max(1, round(ttl_s * 1000)))
-        return token if taken else None
+            answer = await self._script("take", _TAKE)(
+                keys=[self.epoch_key, self.built_key, self.lease_key],
+                args=[epoch, token, max(1, round(ttl_s * 1000))],
+            )
+        return Lease(text(answer)), token
 
     async def mark_built(self, epoch: str, lease: str) -> bool:
         """Record ``epoch`` as rebuilt and give ``lease`` back, in one step; False when the epoch is
         no longer the index's (it was lost again during the rebuild: the caller starts over)."""
-        if self._built is None:
-            self._built = self._redis.register_script(_BUILT)
         async with redis_errors():
-            done = await self._built(
+            done = await self._script("built", _BUILT)(
                 keys=[self.epoch_key, self.built_key, self.lease_key], args=[epoch, lease]
             )
         return bool(int(done))
@@ -112,12 +130,9 @@ class IndexEpoch:
     async def renew(self, known: str) -> str:
         """A new epoch in place of ``known`` unless another process changed it already (then that
         one): every process that relied on the index as it was heals it (see the module doc)."""
-        if "renew" not in self._scripts:
-            self._scripts["renew"] = self._redis.register_script(_RENEW)
+        renew = self._script("renew", _RENEW)
         async with redis_errors():
-            return text(
-                await self._scripts["renew"](keys=[self.epoch_key], args=[known, secrets.token_hex(16)])
-            )
+            return text(await renew(keys=[self.epoch_key], args=[known, secrets.token_hex(16)]))
 
     async def histories(self) -> frozenset[str]:
         """The replication histories (``master_replid``) of the index's primaries now: one, or one
@@ -136,7 +151,5 @@ class IndexEpoch:
 
     async def give_lease(self, lease: str) -> None:
         """Give the rebuilding lease back unbuilt (the rebuild failed), if it is still ours."""
-        if self._give_back is None:
-            self._give_back = self._redis.register_script(_GIVE_BACK)
         async with redis_errors():
-            await self._give_back(keys=[self.lease_key], args=[lease])
+            await self._script("give_back", _GIVE_BACK)(keys=[self.lease_key], args=[lease])

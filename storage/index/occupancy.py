@@ -25,6 +25,7 @@ from redis.exceptions import NoScriptError
 
 from storage.index.keyspace import REDIS_FAILURES, Keyspace, parse_member, redis_errors, text
 from storage.index.records import SessionState
+from storage.index.scripts import IndexScripts
 
 log = structlog.get_logger("slotkeeper.storage")
 
@@ -121,13 +122,11 @@ class Occupant:
     owner: str | None
 
 
-class EngineOccupancy:
+class EngineOccupancy(IndexScripts):
     """The engine-LRU reads of :class:`storage.index.session_index.SessionIndex` (a mixin: it uses the index's
     client and keyspace)."""
 
-    _redis: Any
     keys: Keyspace
-    _scripts: dict[str, Any]
     split: bool  # Redis Cluster: engines' sets and records are in different slots (module doc)
 
     async def idle_sessions(self, engine: str, limit: int | None = None) -> list[tuple[str, str]]:
@@ -157,9 +156,7 @@ class EngineOccupancy:
             rows = await self._split_occupants(engines, set() if skipped is None else skipped)
         else:
             keys = [k for e in engines for k in (self.keys.engine_live(e), self.keys.engine_idle(e))]
-            script = self._scripts.get("slots") or self._scripts.setdefault(
-                "slots", self._redis.register_script(_SLOTS)
-            )
+            script = self._script("slots", _SLOTS)
             async with redis_errors():
                 lines = await script(keys=keys, args=list(self.keys.tenant_parts()))
             rows = [text(line).split("\t") for line in lines]
@@ -185,7 +182,7 @@ class EngineOccupancy:
         sets, or one of whose members' records, cannot be read (its shard away) is left out and
         named in ``skipped``: a view must not take its unknown slots for free ones."""
         scripts = {"engine_sets": _ENGINE_SETS, "occupants": _OCCUPANTS}
-        shas = {name: self._script_sha(name, source) for name, source in scripts.items()}
+        shas = {name: str(self._script(name, source).sha) for name, source in scripts.items()}
 
         async def pipelined(calls: list[tuple[str, list[str]]]) -> list[Any]:
             """Each call's reply: its script (by name) over its keys, by SHA; where a shard lost
@@ -248,12 +245,6 @@ class EngineOccupancy:
             for name, keys in calls:
                 getattr(pipe, command)(scripts[name], len(keys), *keys)
             return list(await pipe.execute())
-
-    def _script_sha(self, name: str, source: str) -> str:
-        """The SHA of a script registered once per index (loaded on the servers on first use)."""
-        if name not in self._scripts:
-            self._scripts[name] = self._redis.register_script(source)
-        return str(self._scripts[name].sha)
 
     async def tenant_live_sessions(self, tenant: str) -> dict[str, str]:
         """The tenant's live sessions and the engine each is live on (O(its live sessions))."""

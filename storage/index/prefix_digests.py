@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from storage.errors import InvalidId
 from storage.ids import validate_id
 from storage.index.keyspace import Keyspace, redis_errors, text
+from storage.index.scripts import IndexScripts
 
 if TYPE_CHECKING:
     from storage.index.turnops import Ops
@@ -121,15 +122,13 @@ def route_ttl_ms(ttl_s: float) -> int:
     return max(1, round(ttl_s * 1000))
 
 
-class PrefixRouting:
+class PrefixRouting(IndexScripts):
     """The routing part of :class:`storage.index.session_index.SessionIndex` (a mixin: it uses the index's
     client, keyspace, ``route_ttl_ms`` and ``routes_per_session``)."""
 
-    _redis: Any
     keys: Keyspace
     route_ttl_ms: int
     routes_per_session: int
-    _scripts: dict[str, Any]
 
     async def add_prefixes(
         self, tenant: str, session: str, digests: Iterable[str], prompt: str | None = None
@@ -138,9 +137,7 @@ class PrefixRouting:
         route TTL, and the ``pp`` key of ``prompt`` (a prompt's digest) too, keeping the session's
         newest ``routes_per_session`` routing keys (see the module doc); one round trip (a script)."""
         key, args = self._routes(tenant, session, digests, prompt)
-        script = self._scripts.get("routes") or self._scripts.setdefault(
-            "routes", self._redis.register_script(_RECORD)
-        )
+        script = self._script("routes", _RECORD)
         async with redis_errors():
             await script(keys=[key], args=args)
 
@@ -171,9 +168,7 @@ class PrefixRouting:
         if not digests:
             return None
         keys = [self.keys.prefix_hash(tenant, validate_digest(d)) for d in digests]
-        script = self._scripts.get("match") or self._scripts.setdefault(
-            "match", self._redis.register_script(_MATCH)
-        )
+        script = self._script("match", _MATCH)
         async with redis_errors():
             found = await script(keys=keys, args=[self.keys.session_prefix(tenant)])
         if not found:

@@ -17,6 +17,7 @@ from storage.ids import validate_id
 from storage.index.keyspace import Keyspace, redis_errors
 from storage.index.prefix_digests import validate_digest
 from storage.index.records import SessionRecord
+from storage.index.scripts import IndexScripts
 
 # KEYS[1]: the digest's key. ARGV[1]: the tenant's session-key prefix. Returns {session, record
 # fields...} of the session it names while that session has a record, else nil.
@@ -30,14 +31,12 @@ return record
 """
 
 
-class SharedPrefixes:
+class SharedPrefixes(IndexScripts):
     """The shared-prefix part of :class:`storage.index.session_index.SessionIndex` (a mixin: it uses
     the index's client, keyspace, ``route_ttl_ms`` and scripts)."""
 
-    _redis: Any
     keys: Keyspace
     route_ttl_ms: int
-    _scripts: dict[str, Any]
 
     def queue_shared(self, pipe: Any, tenant: str, session: str, digest: str) -> None:
         """Point the shared prefix ``digest`` at ``session`` for the route TTL (queued on a pipeline
@@ -54,9 +53,7 @@ class SharedPrefixes:
     async def find_shared(self, tenant: str, digest: str) -> SessionRecord | None:
         """The record of the session the shared prefix ``digest`` points at (one round trip), or
         None when there is none or it was deleted."""
-        script = self._scripts.get("shared") or self._scripts.setdefault(
-            "shared", self._redis.register_script(_FIND)
-        )
+        script = self._script("shared", _FIND)
         key = self.keys.shared_prefix(tenant, validate_digest(digest))
         async with redis_errors():
             found = await script(keys=[key], args=[self.keys.session_prefix(tenant)])

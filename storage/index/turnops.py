@@ -46,6 +46,7 @@ from storage.index.locks import TURN, SessionLock, new_token
 from storage.index.occupancy import OccupancyWrites
 from storage.index.prefix_digests import ROUTES_LUA
 from storage.index.records import SessionRecord, checked
+from storage.index.scripts import IndexScripts
 
 # KEYS: rate window ('' slot unused when no limit), in-flight zset, lock, record, sessions zset,
 # stored bytes, then on one primary the registry epoch, index epoch, index built epoch. ARGV: rate
@@ -216,14 +217,12 @@ def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-class TurnOps:
+class TurnOps(IndexScripts):
     """The one-round-trip steps of :class:`storage.index.session_index.SessionIndex` (a mixin: it uses the
     index's client, keyspace, clock and transition writes)."""
 
-    _redis: Any
     keys: Keyspace
     _clock: Callable[[], float]
-    _scripts: dict[str, Any]
     split: bool
     _globals: tuple[float, list[Any]] | None
     # provided by SessionIndex and TenantCounters
@@ -246,12 +245,6 @@ class TurnOps:
                     raise
                 # their shard is away: the turns of tenants elsewhere go on with what was read last
         return self._globals[1]
-
-    def _script(self, name: str, source: str) -> Any:
-        """The script registered once per index (EVALSHA, loaded on first use)."""
-        if name not in self._scripts:
-            self._scripts[name] = self._redis.register_script(source)
-        return self._scripts[name]
 
     async def start_turn(
         self,

@@ -271,15 +271,20 @@ def test_two_nodes_that_cannot_meet_hand_a_state_over_through_the_store(
         lab.keep_apart("n2", "n1")
         url = _gateway(lab, nodes, redis.url, store, logs, "--tenants", str(tenants))
 
-        def answers() -> bool:
+        probes = iter(range(1_000))
+
+        def splits() -> bool:
+            """A new probe session's turn is split: the gateway answers and lists n1's prefill
+            engine (a registry read before n1's engine was ready holds until a TTL ends)."""
             try:
-                _chat(url, "key-whole", "probe", [{"role": "user", "content": "Hi"}])
-                return True
+                session = f"probe-{next(probes)}"
+                probe = _chat(url, "key-split", session, [{"role": "user", "content": "Hi"}])
+                return probe.headers["X-Slotkeeper-Cache"] == "handoff"
             except (httpx.TransportError, AssertionError):
                 return False
 
         try:
-            eventually("the gateway answering with both nodes' engines", answers, timeout_s=120)
+            eventually("the gateway splitting turns over both nodes' engines", splits, timeout_s=120)
             messages = [
                 {"role": "system", "content": SYSTEM},
                 {"role": "user", "content": "Tell me about the weather, the time and the place."},

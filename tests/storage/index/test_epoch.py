@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from storage.index.epoch import IndexEpoch, IndexState, index_state
+from storage.index.epoch import IndexEpoch, IndexState, Lease, index_state
 from storage.index.keyspace import in_process_redis
 
 
@@ -41,20 +41,23 @@ async def test_one_lease_at_a_time_and_built_only_for_the_current_epoch() -> Non
     redis = in_process_redis()
     epoch = IndexEpoch(redis, prefix="sk")
     token, _ = await epoch.claim()
-    lease = await epoch.take_lease(60)
-    assert lease is not None and await epoch.take_lease(60) is None
+    answer, lease = await epoch.take_lease(token, 60)
+    assert answer is Lease.TAKEN and (await epoch.take_lease(token, 60))[0] is Lease.HELD
     assert await epoch.mark_built(token, lease)
     assert await epoch.read() == (token, token)
-    assert await epoch.take_lease(60) is not None  # given back with the mark
+    # Given back with the mark, but a process that read the epoch unbuilt just before finds it
+    # built when it asks, and does not rebuild it a second time.
+    assert (await epoch.take_lease(token, 60))[0] is Lease.BUILT
 
     # Lost again during a rebuild: the old epoch is not marked built over the new one.
     await redis.flushall()
     newer, _ = await epoch.claim()
-    lease = await epoch.take_lease(60)
-    assert lease is not None
+    assert (await epoch.take_lease(token, 60))[0] is Lease.MOVED  # the caller claims again
+    answer, lease = await epoch.take_lease(newer, 60)
+    assert answer is Lease.TAKEN
     assert not await epoch.mark_built(token, lease)
     assert await epoch.read() == (newer, "")
     await epoch.give_lease("someone-else")  # not ours: kept
-    assert await epoch.take_lease(60) is None
+    assert (await epoch.take_lease(newer, 60))[0] is Lease.HELD
     await epoch.give_lease(lease)
-    assert await epoch.take_lease(60) is not None
+    assert (await epoch.take_lease(newer, 60))[0] is Lease.TAKEN
