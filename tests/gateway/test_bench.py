@@ -138,6 +138,12 @@ def test_sessions_side_by_side(tiny_model, tmp_path: Path) -> None:
     assert len(live) == 2 and all(t["served"] == "live" for t in live)
     summary = report["summary"]
     assert summary["slotkeeper"]["rounds 2.."]["evaluated"] == sum(t["prompt_n"] for t in later)
+    # Each server's own prompt time beside the time to answer: the prefill, within the answer.
+    first = [t for t in turns if t["round"] == 1]
+    assert all(0 < t["prompt_ms"] < t["ms"] for t in first)
+    for server in ("slotkeeper", "llama-server"):
+        new = summary[server]["round 1 after the first"]
+        assert new["turns"] == 2 and new["prompt_median_ms"] > 0
     assert set(summary["goals"]) == {"rounds 2.. <= 1.2x a live turn", "rounds 2.. >= 10x llama-server"}
     assert all(isinstance(v, bool) for v in summary["goals"].values())
 
