@@ -27,7 +27,7 @@ from storage.index.topology import connect
 
 
 def healer(
-    redis: Any, store: LocalStore, unstored: list[UnstoredCopy] | None = None
+    redis: Any, store: LocalStore, unstored: list[UnstoredCopy] | None = None, epoch: IndexEpoch | None = None
 ) -> tuple[IndexHealing, Metrics]:
     metrics = Metrics()
     index = SessionIndex(redis, prefix="sk")
@@ -35,7 +35,7 @@ def healer(
     async def listed(tenant: str | None, session: str | None) -> list[UnstoredCopy]:  # as a node filters
         return [c for c in unstored or () if session is None or (c.tenant, c.session) == (tenant, session)]
 
-    epoch = IndexEpoch(redis, prefix="sk")
+    epoch = epoch or IndexEpoch(redis, prefix="sk")
     return IndexHealing(epoch, store, index, metrics, interval_s=0.01, unstored=listed, wait_s=0.5), metrics
 
 
@@ -104,6 +104,50 @@ async def test_a_new_index_is_built_at_start_and_a_lost_one_once_by_one_of_two_g
     assert rebuilds(ma) + rebuilds(mb) == 3 - 1  # one more rebuild, by one of them
     epoch, built = await IndexEpoch(redis, prefix="sk").read()
     assert epoch and epoch == built == a.known == b.known and epoch != lost[0]
+
+
+class LateReads(IndexEpoch):
+    """An epoch whose reads answer only while ``gate`` is open: held, what they read grows old."""
+
+    def __init__(self, redis: Any, gate: asyncio.Event) -> None:
+        super().__init__(redis, prefix="sk")
+        self.gate, self.held = gate, 0
+
+    async def read(self) -> tuple[str, str]:
+        state = await super().read()
+        self.held += 1
+        await self.gate.wait()
+        return state
+
+
+async def test_a_gateway_that_read_the_index_unbuilt_does_not_rebuild_it_once_another_did(
+    tmp_path: Path,
+) -> None:
+    """b reads the lost index's new epoch unbuilt; a rebuilds it, marks it built and gives the lease
+    back before b asks for the lease: b finds it built, and the index is rebuilt once."""
+    redis, store = in_process_redis(), LocalStore(tmp_path / "store", prefix="sk")
+    gate = asyncio.Event()
+    gate.set()
+    late = LateReads(redis, gate)
+    (a, ma), (b, mb) = healer(redis, store), healer(redis, store, epoch=late)
+    await a.start(wait=True)
+    await b.start(wait=True)
+    assert (rebuilds(ma), rebuilds(mb)) == (1, 0)
+
+    gate.clear()
+    await redis.flushall()
+    lost = await IndexEpoch(redis, prefix="sk").read()
+    held = late.held
+    b.saw(*lost)
+    await until(lambda: late.held > held, "b's read of the new epoch")  # b has read it unbuilt
+    a.saw(*lost)
+    await settled(a)
+    assert rebuilds(ma) == 2
+    gate.set()
+    await settled(b)
+    assert rebuilds(mb) == 0  # (it took the free lease and rebuilt again before)
+    epoch, built = await IndexEpoch(redis, prefix="sk").read()
+    assert epoch == built == a.known == b.known
 
 
 async def test_the_watcher_notices_a_loss_without_any_turn(tmp_path: Path) -> None:
