@@ -7,8 +7,9 @@ from typing import Any
 
 
 class IndexScripts:
-    """What the parts of :class:`storage.index.session_index.SessionIndex` share to run scripts (a
-    mixin: the index owns the client and the registry)."""
+    """How the index's classes run scripts (a mixin: the class it is mixed into — the parts of
+    :class:`storage.index.session_index.SessionIndex`, :class:`storage.index.epoch.IndexEpoch` —
+    owns the client and the registry)."""
 
     _redis: Any
     _scripts: dict[str, Any]  # registered scripts by name
