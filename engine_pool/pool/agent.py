@@ -56,6 +56,7 @@ from ..protocol.handoff import HandoffOutcome, HandoffRequest, HandoffResult, Pr
 from ..protocol.node import (
     CancelResult,
     EraseResult,
+    FillProgress,
     SlotResult,
     SpillResult,
     UnstoredCopy,
@@ -269,6 +270,7 @@ class NodeAgent:
         tokens: list[int] | None = None,
         prefix: bool = False,
         fenced: bool = False,
+        progress: Callable[[FillProgress], None] | None = None,
     ) -> SlotResult:
         sup, n = self._engine(engine_id, slot)
         t0 = time.monotonic()
@@ -285,7 +287,7 @@ class NodeAgent:
                     result = await (
                         self._spill(sup, n, ref, route, share, fenced)
                         if spill
-                        else self.filler.fill(sup, n, ref, tokens, prefix)
+                        else self.filler.fill(sup, n, ref, tokens, prefix, progress)
                     )
                 return result
             finally:

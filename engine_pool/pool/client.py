@@ -15,9 +15,11 @@ when the request surely never left (connect errors); the others are retried on a
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator, Callable
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import httpx
 
@@ -108,15 +110,19 @@ class NodeClient:
         generation: int,
         tokens: list[int] | None = None,
         prefix: bool = False,
+        progress: Callable[[node.FillProgress], None] | None = None,
     ) -> node.FillResult:
         """Restore (tenant, session, generation) into the slot, from the node's cache or the store.
         ``tokens``: the prompt the slot is restored for; when it leaves the generation early, only
         the part up to the checkpoint it continues from is restored (`FillResult.source` "cut").
         ``prefix``: the generation is another session's, whose prefix the prompt may start from:
-        nothing is restored (source "none") when the prompt shares too little of it."""
-        body = node.FillRequest(tenant, session, generation, tokens, prefix).to_json()
-        out = await self._call("POST", node.slot_path(engine, slot, "fill"), body, retry_on=_NO_RESPONSE)
-        return node.FillResult.from_json(out)
+        nothing is restored (source "none") when the prompt shares too little of it.
+        ``progress`` is called with each of the node's `FillProgress` reports as the fill goes."""
+        body = node.FillRequest(tenant, session, generation, tokens, prefix, progress is not None).to_json()
+        path = node.slot_path(engine, slot, "fill")
+        if progress is None:
+            return node.FillResult.from_json(await self._call("POST", path, body, retry_on=_NO_RESPONSE))
+        return node.FillResult.from_json(await self._reported(path, body, progress))
 
     async def handoff(self, engine: str, slot: int, request: HandoffRequest) -> HandoffResult:
         """Prefill ``request.body`` on a prefill engine of this node and install the state in the
@@ -170,6 +176,41 @@ class NodeClient:
             raise _error(r, data)
         return data
 
+    async def _reported(
+        self, path: str, body: dict[str, Any], progress: Callable[[node.FillProgress], None]
+    ) -> dict[str, Any]:
+        """A fill's answer where it reports its progress (`node.FILL_LINES`): each report passed to
+        ``progress``, the result's JSON returned, the node's failure (its last line) raised as the
+        error it would have answered. An answer that is not lines is read as `_call` reads one."""
+        async with self._answer_stream("POST", path, body, _NO_RESPONSE) as r:
+            media = r.headers.get("content-type", "").split(";")[0].strip().lower()
+            if media != node.FILL_LINES:
+                await _read(r, "POST", path)
+                data = answer_json(r)
+                if r.status_code != 200 or not isinstance(data, dict):
+                    raise _error(r, data)
+                return data
+            try:
+                async for line in r.aiter_lines():
+                    if not line.strip():
+                        continue
+                    item = json.loads(line)
+                    if not isinstance(item, dict):
+                        raise ValueError("a line that is not an object")
+                    if "progress" in item:
+                        progress(node.FillProgress.from_json(item["progress"]))
+                    elif "result" in item:
+                        return cast(dict[str, Any], item["result"])
+                    else:
+                        raise _failed(item)
+            except httpx.HTTPError:
+                pass
+            except ValueError as exc:  # (a WireError too)
+                raise NodeError(
+                    f"POST {path}: a broken answer: {exc}", status=502, type="bad_node_answer"
+                ) from None
+        raise _unreachable("POST", path, httpx.ReadError("the response broke off before its result"))
+
     async def _answer(
         self,
         method: str,
@@ -178,35 +219,68 @@ class NodeClient:
         retry_on: tuple[type[Exception], ...],
         frame: bytes | None = None,
     ) -> httpx.Response:
-        try:
-            return await self._once(self._http, method, path, body, frame)
-        except retry_on:
-            pass  # nothing of the response arrived: once more, on a connection of its own
-        except httpx.HTTPError as exc:
-            raise _unreachable(method, path, exc) from exc
-        async with httpx.AsyncClient(
-            base_url=self.base_url, timeout=self._timeout, headers=self._headers
-        ) as fresh:
+        """The node's whole response (see `_answer_stream`)."""
+        async with self._answer_stream(method, path, body, retry_on, frame) as r:
+            await _read(r, method, path)
+        return r
+
+    @contextlib.asynccontextmanager
+    async def _answer_stream(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        retry_on: tuple[type[Exception], ...],
+        frame: bytes | None = None,
+    ) -> AsyncIterator[httpx.Response]:
+        """The node's response with its status line and headers in, its body read in the block
+        (closed after it). Retried once on ``retry_on`` (see the module doc)."""
+        async with contextlib.AsyncExitStack() as stack:
             try:
-                return await self._once(fresh, method, path, body, frame)
+                r = await self._send(self._http, method, path, body, frame)
+            except retry_on:  # nothing of the response arrived: once more, on a connection of its own
+                fresh = httpx.AsyncClient(
+                    base_url=self.base_url, timeout=self._timeout, headers=self._headers
+                )
+                await stack.enter_async_context(fresh)
+                try:
+                    r = await self._send(fresh, method, path, body, frame)
+                except httpx.HTTPError as exc:
+                    raise _unreachable(method, path, exc) from exc
             except httpx.HTTPError as exc:
                 raise _unreachable(method, path, exc) from exc
+            stack.push_async_callback(r.aclose)
+            yield r
 
     @staticmethod
-    async def _once(
+    async def _send(
         http: httpx.AsyncClient, method: str, path: str, body: dict[str, Any] | None, frame: bytes | None
     ) -> httpx.Response:
         if frame is not None:
             request = http.build_request(method, path, content=frame, headers={"content-type": HANDOFF_MEDIA})
         else:
             request = http.build_request(method, path, json=body)
-        response = await http.send(request, stream=True)  # returns once the status line and headers are in
-        try:
-            await response.aread()
-        except httpx.HTTPError:
-            await response.aclose()
-            raise _unreachable(method, path, httpx.ReadError("the response broke off")) from None
-        return response
+        return await http.send(request, stream=True)  # returns once the status line and headers are in
+
+
+async def _read(response: httpx.Response, method: str, path: str) -> None:
+    """The rest of ``response``'s body; a body that breaks off is the node's failure (502)."""
+    try:
+        await response.aread()
+    except httpx.HTTPError:
+        raise _unreachable(method, path, httpx.ReadError("the response broke off")) from None
+
+
+def _failed(item: dict[str, Any]) -> NodeError:
+    """The failure a fill's last line reports (`node.FILL_LINES`), as the error it would have answered."""
+    status = item.get("status")
+    if type(status) is not int or not 400 <= status <= 599:
+        raise ValueError(f"a line that is neither a report, a result nor a failure: {sorted(item)}")
+    retry = item.get("retry_after")
+    headers = (
+        {"retry-after": str(retry)} if isinstance(retry, int | float) and not isinstance(retry, bool) else {}
+    )
+    return _error(httpx.Response(status, headers=headers), item)
 
 
 def _error(r: httpx.Response, body: Any) -> NodeError:

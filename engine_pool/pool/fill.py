@@ -9,9 +9,10 @@ install — holds its file's bytes through the node's :mod:`.restore_gate`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +26,9 @@ from storage.blobs.spillcache import SpillCache
 from storage.errors import ChecksumError, SlotFileError
 from storage.ids import SlotRef
 
-from ..protocol.node import FillResult
+from ..protocol.node import FillProgress, FillResult
 from ..protocol.slot_actions import SlotAnswer, SlotRestored
+from .fill_progress import FillWatch
 from .handoff import link_or_copy
 from .metrics import NodeMetrics
 from .restore_gate import RestoreGate
@@ -54,6 +56,7 @@ class Filler:
         ref: SlotRef,
         tokens: list[int] | None = None,
         prefix: bool = False,
+        progress: Callable[[FillProgress], None] | None = None,
     ) -> FillResult:
         """Restore ``ref`` into the slot. A file fetched for it is not checked by the store: the
         engine checks every byte's CRC as it loads it, one pass instead of two. When the engine
@@ -66,19 +69,23 @@ class Filler:
         prefix): restored up to its checkpoint, else whole when the prompt repeats its first chunk,
         else not at all (``source`` "none", the slot left as it was). The session's own generation
         labels the slot with it (the gateway's turn then names it: the slot fence); a prefix is
-        nobody's there."""
+        nobody's there. ``progress`` is sent a `FillProgress` as each stage begins and as the
+        fetched bytes come in (engine_pool.pool.fill_progress)."""
         t0 = time.monotonic()
         source = "local" if ref in self.cache else "store"
         label = None if prefix else {"slot_owner": ref.tenant, "slot_session": ref.session}
         with self.store.one_read():  # its manifest read once, whatever the steps below ask of it
-            async with self.restoring(await self._size(ref, source), **_slot_fields(sup, slot, ref)):
-                out = await self._cut(sup, slot, ref, tokens, label) if tokens and source == "store" else None
+            size = await self._size(ref, source, progress is not None)
+            watch = FillWatch(progress, size)
+            async with self.restoring(size, **_slot_fields(sup, slot, ref)):
+                cut = bool(tokens) and source == "store"
+                out = await self._cut(sup, slot, ref, tokens or [], label, watch) if cut else None
                 if out is not None:
                     source = "cut"
                 elif prefix and source == "store" and not await self.store.shares_prefix(ref, tokens or []):
                     source = "none"
                 else:
-                    out, source = await self._whole(sup, slot, ref, source, label)
+                    out, source = await self._whole(sup, slot, ref, source, label, watch)
         await self.cache.evict()  # with a budget of 0 (one machine, local store) the copy goes now
         ms = round((time.monotonic() - t0) * 1000, 2)
         n_tokens, n_bytes = (out.n_restored, out.n_read) if out is not None else (0, 0)
@@ -113,10 +120,10 @@ class Filler:
                 log.info("node.restore_waited", **fields, ms=round(waited * 1000, 2))
             yield
 
-    async def _size(self, ref: SlotRef, source: str) -> int:
+    async def _size(self, ref: SlotRef, source: str, wanted: bool = False) -> int:
         """The bytes a restore of ``ref`` holds in flight: its file's size, from the spill cache or
-        from the store (a manifest read; none when restores are unbounded)."""
-        if not self.gate.budget:
+        from the store (a manifest read; none when restores are unbounded, unless ``wanted``)."""
+        if not self.gate.budget and not wanted:
             return 0
         if source == "local":
             size = self.cache.size_of(ref)
@@ -125,15 +132,23 @@ class Filler:
         return (await self.store.head(ref)).size
 
     async def _cut(
-        self, sup: EngineSupervisor, slot: int, ref: SlotRef, tokens: list[int], label: dict[str, str] | None
+        self,
+        sup: EngineSupervisor,
+        slot: int,
+        ref: SlotRef,
+        tokens: list[int],
+        label: dict[str, str] | None,
+        watch: FillWatch,
     ) -> SlotRestored | None:
         """The generation up to the prompt's checkpoint, restored; None when there is no such cut
         (or the engine refused it: the whole generation is restored then)."""
         name = f"fill-{uuid.uuid4().hex}.slot"
         dest = sup.spec.slot_dir / name
         try:
-            if await self.store.get_prefix_to_file(ref, dest, tokens) is None:
-                return None
+            with watch.fetching():
+                if await self.store.get_prefix_to_file(ref, dest, tokens) is None:
+                    return None
+            watch.restoring()
             return await self.slot_call(sup, slot, SlotRestored, name, label)
         except ApiError as err:
             if err.extra.get("kind") not in DAMAGED:
@@ -144,12 +159,18 @@ class Filler:
             await asyncio.to_thread(dest.unlink, missing_ok=True)
 
     async def _whole(
-        self, sup: EngineSupervisor, slot: int, ref: SlotRef, source: str, label: dict[str, str] | None
+        self,
+        sup: EngineSupervisor,
+        slot: int,
+        ref: SlotRef,
+        source: str,
+        label: dict[str, str] | None,
+        watch: FillWatch,
     ) -> tuple[SlotRestored, str]:
         """The whole generation restored, and where it came from in the end (see :meth:`fill`)."""
         cache = self.cache
         try:
-            return await self._restore(sup, slot, ref, label, verify=False), source
+            return await self._restore(sup, slot, ref, label, watch, verify=False), source
         except ApiError as err:
             if err.extra.get("kind") not in DAMAGED or (ref in cache and not cache.is_uploaded(ref)):
                 raise  # not damage, or the only copy there is (not uploaded yet)
@@ -157,19 +178,28 @@ class Filler:
             if ref in cache:
                 await cache.discard(ref)
         try:
-            return await self._restore(sup, slot, ref, label, verify=True), "store"
+            return await self._restore(sup, slot, ref, label, watch, verify=True), "store"
         except ChecksumError as exc:  # the store's own copy is damaged: no retry brings it back
             log.error("node.stored_copy_damaged", **_slot_fields(sup, slot, ref), error=str(exc))
             raise SlotFileError("checksum_mismatch", str(exc)) from exc
 
     async def _restore(
-        self, sup: EngineSupervisor, slot: int, ref: SlotRef, label: dict[str, str] | None, *, verify: bool
+        self,
+        sup: EngineSupervisor,
+        slot: int,
+        ref: SlotRef,
+        label: dict[str, str] | None,
+        watch: FillWatch,
+        *,
+        verify: bool,
     ) -> SlotRestored:
-        path = await self.cache.fill(self.store, ref, verify=verify)  # pinned
+        with watch.fetching() if ref not in self.cache else contextlib.nullcontext():
+            path = await self.cache.fill(self.store, ref, verify=verify)  # pinned
         name = f"fill-{uuid.uuid4().hex}.slot"
         link = sup.spec.slot_dir / name
         try:
             await asyncio.to_thread(link_or_copy, path, link)
+            watch.restoring()
             return await self.slot_call(sup, slot, SlotRestored, name, label)
         finally:
             await asyncio.to_thread(link.unlink, missing_ok=True)

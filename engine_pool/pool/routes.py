@@ -6,7 +6,9 @@ leaves through `render_error`; everything but `/health` requires the internal cr
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import structlog
@@ -23,12 +25,14 @@ from engine_pool.errors import (
     BadRequest,
     NotFound,
     api_error,
+    error_payload,
     is_expected,
     render_error,
 )
 from engine_pool.http.body import Body, parse_json_object, read_json
 from engine_pool.http.credentials import RequireKey
 from engine_pool.http.disconnect import unless_caller_leaves
+from engine_pool.http.reports import Reports, leave_running
 from storage.errors import StorageError
 from storage.ids import SlotRef, validate_id
 from storage.index.prefix_digests import STORED_ROUTES
@@ -36,6 +40,7 @@ from storage.index.prefix_digests import STORED_ROUTES
 from ..protocol.handoff import HANDOFF_MEDIA, PREFILL, HandoffRequest
 from ..protocol.node import (
     ENGINES,
+    FILL_LINES,
     HEALTH,
     METRICS,
     SESSION,
@@ -43,6 +48,7 @@ from ..protocol.node import (
     SLOT_OPS,
     UNSTORED,
     EngineList,
+    FillProgress,
     FillRequest,
     ForgetResult,
     NodeEngine,
@@ -142,10 +148,53 @@ async def slot_operation(request: Request) -> Response:
     elif op == "fill":
         fill = FillRequest.from_body(await read_json(request))
         ref = SlotRef(fill.tenant, fill.session, fill.generation)
+        if fill.progress:
+            return await _fill_reported(a, p["engine"], p["slot"], ref, fill)
         result = await a.operation(op, p["engine"], p["slot"], ref, tokens=fill.tokens, prefix=fill.prefix)
     else:
         result = await a.operation(op, p["engine"], p["slot"], None)
     return JSONResponse(result.to_json())
+
+
+async def _fill_reported(a: NodeAgent, engine: str, slot: str, ref: SlotRef, fill: FillRequest) -> Response:
+    """A fill that reports its progress (`FillRequest.progress`): its `FILL_LINES` once it sent its
+    first report; a fill that ended before that is answered as one that reports nothing. The fill
+    goes on when the caller leaves mid-stream, as one that reports nothing does."""
+    reports: Reports[FillProgress] = Reports()
+    task = asyncio.ensure_future(
+        a.operation("fill", engine, slot, ref, tokens=fill.tokens, prefix=fill.prefix, progress=reports.send)
+    )
+    try:
+        first = await reports.first(task)
+    except BaseException:
+        task.cancel()
+        raise
+    if first is None:
+        return JSONResponse(task.result().to_json())
+
+    async def lines() -> AsyncIterator[bytes]:
+        try:
+            yield _line({"progress": first.to_json()})
+            async for report in reports.rest(task):
+                yield _line({"progress": report.to_json()})
+            try:
+                yield _line({"result": task.result().to_json()})
+            except Exception as exc:  # (the status it would have answered, and the common body)
+                err = api_error(exc)
+                if not is_expected(exc):
+                    log.error("http.unhandled", error=err.message, exc_info=exc)
+                failed = {"status": err.status, **error_payload(err)}
+                if err.retry_after is not None:
+                    failed["retry_after"] = err.retry_after
+                yield _line(failed)
+        finally:
+            leave_running(task)
+
+    return StreamingResponse(lines(), media_type=FILL_LINES)
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
 
 
 async def prefill(request: Request) -> Response:

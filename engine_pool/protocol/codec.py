@@ -65,6 +65,17 @@ def wire(**rule: Any) -> dict[str, FieldRule]:
     return {_META: FieldRule(**rule)}
 
 
+def one_of(choices: tuple[str, ...]) -> Parse:
+    """A `wire(parse=)` for a string field that takes one of ``choices``."""
+
+    def parse(value: Any, where: str) -> str:
+        if value not in choices:
+            raise WireError(f"'{where}' must be one of {', '.join(choices)}", where)
+        return str(value)
+
+    return parse
+
+
 class Wire:
     """The codec's methods on a payload class; `sparse`: leave fields at their defaults out."""
 

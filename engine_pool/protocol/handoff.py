@@ -34,7 +34,7 @@ from typing import Any
 
 from engine_pool.http.body import json_type
 
-from .codec import Wire, WireError, wire
+from .codec import Wire, WireError, one_of, wire
 
 # A node-to-node prefill's request and answer: one line of compact JSON, then a slot file's bytes.
 HANDOFF_MEDIA = "application/x-slotkeeper-handoff"
@@ -126,12 +126,6 @@ def _store_key(value: Any, where: str) -> str:
     return value
 
 
-def _mode(value: Any, where: str) -> str:
-    if value not in HANDOFF_MODES:
-        raise WireError(f"'{where}' must be one of {', '.join(HANDOFF_MODES)}", where)
-    return str(value)
-
-
 @dataclass(frozen=True)
 class HandoffRequest(Wire):
     """Prefill ``body`` (the engine's chat completions body, as the turn would send it) on
@@ -153,7 +147,7 @@ class HandoffRequest(Wire):
     session: str
     prefill_engine: str
     body: dict[str, Any] = field(metadata=wire(parse=_chat_body))
-    mode: str = field(default=HandoffMode.LOGITS.value, metadata=wire(parse=_mode))
+    mode: str = field(default=HandoffMode.LOGITS.value, metadata=wire(parse=one_of(HANDOFF_MODES)))
     wait_s: float = field(default=2.0, metadata=wire(lo=0, hi=600))
     timeout_s: float = field(default=600.0, metadata=wire(lo=0.001, hi=3600))
     carry: bool = False

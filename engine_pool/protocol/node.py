@@ -20,7 +20,7 @@ from typing import Any
 from engine_pool.errors import BadRequest
 from engine_pool.http.body import check_tokens, json_type
 
-from .codec import Wire, wire
+from .codec import Wire, one_of, wire
 
 HEALTH = "/health"
 ENGINES = "/v1/engines"
@@ -72,7 +72,8 @@ class SpillRequest(Wire):
 class FillRequest(Wire):
     """Restore (tenant, session, generation) into a slot. `tokens`: the prompt it is restored for
     (a prompt leaving the generation early gets the part up to its checkpoint); `prefix`: the
-    generation is another session's, restored only when the prompt shares enough of it."""
+    generation is another session's, restored only when the prompt shares enough of it;
+    `progress`: answer with `FillProgress` reports as the fill goes (`FILL_LINES`)."""
 
     sparse = True
 
@@ -81,6 +82,7 @@ class FillRequest(Wire):
     generation: int = field(metadata=wire(lo=1))
     tokens: list[int] | None = field(default=None, metadata=wire(parse=_prompt_tokens))
     prefix: bool = False
+    progress: bool = False
 
 
 # -- results --------------------------------------------------------------------------------------------
@@ -98,6 +100,27 @@ class SpillResult(Wire):
     uploaded: bool
     ms: float
     written: int = 0
+
+
+# A fill asked with `progress` is answered 200 with one JSON object a line: `{"progress":
+# FillProgress}` as the fill goes, then `{"result": FillResult}` — or, where it failed, `{"status":
+# <the HTTP status it would have answered>, "error": {...}}` (the common error body; `retry_after`
+# in seconds beside them where it has one). A fill that ends before its first report is answered as
+# one that reports nothing: an error then (a malformed body, an unknown engine) is an ordinary one.
+FILL_LINES = "application/x-ndjson"
+FILL_STAGES = ("fetching", "restoring")
+
+
+@dataclass(frozen=True)
+class FillProgress(Wire):
+    """How far a fill has come: its `stage` — "fetching" the generation from the store (`bytes` of
+    its `total` in so far), "restoring" it into the slot (the engine loads the file) — and the
+    milliseconds since the fill began. `total`: the stored generation's size (0: not known)."""
+
+    stage: str = field(metadata=wire(parse=one_of(FILL_STAGES)))
+    bytes: int = field(metadata=wire(lo=0))
+    total: int = field(metadata=wire(lo=0))
+    ms: float = field(metadata=wire(lo=0))
 
 
 @dataclass(frozen=True)

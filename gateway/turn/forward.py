@@ -231,12 +231,22 @@ def session_headers(turn: Turn, report: Mapping[str, Any] | None = None) -> dict
     its answer is in hand (`report`: a slot of the tenant it started from is `prefix`); for a new
     branch of a session, or a fork of a busy one, `X-Slotkeeper-Branch-Of` names the session it
     started from (gateway.turn.branch)."""
+    return headers_for(turn.session, turn.placement, turn.forked_from, report)
+
+
+def headers_for(
+    session: str,
+    placement: Placement | EarlyStart,
+    forked_from: str | None,
+    report: Mapping[str, Any] | None = None,
+) -> dict[str, str]:
+    """`session_headers` of a turn of ``session`` placed as ``placement``, forked from ``forked_from``."""
     served = (report or {}).get("served")
     if not isinstance(served, str) or served not in SERVED:
-        served = served_as(turn.placement)
-    headers = {"X-Session-Id": turn.session, "X-Slotkeeper-Cache": served}
-    if turn.forked_from is not None:
-        headers[BRANCH_HEADER] = turn.forked_from
+        served = served_as(placement)
+    headers = {"X-Session-Id": session, "X-Slotkeeper-Cache": served}
+    if forked_from is not None:
+        headers[BRANCH_HEADER] = forked_from
     return headers
 
 

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import structlog
 
 from engine_pool.errors import QuotaExceeded, Unavailable
 from engine_pool.pool.client import NodeClient, NodeError
-from engine_pool.protocol.node import FillResult
+from engine_pool.protocol.node import FillProgress, FillResult
 from gateway.cluster import EngineView
 from gateway.tenants import Tenant
 from gateway.turn.engine_call import CHAT_PATH, input_tokens
@@ -50,6 +52,22 @@ class Placed:
     engine_url: str
     node: NodeClient
     marked: bool = False
+
+
+class FillWatcher(Protocol):
+    """Who watches a turn's fill (gateway.turn.restore_progress): told as the fill begins (where
+    the turn runs) and how it ended, sent the node's reports in between."""
+
+    def filling(
+        self, session: str, placement: Placement, forked_from: str | None
+    ) -> Callable[[FillProgress], None]:
+        """The fill of ``placement``'s slot for ``session`` begins; the reports go to the answer."""
+        ...
+
+    def filled(self, result: FillResult | None) -> None:
+        """The fill ended: what it restored, or None when it did not take (the prompt is then
+        evaluated in full)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -140,11 +158,12 @@ async def place(
     hold: SessionHold,
     prompt: Prompt | None = None,
     busy: bool = False,
+    watcher: FillWatcher | None = None,
 ) -> Placed:
     """The turn's slot, made ready and recorded: the session live there, busy (unless the opening
     read's mark, ``busy``, says so already). The slot stays reserved (gateway.turn.reservations)
-    until the index says who holds it."""
-    placed = await _slot(parts, tenant, record, model, forked_from, hold, prompt)
+    until the index says who holds it. A fill that makes it ready is reported to ``watcher``."""
+    placed = await _slot(parts, tenant, record, model, forked_from, hold, prompt, watcher)
     placement = placed.placement
     marked = busy and marked_there(record, placement, model)
     try:
@@ -171,6 +190,7 @@ async def _slot(
     forked_from: str | None,
     hold: SessionHold,
     prompt: Prompt | None = None,
+    watcher: FillWatcher | None = None,
 ) -> Placed:
     """The turn's slot, made ready and reserved (gateway.turn.reservations) until it is recorded."""
     if forked_from is None and (place := record.place) is not None:
@@ -191,7 +211,7 @@ async def _slot(
             await asyncio.wait_for(asyncio.shield(hold.saved), parts.settings.spill_wait_s)
         record = await parts.index.get(record.tenant, record.session)
         hold.record = record
-    return await _place_by_pool_view(parts, tenant, record, model, forked_from, prompt)
+    return await _place_by_pool_view(parts, tenant, record, model, forked_from, prompt, watcher)
 
 
 async def _holder(
@@ -224,6 +244,7 @@ async def _place_by_pool_view(
     model: str,
     forked_from: str | None,
     prompt: Prompt | None,
+    watcher: FillWatcher | None,
 ) -> Placed:
     shares = parts.shares(tenant.name)
     holder = await _holder(parts, tenant.name, record, forked_from, prompt, shares)
@@ -273,14 +294,21 @@ async def _place_by_pool_view(
             placement, tenant.name, forked_from or record.session, generation, holder, cut, prompt, shares
         )
         placed = Placed(placement, engine.url, node)
-        return await _prepare(parts, placed, prep, tenant.name, record.session, prompt)
+        watch = Watch(watcher, record.session, forked_from)
+        return await _prepare(parts, placed, prep, tenant.name, record.session, prompt, watch)
     except BaseException:
         reservations.release((placement.engine, placement.slot))
         raise
 
 
 async def _prepare(
-    parts: TurnParts, placed: Placed, prep: SlotPrep, tenant: str, session: str, prompt: Prompt | None
+    parts: TurnParts,
+    placed: Placed,
+    prep: SlotPrep,
+    tenant: str,
+    session: str,
+    prompt: Prompt | None,
+    watch: Watch,
 ) -> Placed:
     """Carry `prep` out in the slot `placed` names; as served. A restore the node refuses (damaged,
     gone) is served cold instead; a node or store that is down fails this request (the session
@@ -289,9 +317,9 @@ async def _prepare(
     try:
         if placement.serve is Serve.RESTORE:
             tokens = await _prompt_tokens(parts, prompt, placed.engine_url) if prep.tokens else None
-            await _fill(placed, tenant, prep, tokens)
+            await _fill(placed, tenant, prep, tokens, watch)
         elif placement.serve is Serve.COLD:
-            return await _prepare_cold(parts, placed, prep, tenant, prompt)
+            return await _prepare_cold(parts, placed, prep, tenant, prompt, watch)
     except NodeError as exc:
         store_down = exc.code == "store_unavailable"
         if placement.serve is Serve.RESTORE and exc.status < 500:
@@ -303,6 +331,7 @@ async def _prepare(
             parts.metrics.store_outage_reprefills.inc()
         else:  # the node or its store is down: this request fails, the session stays as it was
             raise Unavailable(f"could not prepare the slot: {exc.message}", retry_after=1) from exc
+        watch.filled(None)
         await node.erase(placement.engine, placement.slot)
         cold = replace(placement, serve=Serve.COLD, prefix_from=None, prefix_stored=False)
         return replace(placed, placement=cold)
@@ -310,19 +339,20 @@ async def _prepare(
 
 
 async def _prepare_cold(
-    parts: TurnParts, placed: Placed, prep: SlotPrep, tenant: str, prompt: Prompt | None
+    parts: TurnParts, placed: Placed, prep: SlotPrep, tenant: str, prompt: Prompt | None, watch: Watch
 ) -> Placed:
     placement = placed.placement
     if prep.prefix and prep.fill is not None:
         tokens = await _prompt_tokens(parts, prompt, placed.engine_url)
         if tokens:
             try:
-                out = await _fill(placed, tenant, prep, tokens)
+                out = await _fill(placed, tenant, prep, tokens, watch)
             except NodeError as exc:
                 # Damaged, gone, or the store away: the prompt is evaluated in full instead (the
                 # same answer), and the slot is cleared below (a node that is down fails there).
                 log.warning("session.prefix_fill_failed", tenant=tenant, holder=prep.fill, error=str(exc))
                 parts.metrics.restore_failures.inc()
+                watch.filled(None)
             else:
                 if out.source != "none":
                     started = replace(placement, prefix_from=prep.fill, prefix_stored=True)
@@ -332,11 +362,32 @@ async def _prepare_cold(
     return placed
 
 
-async def _fill(placed: Placed, tenant: str, prep: SlotPrep, tokens: list[int] | None) -> FillResult:
-    """Fill the slot with the stored generation `prep` names (a shared prefix when `prep.prefix`)."""
+@dataclass(frozen=True)
+class Watch:
+    """A turn's `FillWatcher` (None: nobody watches) with what it is told of the turn's session."""
+
+    watcher: FillWatcher | None
+    session: str
+    forked_from: str | None
+
+    def filling(self, placement: Placement) -> Callable[[FillProgress], None] | None:
+        if self.watcher is None:
+            return None
+        return self.watcher.filling(self.session, placement, self.forked_from)
+
+    def filled(self, result: FillResult | None) -> None:
+        if self.watcher is not None:
+            self.watcher.filled(result)
+
+
+async def _fill(
+    placed: Placed, tenant: str, prep: SlotPrep, tokens: list[int] | None, watch: Watch
+) -> FillResult:
+    """Fill the slot with the stored generation `prep` names (a shared prefix when `prep.prefix`),
+    reported to the turn's watcher."""
     assert prep.fill is not None
     where = placed.placement
-    return await placed.node.fill(
+    out = await placed.node.fill(
         where.engine,
         where.slot,
         tenant=tenant,
@@ -344,7 +395,13 @@ async def _fill(placed: Placed, tenant: str, prep: SlotPrep, tokens: list[int] |
         generation=prep.generation,
         tokens=tokens,
         prefix=prep.prefix,
+        progress=watch.filling(
+            replace(where, prefix_from=prep.fill, prefix_stored=True) if prep.prefix else where
+        ),
     )
+    if out.source != "none":
+        watch.filled(out)
+    return out
 
 
 async def _prompt_tokens(parts: TurnParts, prompt: Prompt | None, engine_url: str) -> list[int] | None:

@@ -30,7 +30,7 @@ from gateway.turn.handoff import Handoffs
 from gateway.turn.hold import Phase, SessionHold, fork, hold_for_turn, write_record
 from gateway.turn.opening import Admission, Admitted, Opening, discard, new_session_refusal, open_turn
 from gateway.turn.parts import Turn, TurnParts
-from gateway.turn.place import Placed, place
+from gateway.turn.place import FillWatcher, Placed, place
 from gateway.turn.prompt import Prompt
 from gateway.turn.resolve import find_conversation, resolve
 from gateway.turn.slot_choice import Serve
@@ -105,13 +105,15 @@ class TurnRunner:
         prompt: Prompt | None,
         found: tuple[str, str] | None = None,
         launch: Callable[[str, EarlyStart], EarlyCall[Any]] | None = None,
+        watcher: FillWatcher | None = None,
     ) -> Started:
         """One turn up to its engine call: its session resolved (unless ``found`` says where it is
         already), opened (gateway.turn.opening: ``launch(session, where)`` starts the engine call early
         where the opening may), held, branched where its prompt does not go on from the session's
         state (gateway.turn.branch), placed and marked live in its slot. A warm turn (the session
         live in its slot) makes one Redis round trip here: the opening read, which also marks it
-        busy there. `Started.early` is the call started early once placing confirmed it."""
+        busy there. `Started.early` is the call started early once placing confirmed it. A fill of
+        its slot is reported to ``watcher`` (gateway.turn.restore_progress)."""
         found = found or await resolve(self.parts.index, tenant, headers, body, prompt)
         session, source = found
 
@@ -132,7 +134,7 @@ class TurnRunner:
             adds,
         )
         try:
-            turn = await self._begin(opened.opening, opened.admitted, source, prompt)
+            turn = await self._begin(opened.opening, opened.admitted, source, prompt, watcher)
         except BaseException:
             discard(self.parts, opened.early)
             with contextlib.suppress(StorageError):  # Redis away: the place lapses with its TTL
@@ -144,7 +146,14 @@ class TurnRunner:
             early = None
         return Started(found, turn, early)
 
-    async def _begin(self, opening: Opening, admitted: Admitted, source: str, prompt: Prompt | None) -> Turn:
+    async def _begin(
+        self,
+        opening: Opening,
+        admitted: Admitted,
+        source: str,
+        prompt: Prompt | None,
+        watcher: FillWatcher | None = None,
+    ) -> Turn:
         parts, tenant, model, session = self.parts, opening.tenant, opening.model, opening.session
         start, own, early = admitted.start, admitted.own, opening.early
         hold = own or await hold_for_turn(parts, tenant.name, session, start)
@@ -173,7 +182,7 @@ class TurnRunner:
                     raise refused
                 record = await parts.index.create(tenant.name, session, model=model)
                 hold.record, created = record, True
-            placed = await place(parts, tenant, record, model, forked_from, hold, prompt, busy)
+            placed = await place(parts, tenant, record, model, forked_from, hold, prompt, busy, watcher)
             busy = False  # the record says where the turn runs
             placement = placed.placement
             instance = (

@@ -25,10 +25,12 @@ from engine_pool.protocol.volatile import apply_rules
 from gateway.access_log import note
 from gateway.services import Services
 from gateway.tenants import Tenant
+from gateway.turn import restore_progress
 from gateway.turn.engine_call import CHAT_PATH, TurnOutcome
 from gateway.turn.forward import Asked, Dialect, SlotChanged, answer, launch, unless_client_leaves
 from gateway.turn.parts import Turn
 from gateway.turn.prompt import Prompt
+from gateway.turn.restore_progress import RestoreProgress
 
 
 def normalised(
@@ -64,19 +66,34 @@ async def serve_turn(
     as it came (sent on without encoding it again); `session` is (id, how it was found) when the
     caller already knows it (a `previous_response_id`), else the usual resolution runs. The
     bookkeeping after the answer runs beside sending it. A turn whose slot changed hands while it
-    was placed (`SlotChanged`) is placed once more."""
+    was placed (`SlotChanged`) is placed once more. A stream asking for `return_progress` reports
+    its restore's progress before its answer (gateway.turn.restore_progress)."""
     svc: Services = request.app.state.services
     note(request, tenant=tenant.name)
     body, messages, raw, rules = normalised(svc, tenant, body, messages, raw)
     # Its digests, computed once: for routing, branching, a restore cut at its checkpoint, bookkeeping.
     prompt = Prompt(messages, model, body, body.get("tools")) if path == CHAT_PATH else None
     asked = Asked(svc, tenant, body, model, messages, path, dialect, raw, rules, prompt)
+    if not restore_progress.wanted(body, dialect is None):
+        return await _serve(request, svc, asked, session, None)
+    watcher = RestoreProgress(path, model)  # (its reports stream before the answer)
+    return await watcher.respond(_serve(request, svc, asked, session, watcher))
+
+
+async def _serve(
+    request: Request,
+    svc: Services,
+    asked: Asked,
+    session: tuple[str, str] | None,
+    watcher: RestoreProgress | None,
+) -> Response:
+    tenant, body, model, prompt = asked.tenant, asked.body, asked.model, asked.prompt
     found = session
     # Placed again once when its slot changed hands meanwhile (a restore there is not checked then:
     # a node of the previous release labels no restore).
     for check_restore in (True, False):
         started = await svc.runner.start(
-            tenant, request.headers, body, model, prompt, found, functools.partial(launch, asked)
+            tenant, request.headers, body, model, prompt, found, functools.partial(launch, asked), watcher
         )
         found, turn = started.found, started.turn
         if started.early is None and prompt is not None:  # (an early start runs on its live slot)

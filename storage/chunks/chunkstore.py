@@ -67,6 +67,7 @@ from storage.chunks.ledger import ChunkLedger
 from storage.chunks.placement import KvPlacement, kv_placement
 from storage.chunks.prefixcut import cut, cut_point, hybrid, pieces_up_to, repeats_first_chunk
 from storage.errors import ChecksumError, NotStored, SlotFileError, StorageError, WriteConflict
+from storage.fetch_progress import fetched
 from storage.ids import (
     SlotRef,
     chunks_prefix,
@@ -489,6 +490,7 @@ class ChunkedStore(BlobStore):
                 data = cast(bytes, await asyncio.to_thread(decode, data, size, key))
             if len(data) != size:
                 raise ChecksumError(f"{key}: {len(data)} bytes, its manifest says {size}")
+            fetched(size)  # (a watched fill's progress: storage.fetch_progress)
             return data
 
         items = [

@@ -1,6 +1,7 @@
 """llama-server's `return_progress` through `slotkeeper serve` (real engine processes): a tenant's
 streamed chat gets the engine's prompt progress chunks, and a session restored from its slot file
-reports what the restore served as the cache of its first report; a Responses stream reports it on
+reports the restore's own progress first, then what the restore served as the cache of its first
+prompt report; the official client reads them; a Responses stream reports the prompt's progress on
 `response.in_progress` events."""
 
 from __future__ import annotations
@@ -55,6 +56,51 @@ def test_progress_reaches_the_tenant_cold_and_restored(serve, tmp_path: Path) ->
     assert restored[0]["cache"] >= cold[-1]["total"] - 8  # what the restore served, before any batch
     assert restored[-1]["processed"] == restored[-1]["total"] > restored[0]["cache"]
     assert chunks[-1]["slotkeeper"]["restored"]
+
+    # Before them, the restore's own progress (gateway.turn.restore_progress): the state fetched
+    # from the store (this node keeps no copy), loaded, restored — then the engine's stream.
+    fill = _restore_reports(chunks)
+    stages = [p["stage"] for p in fill]
+    assert stages[0] == "fetching" and stages[-2:] == ["restoring", "restored"], stages
+    assert fill[-1]["bytes"] == fill[-1]["total"] > 0 and fill[-1]["tokens"] >= cold[-1]["total"] - 8
+    first_prompt = next(i for i, c in enumerate(chunks) if "prompt_progress" in c)
+    assert all("restore_progress" in c for c in chunks[: len(fill)]) and first_prompt == len(fill)
+    assert not _restore_reports(_chat(s.url, [*again, {"role": "user", "content": "More."}], "agent-a")[0])
+
+
+def _restore_reports(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [c["restore_progress"] for c in chunks if "restore_progress" in c]
+
+
+def test_the_openai_client_streams_a_restore_s_progress(serve, tmp_path: Path) -> None:
+    """The official client reads the restore's chunks (no choices, a `restore_progress` field) as
+    it reads usage chunks, and the answer after them is the answer."""
+    from openai import OpenAI
+
+    s = serve(tmp_path / "data", slots=1)
+    client = OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Run the tests."}]
+    chat: dict[str, Any] = {"model": MODEL, "max_tokens": 4, "temperature": 0}
+    answer = client.chat.completions.create(messages=first, extra_headers={"X-Session-Id": "oa"}, **chat)
+    text = answer.choices[0].message.content or ""
+    client.chat.completions.create(messages=[{"role": "user", "content": "Hi."}], **chat)  # evicts it
+    again = [*first, {"role": "assistant", "content": text}, {"role": "user", "content": "And now?"}]
+    stream = client.chat.completions.create(
+        messages=again,
+        stream=True,
+        extra_headers={"X-Session-Id": "oa"},
+        extra_body={"return_progress": True},
+        **chat,
+    )
+    progress, content = [], []
+    for chunk in stream:
+        extra = chunk.model_extra or {}
+        if "restore_progress" in extra:
+            assert chunk.choices == [] and not content
+            progress.append(extra["restore_progress"])
+        content += [c.delta.content or "" for c in chunk.choices]
+    assert progress and progress[-1]["stage"] == "restored" and progress[-1]["tokens"] > 0
+    assert "".join(content)  # the answer followed
 
 
 def test_progress_on_a_responses_stream(serve, tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from engine_pool.pool.agent import NodeAgent, NodeParts
 from engine_pool.pool.client import NodeClient, NodeError
 from engine_pool.pool.settings import NodeSettings, SettingsError, parse_node_settings
 from engine_pool.process.loop import cancel_and_wait
-from engine_pool.protocol.node import UNSTORED, NodeHealth, UnstoredList
+from engine_pool.protocol.node import UNSTORED, FillProgress, NodeHealth, UnstoredList
 from gateway.bench.harness.servers import INTERNAL_AUTH, INTERNAL_KEY, MotoProcess
 from storage.blobs.localstore import LocalStore
 from storage.blobs.spillcache import SpillCache
@@ -201,8 +201,11 @@ async def test_spill_erase_fill_through_the_local_store(
         assert model == fingerprint and spilled.written > 0
 
         assert await client.erase(eng, 0) == spilled.tokens
-        filled = await client.fill(eng, 1, tenant="t1", session="s1", generation=1)
+        reports: list[FillProgress] = []
+        filled = await client.fill(eng, 1, tenant="t1", session="s1", generation=1, progress=reports.append)
         assert (filled.tokens, filled.bytes, filled.source) == (spilled.tokens, spilled.bytes, "local")
+        # Its copy here: nothing fetched, one report as the engine loads it (the whole state at hand).
+        assert [(r.stage, r.bytes, r.total) for r in reports] == [("restoring", spilled.bytes, spilled.bytes)]
         again = await chat(url, 1)
         assert again["timings"]["cache_n"] > 0 and again["timings"]["prompt_n"] <= 1
         assert again["choices"][0]["message"] == first["choices"][0]["message"]
@@ -214,16 +217,20 @@ async def test_spill_erase_fill_through_the_local_store(
             from storage.ids import SlotRef
 
             await store.put_file(SlotRef("t1", "s2", 1), junk, model="x", n_tokens=0)
-        with pytest.raises(NodeError) as bad:
-            await client.fill(eng, 1, tenant="t1", session="s2", generation=1)
-        assert (
-            bad.value.status == 400 and "bad_magic" in bad.value.message and "left empty" in bad.value.message
-        )
+        for watch in (None, reports.append):  # the same refusal whether the fill reports or not
+            with pytest.raises(NodeError) as bad:
+                await client.fill(eng, 1, tenant="t1", session="s2", generation=1, progress=watch)
+            assert (
+                bad.value.status == 400
+                and "bad_magic" in bad.value.message
+                and "left empty" in bad.value.message
+            )
         assert await slot_tokens(url, 1) == 0
 
         errors = [
             (client.fill(eng, 0, tenant="t1", session="s1", generation=7), 404),
             (client.fill("n1-e9", 0, tenant="t1", session="s1", generation=1), 404),
+            (client.fill(eng, 0, tenant="t1", session="s1", generation=7, progress=print), 404),
             (client.erase(eng, 2), 404),
             (client.spill(eng, 0, tenant="t1", session="s1", generation=0), 400),
             (client.spill(eng, 0, tenant="../x", session="s1", generation=2), 400),
@@ -416,8 +423,16 @@ async def test_a_long_session_from_s3_restores_whole_and_a_damaged_chunk_is_refu
         spilled = await client.spill(eng, 0, tenant="t1", session="s1", generation=1)
         assert spilled.uploaded and spilled.tokens > 3000
         await client.erase(eng, 0)
-        filled = await client.fill(eng, 1, tenant="t1", session="s1", generation=1)
+        reports: list[FillProgress] = []
+        filled = await client.fill(eng, 1, tenant="t1", session="s1", generation=1, progress=reports.append)
         assert (filled.source, filled.tokens, filled.bytes) == ("store", spilled.tokens, spilled.bytes)
+        # Reported as it went: the fetch from its start, its bytes growing to the state's, then the restore.
+        stages = [r.stage for r in reports]
+        assert stages[0] == "fetching" and stages[-1] == "restoring" and stages.count("restoring") == 1
+        fetched = [r.bytes for r in reports if r.stage == "fetching"]
+        assert fetched[0] == 0 and fetched == sorted(fetched) and len(set(fetched)) >= 3
+        assert fetched[-1] == reports[-1].bytes == spilled.bytes == reports[0].total
+        assert [r.ms for r in reports] == sorted(r.ms for r in reports) and reports[-1].ms <= filled.ms
         again = await complete(url, 1, tokens)
         assert again["timings"]["prompt_n"] <= 1 and again["content"] == first["content"]
 
@@ -430,9 +445,17 @@ async def test_a_long_session_from_s3_restores_whole_and_a_damaged_chunk_is_refu
         damaged = bytearray(s3.get_object(Bucket="slots", Key=key)["Body"].read())
         damaged[len(damaged) // 2] ^= 0xFF
         s3.put_object(Bucket="slots", Key=key, Body=bytes(damaged))
-        with pytest.raises(NodeError) as err:
-            await client.fill(eng, 1, tenant="t1", session="s1", generation=1)
-        assert name in err.value.message, err.value.message
+        refused = []
+        for watch in (None, reports.append):  # the same refusal whether the fill reports or not
+            reports.clear()
+            with pytest.raises(NodeError) as err:
+                await client.fill(eng, 1, tenant="t1", session="s1", generation=1, progress=watch)
+            assert name in err.value.message, err.value.message
+            refused.append((err.value.status, err.value.type, err.value.code, err.value.message))
+        assert refused[0] == refused[1]
+        assert refused[0][:3] == (422, "invalid_request_error", "slot_file_invalid")
+        # Reported up to the damage: fetched and restored (refused), fetched again checked, refused.
+        assert [r.stage for r in reports].count("restoring") == 1 and reports[-1].stage == "fetching"
         assert await slot_tokens(url, 1) == 0
         assert "node.fill_damaged" in node.log()
     s3.close()

@@ -27,12 +27,14 @@ from support.chunks import (
 from storage.blobs.s3client import make_s3_client
 from storage.blobs.s3store import S3Store
 from storage.chunks.assembly import PlacedFile
+from storage.chunks.chunking import objects_needed
 from storage.chunks.chunkstore import ChunkedStore
 from storage.errors import (
     ChecksumError,
     SlotFileError,
     StorageError,
 )
+from storage.fetch_progress import watched
 from storage.ids import SlotRef, piece_key
 from storage.slotfile.reader import read_slot_file, whole_file_crc32
 
@@ -310,3 +312,24 @@ async def test_a_restore_from_s3_writes_pieces_as_they_arrive_and_names_a_damage
     finally:
         await store.aclose()
         client.close()
+
+
+@pytest.mark.parametrize("which", ["grow4", "rec1"])
+async def test_a_restore_in_a_watched_block_reports_the_bytes_of_each_piece(
+    store: ChunkedStore, slots: Slots, tmp_path: Path, which: str
+) -> None:
+    """A fill watching its fetch (storage.fetch_progress) is told the bytes of every piece as it
+    comes in: all the plan's pieces, once each, about the file's size (what the node's fill reports
+    against); a fetch outside the block
+    reports to nobody."""
+    src = {"grow4": slots.grow[4], "rec1": slots.recurrent[1]}[which]
+    ref = SlotRef("acme", "s1", 1)
+    await put(store, ref, src)
+    got: list[int] = []
+    with watched(got.append):
+        await store.get_to_file(ref, tmp_path / "back.slot", verify=False)
+    await store.get_to_file(ref, tmp_path / "again.slot", verify=False)  # (nobody watches)
+    plan = json.loads((await store.inner.get_object(store._manifest(ref))).decode())["plan"]
+    pieces = [size for _, _, size in objects_needed(plan)]
+    assert sorted(got) == sorted(pieces) and len(got) >= 2
+    assert 0.9 <= sum(got) / src.stat().st_size <= 1.1  # (the pieces' headers: a little over the file)
