@@ -13,6 +13,7 @@ agents, processes), the state goes node to node.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -442,20 +443,27 @@ def test_a_turn_is_split_across_two_nodes_and_a_peer_gone_costs_one_unsplit_turn
             ],
         )
 
-        def answers() -> bool:
+        probes = itertools.count()
+
+        def splits() -> bool:
+            """A new probe session's turn is split: the gateway answers and lists n1's prefill
+            engine (a registry read before n1's engine was ready holds until a TTL ends)."""
             try:
-                body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
-                auth = {"Authorization": "Bearer key-whole"}
-                return (
-                    httpx.post(
-                        s.url + "/v1/chat/completions", json=body, headers=auth, timeout=60
-                    ).status_code
-                    == 200
-                )
-            except httpx.TransportError:
+                probe = _chat(s, "key-split", f"probe-{next(probes)}", [{"role": "user", "content": "Hi"}])
+                return probe.headers["X-Slotkeeper-Cache"] == "handoff"
+            except (httpx.TransportError, AssertionError):
                 return False
 
-        eventually("the gateway answering with both nodes' engines", answers, 120)
+        eventually("the gateway splitting turns over both nodes' engines", splits, 120)
+        counted = {  # what the probes counted: the turns below are counted from here
+            "done": _metric(s.url, 'slotkeeper_gateway_handoffs_total{result="done"}'),
+            "failed": _metric(s.url, 'slotkeeper_gateway_handoffs_total{result="failed"}'),
+            "peer": _metric(urls["n1"], 'slotkeeper_node_peer_prefills_total{result="done"}', INTERNAL_AUTH),
+            "n2": _metric(urls["n2"], 'slotkeeper_node_handoffs_total{result="done"}', INTERNAL_AUTH),
+            "n2 failed": _metric(
+                urls["n2"], 'slotkeeper_node_handoffs_total{result="failed"}', INTERNAL_AUTH
+            ),
+        }
         messages = _conversation("Tell me about the weather, the time and the place of the meeting.")
         whole = _chat(s, "key-whole", "w1", messages)
         split = _chat(s, "key-split", "s1", messages)
@@ -473,9 +481,13 @@ def test_a_turn_is_split_across_two_nodes_and_a_peer_gone_costs_one_unsplit_turn
             s, "key-whole", "w1", [*messages, {"role": "assistant", "content": _text(whole)}, more[1]]
         )
         assert _text(again) == _text(follow)
-        assert _metric(s.url, 'slotkeeper_gateway_handoffs_total{result="done"}') == 2
-        assert _metric(urls["n1"], 'slotkeeper_node_peer_prefills_total{result="done"}', INTERNAL_AUTH) == 2
-        assert _metric(urls["n2"], 'slotkeeper_node_handoffs_total{result="done"}', INTERNAL_AUTH) == 2
+        assert _metric(s.url, 'slotkeeper_gateway_handoffs_total{result="done"}') == counted["done"] + 2
+        peer = _metric(urls["n1"], 'slotkeeper_node_peer_prefills_total{result="done"}', INTERNAL_AUTH)
+        assert peer == counted["peer"] + 2
+        assert (
+            _metric(urls["n2"], 'slotkeeper_node_handoffs_total{result="done"}', INTERNAL_AUTH)
+            == counted["n2"] + 2
+        )
 
         procs["n1"].kill()  # the prefill engine's node gone: one unsplit turn, never an error
         procs["n1"].wait(10)
@@ -483,8 +495,9 @@ def test_a_turn_is_split_across_two_nodes_and_a_peer_gone_costs_one_unsplit_turn
         assert r.headers["X-Slotkeeper-Cache"] in ("cold", "prefix")  # (the system prompt is live on n2)
         assert r.json()["timings"]["prompt_n"] > 0  # prefilled on the decode engine
         # n1's engine still listed (its registration has not lapsed): tried, failed at once.
-        assert _metric(s.url, 'slotkeeper_gateway_handoffs_total{result="failed"}') == 1
-        assert _metric(urls["n2"], 'slotkeeper_node_handoffs_total{result="failed"}', INTERNAL_AUTH) == 1
+        assert _metric(s.url, 'slotkeeper_gateway_handoffs_total{result="failed"}') == counted["failed"] + 1
+        n2_failed = _metric(urls["n2"], 'slotkeeper_node_handoffs_total{result="failed"}', INTERNAL_AUTH)
+        assert n2_failed == counted["n2 failed"] + 1
     finally:
         for proc in procs.values():
             stop(proc, signal.SIGKILL)
