@@ -170,11 +170,7 @@ class NodeClient:
         """The JSON object the node answered with a status in ``ok`` and holding ``keys``; any
         other answer is its `NodeError`. Retried once on ``retry_on`` (see the module doc).
         ``frame``: the body is this handoff frame (engine_pool.protocol.handoff), not ``body``."""
-        r = await self._answer(method, path, body, retry_on, frame)
-        data = answer_json(r)
-        if r.status_code not in ok or not isinstance(data, dict) or not all(k in data for k in keys):
-            raise _error(r, data)
-        return data
+        return _checked(await self._answer(method, path, body, retry_on, frame), ok, keys)
 
     async def _reported(
         self, path: str, body: dict[str, Any], progress: Callable[[node.FillProgress], None]
@@ -186,10 +182,7 @@ class NodeClient:
             media = r.headers.get("content-type", "").split(";")[0].strip().lower()
             if media != node.FILL_LINES:
                 await _read(r, "POST", path)
-                data = answer_json(r)
-                if r.status_code != 200 or not isinstance(data, dict):
-                    raise _error(r, data)
-                return data
+                return _checked(r)
             try:
                 async for line in r.aiter_lines():
                     if not line.strip():
@@ -261,6 +254,15 @@ class NodeClient:
         else:
             request = http.build_request(method, path, json=body)
         return await http.send(request, stream=True)  # returns once the status line and headers are in
+
+
+def _checked(r: httpx.Response, ok: tuple[int, ...] = (200,), keys: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The JSON object of a read answer with a status in ``ok`` and holding ``keys``; any other
+    answer is its `NodeError`."""
+    data = answer_json(r)
+    if r.status_code not in ok or not isinstance(data, dict) or not all(k in data for k in keys):
+        raise _error(r, data)
+    return data
 
 
 async def _read(response: httpx.Response, method: str, path: str) -> None:

@@ -42,10 +42,6 @@ class FillWatch:
         self._got = 0
         self._last: float | None = None
 
-    @property
-    def wanted(self) -> bool:
-        return self._report is not None
-
     @contextlib.contextmanager
     def fetching(self) -> Iterator[None]:
         """A block in which the generation is fetched from the store: reported as it begins, then
@@ -62,13 +58,16 @@ class FillWatch:
         """The engine is loading the file into the slot (what was fetched is all in)."""
         if self._report is not None:
             got = self._got if self._last is not None else self.total  # (a local copy: all here)
-            self._send("restoring", min(got, self.total) if self.total else got)
+            self._send("restoring", self._within_total(got))
 
     def _fetched(self, n: int) -> None:
         self._got += n
-        got = min(self._got, self.total) if self.total else self._got
+        got = self._within_total(self._got)
         if due(self._clock(), self._last, got, self.total):
             self._send("fetching", got)
+
+    def _within_total(self, n: int) -> int:
+        return min(n, self.total) if self.total else n
 
     def _send(self, stage: str, got: int) -> None:
         assert self._report is not None

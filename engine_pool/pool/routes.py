@@ -180,9 +180,7 @@ async def _fill_reported(a: NodeAgent, engine: str, slot: str, ref: SlotRef, fil
             try:
                 yield _line({"result": task.result().to_json()})
             except Exception as exc:  # (the status it would have answered, and the common body)
-                err = api_error(exc)
-                if not is_expected(exc):
-                    log.error("http.unhandled", error=err.message, exc_info=exc)
+                err = _answered(exc)
                 failed = {"status": err.status, **error_payload(err)}
                 if err.retry_after is not None:
                     failed["retry_after"] = err.retry_after
@@ -242,10 +240,15 @@ async def prefill(request: Request) -> Response:
 
 
 async def handle_error(request: Request, exc: Exception) -> Response:
+    return render_error(_answered(exc))
+
+
+def _answered(exc: Exception) -> ApiError:
+    """The error ``exc`` is answered as; logged with its traceback when it is not an expected one."""
     err = api_error(exc)
     if not is_expected(exc):
         log.error("http.unhandled", error=err.message, exc_info=exc)
-    return render_error(err)
+    return err
 
 
 async def forget_session(request: Request) -> Response:

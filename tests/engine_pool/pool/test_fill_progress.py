@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from engine_pool.pool.fill_progress import REPORT_EVERY_S, FillWatch, due
 from engine_pool.protocol.node import FillProgress
-from storage.fetch_progress import fetched
+from storage.fetch_progress import fetched, watched
 
 
 def test_a_report_is_due_first_then_at_most_every_interval_and_at_the_end() -> None:
@@ -16,12 +16,13 @@ def test_a_report_is_due_first_then_at_most_every_interval_and_at_the_end() -> N
     assert not due(10.0 + REPORT_EVERY_S / 2, 10.0, 100, 0)  # (a size not known: by time only)
 
 
-def test_a_fill_nobody_watches_reports_nothing() -> None:
+def test_a_fill_nobody_watches_reports_nothing_and_takes_nothing_from_the_block_around_it() -> None:
+    around: list[int] = []
     watch = FillWatch(None, 100)
-    with watch.fetching():
+    with watched(around.append), watch.fetching():
         fetched(100)
     watch.restoring()
-    assert not watch.wanted
+    assert around == [100]  # (no watcher of its own installed)
 
 
 def test_a_fetch_is_reported_from_its_start_to_its_whole_size_then_the_restore() -> None:
