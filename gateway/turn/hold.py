@@ -153,6 +153,7 @@ class Holds:
         self._holds: dict[tuple[str, str], SessionHold] = {}
         self._releasing: set[asyncio.Task[None]] = set()  # releases waiting for Redis to answer
         self._lingering: set[asyncio.Task[None]] = set()  # holds kept a moment after a turn (linger)
+        self._booking: dict[str, set[SessionHold]] = {}  # by tenant: answered, bookkeeping unwritten
 
     def get(self, tenant: str, session: str) -> SessionHold | None:
         return self._holds.get((tenant, session))
@@ -189,12 +190,35 @@ class Holds:
         from now on waits for the bookkeeping instead of forking)."""
         enter(hold, Phase.ANSWERED)
         hold.booked.clear()
+        self._booking.setdefault(hold.lock.tenant, set()).add(hold)
 
     def booked(self, hold: SessionHold) -> None:
         """The turn's bookkeeping is written; the hold now only waits for a pending save."""
         if hold.phase is Phase.ANSWERED:
             enter(hold, Phase.SETTLING)
+        self._written(hold)
+
+    def _written(self, hold: SessionHold) -> None:
         hold.booked.set()
+        tenant = hold.lock.tenant
+        booking = self._booking.get(tenant)
+        if booking is not None:
+            booking.discard(hold)
+            if not booking:
+                del self._booking[tenant]
+
+    async def routed(self, tenant: str, wait_s: float) -> None:
+        """Wait (at most ``wait_s``) until every turn of the tenant this process answered has
+        written its bookkeeping: its routes among it. A client sends its next turn the moment the
+        answer arrives, and the bookkeeping goes out beside the answer (gateway.turn.close): a lookup
+        by history (gateway.turn.resolve) must find the session that answered, not miss it by a
+        round trip. Returns at once when none is being written."""
+        booking = self._booking.get(tenant)
+        if not booking:
+            return
+        waits = [hold.booked.wait() for hold in booking]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*waits), wait_s)
 
     def saving(self, hold: SessionHold, save: Callable[[], Awaitable[None]]) -> None:
         """Save the session's state behind the answer, as one more user of the hold. Saves
@@ -272,7 +296,7 @@ class Holds:
         except StorageError as exc:  # lost: expired and taken over
             log.warning("session.release_failed", tenant=key[0], session=key[1], error=str(exc))
         finally:
-            hold.booked.set()
+            self._written(hold)
             if not hold.released.done():
                 hold.released.set_result(None)
 

@@ -7,13 +7,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.tenants import Tenant
+from gateway.turn.parts import TurnParts
 from gateway.turn.prompt import Prompt, system_digest
 from gateway.turn.signals import session_key
-from storage.index.session_index import SessionIndex
 
 
 async def resolve(
-    index: SessionIndex,
+    parts: TurnParts,
     tenant: Tenant,
     headers: Mapping[str, str],
     body: Mapping[str, Any],
@@ -32,13 +32,17 @@ async def resolve(
     if explicit is not None:
         return explicit, source
     if prompt is not None:
-        hit = await find_conversation(index, tenant.name, prompt)
+        hit = await find_conversation(parts, tenant.name, prompt)
         if hit is not None:
             return hit[1], "implicit"
     return "s-" + secrets.token_hex(12), "new"
 
 
-async def find_conversation(index: SessionIndex, tenant: str, prompt: Prompt) -> tuple[str, str] | None:
+async def find_conversation(parts: TurnParts, tenant: str, prompt: Prompt) -> tuple[str, str] | None:
     """The session that recorded the longest part of the prompt's conversation, and the digest it
-    was found by (one of `Prompt.lookup`: a complete turn, or a head); None when none did."""
-    return await index.match_prefix(tenant, prompt.lookup) if prompt.lookup else None
+    was found by (one of `Prompt.lookup`: a complete turn, or a head); None when none did. The
+    routes of the turns this process just answered are written first (`Holds.routed`)."""
+    if not prompt.lookup:
+        return None
+    await parts.holds.routed(tenant, parts.settings.spill_wait_s)
+    return await parts.index.match_prefix(tenant, prompt.lookup)

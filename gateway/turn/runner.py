@@ -93,7 +93,7 @@ class TurnRunner:
         prompt: Prompt | None,
     ) -> tuple[str, str]:
         """The session a request names, finds implicitly, or a new one (gateway.turn.resolve)."""
-        return await resolve(self.parts.index, tenant, headers, body, prompt)
+        return await resolve(self.parts, tenant, headers, body, prompt)
 
     # ------------------------------------------------------------------------------------ start
     async def start(
@@ -114,7 +114,7 @@ class TurnRunner:
         live in its slot) makes one Redis round trip here: the opening read, which also marks it
         busy there. `Started.early` is the call started early once placing confirmed it. A fill of
         its slot is reported to ``watcher`` (gateway.turn.restore_progress)."""
-        found = found or await resolve(self.parts.index, tenant, headers, body, prompt)
+        found = found or await resolve(self.parts, tenant, headers, body, prompt)
         session, source = found
 
         def goes_on(record: SessionRecord | None) -> bool:
@@ -270,7 +270,7 @@ class TurnRunner:
         another is taken before the reached session is left as it was."""
         parts, tenant = self.parts, record.tenant
         parent = record.session
-        hit = await find_conversation(parts.index, tenant, prompt) if looks_further(source) else None
+        hit = await find_conversation(parts, tenant, prompt) if looks_further(source) else None
         if hit is not None and how is Continuation.REPLY and hit[0] not in prompt.turns:
             hit = None  # found by a head, which the reached session's is too: it may be either's
         found = hit[1] if hit is not None else None

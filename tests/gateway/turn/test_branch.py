@@ -4,6 +4,7 @@ effects on the index in process, and agents' conversations through a real `slotk
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 from collections.abc import Callable
 from dataclasses import replace
@@ -21,7 +22,7 @@ from gateway.metrics import Metrics
 from gateway.tenants import Tenant
 from gateway.turn.branch import Continuation, continuation, continues, looks_further
 from gateway.turn.parts import TurnParts, TurnSettings
-from gateway.turn.prompt import Prompt, route_lookup, turn_digests
+from gateway.turn.prompt import Prompt, finished_digests, route_lookup, turn_digests
 from gateway.turn.runner import TurnRunner
 from storage.blobs.localstore import LocalStore
 from storage.index.engines import EngineRegistry
@@ -158,6 +159,33 @@ async def test_a_branch_leaves_the_session_it_reached_idle_in_its_slot_and_unloc
     assert await index.is_idle("t", "a")
     assert await locks.owner("t", "a") is None and runner.parts.holds.get("t", "a") is None
     assert await index.list_sessions("t") == ["a"]
+
+
+async def test_a_next_turn_sent_the_moment_its_answer_arrives_finds_the_session(runner: Any) -> None:
+    """A turn's routes are written beside its answer going out: a lookup by history (implicit, or a
+    named session's search for its branch) waits for this process's pending bookkeeping rather
+    than miss the session by a round trip and branch anew."""
+    index, locks, holds = runner.parts.index, runner.parts.locks, runner.parts.holds
+    first = [SYSTEM, {"role": "user", "content": "task A"}]
+    reply = {"role": "assistant", "content": "A done"}
+    await index.create("t", "a", model="m")
+    lock = await locks.try_acquire("t", "a", ttl_s=5)
+    assert lock is not None
+    hold = holds.start(lock, None)
+    holds.answered(hold)  # the answer goes out; its bookkeeping has not been written yet
+    nxt = [*first, reply, {"role": "user", "content": "next"}]
+    lookup = asyncio.create_task(runner.resolve(Tenant("t"), {}, {"messages": nxt}, _prompt(nxt)))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not lookup.done()
+    routes, _ = finished_digests(first, reply, TOOLS, "m")
+    await index.add_prefixes("t", "a", [*routes, _prompt(first).head])
+    holds.booked(hold)
+    assert await asyncio.wait_for(lookup, 5) == ("a", "implicit")
+    # With nothing being written, a lookup does not wait.
+    again = await runner.resolve(Tenant("t"), {}, {"messages": nxt}, _prompt(nxt))
+    assert again == ("a", "implicit")
+    await holds.let_go(hold)
 
 
 # -- through a real serve -----------------------------------------------------------------------
