@@ -113,8 +113,8 @@ async def finish(
 ) -> None:
     """Write the turn's bookkeeping (see the module doc) and let go of its hold. Never raises."""
     t, s, hold = turn.tenant.name, turn.session, turn.hold
-    parts.holds.answered(hold)
     if turn.created and outcome.refused:
+        parts.holds.answered(hold, ())
         await _forget(parts, turn)
         return
     books = bookkeeping(
@@ -125,6 +125,7 @@ async def finish(
         last_user=parts.holds.last_user(hold),
         linger=parts.settings.early_start and parts.holds.lingers and not outcome.moved,
     )
+    parts.holds.answered(hold, books.routes)
     decide = parts.index.decide_idle(s, books.tokens, books.route, books.shared, books.identical, books.head)
     idle: bool | None = True
     if outcome.moved:  # its slot holds someone else's state: it is recorded as its stored state

@@ -42,7 +42,7 @@ import asyncio
 import contextlib
 import contextvars
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -90,6 +90,8 @@ class SessionHold:
         self.users = 1  # the running turn; a pending save adds one
         self.booked = asyncio.Event()  # set while no turn's bookkeeping is pending
         self.booked.set()
+        # The routes that pending bookkeeping writes (Holds.routed); None: not known yet, or none pending.
+        self.routing: frozenset[str] | None = None
         self.saved: asyncio.Task[None] | None = None  # the write-behind saves running, if any
         self.next_save: Callable[[], Awaitable[None]] | None = None  # the newest save waiting
         self.gave_way = False  # the last save's grace ended with a next turn running: no grace now
@@ -185,11 +187,14 @@ class Holds:
         hold.users += 1
         return True
 
-    def answered(self, hold: SessionHold) -> None:
+    def answered(self, hold: SessionHold, routes: Iterable[str] | None = None) -> None:
         """The turn's answer is going out; its bookkeeping starts (synchronous: a request arriving
-        from now on waits for the bookkeeping instead of forking)."""
+        from now on waits for the bookkeeping instead of forking). ``routes``: what the bookkeeping
+        writes for implicit routing, once known (a lookup for other routes need not wait for it)."""
         enter(hold, Phase.ANSWERED)
         hold.booked.clear()
+        if routes is not None:
+            hold.routing = frozenset(routes)
         self._booking.setdefault(hold.lock.tenant, set()).add(hold)
 
     def booked(self, hold: SessionHold) -> None:
@@ -200,6 +205,7 @@ class Holds:
 
     def _written(self, hold: SessionHold) -> None:
         hold.booked.set()
+        hold.routing = None
         tenant = hold.lock.tenant
         booking = self._booking.get(tenant)
         if booking is not None:
@@ -207,16 +213,21 @@ class Holds:
             if not booking:
                 del self._booking[tenant]
 
-    async def routed(self, tenant: str, wait_s: float) -> None:
-        """Wait (at most ``wait_s``) until every turn of the tenant this process answered has
-        written its bookkeeping: its routes among it. A client sends its next turn the moment the
-        answer arrives, and the bookkeeping goes out beside the answer (gateway.turn.close): a lookup
-        by history (gateway.turn.resolve) must find the session that answered, not miss it by a
-        round trip. Returns at once when none is being written."""
-        booking = self._booking.get(tenant)
-        if not booking:
+    async def routed(self, tenant: str, lookup: Collection[str], wait_s: float) -> None:
+        """Wait (at most ``wait_s``) until the turns of the tenant this process answered have
+        written the routes a lookup for ``lookup`` may find (those whose routes are not known yet
+        included). A client sends its next turn the moment the answer arrives, and the bookkeeping
+        goes out beside the answer (gateway.turn.close): a lookup by history (gateway.turn.resolve)
+        must find the session that answered, not miss it by a round trip. Returns at once when no
+        such bookkeeping is being written."""
+        booking = self._booking.get(tenant, ())
+        waits = [
+            hold.booked.wait()
+            for hold in booking
+            if hold.routing is None or not hold.routing.isdisjoint(lookup)
+        ]
+        if not waits:
             return
-        waits = [hold.booked.wait() for hold in booking]
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.gather(*waits), wait_s)
 

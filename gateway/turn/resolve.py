@@ -44,5 +44,5 @@ async def find_conversation(parts: TurnParts, tenant: str, prompt: Prompt) -> tu
     routes of the turns this process just answered are written first (`Holds.routed`)."""
     if not prompt.lookup:
         return None
-    await parts.holds.routed(tenant, parts.settings.spill_wait_s)
+    await parts.holds.routed(tenant, prompt.lookup, parts.settings.spill_wait_s)
     return await parts.index.match_prefix(tenant, prompt.lookup)

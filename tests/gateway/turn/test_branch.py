@@ -163,8 +163,8 @@ async def test_a_branch_leaves_the_session_it_reached_idle_in_its_slot_and_unloc
 
 async def test_a_next_turn_sent_the_moment_its_answer_arrives_finds_the_session(runner: Any) -> None:
     """A turn's routes are written beside its answer going out: a lookup by history (implicit, or a
-    named session's search for its branch) waits for this process's pending bookkeeping rather
-    than miss the session by a round trip and branch anew."""
+    named session's search for its branch) waits for this process's pending bookkeeping that may
+    write what it looks for, rather than miss the session by a round trip and branch anew."""
     index, locks, holds = runner.parts.index, runner.parts.locks, runner.parts.holds
     first = [SYSTEM, {"role": "user", "content": "task A"}]
     reply = {"role": "assistant", "content": "A done"}

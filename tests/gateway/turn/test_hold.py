@@ -183,6 +183,38 @@ async def test_a_holds_phase_changes_only_as_its_table_says() -> None:
     await redis.aclose()
 
 
+async def test_a_lookup_waits_only_for_bookkeeping_that_may_write_what_it_looks_for() -> None:
+    """`Holds.routed`: the tenant's answered turns whose routes are not known yet, or hold one the
+    lookup asks for, are waited for; another conversation's, or another tenant's, are not."""
+    redis = in_process_redis()
+    locks = SessionLocks(redis)
+    holds = Holds(locks, lock_ttl_s=15.0)
+
+    async def answered(tenant: str, session: str, routes: list[str] | None) -> Any:
+        lock = await locks.try_acquire(tenant, session, ttl_s=15.0)
+        assert lock is not None
+        hold = holds.start(lock, None)
+        holds.answered(hold, routes)
+        return hold
+
+    other = await answered("acme", "other", ["r-other"])
+    elsewhere = await answered("umbrella", "s", None)
+    await asyncio.wait_for(holds.routed("acme", ["r-mine"], 60.0), 30)  # neither is waited for
+    unknown = await answered("acme", "unknown", None)
+    mine = await answered("acme", "mine", ["r-head", "r-mine"])
+    lookup = asyncio.create_task(holds.routed("acme", ["r-mine"], 60.0))
+    holds.booked(unknown)
+    await asyncio.sleep(0)
+    assert not lookup.done()  # `mine` is still being written
+    holds.booked(mine)
+    await asyncio.wait_for(lookup, 30)
+    assert not other.booked.is_set() and not elsewhere.booked.is_set()
+    for hold in (other, elsewhere, unknown, mine):
+        holds.booked(hold)
+        await holds.let_go(hold)
+    await redis.aclose()
+
+
 @pytest.mark.parametrize(
     ("remaining_s", "wait_s"),
     [(30.0, None), (20.0, None), (19.9, 20.9), (0.0, 1.0), (None, 1.0)],
