@@ -200,16 +200,17 @@ async def test_a_lookup_waits_only_for_bookkeeping_that_may_write_what_it_looks_
     other = await answered("acme", "other", ["r-other"])
     elsewhere = await answered("umbrella", "s", None)
     await asyncio.wait_for(holds.routed("acme", ["r-mine"], 60.0), 30)  # neither is waited for
-    unknown = await answered("acme", "unknown", None)
-    mine = await answered("acme", "mine", ["r-head", "r-mine"])
-    lookup = asyncio.create_task(holds.routed("acme", ["r-mine"], 60.0))
-    holds.booked(unknown)
-    await asyncio.sleep(0)
-    assert not lookup.done()  # `mine` is still being written
-    holds.booked(mine)
-    await asyncio.wait_for(lookup, 30)
+    waited = []
+    for session, routes in (("mine", ["r-head", "r-mine"]), ("unknown", None)):
+        hold = await answered("acme", session, routes)
+        lookup = asyncio.create_task(holds.routed("acme", ["r-mine"], 60.0))
+        await asyncio.sleep(0)  # (a lookup with nothing to wait for is done in its first step)
+        assert not lookup.done(), session
+        holds.booked(hold)
+        await asyncio.wait_for(lookup, 30)
+        waited.append(hold)
     assert not other.booked.is_set() and not elsewhere.booked.is_set()
-    for hold in (other, elsewhere, unknown, mine):
+    for hold in (other, elsewhere, *waited):
         holds.booked(hold)
         await holds.let_go(hold)
     await redis.aclose()
