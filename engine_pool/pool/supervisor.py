@@ -614,7 +614,10 @@ class EngineSupervisor:
         url = f"{self.url}/health"
         try:
             r = await self._http.get(url, timeout=self.policy.health_timeout_s)
-        except httpx.HTTPError as exc:
+        except Exception as exc:  # noqa: BLE001 — a probe that fails in any way is an unhealthy answer
+            # (httpcore can fail outside its errors when the socket closes as it connects: an
+            # AttributeError from anyio's peer name. The probe loop must live on: it alone notices a
+            # start that never ends, and a healthy engine that stops answering.)
             return False, f"GET {url}: {type(exc).__name__}: {exc}", None
         return r.status_code == 200, f"GET {url}: HTTP {r.status_code}", load_progress(r)
 

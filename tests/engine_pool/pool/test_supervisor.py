@@ -353,6 +353,32 @@ async def test_failing_health_checks_get_the_engine_restarted(tmp_path: Path, ru
     ]
 
 
+async def test_a_probe_that_fails_outside_httpxs_errors_is_only_an_unhealthy_answer(
+    tmp_path: Path, running: Any
+) -> None:
+    """httpcore can fail outside httpx's errors when the socket closes as it connects (anyio's peer
+    name: an AttributeError). The probe loop lives on: the engine becomes ready once it answers."""
+
+    class Flaky(httpx.AsyncBaseTransport):
+        def __init__(self) -> None:
+            self.inner, self.broken = httpx.AsyncHTTPTransport(), 3
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            if self.broken:
+                self.broken -= 1
+                raise AttributeError("'NoneType' object has no attribute 'getpeername'")
+            return await self.inner.handle_async_request(request)
+
+    flaky = Flaky()
+    async with httpx.AsyncClient(transport=flaky) as http:
+        sup = running(
+            EngineSupervisor(spec(tmp_path, "unused"), FAST, argv=fake_argv(tmp_path, "ok"), http=http)
+        )
+        assert (await sup.wait_for(State.READY, timeout_s=20)).pid
+        assert flaky.broken == 0
+        await sup.stop()
+
+
 async def test_an_exited_engine_is_never_ready_without_its_process(
     tmp_path: Path, running: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
