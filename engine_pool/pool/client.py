@@ -57,7 +57,12 @@ class NodeClient:
         self.base_url = base_url.rstrip("/")
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self._headers = auth_headers(key)  # the internal credential (engine_pool.http.credentials)
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout, headers=self._headers)
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=self._timeout,
+            headers=self._headers,
+            limits=httpx.Limits(keepalive_expiry=node.KEEP_ALIVE_S / 2),  # well before the agent closes it
+        )
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -47,6 +47,7 @@ from storage.index.session_index import SessionIndex, in_process_redis
 from storage.index.topology import connect
 from storage.probe import check_backends
 
+from ..protocol import node
 from .agent import NodeAgent, NodeParts
 from .model_check import check_models
 from .routes import build_node_app
@@ -152,6 +153,7 @@ def build_server(settings: NodeSettings, environ: Mapping[str, str], redis: Any 
         lifespan="on",
         log_config=None,
         access_log=False,
+        timeout_keep_alive=round(node.KEEP_ALIVE_S),  # (its clients stop reusing a connection before)
         timeout_graceful_shutdown=5,
     )
     holder["server"] = server = NodeServer(config)
