@@ -24,6 +24,7 @@ from typing import Any, Self, cast
 import httpx
 
 from engine_pool.errors import ApiError
+from engine_pool.http import keep_alive
 from engine_pool.http.answers import answer_json, error_object
 from engine_pool.http.credentials import auth_headers
 
@@ -61,7 +62,7 @@ class NodeClient:
             base_url=self.base_url,
             timeout=self._timeout,
             headers=self._headers,
-            limits=httpx.Limits(keepalive_expiry=node.KEEP_ALIVE_S / 2),  # well before the agent closes it
+            limits=keep_alive.CLIENT_LIMITS,  # let go before the agent closes
         )
 
     async def aclose(self) -> None:

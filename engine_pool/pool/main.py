@@ -32,6 +32,7 @@ import structlog
 import uvicorn
 from starlette.applications import Starlette
 
+from engine_pool.http import keep_alive
 from engine_pool.http.credentials import auth_headers
 from engine_pool.process import logs
 from engine_pool.process.flags import settings_or_status
@@ -47,7 +48,6 @@ from storage.index.session_index import SessionIndex, in_process_redis
 from storage.index.topology import connect
 from storage.probe import check_backends
 
-from ..protocol import node
 from .agent import NodeAgent, NodeParts
 from .model_check import check_models
 from .routes import build_node_app
@@ -80,7 +80,11 @@ async def open_parts(s: NodeSettings, stack: AsyncExitStack, redis: Any = None) 
     if not shared:
         await check_backends(store, redis, s.redis_prefix, "node")
     http = await stack.enter_async_context(
-        httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0), headers=auth_headers(s.internal_key))
+        httpx.AsyncClient(
+            timeout=httpx.Timeout(30.0, connect=5.0),
+            headers=auth_headers(s.internal_key),
+            limits=keep_alive.CLIENT_LIMITS,  # let go before an engine closes
+        )
     )
     return NodeParts(
         store=store,
@@ -153,7 +157,7 @@ def build_server(settings: NodeSettings, environ: Mapping[str, str], redis: Any 
         lifespan="on",
         log_config=None,
         access_log=False,
-        timeout_keep_alive=round(node.KEEP_ALIVE_S),  # (its clients stop reusing a connection before)
+        timeout_keep_alive=round(keep_alive.SERVER_S),
         timeout_graceful_shutdown=5,
     )
     holder["server"] = server = NodeServer(config)

@@ -30,10 +30,6 @@ SESSION = "/v1/sessions/{tenant}/{session}"
 UNSTORED = "/v1/unstored"  # the spill cache's files the store does not hold yet
 SLOT_OPS = ("spill", "fill", "erase", "cancel", "handoff")
 MAX_FILL_TOKENS = 1 << 21  # a fill's prompt tokens (a context of 2M tokens)
-# How long the agent keeps an idle connection open; its client reuses one for at most half of it. With
-# both at httpx's and uvicorn's 5 s, a request could go out on a connection the agent was closing
-# that moment — a spill, which is not retried once sent, then failed.
-KEEP_ALIVE_S = 30.0
 
 
 def slot_path(engine: str, slot: int, op: str) -> str:

@@ -24,6 +24,7 @@ from types import FrameType
 import structlog
 import uvicorn
 
+from engine_pool.http import keep_alive
 from engine_pool.process import logs
 from engine_pool.process.flags import settings_or_status
 from engine_pool.process.signals import SignalServer
@@ -136,6 +137,7 @@ def main(argv: list[str]) -> int:
         lifespan="on",
         log_config=None,
         access_log=False,
+        timeout_keep_alive=round(keep_alive.SERVER_S),
         timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5,
     )
     server = _Server(config, runtime)
