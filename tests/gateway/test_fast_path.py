@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -57,15 +56,14 @@ class Sends:
     def __init__(self) -> None:
         self.log: list[tuple[str, bytes]] = []
 
-    def task_names(self) -> Counter[str]:
-        return Counter(name.split(":")[0] for name, _ in self.log)
-
     def request_path(self, since: int) -> list[str]:
         """Sends from `since` on (task: command), except those of the write-behind saves, of a hold
         lingering after a turn no save follows (its lock released once the moment is over), of the
-        retention loop (the collection a superseded generation asks for) and of the index's epoch
-        watcher (a timer's, whatever the traffic): work after or beside the turn, not per turn."""
-        background = ("write-behind", "linger", "retention", "index-watch")
+        retention loop (the collection a superseded generation asks for), of the index's epoch
+        watcher (a timer's, whatever the traffic) and a new connection's handshake (the pool grows
+        when a turn's read meets every connection busy beside it: once per connection): work after
+        or beside the turn, not per turn."""
+        background = ("write-behind", "linger", "retention", "index-watch", HANDSHAKE)
         sent = self.log[since:]
         return [f"{name}: {_command(cmd)}" for name, cmd in sent if not name.startswith(background)]
 
@@ -79,12 +77,24 @@ def _command(packed: bytes) -> str:
 SENDS = Sends()
 
 
+HANDSHAKE = "handshake"
+_connecting: contextvars.ContextVar[bool] = contextvars.ContextVar("connecting", default=False)
+
+
 class CountingConnection(Connection):
+    async def on_connect_check_health(self, check_health: bool = True) -> None:
+        token = _connecting.set(True)
+        try:
+            await super().on_connect_check_health(check_health)
+        finally:
+            _connecting.reset(token)
+
     async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         task = asyncio.current_task()
         first = command[0] if isinstance(command, list) and command else command
         summary = bytes(first)[:80] if isinstance(first, bytes | bytearray | memoryview) else b"?"
-        SENDS.log.append((task.get_name() if task is not None else "-", summary))
+        name = task.get_name() if task is not None else "-"
+        SENDS.log.append((f"{HANDSHAKE}:{name}" if _connecting.get() else name, summary))
         await super().send_packed_command(command, check_health)
 
 
