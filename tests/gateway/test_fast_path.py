@@ -59,11 +59,12 @@ class Sends:
     def request_path(self, since: int) -> list[str]:
         """Sends from `since` on (task: command), except those of the write-behind saves, of a hold
         lingering after a turn no save follows (its lock released once the moment is over), of the
-        retention loop (the collection a superseded generation asks for), of the index's epoch
-        watcher (a timer's, whatever the traffic) and a new connection's handshake (the pool grows
-        when a turn's read meets every connection busy beside it: once per connection): work after
-        or beside the turn, not per turn."""
-        background = ("write-behind", "linger", "retention", "index-watch", HANDSHAKE)
+        retention loop (the collection a superseded generation asks for), of two timers whatever
+        the traffic (the index's epoch watcher; a held lock's keeper, renewing it every third of
+        its TTL) and a new connection's handshake (the pool grows when a turn's read meets every
+        connection busy beside it: once per connection): work after or beside the turn, not per
+        turn."""
+        background = ("write-behind", "linger", "retention", "index-watch", "lock-keeper", HANDSHAKE)
         sent = self.log[since:]
         return [f"{name}: {_command(cmd)}" for name, cmd in sent if not name.startswith(background)]
 
