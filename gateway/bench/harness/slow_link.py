@@ -53,6 +53,7 @@ class SlowLink:
             for task in pending:
                 task.cancel()
             self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            self._loop.run_until_complete(asyncio.sleep(0))  # the closed ends let go of their sockets
             self._loop.close()
 
     @property
@@ -75,16 +76,19 @@ class SlowLink:
             self.refused += 1
             writer.transport.abort()
             return
-        try:
+        ends: list[asyncio.StreamWriter] = [writer]
+        self._open.add(writer)
+        try:  # each end is closed however this ends (a relay closed meanwhile cancels it anywhere)
             up_r, up_w = await asyncio.open_connection(*self.target)
-        except OSError:
-            writer.close()
-            return
-        self._open |= {writer, up_w}
-        try:
+            ends.append(up_w)
+            self._open.add(up_w)
             await asyncio.gather(self._pipe(reader, up_w), self._pipe(up_r, writer), return_exceptions=True)
+        except OSError:
+            pass  # the target is unreachable: the client's connection is closed
         finally:
-            self._open -= {writer, up_w}
+            for end in ends:
+                self._open.discard(end)
+                end.close()
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Each chunk is delivered ``delay_s`` after it arrived (a stalled one ``RTO_S`` later), in
